@@ -1,0 +1,2 @@
+//! Benchmarks of salus.
+fn main() {}

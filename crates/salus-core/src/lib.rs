@@ -1,0 +1,44 @@
+//! The scheduling core of salus: memory lanes, admission, iteration scheduling, policies.
+//!
+//! Owns every decision about device memory and about whose iteration runs next: the
+//! persistent region (best-fit, coalescing), the lanes stacked down from the top of memory
+//! (Salus Algorithm 2.1, reference counting, auto-defragmentation), the admission queue
+//! with a reason for every wait, per-lane run queues, and the FIFO, PACK, SRTF and FAIR
+//! policies.
+//!
+//! It is sans-IO, like `quinn-proto`: no threads, sockets, clocks or sleeping. Time comes
+//! in as an argument; decisions come out as [`Action`] values. The daemon, the simulator
+//! and the tests drive this same code, so the same inputs always give the same outputs.
+//! It does not execute anything and knows nothing of graphs or devices: those belong to
+//! `salus-graph` and `salus-exec`.
+//!
+//! ```
+//! use std::time::Duration;
+//! use salus_core::{Action, Event, Hints, MemoryConfig, PolicyKind, Scheduler, SessionId,
+//!                  SessionKind, SessionSpec};
+//!
+//! let mut core = Scheduler::new(MemoryConfig::new(1 << 30, 0), PolicyKind::Pack).unwrap();
+//! let spec = SessionSpec {
+//!     id: SessionId(1),
+//!     kind: SessionKind::Training,
+//!     persistent_bytes: 100 << 20,
+//!     ephemeral_bytes: 300 << 20,
+//!     hints: Hints::default(),
+//! };
+//! core.handle(Duration::ZERO, Event::SessionOpened(spec)).unwrap();
+//! core.handle(Duration::ZERO, Event::IterationSubmitted(SessionId(1))).unwrap();
+//! let actions = core.poll();
+//! assert!(matches!(actions[0], Action::Admit { session: SessionId(1), .. }));
+//! assert!(matches!(actions.last(), Some(Action::StartIteration { session: SessionId(1), .. })));
+//! ```
+
+mod heap;
+pub mod memory;
+pub mod policy;
+mod scheduler;
+pub mod session;
+
+pub use memory::{Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason};
+pub use policy::{Policy, PolicyKind};
+pub use scheduler::{Action, CoreError, Event, LaneInfo, Scheduler};
+pub use session::{Hints, SessionId, SessionKind, SessionSpec, SessionStats, SessionView};

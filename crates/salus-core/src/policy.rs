@@ -1,0 +1,234 @@
+//! Scheduling policies: which waiting session is offered memory first, how many lanes the
+//! lane finder may open, and which session of a lane runs its next iteration.
+//!
+//! A policy only orders and picks; the [`crate::Scheduler`] enforces memory safety and
+//! iteration boundaries whatever the policy says, so a policy cannot break either.
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::session::SessionView;
+
+/// The policies salus ships.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyKind {
+    /// One session on the device at a time, in arrival order: the no-sharing baseline.
+    Fifo,
+    /// Admit every session the safety condition allows, a lane each where possible.
+    Pack,
+    /// Shortest remaining time first, preempting at iteration boundaries.
+    Srtf,
+    /// Time-share each lane so its sessions receive equal service.
+    Fair,
+}
+
+impl PolicyKind {
+    /// Every policy, in the order status output lists them.
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Fifo,
+        PolicyKind::Srtf,
+        PolicyKind::Pack,
+        PolicyKind::Fair,
+    ];
+
+    /// The lower-case name used on command lines and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Pack => "pack",
+            PolicyKind::Srtf => "srtf",
+            PolicyKind::Fair => "fair",
+        }
+    }
+
+    /// The policy itself.
+    pub fn policy(self) -> &'static dyn Policy {
+        match self {
+            PolicyKind::Fifo => &Fifo,
+            PolicyKind::Pack => &Pack,
+            PolicyKind::Srtf => &Srtf,
+            PolicyKind::Fair => &Fair,
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("unknown policy {s:?}; expected one of fifo, pack, srtf, fair"))
+    }
+}
+
+/// A scheduling policy.
+pub trait Policy: Sync {
+    /// Which policy this is.
+    fn kind(&self) -> PolicyKind;
+
+    /// How many lanes the lane finder (Salus Algorithm 2.1) may have open at once. With one
+    /// lane, every admitted session time-shares it.
+    fn max_lanes(&self) -> usize;
+
+    /// True when only one session may be admitted at a time, strictly in arrival order.
+    fn exclusive(&self) -> bool {
+        false
+    }
+
+    /// Order in which waiting sessions are offered memory (`Less` first).
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering;
+
+    /// Order in which ready sessions of one lane run their next iteration (`Less` first).
+    /// `Ordering::Equal` never happens: ties fall back to arrival and then id.
+    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering;
+}
+
+fn arrival(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+    a.stats
+        .opened_at
+        .cmp(&b.stats.opened_at)
+        .then(a.id().cmp(&b.id()))
+}
+
+fn priority_then_arrival(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+    b.spec
+        .hints
+        .priority
+        .cmp(&a.spec.hints.priority)
+        .then_with(|| arrival(a, b))
+}
+
+/// Shortest remaining time first; sessions of unknown length after every known one.
+fn shortest_remaining(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+    match (a.remaining_time(), b.remaining_time()) {
+        (Some(x), Some(y)) => x.cmp(&y),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    }
+    .then_with(|| arrival(a, b))
+}
+
+/// First in, first out: the baseline without sharing.
+#[derive(Debug, Clone, Copy)]
+pub struct Fifo;
+
+impl Policy for Fifo {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Fifo
+    }
+    fn max_lanes(&self) -> usize {
+        1
+    }
+    fn exclusive(&self) -> bool {
+        true
+    }
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        arrival(a, b)
+    }
+    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        arrival(a, b)
+    }
+}
+
+/// Packs as many sessions as memory safety allows, each in its own lane where possible;
+/// sessions that share a lane take turns, one iteration each.
+#[derive(Debug, Clone, Copy)]
+pub struct Pack;
+
+impl Policy for Pack {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Pack
+    }
+    fn max_lanes(&self) -> usize {
+        usize::MAX
+    }
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        priority_then_arrival(a, b)
+    }
+    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        // Round robin: the session that started longest ago (or never) goes next.
+        a.stats
+            .last_started_at
+            .cmp(&b.stats.last_started_at)
+            .then_with(|| arrival(a, b))
+    }
+}
+
+/// Shortest remaining time first. All sessions share one lane, so the shortest job runs
+/// alone at full speed and a longer one is preempted at its next iteration boundary; a
+/// session is admitted whenever it fits alone beside the resident persistent memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Srtf;
+
+impl Policy for Srtf {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Srtf
+    }
+    fn max_lanes(&self) -> usize {
+        1
+    }
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        b.spec
+            .hints
+            .priority
+            .cmp(&a.spec.hints.priority)
+            .then_with(|| shortest_remaining(a, b))
+    }
+    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        shortest_remaining(a, b)
+    }
+}
+
+/// Equal service: all sessions time-share one lane and the one with the least service on
+/// the lane's fair-share clock runs next. A session joining a lane starts at the lane's
+/// least service, not at zero, so it gets an equal share at once instead of monopolising
+/// the lane until it has caught up with sessions that ran before it arrived.
+#[derive(Debug, Clone, Copy)]
+pub struct Fair;
+
+impl Policy for Fair {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Fair
+    }
+    fn max_lanes(&self) -> usize {
+        1
+    }
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        priority_then_arrival(a, b)
+    }
+    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        a.virtual_service
+            .cmp(&b.virtual_service)
+            .then_with(|| a.stats.last_started_at.cmp(&b.stats.last_started_at))
+            .then_with(|| arrival(a, b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.name().parse::<PolicyKind>(), Ok(kind));
+            assert_eq!(kind.policy().kind(), kind);
+        }
+        assert_eq!("FAIR".parse::<PolicyKind>(), Ok(PolicyKind::Fair));
+        let err = "lifo".parse::<PolicyKind>().unwrap_err();
+        assert!(err.contains("lifo") && err.contains("fifo, pack, srtf, fair"), "{err}");
+    }
+}

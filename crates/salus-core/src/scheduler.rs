@@ -1,0 +1,1036 @@
+//! The scheduler: a deterministic state machine from events to actions.
+//!
+//! The driver (daemon, simulator, test) calls [`Scheduler::handle`] for each event with the
+//! current time, then [`Scheduler::poll`] to get what to do. Nothing here reads a clock,
+//! spawns a thread or touches a device.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::mem;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::heap::{Block, Placement, PersistentHeap};
+use crate::memory::{
+    Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
+};
+use crate::policy::PolicyKind;
+use crate::session::{SessionId, SessionSpec, SessionStats, SessionView};
+
+/// Something that happened, told to the core.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A client opened a session. Answered by `Admit`, `Queue` or `Reject`.
+    SessionOpened(SessionSpec),
+    /// A client submitted one iteration of a session (waiting or admitted).
+    IterationSubmitted(SessionId),
+    /// The iteration started by the last `StartIteration` of this session finished.
+    IterationFinished {
+        /// Whose iteration.
+        session: SessionId,
+        /// How long it ran, as measured by the device.
+        duration: Duration,
+    },
+    /// The client closed the session or went away. Its memory is released once no
+    /// iteration of it is running (answered by `Closed`).
+    SessionClosed(SessionId),
+    /// Nothing but the passing of time.
+    Tick,
+}
+
+/// Something the driver must do, or be told, decided by the core.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum Action {
+    /// The session is admitted: its persistent tensors go at `persistent`, its iterations
+    /// run in `lane`.
+    Admit {
+        /// Who.
+        session: SessionId,
+        /// Its lane.
+        lane: LaneId,
+        /// Where its persistent tensors live.
+        persistent: Extent,
+        /// The lane's size after admission.
+        lane_size: u64,
+    },
+    /// The session waits for admission, for this reason. Repeated when the reason changes.
+    Queue {
+        /// Who.
+        session: SessionId,
+        /// Why.
+        reason: WaitReason,
+    },
+    /// The session can never run on this device; it is forgotten.
+    Reject {
+        /// Who.
+        session: SessionId,
+        /// Why.
+        reason: RejectReason,
+    },
+    /// A lane takes a new place: its first placement, a move up after a lane above it was
+    /// removed or shrank, or a resize. Happens only while no iteration runs in it.
+    MoveLane {
+        /// Which lane.
+        lane: LaneId,
+        /// Where it was, if it was placed.
+        from: Option<Extent>,
+        /// Where it is now.
+        to: Extent,
+    },
+    /// Run one iteration of `session` with its ephemeral memory at `lane_offset`.
+    StartIteration {
+        /// Whose iteration.
+        session: SessionId,
+        /// On which lane.
+        lane: LaneId,
+        /// First byte of the lane: the base of the iteration's memory plan.
+        lane_offset: u64,
+        /// The session that ran last on this lane, when it was another one.
+        switched_from: Option<SessionId>,
+    },
+    /// The session is gone and its memory is free.
+    Closed {
+        /// Who.
+        session: SessionId,
+    },
+}
+
+/// An event the core cannot accept. The state is unchanged when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoreError {
+    /// No open session has this id.
+    #[error("{0} does not exist")]
+    UnknownSession(SessionId),
+    /// A session with this id is already open.
+    #[error("{0} is already open")]
+    DuplicateSession(SessionId),
+    /// A session asked for something impossible.
+    #[error("{session}: {message}")]
+    InvalidSession {
+        /// Who.
+        session: SessionId,
+        /// What was wrong.
+        message: String,
+    },
+    /// `IterationFinished` for a session with no running iteration.
+    #[error("{0} has no running iteration")]
+    NotRunning(SessionId),
+    /// An iteration was submitted to a session that is closing.
+    #[error("{0} is closing")]
+    Closing(SessionId),
+    /// Time given to the core went backwards.
+    #[error("time went backwards: {now:?} after {last:?}")]
+    TimeWentBackwards {
+        /// The time given.
+        now: Duration,
+        /// The latest time seen before.
+        last: Duration,
+    },
+    /// The memory configuration is impossible.
+    #[error("invalid memory configuration: {0}")]
+    InvalidConfig(String),
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    Waiting(Option<WaitReason>),
+    Admitted {
+        lane: LaneId,
+        block: Block,
+        running: bool,
+        closing: bool,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    spec: SessionSpec,
+    stats: SessionStats,
+    virtual_service: Duration,
+    state: State,
+}
+
+impl Session {
+    fn view(&self) -> SessionView<'_> {
+        SessionView {
+            spec: &self.spec,
+            stats: &self.stats,
+            virtual_service: self.virtual_service,
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.stats.pending_iterations > 0
+            && matches!(
+                self.state,
+                State::Admitted {
+                    running: false,
+                    closing: false,
+                    ..
+                }
+            )
+    }
+
+    fn active(&self) -> bool {
+        self.stats.pending_iterations > 0
+            || matches!(self.state, State::Admitted { running: true, .. })
+    }
+}
+
+/// A lane: a contiguous stretch of ephemeral memory, time-shared by its sessions.
+#[derive(Debug, Clone)]
+struct Lane {
+    /// L: the largest E among its sessions.
+    size: u64,
+    /// Where the lane belongs when the stack is compact.
+    target: u64,
+    /// Where it physically is now; `None` until first placed.
+    placed: Option<Extent>,
+    sessions: Vec<SessionId>,
+    running: Option<SessionId>,
+    last_session: Option<SessionId>,
+}
+
+impl Lane {
+    fn target_extent(&self) -> Extent {
+        Extent {
+            offset: self.target,
+            size: self.size,
+        }
+    }
+
+    fn in_place(&self) -> bool {
+        self.placed == Some(self.target_extent())
+    }
+}
+
+/// Read-only summary of one lane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneInfo {
+    /// Which lane.
+    pub id: LaneId,
+    /// L, in bytes.
+    pub size: u64,
+    /// Where it is now, if placed.
+    pub placed: Option<Extent>,
+    /// Where it will be once it has moved (equals `placed` when in place).
+    pub target: Extent,
+    /// Sessions assigned to it.
+    pub sessions: Vec<SessionId>,
+    /// The session whose iteration runs in it now.
+    pub running: Option<SessionId>,
+}
+
+/// Where a waiting session would go, per Salus Algorithm 2.1.
+#[derive(Debug, Clone, Copy)]
+enum LaneChoice {
+    Open,
+    Join(LaneId),
+    Grow(LaneId),
+}
+
+/// The sans-IO memory manager and iteration scheduler of one device.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    memory: MemoryConfig,
+    policy: PolicyKind,
+    now: Duration,
+    draining: bool,
+    heap: PersistentHeap,
+    sessions: BTreeMap<SessionId, Session>,
+    /// Waiting sessions in arrival order.
+    queue: Vec<SessionId>,
+    lanes: BTreeMap<LaneId, Lane>,
+    /// Lanes top (highest offset) first.
+    stack: Vec<LaneId>,
+    next_lane: u64,
+    persistent_total: u64,
+    lane_total: u64,
+    admission_due: bool,
+    moves_due: bool,
+    lanes_due: BTreeSet<LaneId>,
+    actions: Vec<Action>,
+}
+
+impl Scheduler {
+    /// A scheduler for a device with `memory`, starting under `policy`.
+    pub fn new(memory: MemoryConfig, policy: PolicyKind) -> Result<Self, CoreError> {
+        memory.validate().map_err(CoreError::InvalidConfig)?;
+        Ok(Scheduler {
+            memory,
+            policy,
+            now: Duration::ZERO,
+            draining: false,
+            heap: PersistentHeap::default(),
+            sessions: BTreeMap::new(),
+            queue: Vec::new(),
+            lanes: BTreeMap::new(),
+            stack: Vec::new(),
+            next_lane: 0,
+            persistent_total: 0,
+            lane_total: 0,
+            admission_due: false,
+            moves_due: false,
+            lanes_due: BTreeSet::new(),
+            actions: Vec::new(),
+        })
+    }
+
+    /// The memory configuration.
+    pub fn memory_config(&self) -> MemoryConfig {
+        self.memory
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> PolicyKind {
+        self.policy
+    }
+
+    /// Switches policy. Sessions already admitted keep their lanes; from the next decision
+    /// on, admission and iteration order follow the new policy.
+    pub fn set_policy(&mut self, policy: PolicyKind) {
+        self.policy = policy;
+        self.admission_due = true;
+        self.lanes_due.extend(self.stack.iter().copied());
+    }
+
+    /// While draining, running sessions go on but nothing new is admitted.
+    pub fn set_draining(&mut self, draining: bool) {
+        self.draining = draining;
+        self.admission_due = true;
+    }
+
+    /// True while draining.
+    pub fn draining(&self) -> bool {
+        self.draining
+    }
+
+    /// The latest time the core has been given.
+    pub fn now(&self) -> Duration {
+        self.now
+    }
+
+    /// Feeds one event. On error nothing changes.
+    pub fn handle(&mut self, now: Duration, event: Event) -> Result<(), CoreError> {
+        if now < self.now {
+            return Err(CoreError::TimeWentBackwards {
+                now,
+                last: self.now,
+            });
+        }
+        self.now = now;
+        match event {
+            Event::SessionOpened(spec) => self.open(spec),
+            Event::IterationSubmitted(id) => self.submit(id),
+            Event::IterationFinished { session, duration } => self.finish(session, duration),
+            Event::SessionClosed(id) => self.close(id),
+            Event::Tick => Ok(()),
+        }
+    }
+
+    /// Makes every decision the events so far allow and returns the actions, in order.
+    pub fn poll(&mut self) -> Vec<Action> {
+        if self.moves_due {
+            self.move_lanes();
+        }
+        if self.admission_due {
+            self.admission_due = false;
+            self.admit_waiting();
+            if self.moves_due {
+                self.move_lanes();
+            }
+        }
+        self.start_iterations();
+        mem::take(&mut self.actions)
+    }
+
+    fn open(&mut self, spec: SessionSpec) -> Result<(), CoreError> {
+        let id = spec.id;
+        if self.sessions.contains_key(&id) {
+            return Err(CoreError::DuplicateSession(id));
+        }
+        if spec.ephemeral_bytes == 0 {
+            return Err(CoreError::InvalidSession {
+                session: id,
+                message: "ephemeral_bytes must be at least 1: every iteration needs lane memory"
+                    .into(),
+            });
+        }
+        let persistent = self.memory.align_up(spec.persistent_bytes);
+        let ephemeral = self.memory.align_up(spec.ephemeral_bytes);
+        let fits = match (persistent, ephemeral) {
+            (Some(p), Some(e)) => p.checked_add(e).is_some_and(|t| t <= self.memory.usable()),
+            _ => false,
+        };
+        if !fits {
+            self.actions.push(Action::Reject {
+                session: id,
+                reason: RejectReason {
+                    persistent_bytes: persistent.unwrap_or(u64::MAX),
+                    ephemeral_bytes: ephemeral.unwrap_or(u64::MAX),
+                    capacity: self.memory.capacity,
+                    reserve: self.memory.reserve,
+                },
+            });
+            return Ok(());
+        }
+        let spec = SessionSpec {
+            persistent_bytes: persistent.unwrap_or_default(),
+            ephemeral_bytes: ephemeral.unwrap_or_default(),
+            ..spec
+        };
+        self.sessions.insert(
+            id,
+            Session {
+                spec,
+                stats: SessionStats::new(self.now),
+                virtual_service: Duration::ZERO,
+                state: State::Waiting(None),
+            },
+        );
+        self.queue.push(id);
+        self.admission_due = true;
+        Ok(())
+    }
+
+    fn submit(&mut self, id: SessionId) -> Result<(), CoreError> {
+        let session = self
+            .sessions
+            .get(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
+        let lane = match session.state {
+            State::Admitted { closing: true, .. } => return Err(CoreError::Closing(id)),
+            State::Admitted { lane, .. } => Some(lane),
+            State::Waiting(_) => None,
+        };
+        let was_active = session.active();
+        if let (Some(lane), false) = (lane, was_active) {
+            // A session coming back from idle joins the lane's fair-share clock where the
+            // others are, so time spent idle is not banked as credit.
+            let floor = self.lane_virtual_floor(lane, id);
+            let session = self.sessions.get_mut(&id).ok_or(CoreError::UnknownSession(id))?;
+            session.virtual_service = session.virtual_service.max(floor);
+        }
+        let session = self.sessions.get_mut(&id).ok_or(CoreError::UnknownSession(id))?;
+        session.stats.pending_iterations += 1;
+        if let Some(lane) = lane {
+            self.lanes_due.insert(lane);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: SessionId, duration: Duration) -> Result<(), CoreError> {
+        let session = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
+        let State::Admitted {
+            lane,
+            running: running @ true,
+            closing,
+            ..
+        } = &mut session.state
+        else {
+            return Err(CoreError::NotRunning(id));
+        };
+        *running = false;
+        let (lane_id, closing) = (*lane, *closing);
+        session.stats.completed_iterations += 1;
+        session.stats.attained_service += duration;
+        session.virtual_service += duration;
+        if let Some(lane) = self.lanes.get_mut(&lane_id) {
+            lane.running = None;
+            if !lane.in_place() {
+                self.moves_due = true;
+            }
+        }
+        self.lanes_due.insert(lane_id);
+        if closing {
+            self.release(id);
+        }
+        Ok(())
+    }
+
+    fn close(&mut self, id: SessionId) -> Result<(), CoreError> {
+        let session = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
+        session.stats.pending_iterations = 0;
+        match &mut session.state {
+            State::Waiting(_) => {
+                self.sessions.remove(&id);
+                self.queue.retain(|&q| q != id);
+                self.admission_due = true;
+                self.actions.push(Action::Closed { session: id });
+            }
+            State::Admitted {
+                running: true,
+                closing,
+                ..
+            } => *closing = true,
+            State::Admitted { .. } => self.release(id),
+        }
+        Ok(())
+    }
+
+    /// Frees an admitted session's memory: its persistent block and its share of its lane.
+    fn release(&mut self, id: SessionId) {
+        let Some(session) = self.sessions.remove(&id) else {
+            return;
+        };
+        let State::Admitted { lane: lane_id, block, .. } = session.state else {
+            return;
+        };
+        self.heap.free(block);
+        self.persistent_total -= block.size;
+        if let Some(lane) = self.lanes.get_mut(&lane_id) {
+            lane.sessions.retain(|&s| s != id);
+            if lane.last_session == Some(id) {
+                lane.last_session = None;
+            }
+            let size = lane
+                .sessions
+                .iter()
+                .filter_map(|s| self.sessions.get(s))
+                .map(|s| s.spec.ephemeral_bytes)
+                .max()
+                .unwrap_or(0);
+            if size < lane.size {
+                self.lane_total -= lane.size - size;
+                lane.size = size;
+            }
+            if lane.sessions.is_empty() {
+                self.lanes.remove(&lane_id);
+                self.stack.retain(|&l| l != lane_id);
+            }
+            self.restack();
+        }
+        self.admission_due = true;
+        self.actions.push(Action::Closed { session: id });
+    }
+
+    /// Recomputes every lane's target: stacked down from C in stack order.
+    fn restack(&mut self) {
+        let mut offset = self.memory.capacity;
+        for id in &self.stack {
+            if let Some(lane) = self.lanes.get_mut(id) {
+                offset -= lane.size;
+                lane.target = offset;
+                if !lane.in_place() {
+                    self.moves_due = true;
+                }
+            }
+        }
+    }
+
+    /// The least fair-share service among the other active sessions of a lane.
+    fn lane_virtual_floor(&self, lane: LaneId, except: SessionId) -> Duration {
+        self.lanes
+            .get(&lane)
+            .into_iter()
+            .flat_map(|l| l.sessions.iter())
+            .filter(|&&s| s != except)
+            .filter_map(|s| self.sessions.get(s))
+            .filter(|s| s.active())
+            .map(|s| s.virtual_service)
+            .min()
+            .unwrap_or(Duration::ZERO)
+    }
+
+    /// Lowest offset any lane occupies now or is headed to: the persistent heap must stay
+    /// below it.
+    fn lanes_floor(&self, lane_total: u64) -> u64 {
+        self.lanes
+            .values()
+            .filter_map(|l| l.placed)
+            .map(|e| e.offset)
+            .fold(self.memory.capacity - lane_total, u64::min)
+    }
+
+    /// Offers memory to waiting sessions in the policy's order.
+    fn admit_waiting(&mut self) {
+        if self.queue.is_empty() {
+            return;
+        }
+        let policy = self.policy.policy();
+        let mut order = self.queue.clone();
+        order.sort_by(|a, b| match (self.sessions.get(a), self.sessions.get(b)) {
+            (Some(a), Some(b)) => policy.admission_order(&a.view(), &b.view()),
+            _ => a.cmp(b),
+        });
+        if self.draining {
+            for id in order {
+                self.set_wait_reason(id, WaitReason::Draining);
+            }
+            return;
+        }
+        if policy.exclusive() {
+            let holder = self
+                .sessions
+                .iter()
+                .find(|(_, s)| matches!(s.state, State::Admitted { .. }))
+                .map(|(&id, _)| id);
+            let first = order[0];
+            for &id in &order[1..] {
+                self.set_wait_reason(id, WaitReason::BehindEarlier { first });
+            }
+            match holder {
+                Some(running) => self.set_wait_reason(first, WaitReason::DeviceBusy { running }),
+                None => self.try_admit(first, policy.max_lanes()),
+            }
+            return;
+        }
+        for id in order {
+            self.try_admit(id, policy.max_lanes());
+        }
+    }
+
+    fn set_wait_reason(&mut self, id: SessionId, reason: WaitReason) {
+        if let Some(session) = self.sessions.get_mut(&id)
+            && let State::Waiting(current) = &mut session.state
+            && current.as_ref() != Some(&reason)
+        {
+            *current = Some(reason.clone());
+            self.actions.push(Action::Queue {
+                session: id,
+                reason,
+            });
+        }
+    }
+
+    fn try_admit(&mut self, id: SessionId, max_lanes: usize) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        let (p, e) = (session.spec.persistent_bytes, session.spec.ephemeral_bytes);
+        match self.find_lane(p, e, max_lanes) {
+            Ok((choice, placement)) => self.admit(id, choice, placement),
+            Err(reason) => self.set_wait_reason(id, reason),
+        }
+    }
+
+    /// Salus Algorithm 2.1: open a new lane if it fits; else the best-fitting existing lane
+    /// with L >= E; else grow the smallest lane whose growth keeps the safety condition.
+    /// Each choice must also be placeable: the persistent block must fit below the lanes.
+    fn find_lane(
+        &self,
+        p: u64,
+        e: u64,
+        max_lanes: usize,
+    ) -> Result<(LaneChoice, Placement), WaitReason> {
+        let usable = self.memory.usable();
+        let used = self.persistent_total + self.lane_total;
+        let placement = self.heap.place(p);
+        let heap_top = self.heap.top_after(placement, p);
+        let mut safe_somewhere = false;
+        let mut placeable = |lane_total: u64| {
+            safe_somewhere = true;
+            heap_top <= self.lanes_floor(lane_total)
+        };
+
+        if self.stack.len() < max_lanes
+            && used.saturating_add(p).saturating_add(e) <= usable
+            && placeable(self.lane_total + e)
+        {
+            return Ok((LaneChoice::Open, placement));
+        }
+        if used.saturating_add(p) <= usable {
+            let best = self
+                .stack
+                .iter()
+                .filter_map(|id| self.lanes.get(id).map(|l| (id, l.size)))
+                .filter(|&(_, size)| size >= e)
+                .min_by_key(|&(_, size)| size);
+            if let Some((&id, _)) = best
+                && placeable(self.lane_total)
+            {
+                return Ok((LaneChoice::Join(id), placement));
+            }
+        }
+        let mut by_size: Vec<(u64, LaneId)> = self
+            .stack
+            .iter()
+            .filter_map(|id| self.lanes.get(id).map(|l| (l.size, *id)))
+            .filter(|&(size, _)| size < e)
+            .collect();
+        by_size.sort_by_key(|&(size, _)| size);
+        for (size, id) in by_size {
+            let lane_total = self.lane_total - size + e;
+            if (self.persistent_total + p).saturating_add(lane_total) <= usable && placeable(lane_total) {
+                return Ok((LaneChoice::Grow(id), placement));
+            }
+        }
+        let needed = p + e;
+        let available = usable - used;
+        Err(if safe_somewhere {
+            WaitReason::Fragmented { needed, available }
+        } else {
+            WaitReason::Memory {
+                needed,
+                available,
+                usable,
+            }
+        })
+    }
+
+    fn admit(&mut self, id: SessionId, choice: LaneChoice, placement: Placement) {
+        let Some(session) = self.sessions.get(&id) else {
+            return;
+        };
+        let (p, e) = (session.spec.persistent_bytes, session.spec.ephemeral_bytes);
+        let lane_id = match choice {
+            LaneChoice::Open => {
+                let lane_id = LaneId(self.next_lane);
+                self.next_lane += 1;
+                self.lanes.insert(
+                    lane_id,
+                    Lane {
+                        size: e,
+                        target: 0,
+                        placed: None,
+                        sessions: Vec::new(),
+                        running: None,
+                        last_session: None,
+                    },
+                );
+                self.stack.push(lane_id);
+                self.lane_total += e;
+                lane_id
+            }
+            LaneChoice::Join(lane_id) => lane_id,
+            LaneChoice::Grow(lane_id) => {
+                if let Some(lane) = self.lanes.get_mut(&lane_id) {
+                    self.lane_total += e - lane.size;
+                    lane.size = e;
+                }
+                lane_id
+            }
+        };
+        let floor = self.lane_virtual_floor(lane_id, id);
+        let block = self.heap.allocate(placement, p);
+        self.persistent_total += p;
+        let Some(lane) = self.lanes.get_mut(&lane_id) else {
+            return;
+        };
+        lane.sessions.push(id);
+        let lane_size = lane.size;
+        self.restack();
+        self.queue.retain(|&q| q != id);
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.state = State::Admitted {
+                lane: lane_id,
+                block,
+                running: false,
+                closing: false,
+            };
+            session.stats.admitted_at = Some(self.now);
+            session.virtual_service = floor;
+        }
+        self.lanes_due.insert(lane_id);
+        self.actions.push(Action::Admit {
+            session: id,
+            lane: lane_id,
+            persistent: Extent {
+                offset: block.offset,
+                size: block.size,
+            },
+            lane_size,
+        });
+    }
+
+    /// Moves every idle lane that is out of place to its target, once the target is free.
+    /// Nothing is copied: between iterations a lane holds no data.
+    fn move_lanes(&mut self) {
+        self.moves_due = false;
+        loop {
+            let mut moved = false;
+            let mut blocked = false;
+            for i in 0..self.stack.len() {
+                let id = self.stack[i];
+                let Some(lane) = self.lanes.get(&id) else {
+                    continue;
+                };
+                if lane.in_place() {
+                    continue;
+                }
+                let target = lane.target_extent();
+                let free = lane.running.is_none()
+                    && target.offset >= self.heap.top()
+                    && self
+                        .lanes
+                        .iter()
+                        .filter(|&(&other, _)| other != id)
+                        .filter_map(|(_, l)| l.placed)
+                        .all(|e| !e.overlaps(&target));
+                if !free {
+                    blocked = true;
+                    continue;
+                }
+                let from = lane.placed;
+                if let Some(lane) = self.lanes.get_mut(&id) {
+                    lane.placed = Some(target);
+                }
+                self.actions.push(Action::MoveLane {
+                    lane: id,
+                    from,
+                    to: target,
+                });
+                self.lanes_due.insert(id);
+                self.admission_due = true;
+                moved = true;
+            }
+            if !moved {
+                self.moves_due = blocked;
+                return;
+            }
+        }
+    }
+
+    fn start_iterations(&mut self) {
+        let policy = self.policy.policy();
+        for lane_id in mem::take(&mut self.lanes_due) {
+            let Some(lane) = self.lanes.get(&lane_id) else {
+                continue;
+            };
+            if lane.running.is_some() || !lane.in_place() {
+                continue;
+            }
+            let next = lane
+                .sessions
+                .iter()
+                .filter_map(|s| self.sessions.get(s))
+                .filter(|s| s.ready())
+                .min_by(|a, b| policy.run_order(&a.view(), &b.view()))
+                .map(|s| s.spec.id);
+            let Some(id) = next else {
+                continue;
+            };
+            let lane_offset = lane.target;
+            let switched_from = lane.last_session.filter(|&last| last != id);
+            if let Some(last) = switched_from
+                && let Some(previous) = self.sessions.get_mut(&last)
+                && previous.stats.pending_iterations > 0
+            {
+                previous.stats.preemptions += 1;
+            }
+            if let Some(lane) = self.lanes.get_mut(&lane_id) {
+                lane.running = Some(id);
+                lane.last_session = Some(id);
+            }
+            if let Some(session) = self.sessions.get_mut(&id) {
+                session.stats.pending_iterations -= 1;
+                session.stats.last_started_at = Some(self.now);
+                if let State::Admitted { running, .. } = &mut session.state {
+                    *running = true;
+                }
+            }
+            self.actions.push(Action::StartIteration {
+                session: id,
+                lane: lane_id,
+                lane_offset,
+                switched_from,
+            });
+        }
+    }
+
+    /// A session as policies see it.
+    pub fn session(&self, id: SessionId) -> Option<SessionView<'_>> {
+        self.sessions.get(&id).map(Session::view)
+    }
+
+    /// Every open session (waiting or admitted), by id.
+    pub fn sessions(&self) -> impl Iterator<Item = SessionView<'_>> {
+        self.sessions.values().map(Session::view)
+    }
+
+    /// The lane a session is admitted to, if any.
+    pub fn lane_of(&self, id: SessionId) -> Option<LaneId> {
+        match self.sessions.get(&id)?.state {
+            State::Admitted { lane, .. } => Some(lane),
+            State::Waiting(_) => None,
+        }
+    }
+
+    /// Waiting sessions in arrival order, with the reason each waits (`None` before the
+    /// first decision about it).
+    pub fn waiting(&self) -> Vec<(SessionId, Option<WaitReason>)> {
+        self.queue
+            .iter()
+            .filter_map(|id| match &self.sessions.get(id)?.state {
+                State::Waiting(reason) => Some((*id, reason.clone())),
+                State::Admitted { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Lanes, top of memory first.
+    pub fn lanes(&self) -> Vec<LaneInfo> {
+        self.stack
+            .iter()
+            .filter_map(|id| {
+                let lane = self.lanes.get(id)?;
+                Some(LaneInfo {
+                    id: *id,
+                    size: lane.size,
+                    placed: lane.placed,
+                    target: lane.target_extent(),
+                    sessions: lane.sessions.clone(),
+                    running: lane.running,
+                })
+            })
+            .collect()
+    }
+
+    /// The physical memory map now.
+    pub fn memory_map(&self) -> MemoryMap {
+        let mut regions: Vec<Region> = self
+            .sessions
+            .values()
+            .filter_map(|s| match s.state {
+                State::Admitted { block, .. } if block.size > 0 => Some(Region {
+                    extent: Extent {
+                        offset: block.offset,
+                        size: block.size,
+                    },
+                    kind: RegionKind::Persistent { session: s.spec.id },
+                }),
+                _ => None,
+            })
+            .collect();
+        regions.extend(self.heap.holes().map(|h| Region {
+            extent: Extent {
+                offset: h.offset,
+                size: h.size,
+            },
+            kind: RegionKind::Hole,
+        }));
+        regions.extend(self.lanes.iter().filter_map(|(&lane, l)| {
+            Some(Region {
+                extent: l.placed?,
+                kind: RegionKind::Lane {
+                    lane,
+                    sessions: l.sessions.clone(),
+                },
+            })
+        }));
+        regions.sort_by_key(|r| r.extent.offset);
+        let mut map = Vec::with_capacity(regions.len() * 2 + 1);
+        let mut cursor = 0;
+        for region in regions {
+            if region.extent.offset > cursor {
+                map.push(Region {
+                    extent: Extent {
+                        offset: cursor,
+                        size: region.extent.offset - cursor,
+                    },
+                    kind: RegionKind::Free,
+                });
+            }
+            cursor = region.extent.end();
+            map.push(region);
+        }
+        if cursor < self.memory.capacity {
+            map.push(Region {
+                extent: Extent {
+                    offset: cursor,
+                    size: self.memory.capacity - cursor,
+                },
+                kind: RegionKind::Free,
+            });
+        }
+        MemoryMap {
+            capacity: self.memory.capacity,
+            reserve: self.memory.reserve,
+            persistent_bytes: self.persistent_total,
+            lane_bytes: self.lane_total,
+            available_bytes: self.memory.usable() - self.persistent_total - self.lane_total,
+            regions: map,
+        }
+    }
+
+    /// Checks every invariant the core promises; `Err` names the first one broken. Cheap
+    /// enough for tests to call after every event.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let sum_p: u64 = self
+            .sessions
+            .values()
+            .filter_map(|s| match s.state {
+                State::Admitted { block, .. } => Some(block.size),
+                State::Waiting(_) => None,
+            })
+            .sum();
+        let sum_l: u64 = self.lanes.values().map(|l| l.size).sum();
+        if sum_p != self.persistent_total || sum_l != self.lane_total {
+            return Err(format!(
+                "accounting drifted: P {sum_p} vs {}, L {sum_l} vs {}",
+                self.persistent_total, self.lane_total
+            ));
+        }
+        if sum_p + sum_l > self.memory.usable() {
+            return Err(format!(
+                "safety violated: sum P {sum_p} + sum L {sum_l} > C - reserve {}",
+                self.memory.usable()
+            ));
+        }
+        let map = self.memory_map();
+        if map.total() != self.memory.capacity {
+            return Err(format!(
+                "memory map sums to {} not {}",
+                map.total(),
+                self.memory.capacity
+            ));
+        }
+        let mut cursor = 0;
+        for region in &map.regions {
+            if region.extent.offset != cursor {
+                return Err(format!("memory map overlaps or skips at {cursor}: {region:?}"));
+            }
+            cursor = region.extent.end();
+        }
+        for (id, lane) in &self.lanes {
+            let expected = lane
+                .sessions
+                .iter()
+                .filter_map(|s| self.sessions.get(s))
+                .map(|s| s.spec.ephemeral_bytes)
+                .max()
+                .unwrap_or(0);
+            if lane.sessions.is_empty() || expected != lane.size {
+                return Err(format!(
+                    "{id} has size {} but its sessions need {expected}",
+                    lane.size
+                ));
+            }
+            if let Some(running) = lane.running {
+                if lane.placed.is_none() {
+                    return Err(format!("{id} runs {running} but was never placed"));
+                }
+                let ok = self.sessions.get(&running).is_some_and(|s| {
+                    matches!(s.state, State::Admitted { lane: l, running: true, .. } if l == *id)
+                });
+                if !ok {
+                    return Err(format!("{id} claims to run {running}, which is not running there"));
+                }
+            }
+            if let Some(placed) = lane.placed
+                && placed.offset < self.heap.top()
+            {
+                return Err(format!("{id} at {placed:?} overlaps the persistent region"));
+            }
+        }
+        let running: usize = self
+            .sessions
+            .values()
+            .filter(|s| matches!(s.state, State::Admitted { running: true, .. }))
+            .count();
+        let lanes_running = self.lanes.values().filter(|l| l.running.is_some()).count();
+        if running != lanes_running {
+            return Err(format!(
+                "{running} sessions running but {lanes_running} lanes busy: two iterations on one lane"
+            ));
+        }
+        Ok(())
+    }
+}
