@@ -60,6 +60,9 @@ impl PersistentHeap {
 
     /// Heap top after placing `size` bytes at `placement`.
     pub fn top_after(&self, placement: Placement, size: u64) -> u64 {
+        if size == 0 {
+            return self.top;
+        }
         match placement {
             Placement::Hole(_) => self.top,
             Placement::Top(o) => o.saturating_add(size),
@@ -68,6 +71,13 @@ impl PersistentHeap {
 
     /// Takes `size` bytes at a placement returned by [`PersistentHeap::place`].
     pub fn allocate(&mut self, placement: Placement, size: u64) -> Block {
+        if size == 0 {
+            // Nothing to place; the empty block takes no room and leaves the holes alone.
+            return Block {
+                offset: self.top,
+                size,
+            };
+        }
         match placement {
             Placement::Hole(offset) => {
                 let hole = self.holes.remove(&offset).unwrap_or(0);
@@ -88,6 +98,9 @@ impl PersistentHeap {
     /// Returns a block, merging it with neighbouring holes and lowering the top when the
     /// block was the highest one.
     pub fn free(&mut self, block: Block) {
+        if block.size == 0 {
+            return;
+        }
         let mut offset = block.offset;
         let mut size = block.size;
         if let Some((&prev, &prev_size)) = self.holes.range(..offset).next_back()

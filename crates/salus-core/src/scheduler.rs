@@ -185,8 +185,11 @@ struct Lane {
     size: u64,
     /// Where the lane belongs when the stack is compact.
     target: u64,
-    /// Where it physically is now; `None` until first placed.
+    /// Where it physically is now; `None` until first placed, and while idle between
+    /// leaving an old place and taking its target.
     placed: Option<Extent>,
+    /// The place it last left, reported when it takes its target.
+    vacated: Option<Extent>,
     sessions: Vec<SessionId>,
     running: Option<SessionId>,
     last_session: Option<SessionId>,
@@ -690,6 +693,7 @@ impl Scheduler {
                         size: e,
                         target: 0,
                         placed: None,
+                        vacated: None,
                         sessions: Vec::new(),
                         running: None,
                         last_session: None,
@@ -740,51 +744,52 @@ impl Scheduler {
         });
     }
 
-    /// Moves every idle lane that is out of place to its target, once the target is free.
-    /// Nothing is copied: between iterations a lane holds no data.
+    /// Moves every idle lane that is out of place to its target. Nothing is copied: between
+    /// iterations a lane holds no data, so an idle lane out of place first gives up its old
+    /// range, then takes its target as soon as no running lane and no persistent block is
+    /// there. Targets never overlap each other, so once the running iterations end every
+    /// lane is in place: moves cannot deadlock.
     fn move_lanes(&mut self) {
         self.moves_due = false;
-        loop {
-            let mut moved = false;
-            let mut blocked = false;
-            for i in 0..self.stack.len() {
-                let id = self.stack[i];
-                let Some(lane) = self.lanes.get(&id) else {
-                    continue;
-                };
-                if lane.in_place() {
-                    continue;
-                }
-                let target = lane.target_extent();
-                let free = lane.running.is_none()
-                    && target.offset >= self.heap.top()
-                    && self
-                        .lanes
-                        .iter()
-                        .filter(|&(&other, _)| other != id)
-                        .filter_map(|(_, l)| l.placed)
-                        .all(|e| !e.overlaps(&target));
-                if !free {
-                    blocked = true;
-                    continue;
-                }
-                let from = lane.placed;
-                if let Some(lane) = self.lanes.get_mut(&id) {
-                    lane.placed = Some(target);
-                }
-                self.actions.push(Action::MoveLane {
-                    lane: id,
-                    from,
-                    to: target,
-                });
-                self.lanes_due.insert(id);
-                self.admission_due = true;
-                moved = true;
+        for lane in self.lanes.values_mut() {
+            if lane.running.is_none() && !lane.in_place() && lane.placed.is_some() {
+                lane.vacated = lane.placed.take();
             }
-            if !moved {
-                self.moves_due = blocked;
-                return;
+        }
+        for i in 0..self.stack.len() {
+            let id = self.stack[i];
+            let Some(lane) = self.lanes.get(&id) else {
+                continue;
+            };
+            if lane.placed.is_some() {
+                if !lane.in_place() {
+                    self.moves_due = true;
+                }
+                continue;
             }
+            let target = lane.target_extent();
+            let free = target.offset >= self.heap.top()
+                && self
+                    .lanes
+                    .values()
+                    .filter_map(|l| l.placed)
+                    .all(|e| !e.overlaps(&target));
+            if !free {
+                self.moves_due = true;
+                continue;
+            }
+            let Some(lane) = self.lanes.get_mut(&id) else {
+                continue;
+            };
+            lane.placed = Some(target);
+            let from = lane.vacated.take();
+            self.actions.push(Action::MoveLane {
+                lane: id,
+                from,
+                to: target,
+            });
+            self.lanes_due.insert(id);
+            self.admission_due = true;
         }
     }
 
