@@ -490,9 +490,6 @@ impl Scheduler {
         self.persistent_total -= block.size;
         if let Some(lane) = self.lanes.get_mut(&lane_id) {
             lane.sessions.retain(|&s| s != id);
-            if lane.last_session == Some(id) {
-                lane.last_session = None;
-            }
             let size = lane
                 .sessions
                 .iter()

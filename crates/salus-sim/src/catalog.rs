@@ -64,6 +64,7 @@ const fn w(
 
 /// The 45 workloads, in the order of Salus Table 3. Figures and their sources:
 /// `docs/workloads.md`.
+#[rustfmt::skip]
 static CATALOG: [Workload; 45] = [
     // alexnet
     w("alexnet", "25", 764_117_400, 386_124_341, 0.0547, 0.42),
@@ -218,7 +219,12 @@ mod tests {
     fn resnet152_has_the_largest_peak_and_vae_is_below_1_gb() {
         let largest = catalog().iter().map(peak).max();
         assert_eq!(largest, Some(13_800_000_000));
-        assert!(catalog().iter().filter(|w| w.model == "vae").all(|w| peak(w) < GB));
+        assert!(
+            catalog()
+                .iter()
+                .filter(|w| w.model == "vae")
+                .all(|w| peak(w) < GB)
+        );
     }
 
     #[test]
@@ -294,7 +300,10 @@ mod tests {
         // keep a large share resident, so the check is on the deep models.
         for name in ["inception3_50", "resnet50_50", "resnet152_75", "vgg16_100"] {
             let workload = get(name);
-            assert!(workload.persistent_bytes < workload.ephemeral_bytes, "{name}");
+            assert!(
+                workload.persistent_bytes < workload.ephemeral_bytes,
+                "{name}"
+            );
         }
     }
 

@@ -1,9 +1,16 @@
 //! Discrete-event simulator for salus.
 //!
 //! Owns: the workload catalog of the Salus papers, job traces (JSON Lines), the contention
-//! model of concurrent lanes, and the driver that replays a trace through `salus-core` in
-//! virtual time. It must not contain scheduling or memory decisions: those belong to
-//! `salus-core`, which this crate only drives.
+//! model of concurrent lanes, the driver that replays a trace through `salus-core` in
+//! virtual time, and the paper experiments. It must not contain scheduling or memory
+//! decisions: those belong to `salus-core`, which this crate only drives, exactly as the
+//! daemon does.
 
 pub mod catalog;
+pub mod experiments;
+pub mod rng;
+pub mod sim;
 pub mod trace;
+
+pub use sim::{JobOutcome, SimConfig, SimError, SimReport, Summary, simulate};
+pub use trace::JobSpec;

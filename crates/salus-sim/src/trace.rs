@@ -139,9 +139,9 @@ impl JobSpec {
                 compute_share: self.compute_share,
             }),
         };
-        // Both line types hold only strings, integers and floats; serde_json fails only on
-        // non-finite floats, which it would write as null anyway.
-        serialized.unwrap_or_else(|err| format!("{{\"error\":{:?}}}", err.to_string()))
+        // Both line types hold only strings, integers and floats, which serde_json always
+        // serializes (a non-finite float becomes null, which parse_trace then refuses).
+        serialized.expect("a trace line serializes")
     }
 
     /// The catalog entry this job can be written as: its workload, if that exists and the
@@ -185,14 +185,14 @@ struct ExplicitLine<'a> {
 
 /// Parses one non-blank line into a job; the error is the message without the line number.
 fn parse_line(raw: &str) -> Result<JobSpec, String> {
-    let value: Value =
-        serde_json::from_str(raw).map_err(|err| format!("malformed JSON: {err}"))?;
+    let value: Value = serde_json::from_str(raw).map_err(|err| format!("malformed JSON: {err}"))?;
     let Value::Object(fields) = value else {
         return Err(format!(
             "expected a JSON object for the job, found {}",
             kind_of(&value)
         ));
     };
+    let texts = member_texts(raw);
 
     let unknown: Vec<String> = fields
         .keys()
@@ -227,46 +227,53 @@ fn parse_line(raw: &str) -> Result<JobSpec, String> {
     let explicit_present = present(&EXPLICIT_FIELDS);
     if !catalog_present.is_empty() && !explicit_present.is_empty() {
         return Err(format!(
-            "fields {} name a catalog workload, fields {} give figures explicitly: \
-             a job uses one form or the other",
+            "mixes catalog fields ({}) with explicit fields ({}): a job names a catalog \
+             workload or gives its figures, one form or the other",
             catalog_present.join(", "),
             explicit_present.join(", "),
         ));
     }
 
     let uses_catalog = !catalog_present.is_empty();
-    let mut missing: Vec<&str> = COMMON_FIELDS
+    let neither_form = catalog_present.is_empty() && explicit_present.is_empty();
+    let form_fields: &[&str] = if uses_catalog {
+        &CATALOG_FIELDS
+    } else if neither_form {
+        &[]
+    } else {
+        &EXPLICIT_FIELDS
+    };
+    let missing: Vec<&str> = COMMON_FIELDS
         .iter()
+        .chain(form_fields)
         .copied()
         .filter(|name| !fields.contains_key(*name))
         .collect();
-    if uses_catalog {
-        missing.extend(CATALOG_FIELDS.iter().filter(|name| !fields.contains_key(**name)));
-    } else if !explicit_present.is_empty() {
-        missing.extend(EXPLICIT_FIELDS.iter().filter(|name| !fields.contains_key(**name)));
-    }
-    if !missing.is_empty() || (catalog_present.is_empty() && explicit_present.is_empty()) {
-        let mut message = if missing.is_empty() {
-            String::from("missing fields")
-        } else {
-            format!("missing field{} {}", plural(missing.len()), missing.join(", "))
-        };
-        if catalog_present.is_empty() && explicit_present.is_empty() {
-            message.push_str(&format!(
-                "{} either {} (a catalog workload) or {} (explicit figures)",
-                if missing.is_empty() { ":" } else { ", and" },
+    if !missing.is_empty() || neither_form {
+        let mut parts = Vec::new();
+        if !missing.is_empty() {
+            parts.push(missing.join(", "));
+        }
+        if neither_form {
+            parts.push(format!(
+                "either {} (a catalog workload) or {} (explicit figures)",
                 CATALOG_FIELDS.join(" and "),
                 EXPLICIT_FIELDS.join(", "),
             ));
         }
-        return Err(message);
+        let count = missing.len() + if neither_form { 2 } else { 0 };
+        return Err(format!(
+            "missing field{} {}",
+            plural(count),
+            parts.join(", and ")
+        ));
     }
 
     let id = string_field(&fields, "id")?;
     if id.is_empty() {
         return Err("field \"id\": must not be empty".to_string());
     }
-    let arrival_s = number_field(&fields, "arrival_s")?;
+    let arrival_s = number_field(&fields, &texts, "arrival_s")?;
     if !arrival_s.is_finite() || arrival_s < 0.0 {
         return Err(format!(
             "field \"arrival_s\": must be a finite number >= 0, found {arrival_s}"
@@ -291,7 +298,7 @@ fn parse_line(raw: &str) -> Result<JobSpec, String> {
         });
     }
 
-    let iteration_s = number_field(&fields, "iteration_s")?;
+    let iteration_s = number_field(&fields, &texts, "iteration_s")?;
     if !iteration_s.is_finite() || iteration_s <= 0.0 {
         return Err(format!(
             "field \"iteration_s\": must be a finite number > 0, found {iteration_s}"
@@ -302,7 +309,7 @@ fn parse_line(raw: &str) -> Result<JobSpec, String> {
     if ephemeral_bytes == 0 {
         return Err("field \"ephemeral_bytes\": must be at least 1, found 0".to_string());
     }
-    let compute_share = number_field(&fields, "compute_share")?;
+    let compute_share = number_field(&fields, &texts, "compute_share")?;
     if !(compute_share > 0.0 && compute_share <= 1.0) {
         return Err(format!(
             "field \"compute_share\": must be in (0, 1], found {compute_share}"
@@ -367,11 +374,20 @@ fn string_field(fields: &Map<String, Value>, name: &str) -> Result<String, Strin
     }
 }
 
-fn number_field(fields: &Map<String, Value>, name: &str) -> Result<f64, String> {
+/// A number field, read from its JSON text so that it is the `f64` nearest to that text:
+/// serde_json's own conversion may land one unit in the last place away, and a trace written
+/// by [`JobSpec::to_json_line`] must read back bit for bit.
+fn number_field(
+    fields: &Map<String, Value>,
+    texts: &HashMap<String, &str>,
+    name: &str,
+) -> Result<f64, String> {
     match fields.get(name) {
-        Some(Value::Number(number)) => number.as_f64().ok_or_else(|| {
-            format!("field {name:?}: {number} is not representable as a number")
-        }),
+        Some(Value::Number(number)) => texts
+            .get(name)
+            .and_then(|text| text.parse::<f64>().ok())
+            .or_else(|| number.as_f64())
+            .ok_or_else(|| format!("field {name:?}: {number} is not representable as a number")),
         Some(other) => Err(format!(
             "field {name:?}: expected a number, found {}",
             describe(other)
@@ -390,6 +406,101 @@ fn integer_field(fields: &Map<String, Value>, name: &str) -> Result<u64, String>
             describe(other)
         )),
         None => Err(format!("missing field {name}")),
+    }
+}
+
+/// The JSON text of each member value of the object on `line`, by member name (the last one
+/// wins, as in serde_json). Only called on lines serde_json has already accepted as an
+/// object, so the scan need not check the syntax; anything unexpected ends it early.
+fn member_texts(line: &str) -> HashMap<String, &str> {
+    let bytes = line.as_bytes();
+    let mut texts = HashMap::new();
+    let Some(open) = line.find('{') else {
+        return texts;
+    };
+    let mut at = open + 1;
+    loop {
+        at = skip_whitespace(bytes, at);
+        if bytes.get(at) != Some(&b'"') {
+            break;
+        }
+        let key_end = string_end(bytes, at);
+        let key = line
+            .get(at..key_end)
+            .and_then(|text| serde_json::from_str::<String>(text).ok());
+        at = skip_whitespace(bytes, key_end);
+        if bytes.get(at) != Some(&b':') {
+            break;
+        }
+        let value_start = skip_whitespace(bytes, at + 1);
+        let value_end = value_end(bytes, value_start);
+        if let (Some(key), Some(text)) = (key, line.get(value_start..value_end)) {
+            texts.insert(key, text);
+        }
+        at = skip_whitespace(bytes, value_end);
+        if bytes.get(at) != Some(&b',') {
+            break;
+        }
+        at += 1;
+    }
+    texts
+}
+
+fn skip_whitespace(bytes: &[u8], mut at: usize) -> usize {
+    while bytes.get(at).is_some_and(u8::is_ascii_whitespace) {
+        at += 1;
+    }
+    at
+}
+
+/// Index just past the string that opens at `start` (a `"`).
+fn string_end(bytes: &[u8], start: usize) -> usize {
+    let mut at = start + 1;
+    while let Some(&byte) = bytes.get(at) {
+        match byte {
+            b'\\' => at += 2,
+            b'"' => return at + 1,
+            _ => at += 1,
+        }
+    }
+    bytes.len()
+}
+
+/// Index just past the JSON value that starts at `start`.
+fn value_end(bytes: &[u8], start: usize) -> usize {
+    match bytes.get(start) {
+        Some(b'"') => string_end(bytes, start),
+        Some(b'{' | b'[') => {
+            let mut depth = 0usize;
+            let mut at = start;
+            while let Some(&byte) = bytes.get(at) {
+                match byte {
+                    b'"' => {
+                        at = string_end(bytes, at);
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.saturating_sub(1);
+                        if depth == 0 {
+                            return at + 1;
+                        }
+                    }
+                    _ => {}
+                }
+                at += 1;
+            }
+            bytes.len()
+        }
+        _ => {
+            let mut at = start;
+            while bytes.get(at).is_some_and(|byte| {
+                !matches!(byte, b',' | b'}' | b']') && !byte.is_ascii_whitespace()
+            }) {
+                at += 1;
+            }
+            at
+        }
     }
 }
 
@@ -511,7 +622,11 @@ mod tests {
         let names: Vec<Option<&str>> = jobs.iter().map(|j| j.workload.as_deref()).collect();
         assert_eq!(
             names,
-            vec![Some("resnet50_50"), Some("resnet50_50"), Some("seq2seq_small")]
+            vec![
+                Some("resnet50_50"),
+                Some("resnet50_50"),
+                Some("seq2seq_small")
+            ]
         );
     }
 
@@ -550,17 +665,28 @@ mod tests {
 
     #[test]
     fn rejects_unknown_fields_naming_them() {
-        let text = explicit_with("priority", "3");
-        assert_error(&text, 1, &["unknown field \"priority\""]);
-        let text = explicit_with("Model", "\"x\"").replace("\"priority\"", "");
-        let with_two = explicit_with("zeta", "1").replace('}', ",\"alpha\":2}");
-        assert_error(&text, 1, &["\"Model\""]);
-        assert_error(&with_two, 1, &["unknown fields", "\"alpha\"", "\"zeta\""]);
+        assert_error(
+            &explicit_with("priority", "3"),
+            1,
+            &["unknown field \"priority\"", "either model and batch_size"],
+        );
+        // Field names are case-sensitive.
+        assert_error(
+            &explicit_with("Model", "\"x\""),
+            1,
+            &["unknown field \"Model\""],
+        );
+        let two = explicit_with("zeta", "1").replace('}', ",\"alpha\":[2]}");
+        assert_error(&two, 1, &["unknown fields", "\"alpha\"", "\"zeta\""]);
     }
 
     #[test]
     fn rejects_missing_fields_naming_them() {
-        assert_error(&explicit_without("iterations"), 1, &["missing field iterations"]);
+        assert_error(
+            &explicit_without("iterations"),
+            1,
+            &["missing field iterations"],
+        );
         assert_error(&explicit_without("id"), 1, &["missing field id"]);
         assert_error(
             &explicit_without("compute_share"),
@@ -597,27 +723,47 @@ mod tests {
             1,
             &["missing fields", "model and batch_size", "iteration_s"],
         );
-        assert_error("{}", 1, &["missing fields id, arrival_s, iterations", "either"]);
+        assert_error(
+            "{}",
+            1,
+            &["missing fields id, arrival_s, iterations", "either"],
+        );
     }
 
     #[test]
     fn rejects_mixing_catalog_and_explicit_fields() {
         let text = explicit_with("model", "\"googlenet\"");
-        assert_error(&text, 1, &["model", "iteration_s", "compute_share", "one form"]);
+        assert_error(
+            &text,
+            1,
+            &["model", "iteration_s", "compute_share", "one form"],
+        );
         let text = r#"{"id":"a","arrival_s":0,"iterations":1,"model":"vae","batch_size":64,"compute_share":0.5}"#;
-        assert_error(text, 1, &["model, batch_size", "compute_share", "one form"]);
+        assert_error(
+            text,
+            1,
+            &["(model, batch_size)", "(compute_share)", "one form"],
+        );
     }
 
     #[test]
     fn rejects_unknown_models_listing_the_catalog() {
         let text = r#"{"id":"a","arrival_s":0,"iterations":1,"model":"lenet","batch_size":25}"#;
-        assert_error(text, 1, &["\"model\"", "unknown model \"lenet\"", "googlenet"]);
+        assert_error(
+            text,
+            1,
+            &["\"model\"", "unknown model \"lenet\"", "googlenet"],
+        );
     }
 
     #[test]
     fn rejects_unknown_batch_sizes_listing_the_models_sizes() {
         let text = r#"{"id":"a","arrival_s":0,"iterations":1,"model":"googlenet","batch_size":30}"#;
-        assert_error(text, 1, &["\"batch_size\"", "no batch size \"30\"", "25, 50, 100"]);
+        assert_error(
+            text,
+            1,
+            &["\"batch_size\"", "no batch size \"30\"", "25, 50, 100"],
+        );
         let text =
             r#"{"id":"a","arrival_s":0,"iterations":1,"model":"seq2seq","batch_size":"huge"}"#;
         assert_error(text, 1, &["small, medium, large"]);
@@ -634,14 +780,25 @@ mod tests {
 
     #[test]
     fn rejects_duplicate_ids_naming_the_earlier_line() {
-        let text = format!("{EXPLICIT}\n{FROM_CATALOG}\n\n{}", explicit_with("id", "\"j2\""));
+        let text = format!(
+            "{EXPLICIT}\n{FROM_CATALOG}\n\n{}",
+            explicit_with("id", "\"j2\"")
+        );
         assert_error(&text, 4, &["\"id\"", "\"j2\"", "line 2"]);
     }
 
     #[test]
     fn rejects_bad_arrival_times() {
-        assert_error(&explicit_with("arrival_s", "-0.5"), 1, &["\"arrival_s\"", "-0.5"]);
-        assert_error(&explicit_with("arrival_s", "\"soon\""), 1, &["\"arrival_s\"", "number"]);
+        assert_error(
+            &explicit_with("arrival_s", "-0.5"),
+            1,
+            &["\"arrival_s\"", "-0.5"],
+        );
+        assert_error(
+            &explicit_with("arrival_s", "\"soon\""),
+            1,
+            &["\"arrival_s\"", "number"],
+        );
         // JSON has no infinities: an overflowing literal is refused, never taken as one.
         let overflowing = EXPLICIT.replace("\"arrival_s\":0.0", "\"arrival_s\":1e400");
         assert_eq!(parse_err(&overflowing).line, 1);
@@ -649,16 +806,36 @@ mod tests {
 
     #[test]
     fn rejects_zero_or_non_integer_iterations() {
-        assert_error(&explicit_with("iterations", "0"), 1, &["\"iterations\"", "at least 1"]);
-        assert_error(&explicit_with("iterations", "1.5"), 1, &["\"iterations\"", "integer"]);
-        assert_error(&explicit_with("iterations", "-3"), 1, &["\"iterations\"", "integer"]);
+        assert_error(
+            &explicit_with("iterations", "0"),
+            1,
+            &["\"iterations\"", "at least 1"],
+        );
+        assert_error(
+            &explicit_with("iterations", "1.5"),
+            1,
+            &["\"iterations\"", "integer"],
+        );
+        assert_error(
+            &explicit_with("iterations", "-3"),
+            1,
+            &["\"iterations\"", "integer"],
+        );
     }
 
     #[test]
     fn rejects_bad_iteration_times() {
-        assert_error(&explicit_with("iteration_s", "0"), 1, &["\"iteration_s\"", "> 0"]);
+        assert_error(
+            &explicit_with("iteration_s", "0"),
+            1,
+            &["\"iteration_s\"", "> 0"],
+        );
         assert_error(&explicit_with("iteration_s", "-1"), 1, &["\"iteration_s\""]);
-        assert_error(&explicit_with("iteration_s", "null"), 1, &["\"iteration_s\"", "null"]);
+        assert_error(
+            &explicit_with("iteration_s", "null"),
+            1,
+            &["\"iteration_s\"", "null"],
+        );
     }
 
     #[test]
@@ -670,12 +847,19 @@ mod tests {
                 &["\"compute_share\"", "(0, 1]"],
             );
         }
-        assert_eq!(parse_ok(&explicit_with("compute_share", "1"))[0].compute_share, 1.0);
+        assert_eq!(
+            parse_ok(&explicit_with("compute_share", "1"))[0].compute_share,
+            1.0
+        );
     }
 
     #[test]
     fn rejects_zero_ephemeral_memory_and_bad_byte_counts() {
-        assert_error(&explicit_with("ephemeral_bytes", "0"), 1, &["\"ephemeral_bytes\""]);
+        assert_error(
+            &explicit_with("ephemeral_bytes", "0"),
+            1,
+            &["\"ephemeral_bytes\""],
+        );
         assert_error(
             &explicit_with("persistent_bytes", "1.5e8"),
             1,
@@ -686,7 +870,25 @@ mod tests {
             1,
             &["\"ephemeral_bytes\"", "integer"],
         );
-        assert_eq!(parse_ok(&explicit_with("persistent_bytes", "0"))[0].persistent_bytes, 0);
+        assert_eq!(
+            parse_ok(&explicit_with("persistent_bytes", "0"))[0].persistent_bytes,
+            0
+        );
+    }
+
+    #[test]
+    fn non_finite_figures_are_written_as_null_and_refused_on_reading() {
+        let job = JobSpec {
+            arrival_s: f64::NAN,
+            ..parse_ok(EXPLICIT).remove(0)
+        };
+        let line = job.to_json_line();
+        assert!(line.contains("\"arrival_s\":null"), "{line}");
+        assert_error(
+            &line,
+            1,
+            &["\"arrival_s\"", "expected a number, found null"],
+        );
     }
 
     #[test]
@@ -732,8 +934,13 @@ mod tests {
             job.to_json_line(),
             r#"{"id":"j2","arrival_s":1.5,"iterations":300,"model":"googlenet","batch_size":25}"#
         );
-        let seq = r#"{"id":"s","arrival_s":0,"iterations":1,"model":"seq2seq","batch_size":"large"}"#;
-        assert!(parse_ok(seq)[0].to_json_line().contains(r#""batch_size":"large""#));
+        let seq =
+            r#"{"id":"s","arrival_s":0,"iterations":1,"model":"seq2seq","batch_size":"large"}"#;
+        assert!(
+            parse_ok(seq)[0]
+                .to_json_line()
+                .contains(r#""batch_size":"large""#)
+        );
     }
 
     #[test]
@@ -756,6 +963,68 @@ mod tests {
     }
 
     #[test]
+    fn round_trips_arbitrary_floats_bit_for_bit() {
+        // A fixed xorshift sequence: arrival times and durations with all 53 bits in use,
+        // which a lossy decimal conversion would get wrong about one time in seven.
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        for index in 0..2000 {
+            let job = JobSpec {
+                id: format!("j{index}"),
+                arrival_s: next() * 1.0e5,
+                iterations: 1,
+                iteration_s: next() + f64::EPSILON,
+                persistent_bytes: 0,
+                ephemeral_bytes: 1,
+                compute_share: next().max(f64::EPSILON),
+                workload: None,
+            };
+            let back = parse_ok(&job.to_json_line()).remove(0);
+            assert_eq!(back.arrival_s.to_bits(), job.arrival_s.to_bits(), "{job:?}");
+            assert_eq!(
+                back.iteration_s.to_bits(),
+                job.iteration_s.to_bits(),
+                "{job:?}"
+            );
+            assert_eq!(
+                back.compute_share.to_bits(),
+                job.compute_share.to_bits(),
+                "{job:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn numbers_are_read_as_the_nearest_float() {
+        // Written into the line as text: going through a serde_json value would round first.
+        let text = EXPLICIT
+            .replace("\"arrival_s\":0.0", "\"arrival_s\":985.6906946328695")
+            .replace(
+                "\"iteration_s\":0.21",
+                "\"iteration_s\":2.2201838057111728e-13",
+            );
+        let job = parse_ok(&text).remove(0);
+        assert_eq!(job.arrival_s, 985.690_694_632_869_5);
+        assert_eq!(job.iteration_s, 2.220_183_805_711_172_8e-13);
+    }
+
+    #[test]
+    fn member_texts_follow_the_object_structure() {
+        let line = r#" { "a" : 1.5e3 , "b":"x,\"}y", "c":[1,{"d":2}],"\u0065":-0.25,"a":7}"#;
+        let texts = member_texts(line);
+        assert_eq!(texts.get("a"), Some(&"7"));
+        assert_eq!(texts.get("b"), Some(&r#""x,\"}y""#));
+        assert_eq!(texts.get("c"), Some(&r#"[1,{"d":2}]"#));
+        assert_eq!(texts.get("e"), Some(&"-0.25"));
+        assert_eq!(texts.len(), 4);
+    }
+
+    #[test]
     fn changed_figures_are_written_explicitly() {
         let mut job = parse_ok(FROM_CATALOG).remove(0);
         job.iteration_s *= 2.0;
@@ -763,7 +1032,13 @@ mod tests {
         assert!(line.contains("\"iteration_s\""), "{line}");
         let back = parse_ok(&line).remove(0);
         assert_eq!(back.workload, None);
-        assert_eq!(JobSpec { workload: None, ..job }, back);
+        assert_eq!(
+            JobSpec {
+                workload: None,
+                ..job
+            },
+            back
+        );
     }
 
     #[test]
@@ -773,7 +1048,13 @@ mod tests {
             ..parse_ok(EXPLICIT).remove(0)
         };
         let back = parse_ok(&job.to_json_line()).remove(0);
-        assert_eq!(JobSpec { workload: None, ..job }, back);
+        assert_eq!(
+            JobSpec {
+                workload: None,
+                ..job
+            },
+            back
+        );
     }
 
     #[test]
@@ -800,7 +1081,10 @@ mod tests {
             Err(err) => err,
         };
         assert_eq!(err.line, 0);
-        assert!(err.message.contains(&missing.display().to_string()), "{err}");
+        assert!(
+            err.message.contains(&missing.display().to_string()),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap_or_else(|err| panic!("{err}"));
     }
 }
