@@ -162,7 +162,13 @@ mod tests {
         let c = alloc(&mut heap, 30);
         heap.free(a);
         heap.free(b);
-        assert_eq!(heap.holes().collect::<Vec<_>>(), vec![Block { offset: 0, size: 30 }]);
+        assert_eq!(
+            heap.holes().collect::<Vec<_>>(),
+            vec![Block {
+                offset: 0,
+                size: 30
+            }]
+        );
         heap.free(c);
         assert_eq!(heap.top(), 0);
         assert_eq!(heap.holes().count(), 0);
@@ -190,6 +196,12 @@ mod tests {
         heap.free(a);
         let c = alloc(&mut heap, 30);
         assert_eq!(c.offset, 0);
-        assert_eq!(heap.holes().collect::<Vec<_>>(), vec![Block { offset: 30, size: 70 }]);
+        assert_eq!(
+            heap.holes().collect::<Vec<_>>(),
+            vec![Block {
+                offset: 30,
+                size: 70
+            }]
+        );
     }
 }

@@ -38,7 +38,9 @@ pub mod policy;
 mod scheduler;
 pub mod session;
 
-pub use memory::{Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason};
+pub use memory::{
+    Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
+};
 pub use policy::{Policy, PolicyKind};
 pub use scheduler::{Action, CoreError, Event, LaneInfo, Scheduler};
 pub use session::{Hints, SessionId, SessionKind, SessionSpec, SessionStats, SessionView};

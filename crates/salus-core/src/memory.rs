@@ -9,6 +9,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::policy::PolicyKind;
 use crate::session::SessionId;
 
 /// Memory of one device as the core manages it.
@@ -169,10 +170,13 @@ pub enum WaitReason {
         /// The session on the device.
         running: SessionId,
     },
-    /// FIFO admits in arrival order and an earlier session waits first.
+    /// The policy admits strictly in its order (FIFO: arrival; SRTF: shortest first) and
+    /// a session ahead of this one waits.
     BehindEarlier {
-        /// The earliest waiting session.
+        /// The first waiting session in the policy's order.
         first: SessionId,
+        /// The policy whose order it is.
+        policy: PolicyKind,
     },
     /// Admitting the session would break the safety condition.
     Memory {
@@ -196,14 +200,17 @@ pub enum WaitReason {
 impl fmt::Display for WaitReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WaitReason::Draining => f.write_str("the daemon is draining and admits no new sessions"),
+            WaitReason::Draining => {
+                f.write_str("the daemon is draining and admits no new sessions")
+            }
             WaitReason::DeviceBusy { running } => write!(
                 f,
                 "policy fifo runs one session at a time and {running} holds the device"
             ),
-            WaitReason::BehindEarlier { first } => {
-                write!(f, "policy fifo admits in arrival order; {first} is waiting first")
-            }
+            WaitReason::BehindEarlier { first, policy } => write!(
+                f,
+                "policy {policy} admits strictly in its order and {first} is waiting ahead"
+            ),
             WaitReason::Memory {
                 needed,
                 available,

@@ -87,6 +87,21 @@ pub trait Policy: Sync {
         false
     }
 
+    /// True when a session may be admitted ahead of an earlier one (in admission order)
+    /// that has to wait. Policies that run one iteration at a time gain nothing from
+    /// backfilling and lose by it: a later session's persistent memory would delay the
+    /// earlier one further.
+    fn backfill(&self) -> bool {
+        true
+    }
+
+    /// True when the first waiting session may take memory from idle admitted sessions
+    /// that come after it in run order, by suspending them (their persistent tensors move
+    /// to host memory until they are re-admitted).
+    fn suspends(&self) -> bool {
+        false
+    }
+
     /// Order in which waiting sessions are offered memory (`Less` first).
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering;
 
@@ -168,8 +183,10 @@ impl Policy for Pack {
 }
 
 /// Shortest remaining time first. All sessions share one lane, so the shortest job runs
-/// alone at full speed and a longer one is preempted at its next iteration boundary; a
-/// session is admitted whenever it fits alone beside the resident persistent memory.
+/// alone at full speed and a longer one is preempted at its next iteration boundary. A
+/// session is admitted whenever it alone fits: idle longer sessions are suspended to make
+/// room. Admission goes shortest first without backfilling, so a longer job never takes
+/// memory a shorter waiting one needs.
 #[derive(Debug, Clone, Copy)]
 pub struct Srtf;
 
@@ -179,6 +196,12 @@ impl Policy for Srtf {
     }
     fn max_lanes(&self) -> usize {
         1
+    }
+    fn backfill(&self) -> bool {
+        false
+    }
+    fn suspends(&self) -> bool {
+        true
     }
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
         b.spec
@@ -229,6 +252,9 @@ mod tests {
         }
         assert_eq!("FAIR".parse::<PolicyKind>(), Ok(PolicyKind::Fair));
         let err = "lifo".parse::<PolicyKind>().unwrap_err();
-        assert!(err.contains("lifo") && err.contains("fifo, pack, srtf, fair"), "{err}");
+        assert!(
+            err.contains("lifo") && err.contains("fifo, pack, srtf, fair"),
+            "{err}"
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::heap::{Block, Placement, PersistentHeap};
+use crate::heap::{Block, PersistentHeap, Placement};
 use crate::memory::{
     Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
 };
@@ -53,6 +53,18 @@ pub enum Action {
         persistent: Extent,
         /// The lane's size after admission.
         lane_size: u64,
+        /// True when the session was suspended: restore its persistent tensors from host
+        /// memory to `persistent` instead of expecting an upload.
+        resumed: bool,
+    },
+    /// Copy the session's persistent tensors to host memory: their device memory is free
+    /// from now on. The session waits in the queue and comes back with `Admit { resumed }`.
+    /// Only policies that preempt memory (SRTF) suspend, and only idle sessions.
+    Suspend {
+        /// Who.
+        session: SessionId,
+        /// Where its persistent tensors were.
+        persistent: Extent,
     },
     /// The session waits for admission, for this reason. Repeated when the reason changes.
     Queue {
@@ -149,6 +161,8 @@ struct Session {
     stats: SessionStats,
     virtual_service: Duration,
     state: State,
+    /// Its persistent tensors wait in host memory to be restored at re-admission.
+    suspended: bool,
 }
 
 impl Session {
@@ -390,6 +404,7 @@ impl Scheduler {
                 stats: SessionStats::new(self.now),
                 virtual_service: Duration::ZERO,
                 state: State::Waiting(None),
+                suspended: false,
             },
         );
         self.queue.push(id);
@@ -412,10 +427,16 @@ impl Scheduler {
             // A session coming back from idle joins the lane's fair-share clock where the
             // others are, so time spent idle is not banked as credit.
             let floor = self.lane_virtual_floor(lane, id);
-            let session = self.sessions.get_mut(&id).ok_or(CoreError::UnknownSession(id))?;
+            let session = self
+                .sessions
+                .get_mut(&id)
+                .ok_or(CoreError::UnknownSession(id))?;
             session.virtual_service = session.virtual_service.max(floor);
         }
-        let session = self.sessions.get_mut(&id).ok_or(CoreError::UnknownSession(id))?;
+        let session = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations += 1;
         if let Some(lane) = lane {
             self.lanes_due.insert(lane);
@@ -478,13 +499,46 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Frees an admitted session's memory: its persistent block and its share of its lane.
+    /// Closes an admitted session: frees its memory and forgets it.
     fn release(&mut self, id: SessionId) {
-        let Some(session) = self.sessions.remove(&id) else {
+        if self.free_memory(id).is_some() {
+            self.sessions.remove(&id);
+            self.actions.push(Action::Closed { session: id });
+        }
+    }
+
+    /// Moves an idle admitted session out of device memory and back to the queue, where
+    /// it waits for re-admission like any other session.
+    fn suspend(&mut self, id: SessionId) {
+        let Some(block) = self.free_memory(id) else {
             return;
         };
-        let State::Admitted { lane: lane_id, block, .. } = session.state else {
-            return;
+        if let Some(session) = self.sessions.get_mut(&id) {
+            session.state = State::Waiting(None);
+            session.suspended = true;
+            session.stats.suspensions += 1;
+        }
+        self.queue.push(id);
+        self.actions.push(Action::Suspend {
+            session: id,
+            persistent: Extent {
+                offset: block.offset,
+                size: block.size,
+            },
+        });
+    }
+
+    /// Frees an admitted session's persistent block and its share of its lane; the lane
+    /// shrinks to its remaining sessions' largest E, or goes when it has none. Returns the
+    /// freed block, or `None` when the session is not admitted.
+    fn free_memory(&mut self, id: SessionId) -> Option<Block> {
+        let State::Admitted {
+            lane: lane_id,
+            block,
+            ..
+        } = self.sessions.get(&id)?.state
+        else {
+            return None;
         };
         self.heap.free(block);
         self.persistent_total -= block.size;
@@ -508,7 +562,46 @@ impl Scheduler {
             self.restack();
         }
         self.admission_due = true;
-        self.actions.push(Action::Closed { session: id });
+        Some(block)
+    }
+
+    /// For a policy that suspends: makes room for `head` by suspending idle admitted
+    /// sessions that come after it in the policy's run order, latest first, and only if
+    /// that makes `head` fit. True when `head` was admitted.
+    fn admit_by_suspending(&mut self, head: SessionId, max_lanes: usize) -> bool {
+        let policy = self.policy.policy();
+        let Some(head_session) = self.sessions.get(&head) else {
+            return false;
+        };
+        let mut behind: Vec<&Session> = self
+            .sessions
+            .values()
+            .filter(|s| {
+                matches!(
+                    s.state,
+                    State::Admitted {
+                        running: false,
+                        closing: false,
+                        ..
+                    }
+                )
+            })
+            .filter(|s| policy.run_order(&s.view(), &head_session.view()).is_gt())
+            .collect();
+        if behind.is_empty() {
+            return false;
+        }
+        behind.sort_by(|a, b| policy.run_order(&b.view(), &a.view()));
+        let victims: Vec<SessionId> = behind.iter().map(|s| s.spec.id).collect();
+        let mut trial = self.clone();
+        for victim in victims {
+            trial.suspend(victim);
+            if trial.try_admit(head, max_lanes) {
+                *self = trial;
+                return true;
+            }
+        }
+        false
     }
 
     /// Recomputes every lane's target: stacked down from C in stack order.
@@ -574,16 +667,42 @@ impl Scheduler {
                 .map(|(&id, _)| id);
             let first = order[0];
             for &id in &order[1..] {
-                self.set_wait_reason(id, WaitReason::BehindEarlier { first });
+                self.set_wait_reason(
+                    id,
+                    WaitReason::BehindEarlier {
+                        first,
+                        policy: policy.kind(),
+                    },
+                );
             }
             match holder {
                 Some(running) => self.set_wait_reason(first, WaitReason::DeviceBusy { running }),
-                None => self.try_admit(first, policy.max_lanes()),
+                None => {
+                    self.try_admit(first, policy.max_lanes());
+                }
             }
             return;
         }
+        let mut first_waiting = None;
         for id in order {
-            self.try_admit(id, policy.max_lanes());
+            match first_waiting {
+                Some(first) if !policy.backfill() => self.set_wait_reason(
+                    id,
+                    WaitReason::BehindEarlier {
+                        first,
+                        policy: policy.kind(),
+                    },
+                ),
+                _ => {
+                    let admitted = self.try_admit(id, policy.max_lanes())
+                        || (first_waiting.is_none()
+                            && policy.suspends()
+                            && self.admit_by_suspending(id, policy.max_lanes()));
+                    if !admitted {
+                        first_waiting = Some(id);
+                    }
+                }
+            }
         }
     }
 
@@ -600,14 +719,21 @@ impl Scheduler {
         }
     }
 
-    fn try_admit(&mut self, id: SessionId, max_lanes: usize) {
+    /// Admits the session if Algorithm 2.1 finds it a lane; true when admitted.
+    fn try_admit(&mut self, id: SessionId, max_lanes: usize) -> bool {
         let Some(session) = self.sessions.get(&id) else {
-            return;
+            return false;
         };
         let (p, e) = (session.spec.persistent_bytes, session.spec.ephemeral_bytes);
         match self.find_lane(p, e, max_lanes) {
-            Ok((choice, placement)) => self.admit(id, choice, placement),
-            Err(reason) => self.set_wait_reason(id, reason),
+            Ok((choice, placement)) => {
+                self.admit(id, choice, placement);
+                true
+            }
+            Err(reason) => {
+                self.set_wait_reason(id, reason);
+                false
+            }
         }
     }
 
@@ -658,7 +784,9 @@ impl Scheduler {
         by_size.sort_by_key(|&(size, _)| size);
         for (size, id) in by_size {
             let lane_total = self.lane_total - size + e;
-            if (self.persistent_total + p).saturating_add(lane_total) <= usable && placeable(lane_total) {
+            if (self.persistent_total + p).saturating_add(lane_total) <= usable
+                && placeable(lane_total)
+            {
                 return Ok((LaneChoice::Grow(id), placement));
             }
         }
@@ -726,9 +854,13 @@ impl Scheduler {
                 running: false,
                 closing: false,
             };
-            session.stats.admitted_at = Some(self.now);
+            session.stats.admitted_at.get_or_insert(self.now);
             session.virtual_service = floor;
         }
+        let resumed = self
+            .sessions
+            .get_mut(&id)
+            .is_some_and(|s| mem::take(&mut s.suspended));
         self.lanes_due.insert(lane_id);
         self.actions.push(Action::Admit {
             session: id,
@@ -738,6 +870,7 @@ impl Scheduler {
                 size: block.size,
             },
             lane_size,
+            resumed,
         });
     }
 
@@ -987,7 +1120,9 @@ impl Scheduler {
         let mut cursor = 0;
         for region in &map.regions {
             if region.extent.offset != cursor {
-                return Err(format!("memory map overlaps or skips at {cursor}: {region:?}"));
+                return Err(format!(
+                    "memory map overlaps or skips at {cursor}: {region:?}"
+                ));
             }
             cursor = region.extent.end();
         }
@@ -1013,7 +1148,9 @@ impl Scheduler {
                     matches!(s.state, State::Admitted { lane: l, running: true, .. } if l == *id)
                 });
                 if !ok {
-                    return Err(format!("{id} claims to run {running}, which is not running there"));
+                    return Err(format!(
+                        "{id} claims to run {running}, which is not running there"
+                    ));
                 }
             }
             if let Some(placed) = lane.placed

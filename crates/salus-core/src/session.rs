@@ -72,6 +72,8 @@ pub struct SessionStats {
     pub last_started_at: Option<Duration>,
     /// Times another session was started on its lane while it had iterations waiting.
     pub preemptions: u64,
+    /// Times its persistent memory was moved to the host to make room for another session.
+    pub suspensions: u64,
 }
 
 impl SessionStats {
@@ -84,12 +86,15 @@ impl SessionStats {
             attained_service: Duration::ZERO,
             last_started_at: None,
             preemptions: 0,
+            suspensions: 0,
         }
     }
 
     /// Time spent waiting for admission: until admission, or until `now` while waiting.
     pub fn queue_wait(&self, now: Duration) -> Duration {
-        self.admitted_at.unwrap_or(now).saturating_sub(self.opened_at)
+        self.admitted_at
+            .unwrap_or(now)
+            .saturating_sub(self.opened_at)
     }
 
     /// Mean measured iteration duration, if any iteration has finished.

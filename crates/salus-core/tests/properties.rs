@@ -11,7 +11,12 @@ use salus_core::{Action, Event, LaneId, MemoryConfig, PolicyKind, Scheduler, Ses
 
 #[derive(Debug, Clone)]
 enum Op {
-    Open { p: u64, e: u64, iterations: u64, ms: u64 },
+    Open {
+        p: u64,
+        e: u64,
+        iterations: u64,
+        ms: u64,
+    },
     Submit(usize),
     Finish(usize, u64),
     Close(usize),
@@ -92,16 +97,31 @@ impl Checked {
                 Action::Closed { session } => {
                     assert!(self.open.remove(&session), "closed twice: {session}");
                     self.admitted.remove(&session);
-                    assert!(!self.running_sessions().contains(&session), "freed while running");
+                    assert!(
+                        !self.running_sessions().contains(&session),
+                        "freed while running"
+                    );
                 }
                 Action::MoveLane { lane, from, to } => {
-                    assert!(!self.running.contains_key(&lane), "{lane} moved while running");
+                    assert!(
+                        !self.running.contains_key(&lane),
+                        "{lane} moved while running"
+                    );
                     assert_eq!(from.map(|e| e.offset), self.placed.get(&lane).copied());
                     self.placed.insert(lane, to.offset);
                 }
-                Action::StartIteration { session, lane, lane_offset, .. } => {
+                Action::StartIteration {
+                    session,
+                    lane,
+                    lane_offset,
+                    ..
+                } => {
                     assert!(self.admitted.contains(&session));
-                    assert_eq!(self.placed.get(&lane), Some(&lane_offset), "started out of place");
+                    assert_eq!(
+                        self.placed.get(&lane),
+                        Some(&lane_offset),
+                        "started out of place"
+                    );
                     let previous = self.running.insert(lane, session);
                     assert!(previous.is_none(), "two iterations on {lane}");
                     assert!(
@@ -110,6 +130,16 @@ impl Checked {
                     );
                 }
                 Action::Queue { session, .. } => assert!(!self.admitted.contains(&session)),
+                Action::Suspend { session, .. } => {
+                    assert!(
+                        self.admitted.remove(&session),
+                        "suspended while not admitted"
+                    );
+                    assert!(
+                        !self.running_sessions().contains(&session),
+                        "suspended while running"
+                    );
+                }
             }
         }
         if let Err(broken) = self.core.check_invariants() {
@@ -123,7 +153,12 @@ impl Checked {
 
     fn apply(&mut self, op: Op) {
         match op {
-            Op::Open { p, e, iterations, ms } => {
+            Op::Open {
+                p,
+                e,
+                iterations,
+                ms,
+            } => {
                 let id = self.next_id;
                 self.next_id += 1;
                 self.open.insert(SessionId(id));

@@ -20,8 +20,12 @@ fn pack_opens_a_lane_per_session_stacked_down_from_the_top() {
         Action::Admit {
             session: SessionId(1),
             lane: LaneId(0),
-            persistent: Extent { offset: 0, size: 100 * MB },
+            persistent: Extent {
+                offset: 0,
+                size: 100 * MB
+            },
             lane_size: 200 * MB,
+            resumed: false,
         }
     );
     assert_eq!(
@@ -29,18 +33,32 @@ fn pack_opens_a_lane_per_session_stacked_down_from_the_top() {
         Action::MoveLane {
             lane: LaneId(0),
             from: None,
-            to: Extent { offset: 800 * MB, size: 200 * MB },
+            to: Extent {
+                offset: 800 * MB,
+                size: 200 * MB
+            },
         }
     );
     assert_eq!(admitted(&b), vec![(2, LaneId(1))]);
     let lanes = d.core.lanes();
-    assert_eq!(lanes[1].placed, Some(Extent { offset: 500 * MB, size: 300 * MB }));
+    assert_eq!(
+        lanes[1].placed,
+        Some(Extent {
+            offset: 500 * MB,
+            size: 300 * MB
+        })
+    );
     let map = d.core.memory_map();
     assert_eq!(map.persistent_bytes, 150 * MB);
     assert_eq!(map.lane_bytes, 500 * MB);
     assert_eq!(map.available_bytes, 350 * MB);
     assert_eq!(map.total(), 1000 * MB);
-    assert!(matches!(map.regions[1].kind, RegionKind::Persistent { session: SessionId(2) }));
+    assert!(matches!(
+        map.regions[1].kind,
+        RegionKind::Persistent {
+            session: SessionId(2)
+        }
+    ));
     assert_eq!(map.regions[2].kind, RegionKind::Free);
 }
 
@@ -80,7 +98,11 @@ fn algorithm_2_1_grows_the_smallest_lane_that_keeps_safety() {
     let a = d.open(spec(4, 0, 250 * MB));
     assert_eq!(admitted(&a), vec![(4, LaneId(0))], "best fit, not growth");
     let a = d.open(spec(5, 0, 350 * MB));
-    assert_eq!(admitted(&a), vec![(5, LaneId(2))], "existing 400 lane fits 350");
+    assert_eq!(
+        admitted(&a),
+        vec![(5, LaneId(2))],
+        "existing 400 lane fits 350"
+    );
 }
 
 #[test]
@@ -118,8 +140,12 @@ fn a_session_that_can_never_fit_is_rejected_with_sizes() {
     };
     assert_eq!(*session, SessionId(1));
     let text = reason.to_string();
-    for needle in ["524288000 persistent", "524288000 ephemeral", "1048576000 bytes", "943718400"]
-    {
+    for needle in [
+        "524288000 persistent",
+        "524288000 ephemeral",
+        "1048576000 bytes",
+        "943718400",
+    ] {
         assert!(text.contains(needle), "{text:?} lacks {needle}");
     }
     assert!(d.core.session(SessionId(1)).is_none());
@@ -144,21 +170,38 @@ fn a_session_waits_for_memory_with_the_reason_and_is_admitted_when_it_frees() {
             }
         }]
     );
-    assert!(a[0].clone() != Action::Closed { session: SessionId(2) });
+    assert!(
+        a[0].clone()
+            != Action::Closed {
+                session: SessionId(2)
+            }
+    );
     let text = match &a[0] {
         Action::Queue { reason, .. } => reason.to_string(),
         _ => unreachable!(),
     };
-    assert!(text.contains("734003200 bytes") && text.contains("209715200 of 1048576000"), "{text}");
+    assert!(
+        text.contains("734003200 bytes") && text.contains("209715200 of 1048576000"),
+        "{text}"
+    );
     let a = d.close(1);
-    assert_eq!(a[0], Action::Closed { session: SessionId(1) });
+    assert_eq!(
+        a[0],
+        Action::Closed {
+            session: SessionId(1)
+        }
+    );
     assert_eq!(admitted(&a), vec![(2, LaneId(1))]);
     // The persistent region reuses offset 0.
     assert!(a.contains(&Action::Admit {
         session: SessionId(2),
         lane: LaneId(1),
-        persistent: Extent { offset: 0, size: 300 * MB },
+        persistent: Extent {
+            offset: 0,
+            size: 300 * MB
+        },
         lane_size: 400 * MB,
+        resumed: false,
     }));
 }
 
@@ -167,9 +210,22 @@ fn reserve_is_never_handed_out() {
     let mut d = Driver::new(1000 * MB, 200 * MB, PolicyKind::Pack);
     d.open(spec(1, 100 * MB, 600 * MB));
     let a = d.open(spec(2, 150 * MB, 60 * MB));
-    assert!(matches!(a[0], Action::Queue { reason: WaitReason::Memory { .. }, .. }), "{a:?}");
+    assert!(
+        matches!(
+            a[0],
+            Action::Queue {
+                reason: WaitReason::Memory { .. },
+                ..
+            }
+        ),
+        "{a:?}"
+    );
     let a = d.open(spec(3, 40 * MB, 70 * MB));
-    assert_eq!(admitted(&a), vec![(3, LaneId(0))], "a new lane needs 810 > 800; joining the 600 lane needs 740");
+    assert_eq!(
+        admitted(&a),
+        vec![(3, LaneId(0))],
+        "a new lane needs 810 > 800; joining the 600 lane needs 740"
+    );
 }
 
 #[test]
@@ -181,7 +237,9 @@ fn fifo_runs_one_session_at_a_time_in_arrival_order() {
         a,
         vec![Action::Queue {
             session: SessionId(2),
-            reason: WaitReason::DeviceBusy { running: SessionId(1) }
+            reason: WaitReason::DeviceBusy {
+                running: SessionId(1)
+            }
         }]
     );
     let a = d.open(spec(3, 10 * MB, 10 * MB));
@@ -189,7 +247,10 @@ fn fifo_runs_one_session_at_a_time_in_arrival_order() {
         a,
         vec![Action::Queue {
             session: SessionId(3),
-            reason: WaitReason::BehindEarlier { first: SessionId(2) }
+            reason: WaitReason::BehindEarlier {
+                first: SessionId(2),
+                policy: PolicyKind::Fifo
+            }
         }]
     );
     let a = d.close(1);
@@ -205,7 +266,11 @@ fn iterations_start_only_at_boundaries_and_one_per_lane() {
     d.open(spec(2, 10 * MB, 100 * MB));
     assert_eq!(d.core.lanes().len(), 1, "FAIR time-shares one lane");
     assert_eq!(started(&d.submit(1)), vec![1]);
-    assert_eq!(started(&d.submit(2)), Vec::<u64>::new(), "lane busy until the boundary");
+    assert_eq!(
+        started(&d.submit(2)),
+        Vec::<u64>::new(),
+        "lane busy until the boundary"
+    );
     assert_eq!(started(&d.submit(1)), Vec::<u64>::new());
     assert_eq!(started(&d.finish(1, 10)), vec![2]);
     assert_eq!(started(&d.finish(2, 10)), vec![1]);
@@ -250,7 +315,11 @@ fn srtf_preempts_the_longer_job_at_the_next_boundary() {
     d.submit(1);
     // A short job arrives; it fits alone beside job 1's persistent memory.
     let a = d.open(timed(2, 100 * MB, 500 * MB, 3, 50));
-    assert_eq!(admitted(&a), vec![(2, LaneId(0))], "shares the one lane, grown to 500");
+    assert_eq!(
+        admitted(&a),
+        vec![(2, LaneId(0))],
+        "shares the one lane, grown to 500"
+    );
     d.submit(2);
     let a = d.finish(1, 100);
     assert_eq!(
@@ -267,7 +336,11 @@ fn srtf_preempts_the_longer_job_at_the_next_boundary() {
     assert_eq!(started(&d.finish(2, 50)), vec![2]);
     d.submit(2);
     assert_eq!(started(&d.finish(2, 50)), vec![2]);
-    assert_eq!(started(&d.finish(2, 50)), vec![1], "long job resumes when short one is done");
+    assert_eq!(
+        started(&d.finish(2, 50)),
+        vec![1],
+        "long job resumes when short one is done"
+    );
     d.close(2);
 }
 
@@ -281,7 +354,11 @@ fn srtf_uses_measured_time_over_the_hint() {
     d.submit(2);
     assert_eq!(started(&d.log), vec![1], "by hints job 1 is shorter");
     d.submit(1);
-    assert_eq!(started(&d.finish(1, 100)), vec![2], "9 x 100 ms > 10 x 20 ms");
+    assert_eq!(
+        started(&d.finish(1, 100)),
+        vec![2],
+        "9 x 100 ms > 10 x 20 ms"
+    );
 }
 
 #[test]
@@ -292,16 +369,29 @@ fn close_during_an_iteration_frees_memory_after_it_finishes() {
     d.submit(1);
     let waiting = d.open(spec(2, 300 * MB, 300 * MB));
     assert!(matches!(waiting[0], Action::Queue { .. }));
-    assert_eq!(d.close(1), vec![], "memory stays in use while the iteration runs");
+    assert_eq!(
+        d.close(1),
+        vec![],
+        "memory stays in use while the iteration runs"
+    );
     assert_eq!(d.core.memory_map().persistent_bytes, 300 * MB);
     assert_eq!(
-        d.core.handle(d.now, Event::IterationSubmitted(SessionId(1))),
+        d.core
+            .handle(d.now, Event::IterationSubmitted(SessionId(1))),
         Err(CoreError::Closing(SessionId(1)))
     );
     let a = d.finish(1, 5);
-    assert_eq!(a[0], Action::Closed { session: SessionId(1) });
+    assert_eq!(
+        a[0],
+        Action::Closed {
+            session: SessionId(1)
+        }
+    );
     assert_eq!(admitted(&a), vec![(2, LaneId(1))]);
-    assert!(started(&a).is_empty(), "the pending iteration of a closed session is dropped");
+    assert!(
+        started(&a).is_empty(),
+        "the pending iteration of a closed session is dropped"
+    );
 }
 
 #[test]
@@ -310,15 +400,33 @@ fn lanes_below_an_emptied_lane_move_up_at_their_next_boundary() {
     d.open(spec(1, 0, 200 * MB));
     d.open(spec(2, 0, 300 * MB));
     d.submit(2);
-    assert_eq!(d.core.lanes()[1].placed, Some(Extent { offset: 500 * MB, size: 300 * MB }));
+    assert_eq!(
+        d.core.lanes()[1].placed,
+        Some(Extent {
+            offset: 500 * MB,
+            size: 300 * MB
+        })
+    );
     let a = d.close(1);
     assert!(
         !a.iter().any(|x| matches!(x, Action::MoveLane { .. })),
         "lane 1 is running: it must not move"
     );
     let lane = &d.core.lanes()[0];
-    assert_eq!(lane.target, Extent { offset: 700 * MB, size: 300 * MB });
-    assert_eq!(lane.placed, Some(Extent { offset: 500 * MB, size: 300 * MB }));
+    assert_eq!(
+        lane.target,
+        Extent {
+            offset: 700 * MB,
+            size: 300 * MB
+        }
+    );
+    assert_eq!(
+        lane.placed,
+        Some(Extent {
+            offset: 500 * MB,
+            size: 300 * MB
+        })
+    );
     d.submit(2);
     let a = d.finish(2, 10);
     assert_eq!(
@@ -326,8 +434,14 @@ fn lanes_below_an_emptied_lane_move_up_at_their_next_boundary() {
         vec![
             Action::MoveLane {
                 lane: LaneId(1),
-                from: Some(Extent { offset: 500 * MB, size: 300 * MB }),
-                to: Extent { offset: 700 * MB, size: 300 * MB },
+                from: Some(Extent {
+                    offset: 500 * MB,
+                    size: 300 * MB
+                }),
+                to: Extent {
+                    offset: 700 * MB,
+                    size: 300 * MB
+                },
             },
             Action::StartIteration {
                 session: SessionId(2),
@@ -354,7 +468,9 @@ fn a_new_lane_waits_for_the_lane_it_overlaps_to_move() {
     assert!(started(&d.log).iter().all(|&s| s != 3));
     let a = d.finish(2, 10);
     assert_eq!(
-        a.iter().filter(|x| matches!(x, Action::MoveLane { .. })).count(),
+        a.iter()
+            .filter(|x| matches!(x, Action::MoveLane { .. }))
+            .count(),
         2,
         "lane 1 moves up, then lane 2 is placed: {a:?}"
     );
@@ -370,8 +486,14 @@ fn a_lane_shrinks_when_its_largest_session_leaves() {
     let a = d.close(2);
     assert!(a.contains(&Action::MoveLane {
         lane: LaneId(0),
-        from: Some(Extent { offset: 600 * MB, size: 400 * MB }),
-        to: Extent { offset: 900 * MB, size: 100 * MB },
+        from: Some(Extent {
+            offset: 600 * MB,
+            size: 400 * MB
+        }),
+        to: Extent {
+            offset: 900 * MB,
+            size: 100 * MB
+        },
     }));
     assert_eq!(d.core.memory_map().lane_bytes, 100 * MB);
 }
@@ -389,7 +511,11 @@ fn persistent_holes_are_reused_best_fit() {
     let Action::Admit { persistent, .. } = &a[0] else {
         panic!("{a:?}")
     };
-    assert_eq!(persistent.offset, 150 * MB, "the 30 MB hole fits 25 MB best");
+    assert_eq!(
+        persistent.offset,
+        150 * MB,
+        "the 30 MB hole fits 25 MB best"
+    );
 }
 
 #[test]
@@ -400,7 +526,10 @@ fn draining_stops_admission_but_not_running_sessions() {
     let a = d.open(spec(2, 0, 100 * MB));
     assert_eq!(
         a,
-        vec![Action::Queue { session: SessionId(2), reason: WaitReason::Draining }]
+        vec![Action::Queue {
+            session: SessionId(2),
+            reason: WaitReason::Draining
+        }]
     );
     assert_eq!(started(&d.submit(1)), vec![1]);
     d.core.set_draining(false);
@@ -419,7 +548,11 @@ fn the_policy_can_change_while_sessions_run() {
     assert_eq!(admitted(&a), vec![(2, LaneId(1))]);
     d.core.set_policy(PolicyKind::Fair);
     let a = d.open(spec(3, 0, 50 * MB));
-    assert_eq!(admitted(&a), vec![(3, LaneId(0))], "FAIR adds no lane; joins best fit");
+    assert_eq!(
+        admitted(&a),
+        vec![(3, LaneId(0))],
+        "FAIR adds no lane; joins best fit"
+    );
 }
 
 #[test]
@@ -430,25 +563,41 @@ fn bad_events_are_errors_that_change_nothing() {
         core.handle(t, Event::IterationSubmitted(SessionId(9))),
         Err(CoreError::UnknownSession(SessionId(9)))
     );
-    core.handle(t, Event::SessionOpened(spec(1, 0, MB))).unwrap();
+    core.handle(t, Event::SessionOpened(spec(1, 0, MB)))
+        .unwrap();
     assert_eq!(
         core.handle(t, Event::SessionOpened(spec(1, 0, MB))),
         Err(CoreError::DuplicateSession(SessionId(1)))
     );
     assert_eq!(
-        core.handle(t, Event::IterationFinished { session: SessionId(1), duration: t }),
+        core.handle(
+            t,
+            Event::IterationFinished {
+                session: SessionId(1),
+                duration: t
+            }
+        ),
         Err(CoreError::NotRunning(SessionId(1)))
     );
     assert!(matches!(
         core.handle(Duration::ZERO, Event::Tick),
         Err(CoreError::TimeWentBackwards { .. })
     ));
-    let err = core.handle(t, Event::SessionOpened(spec(2, 0, 0))).unwrap_err();
-    assert!(err.to_string().contains("session 2: ephemeral_bytes"), "{err}");
+    let err = core
+        .handle(t, Event::SessionOpened(spec(2, 0, 0)))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("session 2: ephemeral_bytes"),
+        "{err}"
+    );
     assert_eq!(core.sessions().count(), 1);
     core.check_invariants().unwrap();
     let err = Scheduler::new(MemoryConfig::new(1000, 1000), PolicyKind::Pack).unwrap_err();
-    assert!(err.to_string().contains("reserve (1000 bytes) must be smaller"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("reserve (1000 bytes) must be smaller"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -460,8 +609,12 @@ fn sizes_are_rounded_up_to_the_alignment() {
         Action::Admit {
             session: SessionId(1),
             lane: LaneId(0),
-            persistent: Extent { offset: 0, size: 256 },
+            persistent: Extent {
+                offset: 0,
+                size: 256
+            },
             lane_size: 512,
+            resumed: false,
         }
     );
 }

@@ -295,13 +295,13 @@ mod tests {
     }
 
     #[test]
-    fn persistent_memory_is_below_ephemeral_for_large_batches() {
-        // Observation 2 of the papers; the fully connected alexnet and overfeat, and vae,
-        // keep a large share resident, so the check is on the deep models.
+    fn deep_models_keep_far_less_persistent_than_ephemeral_memory() {
+        // The papers' Observation 2. The fully connected alexnet and overfeat, and the tiny
+        // vae, keep a large part of their peak resident, so it is checked on deep models.
         for name in ["inception3_50", "resnet50_50", "resnet152_75", "vgg16_100"] {
             let workload = get(name);
             assert!(
-                workload.persistent_bytes < workload.ephemeral_bytes,
+                4 * workload.persistent_bytes < workload.ephemeral_bytes,
                 "{name}"
             );
         }

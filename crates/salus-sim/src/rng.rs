@@ -40,12 +40,11 @@ impl Rng {
         -mean * (1.0 - self.unit()).ln()
     }
 
-    /// Bounded Pareto on `[lo, hi]` with shape `alpha`: the heavy tail of production job
-    /// durations (many short jobs, a few very long ones).
-    pub fn bounded_pareto(&mut self, alpha: f64, lo: f64, hi: f64) -> f64 {
-        let u = self.unit();
-        let ratio = (lo / hi).powf(alpha);
-        lo / (1.0 - u * (1.0 - ratio)).powf(1.0 / alpha)
+    /// Shuffles `items` uniformly (Fisher-Yates).
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.index(i + 1));
+        }
     }
 }
 
@@ -64,6 +63,23 @@ mod tests {
     }
 
     #[test]
+    fn pareto_quantiles_span_the_range() {
+        assert!((bounded_pareto_quantile(0.0, 1.1, 10.0, 1000.0) - 10.0).abs() < 1e-9);
+        assert!((bounded_pareto_quantile(1.0, 1.1, 10.0, 1000.0) - 1000.0).abs() < 1e-6);
+        let median = bounded_pareto_quantile(0.5, 1.1, 10.0, 1000.0);
+        assert!(median > 10.0 && median < 30.0, "{median}");
+    }
+
+    #[test]
+    fn shuffle_is_a_permutation() {
+        let mut v: Vec<u32> = (0..50).collect();
+        Rng::new(3).shuffle(&mut v);
+        assert_ne!(v, (0..50).collect::<Vec<_>>());
+        v.sort();
+        assert_eq!(v, (0..50).collect::<Vec<_>>());
+    }
+
+    #[test]
     fn distributions_stay_in_range_and_have_the_right_mean() {
         let mut rng = Rng::new(1);
         let n = 200_000;
@@ -74,11 +90,17 @@ mod tests {
             assert!((0.0..1.0).contains(&u));
             sum_unit += u;
             sum_exp += rng.exponential(3.0);
-            let p = rng.bounded_pareto(1.1, 10.0, 1000.0);
-            assert!((10.0..=1000.0).contains(&p), "{p}");
             assert!(rng.index(5) < 5);
         }
         assert!((sum_unit / n as f64 - 0.5).abs() < 0.01);
         assert!((sum_exp / n as f64 - 3.0).abs() < 0.05);
     }
+}
+
+/// The `u`-quantile (`0 <= u < 1`) of the bounded Pareto distribution on `[lo, hi]` with
+/// shape `alpha`: the heavy tail of production job durations (many short jobs, a few very
+/// long ones).
+pub fn bounded_pareto_quantile(u: f64, alpha: f64, lo: f64, hi: f64) -> f64 {
+    let ratio = (lo / hi).powf(alpha);
+    lo / (1.0 - u * (1.0 - ratio)).powf(1.0 / alpha)
 }

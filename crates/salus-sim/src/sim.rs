@@ -9,14 +9,18 @@
 //! not saturate the GPU (S <= 1) run at full speed side by side; beyond that the GPU's
 //! throughput is the bottleneck and everyone slows down in proportion. On top of that,
 //! every job switch on a lane (an iteration of another session than the one before it)
-//! costs a fixed time, so time-sharing and preemption are not free either.
+//! costs a fixed time, so time-sharing and preemption are not free either; and a session
+//! suspended to host memory (SRTF making room) pays for copying its persistent tensors out
+//! and back in with its next iteration.
 //!
 //! Clients are modelled as real training loops: a job submits its next iteration when the
 //! previous one returns, and closes its session after its last iteration.
 
 use std::time::Duration;
 
-use salus_core::{Action, Event, Hints, MemoryConfig, PolicyKind, Scheduler, SessionId, SessionKind, SessionSpec};
+use salus_core::{
+    Action, Event, Hints, MemoryConfig, PolicyKind, Scheduler, SessionId, SessionKind, SessionSpec,
+};
 
 use crate::catalog::REFERENCE_CAPACITY_BYTES;
 use crate::trace::JobSpec;
@@ -34,12 +38,18 @@ pub struct SimConfig {
     pub switch_cost_s: f64,
     /// Record each job's progress in buckets of this many seconds (for share plots).
     pub sample_s: Option<f64>,
+    /// Bytes per second between device and host memory, for suspending and restoring
+    /// persistent tensors.
+    pub host_bandwidth: f64,
 }
 
 impl SimConfig {
     /// Switch cost used unless told otherwise: the model stays resident, so a switch is the
     /// launch of the next session's first kernels, well under the iteration times here.
     pub const DEFAULT_SWITCH_COST_S: f64 = 0.001;
+
+    /// Device-host copy bandwidth: PCIe 3.0 x16 as a P100 sees it, about 12 GB/s.
+    pub const DEFAULT_HOST_BANDWIDTH: f64 = 12e9;
 
     /// The papers' setup: one 16 GB P100, no reserve, the default switch cost.
     pub fn reference(policy: PolicyKind) -> Self {
@@ -49,6 +59,7 @@ impl SimConfig {
             policy,
             switch_cost_s: Self::DEFAULT_SWITCH_COST_S,
             sample_s: None,
+            host_bandwidth: Self::DEFAULT_HOST_BANDWIDTH,
         }
     }
 }
@@ -104,6 +115,8 @@ pub struct SimReport {
     pub jobs: Vec<JobOutcome>,
     /// Lane switches between sessions.
     pub switches: u64,
+    /// Sessions suspended to host memory to make room (SRTF).
+    pub suspensions: u64,
     /// With `sample_s`: per bucket, per job, seconds of solo-speed progress made.
     pub progress: Vec<Vec<f64>>,
 }
@@ -193,12 +206,19 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
         })
         .collect();
     let mut arrivals: Vec<usize> = (0..jobs.len()).collect();
-    arrivals.sort_by(|&a, &b| jobs[a].arrival_s.total_cmp(&jobs[b].arrival_s).then(a.cmp(&b)));
+    arrivals.sort_by(|&a, &b| {
+        jobs[a]
+            .arrival_s
+            .total_cmp(&jobs[b].arrival_s)
+            .then(a.cmp(&b))
+    });
     let mut next_arrival = 0;
     let mut done = vec![0u64; jobs.len()];
     let mut running: Vec<Running> = Vec::new();
     let mut progress: Vec<Vec<f64>> = Vec::new();
     let mut switches = 0;
+    let mut suspensions = 0;
+    let mut restore_s = vec![0.0f64; jobs.len()];
     let mut unresolved = jobs.len();
     let mut now = 0.0f64;
 
@@ -218,7 +238,9 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                 .waiting()
                 .iter()
                 .map(|(id, reason)| {
-                    let why = reason.as_ref().map_or("undecided".to_string(), |r| r.to_string());
+                    let why = reason
+                        .as_ref()
+                        .map_or("undecided".to_string(), |r| r.to_string());
                     format!("{}: {why}", jobs[id.0 as usize].id)
                 })
                 .collect::<Vec<_>>()
@@ -300,9 +322,19 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
         }
         for action in core.poll() {
             match action {
-                Action::Admit { session, .. } => {
-                    outcomes[session.0 as usize].admitted_s = Some(now);
+                Action::Admit {
+                    session, resumed, ..
+                } => {
+                    let job = session.0 as usize;
+                    outcomes[job].admitted_s.get_or_insert(now);
+                    if resumed {
+                        // Copying the persistent tensors out and back in, paid by the job's
+                        // next iteration.
+                        restore_s[job] +=
+                            2.0 * jobs[job].persistent_bytes as f64 / config.host_bandwidth;
+                    }
                 }
+                Action::Suspend { .. } => suspensions += 1,
                 Action::Reject { session, reason } => {
                     outcomes[session.0 as usize].rejected = Some(reason.to_string());
                     unresolved -= 1;
@@ -313,7 +345,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                     ..
                 } => {
                     let job = session.0 as usize;
-                    let mut work = jobs[job].iteration_s;
+                    let mut work = jobs[job].iteration_s + std::mem::take(&mut restore_s[job]);
                     if switched_from.is_some() {
                         switches += 1;
                         work += config.switch_cost_s;
@@ -335,6 +367,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
     Ok(SimReport {
         jobs: outcomes,
         switches,
+        suspensions,
         progress,
     })
 }
@@ -370,7 +403,14 @@ fn record_progress(
 mod tests {
     use super::*;
 
-    fn job(id: &str, arrival_s: f64, iterations: u64, iteration_s: f64, share: f64, gb: u64) -> JobSpec {
+    fn job(
+        id: &str,
+        arrival_s: f64,
+        iterations: u64,
+        iteration_s: f64,
+        share: f64,
+        gb: u64,
+    ) -> JobSpec {
         JobSpec {
             id: id.into(),
             arrival_s,
@@ -392,7 +432,10 @@ mod tests {
 
     #[test]
     fn fifo_runs_jobs_back_to_back() {
-        let jobs = vec![job("a", 0.0, 10, 1.0, 0.5, 2), job("b", 0.0, 5, 1.0, 0.5, 2)];
+        let jobs = vec![
+            job("a", 0.0, 10, 1.0, 0.5, 2),
+            job("b", 0.0, 5, 1.0, 0.5, 2),
+        ];
         let report = simulate(&jobs, &config(PolicyKind::Fifo)).unwrap();
         let s = report.summary();
         assert_eq!(report.jobs[0].finished_s, Some(10.0));
@@ -404,29 +447,44 @@ mod tests {
 
     #[test]
     fn pack_overlaps_jobs_that_do_not_saturate_the_gpu() {
-        let jobs = vec![job("a", 0.0, 10, 1.0, 0.5, 2), job("b", 0.0, 10, 1.0, 0.5, 2)];
+        let jobs = vec![
+            job("a", 0.0, 10, 1.0, 0.5, 2),
+            job("b", 0.0, 10, 1.0, 0.5, 2),
+        ];
         let report = simulate(&jobs, &config(PolicyKind::Pack)).unwrap();
         assert!((report.summary().makespan_s - 10.0).abs() < 1e-6);
         // Saturating jobs gain nothing: two at share 1.0 take as long as back to back.
-        let jobs = vec![job("a", 0.0, 10, 1.0, 1.0, 2), job("b", 0.0, 10, 1.0, 1.0, 2)];
+        let jobs = vec![
+            job("a", 0.0, 10, 1.0, 1.0, 2),
+            job("b", 0.0, 10, 1.0, 1.0, 2),
+        ];
         let report = simulate(&jobs, &config(PolicyKind::Pack)).unwrap();
         assert!((report.summary().makespan_s - 20.0).abs() < 1e-6);
     }
 
     #[test]
     fn srtf_runs_the_short_job_first_and_switches_cost_time() {
-        let jobs = vec![job("long", 0.0, 100, 1.0, 1.0, 2), job("short", 10.5, 5, 1.0, 1.0, 2)];
+        let jobs = vec![
+            job("long", 0.0, 100, 1.0, 1.0, 2),
+            job("short", 10.5, 5, 1.0, 1.0, 2),
+        ];
         let report = simulate(&jobs, &SimConfig::reference(PolicyKind::Srtf)).unwrap();
         // The short job waits for the boundary at 11 s, runs 5 iterations (+1 switch).
         let short = &report.jobs[1];
-        assert!((short.finished_s.unwrap() - 16.001).abs() < 1e-6, "{short:?}");
+        assert!(
+            (short.finished_s.unwrap() - 16.001).abs() < 1e-6,
+            "{short:?}"
+        );
         assert_eq!(report.switches, 2);
         assert!((report.jobs[0].finished_s.unwrap() - 105.002).abs() < 1e-6);
     }
 
     #[test]
     fn jobs_too_big_for_the_device_are_rejected_not_stalled() {
-        let jobs = vec![job("huge", 0.0, 1, 1.0, 1.0, 17), job("ok", 0.0, 1, 1.0, 1.0, 1)];
+        let jobs = vec![
+            job("huge", 0.0, 1, 1.0, 1.0, 17),
+            job("ok", 0.0, 1, 1.0, 1.0, 1),
+        ];
         let report = simulate(&jobs, &config(PolicyKind::Pack)).unwrap();
         let reason = report.jobs[0].rejected.as_deref().unwrap();
         assert!(reason.contains("can never fit"), "{reason}");
@@ -435,7 +493,10 @@ mod tests {
 
     #[test]
     fn progress_buckets_add_up_to_the_work_done() {
-        let jobs = vec![job("a", 0.0, 10, 0.3, 1.0, 2), job("b", 0.0, 10, 0.3, 1.0, 2)];
+        let jobs = vec![
+            job("a", 0.0, 10, 0.3, 1.0, 2),
+            job("b", 0.0, 10, 0.3, 1.0, 2),
+        ];
         let cfg = SimConfig {
             sample_s: Some(1.0),
             ..config(PolicyKind::Fair)

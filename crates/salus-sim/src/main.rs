@@ -1,0 +1,337 @@
+//! `salus-sim`: replay job traces through the salus scheduler in virtual time and
+//! reproduce the Salus experiments.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use salus_core::PolicyKind;
+use salus_sim::experiments::{self, FairShareResult, TrainingResult, TuningResult};
+use salus_sim::{SimConfig, catalog, simulate, trace};
+
+/// Replay job traces through the salus scheduler in virtual time, and reproduce the
+/// experiments of the Salus paper (Table 2.1, Fig. 2.9, Fig. 2.10) on any machine.
+#[derive(Debug, Parser)]
+#[command(name = "salus-sim", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run one of the paper's experiments.
+    Experiment {
+        #[command(subcommand)]
+        which: Experiment,
+    },
+    /// Replay a JSON Lines trace (one job per line) under one policy.
+    Replay {
+        /// The trace file.
+        trace: PathBuf,
+        /// fifo, pack, srtf or fair.
+        #[arg(long, default_value = "pack")]
+        policy: PolicyKind,
+        /// Device memory in bytes (default: the 16 GB P100 of the papers).
+        #[arg(long, default_value_t = catalog::REFERENCE_CAPACITY_BYTES)]
+        capacity: u64,
+        /// Bytes kept free.
+        #[arg(long, default_value_t = 0)]
+        reserve: u64,
+        /// Accepted for uniformity with the experiments; a replay draws nothing at random.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the generated trace of the training experiment as JSON Lines.
+    Trace {
+        /// Seed of the generated trace.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Print the workload catalog (the papers' 15 models x 3 batch sizes).
+    Catalog {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Experiment {
+    /// 100 training jobs arriving online; FIFO vs SRTF vs PACK vs FAIR (Table 2.1).
+    Training {
+        /// Seed of the generated trace.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Two sets of 300 tuning trials arriving at once; FIFO vs PACK makespan (Fig. 2.10).
+    Tuning {
+        /// Seed of the trial durations.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Three inception3_50 jobs under FAIR starting at 0, 15 and 30 s (Fig. 2.9).
+    FairShare {
+        /// Seed of the job lengths.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("salus-sim: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<String, String> {
+    serde_json::to_string_pretty(value).map_err(|e| e.to_string())
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Experiment { which } => match which {
+            Experiment::Training { seed, json } => {
+                let result = experiments::training(seed).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_training(&result, true);
+                }
+            }
+            Experiment::Tuning { seed, json } => {
+                let result = experiments::tuning(seed).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_tuning(&result);
+                }
+            }
+            Experiment::FairShare { seed, json } => {
+                let result = experiments::fair_share(seed).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_fair_share(&result);
+                }
+            }
+        },
+        Command::Replay {
+            trace: path,
+            policy,
+            capacity,
+            reserve,
+            seed: _,
+            json,
+        } => {
+            let jobs = trace::read_trace(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let config = SimConfig {
+                capacity,
+                reserve,
+                ..SimConfig::reference(policy)
+            };
+            let report = simulate(&jobs, &config).map_err(|e| e.to_string())?;
+            let summary = report.summary();
+            if json {
+                let outcomes: Vec<_> = report
+                    .jobs
+                    .iter()
+                    .map(|j| {
+                        serde_json::json!({
+                            "id": j.id,
+                            "arrival_s": j.arrival_s,
+                            "admitted_s": j.admitted_s,
+                            "finished_s": j.finished_s,
+                            "rejected": j.rejected,
+                        })
+                    })
+                    .collect();
+                let value = serde_json::json!({
+                    "policy": policy.name(),
+                    "summary": summary,
+                    "jobs": outcomes,
+                });
+                println!("{}", to_json(&value)?);
+            } else {
+                println!("{} jobs from {} under {policy}", jobs.len(), path.display());
+                print_summary_header();
+                print_summary_row(policy.name(), &summary, None);
+                for job in report.jobs.iter().filter(|j| j.rejected.is_some()) {
+                    println!(
+                        "rejected {}: {}",
+                        job.id,
+                        job.rejected.as_deref().unwrap_or("")
+                    );
+                }
+            }
+        }
+        Command::Trace { seed } => {
+            for job in experiments::training_trace(seed) {
+                println!("{}", job.to_json_line());
+            }
+        }
+        Command::Catalog { json } => {
+            if json {
+                let rows: Vec<_> = catalog::catalog()
+                    .iter()
+                    .map(|w| {
+                        serde_json::json!({
+                            "name": w.name(),
+                            "persistent_bytes": w.persistent_bytes,
+                            "ephemeral_bytes": w.ephemeral_bytes,
+                            "iteration_s": w.iteration_s,
+                            "compute_share": w.compute_share,
+                        })
+                    })
+                    .collect();
+                println!("{}", to_json(&rows)?);
+            } else {
+                println!(
+                    "{:<18} {:>10} {:>10} {:>12} {:>8}",
+                    "workload", "P (MB)", "E (MB)", "iteration s", "share"
+                );
+                for w in catalog::catalog() {
+                    println!(
+                        "{:<18} {:>10.1} {:>10.1} {:>12.4} {:>8.2}",
+                        w.name(),
+                        w.persistent_bytes as f64 / 1e6,
+                        w.ephemeral_bytes as f64 / 1e6,
+                        w.iteration_s,
+                        w.compute_share
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Table 2.1 of the papers, in minutes: makespan, average queuing, average JCT, 95% JCT.
+const PAPER_TABLE_2_1: [(&str, [f64; 4]); 4] = [
+    ("fifo", [303.4, 167.6, 170.6, 251.1]),
+    ("srtf", [306.0, 28.6, 53.4, 217.0]),
+    ("pack", [287.4, 129.9, 145.5, 266.1]),
+    ("fair", [301.6, 58.5, 96.6, 281.2]),
+];
+
+fn print_summary_header() {
+    println!(
+        "{:<8} {:>12} {:>12} {:>12} {:>12}",
+        "policy", "makespan", "avg queue", "avg JCT", "95% JCT"
+    );
+}
+
+fn print_summary_row(name: &str, s: &salus_sim::Summary, paper: Option<[f64; 4]>) {
+    let min = |x: f64| format!("{:.1} min", x / 60.0);
+    println!(
+        "{:<8} {:>12} {:>12} {:>12} {:>12}",
+        name,
+        min(s.makespan_s),
+        min(s.avg_queue_s),
+        min(s.avg_jct_s),
+        min(s.p95_jct_s)
+    );
+    if let Some(p) = paper {
+        println!(
+            "{:<8} {:>12} {:>12} {:>12} {:>12}",
+            "  paper",
+            format!("{:.1} min", p[0]),
+            format!("{:.1} min", p[1]),
+            format!("{:.1} min", p[2]),
+            format!("{:.1} min", p[3])
+        );
+    }
+}
+
+fn print_training(result: &TrainingResult, with_paper: bool) {
+    println!(
+        "Long training trace: {} jobs (seed {}), one 16 GB P100 simulated",
+        result.jobs, result.seed
+    );
+    print_summary_header();
+    for (name, paper) in PAPER_TABLE_2_1 {
+        if let Some(s) = result.policies.get(name) {
+            print_summary_row(name, s, with_paper.then_some(paper));
+        }
+    }
+    let jct = |p: &str| result.policies.get(p).map_or(f64::NAN, |s| s.avg_jct_s);
+    println!(
+        "avg JCT, FIFO / SRTF: {:.2}x (paper 3.19x); FIFO / FAIR: {:.2}x (paper 1.77x)",
+        jct("fifo") / jct("srtf"),
+        jct("fifo") / jct("fair")
+    );
+}
+
+fn print_tuning(result: &TuningResult) {
+    println!(
+        "Hyperparameter tuning: {} trials per set, all arriving at once (seed {})",
+        experiments::TUNING_JOBS,
+        result.seed
+    );
+    println!(
+        "{:<14} {:>14} {:>14} {:>9} {:>7}",
+        "set", "FIFO makespan", "PACK makespan", "speedup", "paper"
+    );
+    for (name, set) in &result.sets {
+        let paper = if name == "superres_128" {
+            "2.38x"
+        } else {
+            "1.07x"
+        };
+        println!(
+            "{:<14} {:>12.1} m {:>12.1} m {:>8.2}x {:>7}",
+            name,
+            set.fifo_makespan_s / 60.0,
+            set.pack_makespan_s / 60.0,
+            set.speedup,
+            paper
+        );
+    }
+}
+
+fn print_fair_share(result: &FairShareResult) {
+    println!(
+        "Fair sharing: three {} jobs under FAIR (seed {})",
+        result.workload, result.seed
+    );
+    for (i, (start, end)) in result.jobs.iter().enumerate() {
+        println!("  job{i}: {start:>6.1} s -> {end:>7.1} s");
+    }
+    println!(
+        "shares over {:.0} s windows (every 15 s), and all jobs together:",
+        result.window_s
+    );
+    println!(
+        "{:>8} {:>7} {:>7} {:>7} {:>10}",
+        "t (s)", "job0", "job1", "job2", "images/s"
+    );
+    for point in result.series.iter().step_by(15) {
+        print!("{:>8.0}", point.t_s);
+        for share in &point.shares {
+            print!(" {share:>7.3}");
+        }
+        println!(" {:>10.1}", point.images_per_s);
+    }
+    println!(
+        "largest gap from an equal share while all three run: {:.1}% ({:.0} s windows), {:.1}% (10 s windows)",
+        result.max_share_deviation * 100.0,
+        result.window_s,
+        result.max_share_deviation_10s * 100.0
+    );
+}
