@@ -283,6 +283,96 @@ fn batch_size(workload: &Workload) -> f64 {
     workload.batch.parse().unwrap_or(1.0)
 }
 
+/// One target of the issue that set up these experiments, checked against a result.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetCheck {
+    /// What is measured.
+    pub name: &'static str,
+    /// The measured value.
+    pub value: f64,
+    /// The goal, in words.
+    pub goal: &'static str,
+    /// Whether the value meets the goal.
+    pub met: bool,
+}
+
+impl TargetCheck {
+    fn new(name: &'static str, value: f64, goal: &'static str, met: bool) -> Self {
+        TargetCheck {
+            name,
+            value,
+            goal,
+            met,
+        }
+    }
+}
+
+/// Table 2.1 targets: SRTF average JCT at least 3x better than FIFO's; PACK makespan below
+/// FIFO's; FAIR average JCT between SRTF's and FIFO's.
+pub fn training_targets(result: &TrainingResult) -> Vec<TargetCheck> {
+    let get = |p: &str| result.policies.get(p).copied();
+    let (Some(fifo), Some(srtf), Some(pack), Some(fair)) =
+        (get("fifo"), get("srtf"), get("pack"), get("fair"))
+    else {
+        return Vec::new();
+    };
+    let srtf_gain = fifo.avg_jct_s / srtf.avg_jct_s;
+    let pack_gain = fifo.makespan_s / pack.makespan_s;
+    let fair_position = (fifo.avg_jct_s - fair.avg_jct_s) / (fifo.avg_jct_s - srtf.avg_jct_s);
+    vec![
+        TargetCheck::new(
+            "FIFO / SRTF average JCT",
+            srtf_gain,
+            ">= 3 (paper 3.19)",
+            srtf_gain >= 3.0,
+        ),
+        TargetCheck::new(
+            "FIFO / PACK makespan",
+            pack_gain,
+            "> 1 (paper 1.06)",
+            pack_gain > 1.0,
+        ),
+        TargetCheck::new(
+            "FAIR average JCT, 0 = FIFO's, 1 = SRTF's",
+            fair_position,
+            "strictly between 0 and 1 (paper 0.63)",
+            fair_position > 0.0 && fair_position < 1.0,
+        ),
+    ]
+}
+
+/// Fig. 2.10 targets: superres_128 PACK makespan at least 2x better than FIFO's;
+/// resnet50_50 close to 1 (at most 1.2x).
+pub fn tuning_targets(result: &TuningResult) -> Vec<TargetCheck> {
+    let speedup = |name: &str| result.sets.get(name).map_or(f64::NAN, |s| s.speedup);
+    let superres = speedup("superres_128");
+    let resnet = speedup("resnet50_50");
+    vec![
+        TargetCheck::new(
+            "superres_128 FIFO / PACK makespan",
+            superres,
+            ">= 2 (paper 2.38)",
+            superres >= 2.0,
+        ),
+        TargetCheck::new(
+            "resnet50_50 FIFO / PACK makespan",
+            resnet,
+            "close to 1: [1, 1.2] (paper 1.07)",
+            (1.0..=1.2).contains(&resnet),
+        ),
+    ]
+}
+
+/// Fig. 2.9 target: every job's share within 5% of an equal share while all three run.
+pub fn fair_share_targets(result: &FairShareResult) -> Vec<TargetCheck> {
+    vec![TargetCheck::new(
+        "largest relative gap from an equal share",
+        result.max_share_deviation,
+        "<= 0.05",
+        result.max_share_deviation <= 0.05,
+    )]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -79,6 +79,16 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// Run all three experiments for seeds 1..=COUNT and report, per target, how many
+    /// seeds meet it and which do not.
+    Seeds {
+        /// How many seeds to run.
+        #[arg(long, default_value_t = 100)]
+        count: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Three inception3_50 jobs under FAIR starting at 0, 15 and 30 s (Fig. 2.9).
     FairShare {
         /// Seed of the job lengths.
@@ -113,6 +123,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_training(&result, true);
+                    print_targets(&experiments::training_targets(&result));
                 }
             }
             Experiment::Tuning { seed, json } => {
@@ -121,6 +132,15 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_tuning(&result);
+                    print_targets(&experiments::tuning_targets(&result));
+                }
+            }
+            Experiment::Seeds { count, json } => {
+                let sweep = seed_sweep(count)?;
+                if json {
+                    println!("{}", to_json(&sweep)?);
+                } else {
+                    print_sweep(&sweep, count);
                 }
             }
             Experiment::FairShare { seed, json } => {
@@ -129,6 +149,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_fair_share(&result);
+                    print_targets(&experiments::fair_share_targets(&result));
                 }
             }
         },
@@ -334,4 +355,88 @@ fn print_fair_share(result: &FairShareResult) {
         result.window_s,
         result.max_share_deviation_10s * 100.0
     );
+}
+
+fn print_targets(checks: &[experiments::TargetCheck]) {
+    for check in checks {
+        println!(
+            "[{}] {}: {:.3} (goal {})",
+            if check.met { "met" } else { "MISSED" },
+            check.name,
+            check.value,
+            check.goal
+        );
+    }
+}
+
+/// Per target: values over all seeds and the seeds that miss it.
+#[derive(Debug, serde::Serialize)]
+struct TargetSweep {
+    name: &'static str,
+    goal: &'static str,
+    min: f64,
+    median: f64,
+    max: f64,
+    met: usize,
+    missed_seeds: Vec<u64>,
+}
+
+fn seed_sweep(count: u64) -> Result<Vec<TargetSweep>, String> {
+    let mut rows: Vec<(u64, experiments::TargetCheck)> = Vec::new();
+    for seed in 1..=count {
+        let err = |e: salus_sim::SimError| format!("seed {seed}: {e}");
+        let training = experiments::training(seed).map_err(err)?;
+        let tuning = experiments::tuning(seed).map_err(err)?;
+        let fair = experiments::fair_share(seed).map_err(err)?;
+        rows.extend(
+            experiments::training_targets(&training)
+                .into_iter()
+                .chain(experiments::tuning_targets(&tuning))
+                .chain(experiments::fair_share_targets(&fair))
+                .map(|c| (seed, c)),
+        );
+    }
+    let mut names: Vec<&'static str> = Vec::new();
+    for (_, c) in &rows {
+        if !names.contains(&c.name) {
+            names.push(c.name);
+        }
+    }
+    Ok(names
+        .into_iter()
+        .map(|name| {
+            let of_name: Vec<&(u64, experiments::TargetCheck)> =
+                rows.iter().filter(|(_, c)| c.name == name).collect();
+            let mut values: Vec<f64> = of_name.iter().map(|(_, c)| c.value).collect();
+            values.sort_by(f64::total_cmp);
+            TargetSweep {
+                name,
+                goal: of_name.first().map_or("", |(_, c)| c.goal),
+                min: values.first().copied().unwrap_or(f64::NAN),
+                median: values.get(values.len() / 2).copied().unwrap_or(f64::NAN),
+                max: values.last().copied().unwrap_or(f64::NAN),
+                met: of_name.iter().filter(|(_, c)| c.met).count(),
+                missed_seeds: of_name
+                    .iter()
+                    .filter(|(_, c)| !c.met)
+                    .map(|(s, _)| *s)
+                    .collect(),
+            }
+        })
+        .collect())
+}
+
+fn print_sweep(sweep: &[TargetSweep], count: u64) {
+    println!("Targets over seeds 1..={count}:");
+    println!(
+        "{:<44} {:>8} {:>8} {:>8} {:>8}  missed by seeds",
+        "target (goal)", "min", "median", "max", "met"
+    );
+    for t in sweep {
+        println!(
+            "{:<44} {:>8.3} {:>8.3} {:>8.3} {:>4}/{:<3}  {:?}",
+            t.name, t.min, t.median, t.max, t.met, count, t.missed_seeds
+        );
+        println!("  goal: {}", t.goal);
+    }
 }
