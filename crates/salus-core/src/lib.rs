@@ -41,6 +41,6 @@ pub mod session;
 pub use memory::{
     Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
 };
-pub use policy::{Policy, PolicyKind};
+pub use policy::{Policy, PolicyKind, RunKey};
 pub use scheduler::{Action, CoreError, Event, LaneInfo, Scheduler};
 pub use session::{Hints, SessionId, SessionKind, SessionSpec, SessionStats, SessionView};

@@ -105,9 +105,25 @@ pub trait Policy: Sync {
     /// Order in which waiting sessions are offered memory (`Less` first).
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering;
 
-    /// Order in which ready sessions of one lane run their next iteration (`Less` first).
-    /// `Ordering::Equal` never happens: ties fall back to arrival and then id.
-    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering;
+    /// Where a ready session stands in its lane's run queue: the smallest key runs next,
+    /// ties go to the smaller session id. The key depends only on the session's own
+    /// accounting, so run queues stay ordered sets and picking the next iteration is
+    /// logarithmic in the number of sessions.
+    fn run_key(&self, session: &SessionView<'_>) -> RunKey;
+}
+
+/// Position in a lane's run queue; compared lexicographically, smallest first.
+pub type RunKey = [u64; 3];
+
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Never-started sorts first, then the longest ago.
+fn last_started(s: &SessionView<'_>) -> u64 {
+    s.stats
+        .last_started_at
+        .map_or(0, |t| nanos(t).saturating_add(1))
 }
 
 fn arrival(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
@@ -153,8 +169,8 @@ impl Policy for Fifo {
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
         arrival(a, b)
     }
-    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
-        arrival(a, b)
+    fn run_key(&self, s: &SessionView<'_>) -> RunKey {
+        [nanos(s.stats.opened_at), 0, 0]
     }
 }
 
@@ -173,12 +189,9 @@ impl Policy for Pack {
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
         priority_then_arrival(a, b)
     }
-    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+    fn run_key(&self, s: &SessionView<'_>) -> RunKey {
         // Round robin: the session that started longest ago (or never) goes next.
-        a.stats
-            .last_started_at
-            .cmp(&b.stats.last_started_at)
-            .then_with(|| arrival(a, b))
+        [last_started(s), nanos(s.stats.opened_at), 0]
     }
 }
 
@@ -210,15 +223,17 @@ impl Policy for Srtf {
             .cmp(&a.spec.hints.priority)
             .then_with(|| shortest_remaining(a, b))
     }
-    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
-        shortest_remaining(a, b)
+    fn run_key(&self, s: &SessionView<'_>) -> RunKey {
+        let remaining = s.remaining_time().map_or(u64::MAX, nanos);
+        [remaining, nanos(s.stats.opened_at), 0]
     }
 }
 
 /// Equal service: all sessions time-share one lane and the one with the least service on
-/// the lane's fair-share clock runs next. A session joining a lane starts at the lane's
-/// least service, not at zero, so it gets an equal share at once instead of monopolising
-/// the lane until it has caught up with sessions that ran before it arrived.
+/// the lane's fair-share clock runs next. A session joining a lane, or coming back after
+/// idling, starts at the lane's clock (the service of the session that started last), not
+/// at what it had: it gets an equal share at once instead of monopolising the lane to make
+/// up for time it was not there.
 #[derive(Debug, Clone, Copy)]
 pub struct Fair;
 
@@ -232,11 +247,12 @@ impl Policy for Fair {
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
         priority_then_arrival(a, b)
     }
-    fn run_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
-        a.virtual_service
-            .cmp(&b.virtual_service)
-            .then_with(|| a.stats.last_started_at.cmp(&b.stats.last_started_at))
-            .then_with(|| arrival(a, b))
+    fn run_key(&self, s: &SessionView<'_>) -> RunKey {
+        [
+            nanos(s.virtual_service),
+            last_started(s),
+            nanos(s.stats.opened_at),
+        ]
     }
 }
 

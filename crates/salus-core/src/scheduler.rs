@@ -14,7 +14,7 @@ use crate::heap::{Block, PersistentHeap, Placement};
 use crate::memory::{
     Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
 };
-use crate::policy::PolicyKind;
+use crate::policy::{PolicyKind, RunKey};
 use crate::session::{SessionId, SessionSpec, SessionStats, SessionView};
 
 /// Something that happened, told to the core.
@@ -163,6 +163,8 @@ struct Session {
     state: State,
     /// Its persistent tensors wait in host memory to be restored at re-admission.
     suspended: bool,
+    /// Where it sits in its lane's run queue, while it is ready.
+    queued: Option<(LaneId, RunKey)>,
 }
 
 impl Session {
@@ -205,8 +207,12 @@ struct Lane {
     /// The place it last left, reported when it takes its target.
     vacated: Option<Extent>,
     sessions: Vec<SessionId>,
+    /// Run queue: its ready sessions in the policy's order.
+    ready: BTreeSet<(RunKey, SessionId)>,
     running: Option<SessionId>,
     last_session: Option<SessionId>,
+    /// FAIR's clock: the service of the session that started last. Newcomers start here.
+    fair_clock: Duration,
 }
 
 impl Lane {
@@ -259,6 +265,8 @@ pub struct Scheduler {
     /// Waiting sessions in arrival order.
     queue: Vec<SessionId>,
     lanes: BTreeMap<LaneId, Lane>,
+    /// Where lanes are placed: offset -> (end, lane). Placed ranges never overlap.
+    placed: BTreeMap<u64, (u64, LaneId)>,
     /// Lanes top (highest offset) first.
     stack: Vec<LaneId>,
     next_lane: u64,
@@ -283,6 +291,7 @@ impl Scheduler {
             sessions: BTreeMap::new(),
             queue: Vec::new(),
             lanes: BTreeMap::new(),
+            placed: BTreeMap::new(),
             stack: Vec::new(),
             next_lane: 0,
             persistent_total: 0,
@@ -309,7 +318,10 @@ impl Scheduler {
     pub fn set_policy(&mut self, policy: PolicyKind) {
         self.policy = policy;
         self.admission_due = true;
-        self.lanes_due.extend(self.stack.iter().copied());
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for id in ids {
+            self.sync_run_queue(id);
+        }
     }
 
     /// While draining, running sessions go on but nothing new is admitted.
@@ -405,6 +417,7 @@ impl Scheduler {
                 virtual_service: Duration::ZERO,
                 state: State::Waiting(None),
                 suspended: false,
+                queued: None,
             },
         );
         self.queue.push(id);
@@ -422,25 +435,25 @@ impl Scheduler {
             State::Admitted { lane, .. } => Some(lane),
             State::Waiting(_) => None,
         };
-        let was_active = session.active();
-        if let (Some(lane), false) = (lane, was_active) {
+        if let (Some(lane), false) = (lane, session.active()) {
             // A session coming back from idle joins the lane's fair-share clock where the
             // others are, so time spent idle is not banked as credit.
-            let floor = self.lane_virtual_floor(lane, id);
+            let clock = self
+                .lanes
+                .get(&lane)
+                .map_or(Duration::ZERO, |l| l.fair_clock);
             let session = self
                 .sessions
                 .get_mut(&id)
                 .ok_or(CoreError::UnknownSession(id))?;
-            session.virtual_service = session.virtual_service.max(floor);
+            session.virtual_service = session.virtual_service.max(clock);
         }
         let session = self
             .sessions
             .get_mut(&id)
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations += 1;
-        if let Some(lane) = lane {
-            self.lanes_due.insert(lane);
-        }
+        self.sync_run_queue(id);
         Ok(())
     }
 
@@ -470,8 +483,14 @@ impl Scheduler {
             }
         }
         self.lanes_due.insert(lane_id);
+        if self.policy.policy().suspends() && !self.queue.is_empty() {
+            // An iteration boundary makes this session suspendable for a waiting one.
+            self.admission_due = true;
+        }
         if closing {
             self.release(id);
+        } else {
+            self.sync_run_queue(id);
         }
         Ok(())
     }
@@ -493,7 +512,10 @@ impl Scheduler {
                 running: true,
                 closing,
                 ..
-            } => *closing = true,
+            } => {
+                *closing = true;
+                self.sync_run_queue(id);
+            }
             State::Admitted { .. } => self.release(id),
         }
         Ok(())
@@ -540,6 +562,7 @@ impl Scheduler {
         else {
             return None;
         };
+        self.unqueue(id);
         self.heap.free(block);
         self.persistent_total -= block.size;
         if let Some(lane) = self.lanes.get_mut(&lane_id) {
@@ -556,6 +579,9 @@ impl Scheduler {
                 lane.size = size;
             }
             if lane.sessions.is_empty() {
+                if let Some(placed) = lane.placed {
+                    self.placed.remove(&placed.offset);
+                }
                 self.lanes.remove(&lane_id);
                 self.stack.retain(|&l| l != lane_id);
             }
@@ -573,7 +599,8 @@ impl Scheduler {
         let Some(head_session) = self.sessions.get(&head) else {
             return false;
         };
-        let mut behind: Vec<&Session> = self
+        let head_key = (policy.run_key(&head_session.view()), head);
+        let mut behind: Vec<((RunKey, SessionId), SessionId)> = self
             .sessions
             .values()
             .filter(|s| {
@@ -586,13 +613,14 @@ impl Scheduler {
                     }
                 )
             })
-            .filter(|s| policy.run_order(&s.view(), &head_session.view()).is_gt())
+            .map(|s| ((policy.run_key(&s.view()), s.spec.id), s.spec.id))
+            .filter(|(key, _)| *key > head_key)
             .collect();
         if behind.is_empty() {
             return false;
         }
-        behind.sort_by(|a, b| policy.run_order(&b.view(), &a.view()));
-        let victims: Vec<SessionId> = behind.iter().map(|s| s.spec.id).collect();
+        behind.sort_by(|a, b| b.0.cmp(&a.0));
+        let victims: Vec<SessionId> = behind.into_iter().map(|(_, id)| id).collect();
         let mut trial = self.clone();
         for victim in victims {
             trial.suspend(victim);
@@ -618,28 +646,52 @@ impl Scheduler {
         }
     }
 
-    /// The least fair-share service among the other active sessions of a lane.
-    fn lane_virtual_floor(&self, lane: LaneId, except: SessionId) -> Duration {
-        self.lanes
-            .get(&lane)
-            .into_iter()
-            .flat_map(|l| l.sessions.iter())
-            .filter(|&&s| s != except)
-            .filter_map(|s| self.sessions.get(s))
-            .filter(|s| s.active())
-            .map(|s| s.virtual_service)
-            .min()
-            .unwrap_or(Duration::ZERO)
+    /// Puts a session in its lane's run queue, under its current key, exactly when it is
+    /// ready; takes it out otherwise. Call after anything that changes readiness or key.
+    fn sync_run_queue(&mut self, id: SessionId) {
+        self.unqueue(id);
+        let policy = self.policy.policy();
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let State::Admitted { lane, .. } = session.state else {
+            return;
+        };
+        if !session.ready() {
+            return;
+        }
+        let key = policy.run_key(&session.view());
+        session.queued = Some((lane, key));
+        if let Some(lane) = self.lanes.get_mut(&lane) {
+            lane.ready.insert((key, id));
+        }
+        self.lanes_due.insert(lane);
+    }
+
+    fn unqueue(&mut self, id: SessionId) {
+        if let Some((lane, key)) = self.sessions.get_mut(&id).and_then(|s| s.queued.take())
+            && let Some(lane) = self.lanes.get_mut(&lane)
+        {
+            lane.ready.remove(&(key, id));
+        }
     }
 
     /// Lowest offset any lane occupies now or is headed to: the persistent heap must stay
     /// below it.
     fn lanes_floor(&self, lane_total: u64) -> u64 {
-        self.lanes
-            .values()
-            .filter_map(|l| l.placed)
-            .map(|e| e.offset)
-            .fold(self.memory.capacity - lane_total, u64::min)
+        let lowest_placed = self.placed.keys().next().copied();
+        let lowest_target = self.memory.capacity - lane_total;
+        lowest_placed.map_or(lowest_target, |p| p.min(lowest_target))
+    }
+
+    /// True when a placed lane shares a byte with `extent`.
+    fn placed_overlaps(&self, extent: Extent) -> bool {
+        // Placed ranges are disjoint, so the one starting last before `extent` ends is the
+        // only candidate.
+        self.placed
+            .range(..extent.end())
+            .next_back()
+            .is_some_and(|(_, &(end, _))| end > extent.offset)
     }
 
     /// Offers memory to waiting sessions in the policy's order.
@@ -820,8 +872,10 @@ impl Scheduler {
                         placed: None,
                         vacated: None,
                         sessions: Vec::new(),
+                        ready: BTreeSet::new(),
                         running: None,
                         last_session: None,
+                        fair_clock: Duration::ZERO,
                     },
                 );
                 self.stack.push(lane_id);
@@ -837,7 +891,10 @@ impl Scheduler {
                 lane_id
             }
         };
-        let floor = self.lane_virtual_floor(lane_id, id);
+        let clock = self
+            .lanes
+            .get(&lane_id)
+            .map_or(Duration::ZERO, |l| l.fair_clock);
         let block = self.heap.allocate(placement, p);
         self.persistent_total += p;
         let Some(lane) = self.lanes.get_mut(&lane_id) else {
@@ -855,12 +912,13 @@ impl Scheduler {
                 closing: false,
             };
             session.stats.admitted_at.get_or_insert(self.now);
-            session.virtual_service = floor;
+            session.virtual_service = clock;
         }
         let resumed = self
             .sessions
             .get_mut(&id)
             .is_some_and(|s| mem::take(&mut s.suspended));
+        self.sync_run_queue(id);
         self.lanes_due.insert(lane_id);
         self.actions.push(Action::Admit {
             session: id,
@@ -884,6 +942,9 @@ impl Scheduler {
         for lane in self.lanes.values_mut() {
             if lane.running.is_none() && !lane.in_place() && lane.placed.is_some() {
                 lane.vacated = lane.placed.take();
+                if let Some(old) = lane.vacated {
+                    self.placed.remove(&old.offset);
+                }
             }
         }
         for i in 0..self.stack.len() {
@@ -898,13 +959,7 @@ impl Scheduler {
                 continue;
             }
             let target = lane.target_extent();
-            let free = target.offset >= self.heap.top()
-                && self
-                    .lanes
-                    .values()
-                    .filter_map(|l| l.placed)
-                    .all(|e| !e.overlaps(&target));
-            if !free {
+            if target.offset < self.heap.top() || self.placed_overlaps(target) {
                 self.moves_due = true;
                 continue;
             }
@@ -913,6 +968,7 @@ impl Scheduler {
             };
             lane.placed = Some(target);
             let from = lane.vacated.take();
+            self.placed.insert(target.offset, (target.end(), id));
             self.actions.push(Action::MoveLane {
                 lane: id,
                 from,
@@ -924,7 +980,6 @@ impl Scheduler {
     }
 
     fn start_iterations(&mut self) {
-        let policy = self.policy.policy();
         for lane_id in mem::take(&mut self.lanes_due) {
             let Some(lane) = self.lanes.get(&lane_id) else {
                 continue;
@@ -932,14 +987,7 @@ impl Scheduler {
             if lane.running.is_some() || !lane.in_place() {
                 continue;
             }
-            let next = lane
-                .sessions
-                .iter()
-                .filter_map(|s| self.sessions.get(s))
-                .filter(|s| s.ready())
-                .min_by(|a, b| policy.run_order(&a.view(), &b.view()))
-                .map(|s| s.spec.id);
-            let Some(id) = next else {
+            let Some(&(_, id)) = lane.ready.first() else {
                 continue;
             };
             let lane_offset = lane.target;
@@ -950,17 +998,21 @@ impl Scheduler {
             {
                 previous.stats.preemptions += 1;
             }
+            let Some(session) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            session.stats.pending_iterations -= 1;
+            session.stats.last_started_at = Some(self.now);
+            if let State::Admitted { running, .. } = &mut session.state {
+                *running = true;
+            }
+            let service = session.virtual_service;
             if let Some(lane) = self.lanes.get_mut(&lane_id) {
                 lane.running = Some(id);
                 lane.last_session = Some(id);
+                lane.fair_clock = lane.fair_clock.max(service);
             }
-            if let Some(session) = self.sessions.get_mut(&id) {
-                session.stats.pending_iterations -= 1;
-                session.stats.last_started_at = Some(self.now);
-                if let State::Admitted { running, .. } = &mut session.state {
-                    *running = true;
-                }
-            }
+            self.unqueue(id);
             self.actions.push(Action::StartIteration {
                 session: id,
                 lane: lane_id,
@@ -1158,6 +1210,37 @@ impl Scheduler {
             {
                 return Err(format!("{id} at {placed:?} overlaps the persistent region"));
             }
+        }
+        for (id, session) in &self.sessions {
+            let in_queue = self
+                .lanes
+                .values()
+                .filter(|l| l.ready.iter().any(|&(_, s)| s == *id))
+                .count();
+            if session.ready() != (in_queue == 1) || session.queued.is_some() != (in_queue == 1) {
+                return Err(format!(
+                    "{id} is {}ready but sits in {in_queue} run queues",
+                    if session.ready() { "" } else { "not " }
+                ));
+            }
+        }
+        let placed: Vec<(u64, u64, LaneId)> = self
+            .lanes
+            .iter()
+            .filter_map(|(&id, l)| l.placed.map(|e| (e.offset, e.end(), id)))
+            .collect();
+        let mut indexed: Vec<(u64, u64, LaneId)> = self
+            .placed
+            .iter()
+            .map(|(&o, &(e, id))| (o, e, id))
+            .collect();
+        indexed.sort();
+        let mut placed_sorted = placed;
+        placed_sorted.sort();
+        if indexed != placed_sorted {
+            return Err(format!(
+                "placement index {indexed:?} != lanes {placed_sorted:?}"
+            ));
         }
         let running: usize = self
             .sessions

@@ -631,3 +631,66 @@ fn memory_map_serializes_for_status_output() {
     assert_eq!(json["regions"][2]["kind"], "lane");
     assert_eq!(json["regions"][2]["offset"], 800 * MB);
 }
+
+#[test]
+fn srtf_suspends_idle_longer_sessions_to_admit_a_shorter_one() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Srtf);
+    d.open(timed(1, 300 * MB, 400 * MB, 1000, 100));
+    d.open(timed(2, 200 * MB, 100 * MB, 500, 100));
+    d.submit(1);
+    d.submit(2);
+    // Job 3 is the shortest; it needs 250 + 600 (lane grows to 600): only room once both
+    // longer jobs are out. Job 1 is running, so it must wait for its boundary.
+    let a = d.open(timed(3, 250 * MB, 600 * MB, 5, 100));
+    let suspended: Vec<u64> = a
+        .iter()
+        .filter_map(|x| match x {
+            Action::Suspend { session, .. } => Some(session.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        suspended,
+        Vec::<u64>::new(),
+        "job 2 alone frees too little: {a:?}"
+    );
+    assert!(matches!(a.last(), Some(Action::Queue { .. })));
+    d.submit(1);
+    let a = d.finish(1, 100);
+    let suspended: Vec<u64> = a
+        .iter()
+        .filter_map(|x| match x {
+            Action::Suspend { session, .. } => Some(session.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        suspended,
+        vec![1, 2],
+        "longest first, only as many as needed: {a:?}"
+    );
+    assert_eq!(admitted(&a), vec![(3, LaneId(1))]);
+    d.submit(3);
+    // Job 3 runs alone; the others come back in shortest-first order when it is done.
+    for _ in 0..4 {
+        d.submit(3);
+        d.finish(3, 100);
+    }
+    let a = d.finish(3, 100);
+    assert!(started(&a).is_empty());
+    let a = d.close(3);
+    assert!(
+        a.contains(&Action::Admit {
+            session: SessionId(2),
+            lane: LaneId(2),
+            persistent: Extent {
+                offset: 0,
+                size: 200 * MB
+            },
+            lane_size: 100 * MB,
+            resumed: true,
+        }),
+        "{a:?}"
+    );
+    assert_eq!(d.core.session(SessionId(1)).unwrap().stats.suspensions, 1);
+}
