@@ -1,2 +1,54 @@
-//! Benchmarks of salus.
-fn main() {}
+//! `salus-bench`: benchmarks of salus, one suite per subsystem. Every suite prints ratios
+//! or rates measured in the same run, so results compare across noisy shared machines.
+//!
+//! ```text
+//! cargo run --release -p salus-bench -- core --json
+//! ```
+
+mod core_suite;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Benchmarks of salus.
+#[derive(Debug, Parser)]
+#[command(name = "salus-bench", version)]
+struct Cli {
+    #[command(subcommand)]
+    suite: Suite,
+}
+
+#[derive(Debug, Subcommand)]
+enum Suite {
+    /// The scheduling core: decision throughput with many sessions, lane-finding latency.
+    Core {
+        /// Open sessions during the measurement.
+        #[arg(long, default_value_t = 1000)]
+        sessions: u64,
+        /// Events to feed per policy.
+        #[arg(long, default_value_t = 2_000_000)]
+        events: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.suite {
+        Suite::Core {
+            sessions,
+            events,
+            json,
+        } => core_suite::run(sessions, events, json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("salus-bench: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

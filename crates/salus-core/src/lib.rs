@@ -42,5 +42,5 @@ pub use memory::{
     Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
 };
 pub use policy::{Policy, PolicyKind, RunKey};
-pub use scheduler::{Action, CoreError, Event, LaneInfo, Scheduler};
+pub use scheduler::{Action, CoreError, Event, LaneChoice, LaneInfo, Scheduler};
 pub use session::{Hints, SessionId, SessionKind, SessionSpec, SessionStats, SessionView};

@@ -245,11 +245,15 @@ pub struct LaneInfo {
     pub running: Option<SessionId>,
 }
 
-/// Where a waiting session would go, per Salus Algorithm 2.1.
-#[derive(Debug, Clone, Copy)]
-enum LaneChoice {
+/// Where a session would go, per Salus Algorithm 2.1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "plan", content = "lane", rename_all = "snake_case")]
+pub enum LaneChoice {
+    /// A new lane of size E at the bottom of the lane stack.
     Open,
+    /// An existing lane with L >= E (the best fit).
     Join(LaneId),
+    /// An existing lane, grown to E.
     Grow(LaneId),
 }
 
@@ -267,6 +271,8 @@ pub struct Scheduler {
     lanes: BTreeMap<LaneId, Lane>,
     /// Where lanes are placed: offset -> (end, lane). Placed ranges never overlap.
     placed: BTreeMap<u64, (u64, LaneId)>,
+    /// Lanes by (size, id), for Algorithm 2.1's best fit and smallest growth.
+    lanes_by_size: BTreeSet<(u64, LaneId)>,
     /// Lanes top (highest offset) first.
     stack: Vec<LaneId>,
     next_lane: u64,
@@ -292,6 +298,7 @@ impl Scheduler {
             queue: Vec::new(),
             lanes: BTreeMap::new(),
             placed: BTreeMap::new(),
+            lanes_by_size: BTreeSet::new(),
             stack: Vec::new(),
             next_lane: 0,
             persistent_total: 0,
@@ -574,6 +581,7 @@ impl Scheduler {
                 .map(|s| s.spec.ephemeral_bytes)
                 .max()
                 .unwrap_or(0);
+            self.lanes_by_size.remove(&(lane.size, lane_id));
             if size < lane.size {
                 self.lane_total -= lane.size - size;
                 lane.size = size;
@@ -584,6 +592,8 @@ impl Scheduler {
                 }
                 self.lanes.remove(&lane_id);
                 self.stack.retain(|&l| l != lane_id);
+            } else {
+                self.lanes_by_size.insert((lane.size, lane_id));
             }
             self.restack();
         }
@@ -802,42 +812,47 @@ impl Scheduler {
         let used = self.persistent_total + self.lane_total;
         let placement = self.heap.place(p);
         let heap_top = self.heap.top_after(placement, p);
+        // Every choice must also be placeable: the persistent block below every lane, now
+        // and once the stack is compact with `lane_total` bytes of lanes.
+        let placeable = |lane_total: u64| heap_top <= self.lanes_floor(lane_total);
         let mut safe_somewhere = false;
-        let mut placeable = |lane_total: u64| {
-            safe_somewhere = true;
-            heap_top <= self.lanes_floor(lane_total)
-        };
 
-        if self.stack.len() < max_lanes
-            && used.saturating_add(p).saturating_add(e) <= usable
-            && placeable(self.lane_total + e)
-        {
-            return Ok((LaneChoice::Open, placement));
+        // 1. A new lane.
+        if self.stack.len() < max_lanes && used.saturating_add(p).saturating_add(e) <= usable {
+            safe_somewhere = true;
+            if placeable(self.lane_total + e) {
+                return Ok((LaneChoice::Open, placement));
+            }
         }
-        if used.saturating_add(p) <= usable {
-            let best = self
-                .stack
-                .iter()
-                .filter_map(|id| self.lanes.get(id).map(|l| (id, l.size)))
-                .filter(|&(_, size)| size >= e)
-                .min_by_key(|&(_, size)| size);
-            if let Some((&id, _)) = best
-                && placeable(self.lane_total)
-            {
+        // 2. The best-fitting lane with L >= E.
+        if used.saturating_add(p) <= usable
+            && let Some(&(_, id)) = self.lanes_by_size.range((e, LaneId(0))..).next()
+        {
+            safe_somewhere = true;
+            if placeable(self.lane_total) {
                 return Ok((LaneChoice::Join(id), placement));
             }
         }
-        let mut by_size: Vec<(u64, LaneId)> = self
-            .stack
-            .iter()
-            .filter_map(|id| self.lanes.get(id).map(|l| (l.size, *id)))
-            .filter(|&(size, _)| size < e)
-            .collect();
-        by_size.sort_by_key(|&(size, _)| size);
-        for (size, id) in by_size {
-            let lane_total = self.lane_total - size + e;
-            if (self.persistent_total + p).saturating_add(lane_total) <= usable
-                && placeable(lane_total)
+        // 3. Grow the smallest lane that keeps safety. Growing lane r from L_r to E keeps
+        // it when sum P + P + sum L - L_r + E <= usable, i.e. L_r >= safe_min; it is
+        // placeable when the lowest target stays above the heap, i.e. L_r >= place_min.
+        // Both bounds only rise with L_r, so the smallest lane above both is the answer.
+        let safe_min = (self.persistent_total + p + self.lane_total + e).saturating_sub(usable);
+        let smallest_from = |min: u64| {
+            (min < e)
+                .then(|| {
+                    self.lanes_by_size
+                        .range((min, LaneId(0))..(e, LaneId(0)))
+                        .next()
+                })
+                .flatten()
+                .copied()
+        };
+        if smallest_from(safe_min).is_some() {
+            safe_somewhere = true;
+            let place_min = (heap_top + self.lane_total + e).saturating_sub(self.memory.capacity);
+            if let Some((size, id)) = smallest_from(safe_min.max(place_min))
+                && placeable(self.lane_total - size + e)
             {
                 return Ok((LaneChoice::Grow(id), placement));
             }
@@ -879,12 +894,15 @@ impl Scheduler {
                     },
                 );
                 self.stack.push(lane_id);
+                self.lanes_by_size.insert((e, lane_id));
                 self.lane_total += e;
                 lane_id
             }
             LaneChoice::Join(lane_id) => lane_id,
             LaneChoice::Grow(lane_id) => {
                 if let Some(lane) = self.lanes.get_mut(&lane_id) {
+                    self.lanes_by_size.remove(&(lane.size, lane_id));
+                    self.lanes_by_size.insert((e, lane_id));
                     self.lane_total += e - lane.size;
                     lane.size = e;
                 }
@@ -1020,6 +1038,36 @@ impl Scheduler {
                 switched_from,
             });
         }
+    }
+
+    /// Where a session of `persistent` + `ephemeral` bytes would be admitted now under the
+    /// current policy's lane limit (Salus Algorithm 2.1), without admitting it; or why it
+    /// would wait. Ignores the policy's admission order and the queue.
+    pub fn plan_admission(
+        &self,
+        persistent: u64,
+        ephemeral: u64,
+    ) -> Result<LaneChoice, WaitReason> {
+        let (Some(p), Some(e)) = (
+            self.memory.align_up(persistent),
+            self.memory.align_up(ephemeral),
+        ) else {
+            return Err(WaitReason::Memory {
+                needed: u64::MAX,
+                available: self.memory.usable() - self.persistent_total - self.lane_total,
+                usable: self.memory.usable(),
+            });
+        };
+        let usable = self.memory.usable();
+        if p.saturating_add(e) > usable {
+            return Err(WaitReason::Memory {
+                needed: p.saturating_add(e),
+                available: usable - self.persistent_total - self.lane_total,
+                usable,
+            });
+        }
+        self.find_lane(p, e, self.policy.policy().max_lanes())
+            .map(|(choice, _)| choice)
     }
 
     /// A session as policies see it.
@@ -1241,6 +1289,11 @@ impl Scheduler {
             return Err(format!(
                 "placement index {indexed:?} != lanes {placed_sorted:?}"
             ));
+        }
+        let by_size: BTreeSet<(u64, LaneId)> =
+            self.lanes.iter().map(|(&id, l)| (l.size, id)).collect();
+        if by_size != self.lanes_by_size {
+            return Err("lane size index out of date".into());
         }
         let running: usize = self
             .sessions
