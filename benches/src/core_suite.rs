@@ -21,6 +21,7 @@ const MIB: u64 = 1 << 20;
 #[derive(Debug, Serialize)]
 struct PolicyResult {
     events: u64,
+    sessions_replaced: u64,
     seconds: f64,
     events_per_s: f64,
     lanes: usize,
@@ -83,6 +84,8 @@ fn steady_state(policy: PolicyKind, sessions: u64, events: u64) -> Result<Policy
 
     let start = Instant::now();
     let mut fed = 0u64;
+    let mut iterations = 0u64;
+    let mut churned = 0u64;
     while fed < events {
         let Some(id) = running.pop_front() else {
             return Err(format!("{policy}: nothing running after {fed} events"));
@@ -98,7 +101,8 @@ fn steady_state(policy: PolicyKind, sessions: u64, events: u64) -> Result<Policy
         )
         .map_err(err)?;
         fed += 1;
-        if fed % 100 == 0 {
+        iterations += 1;
+        if iterations.is_multiple_of(100) {
             core.handle(now, Event::SessionClosed(id)).map_err(err)?;
             core.handle(now, Event::SessionOpened(spec(next_id, fed)))
                 .map_err(err)?;
@@ -106,6 +110,7 @@ fn steady_state(policy: PolicyKind, sessions: u64, events: u64) -> Result<Policy
                 .map_err(err)?;
             next_id += 1;
             fed += 3;
+            churned += 1;
         } else {
             core.handle(now, Event::IterationSubmitted(id))
                 .map_err(err)?;
@@ -116,6 +121,7 @@ fn steady_state(policy: PolicyKind, sessions: u64, events: u64) -> Result<Policy
     let seconds = start.elapsed().as_secs_f64();
     Ok(PolicyResult {
         events: fed,
+        sessions_replaced: churned,
         seconds,
         events_per_s: fed as f64 / seconds,
         lanes,

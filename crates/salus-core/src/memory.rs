@@ -59,7 +59,9 @@ impl MemoryConfig {
                 self.reserve, self.capacity
             ));
         }
-        if self.capacity % self.alignment != 0 || self.reserve % self.alignment != 0 {
+        if !self.capacity.is_multiple_of(self.alignment)
+            || !self.reserve.is_multiple_of(self.alignment)
+        {
             return Err(format!(
                 "capacity ({}) and reserve ({}) must be multiples of the alignment ({})",
                 self.capacity, self.reserve, self.alignment

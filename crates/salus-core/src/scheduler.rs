@@ -279,7 +279,11 @@ pub struct Scheduler {
     persistent_total: u64,
     lane_total: u64,
     admission_due: bool,
-    moves_due: bool,
+    /// Lanes to try moving to their targets at the next poll.
+    move_candidates: BTreeSet<LaneId>,
+    /// Idle lanes that gave up their old place and wait for their target to be free, by
+    /// target offset. Rebuilt whenever targets change.
+    unplaced: BTreeMap<u64, LaneId>,
     lanes_due: BTreeSet<LaneId>,
     actions: Vec<Action>,
 }
@@ -304,7 +308,8 @@ impl Scheduler {
             persistent_total: 0,
             lane_total: 0,
             admission_due: false,
-            moves_due: false,
+            move_candidates: BTreeSet::new(),
+            unplaced: BTreeMap::new(),
             lanes_due: BTreeSet::new(),
             actions: Vec::new(),
         })
@@ -367,15 +372,11 @@ impl Scheduler {
 
     /// Makes every decision the events so far allow and returns the actions, in order.
     pub fn poll(&mut self) -> Vec<Action> {
-        if self.moves_due {
-            self.move_lanes();
-        }
+        self.move_lanes();
         if self.admission_due {
             self.admission_due = false;
             self.admit_waiting();
-            if self.moves_due {
-                self.move_lanes();
-            }
+            self.move_lanes();
         }
         self.start_iterations();
         mem::take(&mut self.actions)
@@ -486,7 +487,7 @@ impl Scheduler {
         if let Some(lane) = self.lanes.get_mut(&lane_id) {
             lane.running = None;
             if !lane.in_place() {
-                self.moves_due = true;
+                self.move_candidates.insert(lane_id);
             }
         }
         self.lanes_due.insert(lane_id);
@@ -629,7 +630,7 @@ impl Scheduler {
         if behind.is_empty() {
             return false;
         }
-        behind.sort_by(|a, b| b.0.cmp(&a.0));
+        behind.sort_by_key(|&(key, _)| std::cmp::Reverse(key));
         let victims: Vec<SessionId> = behind.into_iter().map(|(_, id)| id).collect();
         let mut trial = self.clone();
         for victim in victims {
@@ -644,13 +645,14 @@ impl Scheduler {
 
     /// Recomputes every lane's target: stacked down from C in stack order.
     fn restack(&mut self) {
+        self.unplaced.clear();
         let mut offset = self.memory.capacity;
         for id in &self.stack {
             if let Some(lane) = self.lanes.get_mut(id) {
                 offset -= lane.size;
                 lane.target = offset;
-                if !lane.in_place() {
-                    self.moves_due = true;
+                if !lane.in_place() && lane.running.is_none() {
+                    self.move_candidates.insert(*id);
                 }
             }
         }
@@ -950,35 +952,48 @@ impl Scheduler {
         });
     }
 
-    /// Moves every idle lane that is out of place to its target. Nothing is copied: between
-    /// iterations a lane holds no data, so an idle lane out of place first gives up its old
-    /// range, then takes its target as soon as no running lane and no persistent block is
-    /// there. Targets never overlap each other, so once the running iterations end every
-    /// lane is in place: moves cannot deadlock.
+    /// Moves idle lanes that are out of place to their targets. Nothing is copied:
+    /// between iterations a lane holds no data, so an idle lane out of place first gives up
+    /// its old range, then takes its target as soon as no placed lane and no persistent
+    /// block is there. Targets never overlap each other, so once the running iterations end
+    /// every lane is in place: moves cannot deadlock. Only lanes that may have become
+    /// movable are looked at, so a poll costs nothing when no lane moves.
     fn move_lanes(&mut self) {
-        self.moves_due = false;
-        for lane in self.lanes.values_mut() {
-            if lane.running.is_none() && !lane.in_place() && lane.placed.is_some() {
-                lane.vacated = lane.placed.take();
-                if let Some(old) = lane.vacated {
-                    self.placed.remove(&old.offset);
+        while let Some(id) = self.move_candidates.pop_first() {
+            let Some(lane) = self.lanes.get_mut(&id) else {
+                continue;
+            };
+            if lane.running.is_some() || lane.in_place() {
+                continue;
+            }
+            if let Some(old) = lane.placed.take() {
+                lane.vacated = Some(old);
+                self.placed.remove(&old.offset);
+                // Lanes waiting for a target inside the freed range may fit now. Targets
+                // are disjoint, so they are the ones starting before its end, back to the
+                // first that ends before its start.
+                let freed: Vec<(u64, LaneId)> = self
+                    .unplaced
+                    .range(..old.end())
+                    .rev()
+                    .map(|(&offset, &lane)| (offset, lane))
+                    .take_while(|&(_, lane)| {
+                        self.lanes
+                            .get(&lane)
+                            .is_some_and(|l| l.target_extent().end() > old.offset)
+                    })
+                    .collect();
+                for (offset, lane) in freed {
+                    self.unplaced.remove(&offset);
+                    self.move_candidates.insert(lane);
                 }
             }
-        }
-        for i in 0..self.stack.len() {
-            let id = self.stack[i];
             let Some(lane) = self.lanes.get(&id) else {
                 continue;
             };
-            if lane.placed.is_some() {
-                if !lane.in_place() {
-                    self.moves_due = true;
-                }
-                continue;
-            }
             let target = lane.target_extent();
             if target.offset < self.heap.top() || self.placed_overlaps(target) {
-                self.moves_due = true;
+                self.unplaced.insert(target.offset, id);
                 continue;
             }
             let Some(lane) = self.lanes.get_mut(&id) else {
@@ -1252,6 +1267,15 @@ impl Scheduler {
                         "{id} claims to run {running}, which is not running there"
                     ));
                 }
+            }
+            if lane.running.is_none()
+                && !lane.in_place()
+                && !self.unplaced.values().any(|l| l == id)
+                && !self.move_candidates.contains(id)
+            {
+                return Err(format!(
+                    "{id} is idle and out of place but nothing will move it"
+                ));
             }
             if let Some(placed) = lane.placed
                 && placed.offset < self.heap.top()

@@ -1,5 +1,7 @@
 //! Property tests over random event sequences: the core's promises hold whatever clients do.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,5 +1,7 @@
 //! Unit tests of the scheduler's rules, one behaviour each, through the public API.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

@@ -48,6 +48,14 @@ impl Rng {
     }
 }
 
+/// The `u`-quantile (`0 <= u < 1`) of the bounded Pareto distribution on `[lo, hi]` with
+/// shape `alpha`: the heavy tail of production job durations (many short jobs, a few very
+/// long ones).
+pub fn bounded_pareto_quantile(u: f64, alpha: f64, lo: f64, hi: f64) -> f64 {
+    let ratio = (lo / hi).powf(alpha);
+    lo / (1.0 - u * (1.0 - ratio)).powf(1.0 / alpha)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,12 +103,4 @@ mod tests {
         assert!((sum_unit / n as f64 - 0.5).abs() < 0.01);
         assert!((sum_exp / n as f64 - 3.0).abs() < 0.05);
     }
-}
-
-/// The `u`-quantile (`0 <= u < 1`) of the bounded Pareto distribution on `[lo, hi]` with
-/// shape `alpha`: the heavy tail of production job durations (many short jobs, a few very
-/// long ones).
-pub fn bounded_pareto_quantile(u: f64, alpha: f64, lo: f64, hi: f64) -> f64 {
-    let ratio = (lo / hi).powf(alpha);
-    lo / (1.0 - u * (1.0 - ratio)).powf(1.0 / alpha)
 }

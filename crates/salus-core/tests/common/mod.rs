@@ -1,5 +1,5 @@
 //! A small driver for tests: feeds events, keeps every action, checks invariants each step.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)]
 
 use std::time::Duration;
 
