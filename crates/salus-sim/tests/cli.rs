@@ -21,7 +21,10 @@ fn training_json_has_the_documented_shape() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     for policy in ["fifo", "srtf", "pack", "fair"] {
         for field in ["makespan_s", "avg_queue_s", "avg_jct_s", "p95_jct_s"] {
-            assert!(v["policies"][policy][field].as_f64().unwrap() > 0.0, "{policy}.{field}");
+            assert!(
+                v["policies"][policy][field].as_f64().unwrap() > 0.0,
+                "{policy}.{field}"
+            );
         }
     }
 }
@@ -49,13 +52,21 @@ fn replay_of_the_generated_trace_matches_the_experiment() {
     let (ok, trace, err) = sim(&["trace", "--seed", "3"]);
     assert!(ok, "{err}");
     std::fs::write(&path, trace).unwrap();
-    let (ok, out, err) = sim(&["replay", path.to_str().unwrap(), "--policy", "srtf", "--json"]);
+    let (ok, out, err) = sim(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--policy",
+        "srtf",
+        "--json",
+    ]);
     assert!(ok, "{err}");
     let replay: serde_json::Value = serde_json::from_str(&out).unwrap();
     let (_, out, _) = sim(&["experiment", "training", "--seed", "3", "--json"]);
     let experiment: serde_json::Value = serde_json::from_str(&out).unwrap();
     let a = replay["summary"]["avg_jct_s"].as_f64().unwrap();
-    let b = experiment["policies"]["srtf"]["avg_jct_s"].as_f64().unwrap();
+    let b = experiment["policies"]["srtf"]["avg_jct_s"]
+        .as_f64()
+        .unwrap();
     assert!((a - b).abs() < 1e-6 * b, "replay {a} vs experiment {b}");
     std::fs::remove_dir_all(&dir).ok();
 }

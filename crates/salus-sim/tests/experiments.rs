@@ -1,7 +1,7 @@
 //! The paper experiments meet their targets, for the default seed and others.
 
 use salus_sim::experiments::{
-    self, fair_share_targets, training_targets, tuning_targets, TargetCheck,
+    self, TargetCheck, fair_share_targets, training_targets, tuning_targets,
 };
 
 fn assert_all_met(what: &str, seed: u64, checks: &[TargetCheck]) {
@@ -20,7 +20,11 @@ fn training_trace_meets_table_2_1_targets() {
     for seed in [1, 2, 3, 42] {
         let result = experiments::training(seed).expect("training runs");
         for summary in result.policies.values() {
-            assert_eq!(summary.completed, experiments::TRAINING_JOBS, "every job finishes");
+            assert_eq!(
+                summary.completed,
+                experiments::TRAINING_JOBS,
+                "every job finishes"
+            );
         }
         assert_all_met("training", seed, &training_targets(&result));
     }
@@ -40,7 +44,10 @@ fn fair_share_meets_fig_2_9_target() {
         let result = experiments::fair_share(seed).expect("fair-share runs");
         assert_all_met("fair-share", seed, &fair_share_targets(&result));
         let ends: Vec<f64> = result.jobs.iter().map(|j| j.1).collect();
-        assert!(ends.iter().all(|e| e.is_finite()), "every job finishes: {ends:?}");
+        assert!(
+            ends.iter().all(|e| e.is_finite()),
+            "every job finishes: {ends:?}"
+        );
         // The GPU's total throughput stays the same while jobs come and go.
         let last_end = ends.iter().copied().fold(0.0, f64::max);
         let busy: Vec<f64> = result
@@ -50,7 +57,9 @@ fn fair_share_meets_fig_2_9_target() {
             .map(|p| p.images_per_s)
             .collect();
         assert!(busy.len() > 100);
-        let (lo, hi) = busy.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let (lo, hi) = busy
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         assert!(hi - lo < 0.01 * hi, "throughput varies {lo}..{hi}");
     }
 }
