@@ -632,6 +632,10 @@ impl Scheduler {
         }
         behind.sort_by_key(|&(key, _)| std::cmp::Reverse(key));
         let victims: Vec<SessionId> = behind.into_iter().map(|(_, id)| id).collect();
+        if !self.fits_without(head, &victims) {
+            return false;
+        }
+        // Suspend one at a time on a copy, so nothing changes unless the head gets in.
         let mut trial = self.clone();
         for victim in victims {
             trial.suspend(victim);
@@ -641,6 +645,40 @@ impl Scheduler {
             }
         }
         false
+    }
+
+    /// Whether `head` could keep the safety condition if every one of `victims` left:
+    /// a cheap bound that spares copying the scheduler when even that would not do.
+    fn fits_without(&self, head: SessionId, victims: &[SessionId]) -> bool {
+        let Some(head) = self.sessions.get(&head) else {
+            return false;
+        };
+        let (p, e) = (head.spec.persistent_bytes, head.spec.ephemeral_bytes);
+        let leaving: BTreeSet<SessionId> = victims.iter().copied().collect();
+        let mut persistent = self.persistent_total;
+        let mut lane_total = 0;
+        let mut largest = 0;
+        for lane in self.lanes.values() {
+            let size = lane
+                .sessions
+                .iter()
+                .filter(|s| !leaving.contains(s))
+                .filter_map(|s| self.sessions.get(s))
+                .map(|s| s.spec.ephemeral_bytes)
+                .max()
+                .unwrap_or(0);
+            lane_total += size;
+            largest = largest.max(size);
+        }
+        for victim in victims {
+            if let Some(State::Admitted { block, .. }) = self.sessions.get(victim).map(|s| &s.state)
+            {
+                persistent -= block.size;
+            }
+        }
+        // The cheapest lane for the head: join one that is large enough, or grow the
+        // largest (a new lane never costs less).
+        persistent + p + lane_total + e.saturating_sub(largest) <= self.memory.usable()
     }
 
     /// Recomputes every lane's target: stacked down from C in stack order.

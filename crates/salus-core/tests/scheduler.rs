@@ -696,3 +696,72 @@ fn srtf_suspends_idle_longer_sessions_to_admit_a_shorter_one() {
     );
     assert_eq!(d.core.session(SessionId(1)).unwrap().stats.suspensions, 1);
 }
+
+#[test]
+fn safe_but_unplaceable_waits_as_fragmented_until_the_heap_compacts() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Pack);
+    d.open(spec(1, 400 * MB, 10 * MB));
+    d.open(spec(2, 400 * MB, 10 * MB));
+    d.close(1);
+    // 410 MB used, so 450 + 100 keeps safety, but the only hole (at 0) holds 400 MB and
+    // the heap top is at 800 MB: nowhere to put 450 MB in one piece.
+    assert_eq!(
+        d.core.plan_admission(450 * MB, 100 * MB),
+        Err(WaitReason::Fragmented {
+            needed: 550 * MB,
+            available: 590 * MB
+        })
+    );
+    let a = d.open(spec(3, 450 * MB, 100 * MB));
+    assert_eq!(
+        a,
+        vec![Action::Queue {
+            session: SessionId(3),
+            reason: WaitReason::Fragmented {
+                needed: 550 * MB,
+                available: 590 * MB
+            },
+        }]
+    );
+    let text = WaitReason::Fragmented {
+        needed: 1,
+        available: 2,
+    }
+    .to_string();
+    assert!(text.contains("not yet in one piece"), "{text}");
+    let a = d.close(2);
+    assert_eq!(admitted(&a), vec![(3, LaneId(2))]);
+}
+
+#[test]
+fn plan_admission_predicts_algorithm_2_1_without_changing_anything() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Pack);
+    d.open(spec(1, 0, 300 * MB));
+    d.open(spec(2, 0, 200 * MB));
+    assert_eq!(
+        d.core.plan_admission(0, 100 * MB),
+        Ok(salus_core::LaneChoice::Open)
+    );
+    d.open(spec(3, 0, 400 * MB));
+    assert_eq!(
+        d.core.plan_admission(0, 250 * MB),
+        Ok(salus_core::LaneChoice::Join(LaneId(0)))
+    );
+    assert_eq!(
+        d.core.plan_admission(0, 350 * MB),
+        Ok(salus_core::LaneChoice::Join(LaneId(2)))
+    );
+    assert_eq!(
+        d.core.plan_admission(0, 450 * MB),
+        Ok(salus_core::LaneChoice::Grow(LaneId(2)))
+    );
+    assert!(matches!(
+        d.core.plan_admission(0, 2000 * MB),
+        Err(WaitReason::Memory { .. })
+    ));
+    assert!(matches!(
+        d.core.plan_admission(u64::MAX, u64::MAX),
+        Err(WaitReason::Memory { .. })
+    ));
+    assert_eq!(d.core.lanes().len(), 3);
+}
