@@ -161,7 +161,11 @@ fn run(cli: Cli) -> Result<(), String> {
             seed: _,
             json,
         } => {
-            let jobs = trace::read_trace(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let jobs = trace::read_trace(&path).map_err(|e| match e.line {
+                // I/O errors name the file themselves.
+                0 => e.message,
+                _ => format!("{}: {e}", path.display()),
+            })?;
             let config = SimConfig {
                 capacity,
                 reserve,
