@@ -1,0 +1,1 @@
+"""salus: share one GPU between many deep-learning jobs."""

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the Python environment in .venv: torch, torchvision, grpcio,
+# grpcio-tools, protobuf, pytest, and the salus package from adaptors/python (editable).
+# Reinstalls only when adaptors/python/requirements-dev.txt or pyproject.toml changed.
+# PyTorch's wheel pulls the CUDA runtime packages: the first run downloads about 3 GB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+reqs=adaptors/python/requirements-dev.txt
+stamp=$venv/.salus-stamp
+want=$(cat "$reqs" adaptors/python/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -r "$reqs"
+    "$venv/bin/python" -m pip install --quiet --no-deps -e adaptors/python
+    echo "$want" > "$stamp"
+fi
+echo "$venv/bin/python"
