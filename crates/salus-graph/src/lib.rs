@@ -1,0 +1,64 @@
+//! The salus graph IR: what a session runs, checked and planned before it runs.
+//!
+//! Owns the framework-neutral graph (tensors with dtype, static shape and role; nodes of
+//! Core ATen ops in topological order; fetches; updates), its protobuf form
+//! (`proto/salus/v1/graph.proto`), validation with shape and dtype inference, limits that
+//! keep a graph from asking for absurd memory, and the static memory plan that gives P and
+//! E exactly before the first iteration. It executes nothing (that is `salus-exec`) and
+//! decides nothing about lanes (that is `salus-core`, which takes P and E from here).
+//!
+//! ```
+//! use salus_graph::{DType, Graph, Limits, Role, Tensor, TensorType, Node, Op};
+//!
+//! let t = |name: &str, role| Tensor {
+//!     name: name.into(),
+//!     ty: TensorType::new(DType::F32, vec![4, 8]),
+//!     role,
+//!     data: vec![],
+//! };
+//! let graph = Graph {
+//!     tensors: vec![t("x", Role::Feed), t("y", Role::Intermediate)],
+//!     nodes: vec![Node {
+//!         name: "relu".into(),
+//!         op: Op::Relu,
+//!         inputs: vec![Some(0)],
+//!         outputs: vec![Some(1)],
+//!         attrs: Default::default(),
+//!         source: String::new(),
+//!     }],
+//!     fetches: vec![1],
+//!     updates: vec![],
+//! };
+//! let checked = salus_graph::check(&graph, &Limits::default()).unwrap();
+//! assert_eq!(checked.plan.ephemeral_bytes, 256); // relu runs in place over x
+//! ```
+
+mod convert;
+mod error;
+mod infer;
+mod ir;
+mod op;
+pub mod plan;
+mod validate;
+
+pub use error::GraphError;
+pub use ir::{Attr, DType, Graph, Node, Role, Tensor, TensorId, TensorType, Update};
+pub use op::Op;
+pub use plan::{Buffer, MemoryPlan};
+pub use validate::{Limits, Producer, validate};
+
+/// A graph that passed validation, with its memory plan.
+#[derive(Debug, Clone)]
+pub struct CheckedGraph {
+    /// Where each tensor comes from.
+    pub producers: Vec<Producer>,
+    /// Where each tensor lives.
+    pub plan: MemoryPlan,
+}
+
+/// Validates `graph` and plans its memory.
+pub fn check(graph: &Graph, limits: &Limits) -> Result<CheckedGraph, GraphError> {
+    let producers = validate(graph, limits)?;
+    let plan = plan::plan(graph, &producers);
+    Ok(CheckedGraph { producers, plan })
+}

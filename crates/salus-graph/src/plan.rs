@@ -1,0 +1,277 @@
+//! Static memory planning: where every tensor of a validated graph lives.
+//!
+//! Persistent tensors (parameters, state, constants) are laid out one after another in the
+//! session's persistent block: their sum is P. Feeds and intermediates live in the lane at
+//! offsets fixed ahead of time, so an iteration allocates nothing. Tensors share memory
+//! three ways:
+//!
+//! - **lifetimes**: a tensor is live from the step that writes it to its last reader (the
+//!   end of the iteration for fetches and update values); tensors whose lifetimes do not
+//!   overlap may take the same bytes;
+//! - **views**: `view`, `unsqueeze`, `squeeze.dims`, and `clone` or `_to_copy` to the same
+//!   dtype produce exactly the bytes of their input (every tensor is contiguous), so their
+//!   output shares the input's buffer;
+//! - **in place**: an elementwise op whose output has the shape and dtype of an input read
+//!   for the last time at that node writes over that input. Kernels of those ops must read
+//!   each element before writing the same element.
+//!
+//! Buffers are then placed greedily, largest first, each in the smallest gap among the
+//! buffers whose lifetimes overlap it. E is the highest byte used; the lower bound is the
+//! most bytes live at any one step, which no placement can beat.
+
+use serde::Serialize;
+
+use crate::ir::{Graph, Role, TensorId};
+use crate::op::Op;
+use crate::validate::Producer;
+
+/// Offsets and sizes are multiples of this (what CUDA allocations guarantee).
+pub const ALIGNMENT: u64 = 256;
+
+fn align(bytes: u64) -> u64 {
+    bytes.div_ceil(ALIGNMENT) * ALIGNMENT
+}
+
+/// A stretch of lane memory shared by tensors that alias it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Buffer {
+    /// Offset inside the lane.
+    pub offset: u64,
+    /// Aligned size.
+    pub size: u64,
+    /// First step it is live (0: before the first node; node i writes at step i + 1).
+    pub first: usize,
+    /// Last step it is live.
+    pub last: usize,
+}
+
+/// Where everything of one graph lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MemoryPlan {
+    /// P: bytes of the persistent block.
+    pub persistent_bytes: u64,
+    /// E: bytes of lane the iteration needs.
+    pub ephemeral_bytes: u64,
+    /// The most bytes live at any one step: no plan can need less than this.
+    pub lower_bound: u64,
+    /// Per tensor: offset in the persistent block (persistent tensors only).
+    pub persistent_offsets: Vec<Option<u64>>,
+    /// Per tensor: its buffer (feeds and intermediates that are ever written).
+    pub buffer_of: Vec<Option<usize>>,
+    /// The lane's buffers.
+    pub buffers: Vec<Buffer>,
+}
+
+impl MemoryPlan {
+    /// Offset of a feed or intermediate inside the lane.
+    pub fn lane_offset(&self, tensor: TensorId) -> Option<u64> {
+        Some(self.buffers[self.buffer_of.get(tensor).copied().flatten()?].offset)
+    }
+
+    /// `ephemeral_bytes / lower_bound`: how far the placement is from perfect.
+    pub fn overhead(&self) -> f64 {
+        if self.lower_bound == 0 {
+            1.0
+        } else {
+            self.ephemeral_bytes as f64 / self.lower_bound as f64
+        }
+    }
+}
+
+fn aliases_input(op: Op, graph: &Graph, input: TensorId, output: TensorId) -> bool {
+    let same_bytes = graph.tensors[input].ty.dtype == graph.tensors[output].ty.dtype;
+    match op {
+        Op::View | Op::Unsqueeze | Op::SqueezeDims | Op::Clone => true,
+        Op::ToCopy => same_bytes,
+        _ => false,
+    }
+}
+
+fn elementwise(op: Op) -> bool {
+    use Op::*;
+    matches!(
+        op,
+        AddTensor
+            | AddScalar
+            | SubTensor
+            | MulTensor
+            | MulScalar
+            | DivTensor
+            | DivScalar
+            | Neg
+            | Exp
+            | Sqrt
+            | Rsqrt
+            | Erf
+            | PowTensorScalar
+            | Clamp
+            | Relu
+            | Gelu
+            | Sigmoid
+            | Tanh
+            | LogicalNot
+            | BitwiseNot
+            | WhereSelf
+    )
+}
+
+/// Plans a graph that [`crate::validate`] accepted, given its producers.
+pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
+    let n = graph.tensors.len();
+    let end = graph.nodes.len() + 1;
+
+    let mut persistent_offsets = vec![None; n];
+    let mut persistent_bytes = 0;
+    for (id, t) in graph.tensors.iter().enumerate() {
+        if t.role.is_persistent() {
+            persistent_offsets[id] = Some(persistent_bytes);
+            persistent_bytes += align(t.ty.bytes().unwrap_or(0));
+        }
+    }
+
+    // Last step each tensor is read.
+    let mut last_use = vec![0usize; n];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for &input in node.inputs.iter().flatten() {
+            last_use[input] = last_use[input].max(i + 1);
+        }
+    }
+    for &f in &graph.fetches {
+        last_use[f] = end;
+    }
+    for u in &graph.updates {
+        last_use[u.value] = end;
+    }
+
+    let mut buffer_of: Vec<Option<usize>> = vec![None; n];
+    let mut buffers: Vec<Buffer> = Vec::new();
+    let size_of = |id: TensorId| align(graph.tensors[id].ty.bytes().unwrap_or(0));
+    for (id, t) in graph.tensors.iter().enumerate() {
+        if t.role == Role::Feed {
+            buffer_of[id] = Some(buffers.len());
+            buffers.push(Buffer {
+                offset: 0,
+                size: size_of(id),
+                first: 0,
+                last: last_use[id],
+            });
+        }
+    }
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let step = i + 1;
+        for &output in node.outputs.iter().flatten() {
+            debug_assert!(matches!(producers[output], Producer::Node { node, .. } if node == i));
+            let ephemeral_input = |input: TensorId| {
+                buffer_of[input].filter(|_| {
+                    graph.tensors[input].role == Role::Intermediate
+                        || graph.tensors[input].role == Role::Feed
+                })
+            };
+            // A view shares its input's buffer, which then lives as long as either.
+            let view = node.inputs.first().copied().flatten().and_then(|input| {
+                aliases_input(node.op, graph, input, output)
+                    .then(|| ephemeral_input(input))
+                    .flatten()
+            });
+            // In place: an input of the same type whose buffer is read for the last time here.
+            let in_place = || {
+                if !elementwise(node.op) {
+                    return None;
+                }
+                node.inputs.iter().flatten().find_map(|&input| {
+                    let b = ephemeral_input(input)?;
+                    let reusable = graph.tensors[input].ty == graph.tensors[output].ty
+                        && buffers[b].last == step
+                        && node.outputs.iter().flatten().count() == 1;
+                    reusable.then_some(b)
+                })
+            };
+            match view.or_else(in_place) {
+                Some(b) => {
+                    buffer_of[output] = Some(b);
+                    buffers[b].last = buffers[b].last.max(last_use[output]).max(step);
+                }
+                None => {
+                    buffer_of[output] = Some(buffers.len());
+                    buffers.push(Buffer {
+                        offset: 0,
+                        size: size_of(output),
+                        first: step,
+                        last: last_use[output].max(step),
+                    });
+                }
+            }
+        }
+    }
+
+    let lower_bound = peak_live(&buffers, end);
+    let ephemeral_bytes = place(&mut buffers);
+    MemoryPlan {
+        persistent_bytes,
+        ephemeral_bytes,
+        lower_bound,
+        persistent_offsets,
+        buffer_of,
+        buffers,
+    }
+}
+
+/// The most bytes live at any one step.
+fn peak_live(buffers: &[Buffer], end: usize) -> u64 {
+    let mut delta = vec![0i128; end + 2];
+    for b in buffers {
+        delta[b.first] += i128::from(b.size);
+        delta[b.last + 1] -= i128::from(b.size);
+    }
+    let mut live = 0i128;
+    let mut peak = 0i128;
+    for d in delta {
+        live += d;
+        peak = peak.max(live);
+    }
+    peak as u64
+}
+
+/// Assigns offsets: largest buffer first, each into the smallest gap left by the already
+/// placed buffers whose lifetimes overlap it (or above them all). Returns the bytes used.
+pub fn place(buffers: &mut [Buffer]) -> u64 {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by(|&a, &b| {
+        buffers[b]
+            .size
+            .cmp(&buffers[a].size)
+            .then(buffers[a].first.cmp(&buffers[b].first))
+            .then(a.cmp(&b))
+    });
+    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    let mut top = 0;
+    let mut neighbours: Vec<(u64, u64)> = Vec::new();
+    for &i in &order {
+        let b = &buffers[i];
+        neighbours.clear();
+        neighbours.extend(
+            placed
+                .iter()
+                .map(|&j| &buffers[j])
+                .filter(|o| o.first <= b.last && b.first <= o.last)
+                .map(|o| (o.offset, o.offset + o.size)),
+        );
+        neighbours.sort_unstable();
+        let mut best: Option<(u64, u64)> = None; // (gap size, offset)
+        let mut cursor = 0;
+        for &(start, stop) in &neighbours {
+            if start > cursor {
+                let gap = start - cursor;
+                if gap >= b.size && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, cursor));
+                }
+            }
+            cursor = cursor.max(stop);
+        }
+        let offset = best.map_or(cursor, |(_, offset)| offset);
+        buffers[i].offset = offset;
+        top = top.max(offset + buffers[i].size);
+        placed.push(i);
+    }
+    top
+}

@@ -1,0 +1,339 @@
+//! Every validation rule, with a graph that breaks it and the message it gets.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::Builder;
+use salus_graph::{Attr, DType, Graph, GraphError, Limits, Op, Role, Update, check};
+
+fn error(graph: &Graph) -> String {
+    let err = check(graph, &Limits::default()).unwrap_err();
+    err.to_string()
+}
+
+fn assert_mentions(message: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "{message:?} should mention {needle:?}"
+        );
+    }
+}
+
+/// A small valid training-like graph: y = relu(x @ w + b), loss = sum(y), w updated.
+fn valid() -> Builder {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[4, 8], Role::Feed);
+    let w = g.f32("w", &[8, 3], Role::Parameter);
+    let b = g.f32("b", &[3], Role::Parameter);
+    let y = g.node(
+        Op::Addmm,
+        &[Some(b), Some(x), Some(w)],
+        &[(DType::F32, &[4, 3])],
+        &[],
+    )[0];
+    let r = g.node(Op::Relu, &[Some(y)], &[(DType::F32, &[4, 3])], &[])[0];
+    let loss = g.node(
+        Op::SumDimIntList,
+        &[Some(r)],
+        &[(DType::F32, &[])],
+        &[("dim", Attr::Ints(vec![])), ("keepdim", Attr::Bool(false))],
+    )[0];
+    let w2 = g.node(
+        Op::MulScalar,
+        &[Some(w)],
+        &[(DType::F32, &[8, 3])],
+        &[("other", Attr::Float(0.5))],
+    )[0];
+    g.graph.fetches = vec![loss];
+    g.graph.updates = vec![Update {
+        target: w,
+        value: w2,
+    }];
+    g
+}
+
+#[test]
+fn a_valid_graph_passes_and_round_trips_through_protobuf() {
+    let g = valid();
+    let checked = check(&g.graph, &Limits::default()).unwrap();
+    assert_eq!(checked.plan.persistent_bytes, 256 + 256);
+    let decoded = Graph::decode(&g.graph.encode()).unwrap();
+    assert_eq!(decoded, g.graph);
+}
+
+#[test]
+fn shape_mismatch_names_node_op_source_and_shapes() {
+    let mut g = valid();
+    g.graph.tensors[1].ty.shape = vec![7, 3];
+    assert_mentions(
+        &error(&g.graph),
+        &[
+            "node 0 'n0'",
+            "(addmm, from model.layer0)",
+            "f32[4, 8]",
+            "f32[7, 3]",
+            "[n, k] and [k, m]",
+        ],
+    );
+}
+
+#[test]
+fn declared_output_type_must_match_inference() {
+    let mut g = valid();
+    g.graph.tensors[4].ty.shape = vec![4, 4];
+    assert_mentions(
+        &error(&g.graph),
+        &[
+            "node 1 'n1' (relu",
+            "declared f32[4, 4]",
+            "op gives f32[4, 3]",
+        ],
+    );
+    let mut g = valid();
+    g.graph.tensors[4].ty.dtype = DType::I64;
+    assert_mentions(&error(&g.graph), &["declared i64[4, 3]", "gives f32[4, 3]"]);
+}
+
+#[test]
+fn broadcasting_errors_name_the_dimension() {
+    let mut g = Builder::default();
+    let a = g.f32("a", &[4, 3], Role::Feed);
+    let b = g.f32("b", &[4, 2], Role::Feed);
+    g.node(
+        Op::AddTensor,
+        &[Some(a), Some(b)],
+        &[(DType::F32, &[4, 3])],
+        &[],
+    );
+    assert_mentions(
+        &error(&g.graph),
+        &[
+            "add.Tensor",
+            "[4, 3] and [4, 2] do not broadcast",
+            "dimension 1: 3 vs 2",
+        ],
+    );
+}
+
+#[test]
+fn missing_and_wrong_attributes_are_named() {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3], Role::Feed);
+    g.node(Op::View, &[Some(x)], &[(DType::F32, &[6])], &[]);
+    assert_mentions(&error(&g.graph), &["view", "attribute \"size\" is missing"]);
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3], Role::Feed);
+    g.node(
+        Op::View,
+        &[Some(x)],
+        &[(DType::F32, &[6])],
+        &[("size", Attr::Float(6.0))],
+    );
+    assert_mentions(
+        &error(&g.graph),
+        &["attribute \"size\" must be a list of ints"],
+    );
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3], Role::Feed);
+    g.node(
+        Op::View,
+        &[Some(x)],
+        &[(DType::F32, &[5])],
+        &[("size", Attr::Ints(vec![5]))],
+    );
+    assert_mentions(
+        &error(&g.graph),
+        &["cannot view f32[2, 3] (6 elements) as [5]"],
+    );
+}
+
+#[test]
+fn wrong_input_counts_and_absent_required_inputs() {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2], Role::Feed);
+    g.node(Op::Relu, &[Some(x), Some(x)], &[(DType::F32, &[2])], &[]);
+    assert_mentions(&error(&g.graph), &["relu", "takes 1 tensor inputs, got 2"]);
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2], Role::Feed);
+    g.node(Op::AddTensor, &[Some(x), None], &[(DType::F32, &[2])], &[]);
+    assert_mentions(&error(&g.graph), &["input 1 is required but absent"]);
+}
+
+#[test]
+fn inputs_must_be_produced_before_use() {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2], Role::Feed);
+    let later = g.f32("later", &[2], Role::Intermediate);
+    g.node(
+        Op::AddTensor,
+        &[Some(x), Some(later)],
+        &[(DType::F32, &[2])],
+        &[],
+    );
+    assert_mentions(
+        &error(&g.graph),
+        &["input 1 is tensor 1 'later', which no earlier node produces"],
+    );
+}
+
+#[test]
+fn nodes_produce_intermediates_once() {
+    let mut g = valid();
+    g.graph.nodes[1].outputs[0] = Some(1); // w, a parameter
+    assert_mentions(
+        &error(&g.graph),
+        &["output 0 is tensor 1 'w', a Parameter tensor"],
+    );
+    let mut g = valid();
+    g.graph.nodes[1].outputs[0] = g.graph.nodes[0].outputs[0];
+    assert_mentions(&error(&g.graph), &["already produced"]);
+    let mut g = valid();
+    g.graph.nodes[1].outputs.push(None);
+    assert_mentions(&error(&g.graph), &["has 1 outputs, 2 declared"]);
+}
+
+#[test]
+fn fetches_and_updates_are_checked() {
+    let mut g = valid();
+    let orphan = g.f32("orphan", &[1], Role::Intermediate);
+    g.graph.fetches.push(orphan);
+    assert_mentions(
+        &error(&g.graph),
+        &["'orphan'", "fetched but no node produces it"],
+    );
+    let mut g = valid();
+    g.graph.updates[0].target = 0; // x, a feed
+    assert_mentions(
+        &error(&g.graph),
+        &["tensor 0 'x'", "not a parameter or state"],
+    );
+    let mut g = valid();
+    g.graph.updates.push(g.graph.updates[0]);
+    assert_mentions(&error(&g.graph), &["'w'", "updated twice"]);
+    let mut g = valid();
+    g.graph.updates[0].target = 2; // b is [3], value is [8, 3]
+    assert_mentions(
+        &error(&g.graph),
+        &["'b'", "is f32[3] but its update value", "f32[8, 3]"],
+    );
+}
+
+#[test]
+fn limits_stop_absurd_graphs() {
+    let mut g = valid();
+    g.graph.tensors[0].ty.shape = vec![1 << 40, 1 << 30];
+    assert_mentions(
+        &error(&g.graph),
+        &["tensor 0 'x'", "needs more than the limit of"],
+    );
+    let mut g = valid();
+    g.graph.tensors[0].ty.shape = vec![1; 9];
+    assert_mentions(
+        &error(&g.graph),
+        &["9 dimensions, more than the limit of 8"],
+    );
+    let tight = Limits {
+        max_nodes: 2,
+        ..Limits::default()
+    };
+    let err = check(&valid().graph, &tight).unwrap_err();
+    assert_eq!(
+        err,
+        GraphError::Graph("4 nodes, more than the limit of 2".into())
+    );
+    let tight = Limits {
+        max_total_bytes: 100,
+        ..Limits::default()
+    };
+    assert!(
+        check(&valid().graph, &tight)
+            .unwrap_err()
+            .to_string()
+            .contains("more than the limit of 100")
+    );
+}
+
+#[test]
+fn constants_carry_exactly_their_bytes() {
+    let mut g = valid();
+    g.graph.tensors[2].role = Role::Constant;
+    assert_mentions(&error(&g.graph), &["'b'", "needs 12 bytes of data, got 0"]);
+    let mut g = valid();
+    g.graph.tensors[0].data = vec![1, 2, 3];
+    assert_mentions(&error(&g.graph), &["'x'", "carries no data"]);
+}
+
+#[test]
+fn protobuf_decoding_errors_are_specific() {
+    let mut message = valid().graph.to_proto();
+    message.version = 2;
+    let err = Graph::from_proto(&message).unwrap_err().to_string();
+    assert_mentions(&err, &["version 2 is not supported", "version 1"]);
+    let mut message = valid().graph.to_proto();
+    message.nodes[1].op = "linalg_det".into();
+    let err = Graph::from_proto(&message).unwrap_err().to_string();
+    assert_mentions(&err, &["node 1 'n1'", "unknown op \"linalg_det\""]);
+    let mut message = valid().graph.to_proto();
+    message.nodes[0].inputs[0] = 99;
+    let err = Graph::from_proto(&message).unwrap_err().to_string();
+    assert_mentions(
+        &err,
+        &["node 0", "refers to tensor 99, which does not exist"],
+    );
+    let mut message = valid().graph.to_proto();
+    message.tensors[0].shape = vec![-4, 8];
+    let err = Graph::from_proto(&message).unwrap_err().to_string();
+    assert_mentions(&err, &["tensor 0 'x'", "negative dimension"]);
+    let mut message = valid().graph.to_proto();
+    message.tensors[0].dtype = 42;
+    assert_mentions(
+        &Graph::from_proto(&message).unwrap_err().to_string(),
+        &["unknown dtype 42"],
+    );
+    assert_mentions(
+        &Graph::decode(&[0xff, 0xff]).unwrap_err().to_string(),
+        &["not a valid salus.v1.Graph"],
+    );
+}
+
+#[test]
+fn convolution_and_pooling_shapes() {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3, 32, 32], Role::Feed);
+    let w = g.f32("w", &[16, 3, 3, 3], Role::Parameter);
+    let conv_attrs = [
+        ("stride", Attr::Ints(vec![2, 2])),
+        ("padding", Attr::Ints(vec![1, 1])),
+        ("dilation", Attr::Ints(vec![1, 1])),
+        ("transposed", Attr::Bool(false)),
+        ("output_padding", Attr::Ints(vec![0, 0])),
+        ("groups", Attr::Int(1)),
+    ];
+    let y = g.node(
+        Op::Convolution,
+        &[Some(x), Some(w), None],
+        &[(DType::F32, &[2, 16, 16, 16])],
+        &conv_attrs,
+    )[0];
+    g.node(
+        Op::MaxPool2dWithIndices,
+        &[Some(y)],
+        &[(DType::F32, &[2, 16, 8, 8]), (DType::I64, &[2, 16, 8, 8])],
+        &[
+            ("kernel_size", Attr::Ints(vec![3, 3])),
+            ("stride", Attr::Ints(vec![2, 2])),
+            ("padding", Attr::Ints(vec![1, 1])),
+        ],
+    );
+    check(&g.graph, &Limits::default()).unwrap();
+    g.graph.tensors[1].ty.shape = vec![16, 4, 3, 3];
+    assert_mentions(
+        &error(&g.graph),
+        &[
+            "convolution",
+            "input has 3 channels but weight f32[16, 4, 3, 3]",
+        ],
+    );
+}

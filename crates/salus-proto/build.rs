@@ -1,0 +1,13 @@
+//! Generates the Rust types of `proto/salus/v1/*.proto` with protox (a protobuf compiler in
+//! Rust), so building needs no `protoc` binary.
+
+use std::error::Error;
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let proto_root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../proto");
+    let files = ["salus/v1/graph.proto"];
+    let descriptors = protox::compile(files, [proto_root])?;
+    prost_build::Config::new().compile_fds(descriptors)?;
+    println!("cargo:rerun-if-changed={proto_root}");
+    Ok(())
+}
