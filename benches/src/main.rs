@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! cargo run --release -p salus-bench -- core --json
+//! cargo run --release -p salus-bench -- plan target/reference/*/graph.pb
 //! ```
 
 mod core_suite;
+mod plan_suite;
 
 use std::process::ExitCode;
 
@@ -33,6 +35,16 @@ enum Suite {
         #[arg(long)]
         json: bool,
     },
+    /// The graph planner: validate and plan serialized graphs (`salus.v1.Graph` files,
+    /// e.g. from `python -m salus.reference`); P, E, the lower bound and their ratio.
+    Plan {
+        /// Graph files (`.pb`).
+        #[arg(required = true)]
+        graphs: Vec<std::path::PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -43,6 +55,7 @@ fn main() -> ExitCode {
             events,
             json,
         } => core_suite::run(sessions, events, json),
+        Suite::Plan { graphs, json } => plan_suite::run(&graphs, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
