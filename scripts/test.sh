@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Runs every check salus has: formatting, lints with warnings denied, all tests.
-# Needs only a Rust toolchain (1.95); builds everything it tests.
+# Runs every check salus has: formatting, lints with warnings denied, all Rust tests, and
+# the Python adaptor's tests against real PyTorch. Needs Rust 1.95 and Python 3.11; builds
+# everything and creates (or reuses) the Python environment in .venv itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+python=$(./scripts/python-env.sh)
+"$python" -m pytest adaptors/python/tests -q

@@ -950,7 +950,8 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             ])
         }
         NativeLayerNormBackward => {
-            args.count(7)?;
+            // grad_out, input, mean, rstd, weight?, bias?
+            args.count(6)?;
             let (grad, t) = (args.input(0)?, args.input(1)?);
             if grad.shape != t.shape {
                 return Err(format!("grad_out {grad} and input {t} must have one shape"));

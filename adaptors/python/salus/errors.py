@@ -1,0 +1,72 @@
+"""The exceptions the adaptor raises.
+
+Every error the adaptor reports about a user's model says where in the model it comes
+from (module path and source line) when that is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SalusError(Exception):
+    """Base class of every error the salus adaptor raises on purpose."""
+
+
+class TraceError(SalusError):
+    """Tracing produced a graph the adaptor cannot trust (e.g. a surviving mutation)."""
+
+
+class LoweringError(SalusError):
+    """An FX graph cannot be expressed in the salus graph IR (other than a missing op)."""
+
+
+class UnsupportedOptimizerError(SalusError):
+    """The optimizer, or one of its options, has no functional equivalent here."""
+
+
+@dataclass(frozen=True)
+class MissingOp:
+    """One node whose op the IR does not have."""
+
+    op: str
+    node: str
+    source: str
+    inputs: tuple[str, ...]
+    reason: str
+
+    def describe(self) -> str:
+        where = self.source or "unknown source"
+        args = ", ".join(self.inputs) if self.inputs else "no tensor inputs"
+        return f"{self.op} ({self.reason}) at node {self.node} in {where}; inputs: {args}"
+
+
+@dataclass
+class UnsupportedOpError(SalusError):
+    """A graph uses ops the salus IR does not have.
+
+    Carries every offending node of the graph, not only the first, so that one run
+    reports the complete list of ops a model is missing.
+    """
+
+    missing: list[MissingOp] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(self._message())
+
+    @property
+    def ops(self) -> list[str]:
+        """The distinct missing ops, sorted."""
+        return sorted({m.op for m in self.missing})
+
+    def _message(self) -> str:
+        lines = [
+            f"the graph uses {len(self.ops)} op(s) the salus IR does not have: "
+            + ", ".join(self.ops)
+        ]
+        for m in self.missing:
+            lines.append("  " + m.describe())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self._message()

@@ -1,0 +1,217 @@
+"""``python -m salus.reference OUT_DIR``: reference runs of the target models for engines.
+
+For each target model (``salus.models``, at small sizes) this traces one training step,
+runs N steps (``--steps``, default 3) of eager PyTorch from the same initial state on the
+same batches, and writes what an engine needs to run the graph and check its results::
+
+    OUT_DIR/index.json          {"format": "salus-reference", "version": 1,
+                                 "models": ["mlp", "cnn", "gpt", "resnet18"]}
+    OUT_DIR/<model>/graph.pb    the serialized salus.v1.Graph of one training step
+    OUT_DIR/<model>/manifest.json
+    OUT_DIR/<model>/initial.bin persistent tensors before step 1
+    OUT_DIR/<model>/batch_<k>.bin  the feeds of step k (k = 0 .. N-1)
+    OUT_DIR/<model>/final.bin   persistent tensors after N eager steps
+
+A ``.bin`` file is the tensors' raw bytes one after another, each little-endian and
+row-major, with no header or padding. ``manifest.json`` says where each tensor is::
+
+    {
+      "format": "salus-reference", "version": 1, "model": "mlp", "steps": 3,
+      "graph": "graph.pb",
+      "optimizer": {"kind": "sgd", "groups": [{"params": [...], "lr": 0.05, ...}]},
+      "losses": [2.31, ...],        # eager PyTorch, f32, one per step
+      "losses_f64": [2.31, ...],    # the same run in f64
+      "graph_losses": [2.31, ...],  # the traced FX graph, executed by PyTorch
+      "initial": {"file": "initial.bin", "tensors": [TENSOR, ...]},
+      "batches": [{"file": "batch_0.bin", "tensors": [TENSOR, ...]}, ...],
+      "final": {"file": "final.bin", "tensors": [TENSOR, ...]}
+    }
+
+where ``TENSOR`` is ``{"name", "dtype", "shape", "offset", "nbytes"}``: the graph's
+tensor name (parameter, state or feed name), a dtype among ``f32 f16 bf16 i64 i32 bool``,
+the shape (``[]`` for a scalar) and the byte range in the file. ``initial`` and ``final``
+list every parameter and state tensor of the graph in the graph's order; batch tensors
+are the feeds in order. Final tensors also carry ``"f32_error"``: the largest absolute
+difference between eager f32 and eager f64 after N steps, i.e. how far PyTorch's own
+float32 result is from exact, a yardstick for an engine's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .lower import DTYPES, constant_bytes
+from .models import TargetModel, target_models
+from .optim import STEP, functional_optimizer
+from .trace import trace_train_step
+from .v1 import graph_pb2 as pb
+
+FORMAT = "salus-reference"
+VERSION = 1
+DTYPE_NAMES = {dtype: pb.DType.Name(code).removeprefix("DTYPE_").lower()
+               for dtype, code in DTYPES.items()}
+_NUMPY = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "i64": "<i8", "i32": "<i4", "bool": "|b1"}
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """One model of the reference set and the optimizer it trains with."""
+
+    spec: TargetModel
+    optimizer: Callable[[object], torch.optim.Optimizer]
+
+
+def reference_runs() -> dict[str, ReferenceRun]:
+    """The four target models, sized so that every file stays around 1 MB or less."""
+    models = target_models(batch_size=8, image_size=16, resnet_size=64, resnet_width=6)
+    return {
+        "mlp": ReferenceRun(models["mlp"], lambda p: torch.optim.SGD(
+            p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=5e-4)),
+        "cnn": ReferenceRun(models["cnn"], lambda p: torch.optim.Adam(p, lr=1e-3)),
+        "gpt": ReferenceRun(models["gpt"], lambda p: torch.optim.AdamW(
+            p, lr=1e-3, weight_decay=0.01)),
+        "resnet18": ReferenceRun(models["resnet18"], lambda p: torch.optim.SGD(
+            p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor files
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """Writes ``tensors`` back to back into ``path``; their manifest entries."""
+    entries, offset = [], 0
+    with open(path, "wb") as f:
+        for name, tensor in tensors.items():
+            data = constant_bytes(tensor)
+            entries.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype],
+                            "shape": list(tensor.shape), "offset": offset,
+                            "nbytes": len(data)})
+            f.write(data)
+            offset += len(data)
+    return entries
+
+
+def read_tensors(directory: Path, section: dict) -> dict[str, torch.Tensor]:
+    """The tensors of one manifest section (``initial``, a batch, ``final``)."""
+    blob = (Path(directory) / section["file"]).read_bytes()
+    tensors = {}
+    for entry in section["tensors"]:
+        raw = np.frombuffer(blob, dtype=_NUMPY[entry["dtype"]], offset=entry["offset"],
+                            count=entry["nbytes"] // np.dtype(_NUMPY[entry["dtype"]]).itemsize)
+        t = torch.from_numpy(raw.copy()).reshape(entry["shape"])
+        tensors[entry["name"]] = t.view(torch.bfloat16) if entry["dtype"] == "bf16" else t
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+
+
+def _eager(model, optimizer, loss_fn, batches) -> list[float]:
+    losses = []
+    for *xs, target in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(*xs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _persistent(model, optimizer, names: list[str], initial_step: torch.Tensor | None,
+                steps: int) -> dict[str, torch.Tensor]:
+    """The model's and optimizer's tensors under the graph's names, in ``names`` order."""
+    values = {n: p.detach() for n, p in model.named_parameters()}
+    values.update({n: b.detach() for n, b in model.named_buffers()})
+    values.update(functional_optimizer(optimizer, dict(model.named_parameters()))
+                  .initial_state())
+    if isinstance(optimizer, torch.optim.SGD) and initial_step is not None:
+        values[STEP] = initial_step + steps  # torch's SGD keeps no step counter
+    return {n: values[n] for n in names}
+
+
+def _f64(batch):
+    return tuple(t.double() if t.is_floating_point() else t for t in batch)
+
+
+def write_model(out: Path, name: str, run: ReferenceRun, steps: int) -> dict:
+    """Traces, runs and writes one model; returns its manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = run.spec
+    model = spec.model(0)
+    batches = [spec.batch(k) for k in range(steps)]
+    model32, model64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    opt32, opt64 = run.optimizer(model32.parameters()), run.optimizer(model64.parameters())
+
+    traced = trace_train_step(model, spec.loss_fn, run.optimizer(model.parameters()),
+                              batches[0])
+    (out / "graph.pb").write_bytes(traced.to_graph().SerializeToString())
+    state, graph_losses = dict(traced.initial_state), []
+    for batch in batches:
+        state, loss = traced.run(state, *batch)
+        graph_losses.append(loss.item())
+
+    names = traced.state_names
+    initial = {n: traced.initial_state[n] for n in names}
+    losses = _eager(model32, opt32, spec.loss_fn, batches)
+    losses64 = _eager(model64, opt64, spec.loss_fn, [_f64(b) for b in batches])
+    step0 = initial.get(STEP)
+    final = _persistent(model32, opt32, names, step0, steps)
+    exact = _persistent(model64, opt64, names, None if step0 is None else step0.double(), steps)
+
+    final_entries = write_tensors(out / "final.bin", final)
+    for entry in final_entries:
+        diff = final[entry["name"]].double() - exact[entry["name"]].double()
+        entry["f32_error"] = diff.abs().max().item() if diff.numel() else 0.0
+    feeds = traced.feed_names
+    manifest = {
+        "format": FORMAT, "version": VERSION, "model": name, "steps": steps,
+        "graph": "graph.pb", "optimizer": traced.optimizer,
+        "losses": losses, "losses_f64": losses64, "graph_losses": graph_losses,
+        "initial": {"file": "initial.bin",
+                    "tensors": write_tensors(out / "initial.bin", initial)},
+        "batches": [{"file": f"batch_{k}.bin",
+                     "tensors": write_tensors(out / f"batch_{k}.bin", dict(zip(feeds, b)))}
+                    for k, b in enumerate(batches)],
+        "final": {"file": "final.bin", "tensors": final_entries},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def write_all(out_dir: Path, steps: int = 3, names: list[str] | None = None) -> list[str]:
+    runs = reference_runs()
+    chosen = [n for n in runs if names is None or n in names]
+    for name in chosen:
+        write_model(Path(out_dir) / name, name, runs[name], steps)
+    index = {"format": FORMAT, "version": VERSION, "models": chosen}
+    (Path(out_dir) / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", action="append", dest="models",
+                        choices=list(reference_runs()))
+    args = parser.parse_args(argv)
+    for name in write_all(args.out_dir, args.steps, args.models):
+        size = sum(f.stat().st_size for f in (args.out_dir / name).iterdir())
+        print(f"{name}: {size / 1e6:.2f} MB in {args.out_dir / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""Tracing a PyTorch training step or forward pass into a Core ATen FX graph.
+
+This module owns the recipe that turns a model, a loss function and a ``torch.optim``
+optimizer into one pure function ``step(params, buffers, opt_state, *batch) ->
+(new_params, new_buffers, new_opt_state, loss)`` and records it, with every mutation
+removed and every op decomposed to Core ATen, as an FX graph:
+
+- the model runs through ``torch.func.functional_call`` with the buffers cloned inside the
+  loss function (batch norm writes to them) and returned as auxiliary output;
+- gradients come from ``torch.func.grad_and_value(..., has_aux=True)``;
+- the optimizer update is the plain tensor math of :mod:`salus.optim`;
+- ``make_fx(functionalize(step, remove="mutations"), decomposition_table=...)`` records it
+  inside the python dispatcher (so batch norm's hidden running-stat mutation is seen) and
+  with scaled-dot-product attention forced to the MATH backend (the fused CPU kernel's
+  decomposition gives wrong gradients);
+- every module's ``inplace`` flag is off while tracing, and dead code is removed after;
+- forward hooks (and autograd pre-hooks for the backward) record which module each node
+  comes from, for error messages and ``Node.source``.
+
+A forward pass (:func:`trace_inference`) is recorded the same way, under ``vjp`` so that
+modules updating buffers are functionalized as in a training step.
+
+The result, :class:`TracedStep`, keeps the FX graph together with what each flat input
+and output is (parameter, buffer, optimizer state, batch element; update, loss, model
+output) and the initial values of the persistent tensors. ``TracedStep.run`` executes the
+graph itself (for parity tests); ``TracedStep.to_graph`` lowers it with
+:mod:`salus.lower`. Shapes, dtypes and hyperparameters are those of the example batch
+and fixed in the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._decomp import core_aten_decompositions
+from torch._decomp import decomposition_table as _all_decompositions
+from torch._dispatch.python import enable_python_dispatcher
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .errors import TraceError
+from .lower import MODULE_META, graph_ops, lower
+from .optim import functional_optimizer
+
+aten = torch.ops.aten
+
+# Roles of flat graph inputs, as the IR names them.
+PARAMETER = "parameter"
+STATE = "state"
+FEED = "feed"
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """What one placeholder of the graph is.
+
+    ``group`` says where the value lives on the PyTorch side: ``"param"``, ``"buffer"``,
+    ``"optimizer"`` or ``"batch"``; ``role`` is the IR role (parameter, state, feed).
+    """
+
+    name: str
+    role: str
+    group: str
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """What one output of the graph is: ``"update"`` of the persistent tensor ``name``,
+    the ``"loss"``, or a model ``"output"`` (``name`` = ``output.<i>``)."""
+
+    kind: str
+    name: str
+
+
+@dataclass
+class TracedStep:
+    """A traced training step (``kind == "train"``) or forward pass (``"inference"``)."""
+
+    kind: str
+    graph_module: torch.fx.GraphModule
+    inputs: list[InputSlot]
+    outputs: list[OutputSlot]
+    initial_state: dict[str, torch.Tensor]
+    optimizer: dict | None = None
+    output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the persistent tensors (parameters, buffers, optimizer state)."""
+        return [s.name for s in self.inputs if s.role != FEED]
+
+    @property
+    def feed_names(self) -> list[str]:
+        return [s.name for s in self.inputs if s.role == FEED]
+
+    def ops(self) -> list[str]:
+        """The distinct ops of the graph, named as the lowering emits them."""
+        return graph_ops(self.graph_module)
+
+    def run(self, state: dict[str, torch.Tensor], *batch: torch.Tensor):
+        """Executes the FX graph once: ``(new_state, loss)`` for a training step,
+        ``(new_state, output)`` for a forward pass. ``state`` maps every name of
+        :attr:`state_names` to a tensor; entries without an update carry over."""
+        feeds = self.feed_names
+        if len(batch) != len(feeds):
+            raise ValueError(f"expected {len(feeds)} batch tensors, got {len(batch)}")
+        given = dict(zip(feeds, batch))
+        missing = [n for n in self.state_names if n not in state]
+        if missing:
+            raise KeyError(f"state lacks {', '.join(missing)}")
+        args = [state[s.name] if s.role != FEED else given[s.name] for s in self.inputs]
+        with torch.no_grad():
+            results = self.graph_module(*args)
+        new_state = {n: state[n] for n in self.state_names}
+        loss, outputs = None, []
+        for slot, value in zip(self.outputs, results):
+            if slot.kind == "update":
+                new_state[slot.name] = value
+            elif slot.kind == "loss":
+                loss = value
+            else:
+                outputs.append(value)
+        if self.kind == "train":
+            return new_state, loss
+        return new_state, pytree.tree_unflatten(outputs, self.output_spec)
+
+    def to_graph(self):
+        """Lowers the graph to a ``salus.v1.Graph`` message (see :mod:`salus.lower`)."""
+        return lower(self)
+
+
+# ---------------------------------------------------------------------------------------
+# The decomposition table
+
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return (aten.var.correction(x, dim, correction=correction, keepdim=keepdim),
+            aten.mean.dim(x, dim, keepdim))
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+           memory_format=None):
+    # Uninitialised memory may hold anything: zeros are a valid choice, and ``full`` is an
+    # IR op (dropout's mask and SiLU's backward start from an empty tensor).
+    return aten.full.default(size, 0, dtype=dtype or torch.get_default_dtype(),
+                             layout=layout, device=device, pin_memory=pin_memory)
+
+
+def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None,
+                    pin_memory=None):
+    return _empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
+_BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_functional", "_batch_norm_with_update",
+                   "_batch_norm_with_update_functional",
+                   # eval mode
+                   "_native_batch_norm_legit_no_training", "_batch_norm_no_update")
+
+
+def decomposition_table() -> dict:
+    """Core ATen decompositions, plus batch norm's (so its running-stat updates become
+    explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
+    stays within aten, and ``empty``/``empty_permuted`` as zero-filled ``full``."""
+    table = dict(core_aten_decompositions().items())
+    for name in _BATCH_NORM_OPS:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            if overload.endswith("out"):
+                continue
+            op = getattr(packet, overload)
+            if op in _all_decompositions:
+                table[op] = _all_decompositions[op]
+    table[aten.var_mean.correction] = _var_mean
+    table[aten.empty.memory_format] = _empty
+    table[aten.empty_permuted.default] = _empty_permuted
+    return table
+
+
+# ---------------------------------------------------------------------------------------
+# Tracing
+
+
+@contextlib.contextmanager
+def _inplace_off(model: torch.nn.Module) -> Iterator[None]:
+    switched = [m for m in model.modules() if getattr(m, "inplace", None) is True]
+    for m in switched:
+        m.inplace = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.inplace = True
+
+
+@contextlib.contextmanager
+def _training_mode(model: torch.nn.Module, training: bool | None) -> Iterator[None]:
+    if training is None:
+        yield
+        return
+    saved = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where in the model a node comes from: the innermost module's path and type, and
+    whether the node belongs to that module's backward pass. ``path == ""`` with an
+    empty type is outside the model (loss, optimizer)."""
+
+    path: str = ""
+    type_name: str = ""
+    backward: bool = False
+
+
+OUTSIDE = Scope()
+
+
+class _ModuleScopes:
+    """Tags every FX node with the :class:`Scope` it was recorded in
+    (``node.meta[MODULE_META]``), which :func:`salus.lower.node_source` reads.
+
+    Forward hooks on the model's modules keep a stack of scopes; at each push and pop the
+    nodes recorded since the previous event get the scope on top of the stack. When a
+    module returns, the autograd nodes of its output (back to its inputs) get a pre-hook
+    that makes the module the current scope while autograd runs them, so the backward
+    ops are attributed to the module too. :meth:`label` names what runs outside the
+    model (the loss, then the optimizer update).
+    """
+
+    active: "_ModuleScopes | None" = None
+
+    def __init__(self, model: torch.nn.Module):
+        self._paths = {m: Scope(path, type(m).__name__) for path, m in model.named_modules()}
+        self._stack: list[Scope] = [OUTSIDE]
+        self._backward: Scope | None = None
+        self._tagged_grad_fns: set = set()
+        self._last: torch.fx.Node | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "_ModuleScopes":
+        for module in self._paths:
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        _ModuleScopes.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ModuleScopes.active = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._tagged_grad_fns.clear()
+
+    @classmethod
+    def label(cls, scope: Scope) -> None:
+        """From now on, nodes recorded outside the model's modules get ``scope`` (the
+        loss function, the optimizer)."""
+        if cls.active is not None:
+            cls.active._flush()
+            cls.active._backward = None
+            cls.active._stack[0] = scope
+
+    def _enter(self, module, args):
+        self._flush()
+        self._stack.append(self._paths[module])
+
+    def _exit(self, module, args, output):
+        self._flush()
+        self._tag_backward(self._paths[module], args, output)
+        self._stack.pop()
+
+    def _tag_backward(self, scope: Scope, args, output) -> None:
+        backward = Scope(scope.path, scope.type_name, backward=True)
+        inputs = {t.grad_fn for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+        pending = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        seen = set()
+        while pending:
+            fn = pending.pop()
+            if fn is None or fn in inputs or fn in seen:
+                continue
+            seen.add(fn)
+            if fn not in self._tagged_grad_fns:  # else an inner module's: keep its scope
+                self._tagged_grad_fns.add(fn)
+                self._handles.append(fn.register_prehook(
+                    lambda grad_outputs, scope=backward: self._enter_backward(scope)))
+            pending.extend(next_fn for next_fn, _ in fn.next_functions)
+
+    def _enter_backward(self, scope: Scope) -> None:
+        self._flush()
+        self._backward = scope
+
+    def _flush(self) -> None:
+        mode = get_proxy_mode()
+        if mode is None:
+            return
+        graph = mode.tracer.graph
+        node = self._last.next if self._last is not None else graph._root.next
+        scope = self._backward or self._stack[-1]
+        while node.op != "root":
+            node.meta.setdefault(MODULE_META, scope)
+            self._last = node
+            node = node.next
+
+
+def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
+            tracing_mode: str) -> torch.fx.GraphModule:
+    # In fake mode, tensors the model captures (not parameters or buffers) stay real
+    # and become constants of the graph.
+    traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
+                     decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
+                     _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
+    with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
+          sdpa_kernel(SDPBackend.MATH)):
+        gm = traced(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _check_no_mutation(gm)
+    return gm
+
+
+def _check_no_mutation(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target._schema.is_mutable:
+                raise TraceError(
+                    f"node {node.name} ({node.target}) still mutates its input after "
+                    "functionalization; the traced graph would be wrong")
+
+
+def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in tensors.items()}
+
+
+def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                     optimizer: torch.optim.Optimizer, example_batch: Sequence[torch.Tensor],
+                     *, tracing_mode: str = "real") -> TracedStep:
+    """Traces one training iteration: forward, ``loss_fn(model(*inputs), target)``,
+    backward and ``optimizer``'s update.
+
+    ``example_batch`` is ``(inputs..., target)``; its shapes and dtypes are fixed in the
+    graph. The model is traced in its current train/eval mode. The model, the optimizer
+    and the batch are left unchanged. ``tracing_mode="fake"`` records with fake tensors
+    (shapes only: faster for large models; the graph is the same).
+    """
+    batch = tuple(example_batch)
+    if len(batch) < 2:
+        raise ValueError("example_batch must be (inputs..., target): at least two tensors")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    opt = functional_optimizer(optimizer, params)
+    opt_state = opt.initial_state()
+    opt_names = opt.state_names()
+    frozen = {n: t for n, t in params.items() if n not in opt.params}
+
+    inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
+              + [InputSlot(n, STATE, "buffer") for n in buffers]
+              + [InputSlot(n, STATE, "optimizer") for n in opt_names]
+              + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(batch))])
+    outputs = ([OutputSlot("update", s.name) for s in inputs if s.role != FEED]
+               + [OutputSlot("loss", "loss")])
+    counts = (len(params), len(buffers), len(opt_names))
+    loss_scope = Scope("loss", getattr(loss_fn, "__name__", type(loss_fn).__name__))
+    optimizer_scope = Scope("optimizer", type(optimizer).__name__)
+
+    def step(*flat):
+        p, b, o, data = _split(flat, counts, (params, buffers, opt_names))
+        trained = {n: p[n] for n in opt.params}
+        fixed = {n: p[n] for n in frozen}
+        *xs, target = data
+
+        def loss_of(trained_params):
+            new_buffers = {n: t.clone() for n, t in b.items()}
+            out = torch.func.functional_call(model, (trained_params, fixed, new_buffers),
+                                             tuple(xs))
+            _ModuleScopes.label(loss_scope)
+            loss = loss_fn(out, target)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TraceError("loss_fn must return a scalar (0-dim) tensor")
+            return loss, new_buffers
+
+        grads, (loss, new_buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(trained)
+        _ModuleScopes.label(optimizer_scope)
+        new_trained, new_opt = opt.update(trained, grads, o)
+        _ModuleScopes.label(OUTSIDE)  # tags the update's nodes
+        return (*[new_trained.get(n, p[n]) for n in params],
+                *[new_buffers[n] for n in buffers],
+                *[new_opt[n] for n in opt_names], loss)
+
+    initial = {**_detached(params), **_detached(buffers), **opt_state}
+    args = [initial[s.name] for s in inputs if s.role != FEED] + list(batch)
+    gm = _record(step, args, model, tracing_mode)
+    return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe())
+
+
+def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+                    *, eval_mode: bool = True, tracing_mode: str = "real") -> TracedStep:
+    """Traces the forward pass ``model(*example_inputs)``.
+
+    With ``eval_mode`` (the default) the model is traced as after ``model.eval()``; its
+    train/eval flags are restored afterwards. Buffers are state; the outputs (flattened
+    in pytree order) are fetches named ``output.<i>``.
+    """
+    xs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
+              + [InputSlot(n, STATE, "buffer") for n in buffers]
+              + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(xs))])
+    counts = (len(params), len(buffers), 0)
+    spec_box: list[pytree.TreeSpec] = []
+
+    def forward_pass(*flat):
+        p, b, _, data = _split(flat, counts, (params, buffers, []))
+
+        def run_model(params_):
+            new_buffers = {n: t.clone() for n, t in b.items()}
+            out = torch.func.functional_call(model, (params_, new_buffers), tuple(data))
+            return torch.zeros(()), (out, new_buffers)
+
+        # The forward runs under a grad transform, as in a training step, so a module
+        # that updates buffers (batch norm in training mode) is functionalized the same
+        # way; nothing of the backward is recorded.
+        _, _, (out, new_buffers) = torch.func.vjp(run_model, p, has_aux=True)
+        leaves, spec = pytree.tree_flatten(out)
+        spec_box[:] = [spec]
+        return (*[new_buffers[n] for n in buffers], *leaves)
+
+    initial = {**_detached(params), **_detached(buffers)}
+    args = [initial[s.name] for s in inputs if s.role != FEED] + list(xs)
+    with _training_mode(model, False if eval_mode else None):
+        gm = _record(forward_pass, args, model, tracing_mode)
+    n_out = spec_box[0].num_leaves
+    outputs = ([OutputSlot("update", n) for n in buffers]
+               + [OutputSlot("output", f"output.{i}") for i in range(n_out)])
+    return TracedStep("inference", gm, inputs, outputs, initial, output_spec=spec_box[0])
+
+
+def _split(flat, counts, names):
+    n_p, n_b, n_o = counts
+    p = dict(zip(names[0], flat[:n_p]))
+    b = dict(zip(names[1], flat[n_p:n_p + n_b]))
+    o = dict(zip(names[2], flat[n_p + n_b:n_p + n_b + n_o]))
+    return p, b, o, flat[n_p + n_b + n_o:]

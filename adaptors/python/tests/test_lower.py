@@ -1,0 +1,223 @@
+"""Lowering to the salus IR: structure, protobuf round trip, constants, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.fx
+from harness import check_graph_structure
+from torch import nn
+
+import salus
+from salus.lower import check_ops, supported_ops
+from salus.models import MLP, target_models
+from salus.v1 import graph_pb2 as pb
+
+MODELS = ["mlp", "cnn", "gpt", "resnet18"]
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return target_models(batch_size=4, image_size=16, resnet_size=32)
+
+
+def _optimizer(kind, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _roundtrip(graph: pb.Graph) -> pb.Graph:
+    parsed = pb.Graph()
+    parsed.ParseFromString(graph.SerializeToString())
+    assert parsed == graph
+    return parsed
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name", MODELS)
+def test_training_step_lowers_to_a_valid_graph(specs, name, optimizer):
+    spec = specs[name]
+    model = spec.model()
+    traced = salus.trace_train_step(model, spec.loss_fn, _optimizer(optimizer, model),
+                                    spec.batch(0))
+    graph = _roundtrip(traced.to_graph())
+    check_graph_structure(graph, supported_ops(), kind="train")
+
+    by_name = {t.name: t for t in graph.tensors}
+    for pname, p in model.named_parameters():
+        t = by_name[pname]
+        assert t.role == pb.TENSOR_ROLE_PARAMETER and list(t.shape) == list(p.shape)
+    for bname, b in model.named_buffers():
+        assert by_name[bname].role == pb.TENSOR_ROLE_STATE
+    assert by_name["optimizer.step"].role == pb.TENSOR_ROLE_STATE
+    state_prefix = "optimizer.momentum_buffer." if optimizer == "sgd" else "optimizer.exp_avg_sq."
+    for pname, _ in model.named_parameters():
+        assert by_name[state_prefix + pname].role == pb.TENSOR_ROLE_STATE
+    feeds = [t for t in graph.tensors if t.role == pb.TENSOR_ROLE_FEED]
+    assert [t.name for t in feeds] == ["input.0", "input.1"]
+    assert sorted(graph.tensors[u.target].name for u in graph.updates) == sorted(
+        traced.state_names)
+    assert {n.op for n in graph.nodes} == set(traced.ops())
+    assert any(n.source for n in graph.nodes)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_inference_matches_eval_forward_and_lowers(specs, name):
+    spec = specs[name]
+    model = spec.model()
+    inputs = spec.batch(0)[:-1]
+    traced = salus.trace_inference(model, inputs)
+    assert model.training, "trace_inference restores the training flag"
+    state, output = traced.run(dict(traced.initial_state), *inputs)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(output, model(*inputs), rtol=1e-5, atol=1e-5)
+    graph = _roundtrip(traced.to_graph())
+    check_graph_structure(graph, supported_ops(), kind="inference")
+    assert len(graph.fetches) == 1 and graph.tensors[graph.fetches[0]].name == "output.0"
+
+
+def test_inference_in_training_mode_updates_batch_norm_statistics(specs):
+    spec = specs["cnn"]
+    model = spec.model()
+    x = spec.batch(0)[0]
+    traced = salus.trace_inference(model, x, eval_mode=False)
+    state, output = traced.run(dict(traced.initial_state), x)
+    with torch.no_grad():
+        torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-5)
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(state[name], buffer, rtol=1e-5, atol=1e-6)
+    graph = traced.to_graph()
+    check_graph_structure(graph, supported_ops(), kind="inference", updates=True)
+    assert {graph.tensors[u.target].name for u in graph.updates} == set(
+        dict(model.named_buffers()))
+
+
+def test_node_arguments_follow_the_schema():
+    model = MLP(4, (8,), 3)
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(5, 4), torch.randint(0, 3, (5,))))
+    graph = traced.to_graph()
+    tensors = graph.tensors
+    addmm = next(n for n in graph.nodes if n.op == "addmm")
+    assert len(addmm.inputs) == 3 and set(addmm.attributes) == {"beta", "alpha"}
+    assert tensors[addmm.inputs[0]].name == "body.0.bias"
+    assert addmm.source.startswith("body.0 (Linear)")
+    log_softmax = next(n for n in graph.nodes if n.op == "_log_softmax")
+    assert log_softmax.attributes["dim"].int == 1
+    assert log_softmax.attributes["half_to_float"].bool is False
+    # a Python number next to a tensor picks the .Scalar overload
+    assert any(n.op == "ne.Scalar" and n.attributes["other"].int == -100 for n in graph.nodes)
+    # ScalarType arguments become dtype attributes; device/layout are dropped
+    to_copy = next(n for n in graph.nodes if n.op == "_to_copy")
+    assert to_copy.attributes["dtype"].dtype == pb.DTYPE_F32
+    assert "device" not in to_copy.attributes and "layout" not in to_copy.attributes
+
+
+def test_multi_output_ops_and_tensor_lists(specs):
+    spec = specs["gpt"]
+    model = spec.model()
+    traced = salus.trace_train_step(model, spec.loss_fn,
+                                    torch.optim.SGD(model.parameters(), lr=0.1), spec.batch(0))
+    graph = traced.to_graph()
+    split = next(n for n in graph.nodes if n.op == "split_with_sizes")
+    assert len(split.outputs) == 3 and all(o >= 0 for o in split.outputs)
+    cat = next(n for n in graph.nodes if n.op == "cat")
+    assert cat.attributes["tensors.len"].int == len(cat.inputs)
+    layer_norm = next(n for n in graph.nodes if n.op == "native_layer_norm")
+    assert len(layer_norm.outputs) == 3
+    index_put = next(n for n in graph.nodes if n.op == "index_put")
+    assert index_put.attributes["accumulate"].bool is True
+    assert index_put.attributes["indices.len"].int == len(index_put.inputs) - 2
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = torch.tensor([1.0, 2.0, 3.0, 4.0])  # neither parameter nor buffer
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale
+        return torch.where(y > 0, 2.0 - y, 0.5).sum(1)
+
+
+def test_captured_tensors_and_numbers_become_constants():
+    traced = salus.trace_inference(_Scaled(), torch.randn(2, 4))
+    graph = traced.to_graph()
+    constants = {t.name: t for t in graph.tensors if t.role == pb.TENSOR_ROLE_CONSTANT}
+    scale = next(t for name, t in constants.items() if name.startswith("_tensor_constant"))
+    assert list(scale.shape) == [4] and scale.dtype == pb.DTYPE_F32
+    assert np.frombuffer(scale.data, dtype="<f4").tolist() == [1.0, 2.0, 3.0, 4.0]
+    # 2.0 - y is sub.Tensor(2.0, y): the number becomes a 0-dim f32 constant
+    two = next(t for t in constants.values() if list(t.shape) == [] and t.name != scale.name)
+    assert np.frombuffer(two.data, dtype="<f4").tolist() == [2.0]
+    sub = next(n for n in graph.nodes if n.op == "sub.Tensor")
+    assert sub.inputs[0] == two.id
+    check_graph_structure(graph, supported_ops(), kind="inference")
+
+
+class _Inner(nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, dim=1)  # cumsum: Core ATen, not in the IR
+
+
+class _Unsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.body = _Inner()
+
+    def forward(self, x):
+        return torch.maximum(self.body(self.fc(x)), x.sum(1, keepdim=True))
+
+
+def test_unsupported_op_names_op_module_and_shapes():
+    model = _Unsupported()
+    traced = salus.trace_train_step(model, lambda out, y: ((out - y) ** 2).mean(),
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(3, 4), torch.randn(3, 6)))
+    with pytest.raises(salus.UnsupportedOpError) as info:
+        traced.to_graph()
+    error = info.value
+    assert {"cumsum", "maximum"} <= set(error.ops), "every missing op is reported at once"
+    cumsum = next(m for m in error.missing if m.op == "cumsum" and m.source)
+    assert cumsum.source.startswith("body (_Inner)") and "test_lower.py:" in cumsum.source
+    assert cumsum.inputs == ("float32[3, 6]",)
+    message = str(error)
+    assert "cumsum" in message and "body (_Inner)" in message and "float32[3, 6]" in message
+    assert "not in proto/salus/v1/ops.txt" in message
+
+
+def test_non_core_ops_are_refused():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.zeros(2)
+    y = graph.call_function(torch.ops.prims.neg.default, (x,))
+    y.meta["val"] = torch.zeros(2)
+    graph.output(y)
+    with pytest.raises(salus.UnsupportedOpError) as info:
+        check_ops(torch.fx.GraphModule(nn.Module(), graph))
+    assert info.value.ops == ["prims.neg"]
+    assert "not Core ATen" in str(info.value)
+
+
+def test_unsupported_dtype_is_named():
+    model = MLP(4, (8,), 3).double()
+    traced = salus.trace_inference(model, torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(salus.LoweringError, match="float64"):
+        traced.to_graph()
+
+
+def test_dropout_becomes_bernoulli():
+    model = MLP(8, (16,), 4, dropout=0.25)
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(64, 8), torch.randint(0, 4, (64,))))
+    graph = traced.to_graph()
+    bernoulli = [n for n in graph.nodes if n.op == "bernoulli.p"]
+    assert len(bernoulli) == 1 and bernoulli[0].attributes["p"].float == pytest.approx(0.75)
+    check_graph_structure(graph, supported_ops(), kind="train")

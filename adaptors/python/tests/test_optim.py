@@ -1,0 +1,117 @@
+"""The functional optimizers: refusals, state naming and taking over torch's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import assert_states_close, eager_steps, torch_state, traced_steps, twin
+from torch import nn
+
+import salus
+from salus.models import MLP, vector_batch
+from salus.optim import functional_optimizer
+
+
+def _model():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MLP(6, (5,), 3)
+
+
+@pytest.mark.parametrize("make, option", [
+    (lambda p: torch.optim.Adam(p, amsgrad=True), "amsgrad"),
+    (lambda p: torch.optim.AdamW(p, amsgrad=True), "amsgrad"),
+    (lambda p: torch.optim.Adam(p, maximize=True), "maximize"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), "maximize"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, fused=True), "fused"),
+])
+def test_unsupported_options_are_refused_by_name(make, option):
+    model = _model()
+    with pytest.raises(salus.UnsupportedOptimizerError, match=option):
+        salus.trace_train_step(model, nn.functional.cross_entropy, make(model.parameters()),
+                               vector_batch(4, 6, 3))
+
+
+def test_unsupported_optimizer_is_refused():
+    model = _model()
+    with pytest.raises(salus.UnsupportedOptimizerError, match="RMSprop"):
+        functional_optimizer(torch.optim.RMSprop(model.parameters()),
+                             dict(model.named_parameters()))
+
+
+def test_state_names_follow_the_ir_conventions():
+    model = _model()
+    names = list(dict(model.named_parameters()))
+    sgd = functional_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               dict(model.named_parameters()))
+    assert sgd.state_names() == [f"optimizer.momentum_buffer.{n}" for n in names] + [
+        "optimizer.step"]
+    plain = functional_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 dict(model.named_parameters()))
+    assert plain.state_names() == []
+    adam = functional_optimizer(torch.optim.AdamW(model.parameters()),
+                                dict(model.named_parameters()))
+    assert adam.state_names() == [f"optimizer.{k}.{n}" for n in names
+                                  for k in ("exp_avg", "exp_avg_sq")] + ["optimizer.step"]
+    assert adam.describe()["kind"] == "adamw"
+
+
+def test_sgd_first_step_takes_the_gradient_as_momentum_buffer():
+    model = _model()
+    x, y = vector_batch(4, 6, 3)
+    make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5)  # noqa: E731
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    make(model.parameters()), (x, y))
+    state, _ = traced.run(dict(traced.initial_state), x, y)
+    assert state["optimizer.step"].item() == 1.0
+    grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y),
+                                list(model.parameters()))
+    for (name, _), grad in zip(model.named_parameters(), grads):
+        torch.testing.assert_close(state[f"optimizer.momentum_buffer.{name}"], grad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+], ids=["sgd", "adam"])
+def test_tracing_takes_over_an_optimizer_that_already_stepped(make):
+    model = _model()
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(4)]
+    optimizer = make(model.parameters())
+    eager_steps(model, optimizer, nn.functional.cross_entropy, batches[:2])
+    reference = twin(model)
+    reference_opt = make(reference.parameters())
+    reference_opt.load_state_dict(optimizer.state_dict())
+
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy, optimizer, batches[2])
+    state, _ = traced_steps(traced, batches[2:])
+    eager_steps(reference, reference_opt, nn.functional.cross_entropy, batches[2:])
+    assert_states_close(state, torch_state(reference, reference_opt), rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_parameters_are_not_updated():
+    model = _model()
+    model.body[0].weight.requires_grad_(False)
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    vector_batch(4, 6, 3))
+    graph = traced.to_graph()
+    updated = {graph.tensors[u.target].name for u in graph.updates}
+    assert "body.0.weight" not in updated and "body.0.bias" in updated
+
+
+def test_param_groups_keep_their_own_hyperparameters():
+    model = _model()
+    groups = [{"params": model.body.parameters(), "lr": 0.5},
+              {"params": model.head.parameters(), "lr": 0.01, "momentum": 0.5}]
+    reference = twin(model)
+    ref_groups = [{"params": reference.body.parameters(), "lr": 0.5},
+                  {"params": reference.head.parameters(), "lr": 0.01, "momentum": 0.5}]
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(groups, lr=0.1), batches[0])
+    assert "optimizer.momentum_buffer.body.0.weight" not in traced.state_names
+    state, _ = traced_steps(traced, batches)
+    ref_opt = torch.optim.SGD(ref_groups, lr=0.1)
+    eager_steps(reference, ref_opt, nn.functional.cross_entropy, batches)
+    assert_states_close(state, torch_state(reference, ref_opt), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,63 @@
+"""Traced graphs pass the daemon's own checks: the Rust validator (shape and dtype
+inference for every node) accepts them, and the Rust planner's P equals the persistent
+bytes PyTorch holds, with E within 1.10x of the lower bound."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from salus import models
+from salus.trace import trace_inference, trace_train_step
+
+ROOT = Path(__file__).resolve().parents[3]
+ALIGNMENT = 256
+
+
+def rust_plan(paths: list[Path]) -> dict[str, dict]:
+    """Runs `salus-bench plan --json` (the Rust validator and planner) on graph files."""
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed")
+    out = subprocess.run(
+        ["cargo", "run", "--quiet", "--locked", "-p", "salus-bench", "--", "plan", "--json",
+         *map(str, paths)],
+        cwd=ROOT, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return {g["graph"]: g for g in json.loads(out.stdout)["graphs"]}
+
+
+def aligned_bytes(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT for t in tensors)
+
+
+def test_target_models_validate_and_plan_in_rust(tmp_path: Path) -> None:
+    expected_p: dict[str, int] = {}
+    paths: list[Path] = []
+    for name, target in models.target_models().items():
+        model = target.model()
+        *inputs, label = target.batch(0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        traced = trace_train_step(model, target.loss_fn, optimizer, (*inputs, label))
+        path = tmp_path / f"{name}_train.pb"
+        path.write_bytes(traced.to_graph().SerializeToString())
+        paths.append(path)
+        expected_p[f"{name}_train"] = aligned_bytes(traced.initial_state.values())
+
+        inference = trace_inference(target.model(), tuple(inputs))
+        path = tmp_path / f"{name}_forward.pb"
+        graph = inference.to_graph()
+        path.write_bytes(graph.SerializeToString())
+        paths.append(path)
+
+    plans = rust_plan(paths)
+    assert set(plans) == {p.stem for p in paths}
+    for name, plan in plans.items():
+        assert plan["ephemeral_bytes"] <= 1.10 * plan["lower_bound"], plan
+        assert plan["ephemeral_bytes"] >= plan["lower_bound"] > 0, plan
+        if name in expected_p:
+            assert plan["persistent_bytes"] == expected_p[name], (name, plan)

@@ -1,0 +1,96 @@
+"""The command-line tools: salus.coverage and salus.reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from salus import coverage, reference
+from salus.v1 import graph_pb2 as pb
+
+
+def test_coverage_reports_a_model_that_lowers(capsys):
+    assert coverage.main(["--json", "--model", "resnet18"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    result = report["models"]["resnet18"]
+    assert result["lowered"] is True and result["missing_ops"] == []
+    assert "convolution_backward" in result["ops"]
+
+
+class _CumSum(nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, dim=1)
+
+
+def test_coverage_lists_the_missing_ops():
+    spec = coverage.CoverageModel(
+        "with_cumsum", lambda: nn.Sequential(nn.Conv2d(3, 10, 3), nn.AdaptiveAvgPool2d(1),
+                                             nn.Flatten(), _CumSum()), 8)
+    result = coverage.check_model(spec, tracing_mode="real")
+    assert result["lowered"] is False
+    assert "cumsum" in result["missing_ops"]
+
+
+@pytest.fixture(scope="module")
+def mlp_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    assert reference.write_all(out, steps=3, names=["mlp"]) == ["mlp"]
+    return out
+
+
+def test_reference_files_describe_the_graph(mlp_reference):
+    index = json.loads((mlp_reference / "index.json").read_text())
+    assert index == {"format": "salus-reference", "version": 1, "models": ["mlp"]}
+    directory = mlp_reference / "mlp"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["steps"] == 3 and len(manifest["losses"]) == 3
+    assert len(manifest["batches"]) == 3
+    graph = pb.Graph()
+    graph.ParseFromString((directory / manifest["graph"]).read_bytes())
+
+    persistent = [t for t in graph.tensors
+                  if t.role in (pb.TENSOR_ROLE_PARAMETER, pb.TENSOR_ROLE_STATE)]
+    feeds = [t for t in graph.tensors if t.role == pb.TENSOR_ROLE_FEED]
+    for section, expected in [(manifest["initial"], persistent),
+                              (manifest["final"], persistent),
+                              (manifest["batches"][0], feeds)]:
+        entries = section["tensors"]
+        assert [e["name"] for e in entries] == [t.name for t in expected]
+        assert [e["shape"] for e in entries] == [list(t.shape) for t in expected]
+        assert [e["dtype"] for e in entries] == [
+            pb.DType.Name(t.dtype).removeprefix("DTYPE_").lower() for t in expected]
+        assert sum(e["nbytes"] for e in entries) == (directory / section["file"]).stat().st_size
+    for f in directory.iterdir():
+        assert f.stat().st_size < 1_000_000, f
+
+
+def test_reference_final_state_follows_from_initial_state(mlp_reference):
+    """Running the traced graph from the stored initial state on the stored batches
+    reproduces the stored eager results."""
+    directory = mlp_reference / "mlp"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    run = reference.reference_runs()["mlp"]
+    model = run.spec.model(0)
+    batches = [tuple(reference.read_tensors(directory, b).values())
+               for b in manifest["batches"]]
+    initial = reference.read_tensors(directory, manifest["initial"])
+    final = reference.read_tensors(directory, manifest["final"])
+
+    from salus import trace_train_step
+
+    traced = trace_train_step(model, run.spec.loss_fn, run.optimizer(model.parameters()),
+                              batches[0])
+    state = dict(initial)
+    losses = []
+    for batch in batches:
+        state, loss = traced.run(state, *batch)
+        losses.append(loss.item())
+    assert losses == pytest.approx(manifest["losses"], rel=1e-5)
+    assert manifest["graph_losses"] == pytest.approx(manifest["losses"], rel=1e-5)
+    for name, want in final.items():
+        torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+    errors = {e["name"]: e["f32_error"] for e in manifest["final"]["tensors"]}
+    assert set(errors) == set(final) and max(errors.values()) < 1e-4
