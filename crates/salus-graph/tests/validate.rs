@@ -337,3 +337,262 @@ fn convolution_and_pooling_shapes() {
         ],
     );
 }
+
+/// One node over feeds of the given types; the error message of validating it.
+fn op_error(
+    op: Op,
+    inputs: &[(DType, &[u64])],
+    output: (DType, &[u64]),
+    attrs: &[(&str, Attr)],
+) -> String {
+    let mut g = Builder::default();
+    let ids: Vec<Option<usize>> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, (d, s))| Some(g.tensor(&format!("in{i}"), *d, s, Role::Feed)))
+        .collect();
+    g.node(op, &ids, &[output], attrs);
+    error(&g.graph)
+}
+
+#[test]
+fn every_op_family_rejects_bad_arguments_with_a_reason() {
+    use DType::{Bool, F32, I64};
+    let cases: Vec<(String, &str)> = vec![
+        (
+            op_error(
+                Op::Bmm,
+                &[(F32, &[2, 3, 4]), (F32, &[2, 5, 6])],
+                (F32, &[2, 3, 6]),
+                &[],
+            ),
+            "[b, n, k] and [b, k, m]",
+        ),
+        (
+            op_error(
+                Op::Cat,
+                &[(F32, &[2, 3]), (F32, &[4, 4])],
+                (F32, &[6, 3]),
+                &[("tensors.len", Attr::Int(2)), ("dim", Attr::Int(0))],
+            ),
+            "does not match tensor 0",
+        ),
+        (
+            op_error(Op::Cat, &[(F32, &[2, 3])], (F32, &[2, 3]), &[]),
+            "\"tensors.len\"",
+        ),
+        (
+            op_error(
+                Op::SplitWithSizes,
+                &[(F32, &[5, 2])],
+                (F32, &[2, 2]),
+                &[
+                    ("split_sizes", Attr::Ints(vec![2, 2])),
+                    ("dim", Attr::Int(0)),
+                ],
+            ),
+            "add up to 4, but dimension 0",
+        ),
+        (
+            op_error(
+                Op::Permute,
+                &[(F32, &[2, 3])],
+                (F32, &[3, 2]),
+                &[("dims", Attr::Ints(vec![0, 0]))],
+            ),
+            "appears twice",
+        ),
+        (
+            op_error(
+                Op::Expand,
+                &[(F32, &[2, 3])],
+                (F32, &[4, 3]),
+                &[("size", Attr::Ints(vec![4, 3]))],
+            ),
+            "dimension 0 is 2",
+        ),
+        (
+            op_error(
+                Op::SliceTensor,
+                &[(F32, &[8])],
+                (F32, &[8]),
+                &[("dim", Attr::Int(0)), ("step", Attr::Int(0))],
+            ),
+            "step must be positive",
+        ),
+        (
+            op_error(
+                Op::SelectInt,
+                &[(F32, &[3, 2])],
+                (F32, &[2]),
+                &[("dim", Attr::Int(0)), ("index", Attr::Int(3))],
+            ),
+            "index 3 out of range",
+        ),
+        (
+            op_error(
+                Op::Unsqueeze,
+                &[(F32, &[3])],
+                (F32, &[3, 1]),
+                &[("dim", Attr::Int(5))],
+            ),
+            "dimension 5 out of range",
+        ),
+        (
+            op_error(
+                Op::NativeLayerNorm,
+                &[(F32, &[2, 8]), (F32, &[8]), (F32, &[8])],
+                (F32, &[2, 8]),
+                &[
+                    ("normalized_shape", Attr::Ints(vec![4])),
+                    ("eps", Attr::Float(1e-5)),
+                ],
+            ),
+            "must equal the last dimensions",
+        ),
+        (
+            op_error(
+                Op::Embedding,
+                &[(F32, &[10, 4]), (F32, &[3])],
+                (F32, &[3, 4]),
+                &[],
+            ),
+            "indices must be an i64 or i32 tensor",
+        ),
+        (
+            op_error(
+                Op::Gather,
+                &[(F32, &[3, 4]), (I64, &[3])],
+                (F32, &[3]),
+                &[("dim", Attr::Int(1))],
+            ),
+            "must have the rank of input",
+        ),
+        (
+            op_error(
+                Op::WhereSelf,
+                &[(F32, &[3]), (F32, &[3]), (F32, &[3])],
+                (F32, &[3]),
+                &[],
+            ),
+            "condition must be bool",
+        ),
+        (
+            op_error(
+                Op::Softmax,
+                &[(I64, &[3])],
+                (I64, &[3]),
+                &[("dim", Attr::Int(0))],
+            ),
+            "must be a floating-point tensor",
+        ),
+        (
+            op_error(Op::MeanDim, &[(I64, &[3])], (I64, &[]), &[]),
+            "floating-point result",
+        ),
+        (
+            op_error(
+                Op::ArangeStartStep,
+                &[],
+                (I64, &[3]),
+                &[
+                    ("start", Attr::Int(0)),
+                    ("end", Attr::Int(3)),
+                    ("step", Attr::Int(-1)),
+                ],
+            ),
+            "goes away from end",
+        ),
+        (
+            op_error(
+                Op::BernoulliP,
+                &[(F32, &[3])],
+                (F32, &[3]),
+                &[("p", Attr::Float(1.5))],
+            ),
+            "p must be in [0, 1]",
+        ),
+        (
+            op_error(
+                Op::Full,
+                &[],
+                (F32, &[2]),
+                &[
+                    ("size", Attr::Ints(vec![-2])),
+                    ("fill_value", Attr::Float(0.0)),
+                ],
+            ),
+            "must be >= 0",
+        ),
+        (
+            op_error(
+                Op::IndexPut,
+                &[(F32, &[4]), (I64, &[2]), (I64, &[2])],
+                (F32, &[4]),
+                &[
+                    ("indices.len", Attr::Int(1)),
+                    ("accumulate", Attr::Bool(true)),
+                ],
+            ),
+            "values i64[2] must have the dtype of f32[4]",
+        ),
+        (
+            op_error(Op::Clamp, &[(F32, &[3])], (F32, &[3]), &[]),
+            "at least one of \"min\" and \"max\"",
+        ),
+        (
+            op_error(
+                Op::BitwiseAndTensor,
+                &[(F32, &[3]), (F32, &[3])],
+                (F32, &[3]),
+                &[],
+            ),
+            "integer or bool",
+        ),
+        (
+            op_error(
+                Op::Gelu,
+                &[(F32, &[3])],
+                (F32, &[3]),
+                &[("approximate", Attr::Str("fast".into()))],
+            ),
+            "\"none\" or \"tanh\"",
+        ),
+        (
+            op_error(
+                Op::LogicalAnd,
+                &[(Bool, &[3]), (Bool, &[4])],
+                (Bool, &[3]),
+                &[],
+            ),
+            "do not broadcast",
+        ),
+        (
+            op_error(
+                Op::MaxPool2dWithIndices,
+                &[(F32, &[1, 1, 2, 2])],
+                (F32, &[1, 1, 1, 1]),
+                &[
+                    ("kernel_size", Attr::Ints(vec![3, 3])),
+                    ("padding", Attr::Ints(vec![0, 0])),
+                ],
+            ),
+            "smaller than the kernel extent",
+        ),
+        (
+            op_error(
+                Op::AdaptiveAvgPool2d,
+                &[(F32, &[4, 4])],
+                (F32, &[1, 1]),
+                &[("output_size", Attr::Ints(vec![1, 1]))],
+            ),
+            "input must be 3-d or 4-d",
+        ),
+    ];
+    for (message, needle) in cases {
+        assert!(
+            message.contains(needle),
+            "{message:?} should mention {needle:?}"
+        );
+    }
+}
