@@ -61,3 +61,34 @@ def test_target_models_validate_and_plan_in_rust(tmp_path: Path) -> None:
         assert plan["ephemeral_bytes"] >= plan["lower_bound"] > 0, plan
         if name in expected_p:
             assert plan["persistent_bytes"] == expected_p[name], (name, plan)
+
+
+LOSSES = {
+    "mse": (lambda: torch.nn.Linear(8, 3), torch.nn.functional.mse_loss),
+    "l1": (lambda: torch.nn.Linear(8, 3), torch.nn.functional.l1_loss),
+    "bce_logits": (lambda: torch.nn.Linear(8, 3),
+                   torch.nn.functional.binary_cross_entropy_with_logits),
+    "leaky_relu_mse": (lambda: torch.nn.Sequential(torch.nn.Linear(8, 3),
+                                                   torch.nn.LeakyReLU(0.1)),
+                       torch.nn.functional.mse_loss),
+}
+
+
+def test_common_losses_and_activations_lower_match_eager_and_validate(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen)
+    y = torch.rand(4, 3, generator=gen)
+    paths = []
+    for name, (build, loss_fn) in LOSSES.items():
+        torch.manual_seed(0)
+        model = build()
+        eager_loss = loss_fn(model(x), y).item()
+        traced = trace_train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  (x, y))
+        _, loss = traced.run(dict(traced.initial_state), x, y)
+        assert abs(loss.item() - eager_loss) <= 1e-6 * max(1.0, abs(eager_loss)), name
+        path = tmp_path / f"{name}.pb"
+        path.write_bytes(traced.to_graph().SerializeToString())
+        paths.append(path)
+    plans = rust_plan(paths)
+    assert set(plans) == set(LOSSES)

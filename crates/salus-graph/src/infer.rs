@@ -540,8 +540,15 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             out[0].dtype = float_of(out[0].dtype);
             Ok(out)
         }
-        Neg | Relu | Clone | BitwiseNot => unary_same(args),
-        Exp | Sqrt | Rsqrt | Erf | Sigmoid | Tanh => unary_float(args),
+        Neg | Abs | Sign | Relu | Clone | BitwiseNot => unary_same(args),
+        Exp | Log | Sqrt | Rsqrt | Erf | Sigmoid | Tanh => unary_float(args),
+        LeakyRelu => {
+            args.count(1)?;
+            let t = args.input(0)?;
+            require_float(t, "input")?;
+            args.scalar_opt("negative_slope")?;
+            Ok(same(t))
+        }
         Gelu => {
             let out = unary_float(args)?;
             match args.attr("approximate") {
@@ -634,6 +641,15 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
                 args.dtype_opt("dtype")?.unwrap_or(default),
                 shape,
             )])
+        }
+        Mean => {
+            args.count(1)?;
+            let t = args.input(0)?;
+            let dtype = args.dtype_opt("dtype")?.unwrap_or(t.dtype);
+            if !dtype.is_float() {
+                return Err(format!("mean needs a floating-point result, got {dtype}"));
+            }
+            Ok(vec![TensorType::new(dtype, vec![])])
         }
         MeanDim => {
             args.count(1)?;

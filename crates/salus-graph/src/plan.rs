@@ -99,13 +99,17 @@ fn elementwise(op: Op) -> bool {
             | DivTensor
             | DivScalar
             | Neg
+            | Abs
+            | Sign
             | Exp
+            | Log
             | Sqrt
             | Rsqrt
             | Erf
             | PowTensorScalar
             | Clamp
             | Relu
+            | LeakyRelu
             | Gelu
             | Sigmoid
             | Tanh
