@@ -118,7 +118,9 @@ def read_tensors(directory: Path, section: dict) -> dict[str, torch.Tensor]:
 # Runs
 
 
-def _eager(model, optimizer, loss_fn, batches) -> list[float]:
+def eager_steps(model, optimizer, loss_fn, batches) -> list[float]:
+    """Trains ``model`` in place with ``optimizer`` in eager PyTorch; the loss of every
+    step."""
     losses = []
     for *xs, target in batches:
         optimizer.zero_grad()
@@ -164,8 +166,8 @@ def write_model(out: Path, name: str, run: ReferenceRun, steps: int) -> dict:
 
     names = traced.state_names
     initial = {n: traced.initial_state[n] for n in names}
-    losses = _eager(model32, opt32, spec.loss_fn, batches)
-    losses64 = _eager(model64, opt64, spec.loss_fn, [_f64(b) for b in batches])
+    losses = eager_steps(model32, opt32, spec.loss_fn, batches)
+    losses64 = eager_steps(model64, opt64, spec.loss_fn, [_f64(b) for b in batches])
     step0 = initial.get(STEP)
     final = _persistent(model32, opt32, names, step0, steps)
     exact = _persistent(model64, opt64, names, None if step0 is None else step0.double(), steps)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from salus.optim import STEP, functional_optimizer
+from salus.reference import eager_steps  # noqa: F401  (re-exported for the tests)
 from salus.v1 import graph_pb2 as pb
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -19,18 +20,6 @@ OPTIMIZERS: dict[str, Callable] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=1e-3),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=1e-2),
 }
-
-
-def eager_steps(model, optimizer, loss_fn, batches) -> list[float]:
-    """Trains ``model`` in place with ``optimizer``; the loss of every step."""
-    losses = []
-    for *xs, y in batches:
-        optimizer.zero_grad()
-        loss = loss_fn(model(*xs), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def traced_steps(traced, batches):

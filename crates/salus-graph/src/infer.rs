@@ -281,6 +281,16 @@ fn reduce(shape: &[u64], reduced: Option<&[i64]>, keepdim: bool) -> Result<Vec<u
         .collect())
 }
 
+/// Shape of a reduction over the `dim` attribute (all dimensions when absent or empty),
+/// keeping reduced dimensions as 1 when `keepdim`.
+fn reduce_dims(args: &Args<'_>, t: &TensorType) -> Result<Vec<u64>> {
+    reduce(
+        &t.shape,
+        args.ints_opt("dim")?,
+        args.bool_or("keepdim", false)?,
+    )
+}
+
 fn nonneg(v: i64, what: &str) -> Result<u64> {
     u64::try_from(v).map_err(|_| format!("{what} must be >= 0, got {v}"))
 }
@@ -627,11 +637,7 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
         SumDimIntList => {
             args.count(1)?;
             let t = args.input(0)?;
-            let shape = reduce(
-                &t.shape,
-                args.ints_opt("dim")?,
-                args.bool_or("keepdim", false)?,
-            )?;
+            let shape = reduce_dims(args, t)?;
             let default = if t.dtype.is_float() {
                 t.dtype
             } else {
@@ -658,11 +664,7 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             if !dtype.is_float() {
                 return Err(format!("mean needs a floating-point result, got {dtype}"));
             }
-            let shape = reduce(
-                &t.shape,
-                args.ints_opt("dim")?,
-                args.bool_or("keepdim", false)?,
-            )?;
+            let shape = reduce_dims(args, t)?;
             Ok(vec![TensorType::new(dtype, shape)])
         }
         VarCorrection => {
@@ -670,11 +672,7 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             let t = args.input(0)?;
             require_float(t, "input")?;
             args.scalar_opt("correction")?;
-            let shape = reduce(
-                &t.shape,
-                args.ints_opt("dim")?,
-                args.bool_or("keepdim", false)?,
-            )?;
+            let shape = reduce_dims(args, t)?;
             Ok(vec![TensorType::new(t.dtype, shape)])
         }
         AnyDim => {
@@ -687,11 +685,7 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
         Amax => {
             args.count(1)?;
             let t = args.input(0)?;
-            let shape = reduce(
-                &t.shape,
-                args.ints_opt("dim")?,
-                args.bool_or("keepdim", false)?,
-            )?;
+            let shape = reduce_dims(args, t)?;
             Ok(vec![TensorType::new(t.dtype, shape)])
         }
         Softmax | LogSoftmax => {
