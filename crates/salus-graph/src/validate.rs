@@ -247,6 +247,18 @@ pub fn validate(graph: &Graph, limits: &Limits) -> Result<Vec<Producer>, GraphEr
         if std::mem::replace(&mut updated[u.target], true) {
             return Err(tensor_err(graph, u.target, "is updated twice".into()));
         }
+        if value.role.is_persistent() {
+            // Updates are applied one after another at the end of the iteration; reading a
+            // persistent tensor there could see another update's result.
+            return Err(tensor_err(
+                graph,
+                u.value,
+                format!(
+                    "is an update's value but is a {:?} tensor; values must be computed",
+                    value.role
+                ),
+            ));
+        }
         if producer[u.value] == Producer::Unused {
             return Err(tensor_err(
                 graph,

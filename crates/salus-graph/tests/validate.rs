@@ -596,3 +596,14 @@ fn every_op_family_rejects_bad_arguments_with_a_reason() {
         );
     }
 }
+
+#[test]
+fn update_values_must_be_computed() {
+    let mut g = valid();
+    g.graph.updates[0].value = 2; // b, a parameter
+    g.graph.updates[0].target = 2;
+    assert_mentions(
+        &error(&g.graph),
+        &["tensor 2 'b'", "update's value but is a Parameter tensor"],
+    );
+}

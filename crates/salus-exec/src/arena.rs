@@ -1,0 +1,182 @@
+//! The device arena: one allocation of the device's capacity, handed out as disjoint
+//! regions. Persistent blocks and lanes are offsets in it, as `salus-core` assigns them.
+//!
+//! Concurrent lanes write different parts of the same allocation at the same time, which
+//! Rust's borrows cannot express for one `Vec`. So the arena keeps a registry of the regions
+//! currently borrowed and refuses a borrow that overlaps one: two views of the same bytes
+//! can never exist, whatever the scheduler says. This module is the crate's only `unsafe`.
+
+#![allow(unsafe_code)]
+
+use std::ops::{Deref, DerefMut, Range};
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use crate::ExecError;
+
+/// One allocation of `len` bytes, 16-byte aligned, zero-initialised.
+pub struct Arena {
+    base: NonNull<u8>,
+    len: usize,
+    /// Keeps the allocation alive; only ever accessed through `base`.
+    _storage: Box<[u128]>,
+    borrowed: Mutex<Vec<Range<usize>>>,
+}
+
+// SAFETY: the arena owns its allocation, and every access goes through a `Region`, which
+// the registry guarantees never overlaps another live `Region`.
+unsafe impl Send for Arena {}
+// SAFETY: as above; `&Arena` only hands out non-overlapping regions.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// An arena of `len` bytes.
+    pub fn new(len: u64) -> Result<Arena, ExecError> {
+        let len = usize::try_from(len)
+            .map_err(|_| ExecError::Device(format!("capacity {len} does not fit in memory")))?;
+        let words = len.div_ceil(16);
+        let mut storage: Vec<u128> = Vec::new();
+        storage
+            .try_reserve_exact(words)
+            .map_err(|e| ExecError::Device(format!("cannot allocate {len} bytes: {e}")))?;
+        storage.resize(words, 0);
+        let mut storage = storage.into_boxed_slice();
+        let base = NonNull::new(storage.as_mut_ptr().cast::<u8>())
+            .ok_or_else(|| ExecError::Device("null allocation".into()))?;
+        Ok(Arena {
+            base,
+            len,
+            _storage: storage,
+            borrowed: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Capacity in bytes.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// True for a zero-byte arena.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Exclusive access to `[offset, offset + len)`, until the region is dropped. Fails if
+    /// the range is outside the arena or overlaps a region borrowed now.
+    pub fn borrow(&self, offset: u64, len: u64) -> Result<Region<'_>, ExecError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|l| start.checked_add(l))
+            .filter(|&end| end <= self.len)
+            .ok_or_else(|| {
+                ExecError::Device(format!(
+                    "bytes {offset}..{} are outside the arena of {} bytes",
+                    offset.saturating_add(len),
+                    self.len
+                ))
+            })?;
+        let range = start..end;
+        let mut borrowed = self
+            .borrowed
+            .lock()
+            .map_err(|_| ExecError::Device("arena registry poisoned".into()))?;
+        if let Some(other) = borrowed.iter().find(|r| {
+            r.start < range.end && range.start < r.end && !range.is_empty() && !r.is_empty()
+        }) {
+            return Err(ExecError::Device(format!(
+                "bytes {}..{} are in use by another lane or transfer ({}..{})",
+                range.start, range.end, other.start, other.end
+            )));
+        }
+        borrowed.push(range.clone());
+        Ok(Region { arena: self, range })
+    }
+}
+
+/// Exclusive access to part of the arena.
+pub struct Region<'a> {
+    arena: &'a Arena,
+    range: Range<usize>,
+}
+
+impl Deref for Region<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range is inside the allocation (checked in `borrow`) and no other
+        // live region overlaps it (the registry), so no `&mut` to these bytes exists.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.arena.base.as_ptr().add(self.range.start),
+                self.range.len(),
+            )
+        }
+    }
+}
+
+impl DerefMut for Region<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes this the only access through this
+        // region.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.arena.base.as_ptr().add(self.range.start),
+                self.range.len(),
+            )
+        }
+    }
+}
+
+impl Drop for Region<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut borrowed) = self.arena.borrowed.lock()
+            && let Some(i) = borrowed.iter().position(|r| *r == self.range)
+        {
+            borrowed.swap_remove(i);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_exclusive_and_released() {
+        let arena = Arena::new(1024).unwrap();
+        let mut a = arena.borrow(0, 256).unwrap();
+        let b = arena.borrow(256, 256).unwrap();
+        a[0] = 7;
+        assert_eq!(b.len(), 256);
+        let err = arena.borrow(128, 256).err().unwrap().to_string();
+        assert!(err.contains("in use"), "{err}");
+        drop(a);
+        let again = arena.borrow(0, 256).unwrap();
+        assert_eq!(again[0], 7);
+        assert!(arena.borrow(1000, 100).is_err());
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&again[..16]).len(), 4);
+    }
+
+    #[test]
+    fn concurrent_lanes_write_their_own_bytes() {
+        let arena = Arena::new(4096).unwrap();
+        std::thread::scope(|s| {
+            for lane in 0..4u64 {
+                let arena = &arena;
+                s.spawn(move || {
+                    let mut r = arena.borrow(lane * 1024, 1024).unwrap();
+                    r.fill(lane as u8 + 1);
+                });
+            }
+        });
+        let all = arena.borrow(0, 4096).unwrap();
+        for lane in 0..4 {
+            assert!(
+                all[lane * 1024..(lane + 1) * 1024]
+                    .iter()
+                    .all(|&b| b == lane as u8 + 1)
+            );
+        }
+    }
+}

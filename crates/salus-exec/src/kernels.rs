@@ -1,0 +1,559 @@
+//! CPU kernels: one function per op family, over contiguous row-major tensors.
+//!
+//! This first set covers what the MLP's training step needs (elementwise ops with
+//! broadcasting, reductions, matrix products, shape copies, softmax, gather and scatter),
+//! computing through `f64` values for every dtype. Fast paths (typed loops, the `gemm`
+//! crate, a bounded thread pool) and the remaining ops of `docs/ops.md` come next.
+
+use salus_graph::{Attr, DType, Node, Op, TensorType};
+
+type Result<T> = std::result::Result<T, String>;
+
+/// A tensor argument as a kernel sees it.
+pub(crate) enum Arg<'a> {
+    /// An optional tensor given as `None`.
+    Absent,
+    /// A tensor in memory of its own.
+    Tensor(&'a TensorType, &'a [u8]),
+    /// An input whose bytes are already in output 0: the node runs in place over it.
+    InOutput(&'a TensorType),
+}
+
+/// An output buffer.
+pub(crate) struct Out<'a> {
+    pub ty: &'a TensorType,
+    pub bytes: &'a mut [u8],
+}
+
+pub(crate) fn load(bytes: &[u8], dtype: DType, i: usize) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(f32::from_le_bytes(word(bytes, i))),
+        DType::I64 => i64::from_le_bytes(word(bytes, i)) as f64,
+        DType::I32 => f64::from(i32::from_le_bytes(word(bytes, i))),
+        DType::Bool => f64::from(u8::from(bytes[i] != 0)),
+        DType::F16 | DType::Bf16 => f64::NAN,
+    }
+}
+
+fn word<const N: usize>(bytes: &[u8], i: usize) -> [u8; N] {
+    let mut w = [0u8; N];
+    w.copy_from_slice(&bytes[i * N..(i + 1) * N]);
+    w
+}
+
+pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
+    match dtype {
+        DType::F32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as f32).to_le_bytes()),
+        DType::I64 => bytes[i * 8..(i + 1) * 8].copy_from_slice(&(v as i64).to_le_bytes()),
+        DType::I32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as i32).to_le_bytes()),
+        DType::Bool => bytes[i] = u8::from(v != 0.0),
+        DType::F16 | DType::Bf16 => {}
+    }
+}
+
+fn numel(shape: &[u64]) -> usize {
+    shape.iter().product::<u64>() as usize
+}
+
+fn contiguous_strides(shape: &[u64]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1] as usize;
+    }
+    strides
+}
+
+/// Strides that read a tensor of `shape` broadcast to `out` (0 along broadcast dims).
+fn broadcast_strides(shape: &[u64], out: &[u64]) -> Vec<usize> {
+    let own = contiguous_strides(shape);
+    let lead = out.len() - shape.len();
+    (0..out.len())
+        .map(|d| {
+            if d < lead || shape[d - lead] == 1 {
+                0
+            } else {
+                own[d - lead]
+            }
+        })
+        .collect()
+}
+
+/// Calls `f(out_index, source_offsets)` for every element of `out_shape`, where each
+/// source offset follows that source's strides.
+fn for_each_index(out_shape: &[u64], strides: &[Vec<usize>], mut f: impl FnMut(usize, &[usize])) {
+    let n = numel(out_shape);
+    let rank = out_shape.len();
+    let mut index = vec![0u64; rank];
+    let mut offsets = vec![0usize; strides.len()];
+    for linear in 0..n {
+        f(linear, &offsets);
+        for d in (0..rank).rev() {
+            index[d] += 1;
+            for (o, s) in offsets.iter_mut().zip(strides) {
+                *o += s[d];
+            }
+            if index[d] < out_shape[d] {
+                break;
+            }
+            for (o, s) in offsets.iter_mut().zip(strides) {
+                *o -= s[d] * out_shape[d] as usize;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// An elementwise op over broadcast inputs: `f(values) -> value`, written to output 0.
+fn elementwise(args: &[Arg<'_>], out: &mut Out<'_>, f: impl Fn(&[f64]) -> f64) -> Result<()> {
+    let out_ty = out.ty;
+    let mut strides = Vec::with_capacity(args.len());
+    let mut sources: Vec<Option<(&[u8], DType)>> = Vec::with_capacity(args.len());
+    for arg in args {
+        match arg {
+            Arg::Tensor(ty, bytes) => {
+                strides.push(broadcast_strides(&ty.shape, &out_ty.shape));
+                sources.push(Some((bytes, ty.dtype)));
+            }
+            Arg::InOutput(ty) => {
+                if ty.shape != out_ty.shape {
+                    return Err("in-place input must have the output's shape".into());
+                }
+                strides.push(contiguous_strides(&out_ty.shape));
+                sources.push(None);
+            }
+            Arg::Absent => return Err("elementwise op with an absent input".into()),
+        }
+    }
+    let in_place_dtype = args.iter().find_map(|a| match a {
+        Arg::InOutput(ty) => Some(ty.dtype),
+        _ => None,
+    });
+    let mut values = vec![0.0; args.len()];
+    let bytes = &mut *out.bytes;
+    for_each_index(&out_ty.shape, &strides, |i, offsets| {
+        for (k, source) in sources.iter().enumerate() {
+            values[k] = match source {
+                Some((b, dtype)) => load(b, *dtype, offsets[k]),
+                None => load(bytes, in_place_dtype.unwrap_or(out_ty.dtype), i),
+            };
+        }
+        store(bytes, out_ty.dtype, i, f(&values));
+    });
+    Ok(())
+}
+
+fn attr_f64(node: &Node, name: &str, default: Option<f64>) -> Result<f64> {
+    match node.attrs.get(name) {
+        Some(Attr::Float(v)) => Ok(*v),
+        Some(Attr::Int(v)) => Ok(*v as f64),
+        Some(Attr::Bool(v)) => Ok(f64::from(u8::from(*v))),
+        None => default.ok_or_else(|| format!("attribute {name:?} is missing")),
+        Some(other) => Err(format!("attribute {name:?} is not a number: {other:?}")),
+    }
+}
+
+fn attr_ints<'a>(node: &'a Node, name: &str) -> Option<&'a [i64]> {
+    match node.attrs.get(name) {
+        Some(Attr::Ints(v)) => Some(v),
+        _ => None,
+    }
+}
+
+fn attr_int(node: &Node, name: &str, default: i64) -> i64 {
+    match node.attrs.get(name) {
+        Some(Attr::Int(v)) => *v,
+        _ => default,
+    }
+}
+
+fn attr_bool(node: &Node, name: &str) -> bool {
+    matches!(node.attrs.get(name), Some(Attr::Bool(true)))
+}
+
+fn wrap(d: i64, rank: usize) -> usize {
+    let r = rank.max(1) as i64;
+    (if d < 0 { d + r } else { d }) as usize
+}
+
+fn tensor<'a>(args: &'a [Arg<'a>], i: usize) -> Result<(&'a TensorType, &'a [u8])> {
+    match args.get(i) {
+        Some(Arg::Tensor(ty, bytes)) => Ok((ty, bytes)),
+        _ => Err(format!("input {i} must be a tensor of its own")),
+    }
+}
+
+/// Runs one node. `outs` holds the node's outputs (`None` for unused ones).
+pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    use Op::*;
+    let out = |outs: &'_ mut [Option<Out<'_>>]| -> Result<()> {
+        if outs.first().is_some_and(Option::is_some) {
+            Ok(())
+        } else {
+            Err("output 0 is unused".into())
+        }
+    };
+    out(outs)?;
+    let Some(Some(o)) = outs.first_mut() else {
+        return Err("output 0 is unused".into());
+    };
+    let gelu_tanh = matches!(node.attrs.get("approximate"), Some(Attr::Str(s)) if s == "tanh");
+    match node.op {
+        AddTensor | SubTensor => {
+            let alpha = attr_f64(node, "alpha", Some(1.0))?;
+            let sign = if node.op == SubTensor { -1.0 } else { 1.0 };
+            elementwise(args, o, |v| v[0] + sign * alpha * v[1])
+        }
+        MulTensor => elementwise(args, o, |v| v[0] * v[1]),
+        DivTensor => elementwise(args, o, |v| v[0] / v[1]),
+        AddScalar => {
+            let other = attr_f64(node, "other", None)?;
+            let alpha = attr_f64(node, "alpha", Some(1.0))?;
+            elementwise(args, o, |v| v[0] + alpha * other)
+        }
+        MulScalar => {
+            let other = attr_f64(node, "other", None)?;
+            elementwise(args, o, |v| v[0] * other)
+        }
+        DivScalar => {
+            let other = attr_f64(node, "other", None)?;
+            elementwise(args, o, |v| v[0] / other)
+        }
+        Neg => elementwise(args, o, |v| -v[0]),
+        Abs => elementwise(args, o, |v| v[0].abs()),
+        Sign => elementwise(args, o, |v| {
+            if v[0].is_nan() {
+                v[0]
+            } else if v[0] > 0.0 {
+                1.0
+            } else if v[0] < 0.0 {
+                -1.0
+            } else {
+                0.0
+            }
+        }),
+        Exp => elementwise(args, o, |v| v[0].exp()),
+        Log => elementwise(args, o, |v| v[0].ln()),
+        Sqrt => elementwise(args, o, |v| v[0].sqrt()),
+        Rsqrt => elementwise(args, o, |v| 1.0 / v[0].sqrt()),
+        Sigmoid => elementwise(args, o, |v| 1.0 / (1.0 + (-v[0]).exp())),
+        Tanh => elementwise(args, o, |v| v[0].tanh()),
+        Relu => elementwise(args, o, |v| v[0].max(0.0)),
+        LeakyRelu => {
+            let slope = attr_f64(node, "negative_slope", Some(0.01))?;
+            elementwise(args, o, |v| if v[0] > 0.0 { v[0] } else { slope * v[0] })
+        }
+        Gelu if gelu_tanh => elementwise(args, o, |v| {
+            let x = v[0];
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+        }),
+        Gelu => elementwise(args, o, |v| {
+            0.5 * v[0] * (1.0 + erf(v[0] / std::f64::consts::SQRT_2))
+        }),
+        Erf => elementwise(args, o, |v| erf(v[0])),
+        PowTensorScalar => {
+            let e = attr_f64(node, "exponent", None)?;
+            elementwise(args, o, |v| v[0].powf(e))
+        }
+        PowScalar => {
+            let base = attr_f64(node, "self", None)?;
+            elementwise(args, o, |v| base.powf(v[0]))
+        }
+        Clamp => {
+            let lo = attr_f64(node, "min", Some(f64::NEG_INFINITY))?;
+            let hi = attr_f64(node, "max", Some(f64::INFINITY))?;
+            elementwise(args, o, |v| {
+                if v[0].is_nan() {
+                    v[0]
+                } else {
+                    v[0].max(lo).min(hi)
+                }
+            })
+        }
+        EqScalar | NeScalar | LtScalar | LeScalar | GtScalar | GeScalar => {
+            let other = attr_f64(node, "other", None)?;
+            let op = node.op;
+            elementwise(args, o, move |v| {
+                let x = v[0];
+                f64::from(u8::from(match op {
+                    EqScalar => x == other,
+                    NeScalar => x != other,
+                    LtScalar => x < other,
+                    LeScalar => x <= other,
+                    GtScalar => x > other,
+                    _ => x >= other,
+                }))
+            })
+        }
+        LogicalAnd => elementwise(args, o, |v| f64::from(u8::from(v[0] != 0.0 && v[1] != 0.0))),
+        LogicalNot => elementwise(args, o, |v| f64::from(u8::from(v[0] == 0.0))),
+        BitwiseNot if o.ty.dtype == DType::Bool => {
+            elementwise(args, o, |v| f64::from(u8::from(v[0] == 0.0)))
+        }
+        BitwiseNot => elementwise(args, o, |v| !(v[0] as i64) as f64),
+        BitwiseAndTensor => elementwise(args, o, |v| ((v[0] as i64) & (v[1] as i64)) as f64),
+        WhereSelf => elementwise(args, o, |v| if v[0] != 0.0 { v[1] } else { v[2] }),
+        ToCopy | Clone => elementwise(args, o, |v| v[0]),
+        FullLike | Full => {
+            let fill = attr_f64(node, "fill_value", None)?;
+            let n = numel(&o.ty.shape);
+            for i in 0..n {
+                store(o.bytes, o.ty.dtype, i, fill);
+            }
+            Ok(())
+        }
+        ScalarTensor => {
+            let s = attr_f64(node, "s", None)?;
+            store(o.bytes, o.ty.dtype, 0, s);
+            Ok(())
+        }
+        View | Unsqueeze | SqueezeDims => {
+            let (_, bytes) = tensor(args, 0)?;
+            o.bytes.copy_from_slice(&bytes[..o.bytes.len()]);
+            Ok(())
+        }
+        Permute => {
+            let (ty, bytes) = tensor(args, 0)?;
+            let dims = attr_ints(node, "dims").ok_or("attribute \"dims\" is missing")?;
+            let own = contiguous_strides(&ty.shape);
+            let strides: Vec<usize> = dims.iter().map(|&d| own[wrap(d, ty.rank())]).collect();
+            let size = ty.dtype.size() as usize;
+            for_each_index(&o.ty.shape, &[strides], |i, offs| {
+                o.bytes[i * size..(i + 1) * size]
+                    .copy_from_slice(&bytes[offs[0] * size..(offs[0] + 1) * size]);
+            });
+            Ok(())
+        }
+        Expand => {
+            let (ty, bytes) = tensor(args, 0)?;
+            let strides = broadcast_strides(&ty.shape, &o.ty.shape);
+            let size = ty.dtype.size() as usize;
+            for_each_index(&o.ty.shape, &[strides], |i, offs| {
+                o.bytes[i * size..(i + 1) * size]
+                    .copy_from_slice(&bytes[offs[0] * size..(offs[0] + 1) * size]);
+            });
+            Ok(())
+        }
+        SumDimIntList | MeanDim | Amax | Mean => reduce(node, args, o),
+        Mm | Addmm => matmul(node, args, o),
+        Softmax | LogSoftmax => softmax(node, args, o),
+        Gather => gather(node, args, o),
+        ScatterValue => scatter_value(node, args, o),
+        op => Err(format!("the CPU device has no kernel for {op} yet")),
+    }
+}
+
+/// Abramowitz and Stegun 7.1.26 is not exact enough for parity; this uses the
+/// series/continued-fraction pair with double precision.
+fn erf(x: f64) -> f64 {
+    if x.abs() < 2.5 {
+        // Maclaurin series: converges quickly for |x| < 2.5.
+        let mut sum = x;
+        let mut term = x;
+        let x2 = x * x;
+        for n in 1..200 {
+            term *= -x2 / n as f64;
+            let add = term / (2 * n + 1) as f64;
+            sum += add;
+            if add.abs() < 1e-17 * sum.abs() {
+                break;
+            }
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // Continued fraction for erfc.
+        let ax = x.abs();
+        let mut f = 0.0;
+        for k in (1..60).rev() {
+            f = (k as f64 / 2.0) / (ax + f);
+        }
+        let erfc = (-ax * ax).exp() / std::f64::consts::PI.sqrt() / (ax + f);
+        (1.0 - erfc).copysign(x)
+    }
+}
+
+fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let rank = ty.rank();
+    let reduced: Vec<usize> = match (node.op, attr_ints(node, "dim")) {
+        (Op::Mean, _) | (_, None) => (0..rank).collect(),
+        (_, Some([])) => (0..rank).collect(),
+        (_, Some(ds)) => ds.iter().map(|&d| wrap(d, rank)).collect(),
+    };
+    // Strides mapping each input element to its output element.
+    let out_strides_full = {
+        let kept: Vec<u64> = (0..rank)
+            .map(|d| if reduced.contains(&d) { 1 } else { ty.shape[d] })
+            .collect();
+        let own = contiguous_strides(&kept);
+        (0..rank)
+            .map(|d| if reduced.contains(&d) { 0 } else { own[d] })
+            .collect::<Vec<_>>()
+    };
+    let n_out = numel(&o.ty.shape);
+    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>().max(1) as f64;
+    let is_max = node.op == Op::Amax;
+    let mut acc = vec![if is_max { f64::NEG_INFINITY } else { 0.0 }; n_out];
+    for_each_index(&ty.shape, &[out_strides_full], |i, offs| {
+        let v = load(bytes, ty.dtype, i);
+        let a = &mut acc[offs[0]];
+        *a = if is_max {
+            if v.is_nan() || v > *a { v } else { *a }
+        } else {
+            *a + v
+        };
+    });
+    let mean = matches!(node.op, Op::MeanDim | Op::Mean);
+    for (i, a) in acc.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, if mean { a / count } else { a });
+    }
+    Ok(())
+}
+
+fn matmul(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (a, b, bias) = if node.op == Op::Addmm {
+        (tensor(args, 1)?, tensor(args, 2)?, Some(tensor(args, 0)?))
+    } else {
+        (tensor(args, 0)?, tensor(args, 1)?, None)
+    };
+    let (n, k, m) = (
+        a.0.shape[0] as usize,
+        a.0.shape[1] as usize,
+        b.0.shape[1] as usize,
+    );
+    let beta = attr_f64(node, "beta", Some(1.0))?;
+    let alpha = attr_f64(node, "alpha", Some(1.0))?;
+    let av: Vec<f64> = (0..n * k).map(|i| load(a.1, a.0.dtype, i)).collect();
+    let bv: Vec<f64> = (0..k * m).map(|i| load(b.1, b.0.dtype, i)).collect();
+    let mut c = vec![0.0f64; n * m];
+    for i in 0..n {
+        for p in 0..k {
+            let x = av[i * k + p];
+            if x == 0.0 {
+                continue;
+            }
+            let row = &bv[p * m..(p + 1) * m];
+            for (cj, bj) in c[i * m..(i + 1) * m].iter_mut().zip(row) {
+                *cj += x * bj;
+            }
+        }
+    }
+    if let Some((bty, bbytes)) = bias {
+        let strides = broadcast_strides(&bty.shape, &o.ty.shape);
+        for_each_index(&o.ty.shape, &[strides], |i, offs| {
+            c[i] = beta * load(bbytes, bty.dtype, offs[0]) + alpha * c[i];
+        });
+    }
+    for (i, v) in c.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, v);
+    }
+    Ok(())
+}
+
+fn softmax(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let d = wrap(attr_int(node, "dim", -1), ty.rank());
+    let len = ty.shape.get(d).copied().unwrap_or(1) as usize;
+    let inner: usize = ty.shape[d + 1..].iter().product::<u64>() as usize;
+    let outer = numel(&ty.shape) / (len * inner).max(1);
+    let log = node.op == Op::LogSoftmax;
+    let _ = attr_bool(node, "half_to_float");
+    for a in 0..outer {
+        for b in 0..inner {
+            let idx = |j: usize| (a * len + j) * inner + b;
+            let max = (0..len)
+                .map(|j| load(bytes, ty.dtype, idx(j)))
+                .fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = (0..len)
+                .map(|j| (load(bytes, ty.dtype, idx(j)) - max).exp())
+                .sum();
+            for j in 0..len {
+                let x = load(bytes, ty.dtype, idx(j)) - max;
+                let v = if log { x - sum.ln() } else { x.exp() / sum };
+                store(o.bytes, o.ty.dtype, idx(j), v);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn index_at(bytes: &[u8], dtype: DType, i: usize, size: u64, what: &str) -> Result<usize> {
+    let v = match dtype {
+        DType::I64 => i64::from_le_bytes(word(bytes, i)),
+        DType::I32 => i64::from(i32::from_le_bytes(word(bytes, i))),
+        _ => return Err(format!("{what} must be an integer tensor")),
+    };
+    let wrapped = if v < 0 { v + size as i64 } else { v };
+    if wrapped < 0 || wrapped >= size as i64 {
+        return Err(format!(
+            "{what} {v} is out of range for a dimension of size {size}"
+        ));
+    }
+    Ok(wrapped as usize)
+}
+
+/// Calls `f(self_offset, index_position)` for every element of `index` along `dim`.
+fn along_dim(
+    self_shape: &[u64],
+    index_ty: &TensorType,
+    index: &[u8],
+    dim: usize,
+    mut f: impl FnMut(usize, usize),
+) -> Result<()> {
+    let strides = contiguous_strides(self_shape);
+    let index_strides = contiguous_strides(&index_ty.shape);
+    let mut error = None;
+    for i in 0..numel(&index_ty.shape) {
+        let mut offset = 0;
+        let mut rest = i;
+        for d in 0..index_ty.rank() {
+            let coord = rest / index_strides[d];
+            rest %= index_strides[d];
+            let coord = if d == dim {
+                match index_at(index, index_ty.dtype, i, self_shape[d], "index") {
+                    Ok(c) => c,
+                    Err(e) => {
+                        error.get_or_insert(e);
+                        0
+                    }
+                }
+            } else if coord as u64 >= self_shape[d] {
+                error.get_or_insert(format!(
+                    "index shape {:?} exceeds input shape {self_shape:?}",
+                    index_ty.shape
+                ));
+                0
+            } else {
+                coord
+            };
+            offset += coord * strides[d];
+        }
+        if error.is_some() {
+            break;
+        }
+        f(offset, i);
+    }
+    error.map_or(Ok(()), Err)
+}
+
+fn gather(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let (ity, index) = tensor(args, 1)?;
+    let dim = wrap(attr_int(node, "dim", 0), ty.rank());
+    along_dim(&ty.shape, ity, index, dim, |src, i| {
+        store(o.bytes, o.ty.dtype, i, load(bytes, ty.dtype, src));
+    })
+}
+
+fn scatter_value(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let (ity, index) = tensor(args, 1)?;
+    let dim = wrap(attr_int(node, "dim", 0), ty.rank());
+    let value = attr_f64(node, "value", None)?;
+    o.bytes.copy_from_slice(bytes);
+    let out_bytes = &mut *o.bytes;
+    let dtype = o.ty.dtype;
+    along_dim(&ty.shape, ity, index, dim, |dst, _| {
+        store(out_bytes, dtype, dst, value)
+    })
+}

@@ -1,0 +1,154 @@
+//! The execution engine of salus: the device trait and its backends.
+//!
+//! Owns running a session's planned graph: a [`Program`] (a validated graph and its memory
+//! plan, built once per session) runs one iteration at a time on a [`Device`], with its
+//! persistent tensors at the offset `salus-core` gave the session and its intermediates in
+//! the lane `salus-core` started the iteration in. A device owns one arena of its
+//! capacity; it never allocates per tensor or per iteration, and it knows nothing about
+//! sessions, lanes or policies beyond the offsets it is given.
+//!
+//! Backends: `cpu` (the embedded default). The `sim` and `cuda` devices come next.
+
+mod arena;
+pub mod cpu;
+mod kernels;
+
+use std::time::Duration;
+
+use salus_graph::{Graph, GraphError, Limits, MemoryPlan, Role, TensorId, check};
+
+pub use arena::{Arena, Region};
+pub use cpu::CpuDevice;
+
+/// Why an iteration or a transfer failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExecError {
+    /// The device refused: memory out of range, overlapping use, allocation failure.
+    #[error("device: {0}")]
+    Device(String),
+    /// A feed does not match the graph.
+    #[error("feed {index} '{name}': {message}")]
+    Feed {
+        /// Position among the feeds.
+        index: usize,
+        /// The feed tensor's name.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A node failed while running (e.g. an index out of range).
+    #[error("node {index} '{name}' ({op}): {message}")]
+    Node {
+        /// Position in the node list.
+        index: usize,
+        /// Its name.
+        name: String,
+        /// Its op.
+        op: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Where a tensor lives, relative to the session's persistent block or its lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Location {
+    /// At this offset in the session's persistent block.
+    Persistent(u64),
+    /// At this offset in the lane.
+    Lane(u64),
+}
+
+/// A validated graph with its memory plan: what a device runs, built once per session.
+#[derive(Debug, Clone)]
+pub struct Program {
+    graph: Graph,
+    plan: MemoryPlan,
+    feeds: Vec<TensorId>,
+}
+
+impl Program {
+    /// Validates and plans `graph`.
+    pub fn new(graph: Graph, limits: &Limits) -> Result<Program, GraphError> {
+        let plan = check(&graph, limits)?.plan;
+        let feeds = graph
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.role == Role::Feed)
+            .map(|(id, _)| id)
+            .collect();
+        Ok(Program { graph, plan, feeds })
+    }
+
+    /// The graph.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The memory plan: P is `plan().persistent_bytes`, E `plan().ephemeral_bytes`.
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    /// Feed tensors, in the order [`Device::run`] takes their bytes.
+    pub fn feeds(&self) -> &[TensorId] {
+        &self.feeds
+    }
+
+    /// Where a tensor lives, if it has memory.
+    pub fn location(&self, id: TensorId) -> Option<Location> {
+        if let Some(offset) = self.plan.persistent_offsets.get(id).copied().flatten() {
+            return Some(Location::Persistent(offset));
+        }
+        self.plan.lane_offset(id).map(Location::Lane)
+    }
+
+    /// Bytes of a tensor.
+    pub fn bytes(&self, id: TensorId) -> u64 {
+        self.graph
+            .tensors
+            .get(id)
+            .and_then(|t| t.ty.bytes())
+            .unwrap_or(0)
+    }
+}
+
+/// Where one iteration runs: the session's persistent block and its lane, as arena
+/// offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Offset of the session's persistent block.
+    pub persistent: u64,
+    /// Offset of the lane.
+    pub lane: u64,
+}
+
+/// What one iteration produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The fetched tensors' bytes, in the graph's fetch order.
+    pub fetches: Vec<Vec<u8>>,
+    /// How long the iteration took on the device.
+    pub duration: Duration,
+}
+
+/// A device: one arena of memory and a way to run iterations in it.
+pub trait Device: Send + Sync {
+    /// What it is, for status output ("cpu", "cuda:0 (H100)").
+    fn name(&self) -> String;
+
+    /// Bytes of its arena.
+    fn capacity(&self) -> u64;
+
+    /// Copies `bytes` into the arena at `offset` (uploading persistent tensors).
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError>;
+
+    /// Copies `len` bytes out of the arena at `offset`.
+    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError>;
+
+    /// Runs one iteration of `program` at `at`: `feeds` in (one byte buffer per feed, in
+    /// [`Program::feeds`] order), fetches out, updates written into the persistent block
+    /// after every node has run. On error the persistent block is unchanged.
+    fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError>;
+}
