@@ -18,8 +18,8 @@ from salus import reference
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# Models whose every op has a CPU kernel today.
-ENGINE_MODELS = ["mlp"]
+# The four target models; every op of their training steps has a CPU kernel.
+ENGINE_MODELS = ["mlp", "cnn", "gpt", "resnet18"]
 
 
 def replay(model_dir: Path) -> dict:

@@ -1,9 +1,12 @@
 //! CPU kernels: one function per op family, over contiguous row-major tensors.
 //!
-//! This first set covers what the MLP's training step needs (elementwise ops with
-//! broadcasting, reductions, matrix products, shape copies, softmax, gather and scatter),
-//! computing through `f64` values for every dtype. Fast paths (typed loops, the `gemm`
-//! crate, a bounded thread pool) and the remaining ops of `docs/ops.md` come next.
+//! This set covers every op of the four target models' training steps (MLP, small CNN,
+//! GPT-style decoder, resnet18): elementwise ops with broadcasting, reductions, matrix
+//! products, 2-d convolution and its backward, max pooling, layer norm, softmax, shape
+//! copies, embedding, gather, scatter and index_put. Values go through `f64` for every
+//! dtype: correct first. Fast paths (typed loops, the `gemm` crate, im2col, a bounded
+//! thread pool), f16/bf16, and the remaining ops of `docs/ops.md` come next; an op without
+//! a kernel fails the iteration with an error naming it.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
@@ -185,14 +188,14 @@ fn tensor<'a>(args: &'a [Arg<'a>], i: usize) -> Result<(&'a TensorType, &'a [u8]
 /// Runs one node. `outs` holds the node's outputs (`None` for unused ones).
 pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
     use Op::*;
-    let out = |outs: &'_ mut [Option<Out<'_>>]| -> Result<()> {
-        if outs.first().is_some_and(Option::is_some) {
-            Ok(())
-        } else {
-            Err("output 0 is unused".into())
-        }
-    };
-    out(outs)?;
+    // Ops with several results fill whichever of them are used.
+    match node.op {
+        ConvolutionBackward => return convolution_backward(node, args, outs),
+        MaxPool2dWithIndices => return max_pool2d(node, args, outs),
+        NativeLayerNorm => return layer_norm(node, args, outs),
+        SplitWithSizes => return split(node, args, outs),
+        _ => {}
+    }
     let Some(Some(o)) = outs.first_mut() else {
         return Err("output 0 is unused".into());
     };
@@ -339,6 +342,22 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
         Softmax | LogSoftmax => softmax(node, args, o),
         Gather => gather(node, args, o),
         ScatterValue => scatter_value(node, args, o),
+        VarCorrection => variance(node, args, o),
+        Convolution => convolution(node, args, o),
+        MaxPool2dWithIndicesBackward => max_pool2d_backward(args, o),
+        ArangeStartStep => {
+            let start = attr_f64(node, "start", None)?;
+            let step = attr_f64(node, "step", Some(1.0))?;
+            for i in 0..numel(&o.ty.shape) {
+                store(o.bytes, o.ty.dtype, i, start + step * i as f64);
+            }
+            Ok(())
+        }
+        Embedding => embedding(args, o),
+        Bmm => bmm(args, o),
+        Cat => cat(node, args, o),
+        AnyDim => any_dim(node, args, o),
+        IndexPut => index_put(node, args, o),
         op => Err(format!("the CPU device has no kernel for {op} yet")),
     }
 }
@@ -556,4 +575,516 @@ fn scatter_value(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     along_dim(&ty.shape, ity, index, dim, |dst, _| {
         store(out_bytes, dtype, dst, value)
     })
+}
+
+fn variance(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let rank = ty.rank();
+    let reduced: Vec<usize> = match attr_ints(node, "dim") {
+        None | Some([]) => (0..rank).collect(),
+        Some(ds) => ds.iter().map(|&d| wrap(d, rank)).collect(),
+    };
+    let kept: Vec<u64> = (0..rank)
+        .map(|d| if reduced.contains(&d) { 1 } else { ty.shape[d] })
+        .collect();
+    let own = contiguous_strides(&kept);
+    let to_out: Vec<usize> = (0..rank)
+        .map(|d| if reduced.contains(&d) { 0 } else { own[d] })
+        .collect();
+    let n_out = numel(&o.ty.shape);
+    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>() as f64;
+    let correction = attr_f64(node, "correction", Some(1.0))?;
+    let mut sum = vec![0.0; n_out];
+    for_each_index(&ty.shape, std::slice::from_ref(&to_out), |i, offs| {
+        sum[offs[0]] += load(bytes, ty.dtype, i)
+    });
+    let mean: Vec<f64> = sum.iter().map(|s| s / count).collect();
+    let mut sq = vec![0.0; n_out];
+    for_each_index(&ty.shape, &[to_out], |i, offs| {
+        let d = load(bytes, ty.dtype, i) - mean[offs[0]];
+        sq[offs[0]] += d * d;
+    });
+    let divisor = (count - correction).max(0.0);
+    for (i, v) in sq.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, v / divisor);
+    }
+    Ok(())
+}
+
+/// The geometry of a 2-d convolution, from its attributes and operand shapes.
+struct Conv {
+    n: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    kh: usize,
+    kw: usize,
+    oh: usize,
+    ow: usize,
+    groups: usize,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+}
+
+impl Conv {
+    fn new(
+        node: &Node,
+        input: &TensorType,
+        weight: &TensorType,
+        out_hw: (usize, usize),
+    ) -> Result<Conv> {
+        if input.rank() != 4 || attr_bool(node, "transposed") {
+            return Err("the CPU device runs 2-d, non-transposed convolutions only so far".into());
+        }
+        let pair = |name: &str, default: usize| -> [usize; 2] {
+            match attr_ints(node, name) {
+                Some([a]) => [*a as usize; 2],
+                Some([a, b, ..]) => [*a as usize, *b as usize],
+                _ => [default; 2],
+            }
+        };
+        let s = |i: usize| input.shape[i] as usize;
+        Ok(Conv {
+            n: s(0),
+            c_in: s(1),
+            h: s(2),
+            w: s(3),
+            c_out: weight.shape[0] as usize,
+            kh: weight.shape[2] as usize,
+            kw: weight.shape[3] as usize,
+            oh: out_hw.0,
+            ow: out_hw.1,
+            groups: attr_int(node, "groups", 1).max(1) as usize,
+            stride: pair("stride", 1),
+            padding: pair("padding", 0),
+            dilation: pair("dilation", 1),
+        })
+    }
+
+    /// Calls `f(n, co, oy, ox, ci, ky, kx, input_index, weight_index, output_index)` for
+    /// every term of the convolution sum that lands inside the input.
+    fn for_each_term(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let cin_g = self.c_in / self.groups;
+        let cout_g = self.c_out / self.groups;
+        for n in 0..self.n {
+            for co in 0..self.c_out {
+                let g = co / cout_g;
+                for oy in 0..self.oh {
+                    for ox in 0..self.ow {
+                        let o = ((n * self.c_out + co) * self.oh + oy) * self.ow + ox;
+                        for ci in 0..cin_g {
+                            let c = g * cin_g + ci;
+                            for ky in 0..self.kh {
+                                let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
+                                    - self.padding[0] as isize;
+                                if iy < 0 || iy >= self.h as isize {
+                                    continue;
+                                }
+                                for kx in 0..self.kw {
+                                    let ix = (ox * self.stride[1] + kx * self.dilation[1]) as isize
+                                        - self.padding[1] as isize;
+                                    if ix < 0 || ix >= self.w as isize {
+                                        continue;
+                                    }
+                                    let i = ((n * self.c_in + c) * self.h + iy as usize) * self.w
+                                        + ix as usize;
+                                    let wi = ((co * cin_g + ci) * self.kh + ky) * self.kw + kx;
+                                    f(i, wi, o);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn floats(ty: &TensorType, bytes: &[u8]) -> Vec<f64> {
+    (0..numel(&ty.shape))
+        .map(|i| load(bytes, ty.dtype, i))
+        .collect()
+}
+
+fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ity, ibytes) = tensor(args, 0)?;
+    let (wty, wbytes) = tensor(args, 1)?;
+    let conv = Conv::new(
+        node,
+        ity,
+        wty,
+        (o.ty.shape[2] as usize, o.ty.shape[3] as usize),
+    )?;
+    let (x, w) = (floats(ity, ibytes), floats(wty, wbytes));
+    let mut out = vec![0.0; numel(&o.ty.shape)];
+    conv.for_each_term(|i, wi, oi| out[oi] += x[i] * w[wi]);
+    if let Some(Arg::Tensor(bty, bbytes)) = args.get(2) {
+        let plane = conv.oh * conv.ow;
+        for (oi, v) in out.iter_mut().enumerate() {
+            *v += load(bbytes, bty.dtype, (oi / plane) % conv.c_out);
+        }
+    }
+    for (i, v) in out.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, v);
+    }
+    Ok(())
+}
+
+fn convolution_backward(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    let (gty, gbytes) = tensor(args, 0)?;
+    let (ity, ibytes) = tensor(args, 1)?;
+    let (wty, wbytes) = tensor(args, 2)?;
+    let conv = Conv::new(
+        node,
+        ity,
+        wty,
+        (gty.shape[2] as usize, gty.shape[3] as usize),
+    )?;
+    let (g, x, w) = (
+        floats(gty, gbytes),
+        floats(ity, ibytes),
+        floats(wty, wbytes),
+    );
+    let want = |k: usize, outs: &[Option<Out<'_>>]| outs.get(k).is_some_and(Option::is_some);
+    let mut grad_input = want(0, outs).then(|| vec![0.0; x.len()]);
+    let mut grad_weight = want(1, outs).then(|| vec![0.0; w.len()]);
+    if grad_input.is_some() || grad_weight.is_some() {
+        conv.for_each_term(|i, wi, oi| {
+            if let Some(gi) = grad_input.as_mut() {
+                gi[i] += g[oi] * w[wi];
+            }
+            if let Some(gw) = grad_weight.as_mut() {
+                gw[wi] += g[oi] * x[i];
+            }
+        });
+    }
+    let grad_bias = want(2, outs).then(|| {
+        let plane = conv.oh * conv.ow;
+        let mut gb = vec![0.0; conv.c_out];
+        for (oi, v) in g.iter().enumerate() {
+            gb[(oi / plane) % conv.c_out] += v;
+        }
+        gb
+    });
+    for (k, values) in [grad_input, grad_weight, grad_bias].into_iter().enumerate() {
+        if let (Some(values), Some(Some(out))) = (values, outs.get_mut(k)) {
+            for (i, v) in values.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Window geometry of a 2-d max pool.
+fn pool_windows(
+    node: &Node,
+    input: &TensorType,
+    out: &TensorType,
+    mut f: impl FnMut(usize, usize, &[usize]),
+) -> Result<()> {
+    if input.rank() != 4 {
+        return Err("the CPU device pools 4-d inputs only so far".into());
+    }
+    let pair = |name: &str, default: [usize; 2]| -> [usize; 2] {
+        match attr_ints(node, name) {
+            Some([a]) => [*a as usize; 2],
+            Some([a, b, ..]) => [*a as usize, *b as usize],
+            _ => default,
+        }
+    };
+    let kernel = pair("kernel_size", [1, 1]);
+    let stride = pair("stride", kernel);
+    let padding = pair("padding", [0, 0]);
+    let dilation = pair("dilation", [1, 1]);
+    let (h, w) = (input.shape[2] as usize, input.shape[3] as usize);
+    let (oh, ow) = (out.shape[2] as usize, out.shape[3] as usize);
+    let planes = (input.shape[0] * input.shape[1]) as usize;
+    let mut window = Vec::with_capacity(kernel[0] * kernel[1]);
+    for plane in 0..planes {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                window.clear();
+                for ky in 0..kernel[0] {
+                    let iy = (oy * stride[0] + ky * dilation[0]) as isize - padding[0] as isize;
+                    for kx in 0..kernel[1] {
+                        let ix = (ox * stride[1] + kx * dilation[1]) as isize - padding[1] as isize;
+                        if iy >= 0 && (iy as usize) < h && ix >= 0 && (ix as usize) < w {
+                            window.push(iy as usize * w + ix as usize);
+                        }
+                    }
+                }
+                f(plane, (plane * oh + oy) * ow + ox, &window);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn max_pool2d(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    let (ity, ibytes) = tensor(args, 0)?;
+    let out_ty = outs
+        .iter()
+        .flatten()
+        .next()
+        .map(|o| o.ty.clone())
+        .ok_or("both outputs are unused")?;
+    let plane_len = (ity.shape[2] * ity.shape[3]) as usize;
+    let mut values = vec![0.0; numel(&out_ty.shape)];
+    let mut indices = vec![0.0; values.len()];
+    pool_windows(node, ity, &out_ty, |plane, o, window| {
+        let mut best = f64::NEG_INFINITY;
+        let mut at = window.first().copied().unwrap_or(0);
+        for &p in window {
+            let v = load(ibytes, ity.dtype, plane * plane_len + p);
+            if v > best || v.is_nan() {
+                best = v;
+                at = p;
+                if v.is_nan() {
+                    break;
+                }
+            }
+        }
+        values[o] = best;
+        indices[o] = at as f64;
+    })?;
+    for (k, data) in [values, indices].into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn max_pool2d_backward(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (gty, gbytes) = tensor(args, 0)?;
+    let (ity, _) = tensor(args, 1)?;
+    let (xty, xbytes) = tensor(args, 2)?;
+    let plane_len = (ity.shape[2] * ity.shape[3]) as usize;
+    let out_plane = (gty.shape[2] * gty.shape[3]) as usize;
+    let mut grad = vec![0.0; numel(&ity.shape)];
+    for i in 0..numel(&gty.shape) {
+        let at = index_at(xbytes, xty.dtype, i, plane_len as u64, "pooling index")?;
+        grad[(i / out_plane) * plane_len + at] += load(gbytes, gty.dtype, i);
+    }
+    for (i, v) in grad.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, v);
+    }
+    Ok(())
+}
+
+fn embedding(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (wty, wbytes) = tensor(args, 0)?;
+    let (ity, ibytes) = tensor(args, 1)?;
+    let (rows, width) = (wty.shape[0], wty.shape[1] as usize);
+    let size = wty.dtype.size() as usize;
+    for i in 0..numel(&ity.shape) {
+        let row = index_at(ibytes, ity.dtype, i, rows, "embedding index")?;
+        o.bytes[i * width * size..(i + 1) * width * size]
+            .copy_from_slice(&wbytes[row * width * size..(row + 1) * width * size]);
+    }
+    Ok(())
+}
+
+fn bmm(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (aty, a) = tensor(args, 0)?;
+    let (bty, b) = tensor(args, 1)?;
+    let (batches, n, k, m) = (
+        aty.shape[0] as usize,
+        aty.shape[1] as usize,
+        aty.shape[2] as usize,
+        bty.shape[2] as usize,
+    );
+    for bi in 0..batches {
+        for i in 0..n {
+            let mut row = vec![0.0; m];
+            for p in 0..k {
+                let x = load(a, aty.dtype, (bi * n + i) * k + p);
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r += x * load(b, bty.dtype, (bi * k + p) * m + j);
+                }
+            }
+            for (j, v) in row.into_iter().enumerate() {
+                store(o.bytes, o.ty.dtype, (bi * n + i) * m + j, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies `count` blocks of `block` elements from `src` (one block every `src_stride`
+/// elements) into `dst` at `dst_offset`, one block every `dst_stride` elements.
+fn cat(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let rank = o.ty.rank();
+    let d = wrap(attr_int(node, "dim", 0), rank);
+    let outer: usize = o.ty.shape[..d].iter().product::<u64>() as usize;
+    let inner: usize = o.ty.shape[d + 1..].iter().product::<u64>() as usize;
+    let out_len = o.ty.shape[d] as usize;
+    let mut at = 0;
+    for arg in args {
+        let (ty, bytes) = match arg {
+            Arg::Tensor(ty, bytes) => (*ty, *bytes),
+            _ => return Err("cat inputs must be tensors".into()),
+        };
+        let len = ty.shape[d] as usize;
+        for a in 0..outer {
+            for j in 0..len * inner {
+                let v = load(bytes, ty.dtype, a * len * inner + j);
+                store(o.bytes, o.ty.dtype, a * out_len * inner + at * inner + j, v);
+            }
+        }
+        at += len;
+    }
+    Ok(())
+}
+
+fn split(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let d = wrap(attr_int(node, "dim", 0), ty.rank());
+    let outer: usize = ty.shape[..d].iter().product::<u64>() as usize;
+    let inner: usize = ty.shape[d + 1..].iter().product::<u64>() as usize;
+    let total = ty.shape[d] as usize;
+    let size = ty.dtype.size() as usize;
+    let sizes = attr_ints(node, "split_sizes").ok_or("attribute \"split_sizes\" is missing")?;
+    let mut at = 0;
+    for (out, &len) in outs.iter_mut().zip(sizes) {
+        let len = len as usize;
+        if let Some(out) = out {
+            for a in 0..outer {
+                let src = (a * total + at) * inner * size;
+                let dst = a * len * inner * size;
+                out.bytes[dst..dst + len * inner * size]
+                    .copy_from_slice(&bytes[src..src + len * inner * size]);
+            }
+        }
+        at += len;
+    }
+    Ok(())
+}
+
+fn any_dim(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let rank = ty.rank();
+    let d = wrap(attr_int(node, "dim", 0), rank);
+    let kept: Vec<u64> = (0..rank)
+        .map(|i| if i == d { 1 } else { ty.shape[i] })
+        .collect();
+    let own = contiguous_strides(&kept);
+    let to_out: Vec<usize> = (0..rank).map(|i| if i == d { 0 } else { own[i] }).collect();
+    let mut acc = vec![false; numel(&o.ty.shape)];
+    for_each_index(&ty.shape, &[to_out], |i, offs| {
+        acc[offs[0]] |= load(bytes, ty.dtype, i) != 0.0
+    });
+    for (i, v) in acc.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, f64::from(u8::from(v)));
+    }
+    Ok(())
+}
+
+fn index_put(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let n = args.len() - 2;
+    let (vty, vbytes) = tensor(args, n + 1)?;
+    let accumulate = attr_bool(node, "accumulate");
+    o.bytes.copy_from_slice(bytes);
+    // Supported form: leading integer indices of one shape, the rest of the dims sliced.
+    let mut index_shape: Option<&[u64]> = None;
+    for k in 0..n {
+        match &args[1 + k] {
+            Arg::Tensor(ity, _) if ity.dtype.is_int() => match index_shape {
+                None => index_shape = Some(&ity.shape),
+                Some(s) if s == ity.shape.as_slice() => {}
+                Some(_) => {
+                    return Err(
+                        "index_put with indices of different shapes is not supported yet".into(),
+                    );
+                }
+            },
+            _ => return Err("index_put supports leading integer indices only so far".into()),
+        }
+    }
+    let count = index_shape.map_or(1, numel);
+    let inner: usize = ty.shape[n..].iter().product::<u64>() as usize;
+    let strides = contiguous_strides(&ty.shape);
+    // Values are either one per indexed element, one row shared by all, or a scalar.
+    let value_strides = match numel(&vty.shape) {
+        n if n == count * inner => [inner, 1],
+        n if n == inner => [0, 1],
+        1 => [0, 0],
+        _ => {
+            return Err(format!(
+                "values {vty} do not fit {count} indexed rows of {inner}"
+            ));
+        }
+    };
+    for i in 0..count {
+        let mut base = 0;
+        for (k, (&size, &stride)) in ty.shape.iter().zip(&strides).take(n).enumerate() {
+            let (ity, ib) = tensor(args, 1 + k)?;
+            base += index_at(ib, ity.dtype, i, size, "index_put index")? * stride;
+        }
+        for j in 0..inner {
+            let v = load(
+                vbytes,
+                vty.dtype,
+                i * value_strides[0] + j * value_strides[1],
+            );
+            let cur = if accumulate {
+                load(o.bytes, o.ty.dtype, base + j)
+            } else {
+                0.0
+            };
+            store(o.bytes, o.ty.dtype, base + j, cur + v);
+        }
+    }
+    Ok(())
+}
+
+fn layer_norm(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let normalized =
+        attr_ints(node, "normalized_shape").ok_or("attribute \"normalized_shape\" is missing")?;
+    let eps = attr_f64(node, "eps", Some(1e-5))?;
+    let inner: usize = normalized.iter().product::<i64>() as usize;
+    let outer = numel(&ty.shape) / inner.max(1);
+    let param = |k: usize| match args.get(k) {
+        Some(Arg::Tensor(pty, pb)) => Some((*pty, *pb)),
+        _ => None,
+    };
+    let (weight, bias) = (param(1), param(2));
+    let mut y = vec![0.0; numel(&ty.shape)];
+    let mut means = vec![0.0; outer];
+    let mut rstds = vec![0.0; outer];
+    for a in 0..outer {
+        let row: Vec<f64> = (0..inner)
+            .map(|j| load(bytes, ty.dtype, a * inner + j))
+            .collect();
+        let mean = row.iter().sum::<f64>() / inner as f64;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / inner as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, x) in row.iter().enumerate() {
+            let mut v = (x - mean) * rstd;
+            if let Some((wty, wb)) = weight {
+                v *= load(wb, wty.dtype, j);
+            }
+            if let Some((bty, bb)) = bias {
+                v += load(bb, bty.dtype, j);
+            }
+            y[a * inner + j] = v;
+        }
+        means[a] = mean;
+        rstds[a] = rstd;
+    }
+    for (k, data) in [y, means, rstds].into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
 }

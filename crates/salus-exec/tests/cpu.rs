@@ -1,0 +1,271 @@
+//! The CPU device end to end on hand-built graphs: results, failures that leave state
+//! untouched, feed checks, and concurrent lanes.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use salus_exec::{CpuDevice, Device, ExecError, Location, Placement, Program};
+use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update};
+
+fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
+    Tensor {
+        name: name.into(),
+        ty: TensorType::new(dtype, shape.to_vec()),
+        role,
+        data: vec![],
+    }
+}
+
+fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
+    Node {
+        name: format!("{op}"),
+        op,
+        inputs: inputs.iter().map(|&i| Some(i)).collect(),
+        outputs: outputs.iter().map(|&o| Some(o)).collect(),
+        attrs: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        source: String::new(),
+    }
+}
+
+/// out = embedding(table, ids) summed; table := table * 0.5.
+fn embedding_graph() -> Graph {
+    Graph {
+        tensors: vec![
+            tensor("table", DType::F32, &[4, 2], Role::Parameter),
+            tensor("ids", DType::I64, &[3], Role::Feed),
+            tensor("rows", DType::F32, &[3, 2], Role::Intermediate),
+            tensor("total", DType::F32, &[], Role::Intermediate),
+            tensor("halved", DType::F32, &[4, 2], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Embedding, &[0, 1], &[2], &[]),
+            node(
+                Op::SumDimIntList,
+                &[2],
+                &[3],
+                &[("keepdim", Attr::Bool(false))],
+            ),
+            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(0.5))]),
+        ],
+        fetches: vec![3],
+        updates: vec![Update {
+            target: 0,
+            value: 4,
+        }],
+    }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn i64_bytes(values: &[i64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn setup(program: &Program, device: &CpuDevice, at: Placement) {
+    let Some(Location::Persistent(off)) = program.location(0) else {
+        panic!()
+    };
+    let table: Vec<f32> = (1..=8).map(|v| v as f32).collect();
+    device
+        .write(at.persistent + off, &f32_bytes(&table))
+        .unwrap();
+}
+
+#[test]
+fn runs_an_iteration_and_applies_updates_at_the_end() {
+    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let device = CpuDevice::new(1 << 16).unwrap();
+    let at = Placement {
+        persistent: 0,
+        lane: 4096,
+    };
+    setup(&program, &device, at);
+    let ids = i64_bytes(&[0, 3, -1]); // rows 0, 3 and 3 (negative wraps)
+    let outcome = device.run(&program, at, &[&ids]).unwrap();
+    assert_eq!(
+        f32s(&outcome.fetches[0]),
+        vec![1.0 + 2.0 + 7.0 + 8.0 + 7.0 + 8.0]
+    );
+    let table = f32s(&device.read(at.persistent, 32).unwrap());
+    assert_eq!(table, (1..=8).map(|v| v as f32 * 0.5).collect::<Vec<_>>());
+}
+
+#[test]
+fn an_out_of_range_index_fails_the_iteration_and_changes_nothing() {
+    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let device = CpuDevice::new(1 << 16).unwrap();
+    let at = Placement {
+        persistent: 0,
+        lane: 4096,
+    };
+    setup(&program, &device, at);
+    let before = device.read(0, 32).unwrap();
+    let err = device
+        .run(&program, at, &[&i64_bytes(&[0, 4, 1])])
+        .unwrap_err();
+    match &err {
+        ExecError::Node {
+            index: 0,
+            op,
+            message,
+            ..
+        } => {
+            assert_eq!(op, "embedding");
+            assert!(
+                message.contains("embedding index 4 is out of range for a dimension of size 4"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        device.read(0, 32).unwrap(),
+        before,
+        "no update after a failed iteration"
+    );
+    // The session goes on: a good iteration after the bad one works.
+    device.run(&program, at, &[&i64_bytes(&[1, 1, 1])]).unwrap();
+}
+
+#[test]
+fn feeds_are_checked() {
+    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let device = CpuDevice::new(1 << 16).unwrap();
+    let at = Placement {
+        persistent: 0,
+        lane: 4096,
+    };
+    let err = device
+        .run(&program, at, &[&i64_bytes(&[1, 2])])
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "feed 0 'ids': i64[3] needs 24 bytes, got 16"
+    );
+    let err = device.run(&program, at, &[]).unwrap_err();
+    assert!(err.to_string().contains("takes 1 feeds, 0 given"), "{err}");
+}
+
+#[test]
+fn overlapping_placements_are_refused() {
+    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let device = CpuDevice::new(1 << 16).unwrap();
+    let lane = device.write(8192, &[0; 16]);
+    assert!(lane.is_ok());
+    let err = device
+        .run(
+            &program,
+            Placement {
+                persistent: 0,
+                lane: 0,
+            },
+            &[&i64_bytes(&[0, 0, 0])],
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("in use"), "{err}");
+    let err = device.write(1 << 16, &[1]).unwrap_err();
+    assert!(err.to_string().contains("outside the arena"), "{err}");
+}
+
+/// A small MLP layer chain: fetch = sum(relu(x @ w1) @ w2).
+fn mlp_graph() -> Graph {
+    Graph {
+        tensors: vec![
+            tensor("w1", DType::F32, &[16, 32], Role::Parameter),
+            tensor("w2", DType::F32, &[32, 8], Role::Parameter),
+            tensor("x", DType::F32, &[4, 16], Role::Feed),
+            tensor("h", DType::F32, &[4, 32], Role::Intermediate),
+            tensor("r", DType::F32, &[4, 32], Role::Intermediate),
+            tensor("y", DType::F32, &[4, 8], Role::Intermediate),
+            tensor("s", DType::F32, &[], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Mm, &[2, 0], &[3], &[]),
+            node(Op::Relu, &[3], &[4], &[]),
+            node(Op::Mm, &[4, 1], &[5], &[]),
+            node(
+                Op::SumDimIntList,
+                &[5],
+                &[6],
+                &[("keepdim", Attr::Bool(false))],
+            ),
+        ],
+        fetches: vec![6],
+        updates: vec![],
+    }
+}
+
+#[test]
+fn concurrent_lanes_give_exactly_what_each_gives_alone() {
+    let program = Program::new(mlp_graph(), &Limits::default()).unwrap();
+    let (p, e) = (
+        program.plan().persistent_bytes,
+        program.plan().ephemeral_bytes,
+    );
+    let device = CpuDevice::new(4 * (p + e)).unwrap();
+    let sessions: Vec<Placement> = (0..2)
+        .map(|i| Placement {
+            persistent: i * p,
+            lane: 2 * p + i * e,
+        })
+        .collect();
+    for (i, at) in sessions.iter().enumerate() {
+        let w: Vec<f32> = (0..(16 * 32 + 32 * 8))
+            .map(|k| ((k * (i + 3)) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        device.write(at.persistent, &f32_bytes(&w)).unwrap();
+    }
+    let feeds: Vec<Vec<u8>> = (0..2)
+        .map(|i| {
+            f32_bytes(
+                &(0..64)
+                    .map(|k| ((k + i) % 5) as f32 - 2.0)
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect();
+    let alone: Vec<Vec<u8>> = (0..2)
+        .map(|i| {
+            device
+                .run(&program, sessions[i], &[&feeds[i]])
+                .unwrap()
+                .fetches
+                .remove(0)
+        })
+        .collect();
+    let together: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|i| {
+                let (device, program, feeds, at) = (&device, &program, &feeds, sessions[i]);
+                s.spawn(move || {
+                    (0..50)
+                        .map(|_| {
+                            device
+                                .run(program, at, &[&feeds[i]])
+                                .unwrap()
+                                .fetches
+                                .remove(0)
+                        })
+                        .last()
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(alone, together);
+    assert_ne!(alone[0], alone[1]);
+}
