@@ -10,6 +10,8 @@
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
+use crate::blas::{Mat, sgemm};
+
 type Result<T> = std::result::Result<T, String>;
 
 /// A tensor argument as a kernel sees it.
@@ -52,6 +54,20 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::Bool => bytes[i] = u8::from(v != 0.0),
         DType::F16 | DType::Bf16 => {}
     }
+}
+
+/// The bytes as `f32`s, when the dtype is f32 (always aligned: the arena is 16-byte
+/// aligned and the plan's offsets are multiples of 256).
+fn as_f32(bytes: &[u8], dtype: DType) -> Option<&[f32]> {
+    (dtype == DType::F32)
+        .then(|| bytemuck::try_cast_slice(bytes).ok())
+        .flatten()
+}
+
+fn as_f32_mut(bytes: &mut [u8], dtype: DType) -> Option<&mut [f32]> {
+    (dtype == DType::F32)
+        .then(|| bytemuck::try_cast_slice_mut(bytes).ok())
+        .flatten()
 }
 
 fn numel(shape: &[u64]) -> usize {
@@ -132,6 +148,26 @@ fn elementwise(args: &[Arg<'_>], out: &mut Out<'_>, f: impl Fn(&[f64]) -> f64) -
         _ => None,
     });
     let mut values = vec![0.0; args.len()];
+    let typed: Option<Vec<Option<&[f32]>>> = sources
+        .iter()
+        .map(|s| match s {
+            Some((b, dtype)) => as_f32(b, *dtype).map(Some),
+            None => (in_place_dtype == Some(DType::F32)).then_some(None),
+        })
+        .collect();
+    if let (Some(typed), Some(dst)) = (typed, as_f32_mut(out.bytes, out_ty.dtype)) {
+        // f32 throughout: typed loads and stores, same arithmetic.
+        for_each_index(&out_ty.shape, &strides, |i, offsets| {
+            for (k, source) in typed.iter().enumerate() {
+                values[k] = f64::from(match source {
+                    Some(src) => src[offsets[k]],
+                    None => dst[i],
+                });
+            }
+            dst[i] = f(&values) as f32;
+        });
+        return Ok(());
+    }
     let bytes = &mut *out.bytes;
     for_each_index(&out_ty.shape, &strides, |i, offsets| {
         for (k, source) in sources.iter().enumerate() {
@@ -442,6 +478,41 @@ fn matmul(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     );
     let beta = attr_f64(node, "beta", Some(1.0))?;
     let alpha = attr_f64(node, "alpha", Some(1.0))?;
+    if let (Some(av), Some(bv), Some(dst)) = (
+        as_f32(a.1, a.0.dtype),
+        as_f32(b.1, b.0.dtype),
+        as_f32_mut(o.bytes, o.ty.dtype),
+    ) {
+        let accumulate = match bias {
+            Some((bty, bbytes)) => {
+                let strides = broadcast_strides(&bty.shape, &o.ty.shape);
+                for_each_index(&o.ty.shape, &[strides], |i, offs| {
+                    dst[i] = (beta * load(bbytes, bty.dtype, offs[0])) as f32;
+                });
+                true
+            }
+            None => false,
+        };
+        return sgemm(
+            Mat {
+                data: av,
+                rows: n,
+                cols: k,
+                row_stride: k,
+                col_stride: 1,
+            },
+            Mat {
+                data: bv,
+                rows: k,
+                cols: m,
+                row_stride: m,
+                col_stride: 1,
+            },
+            dst,
+            accumulate,
+            alpha as f32,
+        );
+    }
     let av: Vec<f64> = (0..n * k).map(|i| load(a.1, a.0.dtype, i)).collect();
     let bv: Vec<f64> = (0..k * m).map(|i| load(b.1, b.0.dtype, i)).collect();
     let mut c = vec![0.0f64; n * m];
@@ -663,6 +734,50 @@ impl Conv {
         })
     }
 
+    fn cin_g(&self) -> usize {
+        self.c_in / self.groups
+    }
+
+    fn cout_g(&self) -> usize {
+        self.c_out / self.groups
+    }
+
+    /// Rows of the unfolded input: one per (input channel of a group, ky, kx).
+    fn k(&self) -> usize {
+        self.cin_g() * self.kh * self.kw
+    }
+
+    /// For image `n` and group `g`, calls `f(col_index, input_index)` for every element
+    /// of the `k() x oh*ow` unfolded input that lies inside the (unpadded) input.
+    fn unfold(&self, n: usize, g: usize, mut f: impl FnMut(usize, usize)) {
+        let l = self.oh * self.ow;
+        for ci in 0..self.cin_g() {
+            let c = g * self.cin_g() + ci;
+            for ky in 0..self.kh {
+                for kx in 0..self.kw {
+                    let row = (ci * self.kh + ky) * self.kw + kx;
+                    for oy in 0..self.oh {
+                        let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
+                            - self.padding[0] as isize;
+                        if iy < 0 || iy >= self.h as isize {
+                            continue;
+                        }
+                        for ox in 0..self.ow {
+                            let ix = (ox * self.stride[1] + kx * self.dilation[1]) as isize
+                                - self.padding[1] as isize;
+                            if ix < 0 || ix >= self.w as isize {
+                                continue;
+                            }
+                            let i =
+                                ((n * self.c_in + c) * self.h + iy as usize) * self.w + ix as usize;
+                            f(row * l + oy * self.ow + ox, i);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Calls `f(n, co, oy, ox, ci, ky, kx, input_index, weight_index, output_index)` for
     /// every term of the convolution sum that lands inside the input.
     fn for_each_term(&self, mut f: impl FnMut(usize, usize, usize)) {
@@ -717,6 +832,13 @@ fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
         wty,
         (o.ty.shape[2] as usize, o.ty.shape[3] as usize),
     )?;
+    if let (Some(x), Some(w), Some(dst)) = (
+        as_f32(ibytes, ity.dtype),
+        as_f32(wbytes, wty.dtype),
+        as_f32_mut(o.bytes, o.ty.dtype),
+    ) {
+        return convolution_f32(&conv, x, w, args.get(2), dst);
+    }
     let (x, w) = (floats(ity, ibytes), floats(wty, wbytes));
     let mut out = vec![0.0; numel(&o.ty.shape)];
     conv.for_each_term(|i, wi, oi| out[oi] += x[i] * w[wi]);
@@ -742,6 +864,13 @@ fn convolution_backward(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_
         wty,
         (gty.shape[2] as usize, gty.shape[3] as usize),
     )?;
+    if let (Some(g), Some(x), Some(w)) = (
+        as_f32(gbytes, gty.dtype),
+        as_f32(ibytes, ity.dtype),
+        as_f32(wbytes, wty.dtype),
+    ) {
+        return convolution_backward_f32(&conv, g, x, w, outs);
+    }
     let (g, x, w) = (
         floats(gty, gbytes),
         floats(ity, ibytes),
@@ -899,6 +1028,34 @@ fn bmm(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
         aty.shape[2] as usize,
         bty.shape[2] as usize,
     );
+    if let (Some(av), Some(bv), Some(dst)) = (
+        as_f32(a, aty.dtype),
+        as_f32(b, bty.dtype),
+        as_f32_mut(o.bytes, o.ty.dtype),
+    ) {
+        for bi in 0..batches {
+            sgemm(
+                Mat {
+                    data: &av[bi * n * k..(bi + 1) * n * k],
+                    rows: n,
+                    cols: k,
+                    row_stride: k,
+                    col_stride: 1,
+                },
+                Mat {
+                    data: &bv[bi * k * m..(bi + 1) * k * m],
+                    rows: k,
+                    cols: m,
+                    row_stride: m,
+                    col_stride: 1,
+                },
+                &mut dst[bi * n * m..(bi + 1) * n * m],
+                false,
+                1.0,
+            )?;
+        }
+        return Ok(());
+    }
     for bi in 0..batches {
         for i in 0..n {
             let mut row = vec![0.0; m];
@@ -1084,6 +1241,134 @@ fn layer_norm(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Re
             for (i, v) in data.into_iter().enumerate() {
                 store(out.bytes, out.ty.dtype, i, v);
             }
+        }
+    }
+    Ok(())
+}
+
+/// Convolution as one matrix product per image and group over the unfolded input (im2col).
+fn convolution_f32(
+    conv: &Conv,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&Arg<'_>>,
+    dst: &mut [f32],
+) -> Result<()> {
+    let (k, l, cout_g) = (conv.k(), conv.oh * conv.ow, conv.cout_g());
+    let mut col = vec![0.0f32; k * l];
+    for n in 0..conv.n {
+        for g in 0..conv.groups {
+            col.fill(0.0);
+            conv.unfold(n, g, |c, i| col[c] = x[i]);
+            let out_at = (n * conv.c_out + g * cout_g) * l;
+            sgemm(
+                Mat {
+                    data: &w[g * cout_g * k..(g + 1) * cout_g * k],
+                    rows: cout_g,
+                    cols: k,
+                    row_stride: k,
+                    col_stride: 1,
+                },
+                Mat {
+                    data: &col,
+                    rows: k,
+                    cols: l,
+                    row_stride: l,
+                    col_stride: 1,
+                },
+                &mut dst[out_at..out_at + cout_g * l],
+                false,
+                1.0,
+            )?;
+        }
+    }
+    if let Some(Arg::Tensor(bty, bbytes)) = bias {
+        for (oi, v) in dst.iter_mut().enumerate() {
+            *v += load(bbytes, bty.dtype, (oi / l) % conv.c_out) as f32;
+        }
+    }
+    Ok(())
+}
+
+/// The three gradients of a convolution through the same unfolding: grad_weight +=
+/// G x col^T, grad_input = fold(W^T x G), grad_bias = the sums of G.
+fn convolution_backward_f32(
+    conv: &Conv,
+    g: &[f32],
+    x: &[f32],
+    w: &[f32],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (k, l, cout_g) = (conv.k(), conv.oh * conv.ow, conv.cout_g());
+    let mut col = vec![0.0f32; k * l];
+    let mut grad_col = vec![0.0f32; k * l];
+    let (first, rest) = outs.split_at_mut(1);
+    let (second, third) = rest.split_at_mut(1);
+    let mut grad_input = first[0]
+        .as_mut()
+        .and_then(|o| as_f32_mut(o.bytes, o.ty.dtype));
+    let mut grad_weight = second[0]
+        .as_mut()
+        .and_then(|o| as_f32_mut(o.bytes, o.ty.dtype));
+    if let Some(gi) = grad_input.as_deref_mut() {
+        gi.fill(0.0);
+    }
+    if let Some(gw) = grad_weight.as_deref_mut() {
+        gw.fill(0.0);
+    }
+    for n in 0..conv.n {
+        for grp in 0..conv.groups {
+            let g_at = (n * conv.c_out + grp * cout_g) * l;
+            let g_mat = Mat {
+                data: &g[g_at..g_at + cout_g * l],
+                rows: cout_g,
+                cols: l,
+                row_stride: l,
+                col_stride: 1,
+            };
+            let w_g = &w[grp * cout_g * k..(grp + 1) * cout_g * k];
+            if let Some(gw) = grad_weight.as_deref_mut() {
+                col.fill(0.0);
+                conv.unfold(n, grp, |c, i| col[c] = x[i]);
+                sgemm(
+                    g_mat,
+                    Mat {
+                        data: &col,
+                        rows: l,
+                        cols: k,
+                        row_stride: 1,
+                        col_stride: l,
+                    },
+                    &mut gw[grp * cout_g * k..(grp + 1) * cout_g * k],
+                    true,
+                    1.0,
+                )?;
+            }
+            if let Some(gi) = grad_input.as_deref_mut() {
+                sgemm(
+                    Mat {
+                        data: w_g,
+                        rows: k,
+                        cols: cout_g,
+                        row_stride: 1,
+                        col_stride: k,
+                    },
+                    g_mat,
+                    &mut grad_col,
+                    false,
+                    1.0,
+                )?;
+                conv.unfold(n, grp, |c, i| gi[i] += grad_col[c]);
+            }
+        }
+    }
+    if let Some(Some(out)) = third.first_mut() {
+        let mut gb = vec![0.0f64; conv.c_out];
+        for (oi, v) in g.iter().enumerate() {
+            gb[(oi / l) % conv.c_out] += f64::from(*v);
+        }
+        for (i, v) in gb.into_iter().enumerate() {
+            store(out.bytes, out.ty.dtype, i, v);
         }
     }
     Ok(())

@@ -10,6 +10,7 @@
 //! Backends: `cpu` (the embedded default). The `sim` and `cuda` devices come next.
 
 mod arena;
+mod blas;
 pub mod cpu;
 mod kernels;
 
