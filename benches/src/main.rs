@@ -7,6 +7,7 @@
 //! ```
 
 mod core_suite;
+mod engine_suite;
 mod plan_suite;
 
 use std::process::ExitCode;
@@ -35,6 +36,19 @@ enum Suite {
         #[arg(long)]
         json: bool,
     },
+    /// The execution engine: sgemm and convolution GFLOP/s on the CPU device, and each
+    /// target model's training step next to eager PyTorch's (needs ./scripts/python-env.sh).
+    Engine {
+        /// Where the traced models are written.
+        #[arg(long, default_value = "target/engine-bench")]
+        dir: std::path::PathBuf,
+        /// Timed iterations per model.
+        #[arg(long, default_value_t = 10)]
+        iterations: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The graph planner: validate and plan serialized graphs (`salus.v1.Graph` files,
     /// e.g. from `python -m salus.reference`); P, E, the lower bound and their ratio.
     Plan {
@@ -56,6 +70,11 @@ fn main() -> ExitCode {
             json,
         } => core_suite::run(sessions, events, json),
         Suite::Plan { graphs, json } => plan_suite::run(&graphs, json),
+        Suite::Engine {
+            dir,
+            iterations,
+            json,
+        } => engine_suite::run(&dir, iterations, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

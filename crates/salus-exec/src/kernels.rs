@@ -155,6 +155,27 @@ fn elementwise(args: &[Arg<'_>], out: &mut Out<'_>, f: impl Fn(&[f64]) -> f64) -
             None => (in_place_dtype == Some(DType::F32)).then_some(None),
         })
         .collect();
+    let contiguous = args.iter().all(|a| match a {
+        Arg::Tensor(ty, _) => ty.shape == out_ty.shape,
+        _ => true,
+    });
+    if let (Some(typed), Some(dst), true) = (
+        typed.as_ref(),
+        as_f32_mut(out.bytes, out_ty.dtype),
+        contiguous,
+    ) {
+        // f32, no broadcasting: one pass over the elements.
+        for i in 0..dst.len() {
+            for (k, source) in typed.iter().enumerate() {
+                values[k] = f64::from(match source {
+                    Some(src) => src[i],
+                    None => dst[i],
+                });
+            }
+            dst[i] = f(&values) as f32;
+        }
+        return Ok(());
+    }
     if let (Some(typed), Some(dst)) = (typed, as_f32_mut(out.bytes, out_ty.dtype)) {
         // f32 throughout: typed loads and stores, same arithmetic.
         for_each_index(&out_ty.shape, &strides, |i, offsets| {

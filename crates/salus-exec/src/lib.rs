@@ -13,6 +13,7 @@ mod arena;
 mod blas;
 pub mod cpu;
 mod kernels;
+pub mod reference;
 
 use std::time::Duration;
 

@@ -1,0 +1,240 @@
+//! The `engine` suite: the CPU device's sgemm and convolution throughput, and each target
+//! model's training-step time next to eager PyTorch's on the same machine in the same run.
+//!
+//! PyTorch's side runs through `benches/torch_engine.py` (with the project's `.venv`, or
+//! the Python named by `SALUS_PYTHON`), which also writes the traced graphs and initial
+//! state the CPU device runs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use salus_exec::reference::ReferenceRun;
+use salus_exec::{CpuDevice, Device, Placement, Program};
+use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
+use serde::Serialize;
+
+#[derive(Debug, Serialize)]
+struct ModelResult {
+    salus_ms: f64,
+    torch_ms: f64,
+    ratio: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct EngineResult {
+    sgemm_gflops: f64,
+    conv_gflops: f64,
+    threads: u64,
+    batch_size: u64,
+    models: BTreeMap<String, ModelResult>,
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn one_node(
+    op: Op,
+    inputs: Vec<TensorType>,
+    output: TensorType,
+    attrs: Vec<(&str, Attr)>,
+) -> Graph {
+    let mut tensors: Vec<Tensor> = inputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, ty)| Tensor {
+            name: format!("in{i}"),
+            ty,
+            role: Role::Feed,
+            data: vec![],
+        })
+        .collect();
+    let n = tensors.len();
+    tensors.push(Tensor {
+        name: "out".into(),
+        ty: output,
+        role: Role::Intermediate,
+        data: vec![],
+    });
+    Graph {
+        tensors,
+        nodes: vec![Node {
+            name: "op".into(),
+            op,
+            inputs: (0..n).map(Some).collect(),
+            outputs: vec![Some(n)],
+            attrs: attrs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            source: String::new(),
+        }],
+        fetches: vec![],
+        updates: vec![],
+    }
+}
+
+/// GFLOP/s of one op run as a one-node graph on the CPU device.
+fn op_gflops(graph: Graph, flops: f64, runs: usize) -> Result<f64, String> {
+    let program = Program::new(graph, &Limits::default()).map_err(|e| e.to_string())?;
+    let device = CpuDevice::new(program.plan().ephemeral_bytes).map_err(|e| e.to_string())?;
+    let feeds: Vec<Vec<u8>> = program
+        .feeds()
+        .iter()
+        .map(|&id| {
+            let n = program.bytes(id) as usize / 4;
+            (0..n)
+                .flat_map(|i| (((i * 7) % 13) as f32 * 0.1 - 0.6).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+    let at = Placement {
+        persistent: 0,
+        lane: 0,
+    };
+    device.run(&program, at, &refs).map_err(|e| e.to_string())?;
+    let times = (0..runs)
+        .map(|_| {
+            device
+                .run(&program, at, &refs)
+                .map(|o| o.duration)
+                .map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(flops / median(times).as_secs_f64() / 1e9)
+}
+
+fn sgemm_gflops() -> Result<f64, String> {
+    let n = 1024u64;
+    let f32_ty = |s: Vec<u64>| TensorType::new(DType::F32, s);
+    let graph = one_node(
+        Op::Mm,
+        vec![f32_ty(vec![n, n]), f32_ty(vec![n, n])],
+        f32_ty(vec![n, n]),
+        vec![],
+    );
+    op_gflops(graph, 2.0 * (n * n * n) as f64, 5)
+}
+
+fn conv_gflops() -> Result<f64, String> {
+    let (batch, c, hw) = (8u64, 64u64, 32u64);
+    let f32_ty = |s: Vec<u64>| TensorType::new(DType::F32, s);
+    let graph = one_node(
+        Op::Convolution,
+        vec![f32_ty(vec![batch, c, hw, hw]), f32_ty(vec![c, c, 3, 3])],
+        f32_ty(vec![batch, c, hw, hw]),
+        vec![
+            ("stride", Attr::Ints(vec![1, 1])),
+            ("padding", Attr::Ints(vec![1, 1])),
+            ("dilation", Attr::Ints(vec![1, 1])),
+            ("transposed", Attr::Bool(false)),
+            ("output_padding", Attr::Ints(vec![0, 0])),
+            ("groups", Attr::Int(1)),
+        ],
+    );
+    // The bias input is absent: add it as a third, optional input.
+    let mut graph = graph;
+    graph.nodes[0].inputs.push(None);
+    op_gflops(graph, 2.0 * (batch * c * c * 9 * hw * hw) as f64, 5)
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("SALUS_PYTHON") {
+        return p.into();
+    }
+    let venv = Path::new(".venv/bin/python");
+    if venv.exists() {
+        venv.to_path_buf()
+    } else {
+        "python3".into()
+    }
+}
+
+fn model_ms(dir: &Path, iterations: usize) -> Result<f64, String> {
+    let run = ReferenceRun::load(dir)?;
+    let plan = run.program.plan();
+    let at = Placement {
+        persistent: 0,
+        lane: plan.persistent_bytes,
+    };
+    let device =
+        CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes).map_err(|e| e.to_string())?;
+    run.upload(&device, at)?;
+    for k in 0..2 {
+        run.step(&device, at, k).map_err(|e| e.to_string())?;
+    }
+    let times = (0..iterations)
+        .map(|k| {
+            let start = Instant::now();
+            run.step(&device, at, k).map_err(|e| e.to_string())?;
+            Ok(start.elapsed())
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(median(times).as_secs_f64() * 1e3)
+}
+
+pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
+    let out = Command::new(python())
+        .arg("benches/torch_engine.py")
+        .arg(dir)
+        .arg("--iterations")
+        .arg(iterations.to_string())
+        .output()
+        .map_err(|e| {
+            format!("cannot run benches/torch_engine.py: {e} (run ./scripts/python-env.sh first)")
+        })?;
+    if !out.status.success() {
+        return Err(format!(
+            "benches/torch_engine.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let torch: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+    let mut models = BTreeMap::new();
+    for (name, t) in torch["models"]
+        .as_object()
+        .ok_or("no models from torch_engine.py")?
+    {
+        let torch_ms = t["torch_ms"].as_f64().unwrap_or(f64::NAN);
+        let salus_ms = model_ms(&dir.join(name), iterations)?;
+        models.insert(
+            name.clone(),
+            ModelResult {
+                salus_ms,
+                torch_ms,
+                ratio: salus_ms / torch_ms,
+            },
+        );
+    }
+    let result = EngineResult {
+        sgemm_gflops: sgemm_gflops()?,
+        conv_gflops: conv_gflops()?,
+        threads: torch["threads"].as_u64().unwrap_or(0),
+        batch_size: torch["batch_size"].as_u64().unwrap_or(0),
+        models,
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!(
+        "CPU device: sgemm 1024^3 {:.1} GFLOP/s, conv 8x64x32x32 3x3 {:.1} GFLOP/s ({} threads)",
+        result.sgemm_gflops, result.conv_gflops, result.threads
+    );
+    println!(
+        "training step, batch {}: {:<10} {:>10} {:>10} {:>7}",
+        result.batch_size, "model", "salus ms", "torch ms", "ratio"
+    );
+    for (name, m) in &result.models {
+        println!(
+            "{:<10} {:>10.2} {:>10.2} {:>7.2}",
+            name, m.salus_ms, m.torch_ms, m.ratio
+        );
+    }
+    Ok(())
+}
