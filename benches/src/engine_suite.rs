@@ -153,14 +153,7 @@ fn python() -> PathBuf {
 
 fn model_ms(dir: &Path, iterations: usize) -> Result<f64, String> {
     let run = ReferenceRun::load(dir)?;
-    let plan = run.program.plan();
-    let at = Placement {
-        persistent: 0,
-        lane: plan.persistent_bytes,
-    };
-    let device =
-        CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes).map_err(|e| e.to_string())?;
-    run.upload(&device, at)?;
+    let (device, at) = run.on_cpu()?;
     for k in 0..2 {
         run.step(&device, at, k).map_err(|e| e.to_string())?;
     }

@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use salus_exec::Device;
 use salus_exec::reference::ReferenceRun;
-use salus_exec::{CpuDevice, Device, Placement};
 use serde_json::{Value, json};
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -18,14 +18,7 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 fn run(dir: &Path) -> Result<Value, String> {
     let run = ReferenceRun::load(dir)?;
-    let plan = run.program.plan();
-    let at = Placement {
-        persistent: 0,
-        lane: plan.persistent_bytes,
-    };
-    let device =
-        CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes).map_err(|e| e.to_string())?;
-    run.upload(&device, at)?;
+    let (device, at) = run.on_cpu()?;
     let losses = (0..run.batches.len())
         .map(|k| {
             run.step(&device, at, k)

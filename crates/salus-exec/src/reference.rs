@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use salus_graph::{Graph, Limits};
 
-use crate::{Device, ExecError, Location, Placement, Program};
+use crate::{CpuDevice, Device, ExecError, Location, Placement, Program};
 
 /// Named tensors as raw little-endian bytes.
 pub type Tensors = HashMap<String, Vec<u8>>;
@@ -107,6 +107,20 @@ impl ReferenceRun {
             Some(Location::Persistent(off)) => Ok(at.persistent + off),
             _ => Err(format!("{name} is not persistent")),
         }
+    }
+
+    /// A CPU device just large enough for this run, with the initial state uploaded; the
+    /// session's persistent block at 0 and its lane right after it.
+    pub fn on_cpu(&self) -> Result<(CpuDevice, Placement), String> {
+        let plan = self.program.plan();
+        let at = Placement {
+            persistent: 0,
+            lane: plan.persistent_bytes,
+        };
+        let device = CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes)
+            .map_err(|e| e.to_string())?;
+        self.upload(&device, at)?;
+        Ok((device, at))
     }
 
     /// Uploads the initial state.
