@@ -644,30 +644,16 @@ fn srtf_suspends_idle_longer_sessions_to_admit_a_shorter_one() {
     // Job 3 is the shortest; it needs 250 + 600 (lane grows to 600): only room once both
     // longer jobs are out. Job 1 is running, so it must wait for its boundary.
     let a = d.open(timed(3, 250 * MB, 600 * MB, 5, 100));
-    let suspended: Vec<u64> = a
-        .iter()
-        .filter_map(|x| match x {
-            Action::Suspend { session, .. } => Some(session.0),
-            _ => None,
-        })
-        .collect();
     assert_eq!(
-        suspended,
+        suspended(&a),
         Vec::<u64>::new(),
         "job 2 alone frees too little: {a:?}"
     );
     assert!(matches!(a.last(), Some(Action::Queue { .. })));
     d.submit(1);
     let a = d.finish(1, 100);
-    let suspended: Vec<u64> = a
-        .iter()
-        .filter_map(|x| match x {
-            Action::Suspend { session, .. } => Some(session.0),
-            _ => None,
-        })
-        .collect();
     assert_eq!(
-        suspended,
+        suspended(&a),
         vec![1, 2],
         "longest first, only as many as needed: {a:?}"
     );

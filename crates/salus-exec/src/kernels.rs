@@ -568,7 +568,6 @@ fn softmax(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let inner: usize = ty.shape[d + 1..].iter().product::<u64>() as usize;
     let outer = numel(&ty.shape) / (len * inner).max(1);
     let log = node.op == Op::LogSoftmax;
-    let _ = attr_bool(node, "half_to_float");
     for a in 0..outer {
         for b in 0..inner {
             let idx = |j: usize| (a * len + j) * inner + b;
@@ -798,50 +797,6 @@ impl Conv {
             }
         }
     }
-
-    /// Calls `f(n, co, oy, ox, ci, ky, kx, input_index, weight_index, output_index)` for
-    /// every term of the convolution sum that lands inside the input.
-    fn for_each_term(&self, mut f: impl FnMut(usize, usize, usize)) {
-        let cin_g = self.c_in / self.groups;
-        let cout_g = self.c_out / self.groups;
-        for n in 0..self.n {
-            for co in 0..self.c_out {
-                let g = co / cout_g;
-                for oy in 0..self.oh {
-                    for ox in 0..self.ow {
-                        let o = ((n * self.c_out + co) * self.oh + oy) * self.ow + ox;
-                        for ci in 0..cin_g {
-                            let c = g * cin_g + ci;
-                            for ky in 0..self.kh {
-                                let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
-                                    - self.padding[0] as isize;
-                                if iy < 0 || iy >= self.h as isize {
-                                    continue;
-                                }
-                                for kx in 0..self.kw {
-                                    let ix = (ox * self.stride[1] + kx * self.dilation[1]) as isize
-                                        - self.padding[1] as isize;
-                                    if ix < 0 || ix >= self.w as isize {
-                                        continue;
-                                    }
-                                    let i = ((n * self.c_in + c) * self.h + iy as usize) * self.w
-                                        + ix as usize;
-                                    let wi = ((co * cin_g + ci) * self.kh + ky) * self.kw + kx;
-                                    f(i, wi, o);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn floats(ty: &TensorType, bytes: &[u8]) -> Vec<f64> {
-    (0..numel(&ty.shape))
-        .map(|i| load(bytes, ty.dtype, i))
-        .collect()
 }
 
 fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
@@ -860,19 +815,12 @@ fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     ) {
         return convolution_f32(&conv, x, w, args.get(2), dst);
     }
-    let (x, w) = (floats(ity, ibytes), floats(wty, wbytes));
-    let mut out = vec![0.0; numel(&o.ty.shape)];
-    conv.for_each_term(|i, wi, oi| out[oi] += x[i] * w[wi]);
-    if let Some(Arg::Tensor(bty, bbytes)) = args.get(2) {
-        let plane = conv.oh * conv.ow;
-        for (oi, v) in out.iter_mut().enumerate() {
-            *v += load(bbytes, bty.dtype, (oi / plane) % conv.c_out);
-        }
-    }
-    for (i, v) in out.into_iter().enumerate() {
-        store(o.bytes, o.ty.dtype, i, v);
-    }
-    Ok(())
+    Err(f32_only(ity))
+}
+
+/// Convolutions run through `f32` matrix products; f16 and bf16 come with half storage.
+fn f32_only(input: &TensorType) -> String {
+    format!("the CPU device runs f32 convolutions only so far, got {input}")
 }
 
 fn convolution_backward(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
@@ -892,40 +840,7 @@ fn convolution_backward(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_
     ) {
         return convolution_backward_f32(&conv, g, x, w, outs);
     }
-    let (g, x, w) = (
-        floats(gty, gbytes),
-        floats(ity, ibytes),
-        floats(wty, wbytes),
-    );
-    let want = |k: usize, outs: &[Option<Out<'_>>]| outs.get(k).is_some_and(Option::is_some);
-    let mut grad_input = want(0, outs).then(|| vec![0.0; x.len()]);
-    let mut grad_weight = want(1, outs).then(|| vec![0.0; w.len()]);
-    if grad_input.is_some() || grad_weight.is_some() {
-        conv.for_each_term(|i, wi, oi| {
-            if let Some(gi) = grad_input.as_mut() {
-                gi[i] += g[oi] * w[wi];
-            }
-            if let Some(gw) = grad_weight.as_mut() {
-                gw[wi] += g[oi] * x[i];
-            }
-        });
-    }
-    let grad_bias = want(2, outs).then(|| {
-        let plane = conv.oh * conv.ow;
-        let mut gb = vec![0.0; conv.c_out];
-        for (oi, v) in g.iter().enumerate() {
-            gb[(oi / plane) % conv.c_out] += v;
-        }
-        gb
-    });
-    for (k, values) in [grad_input, grad_weight, grad_bias].into_iter().enumerate() {
-        if let (Some(values), Some(Some(out))) = (values, outs.get_mut(k)) {
-            for (i, v) in values.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
+    Err(f32_only(ity))
 }
 
 /// Window geometry of a 2-d max pool.

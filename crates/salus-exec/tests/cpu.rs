@@ -74,25 +74,27 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-fn setup(program: &Program, device: &CpuDevice, at: Placement) {
-    let Some(Location::Persistent(off)) = program.location(0) else {
-        panic!()
-    };
-    let table: Vec<f32> = (1..=8).map(|v| v as f32).collect();
-    device
-        .write(at.persistent + off, &f32_bytes(&table))
-        .unwrap();
-}
-
-#[test]
-fn runs_an_iteration_and_applies_updates_at_the_end() {
+/// The embedding graph on a fresh CPU device, its table holding 1..=8.
+fn embedding_session() -> (Program, CpuDevice, Placement) {
     let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
     let device = CpuDevice::new(1 << 16).unwrap();
     let at = Placement {
         persistent: 0,
         lane: 4096,
     };
-    setup(&program, &device, at);
+    let Some(Location::Persistent(off)) = program.location(0) else {
+        panic!("the table is persistent")
+    };
+    let table: Vec<f32> = (1..=8).map(|v| v as f32).collect();
+    device
+        .write(at.persistent + off, &f32_bytes(&table))
+        .unwrap();
+    (program, device, at)
+}
+
+#[test]
+fn runs_an_iteration_and_applies_updates_at_the_end() {
+    let (program, device, at) = embedding_session();
     let ids = i64_bytes(&[0, 3, -1]); // rows 0, 3 and 3 (negative wraps)
     let outcome = device.run(&program, at, &[&ids]).unwrap();
     assert_eq!(
@@ -105,13 +107,7 @@ fn runs_an_iteration_and_applies_updates_at_the_end() {
 
 #[test]
 fn an_out_of_range_index_fails_the_iteration_and_changes_nothing() {
-    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
-    let device = CpuDevice::new(1 << 16).unwrap();
-    let at = Placement {
-        persistent: 0,
-        lane: 4096,
-    };
-    setup(&program, &device, at);
+    let (program, device, at) = embedding_session();
     let before = device.read(0, 32).unwrap();
     let err = device
         .run(&program, at, &[&i64_bytes(&[0, 4, 1])])
@@ -142,12 +138,7 @@ fn an_out_of_range_index_fails_the_iteration_and_changes_nothing() {
 
 #[test]
 fn feeds_are_checked() {
-    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
-    let device = CpuDevice::new(1 << 16).unwrap();
-    let at = Placement {
-        persistent: 0,
-        lane: 4096,
-    };
+    let (program, device, at) = embedding_session();
     let err = device
         .run(&program, at, &[&i64_bytes(&[1, 2])])
         .unwrap_err();

@@ -95,3 +95,13 @@ pub fn admitted(actions: &[Action]) -> Vec<(u64, LaneId)> {
         })
         .collect()
 }
+
+pub fn suspended(actions: &[Action]) -> Vec<u64> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Suspend { session, .. } => Some(session.0),
+            _ => None,
+        })
+        .collect()
+}
