@@ -1,13 +1,17 @@
-//! Generates the Rust types of `proto/salus/v1/*.proto` with protox (a protobuf compiler in
-//! Rust), so building needs no `protoc` binary.
+//! Generates the Rust types and gRPC services of `proto/salus/v1/*.proto` with protox (a
+//! protobuf compiler in Rust), so building needs no `protoc` binary.
 
 use std::error::Error;
 
 fn main() -> Result<(), Box<dyn Error>> {
     let proto_root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../proto");
-    let files = ["salus/v1/graph.proto"];
+    let files = [
+        "salus/v1/graph.proto",
+        "salus/v1/session.proto",
+        "salus/v1/admin.proto",
+    ];
     let descriptors = protox::compile(files, [proto_root])?;
-    prost_build::Config::new().compile_fds(descriptors)?;
+    tonic_prost_build::configure().compile_fds(descriptors)?;
     println!("cargo:rerun-if-changed={proto_root}");
     Ok(())
 }

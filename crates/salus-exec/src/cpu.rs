@@ -198,27 +198,12 @@ impl Device for CpuDevice {
         let start = Instant::now();
         let plan = program.plan();
         let graph = program.graph();
-        if feeds.len() != program.feeds().len() {
-            return Err(ExecError::Device(format!(
-                "the graph takes {} feeds, {} given",
-                program.feeds().len(),
-                feeds.len()
-            )));
-        }
+        program.check_feeds(feeds)?;
         let mut persistent = self.arena.borrow(at.persistent, plan.persistent_bytes)?;
         let mut lane = self.arena.borrow(at.lane, plan.ephemeral_bytes)?;
-        for (index, (&id, bytes)) in program.feeds().iter().zip(feeds).enumerate() {
-            let t = &graph.tensors[id];
-            let want = program.bytes(id);
-            if bytes.len() as u64 != want {
-                return Err(ExecError::Feed {
-                    index,
-                    name: t.name.clone(),
-                    message: format!("{} needs {want} bytes, got {}", t.ty, bytes.len()),
-                });
-            }
+        for (&id, bytes) in program.feeds().iter().zip(feeds) {
             if let Some(Location::Lane(off)) = program.location(id) {
-                lane[range(off, want)].copy_from_slice(bytes);
+                lane[range(off, program.bytes(id))].copy_from_slice(bytes);
             }
         }
         for (index, node) in graph.nodes.iter().enumerate() {

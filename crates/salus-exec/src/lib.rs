@@ -7,13 +7,15 @@
 //! capacity; it never allocates per tensor or per iteration, and it knows nothing about
 //! sessions, lanes or policies beyond the offsets it is given.
 //!
-//! Backends: `cpu` (the embedded default). The `sim` and `cuda` devices come next.
+//! Backends: `cpu` (the embedded default) and `sim` (modeled time, accounted memory). The
+//! `cuda` device comes next.
 
 mod arena;
 mod blas;
 pub mod cpu;
 mod kernels;
 pub mod reference;
+pub mod sim;
 
 use std::time::Duration;
 
@@ -21,6 +23,7 @@ use salus_graph::{Graph, GraphError, Limits, MemoryPlan, Role, TensorId, check};
 
 pub use arena::{Arena, Region};
 pub use cpu::CpuDevice;
+pub use sim::{CostModel, SimDevice};
 
 /// Why an iteration or a transfer failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -67,6 +70,7 @@ pub struct Program {
     graph: Graph,
     plan: MemoryPlan,
     feeds: Vec<TensorId>,
+    expected_iteration: Option<Duration>,
 }
 
 impl Program {
@@ -80,7 +84,47 @@ impl Program {
             .filter(|(_, t)| t.role == Role::Feed)
             .map(|(id, _)| id)
             .collect();
-        Ok(Program { graph, plan, feeds })
+        Ok(Program {
+            graph,
+            plan,
+            feeds,
+            expected_iteration: None,
+        })
+    }
+
+    /// The same program with a client's estimate of its iteration time, which the sim
+    /// device uses instead of its cost model.
+    pub fn with_expected_iteration(mut self, expected: Option<Duration>) -> Program {
+        self.expected_iteration = expected;
+        self
+    }
+
+    /// The client's estimate of one iteration's time, if it gave one.
+    pub fn expected_iteration(&self) -> Option<Duration> {
+        self.expected_iteration
+    }
+
+    /// Checks that `feeds` has one buffer of the right size per feed tensor.
+    pub fn check_feeds(&self, feeds: &[&[u8]]) -> Result<(), ExecError> {
+        if feeds.len() != self.feeds.len() {
+            return Err(ExecError::Device(format!(
+                "the graph takes {} feeds, {} given",
+                self.feeds.len(),
+                feeds.len()
+            )));
+        }
+        for (index, (&id, bytes)) in self.feeds.iter().zip(feeds).enumerate() {
+            let t = &self.graph.tensors[id];
+            let want = self.bytes(id);
+            if bytes.len() as u64 != want {
+                return Err(ExecError::Feed {
+                    index,
+                    name: t.name.clone(),
+                    message: format!("{} needs {want} bytes, got {}", t.ty, bytes.len()),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The graph.

@@ -1,0 +1,492 @@
+//! The Rust client of `salusd`: what `salusctl`, the benchmarks and the tests use.
+//!
+//! Owns finding the daemon (an address argument, `SALUS_ADDRESS`, or the default socket
+//! path that `salusd` also uses), authenticating over TCP (a bearer token), and the shape
+//! of a session's life: [`Client::open`] uploads the graph and initial tensors in chunks
+//! and holds the session's lease (the `Open` stream) until [`Session::close`] or drop.
+//!
+//! ```no_run
+//! # async fn demo(graph: salus_proto::v1::Graph) -> Result<(), salus_client::Error> {
+//! let client = salus_client::Client::connect(&salus_client::address_from_env()).await?;
+//! let mut session = client.open(salus_client::OpenOptions::training(graph)).await?;
+//! session.admitted().await?;
+//! let out = session.run(vec![vec![0u8; 16]]).await?;
+//! println!("{} fetches", out.fetches.len());
+//! session.close().await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use salus_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+pub use salus_proto::v1;
+
+/// The environment variable naming the daemon: a Unix socket path or `host:port`.
+pub const ADDRESS_ENV: &str = "SALUS_ADDRESS";
+/// The environment variable naming a file that holds the bearer token for TCP.
+pub const TOKEN_FILE_ENV: &str = "SALUS_TOKEN_FILE";
+/// Largest message either side accepts: feeds and fetches of one iteration travel whole.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
+/// Size of the chunks tensors travel in.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+/// What went wrong talking to the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The daemon could not be reached.
+    #[error("cannot reach salusd at {address}: {message}")]
+    Connect {
+        /// Where we looked.
+        address: String,
+        /// Why it failed.
+        message: String,
+    },
+    /// The daemon answered with an error.
+    #[error("salusd: {}: {}", code_name(.0.code()), .0.message())]
+    Status(#[from] tonic::Status),
+    /// The daemon said something this client does not expect.
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+fn code_name(code: tonic::Code) -> String {
+    format!("{code:?}")
+}
+
+/// The default Unix socket: `/run/salus/salusd.sock` for root (a system service),
+/// `$XDG_RUNTIME_DIR/salus/salusd.sock` for other users, or `/tmp/salus-$UID/salusd.sock`
+/// when there is no runtime directory.
+pub fn default_socket_path() -> PathBuf {
+    let uid = current_uid();
+    if uid == 0 {
+        return PathBuf::from("/run/salus/salusd.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => Path::new(&dir).join("salus/salusd.sock"),
+        _ => PathBuf::from(format!("/tmp/salus-{uid}/salusd.sock")),
+    }
+}
+
+/// The uid of this process, from `/proc/self` (no libc needed).
+pub fn current_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
+}
+
+/// `SALUS_ADDRESS` if set, else the default socket path.
+pub fn address_from_env() -> String {
+    std::env::var(ADDRESS_ENV)
+        .ok()
+        .filter(|a| !a.is_empty())
+        .unwrap_or_else(|| default_socket_path().display().to_string())
+}
+
+/// Where a daemon listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// A TCP `host:port`.
+    Tcp(String),
+}
+
+impl Address {
+    /// Parses `unix:PATH`, a path (anything with a `/`), `http://host:port` or `host:port`.
+    pub fn parse(address: &str) -> Address {
+        if let Some(path) = address.strip_prefix("unix://") {
+            Address::Unix(PathBuf::from(path))
+        } else if let Some(path) = address.strip_prefix("unix:") {
+            Address::Unix(PathBuf::from(path))
+        } else if let Some(host) = address.strip_prefix("http://") {
+            Address::Tcp(host.to_string())
+        } else if address.contains('/') {
+            Address::Unix(PathBuf::from(address))
+        } else {
+            Address::Tcp(address.to_string())
+        }
+    }
+}
+
+/// Options of a new session.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// The session's graph.
+    pub graph: pb::Graph,
+    /// Training or inference.
+    pub kind: pb::SessionKind,
+    /// Name, priority, total iterations, expected iteration time.
+    pub hints: pb::Hints,
+    /// Initial values of the PARAMETER and STATE tensors: (tensor id, bytes).
+    pub initial: Vec<(u32, Vec<u8>)>,
+}
+
+impl OpenOptions {
+    /// A training session of `graph` with no hints and no initial values yet.
+    pub fn training(graph: pb::Graph) -> OpenOptions {
+        OpenOptions {
+            graph,
+            kind: pb::SessionKind::Training,
+            hints: pb::Hints::default(),
+            initial: Vec::new(),
+        }
+    }
+}
+
+/// A connection to one daemon.
+#[derive(Clone)]
+pub struct Client {
+    channel: Channel,
+    token: Option<String>,
+}
+
+impl Client {
+    /// Connects to `address` (see [`Address::parse`]); the token comes from the file named
+    /// by `SALUS_TOKEN_FILE`, when set.
+    pub async fn connect(address: &str) -> Result<Client, Error> {
+        let token = match std::env::var_os(TOKEN_FILE_ENV) {
+            Some(path) => Some(
+                std::fs::read_to_string(&path)
+                    .map_err(|e| Error::Connect {
+                        address: address.to_string(),
+                        message: format!("reading the token file {}: {e}", path.display()),
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        Client::connect_with_token(address, token).await
+    }
+
+    /// Connects to `address`, sending `token` as a bearer token with every call.
+    pub async fn connect_with_token(address: &str, token: Option<String>) -> Result<Client, Error> {
+        let fail = |message: String| Error::Connect {
+            address: address.to_string(),
+            message,
+        };
+        let endpoint = match Address::parse(address) {
+            Address::Unix(path) => {
+                if !path.exists() {
+                    return Err(fail(format!(
+                        "no socket at {} (is salusd running? start it with `salusd`, or set \
+                         {ADDRESS_ENV})",
+                        path.display()
+                    )));
+                }
+                Endpoint::from_shared(format!("unix://{}", path.display()))
+            }
+            Address::Tcp(host) => Endpoint::from_shared(format!("http://{host}")),
+        }
+        .map_err(|e| fail(e.to_string()))?;
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| fail(format!("{e} ({})", source_chain(&e))))?;
+        Ok(Client { channel, token })
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(token) = &self.token
+            && let Ok(value) = format!("Bearer {token}").parse()
+        {
+            request.metadata_mut().insert("authorization", value);
+        }
+        request
+    }
+
+    fn sessions(&self) -> pb::sessions_client::SessionsClient<Channel> {
+        pb::sessions_client::SessionsClient::new(self.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    fn admin(&self) -> pb::admin_client::AdminClient<Channel> {
+        pb::admin_client::AdminClient::new(self.channel.clone())
+    }
+
+    /// Opens a session: sends the graph and initial values, and returns once the daemon
+    /// has accepted it (queued or admitted). The session is held until closed or dropped.
+    pub async fn open(&self, options: OpenOptions) -> Result<Session, Error> {
+        let (tx, rx) = mpsc::channel::<pb::OpenRequest>(4);
+        let item = |item| pb::OpenRequest { item: Some(item) };
+        let mut updates = self
+            .sessions()
+            .open(self.request(ReceiverStream::new(rx)))
+            .await?
+            .into_inner();
+        let send = |tx: mpsc::Sender<pb::OpenRequest>, message| async move {
+            tx.send(message).await.is_ok()
+        };
+        let mut sent = send(
+            tx.clone(),
+            item(pb::open_request::Item::Open(pb::OpenSession {
+                graph: Some(options.graph),
+                kind: options.kind as i32,
+                hints: Some(options.hints),
+            })),
+        )
+        .await;
+        for (tensor, bytes) in &options.initial {
+            for chunk in chunks(*tensor, bytes) {
+                sent = sent && send(tx.clone(), item(pb::open_request::Item::Chunk(chunk))).await;
+            }
+        }
+        if sent {
+            let _ = send(
+                tx.clone(),
+                item(pb::open_request::Item::Commit(pb::Commit {})),
+            )
+            .await;
+        }
+        let opened = match updates.next().await {
+            Some(Ok(pb::SessionUpdate {
+                update: Some(pb::session_update::Update::Opened(opened)),
+            })) => opened,
+            Some(Ok(other)) => {
+                return Err(Error::Protocol(format!("expected `opened`, got {other:?}")));
+            }
+            Some(Err(status)) => return Err(Error::Status(status)),
+            None => {
+                return Err(Error::Protocol(
+                    "the daemon ended the session stream".into(),
+                ));
+            }
+        };
+        Ok(Session {
+            id: opened.session,
+            persistent_bytes: opened.persistent_bytes,
+            ephemeral_bytes: opened.ephemeral_bytes,
+            client: self.clone(),
+            lease: Some(tx),
+            updates,
+            admitted: None,
+        })
+    }
+
+    /// The daemon's status.
+    pub async fn status(&self) -> Result<pb::StatusResponse, Error> {
+        Ok(self
+            .admin()
+            .status(self.request(pb::StatusRequest {}))
+            .await?
+            .into_inner())
+    }
+
+    /// Every open session with its statistics.
+    pub async fn list_sessions(&self) -> Result<Vec<pb::SessionInfo>, Error> {
+        Ok(self
+            .admin()
+            .list_sessions(self.request(pb::ListSessionsRequest {}))
+            .await?
+            .into_inner()
+            .sessions)
+    }
+
+    /// Sets the policy (`Some`) or reads it (`None`); returns the policy now in force.
+    pub async fn policy(&self, policy: Option<&str>) -> Result<String, Error> {
+        Ok(self
+            .admin()
+            .set_policy(self.request(pb::SetPolicyRequest {
+                policy: policy.unwrap_or_default().to_string(),
+            }))
+            .await?
+            .into_inner()
+            .policy)
+    }
+
+    /// Starts (`true`) or ends draining; returns whether the daemon drains now.
+    pub async fn drain(&self, drain: bool) -> Result<bool, Error> {
+        Ok(self
+            .admin()
+            .drain(self.request(pb::DrainRequest { drain }))
+            .await?
+            .into_inner()
+            .draining)
+    }
+
+    /// Live events from now on.
+    pub async fn watch(&self) -> Result<tonic::Streaming<pb::Event>, Error> {
+        Ok(self
+            .admin()
+            .watch(self.request(pb::WatchRequest {}))
+            .await?
+            .into_inner())
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut parts = Vec::new();
+    let mut next = e.source();
+    while let Some(source) = next {
+        parts.push(source.to_string());
+        next = source.source();
+    }
+    parts.join(": ")
+}
+
+/// `bytes` of one tensor as chunks of at most [`CHUNK_BYTES`] (one, possibly empty, at
+/// least).
+pub fn chunks(tensor: u32, bytes: &[u8]) -> Vec<pb::TensorChunk> {
+    if bytes.is_empty() {
+        return vec![pb::TensorChunk {
+            tensor,
+            offset: 0,
+            data: Vec::new(),
+        }];
+    }
+    bytes
+        .chunks(CHUNK_BYTES)
+        .enumerate()
+        .map(|(i, data)| pb::TensorChunk {
+            tensor,
+            offset: (i * CHUNK_BYTES) as u64,
+            data: data.to_vec(),
+        })
+        .collect()
+}
+
+/// An open session. Dropping it ends the lease: the daemon closes it.
+pub struct Session {
+    /// The daemon's id for it.
+    pub id: u64,
+    /// P, in bytes.
+    pub persistent_bytes: u64,
+    /// E, in bytes.
+    pub ephemeral_bytes: u64,
+    client: Client,
+    lease: Option<mpsc::Sender<pb::OpenRequest>>,
+    updates: tonic::Streaming<pb::SessionUpdate>,
+    admitted: Option<pb::Admitted>,
+}
+
+impl Session {
+    /// The next update about the session (queued, admitted, suspended); `None` once the
+    /// daemon has closed it.
+    pub async fn next_update(&mut self) -> Result<Option<pb::session_update::Update>, Error> {
+        match self.updates.next().await {
+            Some(Ok(update)) => {
+                if let Some(pb::session_update::Update::Admitted(a)) = &update.update {
+                    self.admitted = Some(*a);
+                }
+                Ok(update.update)
+            }
+            Some(Err(status)) => Err(Error::Status(status)),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits until the session is admitted; returns its lane.
+    pub async fn admitted(&mut self) -> Result<pb::Admitted, Error> {
+        loop {
+            if let Some(a) = self.admitted {
+                return Ok(a);
+            }
+            if self.next_update().await?.is_none() {
+                return Err(Error::Protocol(format!(
+                    "session {} was closed before admission",
+                    self.id
+                )));
+            }
+        }
+    }
+
+    /// Runs one iteration: one byte buffer per feed, in graph order.
+    pub async fn run(&self, feeds: Vec<Vec<u8>>) -> Result<pb::RunResponse, Error> {
+        Ok(self
+            .client
+            .sessions()
+            .run(self.client.request(pb::RunRequest {
+                session: self.id,
+                feeds,
+                tag: 0,
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Pipelined iterations: every request's response, in order.
+    pub async fn run_stream(
+        &self,
+        requests: Vec<Vec<Vec<u8>>>,
+    ) -> Result<tonic::Streaming<pb::RunResponse>, Error> {
+        let id = self.id;
+        let stream =
+            tokio_stream::iter(requests.into_iter().enumerate().map(move |(tag, feeds)| {
+                pb::RunRequest {
+                    session: id,
+                    feeds,
+                    tag: tag as u64,
+                }
+            }));
+        Ok(self
+            .client
+            .sessions()
+            .run_stream(self.client.request(stream))
+            .await?
+            .into_inner())
+    }
+
+    /// Reads persistent tensors (all PARAMETER and STATE tensors when `tensors` is empty).
+    pub async fn read(&self, tensors: &[u32]) -> Result<Vec<(u32, Vec<u8>)>, Error> {
+        let mut stream = self
+            .client
+            .sessions()
+            .read_tensors(self.client.request(pb::ReadTensorsRequest {
+                session: self.id,
+                tensors: tensors.to_vec(),
+            }))
+            .await?
+            .into_inner();
+        let mut out: Vec<(u32, Vec<u8>)> = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            match out.last_mut() {
+                Some((tensor, bytes)) if *tensor == chunk.tensor && chunk.offset > 0 => {
+                    bytes.extend_from_slice(&chunk.data);
+                }
+                _ => out.push((chunk.tensor, chunk.data)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Overwrites persistent tensors, all at once, between iterations.
+    pub async fn write(&self, tensors: &[(u32, Vec<u8>)]) -> Result<u32, Error> {
+        let mut messages = vec![pb::WriteTensorsRequest {
+            item: Some(pb::write_tensors_request::Item::Session(self.id)),
+        }];
+        for (tensor, bytes) in tensors {
+            messages.extend(
+                chunks(*tensor, bytes)
+                    .into_iter()
+                    .map(|c| pb::WriteTensorsRequest {
+                        item: Some(pb::write_tensors_request::Item::Chunk(c)),
+                    }),
+            );
+        }
+        Ok(self
+            .client
+            .sessions()
+            .write_tensors(self.client.request(tokio_stream::iter(messages)))
+            .await?
+            .into_inner()
+            .tensors_written)
+    }
+
+    /// Closes the session and waits until the daemon has let it go.
+    pub async fn close(mut self) -> Result<(), Error> {
+        self.client
+            .sessions()
+            .close(self.client.request(pb::CloseRequest { session: self.id }))
+            .await?;
+        self.lease = None;
+        while self.next_update().await?.is_some() {}
+        Ok(())
+    }
+}

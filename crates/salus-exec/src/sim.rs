@@ -1,0 +1,213 @@
+//! The sim device: iterations take modeled time and memory is only accounted.
+//!
+//! For experiments at paper scale on machines without the GPU they model: a session of
+//! 10 GB "runs" here without 10 GB of anything. The arena is a capacity and a registry of
+//! borrowed ranges (the same exclusivity checks as the real devices); no bytes are kept, so
+//! reads return zeros and fetches are zero-filled tensors of the right size. An iteration
+//! sleeps for the session's expected iteration time when its client gave one
+//! ([`Program::with_expected_iteration`]), otherwise for the [`CostModel`]'s estimate.
+
+use std::ops::Range;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use salus_graph::{Node, Op};
+
+use crate::{Device, ExecError, Outcome, Placement, Program};
+
+/// How long a graph takes on the modeled device: a roofline of arithmetic and memory
+/// traffic, summed over nodes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Sustained floating-point operations per second.
+    pub flops_per_s: f64,
+    /// Sustained memory bandwidth, bytes per second.
+    pub bytes_per_s: f64,
+    /// Fixed cost of launching one node.
+    pub per_node: Duration,
+}
+
+impl Default for CostModel {
+    /// Roughly a V100, the GPU of the Salus paper's experiments: 15 TFLOP/s f32 peak at
+    /// about 60% sustained, 900 GB/s at about 70%, 5 us per kernel launch.
+    fn default() -> Self {
+        CostModel {
+            flops_per_s: 9e12,
+            bytes_per_s: 630e9,
+            per_node: Duration::from_micros(5),
+        }
+    }
+}
+
+impl CostModel {
+    /// Modeled time of one iteration of `program`.
+    pub fn iteration(&self, program: &Program) -> Duration {
+        let graph = program.graph();
+        let bytes_of = |id: Option<usize>| id.map_or(0, |id| program.bytes(id));
+        let numel_of = |id: Option<usize>| {
+            id.and_then(|id| graph.tensors.get(id))
+                .and_then(|t| t.ty.numel())
+                .unwrap_or(0)
+        };
+        let mut seconds = 0.0;
+        for node in &graph.nodes {
+            let traffic: u64 = node
+                .inputs
+                .iter()
+                .chain(&node.outputs)
+                .map(|&t| bytes_of(t))
+                .sum();
+            let flops = flops(node, &numel_of, |i| {
+                node.inputs
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .and_then(|id| graph.tensors.get(id))
+                    .map(|t| t.ty.shape.clone())
+                    .unwrap_or_default()
+            });
+            seconds += (flops / self.flops_per_s).max(traffic as f64 / self.bytes_per_s);
+        }
+        Duration::from_secs_f64(seconds) + self.per_node * graph.nodes.len() as u32
+    }
+}
+
+/// Floating-point operations of one node: 2 per multiply-add for products and
+/// convolutions, one per output element otherwise.
+fn flops(
+    node: &Node,
+    numel: &dyn Fn(Option<usize>) -> u64,
+    shape: impl Fn(usize) -> Vec<u64>,
+) -> f64 {
+    let out = numel(node.outputs.first().copied().flatten()) as f64;
+    match node.op {
+        // [m, k] x [k, n] (addmm: bias first) and [b, m, k] x [b, k, n]: k = inner size.
+        Op::Mm | Op::Bmm => 2.0 * out * shape(0).last().copied().unwrap_or(1) as f64,
+        Op::Addmm => 2.0 * out * shape(1).last().copied().unwrap_or(1) as f64,
+        // Each output element sums C_in/groups x kernel-window products; the backward
+        // computes two such products (input and weight gradients).
+        Op::Convolution | Op::ConvolutionBackward => {
+            let weight = shape(1);
+            let window: u64 = weight.iter().skip(1).product();
+            let passes = if node.op == Op::Convolution { 1.0 } else { 2.0 };
+            let out = if node.op == Op::Convolution {
+                out
+            } else {
+                numel(node.inputs.first().copied().flatten()) as f64
+            };
+            passes * 2.0 * out * window as f64
+        }
+        _ => out,
+    }
+}
+
+/// The sim device.
+pub struct SimDevice {
+    capacity: u64,
+    model: CostModel,
+    borrowed: Mutex<Vec<Range<u64>>>,
+}
+
+/// A range borrowed from the sim arena, released on drop.
+struct Borrow<'a> {
+    device: &'a SimDevice,
+    range: Range<u64>,
+}
+
+impl Drop for Borrow<'_> {
+    fn drop(&mut self) {
+        let mut borrowed = self
+            .device
+            .borrowed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(i) = borrowed.iter().position(|r| *r == self.range) {
+            borrowed.swap_remove(i);
+        }
+    }
+}
+
+impl SimDevice {
+    /// A sim device of `capacity` bytes timing iterations with `model`.
+    pub fn new(capacity: u64, model: CostModel) -> SimDevice {
+        SimDevice {
+            capacity,
+            model,
+            borrowed: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn borrow(&self, offset: u64, len: u64) -> Result<Borrow<'_>, ExecError> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.capacity)
+            .ok_or_else(|| {
+                ExecError::Device(format!(
+                    "bytes {offset}..{offset}+{len} are outside the arena of {} bytes",
+                    self.capacity
+                ))
+            })?;
+        let range = offset..end;
+        let mut borrowed = self
+            .borrowed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if len > 0
+            && let Some(other) = borrowed
+                .iter()
+                .find(|r| r.start < range.end && range.start < r.end)
+        {
+            return Err(ExecError::Device(format!(
+                "bytes {range:?} overlap {other:?}, which is in use"
+            )));
+        }
+        if len > 0 {
+            borrowed.push(range.clone());
+        }
+        Ok(Borrow {
+            device: self,
+            range: if len > 0 { range } else { 0..0 },
+        })
+    }
+}
+
+impl Device for SimDevice {
+    fn name(&self) -> String {
+        "sim".into()
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        self.borrow(offset, bytes.len() as u64).map(drop)
+    }
+
+    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        let _region = self.borrow(offset, len)?;
+        Ok(vec![0; len as usize])
+    }
+
+    fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
+        let start = Instant::now();
+        program.check_feeds(feeds)?;
+        let plan = program.plan();
+        let _persistent = self.borrow(at.persistent, plan.persistent_bytes)?;
+        let _lane = self.borrow(at.lane, plan.ephemeral_bytes)?;
+        let modeled = program
+            .expected_iteration()
+            .unwrap_or_else(|| self.model.iteration(program));
+        let fetches = program
+            .graph()
+            .fetches
+            .iter()
+            .map(|&id| vec![0; program.bytes(id) as usize])
+            .collect();
+        std::thread::sleep(modeled.saturating_sub(start.elapsed()));
+        Ok(Outcome {
+            fetches,
+            duration: modeled,
+        })
+    }
+}

@@ -1,0 +1,198 @@
+//! `salusd`: the salus daemon.
+//!
+//! Owns serving one device to many jobs: the gRPC services (sessions and admin) on a Unix
+//! socket and optionally TCP, the engine task that drives `salus-core` and runs iterations
+//! on a `salus-exec` device, access control, Prometheus metrics, and orderly shutdown.
+//! `salus-core` decides; `salus-exec` computes; this crate connects them to clients.
+
+pub mod auth;
+pub mod config;
+pub mod engine;
+pub mod metrics;
+pub mod service;
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use salus_exec::{CostModel, CpuDevice, Device, SimDevice};
+use salus_proto::v1 as pb;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::Server;
+
+pub use config::{Config, DeviceChoice};
+use engine::{Engine, EngineConfig};
+
+/// How long shutdown waits for clients to let go after every session is closed.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Builds the device `config` asks for.
+pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
+    match config.device {
+        DeviceChoice::Cpu => Ok(Arc::new(
+            CpuDevice::new(config.memory).map_err(|e| format!("cpu device: {e}"))?,
+        )),
+        DeviceChoice::Sim => Ok(Arc::new(SimDevice::new(
+            config.memory,
+            CostModel::default(),
+        ))),
+        DeviceChoice::Cuda(n) => Err(format!(
+            "--device cuda:{n}: this salusd has no CUDA backend yet; use --device cpu or sim"
+        )),
+    }
+}
+
+/// Binds the Unix socket: refuses when another daemon answers on it, replaces a stale
+/// one, creates the directory, and makes the socket group-accessible (0660), not
+/// world-writable.
+fn bind_socket(path: &Path) -> Result<UnixListener, String> {
+    use std::os::unix::fs::PermissionsExt;
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!(
+                "another salusd is listening on {}; stop it or choose --socket",
+                path.display()
+            ));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| format!("removing the stale socket {}: {e}", path.display()))?;
+    }
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
+    }
+    let listener =
+        UnixListener::bind(path).map_err(|e| format!("binding {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| format!("setting the permissions of {}: {e}", path.display()))?;
+    Ok(listener)
+}
+
+fn router(engine: &Engine, access: &auth::Access) -> tonic::transport::server::Router {
+    let service = service::Service::new(engine.clone(), access.clone());
+    Server::builder()
+        .tcp_nodelay(true)
+        .add_service(
+            pb::sessions_server::SessionsServer::new(service.clone())
+                .max_decoding_message_size(salus_client::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(salus_client::MAX_MESSAGE_BYTES),
+        )
+        .add_service(pb::admin_server::AdminServer::new(service))
+}
+
+/// A running daemon: its engine (for in-process benchmarks) and where it listens.
+pub struct Daemon {
+    /// The engine.
+    pub engine: Engine,
+}
+
+/// Runs the daemon until `shutdown` completes, then stops admitting, lets running
+/// iterations finish, closes every session and removes the socket.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), String> {
+    run_with(config, shutdown, |_| {}).await
+}
+
+/// [`run`], calling `started` with the daemon once it listens.
+pub async fn run_with(
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+    started: impl FnOnce(&Daemon),
+) -> Result<(), String> {
+    let device = open_device(&config)?;
+    let memory = salus_core::MemoryConfig::new(config.memory, config.reserve);
+    let daemon_uid = salus_client::current_uid();
+    let engine = Engine::start(EngineConfig {
+        device: device.clone(),
+        memory,
+        policy: config.policy,
+        limits: salus_graph::Limits::default(),
+        daemon_uid,
+    })?;
+    let token = match &config.token_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| format!("reading the token file {}: {e}", path.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
+    if config.listen.is_some() && token.is_none() && !config.insecure_tcp {
+        return Err(
+            "--listen needs --token-file (clients send that token) or --insecure-tcp".into(),
+        );
+    }
+    let access = auth::Access {
+        daemon_uid,
+        token,
+        insecure_tcp: config.insecure_tcp,
+    };
+    let listener = bind_socket(&config.socket)?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|&s| s).await;
+    };
+    let mut servers = Vec::new();
+    servers.push(tokio::spawn(
+        router(&engine, &access).serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener),
+            stopped(stop_rx.clone()),
+        ),
+    ));
+    if let Some(addr) = config.listen {
+        let tcp = TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("binding {addr}: {e}"))?;
+        tracing::info!(%addr, insecure = config.insecure_tcp, "listening on TCP");
+        servers.push(tokio::spawn(
+            router(&engine, &access).serve_with_incoming_shutdown(
+                TcpListenerStream::new(tcp),
+                stopped(stop_rx.clone()),
+            ),
+        ));
+    }
+    let metrics = match config.metrics {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("binding the metrics address {addr}: {e}"))?;
+            tracing::info!(%addr, "metrics at http://{addr}/metrics");
+            Some(tokio::spawn(metrics::serve(listener, engine.clone())))
+        }
+        None => None,
+    };
+    tracing::info!(
+        socket = %config.socket.display(),
+        device = %device.name(),
+        capacity = config.memory,
+        reserve = config.reserve,
+        policy = %config.policy,
+        "salusd ready"
+    );
+    started(&Daemon {
+        engine: engine.clone(),
+    });
+    shutdown.await;
+    tracing::info!("shutting down: admitting nothing, finishing running iterations");
+    engine.shutdown().await;
+    stop_tx.send_replace(true);
+    for server in servers {
+        match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server ended with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
+            Err(_) => tracing::warn!("clients still connected after the grace period; leaving"),
+        }
+    }
+    if let Some(metrics) = metrics {
+        metrics.abort();
+    }
+    let _ = std::fs::remove_file(&config.socket);
+    tracing::info!("salusd stopped");
+    Ok(())
+}

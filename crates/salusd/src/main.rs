@@ -1,0 +1,157 @@
+//! `salusd`: serve one device to many deep-learning jobs. `salusd --help` explains each
+//! setting; docs/operations.md covers sockets, access, metrics and systemd.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use salusd::config::{FileConfig, align_down, parse_bytes};
+use salusd::{Config, DeviceChoice};
+
+/// The salus daemon: owns one device and runs many jobs' sessions on it, packed into
+/// memory lanes and scheduled at iteration boundaries.
+///
+/// Settings come from the command line, then SALUS_* environment variables, then the
+/// config file (--config), then defaults.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Unix socket to listen on [default: /run/salus/salusd.sock for root, else
+    /// $XDG_RUNTIME_DIR/salus/salusd.sock or /tmp/salus-$UID/salusd.sock].
+    #[arg(long, env = "SALUS_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Also listen on this TCP address (host:port); needs --token-file or --insecure-tcp.
+    #[arg(long, env = "SALUS_LISTEN")]
+    listen: Option<String>,
+    /// The device: cpu, sim (modeled time, accounted memory) or cuda:N [default: cpu].
+    #[arg(long, env = "SALUS_DEVICE")]
+    device: Option<String>,
+    /// Capacity C of the cpu and sim devices, e.g. 4GiB, 16GB [default: 4GiB].
+    #[arg(long, env = "SALUS_MEMORY")]
+    memory: Option<String>,
+    /// Bytes kept free, never given to sessions [default: 0].
+    #[arg(long, env = "SALUS_RESERVE")]
+    reserve: Option<String>,
+    /// Scheduling policy at start: fifo, pack, srtf or fair [default: fifo].
+    #[arg(long, env = "SALUS_POLICY")]
+    policy: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464).
+    #[arg(long, env = "SALUS_METRICS")]
+    metrics: Option<String>,
+    /// File holding the bearer token that TCP clients must send.
+    #[arg(long, env = "SALUS_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Accept TCP clients without a token; they act as the unprivileged user nobody.
+    #[arg(long, env = "SALUS_INSECURE_TCP")]
+    insecure_tcp: bool,
+    /// Log format: human or json [default: human]. RUST_LOG filters (default info).
+    #[arg(long, env = "SALUS_LOG_FORMAT")]
+    log_format: Option<String>,
+    /// TOML config file with any of the settings above (keys as the long options, with _).
+    #[arg(long, env = "SALUS_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+fn config(args: Args) -> Result<(Config, String), String> {
+    let file = match &args.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    let socket = args
+        .socket
+        .or(file.socket)
+        .unwrap_or_else(salus_client::default_socket_path);
+    let mut config = Config::new(socket);
+    if let Some(listen) = args.listen.or(file.listen) {
+        config.listen = Some(
+            listen
+                .parse()
+                .map_err(|e| format!("--listen {listen:?}: {e} (expected host:port)"))?,
+        );
+    }
+    if let Some(device) = args.device.or(file.device) {
+        config.device = device.parse::<DeviceChoice>()?;
+    }
+    if let Some(memory) = args.memory.or(file.memory) {
+        config.memory = align_down(parse_bytes(&memory).map_err(|e| format!("--memory: {e}"))?);
+    }
+    if let Some(reserve) = args.reserve.or(file.reserve) {
+        config.reserve = align_down(parse_bytes(&reserve).map_err(|e| format!("--reserve: {e}"))?);
+    }
+    if let Some(policy) = args.policy.or(file.policy) {
+        config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;
+    }
+    if let Some(metrics) = args.metrics.or(file.metrics) {
+        config.metrics = Some(
+            metrics
+                .parse()
+                .map_err(|e| format!("--metrics {metrics:?}: {e} (expected host:port)"))?,
+        );
+    }
+    config.token_file = args.token_file.or(file.token_file);
+    config.insecure_tcp = args.insecure_tcp || file.insecure_tcp.unwrap_or(false);
+    let log_format = args
+        .log_format
+        .or(file.log_format)
+        .unwrap_or_else(|| "human".into());
+    if log_format != "human" && log_format != "json" {
+        return Err(format!(
+            "--log-format {log_format:?}: expected human or json"
+        ));
+    }
+    Ok((config, log_format))
+}
+
+async fn signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+}
+
+fn main() -> ExitCode {
+    let (config, log_format) = match config(Args::parse()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("salusd: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if log_format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("salusd: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(salusd::run(config, signal())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("salusd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Prometheus metrics over HTTP: `GET /metrics` in the text exposition format.
+//!
+//! A minimal HTTP/1.1 responder on its own listener: the scrape reads what the engine last
+//! published and never waits on the engine itself.
+
+use std::fmt::Write as _;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::engine::{Engine, HISTOGRAM_BOUNDS, SessionMetrics};
+
+/// A per-session family: name, type, help, and the sample's value.
+type SessionFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&SessionMetrics) -> String,
+);
+
+/// The exposition text for the engine's current numbers: each family's HELP and TYPE,
+/// then all its samples.
+pub fn render(engine: &Engine) -> String {
+    let (sessions, lane_bytes, persistent_bytes) = engine.metrics();
+    let memory = engine.memory();
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, samples: &mut dyn FnMut(&mut String)| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        samples(&mut out);
+    };
+    let gauge = |name: &'static str, value: u64| {
+        move |out: &mut String| {
+            let _ = writeln!(out, "{name} {value}");
+        }
+    };
+    let labels = |s: &SessionMetrics| format!("session=\"{}\",name=\"{}\"", s.id, escape(&s.name));
+    family(
+        "salus_memory_capacity_bytes",
+        "gauge",
+        "Bytes of the device arena.",
+        &mut gauge("salus_memory_capacity_bytes", memory.capacity),
+    );
+    family(
+        "salus_memory_reserve_bytes",
+        "gauge",
+        "Bytes kept free.",
+        &mut gauge("salus_memory_reserve_bytes", memory.reserve),
+    );
+    family(
+        "salus_memory_persistent_bytes",
+        "gauge",
+        "Bytes of persistent tensors of admitted sessions.",
+        &mut gauge("salus_memory_persistent_bytes", persistent_bytes),
+    );
+    family(
+        "salus_memory_lane_bytes",
+        "gauge",
+        "Bytes of lanes.",
+        &mut gauge("salus_memory_lane_bytes", lane_bytes),
+    );
+    family(
+        "salus_memory_in_use_bytes",
+        "gauge",
+        "Persistent plus lane bytes.",
+        &mut gauge("salus_memory_in_use_bytes", persistent_bytes + lane_bytes),
+    );
+    family(
+        "salus_sessions",
+        "gauge",
+        "Open sessions.",
+        &mut gauge("salus_sessions", sessions.len() as u64),
+    );
+    let per_session: [SessionFamily; 4] = [
+        (
+            "salus_session_iterations_total",
+            "counter",
+            "Iterations finished, per session.",
+            |s| s.iterations.to_string(),
+        ),
+        (
+            "salus_session_queue_wait_seconds",
+            "gauge",
+            "Time waited for admission, per session.",
+            |s| s.queue_wait_seconds.to_string(),
+        ),
+        (
+            "salus_session_persistent_bytes",
+            "gauge",
+            "P, per session.",
+            |s| s.persistent_bytes.to_string(),
+        ),
+        (
+            "salus_session_ephemeral_bytes",
+            "gauge",
+            "E, per session.",
+            |s| s.ephemeral_bytes.to_string(),
+        ),
+    ];
+    for (name, kind, help, value) in per_session {
+        family(name, kind, help, &mut |out: &mut String| {
+            for s in &sessions {
+                let _ = writeln!(out, "{name}{{{}}} {}", labels(s), value(s));
+            }
+        });
+    }
+    family(
+        "salus_iteration_seconds",
+        "histogram",
+        "Device time of iterations, per session.",
+        &mut |out: &mut String| {
+            for s in &sessions {
+                let labels = labels(s);
+                let mut cumulative = 0;
+                for (i, count) in s.histogram.iter().enumerate() {
+                    cumulative += count;
+                    let le = HISTOGRAM_BOUNDS
+                        .get(i)
+                        .map_or_else(|| "+Inf".to_string(), |b| b.to_string());
+                    let _ = writeln!(
+                        out,
+                        "salus_iteration_seconds_bucket{{{labels},le=\"{le}\"}} {cumulative}"
+                    );
+                }
+                let _ = writeln!(
+                    out,
+                    "salus_iteration_seconds_sum{{{labels}}} {}",
+                    s.iteration_seconds
+                );
+                let _ = writeln!(
+                    out,
+                    "salus_iteration_seconds_count{{{labels}}} {cumulative}"
+                );
+            }
+        },
+    );
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Serves `GET /metrics` (and `/`) on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, engine: Engine) {
+    loop {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let mut request = vec![0u8; 4096];
+            let n = match socket.read(&mut request).await {
+                Ok(n) => n,
+                Err(_) => return,
+            };
+            let head = String::from_utf8_lossy(&request[..n]);
+            let path = head.split_whitespace().nth(1).unwrap_or("/");
+            let (status, body) = if path == "/metrics" || path == "/" {
+                ("200 OK", render(&engine))
+            } else {
+                (
+                    "404 Not Found",
+                    "not found; metrics are at /metrics\n".to_string(),
+                )
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+        });
+    }
+}
