@@ -1,0 +1,283 @@
+//! Shared by the daemon tests: a real `salusd` process on a temporary socket, and a small
+//! real training graph (linear regression trained by SGD) with its data.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use salus_client::{Client, OpenOptions, Session, v1 as pb};
+use salus_graph::{Attr, DType, Graph, Node, Op, Role, Tensor, TensorType, Update};
+
+/// A salusd process; killed when dropped.
+pub struct Daemon {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `salusd --socket <tmp> <args>` and waits until it answers.
+    pub fn start(args: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("salusd.sock");
+        let log = std::fs::File::create(dir.path().join("salusd.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_salusd"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let daemon = Daemon { child, dir, socket };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !daemon.socket.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "salusd did not start: {}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    pub fn address(&self) -> String {
+        self.socket.display().to_string()
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect_with_token(&self.address(), None)
+            .await
+            .unwrap()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("salusd.log")).unwrap_or_default()
+    }
+
+    /// Sends a signal with `kill` (the tests need no libc).
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tensor(name: &str, shape: &[u64], role: Role) -> Tensor {
+    Tensor {
+        name: name.into(),
+        ty: TensorType::new(DType::F32, shape.to_vec()),
+        role,
+        data: vec![],
+    }
+}
+
+fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
+    Node {
+        name: format!("{op}_{}", outputs[0]),
+        op,
+        inputs: inputs.iter().map(|&i| Some(i)).collect(),
+        outputs: outputs.iter().map(|&o| Some(o)).collect(),
+        attrs: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        source: String::new(),
+    }
+}
+
+/// Linear regression `y ~ x w` with `x: [n, d]`, `w: [d, k]`, mean squared error, one SGD
+/// step of rate `lr` per iteration. Tensor 0 is `w`; feeds `x` and `y`; fetch the loss.
+pub fn regression(n: u64, d: u64, k: u64, lr: f64) -> Graph {
+    let scale = 2.0 * lr / (n * k) as f64;
+    Graph {
+        tensors: vec![
+            tensor("w", &[d, k], Role::Parameter),         // 0
+            tensor("x", &[n, d], Role::Feed),              // 1
+            tensor("y", &[n, k], Role::Feed),              // 2
+            tensor("pred", &[n, k], Role::Intermediate),   // 3
+            tensor("diff", &[n, k], Role::Intermediate),   // 4
+            tensor("sq", &[n, k], Role::Intermediate),     // 5
+            tensor("loss", &[], Role::Intermediate),       // 6
+            tensor("xt", &[d, n], Role::Intermediate),     // 7
+            tensor("grad", &[d, k], Role::Intermediate),   // 8
+            tensor("step", &[d, k], Role::Intermediate),   // 9
+            tensor("w_next", &[d, k], Role::Intermediate), // 10
+        ],
+        nodes: vec![
+            node(Op::Mm, &[1, 0], &[3], &[]),
+            node(Op::SubTensor, &[3, 2], &[4], &[]),
+            node(Op::MulTensor, &[4, 4], &[5], &[]),
+            node(Op::Mean, &[5], &[6], &[]),
+            node(Op::Permute, &[1], &[7], &[("dims", Attr::Ints(vec![1, 0]))]),
+            node(Op::Mm, &[7, 4], &[8], &[]),
+            node(Op::MulScalar, &[8], &[9], &[("other", Attr::Float(scale))]),
+            node(Op::SubTensor, &[0, 9], &[10], &[]),
+        ],
+        fetches: vec![6],
+        updates: vec![Update {
+            target: 0,
+            value: 10,
+        }],
+    }
+}
+
+/// Deterministic pseudo-random f32s in [-1, 1).
+pub fn values(seed: u64, count: usize) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..count)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+pub fn bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+pub fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A regression job: its graph, initial weights and batches.
+#[derive(Clone)]
+pub struct Job {
+    pub name: String,
+    pub n: u64,
+    pub d: u64,
+    pub k: u64,
+    pub seed: u64,
+}
+
+impl Job {
+    pub fn new(name: &str, n: u64, d: u64, k: u64, seed: u64) -> Job {
+        Job {
+            name: name.into(),
+            n,
+            d,
+            k,
+            seed,
+        }
+    }
+
+    pub fn graph(&self) -> Graph {
+        // Rate 0.5 k: each step moves w a third of the way to the batch's least squares.
+        regression(self.n, self.d, self.k, 0.5 * self.k as f64)
+    }
+
+    pub fn initial(&self) -> Vec<u8> {
+        bytes(&values(self.seed, (self.d * self.k) as usize))
+    }
+
+    /// Feeds of iteration `i`: `x` random, `y = x * w_true` plus noise.
+    pub fn feeds(&self, i: u64) -> Vec<Vec<u8>> {
+        let (n, d, k) = (self.n as usize, self.d as usize, self.k as usize);
+        let x = values(self.seed * 1000 + i + 1, n * d);
+        let w_true = values(self.seed + 77, d * k);
+        let noise = values(self.seed * 1000 + i + 500, n * k);
+        let mut y = vec![0f32; n * k];
+        for r in 0..n {
+            for c in 0..k {
+                let mut acc = 0f32;
+                for j in 0..d {
+                    acc += x[r * d + j] * w_true[j * k + c];
+                }
+                y[r * k + c] = acc + 0.01 * noise[r * k + c];
+            }
+        }
+        vec![bytes(&x), bytes(&y)]
+    }
+
+    pub fn options(&self) -> OpenOptions {
+        OpenOptions {
+            graph: self.graph().to_proto(),
+            kind: pb::SessionKind::Training,
+            hints: pb::Hints {
+                name: self.name.clone(),
+                ..Default::default()
+            },
+            initial: vec![(0, self.initial())],
+        }
+    }
+
+    /// Runs `iterations` on a fresh CPU device in this process: what the job gives alone.
+    pub fn alone(&self, iterations: u64) -> (Vec<f32>, Vec<u8>) {
+        use salus_exec::{CpuDevice, Device, Placement, Program};
+        let program = Program::new(self.graph(), &salus_graph::Limits::default()).unwrap();
+        let plan = program.plan();
+        let device = CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes + 256).unwrap();
+        let at = Placement {
+            persistent: 0,
+            lane: plan.persistent_bytes.next_multiple_of(256),
+        };
+        device.write(0, &self.initial()).unwrap();
+        let mut losses = Vec::new();
+        for i in 0..iterations {
+            let feeds = self.feeds(i);
+            let views: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+            let out = device.run(&program, at, &views).unwrap();
+            losses.push(floats(&out.fetches[0])[0]);
+        }
+        let w = device.read(0, self.d * self.k * 4).unwrap();
+        (losses, w)
+    }
+
+    /// Runs `iterations` through the daemon; the losses and the final weights.
+    pub async fn on(&self, session: &Session, iterations: u64) -> (Vec<f32>, Vec<u8>) {
+        let mut losses = Vec::new();
+        for i in 0..iterations {
+            let out = session.run(self.feeds(i)).await.unwrap();
+            losses.push(floats(&out.fetches[0])[0]);
+        }
+        let w = session.read(&[0]).await.unwrap().remove(0).1;
+        (losses, w)
+    }
+}
+
+/// Waits until `check` holds, polling the daemon's session list.
+pub async fn eventually(
+    client: &Client,
+    what: &str,
+    check: impl Fn(&[pb::SessionInfo]) -> bool,
+) -> Vec<pb::SessionInfo> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sessions = client.list_sessions().await.unwrap();
+        if check(&sessions) {
+            return sessions;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {sessions:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn path_exists(p: &Path) -> bool {
+    p.exists()
+}

@@ -1,0 +1,438 @@
+//! salusd end to end: real daemons on temporary sockets, real gRPC, real training steps.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Job, eventually};
+use salus_client::v1 as pb;
+use salus_client::{Client, OpenOptions};
+use tokio_stream::StreamExt;
+
+fn state(info: &pb::SessionInfo) -> pb::SessionState {
+    pb::SessionState::try_from(info.state).unwrap()
+}
+
+/// Three jobs of different sizes at once give, bit for bit, what each gives alone.
+async fn concurrent_jobs_match_alone(policy: &str) {
+    let daemon = Daemon::start(&["--policy", policy, "--memory", "64MiB"]);
+    let jobs = [
+        Job::new("small", 16, 8, 2, 1),
+        Job::new("medium", 64, 32, 4, 2),
+        Job::new("large", 128, 64, 8, 3),
+    ];
+    let iterations = 6;
+    let mut tasks = Vec::new();
+    for job in jobs.clone() {
+        let client = daemon.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut session = client.open(job.options()).await.unwrap();
+            session.admitted().await.unwrap();
+            let result = job.on(&session, iterations).await;
+            session.close().await.unwrap();
+            result
+        }));
+    }
+    for (job, task) in jobs.iter().zip(tasks) {
+        let (losses, w) = task.await.unwrap();
+        let (alone_losses, alone_w) = job.alone(iterations);
+        assert_eq!(losses, alone_losses, "{policy}: {} losses", job.name);
+        assert_eq!(w, alone_w, "{policy}: {} weights", job.name);
+        assert!(
+            losses[iterations as usize - 1] < losses[0],
+            "{}: training must reduce the loss: {losses:?}",
+            job.name
+        );
+    }
+    let status = daemon.client().await.status().await.unwrap();
+    let memory = status.memory.unwrap();
+    assert_eq!(
+        memory.persistent_bytes + memory.lane_bytes,
+        0,
+        "all memory back"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_results_match_alone() {
+    concurrent_jobs_match_alone("fifo").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pack_results_match_alone() {
+    concurrent_jobs_match_alone("pack").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srtf_results_match_alone() {
+    concurrent_jobs_match_alone("srtf").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_results_match_alone() {
+    concurrent_jobs_match_alone("fair").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_runs_one_session_at_a_time_and_the_next_is_admitted_on_close() {
+    let daemon = Daemon::start(&["--policy", "fifo"]);
+    let client = daemon.client().await;
+    let a = Job::new("a", 8, 4, 1, 1);
+    let b = Job::new("b", 8, 4, 1, 2);
+    let mut first = client.open(a.options()).await.unwrap();
+    first.admitted().await.unwrap();
+    let mut second = client.open(b.options()).await.unwrap();
+    let sessions = eventually(&client, "b queued behind a", |s| {
+        s.iter().any(|i| {
+            i.id == second.id
+                && state(i) == pb::SessionState::Queued
+                && i.reason.contains(&format!("session {}", first.id))
+        })
+    })
+    .await;
+    assert_eq!(sessions.len(), 2);
+    first.run(a.feeds(0)).await.unwrap();
+    first.close().await.unwrap();
+    let admitted = tokio::time::timeout(Duration::from_secs(5), second.admitted()).await;
+    assert!(admitted.unwrap().is_ok());
+    let out = second.run(b.feeds(0)).await.unwrap();
+    assert_eq!(common::floats(&out.fetches[0]), vec![b.alone(1).0[0]]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_waits_for_memory_and_is_admitted_when_it_frees() {
+    // Each job needs P = 512 KiB and a lane of about as much; the lane could be shared,
+    // but 1.5 MiB of device has no room for a second P.
+    let daemon = Daemon::start(&["--policy", "pack", "--memory", "1536KiB"]);
+    let client = daemon.client().await;
+    let big = Job::new("big", 4, 512, 256, 1); // w: 512 KiB
+    let other = Job::new("other", 4, 512, 256, 2);
+    let mut first = client.open(big.options()).await.unwrap();
+    first.admitted().await.unwrap();
+    let mut second = client.open(other.options()).await.unwrap();
+    let sessions = eventually(&client, "a memory wait", |s| {
+        s.iter().any(|i| {
+            i.id == second.id && state(i) == pb::SessionState::Queued && i.reason.contains("needs")
+        })
+    })
+    .await;
+    let reason = &sessions.iter().find(|i| i.id == second.id).unwrap().reason;
+    assert!(reason.contains("usable bytes are free"), "{reason}");
+    let status = client.status().await.unwrap();
+    assert_eq!(status.queue.len(), 1);
+    first.close().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), second.admitted())
+        .await
+        .unwrap()
+        .unwrap();
+    let (losses, w) = other.on(&second, 2).await;
+    assert_eq!((losses, w), other.alone(2));
+}
+
+/// Sessions under FAIR that always have work get equal device time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_gives_equal_service() {
+    let daemon = Daemon::start(&["--policy", "fair", "--device", "sim", "--memory", "1GiB"]);
+    let client = daemon.client().await;
+    let mut streams = Vec::new();
+    let mut sessions = Vec::new();
+    for (i, ms) in [2.0, 4.0, 8.0].into_iter().enumerate() {
+        let job = Job::new(&format!("job{i}"), 8, 4, 1, i as u64);
+        let mut options = job.options();
+        options.hints.expected_iteration_ms = ms;
+        let mut session = client.open(options).await.unwrap();
+        session.admitted().await.unwrap();
+        let requests = (0..2000).map(|k| job.feeds(k % 4)).collect();
+        streams.push(session.run_stream(requests).await.unwrap());
+        sessions.push(session);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let infos = client.list_sessions().await.unwrap();
+    let service: Vec<f64> = infos.iter().map(|i| i.attained_service_ms).collect();
+    let mean = service.iter().sum::<f64>() / service.len() as f64;
+    for s in &service {
+        assert!(
+            (s - mean).abs() <= 0.10 * mean,
+            "unequal service under FAIR: {service:?} ms"
+        );
+    }
+    // Different iteration times, equal service: the iteration counts differ accordingly.
+    let iterations: Vec<u64> = infos.iter().map(|i| i.iterations).collect();
+    assert!(iterations[0] > iterations[2], "{iterations:?}");
+    drop(streams);
+    for s in sessions {
+        s.close().await.unwrap();
+    }
+}
+
+/// SRTF runs a short job that arrives late before a long one, then resumes the long one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srtf_runs_the_shortest_job_first_and_resumes_the_others() {
+    let daemon = Daemon::start(&["--policy", "srtf", "--device", "sim", "--memory", "1GiB"]);
+    let client = daemon.client().await;
+    let open = |name: &str, total: u64, seed: u64| {
+        let job = Job::new(name, 8, 4, 1, seed);
+        let mut options = job.options();
+        options.hints.expected_iteration_ms = 5.0;
+        options.hints.total_iterations = total;
+        (job, options)
+    };
+    let (long_job, long_options) = open("long", 120, 1);
+    let mut long = client.open(long_options).await.unwrap();
+    long.admitted().await.unwrap();
+    let long_feeds: Vec<_> = (0..120).map(|k| long_job.feeds(k % 4)).collect();
+    let mut long_stream = long.run_stream(long_feeds).await.unwrap();
+    for _ in 0..5 {
+        long_stream.next().await.unwrap().unwrap();
+    }
+    let (short_job, short_options) = open("short", 10, 2);
+    let short = client.open(short_options).await.unwrap();
+    let started = Instant::now();
+    let short_feeds: Vec<_> = (0..10).map(|k| short_job.feeds(k % 4)).collect();
+    let mut short_stream = short.run_stream(short_feeds).await.unwrap();
+    let mut short_done = 0;
+    while let Some(r) = short_stream.next().await {
+        assert!(r.unwrap().failure.is_none());
+        short_done += 1;
+    }
+    assert_eq!(short_done, 10);
+    let short_time = started.elapsed();
+    let infos = client.list_sessions().await.unwrap();
+    let long_info = infos.iter().find(|i| i.id == long.id).unwrap();
+    assert!(
+        long_info.iterations < 120,
+        "the long job finished first: {long_info:?}"
+    );
+    // 10 iterations of 5 ms each: the short job did not wait for the long one's 115.
+    assert!(
+        short_time < Duration::from_millis(400),
+        "short job took {short_time:?}"
+    );
+    let mut long_done = 5;
+    while let Some(r) = long_stream.next().await {
+        assert!(r.unwrap().failure.is_none());
+        long_done += 1;
+    }
+    assert_eq!(long_done, 120, "the long job resumed and finished");
+    let infos = client.list_sessions().await.unwrap();
+    let long_info = infos.iter().find(|i| i.id == long.id).unwrap();
+    assert!(
+        long_info.preemptions + long_info.suspensions >= 1,
+        "{long_info:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_changes_while_jobs_run() {
+    let daemon = Daemon::start(&["--policy", "fifo"]);
+    let client = daemon.client().await;
+    let a = Job::new("a", 32, 16, 2, 1);
+    let b = Job::new("b", 32, 16, 2, 2);
+    let mut first = client.open(a.options()).await.unwrap();
+    first.admitted().await.unwrap();
+    let mut second = client.open(b.options()).await.unwrap();
+    let a_half = a.on(&first, 3).await;
+    eventually(&client, "b queued", |s| {
+        s.iter()
+            .any(|i| i.id == second.id && state(i) == pb::SessionState::Queued)
+    })
+    .await;
+    assert_eq!(client.policy(Some("pack")).await.unwrap(), "pack");
+    assert_eq!(client.policy(None).await.unwrap(), "pack");
+    tokio::time::timeout(Duration::from_secs(5), second.admitted())
+        .await
+        .unwrap()
+        .unwrap();
+    let (b_losses, b_w) = b.on(&second, 4).await;
+    assert_eq!((b_losses, b_w), b.alone(4));
+    // a goes on where it was: its first 3 iterations and then 3 more equal 6 alone.
+    let mut losses = a_half.0;
+    for i in 3..6 {
+        let out = first.run(a.feeds(i)).await.unwrap();
+        losses.push(common::floats(&out.fetches[0])[0]);
+    }
+    assert_eq!(losses, a.alone(6).0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_and_restore_through_tensor_reads_and_writes() {
+    let daemon = Daemon::start(&["--policy", "pack"]);
+    let client = daemon.client().await;
+    let job = Job::new("ckpt", 64, 32, 4, 5);
+    let mut session = client.open(job.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    job.on(&session, 3).await;
+    let checkpoint = session.read(&[]).await.unwrap();
+    assert_eq!(checkpoint.len(), 1, "one parameter");
+    session.close().await.unwrap();
+    // A fresh session from the initial values, restored, continues as if never stopped.
+    let mut restored = client.open(job.options()).await.unwrap();
+    restored.admitted().await.unwrap();
+    assert_eq!(restored.write(&checkpoint).await.unwrap(), 1);
+    let mut losses = Vec::new();
+    for i in 3..6 {
+        let out = restored.run(job.feeds(i)).await.unwrap();
+        losses.push(common::floats(&out.fetches[0])[0]);
+    }
+    assert_eq!(losses, job.alone(6).0[3..].to_vec());
+    let w = restored.read(&[0]).await.unwrap().remove(0).1;
+    assert_eq!(w, job.alone(6).1);
+}
+
+/// A client that vanishes mid-iteration: its memory comes back, the queue moves on, and
+/// other sessions go on unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_vanishes_mid_iteration_loses_its_session_and_nothing_else() {
+    let daemon = Daemon::start(&["--policy", "pack", "--device", "sim", "--memory", "1GiB"]);
+    let client = daemon.client().await;
+    let survivor_job = Job::new("survivor", 8, 4, 1, 1);
+    let mut survivor = client.open(survivor_job.options()).await.unwrap();
+    survivor.admitted().await.unwrap();
+    // The doomed client: its own runtime and connection, dropped mid-iteration, as the
+    // kernel drops a killed process's sockets.
+    let address = daemon.address();
+    let doomed_id = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let id = runtime.block_on(async {
+            let client = Client::connect_with_token(&address, None).await.unwrap();
+            let job = Job::new("doomed", 8, 4, 1, 2);
+            let mut options: OpenOptions = job.options();
+            options.hints.expected_iteration_ms = 300.0;
+            let mut session = client.open(options).await.unwrap();
+            session.admitted().await.unwrap();
+            let id = session.id;
+            let run = session.run(job.feeds(0));
+            // Leave while the iteration runs.
+            let _ = tokio::time::timeout(Duration::from_millis(100), run).await;
+            std::mem::forget(session);
+            id
+        });
+        drop(runtime);
+        id
+    })
+    .join()
+    .unwrap();
+    let gone_by = Instant::now();
+    eventually(&client, "the doomed session to be closed", |s| {
+        s.iter().all(|i| i.id != doomed_id)
+    })
+    .await;
+    // Within a second of its iteration's end (300 ms after it started).
+    assert!(
+        gone_by.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        gone_by.elapsed()
+    );
+    let status = client.status().await.unwrap();
+    let memory = status.memory.unwrap();
+    assert_eq!(
+        memory.persistent_bytes,
+        survivor.persistent_bytes.next_multiple_of(256)
+    );
+    let out = survivor.run(survivor_job.feeds(0)).await.unwrap();
+    assert!(out.failure.is_none());
+    survivor.close().await.unwrap();
+    assert!(
+        daemon.log().contains("the client went away"),
+        "{}",
+        daemon.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_running_iteration_closes_sessions_and_removes_the_socket() {
+    let mut daemon = Daemon::start(&["--device", "sim"]);
+    let client = daemon.client().await;
+    let job = Job::new("late", 8, 4, 1, 1);
+    let mut options = job.options();
+    options.hints.expected_iteration_ms = 300.0;
+    let mut session = client.open(options).await.unwrap();
+    session.admitted().await.unwrap();
+    let run = tokio::spawn({
+        let feeds = job.feeds(0);
+        async move { session.run(feeds).await.map(|r| r.fetches.len()) }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    daemon.signal("TERM");
+    assert_eq!(
+        run.await.unwrap().unwrap(),
+        1,
+        "the running iteration finished"
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let status = daemon.child.wait().unwrap();
+        (status, daemon)
+    })
+    .await
+    .unwrap();
+    assert!(status.0.success(), "{}", status.1.log());
+    assert!(!status.1.socket.exists(), "socket removed");
+    assert!(status.1.log().contains("salusd stopped"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_events_describe_what_happened() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let metrics = format!("127.0.0.1:{port}");
+    let daemon = Daemon::start(&["--policy", "pack", "--metrics", &metrics]);
+    let client = daemon.client().await;
+    let mut events = client.watch().await.unwrap();
+    let job = Job::new("watched", 8, 4, 1, 1);
+    let mut session = client.open(job.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    job.on(&session, 2).await;
+    let id = session.id;
+    session.close().await.unwrap();
+    let mut kinds = Vec::new();
+    while kinds.last() != Some(&pb::EventKind::Closed) {
+        let event = tokio::time::timeout(Duration::from_secs(5), events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if event.session == Some(id) {
+            kinds.push(pb::EventKind::try_from(event.kind).unwrap());
+        }
+    }
+    use pb::EventKind::*;
+    assert_eq!(
+        kinds,
+        [
+            Opened,
+            Admitted,
+            IterationStarted,
+            IterationFinished,
+            IterationStarted,
+            IterationFinished,
+            Closed
+        ]
+    );
+    let body = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    })
+    .await
+    .unwrap();
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(
+        body.contains("salus_memory_capacity_bytes 4294967296"),
+        "{body}"
+    );
+    assert!(
+        body.contains("# TYPE salus_iteration_seconds histogram"),
+        "{body}"
+    );
+}
