@@ -190,7 +190,13 @@ impl Client {
         Ok(Client { channel, token })
     }
 
-    fn request<T>(&self, message: T) -> tonic::Request<T> {
+    /// The gRPC channel, for calling the generated stubs directly.
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    /// A request carrying this client's token, if any.
+    pub fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         if let Some(token) = &self.token
             && let Ok(value) = format!("Bearer {token}").parse()
