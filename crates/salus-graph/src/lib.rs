@@ -39,6 +39,7 @@ mod infer;
 mod ir;
 mod op;
 pub mod plan;
+pub mod samples;
 mod validate;
 
 pub use error::GraphError;

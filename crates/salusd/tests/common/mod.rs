@@ -3,13 +3,12 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use salus_client::{Client, OpenOptions, Session, v1 as pb};
-use salus_graph::{Attr, DType, Graph, Node, Op, Role, Tensor, TensorType, Update};
+use salus_graph::Graph;
 
 /// A salusd process; killed when dropped.
 pub struct Daemon {
@@ -78,65 +77,6 @@ impl Drop for Daemon {
     }
 }
 
-fn tensor(name: &str, shape: &[u64], role: Role) -> Tensor {
-    Tensor {
-        name: name.into(),
-        ty: TensorType::new(DType::F32, shape.to_vec()),
-        role,
-        data: vec![],
-    }
-}
-
-fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
-    Node {
-        name: format!("{op}_{}", outputs[0]),
-        op,
-        inputs: inputs.iter().map(|&i| Some(i)).collect(),
-        outputs: outputs.iter().map(|&o| Some(o)).collect(),
-        attrs: attrs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect::<BTreeMap<_, _>>(),
-        source: String::new(),
-    }
-}
-
-/// Linear regression `y ~ x w` with `x: [n, d]`, `w: [d, k]`, mean squared error, one SGD
-/// step of rate `lr` per iteration. Tensor 0 is `w`; feeds `x` and `y`; fetch the loss.
-pub fn regression(n: u64, d: u64, k: u64, lr: f64) -> Graph {
-    let scale = 2.0 * lr / (n * k) as f64;
-    Graph {
-        tensors: vec![
-            tensor("w", &[d, k], Role::Parameter),         // 0
-            tensor("x", &[n, d], Role::Feed),              // 1
-            tensor("y", &[n, k], Role::Feed),              // 2
-            tensor("pred", &[n, k], Role::Intermediate),   // 3
-            tensor("diff", &[n, k], Role::Intermediate),   // 4
-            tensor("sq", &[n, k], Role::Intermediate),     // 5
-            tensor("loss", &[], Role::Intermediate),       // 6
-            tensor("xt", &[d, n], Role::Intermediate),     // 7
-            tensor("grad", &[d, k], Role::Intermediate),   // 8
-            tensor("step", &[d, k], Role::Intermediate),   // 9
-            tensor("w_next", &[d, k], Role::Intermediate), // 10
-        ],
-        nodes: vec![
-            node(Op::Mm, &[1, 0], &[3], &[]),
-            node(Op::SubTensor, &[3, 2], &[4], &[]),
-            node(Op::MulTensor, &[4, 4], &[5], &[]),
-            node(Op::Mean, &[5], &[6], &[]),
-            node(Op::Permute, &[1], &[7], &[("dims", Attr::Ints(vec![1, 0]))]),
-            node(Op::Mm, &[7, 4], &[8], &[]),
-            node(Op::MulScalar, &[8], &[9], &[("other", Attr::Float(scale))]),
-            node(Op::SubTensor, &[0, 9], &[10], &[]),
-        ],
-        fetches: vec![6],
-        updates: vec![Update {
-            target: 0,
-            value: 10,
-        }],
-    }
-}
-
 /// Deterministic pseudo-random f32s in [-1, 1).
 pub fn values(seed: u64, count: usize) -> Vec<f32> {
     let mut state = seed
@@ -186,7 +126,7 @@ impl Job {
 
     pub fn graph(&self) -> Graph {
         // Rate 0.5 k: each step moves w a third of the way to the batch's least squares.
-        regression(self.n, self.d, self.k, 0.5 * self.k as f64)
+        salus_graph::samples::regression(self.n, self.d, self.k, 0.5 * self.k as f64)
     }
 
     pub fn initial(&self) -> Vec<u8> {
