@@ -4,11 +4,13 @@
 //! ```text
 //! cargo run --release -p salus-bench -- core --json
 //! cargo run --release -p salus-bench -- plan target/reference/*/graph.pb
+//! cargo run --release -p salus-bench -- rpc --json
 //! ```
 
 mod core_suite;
 mod engine_suite;
 mod plan_suite;
+mod rpc_suite;
 
 use std::process::ExitCode;
 
@@ -49,6 +51,16 @@ enum Suite {
         #[arg(long)]
         json: bool,
     },
+    /// The daemon over its Unix socket: iteration round trip (p50, p99), iterations per
+    /// second with 8 sessions, switch latency on a shared lane, memory per idle session.
+    Rpc {
+        /// Timed round trips.
+        #[arg(long, default_value_t = 5000)]
+        iterations: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The graph planner: validate and plan serialized graphs (`salus.v1.Graph` files,
     /// e.g. from `python -m salus.reference`); P, E, the lower bound and their ratio.
     Plan {
@@ -70,6 +82,7 @@ fn main() -> ExitCode {
             json,
         } => core_suite::run(sessions, events, json),
         Suite::Plan { graphs, json } => plan_suite::run(&graphs, json),
+        Suite::Rpc { iterations, json } => rpc_suite::run(iterations, json),
         Suite::Engine {
             dir,
             iterations,
