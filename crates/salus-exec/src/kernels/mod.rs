@@ -12,6 +12,11 @@ use salus_graph::{Attr, DType, Node, Op, TensorType};
 
 use crate::blas::{Mat, sgemm};
 
+mod conv;
+mod index;
+mod norm;
+mod pool;
+
 type Result<T> = std::result::Result<T, String>;
 
 /// A tensor argument as a kernel sees it.
@@ -36,7 +41,10 @@ pub(crate) fn load(bytes: &[u8], dtype: DType, i: usize) -> f64 {
         DType::I64 => i64::from_le_bytes(word(bytes, i)) as f64,
         DType::I32 => f64::from(i32::from_le_bytes(word(bytes, i))),
         DType::Bool => f64::from(u8::from(bytes[i] != 0)),
-        DType::F16 | DType::Bf16 => f64::NAN,
+        DType::F16 => f64::from(half::f16::from_bits(u16::from_le_bytes(word(bytes, i))).to_f32()),
+        DType::Bf16 => {
+            f64::from(half::bf16::from_bits(u16::from_le_bytes(word(bytes, i))).to_f32())
+        }
     }
 }
 
@@ -52,7 +60,10 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::I64 => bytes[i * 8..(i + 1) * 8].copy_from_slice(&(v as i64).to_le_bytes()),
         DType::I32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as i32).to_le_bytes()),
         DType::Bool => bytes[i] = u8::from(v != 0.0),
-        DType::F16 | DType::Bf16 => {}
+        DType::F16 => bytes[i * 2..(i + 1) * 2]
+            .copy_from_slice(&half::f16::from_f64(v).to_bits().to_le_bytes()),
+        DType::Bf16 => bytes[i * 2..(i + 1) * 2]
+            .copy_from_slice(&half::bf16::from_f64(v).to_bits().to_le_bytes()),
     }
 }
 
@@ -247,6 +258,13 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
     use Op::*;
     // Ops with several results fill whichever of them are used.
     match node.op {
+        ConvolutionBackward if conv::is_generic(node, args) => {
+            return conv::convolution_backward(node, args, outs);
+        }
+        MaxPool2dWithIndices if pool::is_unbatched(args, 0) => {
+            return pool::max_pool2d(node, args, outs);
+        }
+        NativeLayerNormBackward => return norm::layer_norm_backward(node, args, outs),
         ConvolutionBackward => return convolution_backward(node, args, outs),
         MaxPool2dWithIndices => return max_pool2d(node, args, outs),
         NativeLayerNorm => return layer_norm(node, args, outs),
@@ -400,8 +418,27 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
         Gather => gather(node, args, o),
         ScatterValue => scatter_value(node, args, o),
         VarCorrection => variance(node, args, o),
+        Convolution if conv::is_generic(node, args) => conv::convolution(node, args, o),
         Convolution => convolution(node, args, o),
+        MaxPool2dWithIndicesBackward if pool::is_unbatched(args, 1) => {
+            pool::max_pool2d_backward(args, o)
+        }
         MaxPool2dWithIndicesBackward => max_pool2d_backward(args, o),
+        SoftmaxBackwardData | LogSoftmaxBackwardData => norm::softmax_backward(node, args, o),
+        AvgPool2d => pool::avg_pool2d(node, args, o),
+        AvgPool2dBackward => pool::avg_pool2d_backward(node, args, o),
+        AdaptiveAvgPool2d => pool::adaptive_avg_pool2d(args, o),
+        AdaptiveAvgPool2dBackward => pool::adaptive_avg_pool2d_backward(args, o),
+        SliceTensor => index::slice(node, args, o),
+        SelectInt => index::select(node, args, o),
+        IndexSelect => index::index_select(node, args, o),
+        ScatterAdd => index::scatter_add(node, args, o),
+        EmbeddingDenseBackward => index::embedding_backward(node, args, o),
+        BernoulliP => Err(
+            "bernoulli.p is not supported on the CPU device yet: it needs a per-session \
+             random state, which the graph does not carry"
+                .into(),
+        ),
         ArangeStartStep => {
             let start = attr_f64(node, "start", None)?;
             let step = attr_f64(node, "step", Some(1.0))?;
