@@ -315,7 +315,12 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
         Rsqrt => elementwise(args, o, |v| 1.0 / v[0].sqrt()),
         Sigmoid => elementwise(args, o, |v| 1.0 / (1.0 + (-v[0]).exp())),
         Tanh => elementwise(args, o, |v| v[0].tanh()),
-        Relu => elementwise(args, o, |v| v[0].max(0.0)),
+        // NaN propagates, as in PyTorch (f64::max would give 0).
+        Relu => elementwise(
+            args,
+            o,
+            |v| if v[0].is_nan() { v[0] } else { v[0].max(0.0) },
+        ),
         LeakyRelu => {
             let slope = attr_f64(node, "negative_slope", Some(0.01))?;
             elementwise(args, o, |v| if v[0] > 0.0 { v[0] } else { slope * v[0] })
