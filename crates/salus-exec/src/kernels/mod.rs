@@ -509,7 +509,8 @@ fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
             .collect::<Vec<_>>()
     };
     let n_out = numel(&o.ty.shape);
-    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>().max(1) as f64;
+    // The mean of no elements is NaN (0 / 0), as in PyTorch.
+    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>() as f64;
     let is_max = node.op == Op::Amax;
     let mut acc = vec![if is_max { f64::NEG_INFINITY } else { 0.0 }; n_out];
     for_each_index(&ty.shape, &[out_strides_full], |i, offs| {
