@@ -734,3 +734,448 @@ fn where_broadcasts_three_ways() {
         .run1();
     assert_close(&got, &[1.0, -0.5, 3.0], EXACT, "where i64/f32");
 }
+
+// ---------------------------------------------------------------------------------------
+// Reductions
+
+/// The reduced dimensions (all when `dims` is empty) and the output shape.
+fn reduced_shape(shape: &[u64], dims: &[i64], keepdim: bool) -> (Vec<bool>, Vec<u64>) {
+    let rank = shape.len() as i64;
+    let mut reduced = vec![dims.is_empty(); shape.len()];
+    for &d in dims {
+        reduced[(if d < 0 { d + rank } else { d }) as usize] = true;
+    }
+    let out = shape
+        .iter()
+        .zip(&reduced)
+        .filter_map(|(&n, &r)| match (r, keepdim) {
+            (true, true) => Some(1),
+            (true, false) => None,
+            (false, _) => Some(n),
+        })
+        .collect();
+    (reduced, out)
+}
+
+/// The elements of `x` that fall into each output element of the reduction.
+fn groups(x: &Value, dims: &[i64]) -> Vec<Vec<f64>> {
+    let (reduced, out) = reduced_shape(&x.ty.shape, dims, true);
+    let mut groups = vec![vec![]; numel(&out)];
+    for (i, &v) in x.data.iter().enumerate() {
+        let mut idx = unravel(i, &x.ty.shape);
+        for (d, r) in reduced.iter().enumerate() {
+            if *r {
+                idx[d] = 0;
+            }
+        }
+        groups[ravel(&idx, &out)].push(v);
+    }
+    groups
+}
+
+const REDUCE_CASES: &[(&[u64], &[i64], bool)] = &[
+    (&[3, 5, 7], &[1], false),
+    (&[3, 5, 7], &[0, 2], true),
+    (&[3, 5, 7], &[-1], false),
+    (&[3, 5, 7], &[-3, -2], true),
+    (&[3, 5, 7], &[], false),
+    (&[4, 6], &[], true),
+    (&[0, 3], &[0], false),
+    (&[3, 0], &[0], true),
+];
+
+/// A reduction over every case of [`REDUCE_CASES`] against `f` of each group.
+fn reduction(
+    op: Op,
+    extra: &[(&str, Attr)],
+    dtype: DType,
+    out: DType,
+    tol: Tol,
+    f: impl Fn(&[f64]) -> f64,
+) {
+    let mut rng = Rng::new(op as u64 + 200);
+    for &(shape, dims, keepdim) in REDUCE_CASES {
+        let x = val(dtype, shape, rng.vec(numel(shape), -3.0, 3.0));
+        let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+        let mut case = Case::new(op)
+            .input(x.clone())
+            .ints("dim", dims)
+            .flag("keepdim", keepdim)
+            .output(out, &out_shape);
+        for (name, a) in extra {
+            case = case.attr(name, a.clone());
+        }
+        let want: Vec<f64> = groups(&x, dims)
+            .iter()
+            .map(|g| round_to(out, f(g)))
+            .collect();
+        assert_close(
+            &case.run1(),
+            &want,
+            tol,
+            &format!("{op} of {shape:?} over {dims:?}"),
+        );
+    }
+}
+
+fn sum(g: &[f64]) -> f64 {
+    g.iter().sum()
+}
+
+fn mean(g: &[f64]) -> f64 {
+    sum(g) / g.len() as f64
+}
+
+#[test]
+fn sums_means_and_maxima() {
+    reduction(Op::SumDimIntList, &[], Fp32, Fp32, SUM32, sum);
+    reduction(Op::SumDimIntList, &[], I64, I64, EXACT, sum);
+    reduction(Op::SumDimIntList, &[], Bool, I64, EXACT, sum);
+    let to_f32 = [("dtype", Attr::DType(Fp32))];
+    reduction(Op::SumDimIntList, &to_f32, I32, Fp32, EXACT, sum);
+    reduction(Op::SumDimIntList, &[], F16, F16, tol(2e-3, 2e-3), sum);
+    // Means of nothing are NaN, as in PyTorch.
+    reduction(Op::MeanDim, &[], Fp32, Fp32, SUM32, mean);
+    let amax = |g: &[f64]| g.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut rng = Rng::new(5);
+    for &(shape, dims, keepdim) in &REDUCE_CASES[..6] {
+        let x = rng.f32s(shape, -3.0, 3.0);
+        let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+        let got = Case::new(Op::Amax)
+            .input(x.clone())
+            .ints("dim", dims)
+            .flag("keepdim", keepdim)
+            .output(Fp32, &out_shape)
+            .run1();
+        let want: Vec<f64> = groups(&x, dims).iter().map(|g| amax(g)).collect();
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("amax of {shape:?} over {dims:?}"),
+        );
+    }
+    // amax propagates NaN.
+    let got = Case::new(Op::Amax)
+        .input(f32v(&[2, 3], vec![1.0, NAN, 2.0, -1.0, -2.0, -3.0]))
+        .ints("dim", &[1])
+        .flag("keepdim", false)
+        .output(Fp32, &[2])
+        .run1();
+    assert_close(&got, &[NAN, -1.0], EXACT, "amax with NaN");
+    for shape in [&[3u64, 5, 7][..], &[1], &[]] {
+        let x = rng.f32s(shape, -3.0, 3.0);
+        let got = Case::new(Op::Mean)
+            .input(x.clone())
+            .output(Fp32, &[])
+            .run1();
+        assert_close(&got, &[mean(&x.data)], SUM32, &format!("mean of {shape:?}"));
+    }
+    let half = val(Bf16, &[4, 4], rng.vec(16, -3.0, 3.0));
+    let got = Case::new(Op::Mean)
+        .input(half.clone())
+        .output(Bf16, &[])
+        .run1();
+    assert_close(&got, &[mean(&half.data)], tol(8e-3, 8e-3), "mean of bf16");
+}
+
+#[test]
+fn variance_and_any() {
+    let var = |correction: f64| {
+        move |g: &[f64]| {
+            let m = mean(g);
+            g.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (g.len() as f64 - correction)
+        }
+    };
+    let mut rng = Rng::new(11);
+    for correction in [0.0, 1.0] {
+        for &(shape, dims, keepdim) in &REDUCE_CASES[..6] {
+            let x = rng.f32s(shape, -3.0, 3.0);
+            let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+            let got = Case::new(Op::VarCorrection)
+                .input(x.clone())
+                .ints("dim", dims)
+                .float("correction", correction)
+                .flag("keepdim", keepdim)
+                .output(Fp32, &out_shape)
+                .run1();
+            let want: Vec<f64> = groups(&x, dims)
+                .iter()
+                .map(|g| var(correction)(g))
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                SUM32,
+                &format!("var of {shape:?} over {dims:?}"),
+            );
+        }
+    }
+    for &(shape, dims, keepdim) in REDUCE_CASES.iter().filter(|c| c.1.len() == 1) {
+        // Mostly zeros: some groups hold no non-zero element.
+        let data: Vec<f64> = rng
+            .vec(numel(shape), -1.0, 1.0)
+            .iter()
+            .map(|v| if *v > 0.8 { *v } else { 0.0 })
+            .collect();
+        for dtype in [Fp32, Bool, I64] {
+            let x = val(dtype, shape, data.iter().map(|v| v * 10.0).collect());
+            let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+            let got = Case::new(Op::AnyDim)
+                .input(x.clone())
+                .int("dim", dims[0])
+                .flag("keepdim", keepdim)
+                .output(Bool, &out_shape)
+                .run1();
+            let want: Vec<f64> = groups(&x, dims)
+                .iter()
+                .map(|g| f64::from(u8::from(g.iter().any(|v| *v != 0.0))))
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                EXACT,
+                &format!("any of {dtype}{shape:?} over {dims:?}"),
+            );
+        }
+    }
+}
+
+/// Softmax (or log-softmax) of `x` along `dim`, the plain way.
+fn softmax_ref(x: &Value, dim: i64, log: bool) -> Vec<f64> {
+    let shape = &x.ty.shape;
+    let d = if dim < 0 {
+        (dim + shape.len() as i64) as usize
+    } else {
+        dim as usize
+    };
+    (0..x.data.len())
+        .map(|i| {
+            let idx = unravel(i, shape);
+            let row: Vec<f64> = (0..shape[d] as usize)
+                .map(|j| {
+                    let mut k = idx.clone();
+                    k[d] = j;
+                    x.data[ravel(&k, shape)]
+                })
+                .collect();
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
+            if log {
+                x.data[i] - m - z.ln()
+            } else {
+                (x.data[i] - m).exp() / z
+            }
+        })
+        .collect()
+}
+
+const SOFTMAX_CASES: &[(&[u64], i64)] = &[
+    (&[3, 5, 7], 1),
+    (&[3, 5, 7], -1),
+    (&[4, 6], 0),
+    (&[5], -1),
+    (&[0, 3], 1),
+    (&[2, 3, 0], 1),
+];
+
+#[test]
+fn softmax_and_log_softmax() {
+    let mut rng = Rng::new(13);
+    for &(shape, dim) in SOFTMAX_CASES {
+        for (op, log) in [(Op::Softmax, false), (Op::LogSoftmax, true)] {
+            let x = rng.f32s(shape, -6.0, 6.0);
+            let got = Case::new(op)
+                .input(x.clone())
+                .int("dim", dim)
+                .flag("half_to_float", false)
+                .output(Fp32, shape)
+                .run1();
+            assert_close(
+                &got,
+                &softmax_ref(&x, dim, log),
+                tol(1e-6, 1e-6),
+                &format!("{op} of {shape:?} along {dim}"),
+            );
+        }
+    }
+    // Large inputs do not overflow.
+    let x = f32v(&[3], vec![1000.0, 1001.0, 999.0]);
+    let got = Case::new(Op::Softmax)
+        .input(x.clone())
+        .int("dim", 0)
+        .output(Fp32, &[3])
+        .run1();
+    assert_close(
+        &got,
+        &softmax_ref(&x, 0, false),
+        F32,
+        "softmax of large values",
+    );
+    // half_to_float: f16 in, f32 out.
+    let x = val(F16, &[2, 5], rng.vec(10, -3.0, 3.0));
+    let got = Case::new(Op::LogSoftmax)
+        .input(x.clone())
+        .int("dim", -1)
+        .flag("half_to_float", true)
+        .output(Fp32, &[2, 5])
+        .run1();
+    assert_close(
+        &got,
+        &softmax_ref(&x, -1, true),
+        F32,
+        "log_softmax f16 to f32",
+    );
+}
+
+#[test]
+fn softmax_backwards_match_formula_and_finite_differences() {
+    let mut rng = Rng::new(17);
+    for &(shape, dim) in SOFTMAX_CASES {
+        for (fwd, bwd, log) in [
+            (Op::Softmax, Op::SoftmaxBackwardData, false),
+            (Op::LogSoftmax, Op::LogSoftmaxBackwardData, true),
+        ] {
+            let x = rng.f32s(shape, -2.0, 2.0);
+            let g = rng.f32s(shape, -1.0, 1.0);
+            let forward = Case::new(fwd)
+                .input(x.clone())
+                .int("dim", dim)
+                .flag("half_to_float", false)
+                .output(Fp32, shape);
+            let y = f32v(shape, forward.run1());
+            let got = Case::new(bwd)
+                .input(g.clone())
+                .input(y.clone())
+                .int("dim", dim)
+                .dtype("input_dtype", Fp32)
+                .output(Fp32, shape)
+                .run1();
+            // The formula, summing along dim the plain way.
+            let d = if dim < 0 {
+                (dim + shape.len() as i64) as usize
+            } else {
+                dim as usize
+            };
+            let want: Vec<f64> = (0..g.data.len())
+                .map(|i| {
+                    let idx = unravel(i, shape);
+                    let along = |j: usize| {
+                        let mut k = idx.clone();
+                        k[d] = j;
+                        ravel(&k, shape)
+                    };
+                    let n = shape[d] as usize;
+                    if log {
+                        let s: f64 = (0..n).map(|j| g.data[along(j)]).sum();
+                        g.data[i] - y.data[i].exp() * s
+                    } else {
+                        let s: f64 = (0..n).map(|j| g.data[along(j)] * y.data[along(j)]).sum();
+                        y.data[i] * (g.data[i] - s)
+                    }
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                tol(1e-5, 1e-6),
+                &format!("{bwd} of {shape:?} along {dim}"),
+            );
+            let numeric = numeric_grad(&forward, 0, 0, &g.data, 1e-2);
+            assert_grad(
+                &got,
+                &numeric,
+                2e-3,
+                &format!("{bwd} vs finite differences of {fwd}"),
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Matrix products
+
+fn matmul_ref(a: &[f64], b: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
+    let mut c = vec![0.0; n * m];
+    for i in 0..n {
+        for j in 0..m {
+            for p in 0..k {
+                c[i * m + j] += a[i * k + p] * b[p * m + j];
+            }
+        }
+    }
+    c
+}
+
+#[test]
+fn mm_addmm_bmm() {
+    let mut rng = Rng::new(19);
+    for (n, k, m) in [(3, 5, 7), (1, 1, 1), (4, 0, 3), (0, 3, 2), (17, 33, 9)] {
+        let a = rng.f32s(&[n, k], -1.0, 1.0);
+        let b = rng.f32s(&[k, m], -1.0, 1.0);
+        let (nu, ku, mu) = (n as usize, k as usize, m as usize);
+        let want = matmul_ref(&a.data, &b.data, nu, ku, mu);
+        let got = Case::new(Op::Mm)
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, &[n, m])
+            .run1();
+        assert_close(&got, &want, SUM32, &format!("mm {n}x{k}x{m}"));
+        for bias_shape in [vec![m], vec![n, m], vec![1, m], vec![]] {
+            let bias = rng.f32s(&bias_shape, -1.0, 1.0);
+            let got = Case::new(Op::Addmm)
+                .input(bias.clone())
+                .input(a.clone())
+                .input(b.clone())
+                .float("beta", 0.5)
+                .float("alpha", -2.0)
+                .output(Fp32, &[n, m])
+                .run1();
+            let want: Vec<f64> = (0..nu * mu)
+                .map(|i| {
+                    0.5 * bias.data[broadcast_at(&unravel(i, &[n, m]), &bias_shape)] - 2.0 * want[i]
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                SUM32,
+                &format!("addmm {n}x{k}x{m} bias {bias_shape:?}"),
+            );
+        }
+        let batches = 3;
+        let a = rng.f32s(&[batches, n, k], -1.0, 1.0);
+        let b = rng.f32s(&[batches, k, m], -1.0, 1.0);
+        let got = Case::new(Op::Bmm)
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, &[batches, n, m])
+            .run1();
+        let want: Vec<f64> = (0..batches as usize)
+            .flat_map(|i| {
+                matmul_ref(
+                    &a.data[i * nu * ku..(i + 1) * nu * ku],
+                    &b.data[i * ku * mu..(i + 1) * ku * mu],
+                    nu,
+                    ku,
+                    mu,
+                )
+            })
+            .collect();
+        assert_close(&got, &want, SUM32, &format!("bmm {batches}x{n}x{k}x{m}"));
+    }
+    // Half precision goes through f32 and rounds once.
+    let a = val(Bf16, &[3, 4], rng.vec(12, -1.0, 1.0));
+    let b = val(Bf16, &[4, 2], rng.vec(8, -1.0, 1.0));
+    let got = Case::new(Op::Mm)
+        .input(a.clone())
+        .input(b.clone())
+        .output(Bf16, &[3, 2])
+        .run1();
+    assert_close(
+        &got,
+        &matmul_ref(&a.data, &b.data, 3, 4, 2),
+        tol(8e-3, 8e-3),
+        "mm bf16",
+    );
+}
