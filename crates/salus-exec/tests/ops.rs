@@ -1179,3 +1179,549 @@ fn mm_addmm_bmm() {
         "mm bf16",
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Shape
+
+/// `x` gathered to `out_shape`, output element `i` taken from `x` at `source(idx)`.
+fn remap(x: &Value, out_shape: &[u64], source: impl Fn(&[usize]) -> Vec<usize>) -> Vec<f64> {
+    (0..numel(out_shape))
+        .map(|i| x.data[ravel(&source(&unravel(i, out_shape)), &x.ty.shape)])
+        .collect()
+}
+
+#[test]
+fn views_keep_the_elements() {
+    let mut rng = Rng::new(23);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    let view = |x: &Value, size: &[i64], out: &[u64]| {
+        Case::new(Op::View)
+            .input(x.clone())
+            .ints("size", size)
+            .output(x.ty.dtype, out)
+            .run1()
+    };
+    assert_close(&view(&x, &[15, -1], &[15, 7]), &x.data, EXACT, "view");
+    assert_close(&view(&x, &[105], &[105]), &x.data, EXACT, "view flat");
+    let i = i64v(&[2, 3], &[1, -2, 3, 4, 5, 6]);
+    assert_close(
+        &view(&i, &[3, 1, 2], &[3, 1, 2]),
+        &i.data,
+        EXACT,
+        "view i64",
+    );
+    let e = f32v(&[0, 4], vec![]);
+    assert_close(&view(&e, &[2, 0, 2], &[2, 0, 2]), &[], EXACT, "view empty");
+    let unsq = |x: &Value, d: i64, out: &[u64]| {
+        Case::new(Op::Unsqueeze)
+            .input(x.clone())
+            .int("dim", d)
+            .output(x.ty.dtype, out)
+            .run1()
+    };
+    assert_close(&unsq(&x, 0, &[1, 3, 5, 7]), &x.data, EXACT, "unsqueeze 0");
+    assert_close(&unsq(&x, -1, &[3, 5, 7, 1]), &x.data, EXACT, "unsqueeze -1");
+    assert_close(&unsq(&x, -3, &[3, 1, 5, 7]), &x.data, EXACT, "unsqueeze -3");
+    let y = rng.f32s(&[3, 1, 5, 1], -1.0, 1.0);
+    let squeeze = |d: &[i64], out: &[u64]| {
+        Case::new(Op::SqueezeDims)
+            .input(y.clone())
+            .ints("dim", d)
+            .output(Fp32, out)
+            .run1()
+    };
+    assert_close(&squeeze(&[1, -1], &[3, 5]), &y.data, EXACT, "squeeze both");
+    assert_close(
+        &squeeze(&[0, 1], &[3, 5, 1]),
+        &y.data,
+        EXACT,
+        "squeeze keeps size > 1",
+    );
+}
+
+#[test]
+fn permute_and_expand() {
+    let mut rng = Rng::new(29);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for dims in [[2i64, 0, 1], [-1, -2, -3], [0, 2, 1], [1, 0, 2]] {
+        let pos: Vec<usize> = dims
+            .iter()
+            .map(|&d| (if d < 0 { d + 3 } else { d }) as usize)
+            .collect();
+        let out: Vec<u64> = pos.iter().map(|&d| x.ty.shape[d]).collect();
+        let got = Case::new(Op::Permute)
+            .input(x.clone())
+            .ints("dims", &dims)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = vec![0; 3];
+            for (k, &d) in pos.iter().enumerate() {
+                src[d] = o[k];
+            }
+            src
+        });
+        assert_close(&got, &want, EXACT, &format!("permute {dims:?}"));
+    }
+    let b = i64v(&[2, 0, 3], &[]);
+    Case::new(Op::Permute)
+        .input(b)
+        .ints("dims", &[2, 1, 0])
+        .output(I64, &[3, 0, 2])
+        .run1();
+    let y = rng.f32s(&[3, 1, 7], -1.0, 1.0);
+    for (size, out) in [
+        (vec![3i64, 5, 7], vec![3u64, 5, 7]),
+        (vec![2, -1, 4, -1], vec![2, 3, 4, 7]),
+        (vec![3, 0, 7], vec![3, 0, 7]),
+    ] {
+        let got = Case::new(Op::Expand)
+            .input(y.clone())
+            .ints("size", &size)
+            .output(Fp32, &out)
+            .run1();
+        let want: Vec<f64> = (0..numel(&out))
+            .map(|i| y.data[broadcast_at(&unravel(i, &out), &y.ty.shape)])
+            .collect();
+        assert_close(&got, &want, EXACT, &format!("expand to {size:?}"));
+    }
+    let s = val(Bool, &[], vec![1.0]);
+    let got = Case::new(Op::Expand)
+        .input(s)
+        .ints("size", &[2, 2])
+        .output(Bool, &[2, 2])
+        .run1();
+    assert_close(&got, &[1.0; 4], EXACT, "expand a scalar");
+}
+
+#[test]
+fn split_cat_slice_select() {
+    let mut rng = Rng::new(31);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    // split_with_sizes along -1 into 2, 0 and 5.
+    let got = Case::new(Op::SplitWithSizes)
+        .input(x.clone())
+        .ints("split_sizes", &[2, 0, 5])
+        .int("dim", -1)
+        .output(Fp32, &[3, 5, 2])
+        .output(Fp32, &[3, 5, 0])
+        .output(Fp32, &[3, 5, 5])
+        .run();
+    let mut at = 0;
+    for (k, len) in [2usize, 0, 5].into_iter().enumerate() {
+        let out = [3, 5, len as u64];
+        let want = remap(&x, &out, |o| vec![o[0], o[1], o[2] + at]);
+        assert_close(&got[k], &want, EXACT, &format!("split piece {k}"));
+        at += len;
+    }
+    // An unused piece is skipped.
+    let got = Case::new(Op::SplitWithSizes)
+        .input(x.clone())
+        .ints("split_sizes", &[1, 2])
+        .int("dim", 0)
+        .unused()
+        .output(Fp32, &[2, 5, 7])
+        .run();
+    assert_close(&got[1], &x.data[35..], EXACT, "split second piece");
+    // cat of three along dim 1 (one of them empty), and along -1 with promotion.
+    let parts = [
+        rng.f32s(&[3, 2, 7], -1.0, 1.0),
+        rng.f32s(&[3, 0, 7], -1.0, 1.0),
+        rng.f32s(&[3, 4, 7], -1.0, 1.0),
+    ];
+    let mut case = Case::new(Op::Cat).int("tensors.len", 3).int("dim", 1);
+    for p in &parts {
+        case = case.input(p.clone());
+    }
+    let got = case.output(Fp32, &[3, 6, 7]).run1();
+    let want = remap(&x.clone(), &[3, 6, 7], |_| vec![0, 0, 0]); // shape only
+    let mut want = want;
+    for (i, w) in want.iter_mut().enumerate() {
+        let o = unravel(i, &[3, 6, 7]);
+        *w = if o[1] < 2 {
+            parts[0].data[ravel(&o, &[3, 2, 7])]
+        } else {
+            parts[2].data[ravel(&[o[0], o[1] - 2, o[2]], &[3, 4, 7])]
+        };
+    }
+    assert_close(&got, &want, EXACT, "cat along 1");
+    let a = i64v(&[2, 1], &[7, -8]);
+    let b = f32v(&[2, 2], vec![0.5, 1.5, 2.5, 3.5]);
+    let got = Case::new(Op::Cat)
+        .int("tensors.len", 2)
+        .int("dim", -1)
+        .input(a)
+        .input(b)
+        .output(Fp32, &[2, 3])
+        .run1();
+    assert_close(
+        &got,
+        &[7.0, 0.5, 1.5, -8.0, 2.5, 3.5],
+        EXACT,
+        "cat promotes",
+    );
+    // slice.Tensor: negative dims and bounds, clamping, steps, empty results.
+    for (dim, start, end, step) in [
+        (1i64, Some(1i64), Some(4i64), 1i64),
+        (-1, Some(-5), None, 2),
+        (-2, None, Some(i64::MAX), 3),
+        (0, Some(-100), Some(100), 1),
+        (2, Some(5), Some(2), 1),
+        (1, Some(4), Some(4), 2),
+    ] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let clamp = |v: i64| if v < 0 { (v + n).max(0) } else { v.min(n) };
+        let s = clamp(start.unwrap_or(0));
+        let e = clamp(end.unwrap_or(n)).max(s);
+        let picked: Vec<i64> = (s..e).step_by(step as usize).collect();
+        let mut out = x.ty.shape.clone();
+        out[d] = picked.len() as u64;
+        let mut case = Case::new(Op::SliceTensor)
+            .input(x.clone())
+            .int("dim", dim)
+            .int("step", step);
+        if let Some(s) = start {
+            case = case.int("start", s);
+        }
+        if let Some(e) = end {
+            case = case.int("end", e);
+        }
+        let got = case.output(Fp32, &out).run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            src[d] = picked[o[d]] as usize;
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("slice dim {dim} {start:?}..{end:?} step {step}"),
+        );
+    }
+    // select.int with negative dims and indices.
+    for (dim, index) in [(0i64, 2i64), (-1, -1), (1, -5), (-2, 3)] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let row = (if index < 0 {
+            index + x.ty.shape[d] as i64
+        } else {
+            index
+        }) as usize;
+        let mut out = x.ty.shape.clone();
+        out.remove(d);
+        let got = Case::new(Op::SelectInt)
+            .input(x.clone())
+            .int("dim", dim)
+            .int("index", index)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            src.insert(d, row);
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("select dim {dim} index {index}"),
+        );
+    }
+    let v = i64v(&[4], &[5, 6, 7, 8]);
+    let got = Case::new(Op::SelectInt)
+        .input(v)
+        .int("dim", 0)
+        .int("index", -4)
+        .output(I64, &[])
+        .run1();
+    assert_close(&got, &[5.0], EXACT, "select to a scalar");
+}
+
+// ---------------------------------------------------------------------------------------
+// Convolution
+
+/// Convolution geometry for the reference.
+#[derive(Clone)]
+struct ConvSpec {
+    input: Vec<u64>,
+    weight: Vec<u64>,
+    stride: Vec<i64>,
+    padding: Vec<i64>,
+    dilation: Vec<i64>,
+    output_padding: Vec<i64>,
+    groups: i64,
+    transposed: bool,
+}
+
+impl ConvSpec {
+    fn dims(&self) -> usize {
+        self.input.len() - 2
+    }
+
+    fn output(&self) -> Vec<u64> {
+        let g = self.groups as u64;
+        let c_out = if self.transposed {
+            self.weight[1] * g
+        } else {
+            self.weight[0]
+        };
+        let mut out = vec![self.input[0], c_out];
+        for i in 0..self.dims() {
+            let (n, k) = (self.input[2 + i] as i64, self.weight[2 + i] as i64);
+            let (s, p, d) = (self.stride[i], self.padding[i], self.dilation[i]);
+            out.push(if self.transposed {
+                (n - 1) * s - 2 * p + d * (k - 1) + self.output_padding[i] + 1
+            } else {
+                (n + 2 * p - d * (k - 1) - 1) / s + 1
+            } as u64);
+        }
+        out
+    }
+
+    fn case(&self, op: Op) -> Case {
+        Case::new(op)
+            .ints("stride", &self.stride)
+            .ints("padding", &self.padding)
+            .ints("dilation", &self.dilation)
+            .flag("transposed", self.transposed)
+            .ints("output_padding", &self.output_padding)
+            .int("groups", self.groups)
+    }
+
+    /// The convolution by its definition: each output element a sum over the input
+    /// channels of its group and the kernel taps that reach it.
+    fn reference(&self, x: &[f64], w: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+        let out = self.output();
+        let g = self.groups as usize;
+        let (c_in, c_out) = (self.input[1] as usize, out[1] as usize);
+        let (cin_g, cout_g) = (c_in / g, c_out / g);
+        let k_shape = &self.weight[2..];
+        (0..numel(&out))
+            .map(|i| {
+                let o = unravel(i, &out);
+                let (n, co) = (o[0], o[1]);
+                let grp = co / cout_g;
+                let mut acc = bias.map_or(0.0, |b| b[co]);
+                for ci in grp * cin_g..(grp + 1) * cin_g {
+                    for kk in 0..numel(k_shape) {
+                        let k = unravel(kk, k_shape);
+                        // The input position this tap reads, if any.
+                        let mut pos = vec![n, ci];
+                        let ok = (0..self.dims()).all(|d| {
+                            let (s, p, dil) = (self.stride[d], self.padding[d], self.dilation[d]);
+                            let oo = o[2 + d] as i64;
+                            let ip = if self.transposed {
+                                // out = in * s - p + k * dil
+                                let t = oo + p - k[d] as i64 * dil;
+                                if t % s != 0 {
+                                    return false;
+                                }
+                                t / s
+                            } else {
+                                oo * s - p + k[d] as i64 * dil
+                            };
+                            pos.push(ip.max(0) as usize);
+                            (0..self.input[2 + d] as i64).contains(&ip)
+                        });
+                        if !ok {
+                            continue;
+                        }
+                        let widx = if self.transposed {
+                            let mut v = vec![ci, co - grp * cout_g];
+                            v.extend(&k);
+                            v
+                        } else {
+                            let mut v = vec![co, ci - grp * cin_g];
+                            v.extend(&k);
+                            v
+                        };
+                        acc += x[ravel(&pos, &self.input)] * w[ravel(&widx, &self.weight)];
+                    }
+                }
+                acc
+            })
+            .collect()
+    }
+}
+
+fn conv_specs() -> Vec<ConvSpec> {
+    let spec = |input: &[u64],
+                weight: &[u64],
+                s: &[i64],
+                p: &[i64],
+                d: &[i64],
+                op: &[i64],
+                groups: i64,
+                transposed: bool| ConvSpec {
+        input: input.to_vec(),
+        weight: weight.to_vec(),
+        stride: s.to_vec(),
+        padding: p.to_vec(),
+        dilation: d.to_vec(),
+        output_padding: op.to_vec(),
+        groups,
+        transposed,
+    };
+    vec![
+        // 2-d: plain, strided and padded, dilated and grouped (the f32 matrix-product kernel).
+        spec(
+            &[2, 3, 5, 7],
+            &[4, 3, 3, 3],
+            &[1, 1],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            false,
+        ),
+        spec(
+            &[2, 4, 7, 6],
+            &[6, 2, 3, 2],
+            &[2, 1],
+            &[1, 1],
+            &[1, 2],
+            &[0, 0],
+            2,
+            false,
+        ),
+        // 1-d and 3-d.
+        spec(&[2, 3, 11], &[4, 3, 3], &[2], &[1], &[2], &[0], 1, false),
+        spec(
+            &[1, 2, 4, 5, 3],
+            &[3, 2, 2, 3, 2],
+            &[1, 2, 1],
+            &[1, 0, 1],
+            &[1, 1, 1],
+            &[0, 0, 0],
+            1,
+            false,
+        ),
+        // Transposed 1-d and 2-d, with output padding and groups.
+        spec(&[2, 3, 5], &[3, 2, 3], &[2], &[1], &[1], &[1], 1, true),
+        spec(
+            &[1, 4, 3, 4],
+            &[4, 3, 3, 2],
+            &[2, 3],
+            &[1, 0],
+            &[1, 2],
+            &[1, 2],
+            2,
+            true,
+        ),
+    ]
+}
+
+#[test]
+fn convolutions_match_their_definition() {
+    let mut rng = Rng::new(37);
+    for spec in conv_specs() {
+        let x = rng.f32s(&spec.input, -1.0, 1.0);
+        let w = rng.f32s(&spec.weight, -1.0, 1.0);
+        let out = spec.output();
+        let b = rng.f32s(&[out[1]], -1.0, 1.0);
+        let what = format!(
+            "convolution {:?} * {:?} transposed {}",
+            spec.input, spec.weight, spec.transposed
+        );
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .input(b.clone())
+            .output(Fp32, &out)
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, Some(&b.data)),
+            SUM32,
+            &what,
+        );
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .absent()
+            .output(Fp32, &out)
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, None),
+            SUM32,
+            &format!("{what}, no bias"),
+        );
+    }
+    // Half precision: stored as f16 or bf16, computed wide, rounded once.
+    let spec = &conv_specs()[1];
+    for (dtype, t) in [(F16, tol(2e-3, 2e-3)), (Bf16, tol(1e-2, 1e-2))] {
+        let x = val(dtype, &spec.input, rng.vec(numel(&spec.input), -1.0, 1.0));
+        let w = val(dtype, &spec.weight, rng.vec(numel(&spec.weight), -1.0, 1.0));
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .absent()
+            .output(dtype, &spec.output())
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, None),
+            t,
+            &format!("convolution {dtype}"),
+        );
+    }
+}
+
+#[test]
+fn convolution_backward_matches_finite_differences() {
+    let mut rng = Rng::new(41);
+    for spec in conv_specs() {
+        let x = rng.f32s(&spec.input, -1.0, 1.0);
+        let w = rng.f32s(&spec.weight, -1.0, 1.0);
+        let out = spec.output();
+        let b = rng.f32s(&[out[1]], -1.0, 1.0);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let what = format!(
+            "convolution_backward {:?} * {:?} transposed {}",
+            spec.input, spec.weight, spec.transposed
+        );
+        let grads = spec
+            .case(Op::ConvolutionBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(w.clone())
+            .ints("bias_sizes", &[out[1] as i64])
+            .attr("output_mask", Attr::Bools(vec![true, true, true]))
+            .output(Fp32, &spec.input)
+            .output(Fp32, &spec.weight)
+            .output(Fp32, &[out[1]])
+            .run();
+        let forward = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .input(b.clone())
+            .output(Fp32, &out);
+        for (k, name) in [(0, "grad_input"), (1, "grad_weight"), (2, "grad_bias")] {
+            let numeric = numeric_grad(&forward, k, 0, &g.data, 1e-2);
+            assert_grad(&grads[k], &numeric, 1e-3, &format!("{what}: {name}"));
+        }
+        // Only grad_weight asked for.
+        let only = spec
+            .case(Op::ConvolutionBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(w.clone())
+            .attr("output_mask", Attr::Bools(vec![false, true, false]))
+            .unused()
+            .output(Fp32, &spec.weight)
+            .unused()
+            .run();
+        assert_close(
+            &only[1],
+            &grads[1],
+            EXACT,
+            &format!("{what}: grad_weight alone"),
+        );
+    }
+}
