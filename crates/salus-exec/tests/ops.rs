@@ -137,15 +137,7 @@ fn unary_float_functions() {
     let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
     unary(Op::Sigmoid, &[], Fp32, Fp32, (-8.0, 8.0), sp, t, sigmoid);
     unary(Op::Tanh, &[], Fp32, Fp32, (-4.0, 4.0), sp, t, f64::tanh);
-    let relu = |x: f64| {
-        if x > 0.0 {
-            x
-        } else if x.is_nan() {
-            x
-        } else {
-            0.0
-        }
-    };
+    let relu = |x: f64| if x > 0.0 || x.is_nan() { x } else { 0.0 };
     unary(
         Op::Relu,
         &[],
@@ -352,7 +344,8 @@ fn scalar_ops() {
 fn comparisons_with_a_number() {
     let other = [("other", Attr::Float(0.5))];
     let specials = &[0.5, -0.5, NAN, INF];
-    let cmp: [(Op, fn(f64, f64) -> bool); 6] = [
+    type Compare = (Op, fn(f64, f64) -> bool);
+    let cmp: [Compare; 6] = [
         (Op::EqScalar, |a, b| a == b),
         (Op::NeScalar, |a, b| a != b),
         (Op::LtScalar, |a, b| a < b),
@@ -691,7 +684,8 @@ fn binary_logical_and_bitwise() {
 #[test]
 fn where_broadcasts_three_ways() {
     let mut rng = Rng::new(7);
-    let cases: &[(&[u64], &[u64], &[u64], &[u64])] = &[
+    type Shapes<'a> = (&'a [u64], &'a [u64], &'a [u64], &'a [u64]);
+    let cases: &[Shapes<'_>] = &[
         (&[3, 1, 7], &[5, 1], &[], &[3, 5, 7]),
         (&[4], &[4], &[4], &[4]),
         (&[0, 2], &[2], &[1], &[0, 2]),
@@ -1724,4 +1718,845 @@ fn convolution_backward_matches_finite_differences() {
             &format!("{what}: grad_weight alone"),
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Neural-network ops
+
+#[test]
+fn layer_norm_and_its_backward() {
+    let mut rng = Rng::new(43);
+    for (shape, normalized, affine) in [
+        (&[3u64, 5, 7][..], &[7i64][..], true),
+        (&[3, 5, 7], &[5, 7], false),
+        (&[4, 6], &[4, 6], true),
+        (&[0, 5], &[5], true),
+    ] {
+        let axis = shape.len() - normalized.len();
+        let inner = numel(&shape[axis..]);
+        let rows = numel(shape) / inner;
+        let x = rng.f32s(shape, -2.0, 2.0);
+        let w = rng.f32s(&shape[axis..], 0.5, 1.5);
+        let b = rng.f32s(&shape[axis..], -1.0, 1.0);
+        let mut stats_shape = shape[..axis].to_vec();
+        stats_shape.extend(std::iter::repeat_n(1, normalized.len()));
+        let mut forward = Case::new(Op::NativeLayerNorm).input(x.clone());
+        forward = if affine {
+            forward.input(w.clone()).input(b.clone())
+        } else {
+            forward.absent().absent()
+        };
+        let forward = forward
+            .ints("normalized_shape", normalized)
+            .float("eps", 1e-5)
+            .output(Fp32, shape)
+            .output(Fp32, &stats_shape)
+            .output(Fp32, &stats_shape);
+        let got = forward.run();
+        let (mut y, mut means, mut rstds) = (vec![], vec![], vec![]);
+        for r in 0..rows {
+            let row = &x.data[r * inner..(r + 1) * inner];
+            let m = mean(row);
+            let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / inner as f64;
+            let rstd = 1.0 / (var + 1e-5).sqrt();
+            for (j, v) in row.iter().enumerate() {
+                let n = (v - m) * rstd;
+                y.push(if affine { n * w.data[j] + b.data[j] } else { n });
+            }
+            means.push(m);
+            rstds.push(rstd);
+        }
+        let what = format!("native_layer_norm of {shape:?} over {normalized:?}");
+        assert_close(&got[0], &y, tol(1e-5, 1e-5), &what);
+        assert_close(&got[1], &means, tol(1e-6, 1e-6), &what);
+        assert_close(&got[2], &rstds, tol(1e-5, 1e-6), &what);
+        // Backward against finite differences of the forward's output 0.
+        let g = rng.f32s(shape, -1.0, 1.0);
+        let mut backward = Case::new(Op::NativeLayerNormBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(f32v(&stats_shape, got[1].clone()))
+            .input(f32v(&stats_shape, got[2].clone()));
+        backward = if affine {
+            backward.input(w.clone()).input(b.clone())
+        } else {
+            backward.absent().absent()
+        };
+        let grads = backward
+            .ints("normalized_shape", normalized)
+            .attr("output_mask", Attr::Bools(vec![true, affine, affine]))
+            .output(Fp32, shape)
+            .output(Fp32, &shape[axis..])
+            .output(Fp32, &shape[axis..])
+            .run();
+        let what = format!("native_layer_norm_backward of {shape:?} over {normalized:?}");
+        assert_grad(
+            &grads[0],
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            2e-3,
+            &format!("{what}: grad_input"),
+        );
+        if affine {
+            assert_grad(
+                &grads[1],
+                &numeric_grad(&forward, 1, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: grad_weight"),
+            );
+            assert_grad(
+                &grads[2],
+                &numeric_grad(&forward, 2, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: grad_bias"),
+            );
+        }
+    }
+}
+
+/// Pooling geometry for the references.
+struct PoolSpec {
+    input: Vec<u64>,
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    ceil: bool,
+}
+
+impl PoolSpec {
+    fn output(&self) -> Vec<u64> {
+        let rank = self.input.len();
+        let mut out = self.input.clone();
+        for d in 0..2 {
+            let n = self.input[rank - 2 + d] as i64;
+            let (k, s, p, dil) = (
+                self.kernel[d],
+                self.stride[d],
+                self.padding[d],
+                self.dilation[d],
+            );
+            let span = n + 2 * p - dil * (k - 1) - 1;
+            let mut o = if self.ceil {
+                (span + s - 1) / s + 1
+            } else {
+                span / s + 1
+            };
+            if self.ceil && (o - 1) * s >= n + p {
+                o -= 1;
+            }
+            out[rank - 2 + d] = o as u64;
+        }
+        out
+    }
+
+    fn case(&self, op: Op) -> Case {
+        let case = Case::new(op)
+            .ints("kernel_size", &self.kernel)
+            .ints("stride", &self.stride)
+            .ints("padding", &self.padding)
+            .flag("ceil_mode", self.ceil);
+        if matches!(
+            op,
+            Op::MaxPool2dWithIndices | Op::MaxPool2dWithIndicesBackward
+        ) {
+            case.ints("dilation", &self.dilation)
+        } else {
+            case
+        }
+    }
+
+    /// For output element `i`: its plane and the in-bounds input positions (row, col) of
+    /// its window, plus the window's size counting padding (clipped at the padded edge).
+    fn window(&self, i: usize) -> (usize, Vec<(usize, usize)>, usize) {
+        let out = self.output();
+        let rank = out.len();
+        let (oh, ow) = (out[rank - 2] as usize, out[rank - 1] as usize);
+        let (h, w) = (self.input[rank - 2] as i64, self.input[rank - 1] as i64);
+        let (plane, oy, ox) = (i / (oh * ow), i / ow % oh, i % ow);
+        let mut cells = vec![];
+        let mut padded = [0i64; 2];
+        for (d, o) in [oy, ox].into_iter().enumerate() {
+            let start = o as i64 * self.stride[d] - self.padding[d];
+            let size = if d == 0 { h } else { w };
+            padded[d] = (start + (self.kernel[d] - 1) * self.dilation[d] + 1)
+                .min(size + self.padding[d])
+                - start;
+        }
+        for ky in 0..self.kernel[0] {
+            for kx in 0..self.kernel[1] {
+                let y = oy as i64 * self.stride[0] - self.padding[0] + ky * self.dilation[0];
+                let x = ox as i64 * self.stride[1] - self.padding[1] + kx * self.dilation[1];
+                if (0..h).contains(&y) && (0..w).contains(&x) {
+                    cells.push((y as usize, x as usize));
+                }
+            }
+        }
+        (plane, cells, (padded[0] * padded[1]) as usize)
+    }
+}
+
+fn pool_specs() -> Vec<PoolSpec> {
+    let spec =
+        |input: &[u64], k: [i64; 2], s: [i64; 2], p: [i64; 2], d: [i64; 2], ceil: bool| PoolSpec {
+            input: input.to_vec(),
+            kernel: k,
+            stride: s,
+            padding: p,
+            dilation: d,
+            ceil,
+        };
+    vec![
+        spec(&[2, 3, 6, 7], [2, 2], [2, 2], [0, 0], [1, 1], false),
+        spec(&[2, 2, 7, 5], [3, 3], [2, 1], [1, 1], [1, 1], true),
+        spec(&[1, 2, 7, 8], [3, 2], [2, 3], [1, 1], [2, 1], true),
+        spec(&[3, 5, 7], [3, 3], [2, 2], [1, 0], [1, 1], false),
+    ]
+}
+
+#[test]
+fn max_pool_and_its_backward() {
+    let mut rng = Rng::new(47);
+    for spec in pool_specs() {
+        let n = numel(&spec.input);
+        // Distinct values far apart: the argmax does not move under small perturbations.
+        let x = f32v(&spec.input, rng.distinct(n, 0.1));
+        let out = spec.output();
+        let rank = out.len();
+        let w = spec.input[rank - 1] as usize;
+        let plane = (spec.input[rank - 2] * spec.input[rank - 1]) as usize;
+        let forward = spec
+            .case(Op::MaxPool2dWithIndices)
+            .input(x.clone())
+            .output(Fp32, &out)
+            .output(I64, &out);
+        let got = forward.run();
+        let (mut values, mut indices) = (vec![], vec![]);
+        for i in 0..numel(&out) {
+            let (p, cells, _) = spec.window(i);
+            let &(y, xx) = cells
+                .iter()
+                .max_by(|a, b| {
+                    x.data[p * plane + a.0 * w + a.1].total_cmp(&x.data[p * plane + b.0 * w + b.1])
+                })
+                .unwrap();
+            values.push(x.data[p * plane + y * w + xx]);
+            indices.push((y * w + xx) as f64);
+        }
+        let what = format!("max_pool2d of {:?} kernel {:?}", spec.input, spec.kernel);
+        assert_close(&got[0], &values, EXACT, &what);
+        assert_close(&got[1], &indices, EXACT, &what);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let grad = spec
+            .case(Op::MaxPool2dWithIndicesBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(i64v(
+                &out,
+                &got[1].iter().map(|v| *v as i64).collect::<Vec<_>>(),
+            ))
+            .output(Fp32, &spec.input)
+            .run1();
+        assert_grad(
+            &grad,
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            1e-4,
+            &format!("{what}: backward"),
+        );
+        // An index outside its plane fails the node, naming it and the plane's size.
+        let mut bad: Vec<i64> = got[1].iter().map(|v| *v as i64).collect();
+        bad[0] = plane as i64;
+        let err = spec
+            .case(Op::MaxPool2dWithIndicesBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(i64v(&out, &bad))
+            .output(Fp32, &spec.input)
+            .fails();
+        assert_mentions(
+            &err,
+            &[
+                "max_pool2d_with_indices_backward",
+                &format!("index {plane} is out of range"),
+                &format!("size {plane}"),
+            ],
+        );
+    }
+}
+
+#[test]
+fn avg_pool_and_its_backward() {
+    let mut rng = Rng::new(53);
+    for spec in pool_specs().into_iter().filter(|s| s.dilation == [1, 1]) {
+        for (include_pad, divisor) in [(true, None), (false, None), (true, Some(5i64))] {
+            let x = rng.f32s(&spec.input, -1.0, 1.0);
+            let out = spec.output();
+            let rank = out.len();
+            let w = spec.input[rank - 1] as usize;
+            let plane = (spec.input[rank - 2] * spec.input[rank - 1]) as usize;
+            let with = |case: Case| {
+                let case = case.flag("count_include_pad", include_pad);
+                match divisor {
+                    Some(d) => case.int("divisor_override", d),
+                    None => case,
+                }
+            };
+            let forward = with(spec.case(Op::AvgPool2d))
+                .input(x.clone())
+                .output(Fp32, &out);
+            let want: Vec<f64> = (0..numel(&out))
+                .map(|i| {
+                    let (p, cells, padded) = spec.window(i);
+                    let s: f64 = cells
+                        .iter()
+                        .map(|&(y, xx)| x.data[p * plane + y * w + xx])
+                        .sum();
+                    let div = divisor
+                        .map_or(if include_pad { padded } else { cells.len() } as f64, |d| {
+                            d as f64
+                        });
+                    s / div
+                })
+                .collect();
+            let what = format!(
+                "avg_pool2d of {:?} kernel {:?} include_pad {include_pad} divisor {divisor:?}",
+                spec.input, spec.kernel
+            );
+            assert_close(&forward.run1(), &want, tol(1e-6, 1e-6), &what);
+            let g = rng.f32s(&out, -1.0, 1.0);
+            let grad = with(spec.case(Op::AvgPool2dBackward))
+                .input(g.clone())
+                .input(x.clone())
+                .output(Fp32, &spec.input)
+                .run1();
+            assert_grad(
+                &grad,
+                &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+                1e-3,
+                &format!("{what}: backward"),
+            );
+        }
+    }
+}
+
+#[test]
+fn adaptive_avg_pool_and_its_backward() {
+    let mut rng = Rng::new(59);
+    for (input, size) in [
+        (&[2u64, 3, 7, 5][..], [3i64, 2]),
+        (&[1, 2, 1, 1], [2, 3]),
+        (&[2, 6, 4], [4, 4]),
+        (&[1, 1, 5, 9], [1, 1]),
+    ] {
+        let rank = input.len();
+        let (h, w) = (input[rank - 2] as usize, input[rank - 1] as usize);
+        let (oh, ow) = (size[0] as usize, size[1] as usize);
+        let mut out = input.to_vec();
+        out[rank - 2] = oh as u64;
+        out[rank - 1] = ow as u64;
+        let x = rng.f32s(input, -1.0, 1.0);
+        let forward = Case::new(Op::AdaptiveAvgPool2d)
+            .input(x.clone())
+            .ints("output_size", &size)
+            .output(Fp32, &out);
+        let want: Vec<f64> = (0..numel(&out))
+            .map(|i| {
+                let (p, oy, ox) = (i / (oh * ow), i / ow % oh, i % ow);
+                // Window [floor(o * n / out), ceil((o + 1) * n / out)).
+                let (y0, y1) = (
+                    (oy * h) as f64 / oh as f64,
+                    ((oy + 1) * h) as f64 / oh as f64,
+                );
+                let (x0, x1) = (
+                    (ox * w) as f64 / ow as f64,
+                    ((ox + 1) * w) as f64 / ow as f64,
+                );
+                let mut cells = vec![];
+                for y in y0.floor() as usize..y1.ceil() as usize {
+                    for xx in x0.floor() as usize..x1.ceil() as usize {
+                        cells.push(x.data[p * h * w + y * w + xx]);
+                    }
+                }
+                mean(&cells)
+            })
+            .collect();
+        let what = format!("_adaptive_avg_pool2d of {input:?} to {size:?}");
+        assert_close(&forward.run1(), &want, tol(1e-6, 1e-6), &what);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let grad = Case::new(Op::AdaptiveAvgPool2dBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .output(Fp32, input)
+            .run1();
+        assert_grad(
+            &grad,
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            1e-3,
+            &format!("{what}: backward"),
+        );
+    }
+}
+
+#[test]
+fn embedding_and_its_backward() {
+    let mut rng = Rng::new(61);
+    let table = rng.f32s(&[6, 4], -1.0, 1.0);
+    let ids = i64v(&[2, 3], &[0, 5, 2, 5, 5, -1]);
+    let forward = Case::new(Op::Embedding)
+        .input(table.clone())
+        .input(ids.clone())
+        .int("padding_idx", -1)
+        .flag("scale_grad_by_freq", false)
+        .flag("sparse", false)
+        .output(Fp32, &[2, 3, 4]);
+    let got = forward.run1();
+    let rows = [0usize, 5, 2, 5, 5, 5];
+    let want: Vec<f64> = rows
+        .iter()
+        .flat_map(|&r| table.data[r * 4..(r + 1) * 4].to_vec())
+        .collect();
+    assert_close(&got, &want, EXACT, "embedding");
+    let g = rng.f32s(&[2, 3, 4], -1.0, 1.0);
+    for (padding, scale) in [(-1i64, false), (2, false), (5, true)] {
+        let grad = Case::new(Op::EmbeddingDenseBackward)
+            .input(g.clone())
+            .input(ids.clone())
+            .int("num_weights", 6)
+            .int("padding_idx", padding)
+            .flag("scale_grad_by_freq", scale)
+            .output(Fp32, &[6, 4])
+            .run1();
+        let mut want = vec![0.0; 24];
+        for (i, &r) in rows.iter().enumerate() {
+            if r as i64 == padding {
+                continue;
+            }
+            let count = rows.iter().filter(|&&q| q == r).count() as f64;
+            for j in 0..4 {
+                want[r * 4 + j] += g.data[i * 4 + j] / if scale { count } else { 1.0 };
+            }
+        }
+        let what = format!("embedding_dense_backward padding_idx {padding} scale {scale}");
+        assert_close(&grad, &want, tol(1e-6, 1e-6), &what);
+        if padding == -1 {
+            let numeric = numeric_grad(&forward, 0, 0, &g.data, 1e-2);
+            assert_grad(
+                &grad,
+                &numeric,
+                1e-4,
+                &format!("{what} vs finite differences"),
+            );
+        }
+    }
+    // Bad indices fail with the index and the bound.
+    let bad = i64v(&[3], &[1, 6, 0]);
+    let err = Case::new(Op::EmbeddingDenseBackward)
+        .input(f32v(&[3, 4], vec![0.0; 12]))
+        .input(bad.clone())
+        .int("num_weights", 6)
+        .int("padding_idx", -1)
+        .flag("scale_grad_by_freq", false)
+        .output(Fp32, &[6, 4])
+        .fails();
+    assert_mentions(
+        &err,
+        &[
+            "embedding_dense_backward",
+            "index 6 is out of range",
+            "size 6",
+        ],
+    );
+    let err = Case::new(Op::Embedding)
+        .input(table.clone())
+        .input(i64v(&[1], &[-7]))
+        .output(Fp32, &[1, 4])
+        .fails();
+    assert_mentions(&err, &["embedding", "index -7 is out of range", "size 6"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Indexing
+
+#[test]
+fn gather_and_scatters() {
+    let mut rng = Rng::new(67);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for (dim, index_shape) in [(1i64, [3u64, 4, 7]), (-1, [2, 5, 3]), (0, [3, 1, 2])] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let index_data = rng.ints(numel(&index_shape), -n, n);
+        let index = i64v(&index_shape, &index_data);
+        let wrap = |v: f64| (if v < 0.0 { v + n as f64 } else { v }) as usize;
+        let got = Case::new(Op::Gather)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .flag("sparse_grad", false)
+            .output(Fp32, &index_shape)
+            .run1();
+        let want = (0..numel(&index_shape))
+            .map(|i| {
+                let mut src = unravel(i, &index_shape);
+                src[d] = wrap(index.data[i]);
+                x.data[ravel(&src, &x.ty.shape)]
+            })
+            .collect::<Vec<_>>();
+        let what = format!("gather dim {dim} index {index_shape:?}");
+        assert_close(&got, &want, EXACT, &what);
+        // scatter.value: the value at every indexed place.
+        let got = Case::new(Op::ScatterValue)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .float("value", 9.5)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for i in 0..numel(&index_shape) {
+            let mut dst = unravel(i, &index_shape);
+            dst[d] = wrap(index.data[i]);
+            want[ravel(&dst, &x.ty.shape)] = 9.5;
+        }
+        assert_close(&got, &want, EXACT, &format!("scatter.value dim {dim}"));
+        // scatter_add: src may be larger than index; duplicates add up.
+        let mut src_shape = index_shape;
+        src_shape[0] += 1;
+        let src = rng.f32s(&src_shape, -1.0, 1.0);
+        let got = Case::new(Op::ScatterAdd)
+            .input(x.clone())
+            .input(index.clone())
+            .input(src.clone())
+            .int("dim", dim)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for i in 0..numel(&index_shape) {
+            let at = unravel(i, &index_shape);
+            let mut dst = at.clone();
+            dst[d] = wrap(index.data[i]);
+            want[ravel(&dst, &x.ty.shape)] += src.data[ravel(&at, &src_shape)];
+        }
+        assert_close(
+            &got,
+            &want,
+            tol(1e-6, 1e-6),
+            &format!("scatter_add dim {dim}"),
+        );
+        // Each of them refuses an index out of range, naming it and the bound.
+        let mut bad = index_data.clone();
+        bad[1] = n;
+        let bad = i64v(&index_shape, &bad);
+        for case in [
+            Case::new(Op::Gather)
+                .input(x.clone())
+                .input(bad.clone())
+                .int("dim", dim)
+                .output(Fp32, &index_shape),
+            Case::new(Op::ScatterValue)
+                .input(x.clone())
+                .input(bad.clone())
+                .int("dim", dim)
+                .float("value", 1.0)
+                .output(Fp32, &x.ty.shape),
+            Case::new(Op::ScatterAdd)
+                .input(x.clone())
+                .input(bad.clone())
+                .input(src.clone())
+                .int("dim", dim)
+                .output(Fp32, &x.ty.shape),
+        ] {
+            assert_mentions(
+                &case.fails(),
+                &[&format!("index {n} is out of range"), &format!("size {n}")],
+            );
+        }
+    }
+}
+
+#[test]
+fn index_select_and_index_put() {
+    let mut rng = Rng::new(71);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for (dim, picks) in [
+        (1i64, vec![4i64, 0, -1, 4]),
+        (-1, vec![6]),
+        (0, vec![]),
+        (2, vec![-7, 3]),
+    ] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let mut out = x.ty.shape.clone();
+        out[d] = picks.len() as u64;
+        let index = i64v(&[picks.len() as u64], &picks);
+        let got = Case::new(Op::IndexSelect)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            let p = picks[o[d]];
+            src[d] = (if p < 0 { p + n } else { p }) as usize;
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("index_select dim {dim} {picks:?}"),
+        );
+        let bad = i64v(&[2], &[0, -n - 1]);
+        let err = Case::new(Op::IndexSelect)
+            .input(x.clone())
+            .input(bad)
+            .int("dim", dim)
+            .output(Fp32, &{
+                let mut o = x.ty.shape.clone();
+                o[d] = 2;
+                o
+            })
+            .fails();
+        assert_mentions(
+            &err,
+            &[
+                "index_select",
+                &format!("index {} is out of range", -n - 1),
+                &format!("size {n}"),
+            ],
+        );
+    }
+    let i32_index = val(I32, &[2], vec![2.0, 0.0]);
+    let got = Case::new(Op::IndexSelect)
+        .input(i64v(&[3], &[10, 20, 30]))
+        .input(i32_index)
+        .int("dim", 0)
+        .output(I64, &[2])
+        .run1();
+    assert_close(&got, &[30.0, 10.0], EXACT, "index_select with i32 indices");
+    // index_put with two leading index tensors: values per indexed row, one shared row,
+    // or a scalar; accumulate adds (duplicates too), otherwise writes.
+    let rows = i64v(&[3], &[0, 2, 0]);
+    let cols = i64v(&[3], &[1, -1, 1]);
+    for (values_shape, accumulate) in [
+        (vec![3u64, 7], true),
+        (vec![7], true),
+        (vec![], false),
+        (vec![3, 7], false),
+    ] {
+        let values = rng.f32s(&values_shape, -1.0, 1.0);
+        let got = Case::new(Op::IndexPut)
+            .input(x.clone())
+            .input(rows.clone())
+            .input(cols.clone())
+            .input(values.clone())
+            .int("indices.len", 2)
+            .flag("accumulate", accumulate)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for (i, (r, c)) in [(0usize, 1usize), (2, 4), (0, 1)].into_iter().enumerate() {
+            for j in 0..7 {
+                let v = match values_shape.len() {
+                    2 => values.data[i * 7 + j],
+                    1 => values.data[j],
+                    _ => values.data[0],
+                };
+                let at = (r * 5 + c) * 7 + j;
+                want[at] = if accumulate { want[at] + v } else { v };
+            }
+        }
+        assert_close(
+            &got,
+            &want,
+            tol(1e-6, 1e-6),
+            &format!("index_put values {values_shape:?} accumulate {accumulate}"),
+        );
+    }
+    let err = Case::new(Op::IndexPut)
+        .input(x.clone())
+        .input(i64v(&[1], &[3]))
+        .input(f32v(&[], vec![1.0]))
+        .int("indices.len", 1)
+        .flag("accumulate", false)
+        .output(Fp32, &x.ty.shape)
+        .fails();
+    assert_mentions(&err, &["index_put", "index 3 is out of range", "size 3"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Creation and randomness
+
+#[test]
+fn creation_ops() {
+    let got = Case::new(Op::Full)
+        .ints("size", &[2, 3])
+        .float("fill_value", 1.25)
+        .output(Fp32, &[2, 3])
+        .run1();
+    assert_close(&got, &[1.25; 6], EXACT, "full f32");
+    let got = Case::new(Op::Full)
+        .ints("size", &[4])
+        .int("fill_value", -3)
+        .output(I64, &[4])
+        .run1();
+    assert_close(&got, &[-3.0; 4], EXACT, "full i64");
+    let got = Case::new(Op::Full)
+        .ints("size", &[0, 2])
+        .attr("fill_value", Attr::Bool(true))
+        .output(Bool, &[0, 2])
+        .run1();
+    assert!(got.is_empty());
+    let got = Case::new(Op::Full)
+        .ints("size", &[3])
+        .float("fill_value", 0.1)
+        .dtype("dtype", Bf16)
+        .output(Bf16, &[3])
+        .run1();
+    assert_close(
+        &got,
+        &[half::bf16::from_f64(0.1).to_f64(); 3],
+        EXACT,
+        "full bf16",
+    );
+    let like = f32v(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]);
+    let got = Case::new(Op::FullLike)
+        .input(like.clone())
+        .float("fill_value", -0.5)
+        .output(Fp32, &[2, 2])
+        .run1();
+    assert_close(&got, &[-0.5; 4], EXACT, "full_like");
+    let got = Case::new(Op::FullLike)
+        .input(like)
+        .int("fill_value", 7)
+        .dtype("dtype", I32)
+        .output(I32, &[2, 2])
+        .run1();
+    assert_close(&got, &[7.0; 4], EXACT, "full_like i32");
+    let got = Case::new(Op::ScalarTensor)
+        .float("s", 2.5)
+        .output(Fp32, &[])
+        .run1();
+    assert_close(&got, &[2.5], EXACT, "scalar_tensor");
+    let got = Case::new(Op::ScalarTensor)
+        .int("s", -4)
+        .dtype("dtype", I64)
+        .output(I64, &[])
+        .run1();
+    assert_close(&got, &[-4.0], EXACT, "scalar_tensor i64");
+    for (start, end, step, dtype) in [
+        (Attr::Int(0), Attr::Int(5), Attr::Int(1), I64),
+        (Attr::Int(10), Attr::Int(-3), Attr::Int(-4), I64),
+        (Attr::Float(0.5), Attr::Float(2.0), Attr::Float(0.25), Fp32),
+        (Attr::Int(3), Attr::Int(3), Attr::Int(1), I64),
+    ] {
+        let num = |a: &Attr| match a {
+            Attr::Int(v) => *v as f64,
+            Attr::Float(v) => *v,
+            _ => unreachable!(),
+        };
+        let (a, b, s) = (num(&start), num(&end), num(&step));
+        let len = ((b - a) / s).ceil() as usize;
+        let want: Vec<f64> = (0..len).map(|i| a + s * i as f64).collect();
+        let got = Case::new(Op::ArangeStartStep)
+            .attr("start", start.clone())
+            .attr("end", end.clone())
+            .attr("step", step.clone())
+            .output(dtype, &[len as u64])
+            .run1();
+        assert_close(&got, &want, F32, &format!("arange {a} {b} {s}"));
+    }
+}
+
+#[test]
+fn bernoulli_fails_clearly_on_cpu() {
+    // No per-session random state yet: the node must fail, saying why, not run.
+    let err = Case::new(Op::BernoulliP)
+        .input(f32v(&[4], vec![0.0; 4]))
+        .float("p", 0.5)
+        .output(Fp32, &[4])
+        .fails();
+    assert_mentions(
+        &err,
+        &[
+            "bernoulli.p",
+            "not supported on the CPU device",
+            "random state",
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Coverage
+
+/// Every test of this file above, to run again under the op recorder.
+const ALL_TESTS: &[(&str, fn())] = &[
+    ("unary_float_functions", unary_float_functions),
+    ("gelu_exact_and_tanh", gelu_exact_and_tanh),
+    ("scalar_ops", scalar_ops),
+    ("comparisons_with_a_number", comparisons_with_a_number),
+    ("logical_and_bitwise_not", logical_and_bitwise_not),
+    ("copies_and_conversions", copies_and_conversions),
+    ("binary_arithmetic_broadcasts", binary_arithmetic_broadcasts),
+    ("binary_logical_and_bitwise", binary_logical_and_bitwise),
+    ("where_broadcasts_three_ways", where_broadcasts_three_ways),
+    ("sums_means_and_maxima", sums_means_and_maxima),
+    ("variance_and_any", variance_and_any),
+    ("softmax_and_log_softmax", softmax_and_log_softmax),
+    (
+        "softmax_backwards_match_formula_and_finite_differences",
+        softmax_backwards_match_formula_and_finite_differences,
+    ),
+    ("mm_addmm_bmm", mm_addmm_bmm),
+    ("views_keep_the_elements", views_keep_the_elements),
+    ("permute_and_expand", permute_and_expand),
+    ("split_cat_slice_select", split_cat_slice_select),
+    (
+        "convolutions_match_their_definition",
+        convolutions_match_their_definition,
+    ),
+    (
+        "convolution_backward_matches_finite_differences",
+        convolution_backward_matches_finite_differences,
+    ),
+    ("layer_norm_and_its_backward", layer_norm_and_its_backward),
+    ("max_pool_and_its_backward", max_pool_and_its_backward),
+    ("avg_pool_and_its_backward", avg_pool_and_its_backward),
+    (
+        "adaptive_avg_pool_and_its_backward",
+        adaptive_avg_pool_and_its_backward,
+    ),
+    ("embedding_and_its_backward", embedding_and_its_backward),
+    ("gather_and_scatters", gather_and_scatters),
+    ("index_select_and_index_put", index_select_and_index_put),
+    ("creation_ops", creation_ops),
+    (
+        "bernoulli_fails_clearly_on_cpu",
+        bernoulli_fails_clearly_on_cpu,
+    ),
+];
+
+#[test]
+fn every_op_is_tested() {
+    let ran = record_ops(|| {
+        for (_, test) in ALL_TESTS {
+            test();
+        }
+    });
+    let missing: Vec<&str> = Op::ALL
+        .iter()
+        .filter(|op| !ran.contains(op))
+        .map(|op| op.name())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ops no test runs on the CPU device: {missing:?}"
+    );
+    // The list above names every test of this file (but this one).
+    let source = include_str!("ops.rs");
+    let tests = source.matches("#[test]\nfn ").count();
+    assert_eq!(
+        tests,
+        ALL_TESTS.len() + 1,
+        "a test is missing from ALL_TESTS"
+    );
 }
