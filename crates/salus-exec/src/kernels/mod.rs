@@ -5,8 +5,9 @@
 //! products, 2-d convolution and its backward, max pooling, layer norm, softmax, shape
 //! copies, embedding, gather, scatter and index_put. Values go through `f64` for every
 //! dtype: correct first. Fast paths (typed loops, the `gemm` crate, im2col, a bounded
-//! thread pool), f16/bf16, and the remaining ops of `docs/ops.md` come next; an op without
-//! a kernel fails the iteration with an error naming it.
+//! thread pool) come next. The other ops of `docs/ops.md` live in the submodules (`conv`:
+//! convolutions other than 2-d f32; `pool`, `index`, `norm`); f16 and bf16 are loaded and
+//! stored through f32. `bernoulli.p` alone fails the iteration, with an error saying why.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
