@@ -20,6 +20,19 @@ ROOT = Path(__file__).resolve().parents[3]
 
 # The four target models; every op of their training steps has a CPU kernel.
 ENGINE_MODELS = ["mlp", "cnn", "gpt", "resnet18"]
+STEPS = 10
+# Losses: relative to the loss (at least 1).
+LOSS_RTOL = 1e-5
+# Updated tensors: the largest difference relative to the tensor's largest magnitude (at
+# least 1).
+RTOL = 1e-4
+# Tensors allowed a looser bound, per model, with why. gpt: the key third of each
+# attention's qkv bias has a gradient that is zero in exact arithmetic (softmax ignores a
+# shift common to a row of scores), so what reaches AdamW is f32 rounding noise, which
+# depends on the order of the reductions and which Adam normalises into steps of size lr.
+# PyTorch's own f32 run ends about 1e-4 from its f64 run on these tensors (the manifest's
+# f32_error); every other gpt tensor stays within 1e-4.
+LOOSER = {"gpt": ("attn.qkv.bias", 1e-3)}
 
 
 def replay(model_dir: Path) -> dict:
@@ -35,13 +48,15 @@ def replay(model_dir: Path) -> dict:
 
 @pytest.mark.parametrize("name", ENGINE_MODELS)
 def test_cpu_device_matches_pytorch(tmp_path: Path, name: str) -> None:
-    reference.write_all(tmp_path, steps=3, names=[name])
+    reference.write_all(tmp_path, steps=STEPS, names=[name])
     manifest = json.loads((tmp_path / name / "manifest.json").read_text())
     result = replay(tmp_path / name)
+    assert len(result["losses"]) == STEPS
     for ours, theirs in zip(result["losses"], manifest["losses"], strict=True):
-        assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (result["losses"],
-                                                                     manifest["losses"])
+        assert abs(ours - theirs) <= LOSS_RTOL * max(1.0, abs(theirs)), (result["losses"],
+                                                                          manifest["losses"])
     assert result["final"], "no tensors compared"
+    looser, looser_rtol = LOOSER.get(name, (None, RTOL))
     for tensor, err in result["final"].items():
-        # Within 1e-4 of the tensor's scale, as the engine's parity target asks.
-        assert err["max_abs"] <= 1e-4 * max(1.0, err["max_value"]), (tensor, err)
+        rtol = looser_rtol if looser is not None and looser in tensor else RTOL
+        assert err["max_abs"] <= rtol * max(1.0, err["max_value"]), (tensor, err, rtol)

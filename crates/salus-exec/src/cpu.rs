@@ -74,6 +74,8 @@ fn run_node(
         return Ok(());
     }
     // Split the lane into disjoint pieces: one per output, one per run of input bytes.
+    // Tensors of no bytes take no piece: the plan may put them anywhere, even at the
+    // start of another tensor, and they are never in place.
     enum Piece {
         Read,
         Write(usize),
@@ -85,11 +87,14 @@ fn run_node(
             && let Some(Location::Lane(off)) = program.location(*id)
         {
             let r = range(off, program.bytes(*id));
+            if r.is_empty() {
+                continue;
+            }
             if out_ranges
                 .first()
                 .cloned()
                 .flatten()
-                .is_some_and(|o| o.start == r.start)
+                .is_some_and(|o| o == r)
             {
                 in_place[k] = true;
             } else {
@@ -98,7 +103,9 @@ fn run_node(
         }
     }
     for (j, r) in out_ranges.iter().enumerate() {
-        if let Some(r) = r {
+        if let Some(r) = r
+            && !r.is_empty()
+        {
             cuts.push((r.clone(), Piece::Write(j)));
         }
     }
@@ -131,6 +138,11 @@ fn run_node(
         match piece {
             Piece::Read => reads.push((r, chunk)),
             Piece::Write(j) => writes[j] = Some(chunk),
+        }
+    }
+    for (j, r) in out_ranges.iter().enumerate() {
+        if r.as_ref().is_some_and(Range::is_empty) {
+            writes[j] = Some(&mut []);
         }
     }
     let lookup = |r: Range<usize>| -> &[u8] {

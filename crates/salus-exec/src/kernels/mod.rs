@@ -5,12 +5,18 @@
 //! products, 2-d convolution and its backward, max pooling, layer norm, softmax, shape
 //! copies, embedding, gather, scatter and index_put. Values go through `f64` for every
 //! dtype: correct first. Fast paths (typed loops, the `gemm` crate, im2col, a bounded
-//! thread pool), f16/bf16, and the remaining ops of `docs/ops.md` come next; an op without
-//! a kernel fails the iteration with an error naming it.
+//! thread pool) come next. The other ops of `docs/ops.md` live in the submodules (`conv`:
+//! convolutions other than 2-d f32; `pool`, `index`, `norm`); f16 and bf16 are loaded and
+//! stored through f32. `bernoulli.p` alone fails the iteration, with an error saying why.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
 use crate::blas::{Mat, sgemm};
+
+mod conv;
+mod index;
+mod norm;
+mod pool;
 
 type Result<T> = std::result::Result<T, String>;
 
@@ -36,7 +42,10 @@ pub(crate) fn load(bytes: &[u8], dtype: DType, i: usize) -> f64 {
         DType::I64 => i64::from_le_bytes(word(bytes, i)) as f64,
         DType::I32 => f64::from(i32::from_le_bytes(word(bytes, i))),
         DType::Bool => f64::from(u8::from(bytes[i] != 0)),
-        DType::F16 | DType::Bf16 => f64::NAN,
+        DType::F16 => f64::from(half::f16::from_bits(u16::from_le_bytes(word(bytes, i))).to_f32()),
+        DType::Bf16 => {
+            f64::from(half::bf16::from_bits(u16::from_le_bytes(word(bytes, i))).to_f32())
+        }
     }
 }
 
@@ -52,7 +61,10 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::I64 => bytes[i * 8..(i + 1) * 8].copy_from_slice(&(v as i64).to_le_bytes()),
         DType::I32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as i32).to_le_bytes()),
         DType::Bool => bytes[i] = u8::from(v != 0.0),
-        DType::F16 | DType::Bf16 => {}
+        DType::F16 => bytes[i * 2..(i + 1) * 2]
+            .copy_from_slice(&half::f16::from_f64(v).to_bits().to_le_bytes()),
+        DType::Bf16 => bytes[i * 2..(i + 1) * 2]
+            .copy_from_slice(&half::bf16::from_f64(v).to_bits().to_le_bytes()),
     }
 }
 
@@ -247,6 +259,13 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
     use Op::*;
     // Ops with several results fill whichever of them are used.
     match node.op {
+        ConvolutionBackward if conv::is_generic(node, args) => {
+            return conv::convolution_backward(node, args, outs);
+        }
+        MaxPool2dWithIndices if pool::is_unbatched(args, 0) => {
+            return pool::max_pool2d(node, args, outs);
+        }
+        NativeLayerNormBackward => return norm::layer_norm_backward(node, args, outs),
         ConvolutionBackward => return convolution_backward(node, args, outs),
         MaxPool2dWithIndices => return max_pool2d(node, args, outs),
         NativeLayerNorm => return layer_norm(node, args, outs),
@@ -297,7 +316,12 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
         Rsqrt => elementwise(args, o, |v| 1.0 / v[0].sqrt()),
         Sigmoid => elementwise(args, o, |v| 1.0 / (1.0 + (-v[0]).exp())),
         Tanh => elementwise(args, o, |v| v[0].tanh()),
-        Relu => elementwise(args, o, |v| v[0].max(0.0)),
+        // NaN propagates, as in PyTorch (f64::max would give 0).
+        Relu => elementwise(
+            args,
+            o,
+            |v| if v[0].is_nan() { v[0] } else { v[0].max(0.0) },
+        ),
         LeakyRelu => {
             let slope = attr_f64(node, "negative_slope", Some(0.01))?;
             elementwise(args, o, |v| if v[0] > 0.0 { v[0] } else { slope * v[0] })
@@ -400,8 +424,27 @@ pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -
         Gather => gather(node, args, o),
         ScatterValue => scatter_value(node, args, o),
         VarCorrection => variance(node, args, o),
+        Convolution if conv::is_generic(node, args) => conv::convolution(node, args, o),
         Convolution => convolution(node, args, o),
+        MaxPool2dWithIndicesBackward if pool::is_unbatched(args, 1) => {
+            pool::max_pool2d_backward(args, o)
+        }
         MaxPool2dWithIndicesBackward => max_pool2d_backward(args, o),
+        SoftmaxBackwardData | LogSoftmaxBackwardData => norm::softmax_backward(node, args, o),
+        AvgPool2d => pool::avg_pool2d(node, args, o),
+        AvgPool2dBackward => pool::avg_pool2d_backward(node, args, o),
+        AdaptiveAvgPool2d => pool::adaptive_avg_pool2d(args, o),
+        AdaptiveAvgPool2dBackward => pool::adaptive_avg_pool2d_backward(args, o),
+        SliceTensor => index::slice(node, args, o),
+        SelectInt => index::select(node, args, o),
+        IndexSelect => index::index_select(node, args, o),
+        ScatterAdd => index::scatter_add(node, args, o),
+        EmbeddingDenseBackward => index::embedding_backward(node, args, o),
+        BernoulliP => Err(
+            "bernoulli.p is not supported on the CPU device yet: it needs a per-session \
+             random state, which the graph does not carry"
+                .into(),
+        ),
         ArangeStartStep => {
             let start = attr_f64(node, "start", None)?;
             let step = attr_f64(node, "step", Some(1.0))?;
@@ -467,7 +510,8 @@ fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
             .collect::<Vec<_>>()
     };
     let n_out = numel(&o.ty.shape);
-    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>().max(1) as f64;
+    // The mean of no elements is NaN (0 / 0), as in PyTorch.
+    let count = reduced.iter().map(|&d| ty.shape[d]).product::<u64>() as f64;
     let is_max = node.op == Op::Amax;
     let mut acc = vec![if is_max { f64::NEG_INFINITY } else { 0.0 }; n_out];
     for_each_index(&ty.shape, &[out_strides_full], |i, offs| {

@@ -1,0 +1,489 @@
+//! The op tests' harness: one-node graphs run on a fresh [`CpuDevice`], values in and out
+//! as `f64` (rounded to each tensor's dtype on the way in), index helpers for the naive
+//! reference implementations, central finite differences, and a record of the ops run.
+
+#![allow(dead_code)]
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+
+use salus_exec::{CpuDevice, Device, Placement, Program};
+use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
+
+thread_local! {
+    static RECORD: RefCell<Option<BTreeSet<Op>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` and returns every op the harness ran on this thread meanwhile.
+pub fn record_ops(f: impl FnOnce()) -> BTreeSet<Op> {
+    RECORD.with(|r| *r.borrow_mut() = Some(BTreeSet::new()));
+    f();
+    RECORD.with(|r| r.borrow_mut().take().unwrap_or_default())
+}
+
+fn note(op: Op) {
+    RECORD.with(|r| {
+        if let Some(set) = r.borrow_mut().as_mut() {
+            set.insert(op);
+        }
+    });
+}
+
+/// `v` as the nearest value of `dtype` (integers truncate toward zero, bools are != 0).
+pub fn round_to(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(v as f32),
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        DType::Bf16 => half::bf16::from_f64(v).to_f64(),
+        DType::I64 => v as i64 as f64,
+        DType::I32 => f64::from(v as i32),
+        DType::Bool => f64::from(u8::from(v != 0.0)),
+    }
+}
+
+/// Little-endian bytes of `data` as `dtype`.
+pub fn encode(dtype: DType, data: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() * dtype.size() as usize);
+    for &v in data {
+        match dtype {
+            DType::F32 => out.extend((v as f32).to_le_bytes()),
+            DType::F16 => out.extend(half::f16::from_f64(v).to_le_bytes()),
+            DType::Bf16 => out.extend(half::bf16::from_f64(v).to_le_bytes()),
+            DType::I64 => out.extend((v as i64).to_le_bytes()),
+            DType::I32 => out.extend((v as i32).to_le_bytes()),
+            DType::Bool => out.push(u8::from(v != 0.0)),
+        }
+    }
+    out
+}
+
+/// Values of little-endian `bytes` of `dtype`.
+pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    let size = dtype.size() as usize;
+    bytes
+        .chunks_exact(size)
+        .map(|c| match dtype {
+            DType::F32 => f64::from(f32::from_le_bytes(c.try_into().unwrap())),
+            DType::F16 => half::f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::Bf16 => half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::I32 => f64::from(i32::from_le_bytes(c.try_into().unwrap())),
+            DType::Bool => f64::from(c[0]),
+        })
+        .collect()
+}
+
+/// A tensor value: its type and its elements (row-major), already rounded to its dtype.
+#[derive(Debug, Clone)]
+pub struct Value {
+    pub ty: TensorType,
+    pub data: Vec<f64>,
+}
+
+/// A value of `dtype` and `shape` holding `data` rounded to the dtype.
+pub fn val(dtype: DType, shape: &[u64], data: Vec<f64>) -> Value {
+    assert_eq!(
+        data.len() as u64,
+        shape.iter().product::<u64>(),
+        "{} values for shape {shape:?}",
+        data.len()
+    );
+    Value {
+        ty: TensorType::new(dtype, shape.to_vec()),
+        data: data.into_iter().map(|v| round_to(dtype, v)).collect(),
+    }
+}
+
+/// An f32 value.
+pub fn f32v(shape: &[u64], data: Vec<f64>) -> Value {
+    val(DType::F32, shape, data)
+}
+
+/// An i64 value.
+pub fn i64v(shape: &[u64], data: &[i64]) -> Value {
+    val(DType::I64, shape, data.iter().map(|&v| v as f64).collect())
+}
+
+/// One node over fed inputs, every used output fetched.
+#[derive(Debug, Clone)]
+pub struct Case {
+    op: Op,
+    inputs: Vec<Option<Value>>,
+    attrs: BTreeMap<String, Attr>,
+    outputs: Vec<Option<TensorType>>,
+}
+
+impl Case {
+    pub fn new(op: Op) -> Case {
+        Case {
+            op,
+            inputs: vec![],
+            attrs: BTreeMap::new(),
+            outputs: vec![],
+        }
+    }
+
+    pub fn input(mut self, v: Value) -> Case {
+        self.inputs.push(Some(v));
+        self
+    }
+
+    /// An absent optional input.
+    pub fn absent(mut self) -> Case {
+        self.inputs.push(None);
+        self
+    }
+
+    pub fn attr(mut self, name: &str, a: Attr) -> Case {
+        self.attrs.insert(name.into(), a);
+        self
+    }
+
+    pub fn int(self, name: &str, v: i64) -> Case {
+        self.attr(name, Attr::Int(v))
+    }
+
+    pub fn float(self, name: &str, v: f64) -> Case {
+        self.attr(name, Attr::Float(v))
+    }
+
+    pub fn flag(self, name: &str, v: bool) -> Case {
+        self.attr(name, Attr::Bool(v))
+    }
+
+    pub fn ints(self, name: &str, v: &[i64]) -> Case {
+        self.attr(name, Attr::Ints(v.to_vec()))
+    }
+
+    pub fn dtype(self, name: &str, d: DType) -> Case {
+        self.attr(name, Attr::DType(d))
+    }
+
+    /// The next output, of this type (checked against the graph's shape inference).
+    pub fn output(mut self, dtype: DType, shape: &[u64]) -> Case {
+        self.outputs
+            .push(Some(TensorType::new(dtype, shape.to_vec())));
+        self
+    }
+
+    /// The next output is unused.
+    pub fn unused(mut self) -> Case {
+        self.outputs.push(None);
+        self
+    }
+
+    /// The values of the inputs, present ones only.
+    pub fn input_values(&self) -> Vec<&Value> {
+        self.inputs.iter().flatten().collect()
+    }
+
+    pub fn graph(&self) -> Graph {
+        let mut tensors = vec![];
+        let mut inputs = vec![];
+        for (k, v) in self.inputs.iter().enumerate() {
+            inputs.push(v.as_ref().map(|v| {
+                tensors.push(Tensor {
+                    name: format!("in{k}"),
+                    ty: v.ty.clone(),
+                    role: Role::Feed,
+                    data: vec![],
+                });
+                tensors.len() - 1
+            }));
+        }
+        let mut outputs = vec![];
+        for (k, ty) in self.outputs.iter().enumerate() {
+            outputs.push(ty.as_ref().map(|ty| {
+                tensors.push(Tensor {
+                    name: format!("out{k}"),
+                    ty: ty.clone(),
+                    role: Role::Intermediate,
+                    data: vec![],
+                });
+                tensors.len() - 1
+            }));
+        }
+        Graph {
+            tensors,
+            nodes: vec![Node {
+                name: format!("{}", self.op),
+                op: self.op,
+                inputs,
+                outputs: outputs.clone(),
+                attrs: self.attrs.clone(),
+                source: String::new(),
+            }],
+            fetches: outputs.into_iter().flatten().collect(),
+            updates: vec![],
+        }
+    }
+
+    /// The case's graph, validated and planned, on a device of its own.
+    pub fn try_session(&self) -> Result<Session, String> {
+        let program = Program::new(self.graph(), &Limits::default())
+            .map_err(|e| format!("{}: invalid graph: {e}", self.op))?;
+        let lane = 256;
+        let capacity = lane + program.plan().ephemeral_bytes.max(1) + 256;
+        let device = CpuDevice::new(capacity).map_err(|e| e.to_string())?;
+        Ok(Session {
+            op: self.op,
+            program,
+            device,
+            at: Placement {
+                persistent: 0,
+                lane,
+            },
+            feed_dtypes: self.input_values().iter().map(|v| v.ty.dtype).collect(),
+            outputs: self
+                .outputs
+                .iter()
+                .map(|o| o.as_ref().map(|t| t.dtype))
+                .collect(),
+        })
+    }
+
+    pub fn session(&self) -> Session {
+        self.try_session().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Every output's values (empty for unused ones), or the device's error.
+    pub fn try_run(&self) -> Result<Vec<Vec<f64>>, String> {
+        let session = self.try_session()?;
+        let feeds: Vec<&[f64]> = self.input_values().iter().map(|v| &v.data[..]).collect();
+        session.run(&feeds)
+    }
+
+    pub fn run(&self) -> Vec<Vec<f64>> {
+        self.try_run().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Output 0's values.
+    pub fn run1(&self) -> Vec<f64> {
+        self.run().swap_remove(0)
+    }
+
+    /// The error the device gives; panics when the node runs.
+    pub fn fails(&self) -> String {
+        match self.try_run() {
+            Ok(_) => panic!("{} ran, but should have failed", self.op),
+            Err(e) => e,
+        }
+    }
+}
+
+/// A planned one-node graph on its own device, to run with several feeds.
+pub struct Session {
+    op: Op,
+    program: Program,
+    device: CpuDevice,
+    at: Placement,
+    feed_dtypes: Vec<DType>,
+    outputs: Vec<Option<DType>>,
+}
+
+impl Session {
+    /// Runs the node on `feeds` (one per present input, in order).
+    pub fn run(&self, feeds: &[&[f64]]) -> Result<Vec<Vec<f64>>, String> {
+        note(self.op);
+        let bytes: Vec<Vec<u8>> = feeds
+            .iter()
+            .zip(&self.feed_dtypes)
+            .map(|(f, &d)| encode(d, f))
+            .collect();
+        let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        let outcome = self
+            .device
+            .run(&self.program, self.at, &refs)
+            .map_err(|e| e.to_string())?;
+        let mut fetched = outcome.fetches.into_iter();
+        Ok(self
+            .outputs
+            .iter()
+            .map(|o| match o {
+                Some(d) => decode(*d, &fetched.next().unwrap_or_default()),
+                None => vec![],
+            })
+            .collect())
+    }
+}
+
+/// Tolerances: `|got - want| <= atol + rtol * |want|` elementwise.
+#[derive(Debug, Clone, Copy)]
+pub struct Tol {
+    pub rtol: f64,
+    pub atol: f64,
+}
+
+/// For results computed in f64 and rounded once to f32.
+pub const F32: Tol = Tol {
+    rtol: 1e-6,
+    atol: 1e-7,
+};
+/// For sums of many f32 terms.
+pub const SUM32: Tol = Tol {
+    rtol: 1e-5,
+    atol: 1e-5,
+};
+/// Exact results (integers, bools, copies).
+pub const EXACT: Tol = Tol {
+    rtol: 0.0,
+    atol: 0.0,
+};
+
+pub fn tol(rtol: f64, atol: f64) -> Tol {
+    Tol { rtol, atol }
+}
+
+/// Asserts `got` matches `want` elementwise (NaN matches NaN, infinities match exactly).
+#[track_caller]
+pub fn assert_close(got: &[f64], want: &[f64], tol: Tol, what: &str) {
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tol.atol + tol.rtol * w.abs()
+        };
+        assert!(
+            ok,
+            "{what}: element {i} is {g}, expected {w} (tolerance {tol:?})\n got: {got:?}\nwant: {want:?}"
+        );
+    }
+}
+
+/// Asserts `message` contains every one of `parts`.
+#[track_caller]
+pub fn assert_mentions(message: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(message.contains(p), "{message:?} should mention {p:?}");
+    }
+}
+
+/// Row-major strides of `shape`.
+pub fn strides(shape: &[u64]) -> Vec<usize> {
+    let mut s = vec![1usize; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1] as usize;
+    }
+    s
+}
+
+pub fn numel(shape: &[u64]) -> usize {
+    shape.iter().product::<u64>() as usize
+}
+
+/// The multi-index of linear position `i` in `shape`.
+pub fn unravel(mut i: usize, shape: &[u64]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        let n = shape[d] as usize;
+        idx[d] = i % n.max(1);
+        i /= n.max(1);
+    }
+    idx
+}
+
+/// The linear position of multi-index `idx` in `shape`.
+pub fn ravel(idx: &[usize], shape: &[u64]) -> usize {
+    idx.iter().zip(strides(shape)).map(|(i, s)| i * s).sum()
+}
+
+/// The linear position in a tensor of `shape` that broadcasting reads for output
+/// multi-index `out` (trailing dimensions aligned, size-1 dimensions repeated).
+pub fn broadcast_at(out: &[usize], shape: &[u64]) -> usize {
+    let lead = out.len() - shape.len();
+    let idx: Vec<usize> = (0..shape.len())
+        .map(|d| if shape[d] == 1 { 0 } else { out[lead + d] })
+        .collect();
+    ravel(&idx, shape)
+}
+
+/// A small deterministic generator (splitmix64).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    pub fn vec(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n).map(|_| self.uniform(lo, hi)).collect()
+    }
+
+    /// Integers in `[lo, hi)`.
+    pub fn ints(&mut self, n: usize, lo: i64, hi: i64) -> Vec<i64> {
+        (0..n)
+            .map(|_| lo + (self.next_u64() % (hi - lo) as u64) as i64)
+            .collect()
+    }
+
+    /// `n` values at least `gap` apart, in random order: inputs whose max or sort order
+    /// does not change under perturbations smaller than `gap / 2`.
+    pub fn distinct(&mut self, n: usize, gap: f64) -> Vec<f64> {
+        let mut v: Vec<f64> = (0..n).map(|i| (i as f64 - n as f64 / 2.0) * gap).collect();
+        for i in (1..n).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+        v
+    }
+
+    pub fn f32s(&mut self, shape: &[u64], lo: f64, hi: f64) -> Value {
+        f32v(shape, self.vec(numel(shape), lo, hi))
+    }
+}
+
+/// Central differences of `sum(upstream * output[out])` with respect to every element of
+/// present input `wrt`, through the device's own forward op. The step is `eps`, as the
+/// input's dtype rounds it.
+pub fn numeric_grad(case: &Case, wrt: usize, out: usize, upstream: &[f64], eps: f64) -> Vec<f64> {
+    let session = case.session();
+    let mut feeds: Vec<Vec<f64>> = case.input_values().iter().map(|v| v.data.clone()).collect();
+    let dtype = case.input_values()[wrt].ty.dtype;
+    let loss = |feeds: &[Vec<f64>]| -> f64 {
+        let refs: Vec<&[f64]> = feeds.iter().map(Vec::as_slice).collect();
+        let outs = session.run(&refs).unwrap_or_else(|e| panic!("{e}"));
+        outs[out].iter().zip(upstream).map(|(y, g)| y * g).sum()
+    };
+    (0..feeds[wrt].len())
+        .map(|j| {
+            let x = feeds[wrt][j];
+            let (hi, lo) = (round_to(dtype, x + eps), round_to(dtype, x - eps));
+            feeds[wrt][j] = hi;
+            let up = loss(&feeds);
+            feeds[wrt][j] = lo;
+            let down = loss(&feeds);
+            feeds[wrt][j] = x;
+            (up - down) / (hi - lo)
+        })
+        .collect()
+}
+
+/// Asserts an analytic gradient matches central differences, within `rtol` of the
+/// gradient's largest magnitude (plus a small absolute slack).
+#[track_caller]
+pub fn assert_grad(analytic: &[f64], numeric: &[f64], rtol: f64, what: &str) {
+    let scale = numeric.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
+    assert_close(analytic, numeric, tol(0.0, rtol * scale), what);
+}

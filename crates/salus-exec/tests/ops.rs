@@ -1,0 +1,2562 @@
+//! Every op of the IR on the CPU device, each checked against a plain reference written
+//! here (naive loops over `f64`): broadcasting, odd shapes, zero-size dimensions, negative
+//! dimensions, and for the backward ops central finite differences of the forward op as
+//! the device runs it. `every_op_is_tested` fails when an op of `Op::ALL` is run by no
+//! case, so a new op cannot go untested.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use salus_graph::{Attr, DType, Op};
+
+use DType::{Bf16, Bool, F16, F32 as Fp32, I32, I64};
+
+// ---------------------------------------------------------------------------------------
+// Elementwise
+
+/// Shapes every elementwise case runs at: odd sizes, a 0-dim scalar, a zero-size tensor.
+const UNARY_SHAPES: &[&[u64]] = &[&[3, 5, 7], &[], &[0, 4]];
+
+/// A unary op over `dtype` inputs drawn from `[lo, hi)` (plus `specials` appended to the
+/// first shape), against `f`, at every shape of [`UNARY_SHAPES`].
+#[allow(clippy::too_many_arguments)]
+fn unary(
+    op: Op,
+    attrs: &[(&str, Attr)],
+    dtype: DType,
+    out: DType,
+    (lo, hi): (f64, f64),
+    specials: &[f64],
+    tol: Tol,
+    f: impl Fn(f64) -> f64,
+) {
+    let mut rng = Rng::new(op as u64);
+    for (k, &shape) in UNARY_SHAPES.iter().enumerate() {
+        let mut data = rng.vec(numel(shape), lo, hi);
+        let mut shape = shape.to_vec();
+        if k == 0 && !specials.is_empty() {
+            data.extend(specials);
+            shape = vec![data.len() as u64];
+        }
+        let x = val(dtype, &shape, data);
+        let mut case = Case::new(op).input(x.clone()).output(out, &shape);
+        for (name, a) in attrs {
+            case = case.attr(name, a.clone());
+        }
+        let want: Vec<f64> = x.data.iter().map(|&v| round_to(out, f(v))).collect();
+        assert_close(
+            &case.run1(),
+            &want,
+            tol,
+            &format!("{op} of {dtype}{shape:?}"),
+        );
+    }
+}
+
+const NAN: f64 = f64::NAN;
+const INF: f64 = f64::INFINITY;
+
+/// erf by Simpson's rule on `2/sqrt(pi) * exp(-t^2)` over `[0, x]` (2000 panels): slow
+/// and obviously right.
+fn erf_ref(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let x_clamped = x.clamp(-8.0, 8.0);
+    let n = 2000;
+    let h = x_clamped / n as f64;
+    let f = |t: f64| (-t * t).exp();
+    let mut s = f(0.0) + f(x_clamped);
+    for i in 1..n {
+        s += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
+    }
+    s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+#[test]
+fn unary_float_functions() {
+    let sp = &[NAN, INF, -INF, 0.0, -0.0, 1e-30];
+    let t = F32;
+    unary(Op::Neg, &[], Fp32, Fp32, (-3.0, 3.0), sp, EXACT, |x| -x);
+    unary(Op::Abs, &[], Fp32, Fp32, (-3.0, 3.0), sp, EXACT, f64::abs);
+    let sign = |x: f64| {
+        if x.is_nan() {
+            x
+        } else if x > 0.0 {
+            1.0
+        } else if x < 0.0 {
+            -1.0
+        } else {
+            0.0
+        }
+    };
+    unary(Op::Sign, &[], Fp32, Fp32, (-3.0, 3.0), sp, EXACT, sign);
+    unary(Op::Exp, &[], Fp32, Fp32, (-5.0, 5.0), sp, t, f64::exp);
+    unary(
+        Op::Log,
+        &[],
+        Fp32,
+        Fp32,
+        (0.01, 9.0),
+        &[-1.0, 0.0, INF, NAN],
+        t,
+        f64::ln,
+    );
+    unary(
+        Op::Sqrt,
+        &[],
+        Fp32,
+        Fp32,
+        (0.0, 9.0),
+        &[-1.0, INF, NAN],
+        t,
+        f64::sqrt,
+    );
+    unary(
+        Op::Rsqrt,
+        &[],
+        Fp32,
+        Fp32,
+        (0.01, 9.0),
+        &[0.0, INF, NAN],
+        t,
+        |x| 1.0 / x.sqrt(),
+    );
+    unary(
+        Op::Erf,
+        &[],
+        Fp32,
+        Fp32,
+        (-4.0, 4.0),
+        &[NAN, 0.0, 9.0, -9.0],
+        t,
+        erf_ref,
+    );
+    let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+    unary(Op::Sigmoid, &[], Fp32, Fp32, (-8.0, 8.0), sp, t, sigmoid);
+    unary(Op::Tanh, &[], Fp32, Fp32, (-4.0, 4.0), sp, t, f64::tanh);
+    let relu = |x: f64| if x > 0.0 || x.is_nan() { x } else { 0.0 };
+    unary(
+        Op::Relu,
+        &[],
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[NAN, INF, -INF],
+        EXACT,
+        relu,
+    );
+    let slope = [("negative_slope", Attr::Float(0.2))];
+    let leaky = |x: f64| if x > 0.0 { x } else { 0.2 * x };
+    unary(
+        Op::LeakyRelu,
+        &slope,
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[INF, -INF],
+        t,
+        leaky,
+    );
+    // Integer inputs of float functions compute in f32.
+    unary(Op::Exp, &[], I64, Fp32, (-5.0, 5.0), &[], t, f64::exp);
+    unary(Op::Neg, &[], I64, I64, (-50.0, 50.0), &[], EXACT, |x| -x);
+    unary(Op::Abs, &[], I32, I32, (-50.0, 50.0), &[], EXACT, f64::abs);
+    // Half precision: stored as such, computed in f32, rounded once.
+    unary(
+        Op::Exp,
+        &[],
+        F16,
+        F16,
+        (-3.0, 3.0),
+        &[],
+        tol(1e-3, 0.0),
+        f64::exp,
+    );
+    unary(
+        Op::Tanh,
+        &[],
+        Bf16,
+        Bf16,
+        (-3.0, 3.0),
+        &[],
+        tol(8e-3, 0.0),
+        f64::tanh,
+    );
+}
+
+#[test]
+fn gelu_exact_and_tanh() {
+    let exact = |x: f64| 0.5 * x * (1.0 + erf_ref(x / std::f64::consts::SQRT_2));
+    unary(
+        Op::Gelu,
+        &[],
+        Fp32,
+        Fp32,
+        (-5.0, 5.0),
+        &[0.0, -0.0, NAN],
+        F32,
+        exact,
+    );
+    let none = [("approximate", Attr::Str("none".into()))];
+    unary(Op::Gelu, &none, Fp32, Fp32, (-5.0, 5.0), &[], F32, exact);
+    let tanh = [("approximate", Attr::Str("tanh".into()))];
+    let approx = |x: f64| {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (k * (x + 0.044715 * x.powi(3))).tanh())
+    };
+    unary(Op::Gelu, &tanh, Fp32, Fp32, (-5.0, 5.0), &[], F32, approx);
+}
+
+#[test]
+fn scalar_ops() {
+    let other = |v: f64| [("other", Attr::Float(v)), ("alpha", Attr::Float(-2.0))];
+    unary(
+        Op::AddScalar,
+        &other(1.5),
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[NAN],
+        F32,
+        |x| x - 3.0,
+    );
+    unary(
+        Op::MulScalar,
+        &other(1.5)[..1],
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[INF],
+        F32,
+        |x| x * 1.5,
+    );
+    unary(
+        Op::DivScalar,
+        &other(-4.0)[..1],
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[],
+        F32,
+        |x| x / -4.0,
+    );
+    // An integer tensor and a float number give f32; an integer number keeps i64.
+    unary(
+        Op::AddScalar,
+        &other(0.25),
+        I64,
+        Fp32,
+        (-9.0, 9.0),
+        &[],
+        F32,
+        |x| x - 0.5,
+    );
+    let int = [("other", Attr::Int(3))];
+    unary(
+        Op::MulScalar,
+        &int,
+        I64,
+        I64,
+        (-9.0, 9.0),
+        &[],
+        EXACT,
+        |x| x * 3.0,
+    );
+    unary(Op::DivScalar, &int, I64, Fp32, (-9.0, 9.0), &[], F32, |x| {
+        x / 3.0
+    });
+    let e = |v: f64| [("exponent", Attr::Float(v))];
+    unary(
+        Op::PowTensorScalar,
+        &e(2.5),
+        Fp32,
+        Fp32,
+        (0.0, 3.0),
+        &[],
+        F32,
+        |x| x.powf(2.5),
+    );
+    unary(
+        Op::PowTensorScalar,
+        &e(3.0),
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[],
+        F32,
+        |x| x.powi(3),
+    );
+    unary(
+        Op::PowTensorScalar,
+        &e(-0.5),
+        Fp32,
+        Fp32,
+        (0.1, 3.0),
+        &[0.0],
+        F32,
+        |x| 1.0 / x.sqrt(),
+    );
+    let base = [("self", Attr::Float(2.0))];
+    unary(
+        Op::PowScalar,
+        &base,
+        Fp32,
+        Fp32,
+        (-4.0, 4.0),
+        &[INF, -INF],
+        F32,
+        f64::exp2,
+    );
+    let both = [("min", Attr::Float(-0.5)), ("max", Attr::Float(1.0))];
+    unary(
+        Op::Clamp,
+        &both,
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[NAN],
+        EXACT,
+        |x| {
+            if x.is_nan() { x } else { x.clamp(-0.5, 1.0) }
+        },
+    );
+    let lo = [("min", Attr::Float(0.0))];
+    unary(
+        Op::Clamp,
+        &lo,
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[-INF],
+        EXACT,
+        |x| x.max(0.0),
+    );
+    let hi = [("max", Attr::Int(2))];
+    unary(Op::Clamp, &hi, I64, I64, (-9.0, 9.0), &[], EXACT, |x| {
+        x.min(2.0)
+    });
+}
+
+#[test]
+fn comparisons_with_a_number() {
+    let other = [("other", Attr::Float(0.5))];
+    let specials = &[0.5, -0.5, NAN, INF];
+    type Compare = (Op, fn(f64, f64) -> bool);
+    let cmp: [Compare; 6] = [
+        (Op::EqScalar, |a, b| a == b),
+        (Op::NeScalar, |a, b| a != b),
+        (Op::LtScalar, |a, b| a < b),
+        (Op::LeScalar, |a, b| a <= b),
+        (Op::GtScalar, |a, b| a > b),
+        (Op::GeScalar, |a, b| a >= b),
+    ];
+    for (op, f) in cmp {
+        let r = move |x: f64| f64::from(u8::from(f(x, 0.5)));
+        unary(op, &other, Fp32, Bool, (-1.0, 1.0), specials, EXACT, r);
+        // Integers compare exactly with an integer number.
+        let two = [("other", Attr::Int(2))];
+        let ri = move |x: f64| f64::from(u8::from(f(x, 2.0)));
+        unary(op, &two, I64, Bool, (-4.0, 5.0), &[], EXACT, ri);
+    }
+}
+
+#[test]
+fn logical_and_bitwise_not() {
+    let not = |x: f64| f64::from(u8::from(x == 0.0));
+    unary(
+        Op::LogicalNot,
+        &[],
+        Fp32,
+        Bool,
+        (-1.0, 1.0),
+        &[0.0, -0.0, NAN],
+        EXACT,
+        not,
+    );
+    unary(
+        Op::LogicalNot,
+        &[],
+        Bool,
+        Bool,
+        (-1.0, 1.0),
+        &[0.0],
+        EXACT,
+        not,
+    );
+    unary(
+        Op::BitwiseNot,
+        &[],
+        Bool,
+        Bool,
+        (-1.0, 1.0),
+        &[0.0],
+        EXACT,
+        not,
+    );
+    let bnot = |x: f64| !(x as i64) as f64;
+    unary(
+        Op::BitwiseNot,
+        &[],
+        I64,
+        I64,
+        (-100.0, 100.0),
+        &[0.0],
+        EXACT,
+        bnot,
+    );
+    unary(
+        Op::BitwiseNot,
+        &[],
+        I32,
+        I32,
+        (-100.0, 100.0),
+        &[0.0],
+        EXACT,
+        bnot,
+    );
+}
+
+#[test]
+fn copies_and_conversions() {
+    unary(
+        Op::Clone,
+        &[],
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[NAN, INF],
+        EXACT,
+        |x| x,
+    );
+    unary(Op::Clone, &[], I64, I64, (-30.0, 30.0), &[], EXACT, |x| x);
+    let to = |d: DType| [("dtype", Attr::DType(d))];
+    unary(
+        Op::ToCopy,
+        &[],
+        Fp32,
+        Fp32,
+        (-3.0, 3.0),
+        &[NAN],
+        EXACT,
+        |x| x,
+    );
+    // Float to integer truncates toward zero; to bool is != 0.
+    unary(
+        Op::ToCopy,
+        &to(I64),
+        Fp32,
+        I64,
+        (-9.0, 9.0),
+        &[-0.5, 2.99],
+        EXACT,
+        f64::trunc,
+    );
+    unary(
+        Op::ToCopy,
+        &to(I32),
+        Fp32,
+        I32,
+        (-9.0, 9.0),
+        &[-1.5],
+        EXACT,
+        f64::trunc,
+    );
+    unary(
+        Op::ToCopy,
+        &to(Bool),
+        Fp32,
+        Bool,
+        (-1.0, 1.0),
+        &[0.0, NAN],
+        EXACT,
+        |x| f64::from(u8::from(x != 0.0)),
+    );
+    unary(
+        Op::ToCopy,
+        &to(Fp32),
+        I64,
+        Fp32,
+        (-99.0, 99.0),
+        &[],
+        EXACT,
+        |x| x,
+    );
+    unary(
+        Op::ToCopy,
+        &to(Fp32),
+        Bool,
+        Fp32,
+        (-1.0, 1.0),
+        &[],
+        EXACT,
+        |x| x,
+    );
+    // To half precision rounds to nearest; back to f32 is exact.
+    let f16 = |x: f64| half::f16::from_f64(x).to_f64();
+    unary(
+        Op::ToCopy,
+        &to(F16),
+        Fp32,
+        F16,
+        (-70000.0, 70000.0),
+        &[1e-8, NAN],
+        EXACT,
+        f16,
+    );
+    let bf16 = |x: f64| half::bf16::from_f64(x).to_f64();
+    unary(
+        Op::ToCopy,
+        &to(Bf16),
+        Fp32,
+        Bf16,
+        (-3.0, 3.0),
+        &[1e30, -INF],
+        EXACT,
+        bf16,
+    );
+    unary(
+        Op::ToCopy,
+        &to(Fp32),
+        F16,
+        Fp32,
+        (-3.0, 3.0),
+        &[],
+        EXACT,
+        |x| x,
+    );
+    unary(
+        Op::ToCopy,
+        &to(Fp32),
+        Bf16,
+        Fp32,
+        (-3.0, 3.0),
+        &[],
+        EXACT,
+        |x| x,
+    );
+}
+
+/// A binary op at broadcasting shape pairs against `f`, checking the output dtype too.
+fn binary(
+    op: Op,
+    attrs: &[(&str, Attr)],
+    (da, db, out): (DType, DType, DType),
+    range: (f64, f64),
+    tol: Tol,
+    f: impl Fn(f64, f64) -> f64,
+) {
+    let pairs: &[(&[u64], &[u64], &[u64])] = &[
+        (&[3, 5, 7], &[3, 5, 7], &[3, 5, 7]),
+        (&[3, 1, 7], &[5, 1], &[3, 5, 7]),
+        (&[7], &[3, 5, 1], &[3, 5, 7]),
+        (&[2, 3], &[], &[2, 3]),
+        (&[], &[], &[]),
+        (&[0, 3], &[3], &[0, 3]),
+        (&[4, 1], &[0], &[4, 0]),
+    ];
+    let mut rng = Rng::new(op as u64 + 100);
+    for &(sa, sb, so) in pairs {
+        let a = val(da, sa, rng.vec(numel(sa), range.0, range.1));
+        let b = val(db, sb, rng.vec(numel(sb), range.0, range.1));
+        let mut case = Case::new(op)
+            .input(a.clone())
+            .input(b.clone())
+            .output(out, so);
+        for (name, v) in attrs {
+            case = case.attr(name, v.clone());
+        }
+        let want: Vec<f64> = (0..numel(so))
+            .map(|i| {
+                let idx = unravel(i, so);
+                let (x, y) = (
+                    a.data[broadcast_at(&idx, sa)],
+                    b.data[broadcast_at(&idx, sb)],
+                );
+                round_to(out, f(x, y))
+            })
+            .collect();
+        assert_close(
+            &case.run1(),
+            &want,
+            tol,
+            &format!("{op} of {da}{sa:?} and {db}{sb:?}"),
+        );
+    }
+}
+
+#[test]
+fn binary_arithmetic_broadcasts() {
+    let r = (-3.0, 3.0);
+    let ff = (Fp32, Fp32, Fp32);
+    binary(Op::AddTensor, &[], ff, r, F32, |a, b| a + b);
+    let alpha = [("alpha", Attr::Float(0.5))];
+    binary(Op::AddTensor, &alpha, ff, r, F32, |a, b| a + 0.5 * b);
+    binary(Op::SubTensor, &[], ff, r, F32, |a, b| a - b);
+    binary(Op::SubTensor, &alpha, ff, r, F32, |a, b| a - 0.5 * b);
+    binary(Op::MulTensor, &[], ff, r, F32, |a, b| a * b);
+    binary(Op::DivTensor, &[], ff, (0.5, 3.0), F32, |a, b| a / b);
+    // Promotion: integers add exactly, integer / integer is true division in f32, an
+    // integer tensor with a float tensor gives f32, half with half stays half.
+    binary(
+        Op::AddTensor,
+        &[],
+        (I64, I64, I64),
+        (-99.0, 99.0),
+        EXACT,
+        |a, b| a + b,
+    );
+    binary(
+        Op::MulTensor,
+        &[],
+        (I32, I32, I32),
+        (-99.0, 99.0),
+        EXACT,
+        |a, b| a * b,
+    );
+    binary(
+        Op::DivTensor,
+        &[],
+        (I64, I64, Fp32),
+        (1.0, 99.0),
+        F32,
+        |a, b| a / b,
+    );
+    binary(Op::SubTensor, &[], (I64, Fp32, Fp32), r, F32, |a, b| a - b);
+    binary(
+        Op::MulTensor,
+        &[],
+        (F16, F16, F16),
+        r,
+        tol(1e-3, 1e-3),
+        |a, b| a * b,
+    );
+    binary(
+        Op::AddTensor,
+        &[],
+        (Bf16, Bf16, Bf16),
+        r,
+        tol(8e-3, 8e-3),
+        |a, b| a + b,
+    );
+}
+
+#[test]
+fn binary_logical_and_bitwise() {
+    let truth = |v: bool| f64::from(u8::from(v));
+    binary(
+        Op::LogicalAnd,
+        &[],
+        (Fp32, Bool, Bool),
+        (-1.0, 1.0),
+        EXACT,
+        |a, b| truth(a != 0.0 && b != 0.0),
+    );
+    // Inputs drawn from -1..1 truncate to many zeros: both branches are exercised.
+    binary(
+        Op::LogicalAnd,
+        &[],
+        (I64, I64, Bool),
+        (-2.0, 2.0),
+        EXACT,
+        |a, b| truth(a != 0.0 && b != 0.0),
+    );
+    binary(
+        Op::BitwiseAndTensor,
+        &[],
+        (I64, I64, I64),
+        (-200.0, 200.0),
+        EXACT,
+        |a, b| ((a as i64) & (b as i64)) as f64,
+    );
+    binary(
+        Op::BitwiseAndTensor,
+        &[],
+        (Bool, Bool, Bool),
+        (-1.0, 1.0),
+        EXACT,
+        |a, b| truth(a != 0.0 && b != 0.0),
+    );
+}
+
+#[test]
+fn where_broadcasts_three_ways() {
+    let mut rng = Rng::new(7);
+    type Shapes<'a> = (&'a [u64], &'a [u64], &'a [u64], &'a [u64]);
+    let cases: &[Shapes<'_>] = &[
+        (&[3, 1, 7], &[5, 1], &[], &[3, 5, 7]),
+        (&[4], &[4], &[4], &[4]),
+        (&[0, 2], &[2], &[1], &[0, 2]),
+    ];
+    for &(sc, sa, sb, so) in cases {
+        let c = val(
+            Bool,
+            sc,
+            rng.vec(numel(sc), -1.0, 1.0)
+                .iter()
+                .map(|v| f64::from(u8::from(*v > 0.0)))
+                .collect(),
+        );
+        let a = rng.f32s(sa, -3.0, 3.0);
+        let b = rng.f32s(sb, -3.0, 3.0);
+        let got = Case::new(Op::WhereSelf)
+            .input(c.clone())
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, so)
+            .run1();
+        let want: Vec<f64> = (0..numel(so))
+            .map(|i| {
+                let idx = unravel(i, so);
+                if c.data[broadcast_at(&idx, sc)] != 0.0 {
+                    a.data[broadcast_at(&idx, sa)]
+                } else {
+                    b.data[broadcast_at(&idx, sb)]
+                }
+            })
+            .collect();
+        assert_close(&got, &want, EXACT, &format!("where {sc:?} {sa:?} {sb:?}"));
+    }
+    // Mixed dtypes promote: i64 and f32 give f32.
+    let got = Case::new(Op::WhereSelf)
+        .input(val(Bool, &[3], vec![1.0, 0.0, 1.0]))
+        .input(i64v(&[3], &[1, 2, 3]))
+        .input(f32v(&[], vec![-0.5]))
+        .output(Fp32, &[3])
+        .run1();
+    assert_close(&got, &[1.0, -0.5, 3.0], EXACT, "where i64/f32");
+}
+
+// ---------------------------------------------------------------------------------------
+// Reductions
+
+/// The reduced dimensions (all when `dims` is empty) and the output shape.
+fn reduced_shape(shape: &[u64], dims: &[i64], keepdim: bool) -> (Vec<bool>, Vec<u64>) {
+    let rank = shape.len() as i64;
+    let mut reduced = vec![dims.is_empty(); shape.len()];
+    for &d in dims {
+        reduced[(if d < 0 { d + rank } else { d }) as usize] = true;
+    }
+    let out = shape
+        .iter()
+        .zip(&reduced)
+        .filter_map(|(&n, &r)| match (r, keepdim) {
+            (true, true) => Some(1),
+            (true, false) => None,
+            (false, _) => Some(n),
+        })
+        .collect();
+    (reduced, out)
+}
+
+/// The elements of `x` that fall into each output element of the reduction.
+fn groups(x: &Value, dims: &[i64]) -> Vec<Vec<f64>> {
+    let (reduced, out) = reduced_shape(&x.ty.shape, dims, true);
+    let mut groups = vec![vec![]; numel(&out)];
+    for (i, &v) in x.data.iter().enumerate() {
+        let mut idx = unravel(i, &x.ty.shape);
+        for (d, r) in reduced.iter().enumerate() {
+            if *r {
+                idx[d] = 0;
+            }
+        }
+        groups[ravel(&idx, &out)].push(v);
+    }
+    groups
+}
+
+const REDUCE_CASES: &[(&[u64], &[i64], bool)] = &[
+    (&[3, 5, 7], &[1], false),
+    (&[3, 5, 7], &[0, 2], true),
+    (&[3, 5, 7], &[-1], false),
+    (&[3, 5, 7], &[-3, -2], true),
+    (&[3, 5, 7], &[], false),
+    (&[4, 6], &[], true),
+    (&[0, 3], &[0], false),
+    (&[3, 0], &[0], true),
+];
+
+/// A reduction over every case of [`REDUCE_CASES`] against `f` of each group.
+fn reduction(
+    op: Op,
+    extra: &[(&str, Attr)],
+    dtype: DType,
+    out: DType,
+    tol: Tol,
+    f: impl Fn(&[f64]) -> f64,
+) {
+    let mut rng = Rng::new(op as u64 + 200);
+    for &(shape, dims, keepdim) in REDUCE_CASES {
+        let x = val(dtype, shape, rng.vec(numel(shape), -3.0, 3.0));
+        let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+        let mut case = Case::new(op)
+            .input(x.clone())
+            .ints("dim", dims)
+            .flag("keepdim", keepdim)
+            .output(out, &out_shape);
+        for (name, a) in extra {
+            case = case.attr(name, a.clone());
+        }
+        let want: Vec<f64> = groups(&x, dims)
+            .iter()
+            .map(|g| round_to(out, f(g)))
+            .collect();
+        assert_close(
+            &case.run1(),
+            &want,
+            tol,
+            &format!("{op} of {shape:?} over {dims:?}"),
+        );
+    }
+}
+
+fn sum(g: &[f64]) -> f64 {
+    g.iter().sum()
+}
+
+fn mean(g: &[f64]) -> f64 {
+    sum(g) / g.len() as f64
+}
+
+#[test]
+fn sums_means_and_maxima() {
+    reduction(Op::SumDimIntList, &[], Fp32, Fp32, SUM32, sum);
+    reduction(Op::SumDimIntList, &[], I64, I64, EXACT, sum);
+    reduction(Op::SumDimIntList, &[], Bool, I64, EXACT, sum);
+    let to_f32 = [("dtype", Attr::DType(Fp32))];
+    reduction(Op::SumDimIntList, &to_f32, I32, Fp32, EXACT, sum);
+    reduction(Op::SumDimIntList, &[], F16, F16, tol(2e-3, 2e-3), sum);
+    // Means of nothing are NaN, as in PyTorch.
+    reduction(Op::MeanDim, &[], Fp32, Fp32, SUM32, mean);
+    let amax = |g: &[f64]| g.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut rng = Rng::new(5);
+    for &(shape, dims, keepdim) in &REDUCE_CASES[..6] {
+        let x = rng.f32s(shape, -3.0, 3.0);
+        let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+        let got = Case::new(Op::Amax)
+            .input(x.clone())
+            .ints("dim", dims)
+            .flag("keepdim", keepdim)
+            .output(Fp32, &out_shape)
+            .run1();
+        let want: Vec<f64> = groups(&x, dims).iter().map(|g| amax(g)).collect();
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("amax of {shape:?} over {dims:?}"),
+        );
+    }
+    // amax propagates NaN.
+    let got = Case::new(Op::Amax)
+        .input(f32v(&[2, 3], vec![1.0, NAN, 2.0, -1.0, -2.0, -3.0]))
+        .ints("dim", &[1])
+        .flag("keepdim", false)
+        .output(Fp32, &[2])
+        .run1();
+    assert_close(&got, &[NAN, -1.0], EXACT, "amax with NaN");
+    for shape in [&[3u64, 5, 7][..], &[1], &[]] {
+        let x = rng.f32s(shape, -3.0, 3.0);
+        let got = Case::new(Op::Mean)
+            .input(x.clone())
+            .output(Fp32, &[])
+            .run1();
+        assert_close(&got, &[mean(&x.data)], SUM32, &format!("mean of {shape:?}"));
+    }
+    let half = val(Bf16, &[4, 4], rng.vec(16, -3.0, 3.0));
+    let got = Case::new(Op::Mean)
+        .input(half.clone())
+        .output(Bf16, &[])
+        .run1();
+    assert_close(&got, &[mean(&half.data)], tol(8e-3, 8e-3), "mean of bf16");
+}
+
+#[test]
+fn variance_and_any() {
+    let var = |correction: f64| {
+        move |g: &[f64]| {
+            let m = mean(g);
+            g.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (g.len() as f64 - correction)
+        }
+    };
+    let mut rng = Rng::new(11);
+    for correction in [0.0, 1.0] {
+        for &(shape, dims, keepdim) in &REDUCE_CASES[..6] {
+            let x = rng.f32s(shape, -3.0, 3.0);
+            let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+            let got = Case::new(Op::VarCorrection)
+                .input(x.clone())
+                .ints("dim", dims)
+                .float("correction", correction)
+                .flag("keepdim", keepdim)
+                .output(Fp32, &out_shape)
+                .run1();
+            let want: Vec<f64> = groups(&x, dims)
+                .iter()
+                .map(|g| var(correction)(g))
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                SUM32,
+                &format!("var of {shape:?} over {dims:?}"),
+            );
+        }
+    }
+    for &(shape, dims, keepdim) in REDUCE_CASES.iter().filter(|c| c.1.len() == 1) {
+        // Mostly zeros: some groups hold no non-zero element.
+        let data: Vec<f64> = rng
+            .vec(numel(shape), -1.0, 1.0)
+            .iter()
+            .map(|v| if *v > 0.8 { *v } else { 0.0 })
+            .collect();
+        for dtype in [Fp32, Bool, I64] {
+            let x = val(dtype, shape, data.iter().map(|v| v * 10.0).collect());
+            let (_, out_shape) = reduced_shape(shape, dims, keepdim);
+            let got = Case::new(Op::AnyDim)
+                .input(x.clone())
+                .int("dim", dims[0])
+                .flag("keepdim", keepdim)
+                .output(Bool, &out_shape)
+                .run1();
+            let want: Vec<f64> = groups(&x, dims)
+                .iter()
+                .map(|g| f64::from(u8::from(g.iter().any(|v| *v != 0.0))))
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                EXACT,
+                &format!("any of {dtype}{shape:?} over {dims:?}"),
+            );
+        }
+    }
+}
+
+/// Softmax (or log-softmax) of `x` along `dim`, the plain way.
+fn softmax_ref(x: &Value, dim: i64, log: bool) -> Vec<f64> {
+    let shape = &x.ty.shape;
+    let d = if dim < 0 {
+        (dim + shape.len() as i64) as usize
+    } else {
+        dim as usize
+    };
+    (0..x.data.len())
+        .map(|i| {
+            let idx = unravel(i, shape);
+            let row: Vec<f64> = (0..shape[d] as usize)
+                .map(|j| {
+                    let mut k = idx.clone();
+                    k[d] = j;
+                    x.data[ravel(&k, shape)]
+                })
+                .collect();
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
+            if log {
+                x.data[i] - m - z.ln()
+            } else {
+                (x.data[i] - m).exp() / z
+            }
+        })
+        .collect()
+}
+
+const SOFTMAX_CASES: &[(&[u64], i64)] = &[
+    (&[3, 5, 7], 1),
+    (&[3, 5, 7], -1),
+    (&[4, 6], 0),
+    (&[5], -1),
+    (&[0, 3], 1),
+    (&[2, 3, 0], 1),
+];
+
+#[test]
+fn softmax_and_log_softmax() {
+    let mut rng = Rng::new(13);
+    for &(shape, dim) in SOFTMAX_CASES {
+        for (op, log) in [(Op::Softmax, false), (Op::LogSoftmax, true)] {
+            let x = rng.f32s(shape, -6.0, 6.0);
+            let got = Case::new(op)
+                .input(x.clone())
+                .int("dim", dim)
+                .flag("half_to_float", false)
+                .output(Fp32, shape)
+                .run1();
+            assert_close(
+                &got,
+                &softmax_ref(&x, dim, log),
+                tol(1e-6, 1e-6),
+                &format!("{op} of {shape:?} along {dim}"),
+            );
+        }
+    }
+    // Large inputs do not overflow.
+    let x = f32v(&[3], vec![1000.0, 1001.0, 999.0]);
+    let got = Case::new(Op::Softmax)
+        .input(x.clone())
+        .int("dim", 0)
+        .output(Fp32, &[3])
+        .run1();
+    assert_close(
+        &got,
+        &softmax_ref(&x, 0, false),
+        F32,
+        "softmax of large values",
+    );
+    // half_to_float: f16 in, f32 out.
+    let x = val(F16, &[2, 5], rng.vec(10, -3.0, 3.0));
+    let got = Case::new(Op::LogSoftmax)
+        .input(x.clone())
+        .int("dim", -1)
+        .flag("half_to_float", true)
+        .output(Fp32, &[2, 5])
+        .run1();
+    assert_close(
+        &got,
+        &softmax_ref(&x, -1, true),
+        F32,
+        "log_softmax f16 to f32",
+    );
+}
+
+#[test]
+fn softmax_backwards_match_formula_and_finite_differences() {
+    let mut rng = Rng::new(17);
+    for &(shape, dim) in SOFTMAX_CASES {
+        for (fwd, bwd, log) in [
+            (Op::Softmax, Op::SoftmaxBackwardData, false),
+            (Op::LogSoftmax, Op::LogSoftmaxBackwardData, true),
+        ] {
+            let x = rng.f32s(shape, -2.0, 2.0);
+            let g = rng.f32s(shape, -1.0, 1.0);
+            let forward = Case::new(fwd)
+                .input(x.clone())
+                .int("dim", dim)
+                .flag("half_to_float", false)
+                .output(Fp32, shape);
+            let y = f32v(shape, forward.run1());
+            let got = Case::new(bwd)
+                .input(g.clone())
+                .input(y.clone())
+                .int("dim", dim)
+                .dtype("input_dtype", Fp32)
+                .output(Fp32, shape)
+                .run1();
+            // The formula, summing along dim the plain way.
+            let d = if dim < 0 {
+                (dim + shape.len() as i64) as usize
+            } else {
+                dim as usize
+            };
+            let want: Vec<f64> = (0..g.data.len())
+                .map(|i| {
+                    let idx = unravel(i, shape);
+                    let along = |j: usize| {
+                        let mut k = idx.clone();
+                        k[d] = j;
+                        ravel(&k, shape)
+                    };
+                    let n = shape[d] as usize;
+                    if log {
+                        let s: f64 = (0..n).map(|j| g.data[along(j)]).sum();
+                        g.data[i] - y.data[i].exp() * s
+                    } else {
+                        let s: f64 = (0..n).map(|j| g.data[along(j)] * y.data[along(j)]).sum();
+                        y.data[i] * (g.data[i] - s)
+                    }
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                tol(1e-5, 1e-6),
+                &format!("{bwd} of {shape:?} along {dim}"),
+            );
+            let numeric = numeric_grad(&forward, 0, 0, &g.data, 1e-2);
+            assert_grad(
+                &got,
+                &numeric,
+                2e-3,
+                &format!("{bwd} vs finite differences of {fwd}"),
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Matrix products
+
+fn matmul_ref(a: &[f64], b: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
+    let mut c = vec![0.0; n * m];
+    for i in 0..n {
+        for j in 0..m {
+            for p in 0..k {
+                c[i * m + j] += a[i * k + p] * b[p * m + j];
+            }
+        }
+    }
+    c
+}
+
+#[test]
+fn mm_addmm_bmm() {
+    let mut rng = Rng::new(19);
+    for (n, k, m) in [(3, 5, 7), (1, 1, 1), (4, 0, 3), (0, 3, 2), (17, 33, 9)] {
+        let a = rng.f32s(&[n, k], -1.0, 1.0);
+        let b = rng.f32s(&[k, m], -1.0, 1.0);
+        let (nu, ku, mu) = (n as usize, k as usize, m as usize);
+        let want = matmul_ref(&a.data, &b.data, nu, ku, mu);
+        let got = Case::new(Op::Mm)
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, &[n, m])
+            .run1();
+        assert_close(&got, &want, SUM32, &format!("mm {n}x{k}x{m}"));
+        for bias_shape in [vec![m], vec![n, m], vec![1, m], vec![]] {
+            let bias = rng.f32s(&bias_shape, -1.0, 1.0);
+            let got = Case::new(Op::Addmm)
+                .input(bias.clone())
+                .input(a.clone())
+                .input(b.clone())
+                .float("beta", 0.5)
+                .float("alpha", -2.0)
+                .output(Fp32, &[n, m])
+                .run1();
+            let want: Vec<f64> = (0..nu * mu)
+                .map(|i| {
+                    0.5 * bias.data[broadcast_at(&unravel(i, &[n, m]), &bias_shape)] - 2.0 * want[i]
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                SUM32,
+                &format!("addmm {n}x{k}x{m} bias {bias_shape:?}"),
+            );
+        }
+        let batches = 3;
+        let a = rng.f32s(&[batches, n, k], -1.0, 1.0);
+        let b = rng.f32s(&[batches, k, m], -1.0, 1.0);
+        let got = Case::new(Op::Bmm)
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, &[batches, n, m])
+            .run1();
+        let want: Vec<f64> = (0..batches as usize)
+            .flat_map(|i| {
+                matmul_ref(
+                    &a.data[i * nu * ku..(i + 1) * nu * ku],
+                    &b.data[i * ku * mu..(i + 1) * ku * mu],
+                    nu,
+                    ku,
+                    mu,
+                )
+            })
+            .collect();
+        assert_close(&got, &want, SUM32, &format!("bmm {batches}x{n}x{k}x{m}"));
+    }
+    // Half precision goes through f32 and rounds once.
+    let a = val(Bf16, &[3, 4], rng.vec(12, -1.0, 1.0));
+    let b = val(Bf16, &[4, 2], rng.vec(8, -1.0, 1.0));
+    let got = Case::new(Op::Mm)
+        .input(a.clone())
+        .input(b.clone())
+        .output(Bf16, &[3, 2])
+        .run1();
+    assert_close(
+        &got,
+        &matmul_ref(&a.data, &b.data, 3, 4, 2),
+        tol(8e-3, 8e-3),
+        "mm bf16",
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Shape
+
+/// `x` gathered to `out_shape`, output element `i` taken from `x` at `source(idx)`.
+fn remap(x: &Value, out_shape: &[u64], source: impl Fn(&[usize]) -> Vec<usize>) -> Vec<f64> {
+    (0..numel(out_shape))
+        .map(|i| x.data[ravel(&source(&unravel(i, out_shape)), &x.ty.shape)])
+        .collect()
+}
+
+#[test]
+fn views_keep_the_elements() {
+    let mut rng = Rng::new(23);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    let view = |x: &Value, size: &[i64], out: &[u64]| {
+        Case::new(Op::View)
+            .input(x.clone())
+            .ints("size", size)
+            .output(x.ty.dtype, out)
+            .run1()
+    };
+    assert_close(&view(&x, &[15, -1], &[15, 7]), &x.data, EXACT, "view");
+    assert_close(&view(&x, &[105], &[105]), &x.data, EXACT, "view flat");
+    let i = i64v(&[2, 3], &[1, -2, 3, 4, 5, 6]);
+    assert_close(
+        &view(&i, &[3, 1, 2], &[3, 1, 2]),
+        &i.data,
+        EXACT,
+        "view i64",
+    );
+    let e = f32v(&[0, 4], vec![]);
+    assert_close(&view(&e, &[2, 0, 2], &[2, 0, 2]), &[], EXACT, "view empty");
+    let unsq = |x: &Value, d: i64, out: &[u64]| {
+        Case::new(Op::Unsqueeze)
+            .input(x.clone())
+            .int("dim", d)
+            .output(x.ty.dtype, out)
+            .run1()
+    };
+    assert_close(&unsq(&x, 0, &[1, 3, 5, 7]), &x.data, EXACT, "unsqueeze 0");
+    assert_close(&unsq(&x, -1, &[3, 5, 7, 1]), &x.data, EXACT, "unsqueeze -1");
+    assert_close(&unsq(&x, -3, &[3, 1, 5, 7]), &x.data, EXACT, "unsqueeze -3");
+    let y = rng.f32s(&[3, 1, 5, 1], -1.0, 1.0);
+    let squeeze = |d: &[i64], out: &[u64]| {
+        Case::new(Op::SqueezeDims)
+            .input(y.clone())
+            .ints("dim", d)
+            .output(Fp32, out)
+            .run1()
+    };
+    assert_close(&squeeze(&[1, -1], &[3, 5]), &y.data, EXACT, "squeeze both");
+    assert_close(
+        &squeeze(&[0, 1], &[3, 5, 1]),
+        &y.data,
+        EXACT,
+        "squeeze keeps size > 1",
+    );
+}
+
+#[test]
+fn permute_and_expand() {
+    let mut rng = Rng::new(29);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for dims in [[2i64, 0, 1], [-1, -2, -3], [0, 2, 1], [1, 0, 2]] {
+        let pos: Vec<usize> = dims
+            .iter()
+            .map(|&d| (if d < 0 { d + 3 } else { d }) as usize)
+            .collect();
+        let out: Vec<u64> = pos.iter().map(|&d| x.ty.shape[d]).collect();
+        let got = Case::new(Op::Permute)
+            .input(x.clone())
+            .ints("dims", &dims)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = vec![0; 3];
+            for (k, &d) in pos.iter().enumerate() {
+                src[d] = o[k];
+            }
+            src
+        });
+        assert_close(&got, &want, EXACT, &format!("permute {dims:?}"));
+    }
+    let b = i64v(&[2, 0, 3], &[]);
+    Case::new(Op::Permute)
+        .input(b)
+        .ints("dims", &[2, 1, 0])
+        .output(I64, &[3, 0, 2])
+        .run1();
+    let y = rng.f32s(&[3, 1, 7], -1.0, 1.0);
+    for (size, out) in [
+        (vec![3i64, 5, 7], vec![3u64, 5, 7]),
+        (vec![2, -1, 4, -1], vec![2, 3, 4, 7]),
+        (vec![3, 0, 7], vec![3, 0, 7]),
+    ] {
+        let got = Case::new(Op::Expand)
+            .input(y.clone())
+            .ints("size", &size)
+            .output(Fp32, &out)
+            .run1();
+        let want: Vec<f64> = (0..numel(&out))
+            .map(|i| y.data[broadcast_at(&unravel(i, &out), &y.ty.shape)])
+            .collect();
+        assert_close(&got, &want, EXACT, &format!("expand to {size:?}"));
+    }
+    let s = val(Bool, &[], vec![1.0]);
+    let got = Case::new(Op::Expand)
+        .input(s)
+        .ints("size", &[2, 2])
+        .output(Bool, &[2, 2])
+        .run1();
+    assert_close(&got, &[1.0; 4], EXACT, "expand a scalar");
+}
+
+#[test]
+fn split_cat_slice_select() {
+    let mut rng = Rng::new(31);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    // split_with_sizes along -1 into 2, 0 and 5.
+    let got = Case::new(Op::SplitWithSizes)
+        .input(x.clone())
+        .ints("split_sizes", &[2, 0, 5])
+        .int("dim", -1)
+        .output(Fp32, &[3, 5, 2])
+        .output(Fp32, &[3, 5, 0])
+        .output(Fp32, &[3, 5, 5])
+        .run();
+    let mut at = 0;
+    for (k, len) in [2usize, 0, 5].into_iter().enumerate() {
+        let out = [3, 5, len as u64];
+        let want = remap(&x, &out, |o| vec![o[0], o[1], o[2] + at]);
+        assert_close(&got[k], &want, EXACT, &format!("split piece {k}"));
+        at += len;
+    }
+    // An unused piece is skipped.
+    let got = Case::new(Op::SplitWithSizes)
+        .input(x.clone())
+        .ints("split_sizes", &[1, 2])
+        .int("dim", 0)
+        .unused()
+        .output(Fp32, &[2, 5, 7])
+        .run();
+    assert_close(&got[1], &x.data[35..], EXACT, "split second piece");
+    // cat of three along dim 1 (one of them empty), and along -1 with promotion.
+    let parts = [
+        rng.f32s(&[3, 2, 7], -1.0, 1.0),
+        rng.f32s(&[3, 0, 7], -1.0, 1.0),
+        rng.f32s(&[3, 4, 7], -1.0, 1.0),
+    ];
+    let mut case = Case::new(Op::Cat).int("tensors.len", 3).int("dim", 1);
+    for p in &parts {
+        case = case.input(p.clone());
+    }
+    let got = case.output(Fp32, &[3, 6, 7]).run1();
+    let want = remap(&x.clone(), &[3, 6, 7], |_| vec![0, 0, 0]); // shape only
+    let mut want = want;
+    for (i, w) in want.iter_mut().enumerate() {
+        let o = unravel(i, &[3, 6, 7]);
+        *w = if o[1] < 2 {
+            parts[0].data[ravel(&o, &[3, 2, 7])]
+        } else {
+            parts[2].data[ravel(&[o[0], o[1] - 2, o[2]], &[3, 4, 7])]
+        };
+    }
+    assert_close(&got, &want, EXACT, "cat along 1");
+    let a = i64v(&[2, 1], &[7, -8]);
+    let b = f32v(&[2, 2], vec![0.5, 1.5, 2.5, 3.5]);
+    let got = Case::new(Op::Cat)
+        .int("tensors.len", 2)
+        .int("dim", -1)
+        .input(a)
+        .input(b)
+        .output(Fp32, &[2, 3])
+        .run1();
+    assert_close(
+        &got,
+        &[7.0, 0.5, 1.5, -8.0, 2.5, 3.5],
+        EXACT,
+        "cat promotes",
+    );
+    // slice.Tensor: negative dims and bounds, clamping, steps, empty results.
+    for (dim, start, end, step) in [
+        (1i64, Some(1i64), Some(4i64), 1i64),
+        (-1, Some(-5), None, 2),
+        (-2, None, Some(i64::MAX), 3),
+        (0, Some(-100), Some(100), 1),
+        (2, Some(5), Some(2), 1),
+        (1, Some(4), Some(4), 2),
+    ] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let clamp = |v: i64| if v < 0 { (v + n).max(0) } else { v.min(n) };
+        let s = clamp(start.unwrap_or(0));
+        let e = clamp(end.unwrap_or(n)).max(s);
+        let picked: Vec<i64> = (s..e).step_by(step as usize).collect();
+        let mut out = x.ty.shape.clone();
+        out[d] = picked.len() as u64;
+        let mut case = Case::new(Op::SliceTensor)
+            .input(x.clone())
+            .int("dim", dim)
+            .int("step", step);
+        if let Some(s) = start {
+            case = case.int("start", s);
+        }
+        if let Some(e) = end {
+            case = case.int("end", e);
+        }
+        let got = case.output(Fp32, &out).run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            src[d] = picked[o[d]] as usize;
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("slice dim {dim} {start:?}..{end:?} step {step}"),
+        );
+    }
+    // select.int with negative dims and indices.
+    for (dim, index) in [(0i64, 2i64), (-1, -1), (1, -5), (-2, 3)] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let row = (if index < 0 {
+            index + x.ty.shape[d] as i64
+        } else {
+            index
+        }) as usize;
+        let mut out = x.ty.shape.clone();
+        out.remove(d);
+        let got = Case::new(Op::SelectInt)
+            .input(x.clone())
+            .int("dim", dim)
+            .int("index", index)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            src.insert(d, row);
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("select dim {dim} index {index}"),
+        );
+    }
+    let v = i64v(&[4], &[5, 6, 7, 8]);
+    let got = Case::new(Op::SelectInt)
+        .input(v)
+        .int("dim", 0)
+        .int("index", -4)
+        .output(I64, &[])
+        .run1();
+    assert_close(&got, &[5.0], EXACT, "select to a scalar");
+}
+
+// ---------------------------------------------------------------------------------------
+// Convolution
+
+/// Convolution geometry for the reference.
+#[derive(Clone)]
+struct ConvSpec {
+    input: Vec<u64>,
+    weight: Vec<u64>,
+    stride: Vec<i64>,
+    padding: Vec<i64>,
+    dilation: Vec<i64>,
+    output_padding: Vec<i64>,
+    groups: i64,
+    transposed: bool,
+}
+
+impl ConvSpec {
+    fn dims(&self) -> usize {
+        self.input.len() - 2
+    }
+
+    fn output(&self) -> Vec<u64> {
+        let g = self.groups as u64;
+        let c_out = if self.transposed {
+            self.weight[1] * g
+        } else {
+            self.weight[0]
+        };
+        let mut out = vec![self.input[0], c_out];
+        for i in 0..self.dims() {
+            let (n, k) = (self.input[2 + i] as i64, self.weight[2 + i] as i64);
+            let (s, p, d) = (self.stride[i], self.padding[i], self.dilation[i]);
+            out.push(if self.transposed {
+                (n - 1) * s - 2 * p + d * (k - 1) + self.output_padding[i] + 1
+            } else {
+                (n + 2 * p - d * (k - 1) - 1) / s + 1
+            } as u64);
+        }
+        out
+    }
+
+    fn case(&self, op: Op) -> Case {
+        Case::new(op)
+            .ints("stride", &self.stride)
+            .ints("padding", &self.padding)
+            .ints("dilation", &self.dilation)
+            .flag("transposed", self.transposed)
+            .ints("output_padding", &self.output_padding)
+            .int("groups", self.groups)
+    }
+
+    /// The convolution by its definition: each output element a sum over the input
+    /// channels of its group and the kernel taps that reach it.
+    fn reference(&self, x: &[f64], w: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+        let out = self.output();
+        let g = self.groups as usize;
+        let (c_in, c_out) = (self.input[1] as usize, out[1] as usize);
+        let (cin_g, cout_g) = (c_in / g, c_out / g);
+        let k_shape = &self.weight[2..];
+        (0..numel(&out))
+            .map(|i| {
+                let o = unravel(i, &out);
+                let (n, co) = (o[0], o[1]);
+                let grp = co / cout_g;
+                let mut acc = bias.map_or(0.0, |b| b[co]);
+                for ci in grp * cin_g..(grp + 1) * cin_g {
+                    for kk in 0..numel(k_shape) {
+                        let k = unravel(kk, k_shape);
+                        // The input position this tap reads, if any.
+                        let mut pos = vec![n, ci];
+                        let ok = (0..self.dims()).all(|d| {
+                            let (s, p, dil) = (self.stride[d], self.padding[d], self.dilation[d]);
+                            let oo = o[2 + d] as i64;
+                            let ip = if self.transposed {
+                                // out = in * s - p + k * dil
+                                let t = oo + p - k[d] as i64 * dil;
+                                if t % s != 0 {
+                                    return false;
+                                }
+                                t / s
+                            } else {
+                                oo * s - p + k[d] as i64 * dil
+                            };
+                            pos.push(ip.max(0) as usize);
+                            (0..self.input[2 + d] as i64).contains(&ip)
+                        });
+                        if !ok {
+                            continue;
+                        }
+                        let widx = if self.transposed {
+                            let mut v = vec![ci, co - grp * cout_g];
+                            v.extend(&k);
+                            v
+                        } else {
+                            let mut v = vec![co, ci - grp * cin_g];
+                            v.extend(&k);
+                            v
+                        };
+                        acc += x[ravel(&pos, &self.input)] * w[ravel(&widx, &self.weight)];
+                    }
+                }
+                acc
+            })
+            .collect()
+    }
+}
+
+fn conv_specs() -> Vec<ConvSpec> {
+    let spec = |input: &[u64],
+                weight: &[u64],
+                s: &[i64],
+                p: &[i64],
+                d: &[i64],
+                op: &[i64],
+                groups: i64,
+                transposed: bool| ConvSpec {
+        input: input.to_vec(),
+        weight: weight.to_vec(),
+        stride: s.to_vec(),
+        padding: p.to_vec(),
+        dilation: d.to_vec(),
+        output_padding: op.to_vec(),
+        groups,
+        transposed,
+    };
+    vec![
+        // 2-d: plain, strided and padded, dilated and grouped (the f32 matrix-product kernel).
+        spec(
+            &[2, 3, 5, 7],
+            &[4, 3, 3, 3],
+            &[1, 1],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            false,
+        ),
+        spec(
+            &[2, 4, 7, 6],
+            &[6, 2, 3, 2],
+            &[2, 1],
+            &[1, 1],
+            &[1, 2],
+            &[0, 0],
+            2,
+            false,
+        ),
+        // 1-d and 3-d.
+        spec(&[2, 3, 11], &[4, 3, 3], &[2], &[1], &[2], &[0], 1, false),
+        spec(
+            &[1, 2, 4, 5, 3],
+            &[3, 2, 2, 3, 2],
+            &[1, 2, 1],
+            &[1, 0, 1],
+            &[1, 1, 1],
+            &[0, 0, 0],
+            1,
+            false,
+        ),
+        // Transposed 1-d and 2-d, with output padding and groups.
+        spec(&[2, 3, 5], &[3, 2, 3], &[2], &[1], &[1], &[1], 1, true),
+        spec(
+            &[1, 4, 3, 4],
+            &[4, 3, 3, 2],
+            &[2, 3],
+            &[1, 0],
+            &[1, 2],
+            &[1, 2],
+            2,
+            true,
+        ),
+    ]
+}
+
+#[test]
+fn convolutions_match_their_definition() {
+    let mut rng = Rng::new(37);
+    for spec in conv_specs() {
+        let x = rng.f32s(&spec.input, -1.0, 1.0);
+        let w = rng.f32s(&spec.weight, -1.0, 1.0);
+        let out = spec.output();
+        let b = rng.f32s(&[out[1]], -1.0, 1.0);
+        let what = format!(
+            "convolution {:?} * {:?} transposed {}",
+            spec.input, spec.weight, spec.transposed
+        );
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .input(b.clone())
+            .output(Fp32, &out)
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, Some(&b.data)),
+            SUM32,
+            &what,
+        );
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .absent()
+            .output(Fp32, &out)
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, None),
+            SUM32,
+            &format!("{what}, no bias"),
+        );
+    }
+    // Half precision: stored as f16 or bf16, computed wide, rounded once.
+    let spec = &conv_specs()[1];
+    for (dtype, t) in [(F16, tol(2e-3, 2e-3)), (Bf16, tol(1e-2, 1e-2))] {
+        let x = val(dtype, &spec.input, rng.vec(numel(&spec.input), -1.0, 1.0));
+        let w = val(dtype, &spec.weight, rng.vec(numel(&spec.weight), -1.0, 1.0));
+        let got = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .absent()
+            .output(dtype, &spec.output())
+            .run1();
+        assert_close(
+            &got,
+            &spec.reference(&x.data, &w.data, None),
+            t,
+            &format!("convolution {dtype}"),
+        );
+    }
+}
+
+#[test]
+fn convolution_backward_matches_finite_differences() {
+    let mut rng = Rng::new(41);
+    for spec in conv_specs() {
+        let x = rng.f32s(&spec.input, -1.0, 1.0);
+        let w = rng.f32s(&spec.weight, -1.0, 1.0);
+        let out = spec.output();
+        let b = rng.f32s(&[out[1]], -1.0, 1.0);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let what = format!(
+            "convolution_backward {:?} * {:?} transposed {}",
+            spec.input, spec.weight, spec.transposed
+        );
+        let grads = spec
+            .case(Op::ConvolutionBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(w.clone())
+            .ints("bias_sizes", &[out[1] as i64])
+            .attr("output_mask", Attr::Bools(vec![true, true, true]))
+            .output(Fp32, &spec.input)
+            .output(Fp32, &spec.weight)
+            .output(Fp32, &[out[1]])
+            .run();
+        let forward = spec
+            .case(Op::Convolution)
+            .input(x.clone())
+            .input(w.clone())
+            .input(b.clone())
+            .output(Fp32, &out);
+        for (k, name) in [(0, "grad_input"), (1, "grad_weight"), (2, "grad_bias")] {
+            let numeric = numeric_grad(&forward, k, 0, &g.data, 1e-2);
+            assert_grad(&grads[k], &numeric, 1e-3, &format!("{what}: {name}"));
+        }
+        // Only grad_weight asked for.
+        let only = spec
+            .case(Op::ConvolutionBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(w.clone())
+            .attr("output_mask", Attr::Bools(vec![false, true, false]))
+            .unused()
+            .output(Fp32, &spec.weight)
+            .unused()
+            .run();
+        assert_close(
+            &only[1],
+            &grads[1],
+            EXACT,
+            &format!("{what}: grad_weight alone"),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Neural-network ops
+
+#[test]
+fn layer_norm_and_its_backward() {
+    let mut rng = Rng::new(43);
+    for (shape, normalized, affine) in [
+        (&[3u64, 5, 7][..], &[7i64][..], true),
+        (&[3, 5, 7], &[5, 7], false),
+        (&[4, 6], &[4, 6], true),
+        (&[0, 5], &[5], true),
+    ] {
+        let axis = shape.len() - normalized.len();
+        let inner = numel(&shape[axis..]);
+        let rows = numel(shape) / inner;
+        let x = rng.f32s(shape, -2.0, 2.0);
+        let w = rng.f32s(&shape[axis..], 0.5, 1.5);
+        let b = rng.f32s(&shape[axis..], -1.0, 1.0);
+        let mut stats_shape = shape[..axis].to_vec();
+        stats_shape.extend(std::iter::repeat_n(1, normalized.len()));
+        let mut forward = Case::new(Op::NativeLayerNorm).input(x.clone());
+        forward = if affine {
+            forward.input(w.clone()).input(b.clone())
+        } else {
+            forward.absent().absent()
+        };
+        let forward = forward
+            .ints("normalized_shape", normalized)
+            .float("eps", 1e-5)
+            .output(Fp32, shape)
+            .output(Fp32, &stats_shape)
+            .output(Fp32, &stats_shape);
+        let got = forward.run();
+        let (mut y, mut means, mut rstds) = (vec![], vec![], vec![]);
+        for r in 0..rows {
+            let row = &x.data[r * inner..(r + 1) * inner];
+            let m = mean(row);
+            let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / inner as f64;
+            let rstd = 1.0 / (var + 1e-5).sqrt();
+            for (j, v) in row.iter().enumerate() {
+                let n = (v - m) * rstd;
+                y.push(if affine { n * w.data[j] + b.data[j] } else { n });
+            }
+            means.push(m);
+            rstds.push(rstd);
+        }
+        let what = format!("native_layer_norm of {shape:?} over {normalized:?}");
+        assert_close(&got[0], &y, tol(1e-5, 1e-5), &what);
+        assert_close(&got[1], &means, tol(1e-6, 1e-6), &what);
+        assert_close(&got[2], &rstds, tol(1e-5, 1e-6), &what);
+        // Backward against finite differences of the forward's output 0.
+        let g = rng.f32s(shape, -1.0, 1.0);
+        let mut backward = Case::new(Op::NativeLayerNormBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(f32v(&stats_shape, got[1].clone()))
+            .input(f32v(&stats_shape, got[2].clone()));
+        backward = if affine {
+            backward.input(w.clone()).input(b.clone())
+        } else {
+            backward.absent().absent()
+        };
+        let grads = backward
+            .ints("normalized_shape", normalized)
+            .attr("output_mask", Attr::Bools(vec![true, affine, affine]))
+            .output(Fp32, shape)
+            .output(Fp32, &shape[axis..])
+            .output(Fp32, &shape[axis..])
+            .run();
+        let what = format!("native_layer_norm_backward of {shape:?} over {normalized:?}");
+        assert_grad(
+            &grads[0],
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            2e-3,
+            &format!("{what}: grad_input"),
+        );
+        if affine {
+            assert_grad(
+                &grads[1],
+                &numeric_grad(&forward, 1, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: grad_weight"),
+            );
+            assert_grad(
+                &grads[2],
+                &numeric_grad(&forward, 2, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: grad_bias"),
+            );
+        }
+    }
+}
+
+/// Pooling geometry for the references.
+struct PoolSpec {
+    input: Vec<u64>,
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    ceil: bool,
+}
+
+impl PoolSpec {
+    fn output(&self) -> Vec<u64> {
+        let rank = self.input.len();
+        let mut out = self.input.clone();
+        for d in 0..2 {
+            let n = self.input[rank - 2 + d] as i64;
+            let (k, s, p, dil) = (
+                self.kernel[d],
+                self.stride[d],
+                self.padding[d],
+                self.dilation[d],
+            );
+            let span = n + 2 * p - dil * (k - 1) - 1;
+            let mut o = if self.ceil {
+                (span + s - 1) / s + 1
+            } else {
+                span / s + 1
+            };
+            if self.ceil && (o - 1) * s >= n + p {
+                o -= 1;
+            }
+            out[rank - 2 + d] = o as u64;
+        }
+        out
+    }
+
+    fn case(&self, op: Op) -> Case {
+        let case = Case::new(op)
+            .ints("kernel_size", &self.kernel)
+            .ints("stride", &self.stride)
+            .ints("padding", &self.padding)
+            .flag("ceil_mode", self.ceil);
+        if matches!(
+            op,
+            Op::MaxPool2dWithIndices | Op::MaxPool2dWithIndicesBackward
+        ) {
+            case.ints("dilation", &self.dilation)
+        } else {
+            case
+        }
+    }
+
+    /// For output element `i`: its plane and the in-bounds input positions (row, col) of
+    /// its window, plus the window's size counting padding (clipped at the padded edge).
+    fn window(&self, i: usize) -> (usize, Vec<(usize, usize)>, usize) {
+        let out = self.output();
+        let rank = out.len();
+        let (oh, ow) = (out[rank - 2] as usize, out[rank - 1] as usize);
+        let (h, w) = (self.input[rank - 2] as i64, self.input[rank - 1] as i64);
+        let (plane, oy, ox) = (i / (oh * ow), i / ow % oh, i % ow);
+        let mut cells = vec![];
+        let mut padded = [0i64; 2];
+        for (d, o) in [oy, ox].into_iter().enumerate() {
+            let start = o as i64 * self.stride[d] - self.padding[d];
+            let size = if d == 0 { h } else { w };
+            padded[d] = (start + (self.kernel[d] - 1) * self.dilation[d] + 1)
+                .min(size + self.padding[d])
+                - start;
+        }
+        for ky in 0..self.kernel[0] {
+            for kx in 0..self.kernel[1] {
+                let y = oy as i64 * self.stride[0] - self.padding[0] + ky * self.dilation[0];
+                let x = ox as i64 * self.stride[1] - self.padding[1] + kx * self.dilation[1];
+                if (0..h).contains(&y) && (0..w).contains(&x) {
+                    cells.push((y as usize, x as usize));
+                }
+            }
+        }
+        (plane, cells, (padded[0] * padded[1]) as usize)
+    }
+}
+
+fn pool_specs() -> Vec<PoolSpec> {
+    let spec =
+        |input: &[u64], k: [i64; 2], s: [i64; 2], p: [i64; 2], d: [i64; 2], ceil: bool| PoolSpec {
+            input: input.to_vec(),
+            kernel: k,
+            stride: s,
+            padding: p,
+            dilation: d,
+            ceil,
+        };
+    vec![
+        spec(&[2, 3, 6, 7], [2, 2], [2, 2], [0, 0], [1, 1], false),
+        spec(&[2, 2, 7, 5], [3, 3], [2, 1], [1, 1], [1, 1], true),
+        spec(&[1, 2, 7, 8], [3, 2], [2, 3], [1, 1], [2, 1], true),
+        spec(&[3, 5, 7], [3, 3], [2, 2], [1, 0], [1, 1], false),
+    ]
+}
+
+#[test]
+fn max_pool_and_its_backward() {
+    let mut rng = Rng::new(47);
+    for spec in pool_specs() {
+        let n = numel(&spec.input);
+        // Distinct values far apart: the argmax does not move under small perturbations.
+        let x = f32v(&spec.input, rng.distinct(n, 0.1));
+        let out = spec.output();
+        let rank = out.len();
+        let w = spec.input[rank - 1] as usize;
+        let plane = (spec.input[rank - 2] * spec.input[rank - 1]) as usize;
+        let forward = spec
+            .case(Op::MaxPool2dWithIndices)
+            .input(x.clone())
+            .output(Fp32, &out)
+            .output(I64, &out);
+        let got = forward.run();
+        let (mut values, mut indices) = (vec![], vec![]);
+        for i in 0..numel(&out) {
+            let (p, cells, _) = spec.window(i);
+            let &(y, xx) = cells
+                .iter()
+                .max_by(|a, b| {
+                    x.data[p * plane + a.0 * w + a.1].total_cmp(&x.data[p * plane + b.0 * w + b.1])
+                })
+                .unwrap();
+            values.push(x.data[p * plane + y * w + xx]);
+            indices.push((y * w + xx) as f64);
+        }
+        let what = format!("max_pool2d of {:?} kernel {:?}", spec.input, spec.kernel);
+        assert_close(&got[0], &values, EXACT, &what);
+        assert_close(&got[1], &indices, EXACT, &what);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let grad = spec
+            .case(Op::MaxPool2dWithIndicesBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(i64v(
+                &out,
+                &got[1].iter().map(|v| *v as i64).collect::<Vec<_>>(),
+            ))
+            .output(Fp32, &spec.input)
+            .run1();
+        assert_grad(
+            &grad,
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            1e-4,
+            &format!("{what}: backward"),
+        );
+        // An index outside its plane fails the node, naming it and the plane's size.
+        let mut bad: Vec<i64> = got[1].iter().map(|v| *v as i64).collect();
+        bad[0] = plane as i64;
+        let err = spec
+            .case(Op::MaxPool2dWithIndicesBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .input(i64v(&out, &bad))
+            .output(Fp32, &spec.input)
+            .fails();
+        assert_mentions(
+            &err,
+            &[
+                "max_pool2d_with_indices_backward",
+                &format!("index {plane} is out of range"),
+                &format!("size {plane}"),
+            ],
+        );
+    }
+}
+
+#[test]
+fn avg_pool_and_its_backward() {
+    let mut rng = Rng::new(53);
+    for spec in pool_specs().into_iter().filter(|s| s.dilation == [1, 1]) {
+        for (include_pad, divisor) in [(true, None), (false, None), (true, Some(5i64))] {
+            let x = rng.f32s(&spec.input, -1.0, 1.0);
+            let out = spec.output();
+            let rank = out.len();
+            let w = spec.input[rank - 1] as usize;
+            let plane = (spec.input[rank - 2] * spec.input[rank - 1]) as usize;
+            let with = |case: Case| {
+                let case = case.flag("count_include_pad", include_pad);
+                match divisor {
+                    Some(d) => case.int("divisor_override", d),
+                    None => case,
+                }
+            };
+            let forward = with(spec.case(Op::AvgPool2d))
+                .input(x.clone())
+                .output(Fp32, &out);
+            let want: Vec<f64> = (0..numel(&out))
+                .map(|i| {
+                    let (p, cells, padded) = spec.window(i);
+                    let s: f64 = cells
+                        .iter()
+                        .map(|&(y, xx)| x.data[p * plane + y * w + xx])
+                        .sum();
+                    let div = divisor
+                        .map_or(if include_pad { padded } else { cells.len() } as f64, |d| {
+                            d as f64
+                        });
+                    s / div
+                })
+                .collect();
+            let what = format!(
+                "avg_pool2d of {:?} kernel {:?} include_pad {include_pad} divisor {divisor:?}",
+                spec.input, spec.kernel
+            );
+            assert_close(&forward.run1(), &want, tol(1e-6, 1e-6), &what);
+            let g = rng.f32s(&out, -1.0, 1.0);
+            let grad = with(spec.case(Op::AvgPool2dBackward))
+                .input(g.clone())
+                .input(x.clone())
+                .output(Fp32, &spec.input)
+                .run1();
+            assert_grad(
+                &grad,
+                &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+                1e-3,
+                &format!("{what}: backward"),
+            );
+        }
+    }
+}
+
+#[test]
+fn adaptive_avg_pool_and_its_backward() {
+    let mut rng = Rng::new(59);
+    for (input, size) in [
+        (&[2u64, 3, 7, 5][..], [3i64, 2]),
+        (&[1, 2, 1, 1], [2, 3]),
+        (&[2, 6, 4], [4, 4]),
+        (&[1, 1, 5, 9], [1, 1]),
+    ] {
+        let rank = input.len();
+        let (h, w) = (input[rank - 2] as usize, input[rank - 1] as usize);
+        let (oh, ow) = (size[0] as usize, size[1] as usize);
+        let mut out = input.to_vec();
+        out[rank - 2] = oh as u64;
+        out[rank - 1] = ow as u64;
+        let x = rng.f32s(input, -1.0, 1.0);
+        let forward = Case::new(Op::AdaptiveAvgPool2d)
+            .input(x.clone())
+            .ints("output_size", &size)
+            .output(Fp32, &out);
+        let want: Vec<f64> = (0..numel(&out))
+            .map(|i| {
+                let (p, oy, ox) = (i / (oh * ow), i / ow % oh, i % ow);
+                // Window [floor(o * n / out), ceil((o + 1) * n / out)).
+                let (y0, y1) = (
+                    (oy * h) as f64 / oh as f64,
+                    ((oy + 1) * h) as f64 / oh as f64,
+                );
+                let (x0, x1) = (
+                    (ox * w) as f64 / ow as f64,
+                    ((ox + 1) * w) as f64 / ow as f64,
+                );
+                let mut cells = vec![];
+                for y in y0.floor() as usize..y1.ceil() as usize {
+                    for xx in x0.floor() as usize..x1.ceil() as usize {
+                        cells.push(x.data[p * h * w + y * w + xx]);
+                    }
+                }
+                mean(&cells)
+            })
+            .collect();
+        let what = format!("_adaptive_avg_pool2d of {input:?} to {size:?}");
+        assert_close(&forward.run1(), &want, tol(1e-6, 1e-6), &what);
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let grad = Case::new(Op::AdaptiveAvgPool2dBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .output(Fp32, input)
+            .run1();
+        assert_grad(
+            &grad,
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            1e-3,
+            &format!("{what}: backward"),
+        );
+    }
+}
+
+#[test]
+fn embedding_and_its_backward() {
+    let mut rng = Rng::new(61);
+    let table = rng.f32s(&[6, 4], -1.0, 1.0);
+    let ids = i64v(&[2, 3], &[0, 5, 2, 5, 5, -1]);
+    let forward = Case::new(Op::Embedding)
+        .input(table.clone())
+        .input(ids.clone())
+        .int("padding_idx", -1)
+        .flag("scale_grad_by_freq", false)
+        .flag("sparse", false)
+        .output(Fp32, &[2, 3, 4]);
+    let got = forward.run1();
+    let rows = [0usize, 5, 2, 5, 5, 5];
+    let want: Vec<f64> = rows
+        .iter()
+        .flat_map(|&r| table.data[r * 4..(r + 1) * 4].to_vec())
+        .collect();
+    assert_close(&got, &want, EXACT, "embedding");
+    let g = rng.f32s(&[2, 3, 4], -1.0, 1.0);
+    for (padding, scale) in [(-1i64, false), (2, false), (5, true)] {
+        let grad = Case::new(Op::EmbeddingDenseBackward)
+            .input(g.clone())
+            .input(ids.clone())
+            .int("num_weights", 6)
+            .int("padding_idx", padding)
+            .flag("scale_grad_by_freq", scale)
+            .output(Fp32, &[6, 4])
+            .run1();
+        let mut want = vec![0.0; 24];
+        for (i, &r) in rows.iter().enumerate() {
+            if r as i64 == padding {
+                continue;
+            }
+            let count = rows.iter().filter(|&&q| q == r).count() as f64;
+            for j in 0..4 {
+                want[r * 4 + j] += g.data[i * 4 + j] / if scale { count } else { 1.0 };
+            }
+        }
+        let what = format!("embedding_dense_backward padding_idx {padding} scale {scale}");
+        assert_close(&grad, &want, tol(1e-6, 1e-6), &what);
+        if padding == -1 {
+            let numeric = numeric_grad(&forward, 0, 0, &g.data, 1e-2);
+            assert_grad(
+                &grad,
+                &numeric,
+                1e-4,
+                &format!("{what} vs finite differences"),
+            );
+        }
+    }
+    // Bad indices fail with the index and the bound.
+    let bad = i64v(&[3], &[1, 6, 0]);
+    let err = Case::new(Op::EmbeddingDenseBackward)
+        .input(f32v(&[3, 4], vec![0.0; 12]))
+        .input(bad.clone())
+        .int("num_weights", 6)
+        .int("padding_idx", -1)
+        .flag("scale_grad_by_freq", false)
+        .output(Fp32, &[6, 4])
+        .fails();
+    assert_mentions(
+        &err,
+        &[
+            "embedding_dense_backward",
+            "index 6 is out of range",
+            "size 6",
+        ],
+    );
+    let err = Case::new(Op::Embedding)
+        .input(table.clone())
+        .input(i64v(&[1], &[-7]))
+        .output(Fp32, &[1, 4])
+        .fails();
+    assert_mentions(&err, &["embedding", "index -7 is out of range", "size 6"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Indexing
+
+#[test]
+fn gather_and_scatters() {
+    let mut rng = Rng::new(67);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for (dim, index_shape) in [(1i64, [3u64, 4, 7]), (-1, [2, 5, 3]), (0, [3, 1, 2])] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let index_data = rng.ints(numel(&index_shape), -n, n);
+        let index = i64v(&index_shape, &index_data);
+        let wrap = |v: f64| (if v < 0.0 { v + n as f64 } else { v }) as usize;
+        let got = Case::new(Op::Gather)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .flag("sparse_grad", false)
+            .output(Fp32, &index_shape)
+            .run1();
+        let want = (0..numel(&index_shape))
+            .map(|i| {
+                let mut src = unravel(i, &index_shape);
+                src[d] = wrap(index.data[i]);
+                x.data[ravel(&src, &x.ty.shape)]
+            })
+            .collect::<Vec<_>>();
+        let what = format!("gather dim {dim} index {index_shape:?}");
+        assert_close(&got, &want, EXACT, &what);
+        // scatter.value: the value at every indexed place.
+        let got = Case::new(Op::ScatterValue)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .float("value", 9.5)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for i in 0..numel(&index_shape) {
+            let mut dst = unravel(i, &index_shape);
+            dst[d] = wrap(index.data[i]);
+            want[ravel(&dst, &x.ty.shape)] = 9.5;
+        }
+        assert_close(&got, &want, EXACT, &format!("scatter.value dim {dim}"));
+        // scatter_add: src may be larger than index; duplicates add up.
+        let mut src_shape = index_shape;
+        src_shape[0] += 1;
+        let src = rng.f32s(&src_shape, -1.0, 1.0);
+        let got = Case::new(Op::ScatterAdd)
+            .input(x.clone())
+            .input(index.clone())
+            .input(src.clone())
+            .int("dim", dim)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for i in 0..numel(&index_shape) {
+            let at = unravel(i, &index_shape);
+            let mut dst = at.clone();
+            dst[d] = wrap(index.data[i]);
+            want[ravel(&dst, &x.ty.shape)] += src.data[ravel(&at, &src_shape)];
+        }
+        assert_close(
+            &got,
+            &want,
+            tol(1e-6, 1e-6),
+            &format!("scatter_add dim {dim}"),
+        );
+        // Each of them refuses an index out of range, naming it and the bound.
+        let mut bad = index_data.clone();
+        bad[1] = n;
+        let bad = i64v(&index_shape, &bad);
+        for case in [
+            Case::new(Op::Gather)
+                .input(x.clone())
+                .input(bad.clone())
+                .int("dim", dim)
+                .output(Fp32, &index_shape),
+            Case::new(Op::ScatterValue)
+                .input(x.clone())
+                .input(bad.clone())
+                .int("dim", dim)
+                .float("value", 1.0)
+                .output(Fp32, &x.ty.shape),
+            Case::new(Op::ScatterAdd)
+                .input(x.clone())
+                .input(bad.clone())
+                .input(src.clone())
+                .int("dim", dim)
+                .output(Fp32, &x.ty.shape),
+        ] {
+            assert_mentions(
+                &case.fails(),
+                &[&format!("index {n} is out of range"), &format!("size {n}")],
+            );
+        }
+    }
+}
+
+#[test]
+fn index_select_and_index_put() {
+    let mut rng = Rng::new(71);
+    let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
+    for (dim, picks) in [
+        (1i64, vec![4i64, 0, -1, 4]),
+        (-1, vec![6]),
+        (0, vec![]),
+        (2, vec![-7, 3]),
+    ] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let n = x.ty.shape[d] as i64;
+        let mut out = x.ty.shape.clone();
+        out[d] = picks.len() as u64;
+        let index = i64v(&[picks.len() as u64], &picks);
+        let got = Case::new(Op::IndexSelect)
+            .input(x.clone())
+            .input(index.clone())
+            .int("dim", dim)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = o.to_vec();
+            let p = picks[o[d]];
+            src[d] = (if p < 0 { p + n } else { p }) as usize;
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("index_select dim {dim} {picks:?}"),
+        );
+        let bad = i64v(&[2], &[0, -n - 1]);
+        let err = Case::new(Op::IndexSelect)
+            .input(x.clone())
+            .input(bad)
+            .int("dim", dim)
+            .output(Fp32, &{
+                let mut o = x.ty.shape.clone();
+                o[d] = 2;
+                o
+            })
+            .fails();
+        assert_mentions(
+            &err,
+            &[
+                "index_select",
+                &format!("index {} is out of range", -n - 1),
+                &format!("size {n}"),
+            ],
+        );
+    }
+    let i32_index = val(I32, &[2], vec![2.0, 0.0]);
+    let got = Case::new(Op::IndexSelect)
+        .input(i64v(&[3], &[10, 20, 30]))
+        .input(i32_index)
+        .int("dim", 0)
+        .output(I64, &[2])
+        .run1();
+    assert_close(&got, &[30.0, 10.0], EXACT, "index_select with i32 indices");
+    // index_put with two leading index tensors: values per indexed row, one shared row,
+    // or a scalar; accumulate adds (duplicates too), otherwise writes.
+    let rows = i64v(&[3], &[0, 2, 0]);
+    let cols = i64v(&[3], &[1, -1, 1]);
+    for (values_shape, accumulate) in [
+        (vec![3u64, 7], true),
+        (vec![7], true),
+        (vec![], false),
+        (vec![3, 7], false),
+    ] {
+        let values = rng.f32s(&values_shape, -1.0, 1.0);
+        let got = Case::new(Op::IndexPut)
+            .input(x.clone())
+            .input(rows.clone())
+            .input(cols.clone())
+            .input(values.clone())
+            .int("indices.len", 2)
+            .flag("accumulate", accumulate)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        for (i, (r, c)) in [(0usize, 1usize), (2, 4), (0, 1)].into_iter().enumerate() {
+            for j in 0..7 {
+                let v = match values_shape.len() {
+                    2 => values.data[i * 7 + j],
+                    1 => values.data[j],
+                    _ => values.data[0],
+                };
+                let at = (r * 5 + c) * 7 + j;
+                want[at] = if accumulate { want[at] + v } else { v };
+            }
+        }
+        assert_close(
+            &got,
+            &want,
+            tol(1e-6, 1e-6),
+            &format!("index_put values {values_shape:?} accumulate {accumulate}"),
+        );
+    }
+    let err = Case::new(Op::IndexPut)
+        .input(x.clone())
+        .input(i64v(&[1], &[3]))
+        .input(f32v(&[], vec![1.0]))
+        .int("indices.len", 1)
+        .flag("accumulate", false)
+        .output(Fp32, &x.ty.shape)
+        .fails();
+    assert_mentions(&err, &["index_put", "index 3 is out of range", "size 3"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Creation and randomness
+
+#[test]
+fn creation_ops() {
+    let got = Case::new(Op::Full)
+        .ints("size", &[2, 3])
+        .float("fill_value", 1.25)
+        .output(Fp32, &[2, 3])
+        .run1();
+    assert_close(&got, &[1.25; 6], EXACT, "full f32");
+    let got = Case::new(Op::Full)
+        .ints("size", &[4])
+        .int("fill_value", -3)
+        .output(I64, &[4])
+        .run1();
+    assert_close(&got, &[-3.0; 4], EXACT, "full i64");
+    let got = Case::new(Op::Full)
+        .ints("size", &[0, 2])
+        .attr("fill_value", Attr::Bool(true))
+        .output(Bool, &[0, 2])
+        .run1();
+    assert!(got.is_empty());
+    let got = Case::new(Op::Full)
+        .ints("size", &[3])
+        .float("fill_value", 0.1)
+        .dtype("dtype", Bf16)
+        .output(Bf16, &[3])
+        .run1();
+    assert_close(
+        &got,
+        &[half::bf16::from_f64(0.1).to_f64(); 3],
+        EXACT,
+        "full bf16",
+    );
+    let like = f32v(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]);
+    let got = Case::new(Op::FullLike)
+        .input(like.clone())
+        .float("fill_value", -0.5)
+        .output(Fp32, &[2, 2])
+        .run1();
+    assert_close(&got, &[-0.5; 4], EXACT, "full_like");
+    let got = Case::new(Op::FullLike)
+        .input(like)
+        .int("fill_value", 7)
+        .dtype("dtype", I32)
+        .output(I32, &[2, 2])
+        .run1();
+    assert_close(&got, &[7.0; 4], EXACT, "full_like i32");
+    let got = Case::new(Op::ScalarTensor)
+        .float("s", 2.5)
+        .output(Fp32, &[])
+        .run1();
+    assert_close(&got, &[2.5], EXACT, "scalar_tensor");
+    let got = Case::new(Op::ScalarTensor)
+        .int("s", -4)
+        .dtype("dtype", I64)
+        .output(I64, &[])
+        .run1();
+    assert_close(&got, &[-4.0], EXACT, "scalar_tensor i64");
+    for (start, end, step, dtype) in [
+        (Attr::Int(0), Attr::Int(5), Attr::Int(1), I64),
+        (Attr::Int(10), Attr::Int(-3), Attr::Int(-4), I64),
+        (Attr::Float(0.5), Attr::Float(2.0), Attr::Float(0.25), Fp32),
+        (Attr::Int(3), Attr::Int(3), Attr::Int(1), I64),
+    ] {
+        let num = |a: &Attr| match a {
+            Attr::Int(v) => *v as f64,
+            Attr::Float(v) => *v,
+            _ => unreachable!(),
+        };
+        let (a, b, s) = (num(&start), num(&end), num(&step));
+        let len = ((b - a) / s).ceil() as usize;
+        let want: Vec<f64> = (0..len).map(|i| a + s * i as f64).collect();
+        let got = Case::new(Op::ArangeStartStep)
+            .attr("start", start.clone())
+            .attr("end", end.clone())
+            .attr("step", step.clone())
+            .output(dtype, &[len as u64])
+            .run1();
+        assert_close(&got, &want, F32, &format!("arange {a} {b} {s}"));
+    }
+}
+
+#[test]
+fn bernoulli_fails_clearly_on_cpu() {
+    // No per-session random state yet: the node must fail, saying why, not run.
+    let err = Case::new(Op::BernoulliP)
+        .input(f32v(&[4], vec![0.0; 4]))
+        .float("p", 0.5)
+        .output(Fp32, &[4])
+        .fails();
+    assert_mentions(
+        &err,
+        &[
+            "bernoulli.p",
+            "not supported on the CPU device",
+            "random state",
+        ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Coverage
+
+/// Every test of this file above, to run again under the op recorder.
+const ALL_TESTS: &[(&str, fn())] = &[
+    ("unary_float_functions", unary_float_functions),
+    ("gelu_exact_and_tanh", gelu_exact_and_tanh),
+    ("scalar_ops", scalar_ops),
+    ("comparisons_with_a_number", comparisons_with_a_number),
+    ("logical_and_bitwise_not", logical_and_bitwise_not),
+    ("copies_and_conversions", copies_and_conversions),
+    ("binary_arithmetic_broadcasts", binary_arithmetic_broadcasts),
+    ("binary_logical_and_bitwise", binary_logical_and_bitwise),
+    ("where_broadcasts_three_ways", where_broadcasts_three_ways),
+    ("sums_means_and_maxima", sums_means_and_maxima),
+    ("variance_and_any", variance_and_any),
+    ("softmax_and_log_softmax", softmax_and_log_softmax),
+    (
+        "softmax_backwards_match_formula_and_finite_differences",
+        softmax_backwards_match_formula_and_finite_differences,
+    ),
+    ("mm_addmm_bmm", mm_addmm_bmm),
+    ("views_keep_the_elements", views_keep_the_elements),
+    ("permute_and_expand", permute_and_expand),
+    ("split_cat_slice_select", split_cat_slice_select),
+    (
+        "convolutions_match_their_definition",
+        convolutions_match_their_definition,
+    ),
+    (
+        "convolution_backward_matches_finite_differences",
+        convolution_backward_matches_finite_differences,
+    ),
+    ("layer_norm_and_its_backward", layer_norm_and_its_backward),
+    ("max_pool_and_its_backward", max_pool_and_its_backward),
+    ("avg_pool_and_its_backward", avg_pool_and_its_backward),
+    (
+        "adaptive_avg_pool_and_its_backward",
+        adaptive_avg_pool_and_its_backward,
+    ),
+    ("embedding_and_its_backward", embedding_and_its_backward),
+    ("gather_and_scatters", gather_and_scatters),
+    ("index_select_and_index_put", index_select_and_index_put),
+    ("creation_ops", creation_ops),
+    (
+        "bernoulli_fails_clearly_on_cpu",
+        bernoulli_fails_clearly_on_cpu,
+    ),
+];
+
+#[test]
+fn every_op_is_tested() {
+    let ran = record_ops(|| {
+        for (_, test) in ALL_TESTS {
+            test();
+        }
+    });
+    let missing: Vec<&str> = Op::ALL
+        .iter()
+        .filter(|op| !ran.contains(op))
+        .map(|op| op.name())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ops no test runs on the CPU device: {missing:?}"
+    );
+    // The list above names every test of this file (but this one).
+    let source = include_str!("ops.rs");
+    let tests = source.matches("#[test]\nfn ").count();
+    assert_eq!(
+        tests,
+        ALL_TESTS.len() + 1,
+        "a test is missing from ALL_TESTS"
+    );
+}
