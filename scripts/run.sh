@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
-# Builds salus and runs its main job. Until the daemon lands, the main job is the
-# simulator: the Salus experiments on the scheduling core that salusd will drive.
-# Arguments go to salus-sim; without any, it runs the long training experiment.
+# Builds salus and starts its main job: salusd on the default device (the CPU, with a
+# 4 GiB arena), listening on the default socket. Arguments go to salusd (`--help` lists
+# them). Stop it with Ctrl-C: it finishes running iterations and removes its socket.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --locked -p salus-sim
-if [ "$#" -eq 0 ]; then
-    set -- experiment training
-fi
-exec ./target/release/salus-sim "$@"
+cargo build --release --locked -p salusd -p salusctl
+exec ./target/release/salusd "$@"
