@@ -73,8 +73,8 @@ mod tests {
 
     #[test]
     fn regression_is_valid_and_planned() {
-        let checked = check(&regression(8, 4, 2, 0.1), &Limits::default()).unwrap();
-        assert_eq!(checked.plan.persistent_bytes, 4 * 2 * 4);
+        let checked = check(&regression(8, 16, 16, 0.1), &Limits::default()).unwrap();
+        assert_eq!(checked.plan.persistent_bytes, 16 * 16 * 4);
         assert!(checked.plan.ephemeral_bytes > 0);
     }
 }
