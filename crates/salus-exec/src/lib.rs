@@ -13,6 +13,7 @@ mod arena;
 mod blas;
 pub mod cpu;
 mod kernels;
+mod layout;
 pub mod reference;
 
 use std::time::Duration;
@@ -67,6 +68,7 @@ pub struct Program {
     graph: Graph,
     plan: MemoryPlan,
     feeds: Vec<TensorId>,
+    pub(crate) layouts: Vec<layout::NodeLayout>,
 }
 
 impl Program {
@@ -80,7 +82,13 @@ impl Program {
             .filter(|(_, t)| t.role == Role::Feed)
             .map(|(id, _)| id)
             .collect();
-        Ok(Program { graph, plan, feeds })
+        let layouts = layout::layouts(&graph, &plan);
+        Ok(Program {
+            graph,
+            plan,
+            feeds,
+            layouts,
+        })
     }
 
     /// The graph.

@@ -12,6 +12,8 @@ use salus_graph::{Attr, DType, Node, Op, TensorType};
 
 use crate::blas::{Mat, sgemm};
 
+mod fast;
+
 type Result<T> = std::result::Result<T, String>;
 
 /// A tensor argument as a kernel sees it.
@@ -242,9 +244,19 @@ fn tensor<'a>(args: &'a [Arg<'a>], i: usize) -> Result<(&'a TensorType, &'a [u8]
     }
 }
 
-/// Runs one node. `outs` holds the node's outputs (`None` for unused ones).
-pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+/// Runs one node. `outs` holds the node's outputs (`None` for unused ones); `scratch` is
+/// the lane memory the plan reserved for it (`salus_graph::plan::scratch_bytes`).
+pub(crate) fn run(
+    node: &Node,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+    scratch: &mut [u8],
+) -> Result<()> {
     use Op::*;
+    // Typed f32 kernels first; the generic paths below cover every other case.
+    if let Some(done) = fast::run(node, args, outs, scratch) {
+        return done;
+    }
     // Ops with several results fill whichever of them are used.
     match node.op {
         ConvolutionBackward => return convolution_backward(node, args, outs),
