@@ -189,17 +189,20 @@ impl CpuDevice {
             .ok()
             .and_then(|mut spare| spare.pop())
             .unwrap_or_default();
-        let mut result = Ok(());
-        for (index, node) in graph.nodes.iter().enumerate() {
-            let node_start = times.is_some().then(Instant::now);
-            result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
-            if let (Some(times), Some(t)) = (times.as_deref_mut(), node_start) {
-                times[index] = t.elapsed();
+        // The nodes run as one job on the kernels' thread pool: the kernels' parallel loops
+        // then split work from inside the pool, which hands nothing to another thread's
+        // queue per op (and allocates nothing for it).
+        let result = rayon::scope(|_| {
+            for (index, node) in graph.nodes.iter().enumerate() {
+                let node_start = times.is_some().then(Instant::now);
+                let result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
+                if let (Some(times), Some(t)) = (times.as_deref_mut(), node_start) {
+                    times[index] = t.elapsed();
+                }
+                result?;
             }
-            if result.is_err() {
-                break;
-            }
-        }
+            Ok(())
+        });
         if let Ok(mut spare) = self.spare.lock() {
             spare.push(lists);
         }
@@ -255,5 +258,25 @@ impl Device for CpuDevice {
 
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
         self.iterate(program, at, feeds, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recycling_keeps_the_allocation() {
+        let data = [1u8, 2, 3];
+        let mut v: Vec<(Range<usize>, &[u8])> = Vec::with_capacity(5);
+        v.push((0..3, &data[..]));
+        let ptr = v.as_ptr() as usize;
+        let w: Vec<(Range<usize>, &'static [u8])> = recycle(v);
+        assert_eq!((w.capacity(), w.as_ptr() as usize), (5, ptr));
+        let mut args: Vec<Option<&mut [u8]>> = recycle(w);
+        let cap = args.capacity();
+        args.resize_with(3, || None);
+        let back: Vec<Option<&'static mut [u8]>> = recycle(args);
+        assert!(back.capacity() >= cap);
     }
 }
