@@ -36,13 +36,13 @@ fn run(dir: &Path, steps: usize) -> Result<(), String> {
         e.1 += 1;
     }
     let mut ops: Vec<_> = by_op.into_iter().collect();
-    ops.sort_by(|a, b| b.1.0.cmp(&a.1.0));
+    ops.sort_by_key(|o| std::cmp::Reverse(o.1.0));
     println!("{}: {:.3} ms per step", dir.display(), ms(whole));
     for (op, (t, n)) in ops {
         println!("  {op:<36} {:>9.3} ms {n:>5} nodes", ms(t));
     }
     let mut nodes: Vec<usize> = (0..graph.nodes.len()).collect();
-    nodes.sort_by(|&a, &b| total[b].cmp(&total[a]));
+    nodes.sort_by_key(|&i| std::cmp::Reverse(total[i]));
     println!("slowest nodes:");
     for &i in nodes.iter().take(12) {
         let node = &graph.nodes[i];

@@ -20,6 +20,7 @@ mod copy;
 mod matmul;
 mod pool;
 mod reduce;
+mod simd;
 
 /// Most dims a typed kernel handles (`salus_graph::Limits::default().max_rank`).
 pub(super) const MAX_RANK: usize = 8;
@@ -171,15 +172,15 @@ impl<const N: usize> Broadcast<N> {
                 let mergeable = (0..N).all(|k| b.strides[k][p] == full[k][d] * size);
                 if mergeable {
                     b.dims[p] *= size;
-                    for k in 0..N {
-                        b.strides[k][p] = full[k][d];
+                    for (s, f) in b.strides.iter_mut().zip(&full) {
+                        s[p] = f[d];
                     }
                     continue;
                 }
             }
             b.dims[b.rank] = size;
-            for k in 0..N {
-                b.strides[k][b.rank] = full[k][d];
+            for (s, f) in b.strides.iter_mut().zip(&full) {
+                s[b.rank] = f[d];
             }
             b.rank += 1;
         }
@@ -328,9 +329,7 @@ fn select(args: &[Arg<'_>], out: &mut Out<'_>) -> Option<Result<()>> {
     let (sc, c) = source::<u8>(args, 0)?;
     let (sa, a) = source::<f32>(args, 1)?;
     let (sb, b) = source::<f32>(args, 2)?;
-    if sc.is_none() {
-        return None;
-    }
+    sc?;
     let g = Broadcast::new(&out.ty.shape, [sc, sa, sb])?;
     let dst = typed_mut::<f32>(out.ty, out.bytes)?;
     let (ia, ib) = (sa.is_none(), sb.is_none());
@@ -340,7 +339,11 @@ fn select(args: &[Arg<'_>], out: &mut Out<'_>) -> Option<Result<()>> {
             let cs = src(c, false, g.inner_stride(0), off[0], len);
             let x = src(a, ia, g.inner_stride(1), off[1], len);
             let y = src(b, ib, g.inner_stride(2), off[2], len);
-            let pick = |c: u8, x: f32, y: f32| if c != 0 { x } else { y };
+            // Branch-free: conditions such as relu masks are unpredictable.
+            let pick = |c: u8, x: f32, y: f32| {
+                let mask = u32::from(c != 0).wrapping_neg();
+                f32::from_bits((x.to_bits() & mask) | (y.to_bits() & !mask))
+            };
             match (cs, x, y) {
                 (Src::Scalar(c), _, _) => {
                     // One condition for the segment: a copy or a fill.

@@ -57,8 +57,8 @@ impl Geometry {
             padding: pair("padding", 0),
             dilation: pair("dilation", 1),
         };
-        let consistent = g.c_in % g.groups == 0
-            && g.c_out % g.groups == 0
+        let consistent = g.c_in.is_multiple_of(g.groups)
+            && g.c_out.is_multiple_of(g.groups)
             && w.shape[1] as usize == g.c_in / g.groups
             && out[0] as usize == g.n
             && out[1] as usize == g.c_out
@@ -297,7 +297,7 @@ pub(super) fn backward(
     let [gi, gw, gb] = outs else {
         return None;
     };
-    let (mut gi, mut gw, gb) = (typed_out(gi)?, typed_out(gw)?, typed_out(gb)?);
+    let (gi, gw, gb) = (typed_out(gi)?, typed_out(gw)?, typed_out(gb)?);
     let (k, l, cout_g, cin_g) = (geo.k(), geo.l(), geo.cout_g(), geo.cin_g());
     if w.len() != geo.c_out * k
         || gout.len() != geo.n * geo.image_out()
@@ -368,7 +368,7 @@ pub(super) fn backward(
     let slots_used = &mut space[..tasks * slot_len];
     let parallel = tasks > 1 && 2 * geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     let chunk = per * geo.image_in();
-    let result = match (gi.as_deref_mut(), parallel) {
+    let result = match (gi, parallel) {
         (Some(gi), true) => gi
             .par_chunks_mut(chunk)
             .zip(slots_used.par_chunks_mut(slot_len))
@@ -391,7 +391,7 @@ pub(super) fn backward(
     if let Err(e) = result {
         return Some(Err(e));
     }
-    if let Some(gw) = gw.as_deref_mut() {
+    if let Some(gw) = gw {
         gw.fill(0.0);
         for slot in slots_used.chunks_exact(slot_len) {
             let partial = &slot[2 * unfold..];

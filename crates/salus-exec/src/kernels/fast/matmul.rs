@@ -16,9 +16,49 @@ fn fits(a: &Mat<'_>) -> bool {
         || (a.rows - 1) * a.row_stride + (a.cols - 1) * a.col_stride < a.data.len()
 }
 
+/// How a loop multiplies and adds: fused where the CPU can.
+pub(super) trait MulAdd {
+    fn mul_add(x: f32, y: f32, acc: f32) -> f32;
+}
+
+/// Separate multiply and add (any x86-64).
+struct Plain;
+
+impl MulAdd for Plain {
+    #[inline(always)]
+    fn mul_add(x: f32, y: f32, acc: f32) -> f32 {
+        acc + x * y
+    }
+}
+
+/// Fused multiply-add (compiled into loops built for FMA only).
+pub(super) struct Fused;
+
+impl MulAdd for Fused {
+    #[inline(always)]
+    fn mul_add(x: f32, y: f32, acc: f32) -> f32 {
+        x.mul_add(y, acc)
+    }
+}
+
 /// `out[n x m] (row-major) = (accumulate ? out : 0) + alpha * a x b` in plain loops: rows
 /// of `b` contiguous (axpy form) or rows of `a` and columns of `b` contiguous (dot form).
 fn small(a: Mat<'_>, b: Mat<'_>, out: &mut [f32], accumulate: bool, alpha: f32) {
+    if super::simd::has_fma() {
+        super::simd::small_fused(a, b, out, accumulate, alpha);
+    } else {
+        small_with::<Plain>(a, b, out, accumulate, alpha);
+    }
+}
+
+#[inline(always)]
+pub(super) fn small_with<F: MulAdd>(
+    a: Mat<'_>,
+    b: Mat<'_>,
+    out: &mut [f32],
+    accumulate: bool,
+    alpha: f32,
+) {
     let (k, m) = (a.cols, b.cols);
     if b.col_stride == 1 {
         for (i, row) in out.chunks_exact_mut(m).enumerate() {
@@ -28,7 +68,9 @@ fn small(a: Mat<'_>, b: Mat<'_>, out: &mut [f32], accumulate: bool, alpha: f32) 
             for p in 0..k {
                 let x = alpha * a.data[i * a.row_stride + p * a.col_stride];
                 let br = &b.data[p * b.row_stride..p * b.row_stride + m];
-                row.iter_mut().zip(br).for_each(|(r, &y)| *r += x * y);
+                row.iter_mut()
+                    .zip(br)
+                    .for_each(|(r, &y)| *r = F::mul_add(x, y, *r));
             }
         }
     } else if b.row_stride == 1 && a.col_stride == 1 {
@@ -36,7 +78,7 @@ fn small(a: Mat<'_>, b: Mat<'_>, out: &mut [f32], accumulate: bool, alpha: f32) 
             let ar = &a.data[i * a.row_stride..i * a.row_stride + k];
             for (j, r) in row.iter_mut().enumerate() {
                 let bc = &b.data[j * b.col_stride..j * b.col_stride + k];
-                let d = alpha * dot(ar, bc);
+                let d = alpha * dot::<F>(ar, bc);
                 *r = if accumulate { *r + d } else { d };
             }
         }
@@ -59,10 +101,11 @@ fn small(a: Mat<'_>, b: Mat<'_>, out: &mut [f32], accumulate: bool, alpha: f32) 
     }
 }
 
-/// A dot product over eight lanes.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+/// A dot product over sixteen lanes.
+#[inline(always)]
+fn dot<F: MulAdd>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let tail: f32 = ca
         .remainder()
         .iter()
@@ -70,8 +113,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+        for l in 0..16 {
+            acc[l] = F::mul_add(x[l], y[l], acc[l]);
         }
     }
     acc.iter().sum::<f32>() + tail

@@ -49,7 +49,7 @@ impl Window {
             for ox in 0..self.ow {
                 let mut best = f32::NEG_INFINITY;
                 let mut at = usize::MAX;
-                'window: for ky in 0..self.kernel[0] {
+                for ky in 0..self.kernel[0] {
                     let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
                         - self.padding[0] as isize;
                     if iy < 0 || iy as usize >= self.h {
@@ -63,13 +63,11 @@ impl Window {
                         }
                         let p = iy as usize * self.w + ix as usize;
                         let v = plane[p];
-                        if at == usize::MAX || v > best || v.is_nan() {
-                            best = v;
-                            at = p;
-                            if v.is_nan() {
-                                break 'window;
-                            }
-                        }
+                        // The first NaN wins, else the first largest: without branches,
+                        // which maxima of real data would mispredict.
+                        let take = at == usize::MAX || v > best || (v.is_nan() && !best.is_nan());
+                        best = if take { v } else { best };
+                        at = if take { p } else { at };
                     }
                 }
                 if at == usize::MAX {
