@@ -3,10 +3,11 @@
 //! This set covers every op of the four target models' training steps (MLP, small CNN,
 //! GPT-style decoder, resnet18): elementwise ops with broadcasting, reductions, matrix
 //! products, 2-d convolution and its backward, max pooling, layer norm, softmax, shape
-//! copies, embedding, gather, scatter and index_put. Values go through `f64` for every
-//! dtype: correct first. Fast paths (typed loops, the `gemm` crate, im2col, a bounded
-//! thread pool), f16/bf16, and the remaining ops of `docs/ops.md` come next; an op without
-//! a kernel fails the iteration with an error naming it.
+//! copies, embedding, gather, scatter and index_put. Typed f32 kernels (`fast`: contiguous
+//! inner loops, the bounded thread pool, planned scratch) run the hot ops; the generic
+//! paths here go through `f64` for every dtype and cover the rest. f16/bf16 and the
+//! remaining ops of `docs/ops.md` come next; an op without a kernel fails the iteration
+//! with an error naming it.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
