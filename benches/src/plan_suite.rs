@@ -15,6 +15,8 @@ struct GraphResult {
     persistent_bytes: u64,
     ephemeral_bytes: u64,
     lower_bound: u64,
+    /// The largest kernel scratch buffer (part of E and of the lower bound: it is live).
+    scratch_bytes: u64,
     ratio: f64,
     check_ms: f64,
 }
@@ -46,6 +48,7 @@ pub fn run(paths: &[PathBuf], json: bool) -> Result<(), String> {
             persistent_bytes: plan.persistent_bytes,
             ephemeral_bytes: plan.ephemeral_bytes,
             lower_bound: plan.lower_bound,
+            scratch_bytes: plan.scratch_bytes,
             ratio: plan.overhead(),
             check_ms,
         });

@@ -47,7 +47,8 @@ pub(crate) fn sgemm(
         }
         return Ok(());
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The pool's size, not `available_parallelism` (a system call that allocates).
+    let threads = rayon::current_num_threads();
     let parallelism = if m * n * k >= 64 * 64 * 64 && threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {

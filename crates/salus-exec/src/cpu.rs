@@ -5,19 +5,28 @@
 //! two regions at the plan's offsets (no allocation per tensor), copies the fetches out, and
 //! only then writes the updates into the persistent block: an iteration that fails leaves
 //! the session's state as it was.
+//!
+//! Running a node allocates nothing: its operands' ranges come from the program's layouts,
+//! its argument lists reuse vectors the device keeps between iterations, and kernels work
+//! in the lane scratch the plan reserved for them.
 
 use std::ops::Range;
-use std::time::Instant;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use salus_graph::{Node, Op};
+use salus_graph::Node;
 
 use crate::arena::Arena;
 use crate::kernels::{self, Arg, Out};
+use crate::layout::{InputAt, Piece};
 use crate::{Device, ExecError, Location, Outcome, Placement, Program};
 
 /// The CPU device.
 pub struct CpuDevice {
     arena: Arena,
+    /// Argument lists kept between iterations (one set per concurrent iteration), so that
+    /// running a node allocates nothing.
+    spare: Mutex<Vec<ArgLists>>,
 }
 
 impl CpuDevice {
@@ -25,7 +34,22 @@ impl CpuDevice {
     pub fn new(capacity: u64) -> Result<CpuDevice, ExecError> {
         Ok(CpuDevice {
             arena: Arena::new(capacity)?,
+            spare: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Runs one iteration like [`Device::run`], recording how long each node took into
+    /// `times` (one entry per node of the graph): for profiling.
+    pub fn run_timed(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+        times: &mut Vec<Duration>,
+    ) -> Result<Outcome, ExecError> {
+        times.clear();
+        times.resize(program.graph().nodes.len(), Duration::ZERO);
+        self.iterate(program, at, feeds, Some(times))
     }
 }
 
@@ -33,180 +57,109 @@ fn range(offset: u64, len: u64) -> Range<usize> {
     offset as usize..(offset + len) as usize
 }
 
-/// Ops whose output may be planned onto an input's bytes holding the same value.
-fn is_view(op: Op) -> bool {
-    matches!(
-        op,
-        Op::View | Op::Unsqueeze | Op::SqueezeDims | Op::Clone | Op::ToCopy
-    )
+/// Empties a vector and gives back its allocation for another element type of the same
+/// size and alignment (the standard library collects a mapped `IntoIter` in place).
+fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    v.into_iter()
+        .map(|_| unreachable!("the vector is empty"))
+        .collect()
 }
 
-/// Runs one node: inputs from the persistent block or the lane, outputs into the lane.
+/// The vectors a node's arguments are gathered in, empty between nodes.
+#[derive(Default)]
+struct ArgLists {
+    reads: Vec<(Range<usize>, &'static [u8])>,
+    writes: Vec<Option<&'static mut [u8]>>,
+    args: Vec<Arg<'static>>,
+    outs: Vec<Option<Out<'static>>>,
+}
+
+/// Runs one node: inputs from the persistent block or the lane, outputs and scratch in
+/// the lane, at the ranges its layout gives.
 fn run_node(
     program: &Program,
     index: usize,
     node: &Node,
     persistent: &[u8],
     lane: &mut [u8],
+    lists: &mut ArgLists,
 ) -> Result<(), ExecError> {
     let graph = program.graph();
+    let layout = &program.layouts[index];
     let fail = |message: String| ExecError::Node {
         index,
         name: node.name.clone(),
         op: node.op.name().to_string(),
         message,
     };
-    let out_ranges: Vec<Option<Range<usize>>> = node
-        .outputs
-        .iter()
-        .map(|o| {
-            o.and_then(|id| match program.location(id) {
-                Some(Location::Lane(off)) => Some(range(off, program.bytes(id))),
-                _ => None,
-            })
-        })
-        .collect();
-    // A view planned onto its input's bytes already holds its value.
-    if is_view(node.op)
-        && let (Some(Some(input)), Some(Some(out))) = (node.inputs.first(), out_ranges.first())
-        && program.location(*input) == Some(Location::Lane(out.start as u64))
-    {
+    if let Some(error) = &layout.error {
+        return Err(fail(error.clone()));
+    }
+    if layout.skip {
         return Ok(());
     }
-    // Split the lane into disjoint pieces: one per output, one per run of input bytes.
-    // Tensors of no bytes take no piece: the plan may put them anywhere, even at the
-    // start of another tensor, and they are never in place.
-    enum Piece {
-        Read,
-        Write(usize),
-    }
-    let mut cuts: Vec<(Range<usize>, Piece)> = Vec::new();
-    let mut in_place = vec![false; node.inputs.len()];
-    for (k, input) in node.inputs.iter().enumerate() {
-        if let Some(id) = input
-            && let Some(Location::Lane(off)) = program.location(*id)
-        {
-            let r = range(off, program.bytes(*id));
-            if r.is_empty() {
-                continue;
-            }
-            if out_ranges
-                .first()
-                .cloned()
-                .flatten()
-                .is_some_and(|o| o == r)
-            {
-                in_place[k] = true;
-            } else {
-                cuts.push((r, Piece::Read));
-            }
-        }
-    }
-    for (j, r) in out_ranges.iter().enumerate() {
-        if let Some(r) = r
-            && !r.is_empty()
-        {
-            cuts.push((r.clone(), Piece::Write(j)));
-        }
-    }
-    cuts.sort_by_key(|(r, _)| (r.start, r.end));
-    // Merge overlapping reads; any overlap involving a write is a planning error.
-    let mut merged: Vec<(Range<usize>, Piece)> = Vec::new();
-    for (r, piece) in cuts {
-        if let Some((last, last_piece)) = merged.last_mut()
-            && r.start < last.end
-        {
-            match (&*last_piece, &piece) {
-                (Piece::Read, Piece::Read) => {
-                    last.end = last.end.max(r.end);
-                    continue;
-                }
-                _ => return Err(fail(format!("planned memory overlaps: {last:?} and {r:?}"))),
-            }
-        }
-        merged.push((r, piece));
-    }
-    let mut reads: Vec<(Range<usize>, &[u8])> = Vec::new();
-    let mut writes: Vec<Option<&mut [u8]>> = (0..node.outputs.len()).map(|_| None).collect();
+    let mut reads: Vec<(Range<usize>, &[u8])> = recycle(std::mem::take(&mut lists.reads));
+    let mut writes: Vec<Option<&mut [u8]>> = recycle(std::mem::take(&mut lists.writes));
+    let mut args: Vec<Arg<'_>> = recycle(std::mem::take(&mut lists.args));
+    let mut outs: Vec<Option<Out<'_>>> = recycle(std::mem::take(&mut lists.outs));
+    writes.resize_with(node.outputs.len(), || None);
+    let mut scratch: &mut [u8] = &mut [];
     let mut rest: &mut [u8] = lane;
     let mut at = 0;
-    for (r, piece) in merged {
+    for (r, piece) in &layout.cuts {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
         let (chunk, tail) = tail.split_at_mut(r.end - r.start);
         rest = tail;
         at = r.end;
         match piece {
-            Piece::Read => reads.push((r, chunk)),
-            Piece::Write(j) => writes[j] = Some(chunk),
+            Piece::Read => reads.push((r.clone(), chunk)),
+            Piece::Write(j) => writes[*j] = Some(chunk),
+            Piece::Scratch => scratch = chunk,
         }
     }
-    for (j, r) in out_ranges.iter().enumerate() {
-        if r.as_ref().is_some_and(Range::is_empty) {
-            writes[j] = Some(&mut []);
-        }
+    for &j in &layout.empty_outputs {
+        writes[j] = Some(&mut []);
     }
-    let lookup = |r: Range<usize>| -> &[u8] {
+    let lookup = |r: &Range<usize>| -> &[u8] {
         reads
             .iter()
             .find(|(span, _)| span.start <= r.start && r.end <= span.end)
             .map(|(span, bytes)| &bytes[r.start - span.start..r.end - span.start])
             .unwrap_or(&[])
     };
-    let args: Vec<Arg<'_>> = node
-        .inputs
-        .iter()
-        .enumerate()
-        .map(|(k, input)| match input {
-            None => Arg::Absent,
-            Some(id) => {
-                let ty = &graph.tensors[*id].ty;
-                match program.location(*id) {
-                    _ if in_place[k] => Arg::InOutput(ty),
-                    Some(Location::Lane(off)) => {
-                        Arg::Tensor(ty, lookup(range(off, program.bytes(*id))))
-                    }
-                    Some(Location::Persistent(off)) => {
-                        Arg::Tensor(ty, &persistent[range(off, program.bytes(*id))])
-                    }
-                    None => Arg::Tensor(ty, &[]),
-                }
-            }
-        })
-        .collect();
-    let mut outs: Vec<Option<Out<'_>>> = node
-        .outputs
-        .iter()
-        .zip(writes)
-        .map(|(o, bytes)| {
-            Some(Out {
-                ty: &graph.tensors[(*o)?].ty,
-                bytes: bytes?,
-            })
-        })
-        .collect();
-    kernels::run(node, &args, &mut outs).map_err(fail)
+    for (input, at) in node.inputs.iter().zip(&layout.inputs) {
+        let ty = input.map(|id| &graph.tensors[id].ty);
+        args.push(match (ty, at) {
+            (None, _) | (_, InputAt::Absent) => Arg::Absent,
+            (Some(ty), InputAt::InOutput) => Arg::InOutput(ty),
+            (Some(ty), InputAt::Lane(r)) => Arg::Tensor(ty, lookup(r)),
+            (Some(ty), InputAt::Persistent(r)) => Arg::Tensor(ty, &persistent[r.clone()]),
+            (Some(ty), InputAt::Empty) => Arg::Tensor(ty, &[]),
+        });
+    }
+    for (o, bytes) in node.outputs.iter().zip(writes.drain(..)) {
+        outs.push(o.zip(bytes).map(|(id, bytes)| Out {
+            ty: &graph.tensors[id].ty,
+            bytes,
+        }));
+    }
+    let result = kernels::run(node, &args, &mut outs, scratch).map_err(fail);
+    lists.outs = recycle(outs);
+    lists.args = recycle(args);
+    lists.writes = recycle(writes);
+    lists.reads = recycle(reads);
+    result
 }
 
-impl Device for CpuDevice {
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
-    fn capacity(&self) -> u64 {
-        self.arena.len()
-    }
-
-    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
-        let mut region = self.arena.borrow(offset, bytes.len() as u64)?;
-        region.copy_from_slice(bytes);
-        Ok(())
-    }
-
-    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
-        Ok(self.arena.borrow(offset, len)?.to_vec())
-    }
-
-    fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
+impl CpuDevice {
+    fn iterate(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+        mut times: Option<&mut Vec<Duration>>,
+    ) -> Result<Outcome, ExecError> {
         let start = Instant::now();
         let plan = program.plan();
         let graph = program.graph();
@@ -218,9 +171,30 @@ impl Device for CpuDevice {
                 lane[range(off, program.bytes(id))].copy_from_slice(bytes);
             }
         }
-        for (index, node) in graph.nodes.iter().enumerate() {
-            run_node(program, index, node, &persistent, &mut lane)?;
+        let mut lists = self
+            .spare
+            .lock()
+            .ok()
+            .and_then(|mut spare| spare.pop())
+            .unwrap_or_default();
+        // The nodes run as one job on the kernels' thread pool: the kernels' parallel loops
+        // then split work from inside the pool, which hands nothing to another thread's
+        // queue per op (and allocates nothing for it).
+        let result = rayon::scope(|_| {
+            for (index, node) in graph.nodes.iter().enumerate() {
+                let node_start = times.is_some().then(Instant::now);
+                let result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
+                if let (Some(times), Some(t)) = (times.as_deref_mut(), node_start) {
+                    times[index] = t.elapsed();
+                }
+                result?;
+            }
+            Ok(())
+        });
+        if let Ok(mut spare) = self.spare.lock() {
+            spare.push(lists);
         }
+        result?;
         let read = |id: usize, persistent: &[u8], lane: &[u8]| -> Vec<u8> {
             match program.location(id) {
                 Some(Location::Lane(off)) => lane[range(off, program.bytes(id))].to_vec(),
@@ -248,5 +222,49 @@ impl Device for CpuDevice {
             fetches,
             duration: start.elapsed(),
         })
+    }
+}
+
+impl Device for CpuDevice {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn capacity(&self) -> u64 {
+        self.arena.len()
+    }
+
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        let mut region = self.arena.borrow(offset, bytes.len() as u64)?;
+        region.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        Ok(self.arena.borrow(offset, len)?.to_vec())
+    }
+
+    fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
+        self.iterate(program, at, feeds, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recycling_keeps_the_allocation() {
+        let data = [1u8, 2, 3];
+        let mut v: Vec<(Range<usize>, &[u8])> = Vec::with_capacity(5);
+        v.push((0..3, &data[..]));
+        let ptr = v.as_ptr() as usize;
+        let w: Vec<(Range<usize>, &'static [u8])> = recycle(v);
+        assert_eq!((w.capacity(), w.as_ptr() as usize), (5, ptr));
+        let mut args: Vec<Option<&mut [u8]>> = recycle(w);
+        let cap = args.capacity();
+        args.resize_with(3, || None);
+        let back: Vec<Option<&'static mut [u8]>> = recycle(args);
+        assert!(back.capacity() >= cap);
     }
 }

@@ -14,6 +14,7 @@ mod arena;
 mod blas;
 pub mod cpu;
 mod kernels;
+mod layout;
 pub mod reference;
 pub mod sim;
 
@@ -71,6 +72,7 @@ pub struct Program {
     plan: MemoryPlan,
     feeds: Vec<TensorId>,
     expected_iteration: Option<Duration>,
+    pub(crate) layouts: Vec<layout::NodeLayout>,
 }
 
 impl Program {
@@ -84,10 +86,12 @@ impl Program {
             .filter(|(_, t)| t.role == Role::Feed)
             .map(|(id, _)| id)
             .collect();
+        let layouts = layout::layouts(&graph, &plan);
         Ok(Program {
             graph,
             plan,
             feeds,
+            layouts,
             expected_iteration: None,
         })
     }

@@ -15,13 +15,22 @@
 //!   for the last time at that node writes over that input. Kernels of those ops must read
 //!   each element before writing the same element.
 //!
+//! Some kernels also need working memory while they run (a convolution unfolds one image
+//! into a matrix before its product). Every byte of it is planned too, as a **scratch**
+//! buffer live only at its node's step ([`scratch_bytes`] is the contract between this
+//! planner and the kernels): E covers all the memory an iteration touches, the daemon knows
+//! it exactly before the first iteration, and kernels allocate nothing while they run.
+//! Scratch only overlaps buffers live at the same step, so it costs E little; it counts in
+//! the lower bound like any other live byte, and [`MemoryPlan::scratch_bytes`] reports the
+//! largest one on its own.
+//!
 //! Buffers are then placed greedily, largest first, each in the smallest gap among the
 //! buffers whose lifetimes overlap it. E is the highest byte used; the lower bound is the
 //! most bytes live at any one step, which no placement can beat.
 
 use serde::Serialize;
 
-use crate::ir::{Graph, Role, TensorId};
+use crate::ir::{Attr, DType, Graph, Node, Role, TensorId, TensorType};
 use crate::op::Op;
 use crate::validate::Producer;
 
@@ -60,12 +69,22 @@ pub struct MemoryPlan {
     pub buffer_of: Vec<Option<usize>>,
     /// The lane's buffers.
     pub buffers: Vec<Buffer>,
+    /// Per node: its scratch buffer, when its kernel needs working memory.
+    pub scratch_of: Vec<Option<usize>>,
+    /// The largest scratch buffer of one node (part of E, reported on its own).
+    pub scratch_bytes: u64,
 }
 
 impl MemoryPlan {
     /// Offset of a feed or intermediate inside the lane.
     pub fn lane_offset(&self, tensor: TensorId) -> Option<u64> {
         Some(self.buffers[self.buffer_of.get(tensor).copied().flatten()?].offset)
+    }
+
+    /// Offset and size of a node's scratch inside the lane.
+    pub fn scratch(&self, node: usize) -> Option<(u64, u64)> {
+        let b = &self.buffers[self.scratch_of.get(node).copied().flatten()?];
+        Some((b.offset, b.size))
     }
 
     /// `ephemeral_bytes / lower_bound`: how far the placement is from perfect.
@@ -208,6 +227,22 @@ pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
         }
     }
 
+    let mut scratch_of = vec![None; graph.nodes.len()];
+    let mut largest_scratch = 0;
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let bytes = scratch_bytes(graph, node);
+        if bytes > 0 {
+            scratch_of[i] = Some(buffers.len());
+            largest_scratch = largest_scratch.max(align(bytes));
+            buffers.push(Buffer {
+                offset: 0,
+                size: align(bytes),
+                first: i + 1,
+                last: i + 1,
+            });
+        }
+    }
+
     let lower_bound = peak_live(&buffers, end);
     let ephemeral_bytes = place(&mut buffers);
     MemoryPlan {
@@ -217,6 +252,100 @@ pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
         persistent_offsets,
         buffer_of,
         buffers,
+        scratch_of,
+        scratch_bytes: largest_scratch,
+    }
+}
+
+/// Unfolding buffers a convolution's scratch holds at most: groups of images unfold on
+/// different cores at once, each in its own buffer. A constant, not the machine's core
+/// count, so that E is a property of the graph alone.
+pub const CONV_SLOTS: u64 = 4;
+
+/// The geometry of a 2-d convolution that decides its scratch: `(k, l, direct)` where the
+/// unfolded input of one image and group is `k x l` and `direct` convolutions (1x1, stride
+/// 1, no padding) use the input as it is.
+pub fn conv_unfold(
+    node: &Node,
+    input: &[u64],
+    weight: &[u64],
+    out: &[u64],
+) -> Option<(u64, u64, bool)> {
+    if input.len() != 4 || weight.len() != 4 || out.len() != 4 {
+        return None;
+    }
+    let ints = |name: &str, default: i64| -> [i64; 2] {
+        match node.attrs.get(name) {
+            Some(Attr::Ints(v)) if v.len() == 1 => [v[0]; 2],
+            Some(Attr::Ints(v)) if v.len() >= 2 => [v[0], v[1]],
+            _ => [default; 2],
+        }
+    };
+    let groups = match node.attrs.get("groups") {
+        Some(Attr::Int(g)) => (*g).max(1) as u64,
+        _ => 1,
+    };
+    let k = (input[1] / groups) * weight[2] * weight[3];
+    let l = out[2] * out[3];
+    let direct = weight[2] == 1
+        && weight[3] == 1
+        && ints("stride", 1) == [1, 1]
+        && ints("padding", 0) == [0, 0];
+    Some((k, l, direct))
+}
+
+/// Bytes of lane scratch the kernel of `node` works in: the contract between the planner
+/// and the kernels, which check that what they are given is this large.
+///
+/// With `slots = min(batch, CONV_SLOTS)`:
+/// - `convolution` (f32): per slot, one image and group unfolded, `k x l` f32 (none when
+///   direct);
+/// - `convolution_backward` (f32): per slot, that, the gradient of the unfolded input
+///   (`2 k l` f32, none when direct) and a partial weight gradient (`c_out k` f32).
+pub fn scratch_bytes(graph: &Graph, node: &Node) -> u64 {
+    let ty = |k: usize| {
+        node.inputs
+            .get(k)
+            .copied()
+            .flatten()
+            .map(|id| &graph.tensors[id].ty)
+    };
+    let f32_only =
+        |tys: &[Option<&TensorType>]| tys.iter().all(|t| t.is_some_and(|t| t.dtype == DType::F32));
+    match node.op {
+        Op::Convolution => {
+            let (Some(x), Some(w)) = (ty(0), ty(1)) else {
+                return 0;
+            };
+            let Some(out) = node.outputs.first().copied().flatten() else {
+                return 0;
+            };
+            if !f32_only(&[Some(x), Some(w)]) {
+                return 0;
+            }
+            let slots = x.shape[0].min(CONV_SLOTS);
+            match conv_unfold(node, &x.shape, &w.shape, &graph.tensors[out].ty.shape) {
+                Some((k, l, false)) => slots * k * l * 4,
+                _ => 0,
+            }
+        }
+        Op::ConvolutionBackward => {
+            let (Some(g), Some(x), Some(w)) = (ty(0), ty(1), ty(2)) else {
+                return 0;
+            };
+            if !f32_only(&[Some(g), Some(x), Some(w)]) {
+                return 0;
+            }
+            let slots = x.shape[0].min(CONV_SLOTS);
+            match conv_unfold(node, &x.shape, &w.shape, &g.shape) {
+                Some((k, l, direct)) => {
+                    let unfold = if direct { 0 } else { 2 * k * l };
+                    slots * (unfold + w.shape[0] * k) * 4
+                }
+                None => 0,
+            }
+        }
+        _ => 0,
     }
 }
 

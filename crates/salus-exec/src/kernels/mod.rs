@@ -3,17 +3,19 @@
 //! This set covers every op of the four target models' training steps (MLP, small CNN,
 //! GPT-style decoder, resnet18): elementwise ops with broadcasting, reductions, matrix
 //! products, 2-d convolution and its backward, max pooling, layer norm, softmax, shape
-//! copies, embedding, gather, scatter and index_put. Values go through `f64` for every
-//! dtype: correct first. Fast paths (typed loops, the `gemm` crate, im2col, a bounded
-//! thread pool) come next. The other ops of `docs/ops.md` live in the submodules (`conv`:
-//! convolutions other than 2-d f32; `pool`, `index`, `norm`); f16 and bf16 are loaded and
-//! stored through f32. `bernoulli.p` alone fails the iteration, with an error saying why.
+//! copies, embedding, gather, scatter and index_put. Typed f32 kernels (`fast`: contiguous
+//! inner loops, the bounded thread pool, planned scratch) run the hot ops; the generic
+//! paths here go through `f64` for every dtype and cover the rest. The other ops of
+//! `docs/ops.md` live in the submodules (`conv`: convolutions other than 2-d f32; `pool`,
+//! `index`, `norm`); f16 and bf16 are loaded and stored through f32. `bernoulli.p` alone
+//! fails the iteration, with an error saying why.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
 use crate::blas::{Mat, sgemm};
 
 mod conv;
+mod fast;
 mod index;
 mod norm;
 mod pool;
@@ -254,9 +256,19 @@ fn tensor<'a>(args: &'a [Arg<'a>], i: usize) -> Result<(&'a TensorType, &'a [u8]
     }
 }
 
-/// Runs one node. `outs` holds the node's outputs (`None` for unused ones).
-pub(crate) fn run(node: &Node, args: &[Arg<'_>], outs: &mut [Option<Out<'_>>]) -> Result<()> {
+/// Runs one node. `outs` holds the node's outputs (`None` for unused ones); `scratch` is
+/// the lane memory the plan reserved for it (`salus_graph::plan::scratch_bytes`).
+pub(crate) fn run(
+    node: &Node,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+    scratch: &mut [u8],
+) -> Result<()> {
     use Op::*;
+    // Typed f32 kernels first; the generic paths below cover every other case.
+    if let Some(done) = fast::run(node, args, outs, scratch) {
+        return done;
+    }
     // Ops with several results fill whichever of them are used.
     match node.op {
         ConvolutionBackward if conv::is_generic(node, args) => {

@@ -1,0 +1,412 @@
+//! 2-d convolutions over f32: one matrix product per image and group over the unfolded
+//! input (im2col), in the lane scratch the plan reserved
+//! (`salus_graph::plan::scratch_bytes`): `slots` = min(batch, `CONV_SLOTS`) unfolding
+//! buffers, so that groups of images run on different cores at once. 1x1 convolutions with
+//! stride 1 and no padding ("direct") multiply the input as it is.
+
+use rayon::prelude::*;
+use salus_graph::plan::CONV_SLOTS;
+use salus_graph::{Node, TensorType};
+
+use super::matmul::{gemm, rows, transposed};
+use super::{PARALLEL_WORK, input, typed_mut};
+use crate::kernels::{Arg, Out, Result, attr_bool, attr_int, attr_ints};
+
+/// The geometry of a 2-d convolution.
+struct Geometry {
+    n: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    kh: usize,
+    kw: usize,
+    oh: usize,
+    ow: usize,
+    groups: usize,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+}
+
+impl Geometry {
+    fn new(node: &Node, x: &TensorType, w: &TensorType, out: &[u64]) -> Option<Geometry> {
+        if x.rank() != 4 || w.rank() != 4 || out.len() != 4 || attr_bool(node, "transposed") {
+            return None;
+        }
+        let pair = |name: &str, default: usize| -> [usize; 2] {
+            match attr_ints(node, name) {
+                Some([a]) => [*a as usize; 2],
+                Some([a, b, ..]) => [*a as usize, *b as usize],
+                _ => [default; 2],
+            }
+        };
+        let s = |t: &[u64], i: usize| t[i] as usize;
+        let g = Geometry {
+            n: s(&x.shape, 0),
+            c_in: s(&x.shape, 1),
+            h: s(&x.shape, 2),
+            w: s(&x.shape, 3),
+            c_out: s(&w.shape, 0),
+            kh: s(&w.shape, 2),
+            kw: s(&w.shape, 3),
+            oh: s(out, 2),
+            ow: s(out, 3),
+            groups: attr_int(node, "groups", 1).max(1) as usize,
+            stride: pair("stride", 1),
+            padding: pair("padding", 0),
+            dilation: pair("dilation", 1),
+        };
+        let consistent = g.c_in.is_multiple_of(g.groups)
+            && g.c_out.is_multiple_of(g.groups)
+            && w.shape[1] as usize == g.c_in / g.groups
+            && out[0] as usize == g.n
+            && out[1] as usize == g.c_out
+            && g.stride.iter().all(|&s| s > 0)
+            && g.n > 0;
+        consistent.then_some(g)
+    }
+
+    fn cin_g(&self) -> usize {
+        self.c_in / self.groups
+    }
+
+    fn cout_g(&self) -> usize {
+        self.c_out / self.groups
+    }
+
+    fn k(&self) -> usize {
+        self.cin_g() * self.kh * self.kw
+    }
+
+    fn l(&self) -> usize {
+        self.oh * self.ow
+    }
+
+    /// The unfolded input is the input itself (as the planner decides it).
+    fn direct(&self) -> bool {
+        self.kh == 1
+            && self.kw == 1
+            && self.stride == [1, 1]
+            && self.padding == [0, 0]
+            && self.l() == self.h * self.w
+    }
+
+    fn slots(&self) -> usize {
+        self.n.min(CONV_SLOTS as usize)
+    }
+
+    fn image_in(&self) -> usize {
+        self.c_in * self.h * self.w
+    }
+
+    fn image_out(&self) -> usize {
+        self.c_out * self.l()
+    }
+
+    /// The valid output columns `lo..hi` for kernel column `kx` (the input column
+    /// `ox * stride + kx * dilation - padding` lies inside), and that offset.
+    fn columns(&self, kx: usize) -> (usize, usize, isize) {
+        let dx = (kx * self.dilation[1]) as isize - self.padding[1] as isize;
+        let s = self.stride[1] as isize;
+        let lo = if dx >= 0 {
+            0
+        } else {
+            ((-dx + s - 1) / s) as usize
+        };
+        let room = self.w as isize - dx;
+        let hi = if room <= 0 {
+            0
+        } else {
+            (((room + s - 1) / s) as usize).min(self.ow)
+        };
+        (lo.min(hi), hi, dx)
+    }
+
+    /// Calls `f(row_of_col, oy, input_row, lo, hi, dx)` for every unfolded row and output
+    /// row whose input row lies inside; `None` as the input row when it is padding.
+    fn rows(&self, mut f: impl FnMut(usize, usize, Option<usize>, (usize, usize, isize))) {
+        for ci in 0..self.cin_g() {
+            for ky in 0..self.kh {
+                for kx in 0..self.kw {
+                    let row = (ci * self.kh + ky) * self.kw + kx;
+                    let cols = self.columns(kx);
+                    for oy in 0..self.oh {
+                        let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
+                            - self.padding[0] as isize;
+                        let inside = (iy >= 0 && (iy as usize) < self.h)
+                            .then(|| (ci * self.h + iy as usize) * self.w);
+                        f(row, oy, inside, cols);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Unfolds group `g` of one image (`x`: its `c_in` planes) into `col` (`k x l`).
+    fn im2col(&self, x: &[f32], g: usize, col: &mut [f32]) {
+        let (l, ow, s) = (self.l(), self.ow, self.stride[1]);
+        let planes = &x[g * self.cin_g() * self.h * self.w..];
+        self.rows(|row, oy, inside, (lo, hi, dx)| {
+            let dst = &mut col[row * l + oy * ow..row * l + (oy + 1) * ow];
+            let Some(at) = inside else {
+                dst.fill(0.0);
+                return;
+            };
+            dst[..lo].fill(0.0);
+            dst[hi..].fill(0.0);
+            let src = &planes[at..at + self.w];
+            if s == 1 {
+                let from = (lo as isize + dx) as usize;
+                dst[lo..hi].copy_from_slice(&src[from..from + hi - lo]);
+            } else {
+                for (ox, d) in dst[lo..hi].iter_mut().enumerate() {
+                    *d = src[(((lo + ox) * s) as isize + dx) as usize];
+                }
+            }
+        });
+    }
+
+    /// Adds the unfolded gradient `col` of group `g` back into one image's planes `x`.
+    fn col2im(&self, col: &[f32], g: usize, x: &mut [f32]) {
+        let (l, ow, s, w) = (self.l(), self.ow, self.stride[1], self.w);
+        let planes = &mut x[g * self.cin_g() * self.h * w..];
+        self.rows(|row, oy, inside, (lo, hi, dx)| {
+            let Some(at) = inside else {
+                return;
+            };
+            let src = &col[row * l + oy * ow + lo..row * l + oy * ow + hi];
+            let dst = &mut planes[at..at + w];
+            if s == 1 {
+                let from = (lo as isize + dx) as usize;
+                dst[from..from + hi - lo]
+                    .iter_mut()
+                    .zip(src)
+                    .for_each(|(d, &v)| *d += v);
+            } else {
+                for (ox, &v) in src.iter().enumerate() {
+                    dst[(((lo + ox) * s) as isize + dx) as usize] += v;
+                }
+            }
+        });
+    }
+
+    /// Multiply-adds of one pass over the batch, to decide whether to split it.
+    fn work(&self) -> usize {
+        self.n * self.c_out * self.k() * self.l()
+    }
+}
+
+fn scratch_f32(scratch: &mut [u8], need: usize) -> std::result::Result<&mut [f32], String> {
+    let s: &mut [f32] = bytemuck::try_cast_slice_mut(scratch)
+        .map_err(|e| format!("convolution scratch is not f32-aligned: {e}"))?;
+    let have = s.len();
+    s.get_mut(..need)
+        .ok_or_else(|| format!("convolution needs {need} f32 of scratch, the plan gave {have}"))
+}
+
+pub(super) fn forward(
+    node: &Node,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+    scratch: &mut [u8],
+) -> Option<Result<()>> {
+    let (xty, x) = input::<f32>(args, 0)?;
+    let (wty, w) = input::<f32>(args, 1)?;
+    let bias = match args.get(2) {
+        None | Some(Arg::Absent) => None,
+        Some(_) => Some(input::<f32>(args, 2)?.1),
+    };
+    let geo = Geometry::new(node, xty, wty, &o.ty.shape)?;
+    let dst = typed_mut::<f32>(o.ty, o.bytes)?;
+    let (k, l, cout_g) = (geo.k(), geo.l(), geo.cout_g());
+    if bias.is_some_and(|b| b.len() != geo.c_out) || w.len() != geo.c_out * k {
+        return None;
+    }
+    let slots = geo.slots();
+    let slot_len = if geo.direct() { 0 } else { k * l };
+    let cols = match scratch_f32(scratch, slots * slot_len) {
+        Ok(c) => c,
+        Err(e) => return Some(Err(e)),
+    };
+    let per = geo.n.div_ceil(slots);
+    let task = |t: usize, out: &mut [f32], col: &mut [f32]| -> Result<()> {
+        for (i, out) in out.chunks_exact_mut(geo.image_out()).enumerate() {
+            let image = &x[(t * per + i) * geo.image_in()..][..geo.image_in()];
+            for g in 0..geo.groups {
+                let unfolded = if geo.direct() {
+                    &image[g * k * l..(g + 1) * k * l]
+                } else {
+                    geo.im2col(image, g, col);
+                    &*col
+                };
+                gemm(
+                    rows(&w[g * cout_g * k..(g + 1) * cout_g * k], cout_g, k),
+                    rows(unfolded, k, l),
+                    &mut out[g * cout_g * l..(g + 1) * cout_g * l],
+                    false,
+                    1.0,
+                )?;
+            }
+            if let Some(b) = bias {
+                for (row, &b) in out.chunks_exact_mut(l).zip(b) {
+                    row.iter_mut().for_each(|v| *v += b);
+                }
+            }
+        }
+        Ok(())
+    };
+    let parallel = slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
+    let chunk = per * geo.image_out();
+    let result = match (parallel, slot_len) {
+        (true, 0) => dst
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(t, out)| task(t, out, &mut [])),
+        (true, _) => dst
+            .par_chunks_mut(chunk)
+            .zip(cols.par_chunks_mut(slot_len))
+            .enumerate()
+            .try_for_each(|(t, (out, col))| task(t, out, col)),
+        (false, _) => dst
+            .chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(t, out)| task(t, out, &mut cols[..slot_len])),
+    };
+    Some(result)
+}
+
+/// An optional output's f32 elements (`Some(None)`: unused).
+fn typed_out<'a>(o: &'a mut Option<Out<'_>>) -> Option<Option<&'a mut [f32]>> {
+    match o {
+        Some(o) => typed_mut::<f32>(o.ty, &mut *o.bytes).map(Some),
+        None => Some(None),
+    }
+}
+
+pub(super) fn backward(
+    node: &Node,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+    scratch: &mut [u8],
+) -> Option<Result<()>> {
+    let (gty, gout) = input::<f32>(args, 0)?;
+    let (xty, x) = input::<f32>(args, 1)?;
+    let (wty, w) = input::<f32>(args, 2)?;
+    let geo = Geometry::new(node, xty, wty, &gty.shape)?;
+    let [gi, gw, gb] = outs else {
+        return None;
+    };
+    let (gi, gw, gb) = (typed_out(gi)?, typed_out(gw)?, typed_out(gb)?);
+    let (k, l, cout_g, cin_g) = (geo.k(), geo.l(), geo.cout_g(), geo.cin_g());
+    if w.len() != geo.c_out * k
+        || gout.len() != geo.n * geo.image_out()
+        || gi
+            .as_ref()
+            .is_some_and(|g| g.len() != geo.n * geo.image_in())
+        || gw.as_ref().is_some_and(|g| g.len() != geo.c_out * k)
+        || gb.as_ref().is_some_and(|g| g.len() != geo.c_out)
+    {
+        return None;
+    }
+    let slots = geo.slots();
+    let unfold = if geo.direct() { 0 } else { k * l };
+    let slot_len = 2 * unfold + geo.c_out * k;
+    let space = match scratch_f32(scratch, slots * slot_len) {
+        Ok(s) => s,
+        Err(e) => return Some(Err(e)),
+    };
+    let per = geo.n.div_ceil(slots);
+    let want_gw = gw.is_some();
+    // Task `t` runs images t*per.., adding its grad_weight into its slot's partial sum.
+    let task = |t: usize, gi: Option<&mut [f32]>, slot: &mut [f32]| -> Result<()> {
+        let (col, rest) = slot.split_at_mut(unfold);
+        let (gcol, partial) = rest.split_at_mut(unfold);
+        partial.fill(0.0);
+        let images = (geo.n - (t * per).min(geo.n)).min(per);
+        let mut gi = gi;
+        if let Some(gi) = gi.as_deref_mut() {
+            gi.fill(0.0);
+        }
+        for i in 0..images {
+            let n = t * per + i;
+            let image = &x[n * geo.image_in()..][..geo.image_in()];
+            for g in 0..geo.groups {
+                let g_at = (n * geo.c_out + g * cout_g) * l;
+                let g_mat = rows(&gout[g_at..g_at + cout_g * l], cout_g, l);
+                if want_gw {
+                    let unfolded = if geo.direct() {
+                        &image[g * k * l..(g + 1) * k * l]
+                    } else {
+                        geo.im2col(image, g, col);
+                        &*col
+                    };
+                    gemm(
+                        g_mat,
+                        transposed(unfolded, l, k),
+                        &mut partial[g * cout_g * k..(g + 1) * cout_g * k],
+                        true,
+                        1.0,
+                    )?;
+                }
+                if let Some(gi) = gi.as_deref_mut() {
+                    let gi_img = &mut gi[i * geo.image_in()..(i + 1) * geo.image_in()];
+                    let w_t = transposed(&w[g * cout_g * k..(g + 1) * cout_g * k], k, cout_g);
+                    if geo.direct() {
+                        let at = g * cin_g * geo.h * geo.w;
+                        gemm(w_t, g_mat, &mut gi_img[at..at + k * l], false, 1.0)?;
+                    } else {
+                        gemm(w_t, g_mat, gcol, false, 1.0)?;
+                        geo.col2im(gcol, g, gi_img);
+                    }
+                }
+            }
+        }
+        Ok(())
+    };
+    let tasks = geo.n.div_ceil(per);
+    let slots_used = &mut space[..tasks * slot_len];
+    let parallel = tasks > 1 && 2 * geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
+    let chunk = per * geo.image_in();
+    let result = match (gi, parallel) {
+        (Some(gi), true) => gi
+            .par_chunks_mut(chunk)
+            .zip(slots_used.par_chunks_mut(slot_len))
+            .enumerate()
+            .try_for_each(|(t, (gi, slot))| task(t, Some(gi), slot)),
+        (None, true) => slots_used
+            .par_chunks_mut(slot_len)
+            .enumerate()
+            .try_for_each(|(t, slot)| task(t, None, slot)),
+        (Some(gi), false) => gi
+            .chunks_mut(chunk)
+            .zip(slots_used.chunks_mut(slot_len))
+            .enumerate()
+            .try_for_each(|(t, (gi, slot))| task(t, Some(gi), slot)),
+        (None, false) => slots_used
+            .chunks_mut(slot_len)
+            .enumerate()
+            .try_for_each(|(t, slot)| task(t, None, slot)),
+    };
+    if let Err(e) = result {
+        return Some(Err(e));
+    }
+    if let Some(gw) = gw {
+        gw.fill(0.0);
+        for slot in slots_used.chunks_exact(slot_len) {
+            let partial = &slot[2 * unfold..];
+            gw.iter_mut().zip(partial).for_each(|(a, &p)| *a += p);
+        }
+    }
+    if let Some(gb) = gb {
+        for (c, b) in gb.iter_mut().enumerate() {
+            let mut total = 0f64;
+            for n in 0..geo.n {
+                let at = (n * geo.c_out + c) * l;
+                total += gout[at..at + l].iter().map(|&v| f64::from(v)).sum::<f64>();
+            }
+            *b = total as f32;
+        }
+    }
+    Some(Ok(()))
+}

@@ -1,0 +1,377 @@
+//! Reductions (sum, mean, amax, var), softmax and layer norm over f32, walking the input
+//! once in contiguous runs.
+
+use salus_graph::{Node, Op};
+
+use super::{MAX_RANK, for_chunks, input, numel, typed_mut};
+use crate::kernels::{Arg, Out, Result, attr_f64, attr_int, attr_ints, wrap};
+
+/// The sum of a run, accumulated in f64 over eight lanes.
+fn sum(x: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f64::from(v);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// The largest element of a run (NaN if any is NaN).
+fn max(x: &[f32]) -> f32 {
+    x.iter().fold(f32::NEG_INFINITY, |a, &v| larger(a, v))
+}
+
+fn larger(a: f32, v: f32) -> f32 {
+    if v.is_nan() || v > a { v } else { a }
+}
+
+/// An input seen as groups of neighbouring dims that are all reduced or all kept, size-1
+/// dims dropped: `sizes[..count]`, the innermost last.
+struct Groups {
+    sizes: [usize; MAX_RANK],
+    reduced: [bool; MAX_RANK],
+    /// Output stride of each kept group (0 for reduced ones).
+    out_strides: [usize; MAX_RANK],
+    count: usize,
+}
+
+impl Groups {
+    fn new(shape: &[u64], is_reduced: impl Fn(usize) -> bool) -> Option<Groups> {
+        if shape.len() > MAX_RANK {
+            return None;
+        }
+        let mut g = Groups {
+            sizes: [1; MAX_RANK],
+            reduced: [false; MAX_RANK],
+            out_strides: [0; MAX_RANK],
+            count: 0,
+        };
+        for (d, &size) in shape.iter().enumerate() {
+            if size == 1 {
+                continue;
+            }
+            let r = is_reduced(d);
+            if g.count > 0 && g.reduced[g.count - 1] == r {
+                g.sizes[g.count - 1] *= size as usize;
+            } else {
+                g.sizes[g.count] = size as usize;
+                g.reduced[g.count] = r;
+                g.count += 1;
+            }
+        }
+        if g.count == 0 {
+            g.count = 1;
+            g.reduced[0] = true;
+        }
+        let mut stride = 1;
+        for i in (0..g.count).rev() {
+            if !g.reduced[i] {
+                g.out_strides[i] = stride;
+                stride *= g.sizes[i];
+            }
+        }
+        Some(g)
+    }
+
+    fn inner(&self) -> usize {
+        self.sizes[self.count - 1]
+    }
+
+    fn inner_reduced(&self) -> bool {
+        self.reduced[self.count - 1]
+    }
+
+    /// Calls `f(input_offset, output_offset)` for each run of the innermost group, in
+    /// input order.
+    fn walk(&self, mut f: impl FnMut(usize, usize)) {
+        let outer = self.count - 1;
+        let runs: usize = self.sizes[..outer].iter().product();
+        let inner = self.inner();
+        let mut index = [0usize; MAX_RANK];
+        let mut out = 0;
+        for run in 0..runs {
+            f(run * inner, out);
+            for d in (0..outer).rev() {
+                index[d] += 1;
+                out += self.out_strides[d];
+                if index[d] < self.sizes[d] {
+                    break;
+                }
+                out -= self.out_strides[d] * self.sizes[d];
+                index[d] = 0;
+            }
+        }
+    }
+}
+
+/// The dims a reduction node reduces.
+fn reduced_dims(node: &Node, rank: usize) -> impl Fn(usize) -> bool + '_ {
+    let dims = match (node.op, attr_ints(node, "dim")) {
+        (Op::Mean, _) | (_, None) | (_, Some([])) => None,
+        (_, Some(ds)) => Some(ds),
+    };
+    move |d| dims.is_none_or(|ds| ds.iter().any(|&x| wrap(x, rank) == d))
+}
+
+pub(super) fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+    let (ty, x) = input::<f32>(args, 0)?;
+    let g = Groups::new(&ty.shape, reduced_dims(node, ty.rank()))?;
+    let dst = typed_mut::<f32>(o.ty, o.bytes)?;
+    let count: usize = (0..g.count)
+        .filter(|&i| g.reduced[i])
+        .map(|i| g.sizes[i])
+        .product();
+    if numel(&ty.shape) == 0 || dst.is_empty() {
+        return None;
+    }
+    let is_max = node.op == Op::Amax;
+    let scale = if matches!(node.op, Op::MeanDim | Op::Mean) {
+        1.0 / count.max(1) as f64
+    } else {
+        1.0
+    };
+    let inner = g.inner();
+    if g.count <= 2 && g.inner_reduced() {
+        // [kept, reduced]: one output per contiguous run.
+        for_chunks(dst, 1, inner, |start, chunk| {
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let run = &x[(start + i) * inner..(start + i + 1) * inner];
+                *v = if is_max {
+                    max(run)
+                } else {
+                    (sum(run) * scale) as f32
+                };
+            }
+        });
+        return Some(Ok(()));
+    }
+    if g.count == 2 && g.reduced[0] {
+        // [reduced, kept]: rows added into the output, split by columns.
+        let rows = g.sizes[0];
+        for_chunks(dst, 1, rows, |start, chunk| {
+            chunk.fill(if is_max { f32::NEG_INFINITY } else { 0.0 });
+            for r in 0..rows {
+                let row = &x[r * inner + start..r * inner + start + chunk.len()];
+                if is_max {
+                    chunk
+                        .iter_mut()
+                        .zip(row)
+                        .for_each(|(a, &v)| *a = larger(*a, v));
+                } else {
+                    chunk.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+                }
+            }
+            if scale != 1.0 {
+                chunk
+                    .iter_mut()
+                    .for_each(|a| *a = (f64::from(*a) * scale) as f32);
+            }
+        });
+        return Some(Ok(()));
+    }
+    dst.fill(if is_max { f32::NEG_INFINITY } else { 0.0 });
+    if g.inner_reduced() {
+        g.walk(|xi, oi| {
+            let run = &x[xi..xi + inner];
+            dst[oi] = if is_max {
+                larger(dst[oi], max(run))
+            } else {
+                dst[oi] + sum(run) as f32
+            };
+        });
+    } else {
+        g.walk(|xi, oi| {
+            let out = &mut dst[oi..oi + inner];
+            let run = &x[xi..xi + inner];
+            if is_max {
+                out.iter_mut()
+                    .zip(run)
+                    .for_each(|(a, &v)| *a = larger(*a, v));
+            } else {
+                out.iter_mut().zip(run).for_each(|(a, &v)| *a += v);
+            }
+        });
+    }
+    if scale != 1.0 {
+        dst.iter_mut()
+            .for_each(|a| *a = (f64::from(*a) * scale) as f32);
+    }
+    Some(Ok(()))
+}
+
+/// Outputs of a variance accumulated on the stack: larger ones take the generic path.
+const VAR_OUTPUTS: usize = 1024;
+
+pub(super) fn variance(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+    let (ty, x) = input::<f32>(args, 0)?;
+    let rank = ty.rank();
+    let dims = attr_ints(node, "dim");
+    let is_reduced =
+        |d: usize| dims.is_none_or(|ds| ds.is_empty() || ds.iter().any(|&x| wrap(x, rank) == d));
+    let g = Groups::new(&ty.shape, is_reduced)?;
+    let dst = typed_mut::<f32>(o.ty, o.bytes)?;
+    let n_out = dst.len();
+    if n_out > VAR_OUTPUTS || numel(&ty.shape) == 0 {
+        return None;
+    }
+    let count: usize = (0..g.count)
+        .filter(|&i| g.reduced[i])
+        .map(|i| g.sizes[i])
+        .product();
+    let correction = attr_f64(node, "correction", Some(1.0)).ok()?;
+    let inner = g.inner();
+    let mut mean = [0f64; VAR_OUTPUTS];
+    let mut sq = [0f64; VAR_OUTPUTS];
+    if g.inner_reduced() {
+        g.walk(|xi, oi| mean[oi] += sum(&x[xi..xi + inner]));
+    } else {
+        g.walk(|xi, oi| {
+            for (m, &v) in mean[oi..oi + inner].iter_mut().zip(&x[xi..xi + inner]) {
+                *m += f64::from(v);
+            }
+        });
+    }
+    for m in &mut mean[..n_out] {
+        *m /= count as f64;
+    }
+    if g.inner_reduced() {
+        g.walk(|xi, oi| {
+            let m = mean[oi];
+            sq[oi] += x[xi..xi + inner]
+                .iter()
+                .map(|&v| {
+                    let d = f64::from(v) - m;
+                    d * d
+                })
+                .sum::<f64>();
+        });
+    } else {
+        g.walk(|xi, oi| {
+            for ((s, &m), &v) in sq[oi..oi + inner]
+                .iter_mut()
+                .zip(&mean[oi..oi + inner])
+                .zip(&x[xi..xi + inner])
+            {
+                let d = f64::from(v) - m;
+                *s += d * d;
+            }
+        });
+    }
+    let divisor = (count as f64 - correction).max(0.0);
+    for (v, s) in dst.iter_mut().zip(&sq) {
+        *v = (s / divisor) as f32;
+    }
+    Some(Ok(()))
+}
+
+pub(super) fn softmax(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+    let (ty, x) = input::<f32>(args, 0)?;
+    let d = wrap(attr_int(node, "dim", -1), ty.rank());
+    let len = ty.shape.get(d).copied().unwrap_or(1) as usize;
+    let inner: usize = ty.shape.get(d + 1..)?.iter().product::<u64>() as usize;
+    if inner != 1 || len == 0 {
+        return None;
+    }
+    let log = node.op == Op::LogSoftmax;
+    let dst = typed_mut::<f32>(o.ty, o.bytes)?;
+    if dst.len() != x.len() {
+        return None;
+    }
+    for_chunks(dst, len, 8, |start, chunk| {
+        for (row, out) in x[start..start + chunk.len()]
+            .chunks_exact(len)
+            .zip(chunk.chunks_exact_mut(len))
+        {
+            let m = max(row);
+            let mut total = 0f64;
+            for (o, &v) in out.iter_mut().zip(row) {
+                let e = (v - m).exp();
+                *o = e;
+                total += f64::from(e);
+            }
+            if log {
+                let shift = m + total.ln() as f32;
+                out.iter_mut().zip(row).for_each(|(o, &v)| *o = v - shift);
+            } else {
+                let r = (1.0 / total) as f32;
+                out.iter_mut().for_each(|o| *o *= r);
+            }
+        }
+    });
+    Some(Ok(()))
+}
+
+pub(super) fn layer_norm(
+    node: &Node,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Option<Result<()>> {
+    let (_, x) = input::<f32>(args, 0)?;
+    let normalized = attr_ints(node, "normalized_shape")?;
+    let eps = attr_f64(node, "eps", Some(1e-5)).ok()?;
+    let inner = normalized.iter().product::<i64>().max(1) as usize;
+    if x.is_empty() || x.len() % inner != 0 {
+        return None;
+    }
+    let param = |k: usize| match args.get(k) {
+        Some(Arg::Absent) | None => Some(None),
+        Some(_) => input::<f32>(args, k)
+            .filter(|(_, v)| v.len() == inner)
+            .map(|(_, v)| Some(v)),
+    };
+    let (weight, bias) = (param(1)?, param(2)?);
+    let [y, mean, rstd] = match outs {
+        [y, mean, rstd] => [y, mean, rstd].map(|o| {
+            o.as_mut()
+                .map(|o| typed_mut::<f32>(o.ty, &mut *o.bytes).ok_or(()))
+                .transpose()
+        }),
+        _ => return None,
+    };
+    let (mut y, mut mean, mut rstd) = (y.ok()?, mean.ok()?, rstd.ok()?);
+    for (a, row) in x.chunks_exact(inner).enumerate() {
+        let m = sum(row) / inner as f64;
+        let var = row
+            .iter()
+            .map(|&v| {
+                let d = f64::from(v) - m;
+                d * d
+            })
+            .sum::<f64>()
+            / inner as f64;
+        let r = 1.0 / (var + eps).sqrt();
+        if let Some(y) = y.as_deref_mut() {
+            let out = &mut y[a * inner..(a + 1) * inner];
+            let (mf, rf) = (m as f32, r as f32);
+            match (weight, bias) {
+                (Some(w), Some(b)) => {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = (row[j] - mf) * rf * w[j] + b[j];
+                    }
+                }
+                _ => {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        let mut v = (row[j] - mf) * rf;
+                        if let Some(w) = weight {
+                            v *= w[j];
+                        }
+                        if let Some(b) = bias {
+                            v += b[j];
+                        }
+                        *o = v;
+                    }
+                }
+            }
+        }
+        if let Some(mean) = mean.as_deref_mut() {
+            *mean.get_mut(a)? = m as f32;
+        }
+        if let Some(rstd) = rstd.as_deref_mut() {
+            *rstd.get_mut(a)? = r as f32;
+        }
+    }
+    Some(Ok(()))
+}
