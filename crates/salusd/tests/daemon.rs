@@ -436,3 +436,45 @@ async fn metrics_and_events_describe_what_happened() {
         "{body}"
     );
 }
+
+/// SRTF with room for one job: the long job's tensors go to host memory while the short
+/// one runs, and come back bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srtf_suspends_to_host_memory_and_resumes_exactly() {
+    let daemon = Daemon::start(&["--policy", "srtf", "--memory", "192KiB"]);
+    let client = daemon.client().await;
+    let long = Job::new("long", 4, 256, 64, 1); // P = 64 KiB
+    let short = Job::new("short", 4, 256, 64, 2);
+    let hinted = |job: &Job, total: u64| {
+        let mut options = job.options();
+        options.hints.total_iterations = total;
+        options.hints.expected_iteration_ms = 1.0;
+        options
+    };
+    let mut first = client.open(hinted(&long, 100)).await.unwrap();
+    first.admitted().await.unwrap();
+    let mut losses = long.on(&first, 3).await.0;
+    let mut second = client.open(hinted(&short, 5)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), second.admitted())
+        .await
+        .unwrap()
+        .unwrap();
+    let infos = client.list_sessions().await.unwrap();
+    let long_info = infos.iter().find(|i| i.id == first.id).unwrap();
+    assert_eq!(
+        state(long_info),
+        pb::SessionState::Suspended,
+        "{long_info:?}"
+    );
+    assert_eq!(long_info.suspensions, 1);
+    // Its tensors read from the host copy while suspended.
+    assert_eq!(first.read(&[0]).await.unwrap()[0].1, long.alone(3).1);
+    assert_eq!(short.on(&second, 5).await, short.alone(5));
+    second.close().await.unwrap();
+    for i in 3..10 {
+        let out = first.run(long.feeds(i)).await.unwrap();
+        losses.push(common::floats(&out.fetches[0])[0]);
+    }
+    let w = first.read(&[0]).await.unwrap().remove(0).1;
+    assert_eq!((losses, w), long.alone(10));
+}
