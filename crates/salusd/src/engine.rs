@@ -1125,7 +1125,18 @@ impl State {
         );
         tokio::task::spawn_blocking(move || {
             let views: Vec<&[u8]> = pending.feeds.iter().map(Vec::as_slice).collect();
-            let result = device.run(&program, at, &views);
+            // A kernel bug must fail this iteration, not leave its lane running forever.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                device.run(&program, at, &views)
+            }))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(ExecError::Device(format!("the device panicked: {what}")))
+            });
             let _ = tx.send(Command::Finished {
                 session: id,
                 result,
