@@ -426,6 +426,14 @@ class _Lowering:
                 attribute = _attribute(value, arg, context)
                 if attribute is not None:
                     ir.attributes[arg.name].CopyFrom(attribute)
+        if name == "bernoulli.p":
+            # Random draws come from the session's generator state (trace.GENERATOR).
+            generator = [self.ids[p] for p, slot in self.slot_of.items()
+                         if slot.group == "generator"]
+            if not generator:
+                raise LoweringError(f"{context}: draws random numbers but the step has no "
+                                    "generator state (trace it with salus.trace_*)")
+            ir.inputs.append(generator[0])
         ir.outputs.extend(self._results(node, schema))
         self.graph.nodes.append(ir)
 

@@ -54,6 +54,11 @@ PARAMETER = "parameter"
 STATE = "state"
 FEED = "feed"
 
+#: The persistent tensor holding a session's random generator state, present when the
+#: step draws random numbers (dropout): an i64 scalar the step advances by one, so every
+#: iteration draws new values and a checkpoint captures the generator.
+GENERATOR = "salus.generator"
+
 
 @dataclass(frozen=True)
 class InputSlot:
@@ -342,6 +347,43 @@ def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in tensors.items()}
 
 
+def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
+                      outputs: list[OutputSlot], initial: dict[str, torch.Tensor]) -> None:
+    """Gives a step that draws random numbers its own generator state.
+
+    ``bernoulli.p`` reads PyTorch's global generator when PyTorch runs it; salus devices
+    draw from the session's generator instead (see ``docs/ops.md``). This adds that state
+    as a persistent input (after the other persistent inputs), its update ``state + 1`` as
+    an output, and seeds it from PyTorch's generator, so ``torch.manual_seed`` makes
+    traces reproducible. The lowering passes the state to every ``bernoulli.p`` node.
+    The FX graph still runs eagerly, drawing from PyTorch's generator as before.
+    """
+    graph = gm.graph
+    if not any(n.op == "call_function" and n.target is torch.ops.aten.bernoulli.p
+               for n in graph.nodes):
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    at = sum(1 for s in inputs if s.role != FEED)
+    anchor = placeholders[at] if at < len(placeholders) else None
+    example = torch.zeros((), dtype=torch.int64)
+    with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(
+            placeholders[-1]):
+        state = graph.placeholder("salus_generator")
+    state.meta["val"] = example
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        advanced = graph.call_function(torch.ops.aten.add.Scalar, (state, 1))
+    advanced.meta["val"] = example
+    results = list(output.args[0])
+    updates = sum(1 for o in outputs if o.kind == "update")
+    results.insert(updates, advanced)
+    output.args = (tuple(results),)
+    gm.recompile()
+    inputs.insert(at, InputSlot(GENERATOR, STATE, "generator"))
+    outputs.insert(updates, OutputSlot("update", GENERATOR))
+    initial[GENERATOR] = torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
 def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                      optimizer: torch.optim.Optimizer, example_batch: Sequence[torch.Tensor],
                      *, tracing_mode: str = "real") -> TracedStep:
@@ -400,6 +442,7 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch
     initial = {**_detached(params), **_detached(buffers), **opt_state}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(batch)
     gm = _record(step, args, model, tracing_mode)
+    _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe())
 
 
@@ -443,6 +486,7 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     n_out = spec_box[0].num_leaves
     outputs = ([OutputSlot("update", n) for n in buffers]
                + [OutputSlot("output", f"output.{i}") for i in range(n_out)])
+    _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("inference", gm, inputs, outputs, initial, output_spec=spec_box[0])
 
 

@@ -221,3 +221,27 @@ def test_dropout_becomes_bernoulli():
     bernoulli = [n for n in graph.nodes if n.op == "bernoulli.p"]
     assert len(bernoulli) == 1 and bernoulli[0].attributes["p"].float == pytest.approx(0.75)
     check_graph_structure(graph, supported_ops(), kind="train")
+    # The draw reads the session's generator: an i64 scalar STATE tensor that the step
+    # advances by one each iteration.
+    generator = bernoulli[0].inputs[1]
+    tensor = graph.tensors[generator]
+    assert tensor.name == salus.trace.GENERATOR
+    assert tensor.role == pb.TENSOR_ROLE_STATE and tensor.dtype == pb.DTYPE_I64
+    assert list(tensor.shape) == []
+    [update] = [u for u in graph.updates if u.target == generator]
+    [advance] = [n for n in graph.nodes if update.value in n.outputs]
+    assert advance.op == "add.Scalar" and advance.attributes["other"].int == 1
+    # The traced step still runs eagerly, carrying the generator along.
+    state = dict(traced.initial_state)
+    new_state, loss = traced.run(state, torch.randn(64, 8), torch.randint(0, 4, (64,)))
+    assert new_state[salus.trace.GENERATOR] == state[salus.trace.GENERATOR] + 1
+    assert torch.isfinite(loss)
+
+
+def test_steps_without_randomness_have_no_generator():
+    model = MLP(8, (16,), 4)
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(64, 8), torch.randint(0, 4, (64,))))
+    assert salus.trace.GENERATOR not in traced.initial_state
+    assert all(t.name != salus.trace.GENERATOR for t in traced.to_graph().tensors)

@@ -92,3 +92,16 @@ def test_common_losses_and_activations_lower_match_eager_and_validate(tmp_path: 
         paths.append(path)
     plans = rust_plan(paths)
     assert set(plans) == set(LOSSES)
+
+
+def test_dropout_steps_validate_and_plan_in_rust(tmp_path: Path) -> None:
+    """Dropout draws from the session's generator: the graph the Rust validator sees has
+    the generator as bernoulli.p's second input and as persistent state."""
+    model = models.MLP(8, (16,), 4, dropout=0.5)
+    traced = trace_train_step(model, torch.nn.functional.cross_entropy,
+                              torch.optim.SGD(model.parameters(), lr=0.1),
+                              (torch.randn(16, 8), torch.randint(0, 4, (16,))))
+    path = tmp_path / "dropout.pb"
+    path.write_bytes(traced.to_graph().SerializeToString())
+    plan = rust_plan([path])["dropout"]
+    assert plan["persistent_bytes"] == aligned_bytes(traced.initial_state.values())

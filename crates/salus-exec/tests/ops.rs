@@ -2467,22 +2467,66 @@ fn creation_ops() {
     }
 }
 
+fn bernoulli(n: u64, p: f64, state: i64) -> Vec<f64> {
+    Case::new(Op::BernoulliP)
+        .input(f32v(&[n], vec![0.0; n as usize]))
+        .input(i64v(&[], &[state]))
+        .float("p", p)
+        .output(Fp32, &[n])
+        .run1()
+}
+
 #[test]
-fn bernoulli_fails_clearly_on_cpu() {
-    // No per-session random state yet: the node must fail, saying why, not run.
+fn bernoulli_draws_ones_with_probability_p_from_the_session_generator() {
+    let n = 20_000;
+    for p in [0.0, 0.1, 0.5, 0.75, 1.0] {
+        let mask = bernoulli(n, p, 7);
+        assert!(
+            mask.iter().all(|&v| v == 0.0 || v == 1.0),
+            "p {p}: values other than 0, 1"
+        );
+        let ones = mask.iter().sum::<f64>();
+        // Within 5 standard deviations of n p.
+        let sd = (n as f64 * p * (1.0 - p)).sqrt();
+        assert!(
+            (ones - n as f64 * p).abs() <= 5.0 * sd + 1e-9,
+            "p {p}: {ones} ones of {n}"
+        );
+    }
+    // A pure function of the state: the same state draws the same mask, the next state
+    // (the next iteration) a different one, with no correlation between the two.
+    let (a, again, b) = (
+        bernoulli(n, 0.5, 41),
+        bernoulli(n, 0.5, 41),
+        bernoulli(n, 0.5, 42),
+    );
+    assert_eq!(a, again);
+    let agree = a.iter().zip(&b).filter(|(x, y)| x == y).count() as f64 / n as f64;
+    assert!(
+        (agree - 0.5).abs() < 0.03,
+        "masks of consecutive states agree on {agree}"
+    );
+    // Neighbouring elements are independent: ones follow ones half the time.
+    let runs = a.windows(2).filter(|w| w[0] == 1.0 && w[1] == 1.0).count() as f64;
+    let ones = a.iter().filter(|&&v| v == 1.0).count() as f64;
+    assert!((runs / ones - 0.5).abs() < 0.03, "{runs} of {ones}");
+}
+
+#[test]
+fn bernoulli_needs_the_generator() {
     let err = Case::new(Op::BernoulliP)
         .input(f32v(&[4], vec![0.0; 4]))
         .float("p", 0.5)
         .output(Fp32, &[4])
         .fails();
-    assert_mentions(
-        &err,
-        &[
-            "bernoulli.p",
-            "not supported on the CPU device",
-            "random state",
-        ],
-    );
+    assert_mentions(&err, &["bernoulli.p", "takes 2 tensor inputs, got 1"]);
+    let err = Case::new(Op::BernoulliP)
+        .input(f32v(&[4], vec![0.0; 4]))
+        .input(f32v(&[], vec![0.0]))
+        .float("p", 0.5)
+        .output(Fp32, &[4])
+        .fails();
+    assert_mentions(&err, &["generator (input 1) must be an i64 scalar"]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2530,8 +2574,12 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ("index_select_and_index_put", index_select_and_index_put),
     ("creation_ops", creation_ops),
     (
-        "bernoulli_fails_clearly_on_cpu",
-        bernoulli_fails_clearly_on_cpu,
+        "bernoulli_draws_ones_with_probability_p_from_the_session_generator",
+        bernoulli_draws_ones_with_probability_p_from_the_session_generator,
+    ),
+    (
+        "bernoulli_needs_the_generator",
+        bernoulli_needs_the_generator,
     ),
 ];
 

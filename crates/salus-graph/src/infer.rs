@@ -1181,8 +1181,16 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             )])
         }
         BernoulliP => {
-            args.count(1)?;
+            // self, then the session's generator: an i64 scalar STATE tensor that the
+            // graph advances every iteration, so each iteration draws new values.
+            args.count(2)?;
             let t = args.input(0)?;
+            let generator = args.input(1)?;
+            if generator.dtype != DType::I64 || !generator.shape.is_empty() {
+                return Err(format!(
+                    "the generator (input 1) must be an i64 scalar, got {generator}"
+                ));
+            }
             let p = args.scalar("p")?.as_f64();
             if !(0.0..=1.0).contains(&p) {
                 return Err(format!("p must be in [0, 1], got {p}"));

@@ -506,7 +506,7 @@ fn every_op_family_rejects_bad_arguments_with_a_reason() {
         (
             op_error(
                 Op::BernoulliP,
-                &[(F32, &[3])],
+                &[(F32, &[3]), (I64, &[])],
                 (F32, &[3]),
                 &[("p", Attr::Float(1.5))],
             ),

@@ -7,8 +7,7 @@
 //! inner loops, the bounded thread pool, planned scratch) run the hot ops; the generic
 //! paths here go through `f64` for every dtype and cover the rest. The other ops of
 //! `docs/ops.md` live in the submodules (`conv`: convolutions other than 2-d f32; `pool`,
-//! `index`, `norm`); f16 and bf16 are loaded and stored through f32. `bernoulli.p` alone
-//! fails the iteration, with an error saying why.
+//! `index`, `norm`, `random`); f16 and bf16 are loaded and stored through f32.
 
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
@@ -19,6 +18,7 @@ mod fast;
 mod index;
 mod norm;
 mod pool;
+mod random;
 
 type Result<T> = std::result::Result<T, String>;
 
@@ -452,11 +452,7 @@ pub(crate) fn run(
         IndexSelect => index::index_select(node, args, o),
         ScatterAdd => index::scatter_add(node, args, o),
         EmbeddingDenseBackward => index::embedding_backward(node, args, o),
-        BernoulliP => Err(
-            "bernoulli.p is not supported on the CPU device yet: it needs a per-session \
-             random state, which the graph does not carry"
-                .into(),
-        ),
+        BernoulliP => random::bernoulli(node, args, o),
         ArangeStartStep => {
             let start = attr_f64(node, "start", None)?;
             let step = attr_f64(node, "step", Some(1.0))?;

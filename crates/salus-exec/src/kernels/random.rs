@@ -1,0 +1,51 @@
+//! Random ops: a counter-based generator, so every value is a pure function of the
+//! session's generator state, the node and the element's index. Iterations draw new
+//! values because the graph advances the state (an i64 STATE tensor) every iteration;
+//! a checkpoint of the session's tensors captures the generator too. The stream is the
+//! session's own, not PyTorch's: masks are statistically, not bitwise, what PyTorch draws.
+
+use salus_graph::Node;
+
+use super::{Arg, Out, Result, attr_f64, store, tensor};
+
+/// SplitMix64's finalizer: a bijective mix of all 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a of the node's name: two random nodes of one graph draw different streams.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Uniform in [0, 1) with 24 bits, for element `i` of the stream `key`.
+pub(crate) fn uniform(key: u64, i: u64) -> f32 {
+    let bits = mix(key.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    (bits >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// The stream of a node under a generator state.
+pub(crate) fn stream(node: &Node, state: i64) -> u64 {
+    mix(state as u64 ^ name_key(&node.name))
+}
+
+/// bernoulli.p: 1 with probability p, else 0, in the dtype of `self`.
+pub(crate) fn bernoulli(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let p = attr_f64(node, "p", None)?;
+    let (ty, bytes) = tensor(args, 1)?;
+    if ty.dtype != salus_graph::DType::I64 || bytes.len() != 8 {
+        return Err(format!("the generator must be an i64 scalar, got {ty}"));
+    }
+    let state = i64::from_le_bytes(bytes.try_into().map_err(|_| "generator bytes")?);
+    let key = stream(node, state);
+    let n = o.ty.numel().unwrap_or(0) as usize;
+    for i in 0..n {
+        let one = f64::from(uniform(key, i as u64)) < p;
+        store(o.bytes, o.ty.dtype, i, f64::from(u8::from(one)));
+    }
+    Ok(())
+}
