@@ -121,6 +121,8 @@ pub enum Command {
     Status(Reply<pb::StatusResponse>),
     /// Sessions for the admin service.
     Sessions(Reply<Vec<pb::SessionInfo>>),
+    /// Numbers for the metrics endpoint.
+    Metrics(Reply<Metrics>),
     /// Read or set the policy.
     Policy {
         /// Who asks.
@@ -226,6 +228,17 @@ pub struct SessionMetrics {
     pub ephemeral_bytes: u64,
 }
 
+/// What the metrics endpoint exports.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    /// Per-session numbers.
+    pub sessions: Vec<SessionMetrics>,
+    /// Sum of lane sizes.
+    pub lane_bytes: u64,
+    /// Sum of P over admitted sessions.
+    pub persistent_bytes: u64,
+}
+
 /// A cloneable handle to the engine task.
 #[derive(Clone)]
 pub struct Engine {
@@ -239,13 +252,10 @@ pub struct Engine {
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
-/// What the engine publishes for readers that must not wait on it (metrics).
+/// What the engine publishes for readers that must not wait on it (benchmarks).
 #[derive(Debug, Default)]
 struct Shared {
     stats: EngineStats,
-    sessions: Vec<SessionMetrics>,
-    lane_bytes: u64,
-    persistent_bytes: u64,
 }
 
 /// How the engine is set up.
@@ -347,16 +357,6 @@ impl Engine {
         self.lock().stats.clone()
     }
 
-    /// Per-session numbers and memory in use (lanes, persistent), as of the last change.
-    pub fn metrics(&self) -> (Vec<SessionMetrics>, u64, u64) {
-        let shared = self.lock();
-        (
-            shared.sessions.clone(),
-            shared.lane_bytes,
-            shared.persistent_bytes,
-        )
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
         self.shared
             .lock()
@@ -417,14 +417,12 @@ impl State {
                 self.handle(command);
             }
             self.drive();
-            self.publish();
             if self.shutdown.is_some() && self.sessions.values().all(|e| !e.running) {
                 let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
                 for id in ids {
                     self.close(id, "salusd is shutting down");
                 }
                 self.drive();
-                self.publish();
                 if self.sessions.is_empty()
                     && let Some(done) = self.shutdown.take()
                 {
@@ -552,6 +550,9 @@ impl State {
             }
             Command::Sessions(reply) => {
                 let _ = reply.send(Ok(self.session_infos()));
+            }
+            Command::Metrics(reply) => {
+                let _ = reply.send(Ok(self.metrics()));
             }
             Command::Policy {
                 principal,
@@ -1291,8 +1292,8 @@ impl State {
         }
     }
 
-    /// Publishes what the metrics endpoint reads.
-    fn publish(&self) {
+    /// What the metrics endpoint exports, now.
+    fn metrics(&self) -> Metrics {
         let now = self.now();
         let sessions = self
             .core
@@ -1312,10 +1313,11 @@ impl State {
             })
             .collect();
         let map = self.core.memory_map();
-        let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
-        shared.sessions = sessions;
-        shared.lane_bytes = map.lane_bytes;
-        shared.persistent_bytes = map.persistent_bytes;
+        Metrics {
+            sessions,
+            lane_bytes: map.lane_bytes,
+            persistent_bytes: map.persistent_bytes,
+        }
     }
 }
 

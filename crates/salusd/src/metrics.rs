@@ -1,14 +1,14 @@
 //! Prometheus metrics over HTTP: `GET /metrics` in the text exposition format.
 //!
-//! A minimal HTTP/1.1 responder on its own listener: the scrape reads what the engine last
-//! published and never waits on the engine itself.
+//! A minimal HTTP/1.1 responder on its own listener; each scrape asks the engine for its
+//! numbers (one command, microseconds).
 
 use std::fmt::Write as _;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::engine::{Engine, HISTOGRAM_BOUNDS, SessionMetrics};
+use crate::engine::{Command, Engine, HISTOGRAM_BOUNDS, Metrics, SessionMetrics};
 
 /// A per-session family: name, type, help, and the sample's value.
 type SessionFamily = (
@@ -20,8 +20,12 @@ type SessionFamily = (
 
 /// The exposition text for the engine's current numbers: each family's HELP and TYPE,
 /// then all its samples.
-pub fn render(engine: &Engine) -> String {
-    let (sessions, lane_bytes, persistent_bytes) = engine.metrics();
+pub fn render(engine: &Engine, metrics: Metrics) -> String {
+    let Metrics {
+        sessions,
+        lane_bytes,
+        persistent_bytes,
+    } = metrics;
     let memory = engine.memory();
     let mut out = String::new();
     let mut family = |name: &str, kind: &str, help: &str, samples: &mut dyn FnMut(&mut String)| {
@@ -158,7 +162,10 @@ pub async fn serve(listener: TcpListener, engine: Engine) {
             let head = String::from_utf8_lossy(&request[..n]);
             let path = head.split_whitespace().nth(1).unwrap_or("/");
             let (status, body) = if path == "/metrics" || path == "/" {
-                ("200 OK", render(&engine))
+                match engine.ask(Command::Metrics).await {
+                    Ok(metrics) => ("200 OK", render(&engine, metrics)),
+                    Err(status) => ("503 Service Unavailable", format!("{}\n", status.message())),
+                }
             } else {
                 (
                     "404 Not Found",
