@@ -49,6 +49,8 @@ pub struct Config {
     pub memory: u64,
     /// Bytes kept free.
     pub reserve: u64,
+    /// Host memory waiting and suspended sessions may hold; `None` for the capacity.
+    pub host_memory: Option<u64>,
     /// The policy at start.
     pub policy: PolicyKind,
     /// Where to serve Prometheus metrics.
@@ -71,6 +73,7 @@ impl Config {
             device: DeviceChoice::Cpu,
             memory: DEFAULT_MEMORY,
             reserve: 0,
+            host_memory: None,
             policy: PolicyKind::Fifo,
             metrics: None,
             token_file: None,
@@ -93,6 +96,8 @@ pub struct FileConfig {
     pub memory: Option<String>,
     /// `--reserve`.
     pub reserve: Option<String>,
+    /// `--host-memory`.
+    pub host_memory: Option<String>,
     /// `--policy`.
     pub policy: Option<String>,
     /// `--metrics`.

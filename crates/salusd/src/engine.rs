@@ -26,6 +26,83 @@ use crate::auth::Principal;
 /// Updates sent down a session's `Open` stream.
 pub type UpdateSender = mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>;
 
+/// Host memory held by sessions that are not on the device (their initial values before
+/// admission, their tensors while suspended), counted against `--host-memory` so that
+/// waiting sessions cannot exhaust the host.
+#[derive(Debug, Clone)]
+pub struct HostBudget {
+    used: Arc<std::sync::atomic::AtomicU64>,
+    limit: u64,
+}
+
+/// Bytes counted against a [`HostBudget`] until dropped.
+#[derive(Debug)]
+pub struct HostBytes {
+    used: Arc<std::sync::atomic::AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for HostBytes {
+    fn drop(&mut self) {
+        self.used
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl HostBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> HostBudget {
+        HostBudget {
+            used: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            limit,
+        }
+    }
+
+    /// Counts `bytes` if they fit, else says how much is held and allowed.
+    pub fn reserve(&self, bytes: u64) -> Result<HostBytes, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.used
+            .fetch_update(Relaxed, Relaxed, |used| {
+                used.checked_add(bytes).filter(|&total| total <= self.limit)
+            })
+            .map_err(|used| {
+                Status::resource_exhausted(format!(
+                    "waiting sessions hold {used} bytes of host memory; {bytes} more would pass \
+                     the limit of {} (salusd --host-memory)",
+                    self.limit
+                ))
+            })?;
+        Ok(HostBytes {
+            used: self.used.clone(),
+            bytes,
+        })
+    }
+
+    /// Counts `bytes` whatever the limit (a suspension the policy decided).
+    pub fn force(&self, bytes: u64) -> HostBytes {
+        self.used
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        HostBytes {
+            used: self.used.clone(),
+            bytes,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> u64 {
+        self.used.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// A session's persistent block on the host, counted against the host budget.
+#[derive(Debug)]
+pub struct HostImage {
+    /// The P bytes.
+    pub bytes: Vec<u8>,
+    /// Its share of the budget.
+    pub held: HostBytes,
+}
+
 /// A session as the service hands it to the engine: validated, planned, its initial
 /// persistent block assembled on the host.
 pub struct NewSession {
@@ -36,7 +113,7 @@ pub struct NewSession {
     /// Its graph and plan.
     pub program: Program,
     /// The persistent block's initial bytes (P of them).
-    pub image: Vec<u8>,
+    pub image: HostImage,
     /// Training or inference.
     pub kind: SessionKind,
     /// The client's hints.
@@ -185,7 +262,7 @@ struct Entry {
     program: Arc<Program>,
     hints: Hints,
     /// The persistent block on the host: before admission and while suspended.
-    image: Option<Vec<u8>>,
+    image: Option<HostImage>,
     place: Place,
     reason: String,
     running: bool,
@@ -237,6 +314,8 @@ pub struct Metrics {
     pub lane_bytes: u64,
     /// Sum of P over admitted sessions.
     pub persistent_bytes: u64,
+    /// Host memory held by waiting and suspended sessions.
+    pub host_bytes: u64,
 }
 
 /// A cloneable handle to the engine task.
@@ -250,6 +329,7 @@ pub struct Engine {
     device_name: String,
     next_session: Arc<std::sync::atomic::AtomicU64>,
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
+    host: HostBudget,
 }
 
 /// What the engine publishes for readers that must not wait on it (benchmarks).
@@ -270,6 +350,8 @@ pub struct EngineConfig {
     pub limits: salus_graph::Limits,
     /// The daemon's own user, who may steer it.
     pub daemon_uid: u32,
+    /// Bytes of host memory waiting and suspended sessions may hold.
+    pub host_memory: u64,
 }
 
 impl Engine {
@@ -288,6 +370,7 @@ impl Engine {
             device_name: config.device.name(),
             next_session: Arc::new(std::sync::atomic::AtomicU64::new(1)),
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
+            host: HostBudget::new(config.host_memory),
         };
         let state = State {
             core,
@@ -298,6 +381,7 @@ impl Engine {
             tx,
             events,
             shared,
+            host: engine.host.clone(),
             lane_last_end: HashMap::new(),
             shutdown: None,
         };
@@ -319,6 +403,11 @@ impl Engine {
         answer
             .await
             .map_err(|_| Status::unavailable("salusd is shutting down"))?
+    }
+
+    /// Host memory of waiting and suspended sessions.
+    pub fn host_budget(&self) -> &HostBudget {
+        &self.host
     }
 
     /// A fresh session id.
@@ -382,6 +471,7 @@ struct State {
     tx: mpsc::UnboundedSender<Command>,
     events: broadcast::Sender<pb::Event>,
     shared: Arc<std::sync::Mutex<Shared>>,
+    host: HostBudget,
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
@@ -849,7 +939,7 @@ impl State {
         for tensor in ids {
             let (off, len) = Self::persistent_range(program, tensor)?;
             let bytes = match (&entry.image, entry.place) {
-                (Some(image), _) => image[off as usize..(off + len) as usize].to_vec(),
+                (Some(image), _) => image.bytes[off as usize..(off + len) as usize].to_vec(),
                 (None, Place::Admitted { persistent }) => self
                     .device
                     .read(persistent + off, len)
@@ -890,7 +980,7 @@ impl State {
         for ((_, bytes), off) in tensors.iter().zip(ranges) {
             match (&mut entry.image, entry.place) {
                 (Some(image), _) => {
-                    image[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
+                    image.bytes[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
                 }
                 (None, Place::Admitted { persistent }) => self
                     .device
@@ -933,7 +1023,7 @@ impl State {
                     return;
                 };
                 if let Some(image) = entry.image.take()
-                    && let Err(e) = self.device.write(persistent.offset, &image)
+                    && let Err(e) = self.device.write(persistent.offset, &image.bytes)
                 {
                     // The core's placement is inside the arena; a failure here is a bug.
                     tracing::error!(session = session.0, error = %e, "upload failed");
@@ -969,7 +1059,10 @@ impl State {
                     return;
                 };
                 match self.device.read(persistent.offset, persistent.size) {
-                    Ok(image) => entry.image = Some(image),
+                    Ok(bytes) => {
+                        let held = self.host.force(bytes.len() as u64);
+                        entry.image = Some(HostImage { bytes, held });
+                    }
                     Err(e) => {
                         tracing::error!(session = session.0, error = %e, "suspend copy failed")
                     }
@@ -1317,6 +1410,7 @@ impl State {
             sessions,
             lane_bytes: map.lane_bytes,
             persistent_bytes: map.persistent_bytes,
+            host_bytes: self.host.used(),
         }
     }
 }

@@ -112,6 +112,7 @@ pub async fn run_with(
         policy: config.policy,
         limits: salus_graph::Limits::default(),
         daemon_uid,
+        host_memory: config.host_memory.unwrap_or(config.memory),
     })?;
     let token = match &config.token_file {
         Some(path) => Some(

@@ -32,6 +32,10 @@ struct Args {
     /// Bytes kept free, never given to sessions [default: 0].
     #[arg(long, env = "SALUS_RESERVE")]
     reserve: Option<String>,
+    /// Host memory that sessions not on the device (waiting for admission, or suspended)
+    /// may hold in all [default: the device capacity].
+    #[arg(long, env = "SALUS_HOST_MEMORY")]
+    host_memory: Option<String>,
     /// Scheduling policy at start: fifo, pack, srtf or fair [default: fifo].
     #[arg(long, env = "SALUS_POLICY")]
     policy: Option<String>,
@@ -77,6 +81,9 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     if let Some(reserve) = args.reserve.or(file.reserve) {
         config.reserve = align_down(parse_bytes(&reserve).map_err(|e| format!("--reserve: {e}"))?);
+    }
+    if let Some(host) = args.host_memory.or(file.host_memory) {
+        config.host_memory = Some(parse_bytes(&host).map_err(|e| format!("--host-memory: {e}"))?);
     }
     if let Some(policy) = args.policy.or(file.policy) {
         config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;

@@ -25,6 +25,7 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         sessions,
         lane_bytes,
         persistent_bytes,
+        host_bytes,
     } = metrics;
     let memory = engine.memory();
     let mut out = String::new();
@@ -67,6 +68,12 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         "gauge",
         "Persistent plus lane bytes.",
         &mut gauge("salus_memory_in_use_bytes", persistent_bytes + lane_bytes),
+    );
+    family(
+        "salus_host_image_bytes",
+        "gauge",
+        "Host memory held by waiting and suspended sessions.",
+        &mut gauge("salus_host_image_bytes", host_bytes),
     );
     family(
         "salus_sessions",

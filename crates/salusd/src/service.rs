@@ -17,7 +17,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
-use crate::engine::{Command, Engine, NewSession, RunResult, micros, session_kind};
+use crate::engine::{Command, Engine, HostImage, NewSession, RunResult, micros, session_kind};
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -181,6 +181,7 @@ async fn receive_session(
         .with_expected_iteration(hints.expected_iteration);
     let plan = program.plan();
     check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
+    let held = engine.host_budget().reserve(plan.persistent_bytes)?;
     // Zeroed pages are not touched until written: a big image costs what is uploaded.
     let mut image = vec![0u8; plan.persistent_bytes as usize];
     for (id, t) in program.graph().tensors.iter().enumerate() {
@@ -215,7 +216,7 @@ async fn receive_session(
         id: engine.new_session_id(),
         owner,
         program,
-        image,
+        image: HostImage { bytes: image, held },
         kind,
         hints,
         updates,

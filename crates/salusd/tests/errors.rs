@@ -469,3 +469,37 @@ fn bad_settings_are_named() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// Sessions waiting for admission hold their tensors in host memory, within a limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_sessions_cannot_exhaust_host_memory() {
+    let daemon = Daemon::start(&[
+        "--policy",
+        "fifo",
+        "--memory",
+        "16MiB",
+        "--host-memory",
+        "1MiB",
+    ]);
+    let client = daemon.client().await;
+    let job = |seed| Job::new("half-mib", 4, 512, 256, seed); // P = 512 KiB
+    let mut running = client.open(job(1).options()).await.unwrap();
+    running.admitted().await.unwrap();
+    // Two waiting sessions fill the 1 MiB; a third is refused, saying why.
+    let first_waiting = client.open(job(2).options()).await.unwrap();
+    let _second_waiting = client.open(job(3).options()).await.unwrap();
+    expect(
+        client.open(job(4).options()).await.map(|s| s.id),
+        Code::ResourceExhausted,
+        &[
+            "waiting sessions hold 1048576 bytes of host memory",
+            "--host-memory",
+        ],
+        "host memory",
+    );
+    // A waiting session that leaves gives its share back.
+    first_waiting.close().await.unwrap();
+    let again = client.open(job(4).options()).await.unwrap();
+    assert!(again.id > 0);
+    assert_eq!(job(1).on(&running, 2).await, job(1).alone(2));
+}
