@@ -19,6 +19,9 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::{Access, Principal};
 use crate::engine::{Command, Engine, HostImage, NewSession, RunResult, micros, session_kind};
 
+/// Iterations one `RunStream` may have submitted and not yet answered.
+pub const PIPELINE: usize = 16;
+
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 /// Both services share the engine handle and the access rules.
@@ -360,7 +363,9 @@ impl pb::sessions_server::Sessions for Service {
         let mut requests = request.into_inner();
         let engine = self.engine.clone();
         let (tx, rx) = mpsc::unbounded_channel();
-        let (order_tx, mut order_rx) = mpsc::unbounded_channel();
+        // At most PIPELINE iterations of one stream wait at a time: past that, the daemon
+        // stops reading the stream and HTTP/2 flow control holds the client back.
+        let (order_tx, mut order_rx) = mpsc::channel(PIPELINE);
         // Submit as requests arrive; answer in request order.
         tokio::spawn(async move {
             while let Some(request) = requests.next().await {
@@ -372,7 +377,7 @@ impl pb::sessions_server::Sessions for Service {
                     feeds: request.feeds,
                     reply,
                 });
-                if sent.is_err() || order_tx.send((request.tag, answer)).is_err() {
+                if sent.is_err() || order_tx.send((request.tag, answer)).await.is_err() {
                     break;
                 }
             }
