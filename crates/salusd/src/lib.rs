@@ -40,7 +40,8 @@ pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
             CostModel::default(),
         ))),
         DeviceChoice::Cuda(n) => Ok(Arc::new(
-            CudaDevice::new(&cuda_options(config, n)).map_err(|e| format!("--device cuda:{n}: {e}"))?,
+            CudaDevice::new(&cuda_options(config, n))
+                .map_err(|e| format!("--device cuda:{n}: {e}"))?,
         )),
         DeviceChoice::Auto => match CudaDevice::new(&cuda_options(config, 0)) {
             Ok(device) => {
@@ -230,7 +231,9 @@ pub async fn run_with(
     let _ = std::fs::remove_file(&config.socket);
     tracing::info!("salusd stopped");
     match failed {
-        Some(reason) => Err(format!("the device failed ({reason}); salusd stopped serving")),
+        Some(reason) => Err(format!(
+            "the device failed ({reason}); salusd stopped serving"
+        )),
         None => Ok(()),
     }
 }
