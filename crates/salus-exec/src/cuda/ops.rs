@@ -463,13 +463,13 @@ impl Lower<'_> {
             st: Vec::new(),
         }];
         let (mut kshape, mut rshape) = (Vec::new(), Vec::new());
-        for d in 0..rank {
+        for (d, (&size, &st)) in x.shape().iter().zip(&own).enumerate().take(rank) {
             if dims.contains(&d) {
-                rshape.push(x.shape()[d]);
-                red[0].st.push(own[d]);
+                rshape.push(size);
+                red[0].st.push(st);
             } else {
-                kshape.push(x.shape()[d]);
-                kept[0].st.push(own[d]);
+                kshape.push(size);
+                kept[0].st.push(st);
             }
         }
         let count = numel(&rshape);
@@ -1446,17 +1446,13 @@ impl Lower<'_> {
                 return Ok(());
             }
         }
-        let base = |me: &Self| -> Vec<u64> {
-            let _ = me;
-            args.clone()
-        };
         if let Some(gi) = &gi {
-            let mut a = base(self);
+            let mut a = args.clone();
             a.extend([gi.ptr, gi.dt(), w.ptr, w.dt(), 0, 0, 0, 0, g.ptr, g.dt()]);
             self.launch(K::ConvBwdInput, gi.numel(), a);
         }
         if let Some(gw) = &gw {
-            let mut a = base(self);
+            let mut a = args;
             a.extend([x.ptr, x.dt(), gw.ptr, gw.dt(), 0, 0, 0, 0, g.ptr, g.dt()]);
             self.launch(K::ConvBwdWeight, gw.numel(), a);
         }
@@ -1827,7 +1823,7 @@ impl Lower<'_> {
             args.push(if k < n { a.shape()[k] } else { 0 });
         }
         for k in 0..4 {
-            args.push(if k < n { strides[k] as u64 } else { 0 });
+            args.push(strides.get(k).filter(|_| k < n).map_or(0, |&s| s as u64));
         }
         args.extend([
             values.ptr,
