@@ -457,7 +457,6 @@ fn bad_settings_are_named() {
         (&["--policy", "lottery"][..], "unknown policy"),
         (&["--memory", "lots"][..], "--memory"),
         (&["--device", "tpu"][..], "unknown device"),
-        (&["--device", "cuda:0"][..], "no CUDA backend"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
             .args(["--socket", "/tmp/salus-test-never.sock"])
@@ -468,4 +467,28 @@ fn bad_settings_are_named() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn cuda_without_a_usable_gpu_exits_with_the_reason_and_no_panic() {
+    let Err(reason) = salus_exec::CudaDevice::probe() else {
+        eprintln!("skipped: this host has a usable GPU");
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
+        .args([
+            "--socket",
+            "/tmp/salus-test-never.sock",
+            "--device",
+            "cuda:0",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--device cuda:0") && err.contains(&reason),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
