@@ -2,10 +2,10 @@
 
 Writes the four target models at benchmark size as reference runs (graph, initial state,
 one batch; the format of ``salus.reference``) into OUT_DIR/<model>, times eager PyTorch
-training steps of the same models on the CPU, and prints JSON:
-``{"threads": n, "models": {"mlp": {"torch_ms": ...}, ...}}``.
+training steps of the same models on the CPU (or with ``--device cuda`` on GPU 0), and
+prints JSON: ``{"threads": n, "device": ..., "models": {"mlp": {"torch_ms": ...}, ...}}``.
 
-    python benches/torch_engine.py OUT_DIR [--iterations N]
+    python benches/torch_engine.py OUT_DIR [--iterations N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -34,18 +34,22 @@ def bench_runs() -> dict[str, ReferenceRun]:
             for name, run in reference_runs().items()}
 
 
-def torch_ms(run: ReferenceRun, iterations: int) -> float:
+def torch_ms(run: ReferenceRun, iterations: int, device: str = "cpu") -> float:
     spec = run.spec
-    model = spec.model(0)
+    model = spec.model(0).to(device)
     optimizer = run.optimizer(model.parameters())
-    *inputs, target = spec.batch(0)
+    *inputs, target = (t.to(device) for t in spec.batch(0))
     times = []
     for i in range(iterations + 3):
+        if device != "cpu":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = spec.loss_fn(model(*inputs), target)
         loss.backward()
         optimizer.step()
+        if device != "cpu":
+            torch.cuda.synchronize()
         if i >= 3:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
@@ -55,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    result = {"threads": threads, "batch_size": BATCH, "models": {}}
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    result = {"threads": threads, "batch_size": BATCH, "device": device_name, "models": {}}
     for name, run in bench_runs().items():
         write_model(args.out / name, name, run, steps=1)
-        result["models"][name] = {"torch_ms": torch_ms(run, args.iterations)}
+        result["models"][name] = {"torch_ms": torch_ms(run, args.iterations, args.device)}
     print(json.dumps(result))
     return 0
 

@@ -31,7 +31,7 @@ struct EngineResult {
     models: BTreeMap<String, ModelResult>,
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
@@ -139,7 +139,7 @@ fn conv_gflops() -> Result<f64, String> {
     op_gflops(graph, 2.0 * (batch * c * c * 9 * hw * hw) as f64, 5)
 }
 
-fn python() -> PathBuf {
+pub(crate) fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("SALUS_PYTHON") {
         return p.into();
     }

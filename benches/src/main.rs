@@ -5,9 +5,11 @@
 //! cargo run --release -p salus-bench -- core --json
 //! cargo run --release -p salus-bench -- plan target/reference/*/graph.pb
 //! cargo run --release -p salus-bench -- rpc --json
+//! cargo run --release -p salus-bench -- cuda --json     # on a host with a GPU
 //! ```
 
 mod core_suite;
+mod cuda_suite;
 mod engine_suite;
 mod plan_suite;
 mod rpc_suite;
@@ -51,6 +53,20 @@ enum Suite {
         #[arg(long)]
         json: bool,
     },
+    /// The CUDA device (needs a GPU and ./scripts/python-env.sh): each model's training
+    /// step eager and with CUDA graphs next to eager PyTorch on the same GPU, switch
+    /// latency on one lane, four jobs packed against one at a time.
+    Cuda {
+        /// Where the traced models are written.
+        #[arg(long, default_value = "target/cuda-bench")]
+        dir: std::path::PathBuf,
+        /// Timed iterations per model.
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The daemon over its Unix socket: iteration round trip (p50, p99), iterations per
     /// second with 8 sessions, switch latency on a shared lane, memory per idle session.
     Rpc {
@@ -88,6 +104,11 @@ fn main() -> ExitCode {
             iterations,
             json,
         } => engine_suite::run(&dir, iterations, json),
+        Suite::Cuda {
+            dir,
+            iterations,
+            json,
+        } => cuda_suite::run(&dir, iterations, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,12 +7,15 @@
 //! capacity; it never allocates per tensor or per iteration, and it knows nothing about
 //! sessions, lanes or policies beyond the offsets it is given.
 //!
-//! Backends: `cpu` (the embedded default) and `sim` (modeled time, accounted memory). The
-//! `cuda` device comes next.
+//! Backends: `cpu` (the embedded default), `sim` (modeled time, accounted memory) and
+//! `cuda` (one GPU: kernels compiled at run time, one stream per lane, CUDA graphs). The
+//! `cuda` backend is always compiled; it loads the CUDA libraries at run time and reports
+//! a clear error where there are none.
 
 mod arena;
 mod blas;
 pub mod cpu;
+pub mod cuda;
 mod kernels;
 mod layout;
 pub mod reference;
@@ -24,6 +27,7 @@ use salus_graph::{Graph, GraphError, Limits, MemoryPlan, Role, TensorId, check};
 
 pub use arena::{Arena, Region};
 pub use cpu::CpuDevice;
+pub use cuda::{CudaDevice, CudaOptions, GpuInfo};
 pub use sim::{CostModel, SimDevice};
 
 /// Why an iteration or a transfer failed.
@@ -72,6 +76,7 @@ pub struct Program {
     plan: MemoryPlan,
     feeds: Vec<TensorId>,
     expected_iteration: Option<Duration>,
+    id: u64,
     pub(crate) layouts: Vec<layout::NodeLayout>,
 }
 
@@ -87,7 +92,9 @@ impl Program {
             .map(|(id, _)| id)
             .collect();
         let layouts = layout::layouts(&graph, &plan);
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Program {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             graph,
             plan,
             feeds,
@@ -101,6 +108,12 @@ impl Program {
     pub fn with_expected_iteration(mut self, expected: Option<Duration>) -> Program {
         self.expected_iteration = expected;
         self
+    }
+
+    /// A number unique to this program in the process (clones share it): devices key what
+    /// they derive from a program (lowered commands, captured graphs) by it.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The client's estimate of one iteration's time, if it gave one.
@@ -201,4 +214,10 @@ pub trait Device: Send + Sync {
     /// [`Program::feeds`] order), fetches out, updates written into the persistent block
     /// after every node has run. On error the persistent block is unchanged.
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError>;
+
+    /// `Err(reason)` once the device can no longer run anything correctly (a GPU context
+    /// poisoned by a device error): the daemon then stops serving.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }

@@ -17,6 +17,9 @@ pub enum DeviceChoice {
     Sim,
     /// A CUDA GPU by index.
     Cuda(u32),
+    /// GPU 0 when one is usable, the CPU otherwise (what `salusd` does without
+    /// `--device`).
+    Auto,
 }
 
 impl FromStr for DeviceChoice {
@@ -27,11 +30,12 @@ impl FromStr for DeviceChoice {
             "cpu" => Ok(DeviceChoice::Cpu),
             "sim" => Ok(DeviceChoice::Sim),
             "cuda" => Ok(DeviceChoice::Cuda(0)),
+            "auto" => Ok(DeviceChoice::Auto),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(DeviceChoice::Cuda)
-                .ok_or_else(|| format!("unknown device {s:?}; expected cpu, sim or cuda:N")),
+                .ok_or_else(|| format!("unknown device {s:?}; expected cpu, sim, cuda:N or auto")),
         }
     }
 }
@@ -45,9 +49,13 @@ pub struct Config {
     pub listen: Option<SocketAddr>,
     /// The device.
     pub device: DeviceChoice,
-    /// Capacity C in bytes (the arena for cpu and sim).
+    /// Capacity C in bytes (the arena for cpu and sim; for cuda, a cap on the arena when
+    /// `memory_given`).
     pub memory: u64,
-    /// Bytes kept free.
+    /// True when `memory` was set explicitly (it then caps the cuda arena too).
+    pub memory_given: bool,
+    /// Bytes kept free: inside the arena for cpu and sim; for cuda, GPU memory left out of
+    /// the arena (0: the cuda default, 1 GiB).
     pub reserve: u64,
     /// Host memory waiting and suspended sessions may hold; `None` for the capacity.
     pub host_memory: Option<u64>,
@@ -72,6 +80,7 @@ impl Config {
             listen: None,
             device: DeviceChoice::Cpu,
             memory: DEFAULT_MEMORY,
+            memory_given: false,
             reserve: 0,
             host_memory: None,
             policy: PolicyKind::Fifo,

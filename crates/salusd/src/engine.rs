@@ -330,6 +330,7 @@ pub struct Engine {
     next_session: Arc<std::sync::atomic::AtomicU64>,
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
     host: HostBudget,
+    fatal: Arc<tokio::sync::watch::Sender<Option<String>>>,
 }
 
 /// What the engine publishes for readers that must not wait on it (benchmarks).
@@ -371,8 +372,10 @@ impl Engine {
             next_session: Arc::new(std::sync::atomic::AtomicU64::new(1)),
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             host: HostBudget::new(config.host_memory),
+            fatal: Arc::new(tokio::sync::watch::channel(None).0),
         };
         let state = State {
+            fatal: engine.fatal.clone(),
             core,
             device: config.device,
             daemon_uid: config.daemon_uid,
@@ -452,6 +455,16 @@ impl Engine {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Resolves with the reason once the device has failed for good (a poisoned GPU
+    /// context): the daemon then shuts down rather than serve wrong results.
+    pub async fn device_failed(&self) -> String {
+        let mut rx = self.fatal.subscribe();
+        match rx.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        }
+    }
+
     /// Shuts down: no admission, running iterations finish, every session is closed.
     pub async fn shutdown(&self) {
         self.stopping.send_replace(true);
@@ -475,6 +488,7 @@ struct State {
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
+    fatal: Arc<tokio::sync::watch::Sender<Option<String>>>,
 }
 
 fn core_status(e: salus_core::CoreError) -> Status {
@@ -870,6 +884,12 @@ impl State {
             }
             Err(e) => {
                 tracing::warn!(session = id.0, error = %e, "iteration failed");
+                if let Err(reason) = self.device.health()
+                    && self.fatal.borrow().is_none()
+                {
+                    tracing::error!(%reason, "the device has failed; shutting down");
+                    self.fatal.send_replace(Some(reason));
+                }
                 self.event(
                     pb::EventKind::IterationFailed,
                     Some(id),

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use salus_exec::{CostModel, CpuDevice, Device, SimDevice};
+use salus_exec::{CostModel, CpuDevice, CudaDevice, CudaOptions, Device, SimDevice};
 use salus_proto::v1 as pb;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
@@ -28,7 +28,8 @@ use engine::{Engine, EngineConfig};
 /// How long shutdown waits for clients to let go after every session is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Builds the device `config` asks for.
+/// Builds the device `config` asks for. `Auto` takes GPU 0 when it is usable and the CPU
+/// otherwise, and logs which and why.
 pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
     match config.device {
         DeviceChoice::Cpu => Ok(Arc::new(
@@ -38,9 +39,41 @@ pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
             config.memory,
             CostModel::default(),
         ))),
-        DeviceChoice::Cuda(n) => Err(format!(
-            "--device cuda:{n}: this salusd has no CUDA backend yet; use --device cpu or sim"
+        DeviceChoice::Cuda(n) => Ok(Arc::new(
+            CudaDevice::new(&cuda_options(config, n))
+                .map_err(|e| format!("--device cuda:{n}: {e}"))?,
         )),
+        DeviceChoice::Auto => match CudaDevice::new(&cuda_options(config, 0)) {
+            Ok(device) => {
+                tracing::info!(device = %device.name(), "using the GPU");
+                Ok(Arc::new(device))
+            }
+            Err(reason) => {
+                tracing::info!("no usable GPU ({reason}); using cpu");
+                Ok(Arc::new(
+                    CpuDevice::new(config.memory).map_err(|e| format!("cpu device: {e}"))?,
+                ))
+            }
+        },
+    }
+}
+
+fn cuda_options(config: &Config, n: u32) -> CudaOptions {
+    let mut options = CudaOptions::new(n as usize);
+    if config.reserve > 0 {
+        options.reserve = config.reserve;
+    }
+    options.cap = config.memory_given.then_some(config.memory);
+    options
+}
+
+/// The reserve the core keeps inside the device's capacity: the configured one for the
+/// host devices; none for cuda, whose reserve stays outside its arena.
+fn core_reserve(config: &Config, device: &dyn Device) -> u64 {
+    if device.name().starts_with("cuda") {
+        0
+    } else {
+        config.reserve
     }
 }
 
@@ -104,7 +137,7 @@ pub async fn run_with(
     started: impl FnOnce(&Daemon),
 ) -> Result<(), String> {
     let device = open_device(&config)?;
-    let memory = salus_core::MemoryConfig::new(config.memory, config.reserve);
+    let memory = salus_core::MemoryConfig::new(device.capacity(), core_reserve(&config, &*device));
     let daemon_uid = salus_client::current_uid();
     let engine = Engine::start(EngineConfig {
         device: device.clone(),
@@ -170,15 +203,18 @@ pub async fn run_with(
     tracing::info!(
         socket = %config.socket.display(),
         device = %device.name(),
-        capacity = config.memory,
-        reserve = config.reserve,
+        capacity = device.capacity(),
+        reserve = memory.reserve,
         policy = %config.policy,
         "salusd ready"
     );
     started(&Daemon {
         engine: engine.clone(),
     });
-    shutdown.await;
+    let failed = tokio::select! {
+        () = shutdown => None,
+        reason = engine.device_failed() => Some(reason),
+    };
     tracing::info!("shutting down: admitting nothing, finishing running iterations");
     engine.shutdown().await;
     stop_tx.send_replace(true);
@@ -195,5 +231,10 @@ pub async fn run_with(
     }
     let _ = std::fs::remove_file(&config.socket);
     tracing::info!("salusd stopped");
-    Ok(())
+    match failed {
+        Some(reason) => Err(format!(
+            "the device failed ({reason}); salusd stopped serving"
+        )),
+        None => Ok(()),
+    }
 }

@@ -23,13 +23,16 @@ struct Args {
     /// Also listen on this TCP address (host:port); needs --token-file or --insecure-tcp.
     #[arg(long, env = "SALUS_LISTEN")]
     listen: Option<String>,
-    /// The device: cpu, sim (modeled time, accounted memory) or cuda:N [default: cpu].
+    /// The device: cpu, sim (modeled time, accounted memory), cuda:N, or auto (GPU 0 when
+    /// one is usable, else cpu) [default: auto].
     #[arg(long, env = "SALUS_DEVICE")]
     device: Option<String>,
-    /// Capacity C of the cpu and sim devices, e.g. 4GiB, 16GB [default: 4GiB].
+    /// Capacity C of the cpu and sim devices, e.g. 4GiB, 16GB [default: 4GiB]; caps the
+    /// cuda arena when given.
     #[arg(long, env = "SALUS_MEMORY")]
     memory: Option<String>,
-    /// Bytes kept free, never given to sessions [default: 0].
+    /// Bytes kept free, never given to sessions [default: 0]; for cuda, GPU memory left
+    /// out of the arena for the context, kernels and cuBLAS [default: 1GiB].
     #[arg(long, env = "SALUS_RESERVE")]
     reserve: Option<String>,
     /// Host memory that sessions not on the device (waiting for admission, or suspended)
@@ -73,11 +76,13 @@ fn config(args: Args) -> Result<(Config, String), String> {
                 .map_err(|e| format!("--listen {listen:?}: {e} (expected host:port)"))?,
         );
     }
-    if let Some(device) = args.device.or(file.device) {
-        config.device = device.parse::<DeviceChoice>()?;
-    }
+    config.device = match args.device.or(file.device) {
+        Some(device) => device.parse::<DeviceChoice>()?,
+        None => DeviceChoice::Auto,
+    };
     if let Some(memory) = args.memory.or(file.memory) {
         config.memory = align_down(parse_bytes(&memory).map_err(|e| format!("--memory: {e}"))?);
+        config.memory_given = true;
     }
     if let Some(reserve) = args.reserve.or(file.reserve) {
         config.reserve = align_down(parse_bytes(&reserve).map_err(|e| format!("--reserve: {e}"))?);

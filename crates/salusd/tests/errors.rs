@@ -457,7 +457,6 @@ fn bad_settings_are_named() {
         (&["--policy", "lottery"][..], "unknown policy"),
         (&["--memory", "lots"][..], "--memory"),
         (&["--device", "tpu"][..], "unknown device"),
-        (&["--device", "cuda:0"][..], "no CUDA backend"),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
             .args(["--socket", "/tmp/salus-test-never.sock"])
@@ -502,4 +501,28 @@ async fn waiting_sessions_cannot_exhaust_host_memory() {
     let again = client.open(job(4).options()).await.unwrap();
     assert!(again.id > 0);
     assert_eq!(job(1).on(&running, 2).await, job(1).alone(2));
+}
+
+#[test]
+fn cuda_without_a_usable_gpu_exits_with_the_reason_and_no_panic() {
+    let Err(reason) = salus_exec::CudaDevice::probe() else {
+        eprintln!("skipped: this host has a usable GPU");
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
+        .args([
+            "--socket",
+            "/tmp/salus-test-never.sock",
+            "--device",
+            "cuda:0",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--device cuda:0") && err.contains(&reason),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }

@@ -16,7 +16,7 @@ fn mix(mut z: u64) -> u64 {
 }
 
 /// FNV-1a of the node's name: two random nodes of one graph draw different streams.
-fn name_key(name: &str) -> u64 {
+pub(crate) fn name_key(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })

@@ -1,13 +1,19 @@
 //! The op tests' harness: one-node graphs run on a fresh [`CpuDevice`], values in and out
 //! as `f64` (rounded to each tensor's dtype on the way in), index helpers for the naive
 //! reference implementations, central finite differences, and a record of the ops run.
+//!
+//! `SALUS_TEST_DEVICE=cuda` runs every case on GPU 0 instead (one device shared by all
+//! cases, one case at a time): `SALUS_TEST_DEVICE=cuda cargo test -p salus-exec --test ops`
+//! checks the CUDA kernels against the same naive references.
 
 #![allow(dead_code)]
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
-use salus_exec::{CpuDevice, Device, Placement, Program};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use salus_exec::{CpuDevice, CudaDevice, CudaOptions, Device, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
 
 thread_local! {
@@ -218,13 +224,17 @@ impl Case {
         }
     }
 
-    /// The case's graph, validated and planned, on a device of its own.
+    /// The case's graph, validated and planned, on a device of its own (or on the shared
+    /// GPU under `SALUS_TEST_DEVICE=cuda`).
     pub fn try_session(&self) -> Result<Session, String> {
         let program = Program::new(self.graph(), &Limits::default())
             .map_err(|e| format!("{}: invalid graph: {e}", self.op))?;
         let lane = 256;
         let capacity = lane + program.plan().ephemeral_bytes.max(1) + 256;
-        let device = CpuDevice::new(capacity).map_err(|e| e.to_string())?;
+        let device: Arc<dyn Device> = match shared_gpu() {
+            Some(gpu) => gpu,
+            None => Arc::new(CpuDevice::new(capacity).map_err(|e| e.to_string())?),
+        };
         Ok(Session {
             op: self.op,
             program,
@@ -232,6 +242,43 @@ impl Case {
             at: Placement {
                 persistent: 0,
                 lane,
+            },
+            feed_dtypes: self.input_values().iter().map(|v| v.ty.dtype).collect(),
+            outputs: self
+                .outputs
+                .iter()
+                .map(|o| o.as_ref().map(|t| t.dtype))
+                .collect(),
+        })
+    }
+
+    /// Runs on `device` (one shared by all cases, lane 256), or on a CPU device of its own
+    /// when `None`.
+    pub fn try_run_on(&self, device: Option<Arc<dyn Device>>) -> Result<Vec<Vec<f64>>, String> {
+        let mut session = self.try_session_cpu()?;
+        if let Some(d) = device {
+            session.device = d;
+        }
+        let feeds: Vec<&[f64]> = self.input_values().iter().map(|v| &v.data[..]).collect();
+        session.run(&feeds)
+    }
+
+    /// The op.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    fn try_session_cpu(&self) -> Result<Session, String> {
+        let program = Program::new(self.graph(), &Limits::default())
+            .map_err(|e| format!("{}: invalid graph: {e}", self.op))?;
+        let capacity = 256 + program.plan().ephemeral_bytes.max(1) + 256;
+        Ok(Session {
+            op: self.op,
+            device: Arc::new(CpuDevice::new(capacity).map_err(|e| e.to_string())?),
+            program,
+            at: Placement {
+                persistent: 0,
+                lane: 256,
             },
             feed_dtypes: self.input_values().iter().map(|v| v.ty.dtype).collect(),
             outputs: self
@@ -271,11 +318,31 @@ impl Case {
     }
 }
 
+/// Serialises the cases' runs on the shared GPU (they all use lane 256).
+static GPU_TURN: Mutex<()> = Mutex::new(());
+
+/// The GPU every case shares under `SALUS_TEST_DEVICE=cuda` (1 GiB arena); `None` runs
+/// each case on a CPU device of its own. Panics when cuda is asked for and unusable.
+pub fn shared_gpu() -> Option<Arc<dyn Device>> {
+    static GPU: OnceLock<Option<Arc<CudaDevice>>> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let wanted = std::env::var("SALUS_TEST_DEVICE").ok()?;
+        assert_eq!(wanted, "cuda", "SALUS_TEST_DEVICE must be cuda (or unset)");
+        let mut options = CudaOptions::new(0);
+        options.cap = Some(1 << 30);
+        Some(Arc::new(CudaDevice::new(&options).unwrap_or_else(|e| {
+            panic!("SALUS_TEST_DEVICE=cuda but the GPU is unusable: {e}")
+        })))
+    })
+    .clone()
+    .map(|d| d as Arc<dyn Device>)
+}
+
 /// A planned one-node graph on its own device, to run with several feeds.
 pub struct Session {
     op: Op,
     program: Program,
-    device: CpuDevice,
+    device: Arc<dyn Device>,
     at: Placement,
     feed_dtypes: Vec<DType>,
     outputs: Vec<Option<DType>>,
@@ -291,6 +358,7 @@ impl Session {
             .map(|(f, &d)| encode(d, f))
             .collect();
         let refs: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+        let _one_at_a_time = GPU_TURN.lock().unwrap_or_else(|p| p.into_inner());
         let outcome = self
             .device
             .run(&self.program, self.at, &refs)

@@ -1,0 +1,699 @@
+//! The CUDA device: one context, one allocation, one stream per lane.
+//!
+//! At start the device takes the primary context of one GPU, allocates its whole arena in
+//! one `cuMemAlloc` (the capacity: free memory minus a reserve, optionally capped), and
+//! compiles its kernels (`kernels/kernels.cu`) with NVRTC for the GPU's architecture,
+//! caching the machine code on disk keyed by architecture, NVRTC version and source hash.
+//! Persistent blocks and lanes are offsets into the arena, as the core assigns them.
+//!
+//! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
+//! a small error block and two events; iterations of one lane run in order, lanes run
+//! concurrently. A program at a placement is lowered once into a command list (see
+//! [`ops`]); its first iteration runs the list eagerly, the second captures it into a CUDA
+//! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
+//!
+//! Updates are written after the fetches have been read, by a kernel that does nothing
+//! when any kernel of the iteration reported an error (an out-of-range index), so a failed
+//! iteration leaves the persistent block unchanged.
+//!
+//! Memory outside the arena (the context, the loaded kernels, each lane's 4 MiB cuBLAS
+//! workspace and 256-byte error block, cuBLAS's own state) comes out of the reserve.
+//!
+//! After an error that poisons the context (an illegal address, a failed launch), the
+//! device refuses every later call with that error, and [`Device::health`] reports it:
+//! salusd then fails the affected iterations and shuts down cleanly rather than serve from
+//! a broken context. It does not try to recover (that would need host copies of every
+//! session's persistent tensors).
+
+mod driver;
+mod ops;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use cudarc::driver::sys;
+
+use self::driver::{Raw, driver_error};
+use self::ops::{Cmd, K, Lower};
+use crate::{Device, ExecError, Location, Outcome, Placement, Program};
+
+/// The kernels' source, compiled at run time.
+const KERNELS: &str = include_str!("kernels/kernels.cu");
+
+/// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
+const MIN_DRIVER: i32 = 12080;
+
+/// Reserve kept out of the arena when none is given: the context, kernels, cuBLAS.
+pub const DEFAULT_RESERVE: u64 = 1 << 30;
+
+/// Bytes of each lane's cuBLAS workspace.
+const WORKSPACE: usize = 4 << 20;
+
+/// Bytes of each lane's error block.
+const ERROR_BLOCK: usize = 256;
+
+/// Most program placements a lane keeps lowered (and captured) at once.
+const ENTRIES_PER_LANE: usize = 32;
+
+/// One GPU the driver sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Its index (`cuda:N`).
+    pub ordinal: usize,
+    /// The driver's name for it.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total memory in bytes.
+    pub total_bytes: u64,
+}
+
+/// How to open a [`CudaDevice`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Which GPU.
+    pub ordinal: usize,
+    /// Bytes of free memory left out of the arena.
+    pub reserve: u64,
+    /// At most this many bytes of arena.
+    pub cap: Option<u64>,
+    /// Capture iterations into CUDA graphs and replay them.
+    pub graphs: bool,
+}
+
+impl CudaOptions {
+    /// GPU `ordinal`, the default reserve, no cap, graphs on.
+    pub fn new(ordinal: usize) -> CudaOptions {
+        CudaOptions {
+            ordinal,
+            reserve: DEFAULT_RESERVE,
+            cap: None,
+            graphs: true,
+        }
+    }
+}
+
+/// A lowered program at one placement, and its captured graph.
+struct Entry {
+    cmds: Vec<Cmd>,
+    updates: Vec<Cmd>,
+    runs: u64,
+    graph: Option<Raw<sys::CUgraphExec>>,
+    capture_failed: bool,
+    last_used: u64,
+}
+
+/// One lane's stream and what goes with it.
+struct Lane {
+    stream: Raw<sys::CUstream>,
+    blas: Raw<cudarc::cublas::sys::cublasHandle_t>,
+    workspace: u64,
+    err: u64,
+    start: Raw<sys::CUevent>,
+    end: Raw<sys::CUevent>,
+    entries: HashMap<(u64, u64), Entry>,
+    tick: u64,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let _ = driver::sync(self.stream);
+        for e in self.entries.values() {
+            if let Some(g) = e.graph {
+                driver::destroy_exec(g);
+            }
+        }
+        driver::destroy_blas(self.blas);
+        driver::destroy_event(self.start);
+        driver::destroy_event(self.end);
+        driver::destroy_stream(self.stream);
+        driver::free(self.workspace);
+        driver::free(self.err);
+    }
+}
+
+/// The CUDA device.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    name: String,
+    base: u64,
+    capacity: u64,
+    functions: Vec<Raw<sys::CUfunction>>,
+    lanes: Mutex<HashMap<u64, Arc<Mutex<Lane>>>>,
+    transfer: Mutex<Raw<sys::CUstream>>,
+    graphs: AtomicBool,
+    poisoned: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+fn dev_err(what: &str, e: cudarc::driver::DriverError) -> ExecError {
+    ExecError::Device(driver_error(what, e))
+}
+
+/// Runs `f`, turning a panic inside cudarc into an error: the probe must never panic.
+fn no_panic<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err("the CUDA libraries failed while loading".into()))
+}
+
+impl CudaDevice {
+    /// The GPUs this host can use, or why none: safe to call anywhere (no driver, no GPU,
+    /// a driver too old, a missing NVRTC or cuBLAS all give an `Err`, never a panic).
+    pub fn probe() -> Result<Vec<GpuInfo>, String> {
+        no_panic(|| {
+            driver::libraries()?;
+            let version =
+                driver::driver_version().map_err(|e| driver_error("cuDriverGetVersion", e))?;
+            if version < MIN_DRIVER {
+                return Err(format!(
+                    "the CUDA driver supports CUDA {}.{}; salus needs {}.{} or newer",
+                    version / 1000,
+                    version % 1000 / 10,
+                    MIN_DRIVER / 1000,
+                    MIN_DRIVER % 1000 / 10
+                ));
+            }
+            use cudarc::driver::result as cu;
+            cu::init().map_err(|e| driver_error("cuInit", e))?;
+            let count = cu::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+            if count == 0 {
+                return Err("the CUDA driver sees no GPU".into());
+            }
+            (0..count)
+                .map(|i| {
+                    let dev = cu::device::get(i).map_err(|e| driver_error("cuDeviceGet", e))?;
+                    let name = cu::device::get_name(dev)
+                        .map_err(|e| driver_error("cuDeviceGetName", e))?;
+                    let attr = |a| driver::device_attr(dev, a);
+                    let major = attr(
+                        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    )?;
+                    let minor = attr(
+                        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                    )?;
+                    let total = driver::device_total(dev)?;
+                    Ok(GpuInfo {
+                        ordinal: i as usize,
+                        name,
+                        compute_capability: (major, minor),
+                        total_bytes: total,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// Opens GPU `options.ordinal`: its primary context, the arena (free memory minus the
+    /// reserve, at most the cap) and the kernels.
+    pub fn new(options: &CudaOptions) -> Result<CudaDevice, String> {
+        let gpus = Self::probe()?;
+        let gpu = gpus
+            .iter()
+            .find(|g| g.ordinal == options.ordinal)
+            .ok_or_else(|| {
+                format!(
+                    "no GPU cuda:{} (this host has {}: {})",
+                    options.ordinal,
+                    gpus.len(),
+                    gpus.iter()
+                        .map(|g| g.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?
+            .clone();
+        no_panic(|| Self::open(options, gpu))
+    }
+
+    fn open(options: &CudaOptions, gpu: GpuInfo) -> Result<CudaDevice, String> {
+        let ctx = CudaContext::new(options.ordinal)
+            .map_err(|e| driver_error("creating the context", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error("binding the context", e))?;
+        let (major, minor) = gpu.compute_capability;
+        let arch = (major * 10 + minor) as u32;
+        let image = kernel_image(arch)?;
+        let module =
+            driver::load_module(&image).map_err(|e| driver_error("loading the kernels", e))?;
+        let functions = K::ALL
+            .iter()
+            .map(|k| driver::function(module, k.name()).map_err(|e| driver_error(k.name(), e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let transfer = driver::new_stream().map_err(|e| driver_error("creating a stream", e))?;
+        let (free, _total) = driver::mem_info().map_err(|e| driver_error("cuMemGetInfo", e))?;
+        let mut capacity = (free as u64).saturating_sub(options.reserve);
+        if let Some(cap) = options.cap {
+            capacity = capacity.min(cap);
+        }
+        capacity -= capacity % salus_graph::plan::ALIGNMENT;
+        if capacity == 0 {
+            return Err(format!(
+                "cuda:{}: {} bytes free, reserve {}: nothing left for the arena",
+                options.ordinal, free, options.reserve
+            ));
+        }
+        let base = driver::malloc(capacity as usize)
+            .map_err(|e| driver_error(&format!("allocating the {capacity}-byte arena"), e))?;
+        Ok(CudaDevice {
+            ctx,
+            name: format!("cuda:{} ({})", options.ordinal, gpu.name),
+            base,
+            capacity,
+            functions,
+            lanes: Mutex::new(HashMap::new()),
+            transfer: Mutex::new(transfer),
+            graphs: AtomicBool::new(options.graphs),
+            poisoned: Mutex::new(None),
+        })
+    }
+
+    /// Turns CUDA-graph capture and replay on or off (for measuring the difference).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// Bytes the GPU has in use now, by everyone (total minus free).
+    pub fn memory_in_use(&self) -> Result<u64, ExecError> {
+        self.bind()?;
+        let (free, total) = driver::mem_info().map_err(|e| dev_err("cuMemGetInfo", e))?;
+        Ok((total - free) as u64)
+    }
+
+    fn bind(&self) -> Result<(), ExecError> {
+        if let Some(reason) = self.poisoned.lock().ok().and_then(|p| p.clone()) {
+            return Err(ExecError::Device(format!(
+                "the CUDA context is unusable after an earlier error: {reason}"
+            )));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("binding the context", e))
+    }
+
+    /// Records a sticky error: every later call fails with it.
+    fn check(&self, what: &str, e: cudarc::driver::DriverError) -> ExecError {
+        let message = driver_error(what, e);
+        if driver::is_sticky(&e)
+            && let Ok(mut p) = self.poisoned.lock()
+        {
+            p.get_or_insert(message.clone());
+        }
+        ExecError::Device(message)
+    }
+
+    fn range(&self, offset: u64, len: u64) -> Result<u64, ExecError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.capacity => Ok(self.base + offset),
+            _ => Err(ExecError::Device(format!(
+                "bytes {offset}..{} are outside the {}-byte arena",
+                offset.saturating_add(len),
+                self.capacity
+            ))),
+        }
+    }
+
+    fn lane(&self, offset: u64) -> Result<Arc<Mutex<Lane>>, ExecError> {
+        let mut lanes = self
+            .lanes
+            .lock()
+            .map_err(|_| ExecError::Device("lane table lock poisoned".into()))?;
+        if let Some(l) = lanes.get(&offset) {
+            return Ok(l.clone());
+        }
+        let stream = driver::new_stream().map_err(|e| self.check("creating a stream", e))?;
+        let workspace = driver::malloc(WORKSPACE)
+            .map_err(|e| self.check("allocating a cuBLAS workspace", e))?;
+        let err =
+            driver::malloc(ERROR_BLOCK).map_err(|e| self.check("allocating an error block", e))?;
+        let blas = driver::new_blas(stream, workspace, WORKSPACE).map_err(ExecError::Device)?;
+        let start = driver::new_event().map_err(|e| self.check("creating an event", e))?;
+        let end = driver::new_event().map_err(|e| self.check("creating an event", e))?;
+        let lane = Arc::new(Mutex::new(Lane {
+            stream,
+            blas,
+            workspace,
+            err,
+            start,
+            end,
+            entries: HashMap::new(),
+            tick: 0,
+        }));
+        lanes.insert(offset, lane.clone());
+        Ok(lane)
+    }
+
+    /// Lowers `program` at `at` for a lane whose error block is `err`.
+    fn lower(&self, program: &Program, at: Placement, err: u64) -> Result<Entry, ExecError> {
+        let graph = program.graph();
+        let plan = program.plan();
+        let persistent = self.range(at.persistent, plan.persistent_bytes)?;
+        let lane = self.range(at.lane, plan.ephemeral_bytes)?;
+        let mut lower = Lower {
+            program,
+            persistent,
+            lane,
+            err,
+            index: 0,
+            cmds: Vec::new(),
+        };
+        for (index, node) in graph.nodes.iter().enumerate() {
+            lower.index = index;
+            lower.node(node).map_err(|message| ExecError::Node {
+                index,
+                name: node.name.clone(),
+                op: node.op.name().to_string(),
+                message,
+            })?;
+        }
+        let mut updates = Vec::new();
+        for u in &graph.updates {
+            if let (Some(Location::Persistent(target)), Some(Location::Lane(value))) =
+                (program.location(u.target), program.location(u.value))
+            {
+                updates.push((persistent + target, lane + value, program.bytes(u.target)));
+            }
+        }
+        Ok(Entry {
+            cmds: lower.cmds,
+            updates: ops::guarded_copies(&updates, err),
+            runs: 0,
+            graph: None,
+            capture_failed: false,
+            last_used: 0,
+        })
+    }
+
+    fn issue(&self, lane: &Lane, cmds: &[Cmd]) -> Result<(), ExecError> {
+        for cmd in cmds {
+            match cmd {
+                Cmd::Launch {
+                    kernel,
+                    grid,
+                    grid_y,
+                    block,
+                    args,
+                } => driver::launch(
+                    self.functions[*kernel as usize],
+                    (*grid, *grid_y),
+                    *block,
+                    args,
+                    lane.stream,
+                )
+                .map_err(|e| self.check(kernel.name(), e))?,
+                Cmd::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, lane.stream)
+                    .map_err(|e| self.check("cuMemsetD8Async", e))?,
+                Cmd::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs an entry's node commands: replaying its graph, capturing one, or eagerly.
+    fn nodes(&self, lane: &mut Lane, key: (u64, u64)) -> Result<(), ExecError> {
+        let graphs = self.graphs.load(Ordering::Relaxed);
+        let stream = lane.stream;
+        let Some(entry) = lane.entries.get(&key) else {
+            return Err(ExecError::Device("internal: entry missing".into()));
+        };
+        if graphs && let Some(g) = entry.graph {
+            return driver::launch_graph(g, stream).map_err(|e| self.check("cuGraphLaunch", e));
+        }
+        let capture = graphs && entry.runs >= 1 && !entry.capture_failed && !entry.cmds.is_empty();
+        if !capture {
+            return self.issue(lane, &entry.cmds);
+        }
+        driver::begin_capture(stream).map_err(|e| self.check("cuStreamBeginCapture", e))?;
+        let issued = self.issue(lane, &entry.cmds);
+        let ended = driver::end_capture(stream);
+        let exec = match (issued, ended) {
+            (Ok(()), Ok(g)) => driver::instantiate(g).ok(),
+            (_, Ok(g)) => {
+                driver::destroy_graph(g);
+                None
+            }
+            _ => None,
+        };
+        let entry = lane
+            .entries
+            .get_mut(&key)
+            .ok_or_else(|| ExecError::Device("internal: entry missing".into()))?;
+        match exec {
+            Some(g) => {
+                entry.graph = Some(g);
+                driver::launch_graph(g, stream).map_err(|e| self.check("cuGraphLaunch", e))
+            }
+            None => {
+                entry.capture_failed = true;
+                let lane = &*lane;
+                let cmds = lane
+                    .entries
+                    .get(&key)
+                    .map(|e| e.cmds.clone())
+                    .unwrap_or_default();
+                self.issue(lane, &cmds)
+            }
+        }
+    }
+
+    fn iterate(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+    ) -> Result<Outcome, ExecError> {
+        program.check_feeds(feeds)?;
+        self.bind()?;
+        let lane = self.lane(at.lane)?;
+        let mut lane = lane
+            .lock()
+            .map_err(|_| ExecError::Device("lane lock poisoned".into()))?;
+        let key = (program.id(), at.persistent);
+        lane.tick += 1;
+        let tick = lane.tick;
+        if !lane.entries.contains_key(&key) {
+            let entry = self.lower(program, at, lane.err)?;
+            if lane.entries.len() >= ENTRIES_PER_LANE
+                && let Some(old) = lane
+                    .entries
+                    .iter()
+                    .min_by_key(|(_, e)| e.last_used)
+                    .map(|(k, _)| *k)
+                && let Some(e) = lane.entries.remove(&old)
+                && let Some(g) = e.graph
+            {
+                driver::destroy_exec(g);
+            }
+            lane.entries.insert(key, entry);
+        }
+        let plan = program.plan();
+        let lane_base = self.range(at.lane, plan.ephemeral_bytes)?;
+        let persistent_base = self.range(at.persistent, plan.persistent_bytes)?;
+        let stream = lane.stream;
+        driver::zero(lane.err, ERROR_BLOCK, stream)
+            .map_err(|e| self.check("cuMemsetD8Async", e))?;
+        for (&id, bytes) in program.feeds().iter().zip(feeds) {
+            if let Some(Location::Lane(off)) = program.location(id) {
+                driver::htod(lane_base + off, bytes, stream)
+                    .map_err(|e| self.check("copying a feed", e))?;
+            }
+        }
+        driver::record(lane.start, stream).map_err(|e| self.check("cuEventRecord", e))?;
+        self.nodes(&mut lane, key)?;
+        let graph = program.graph();
+        let mut fetches: Vec<Vec<u8>> = graph
+            .fetches
+            .iter()
+            .map(|&f| vec![0u8; program.bytes(f) as usize])
+            .collect();
+        for (&f, out) in graph.fetches.iter().zip(fetches.iter_mut()) {
+            let src = match program.location(f) {
+                Some(Location::Lane(off)) => lane_base + off,
+                Some(Location::Persistent(off)) => persistent_base + off,
+                None => continue,
+            };
+            driver::dtoh(out, src, stream).map_err(|e| self.check("copying a fetch", e))?;
+        }
+        let updates = lane
+            .entries
+            .get(&key)
+            .map(|e| e.updates.clone())
+            .unwrap_or_default();
+        self.issue(&lane, &updates)?;
+        driver::record(lane.end, stream).map_err(|e| self.check("cuEventRecord", e))?;
+        let mut err = [0u8; 40];
+        driver::dtoh(&mut err, lane.err, stream)
+            .map_err(|e| self.check("reading the error block", e))?;
+        driver::sync(stream).map_err(|e| self.check("running the iteration", e))?;
+        if let Some(entry) = lane.entries.get_mut(&key) {
+            entry.runs += 1;
+            entry.last_used = tick;
+        }
+        let word = |k: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&err[k * 8..k * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        if word(0) != 0 {
+            let index = word(1) as usize;
+            let node = graph.nodes.get(index);
+            return Err(ExecError::Node {
+                index,
+                name: node.map(|n| n.name.clone()).unwrap_or_default(),
+                op: node.map(|n| n.op.name().to_string()).unwrap_or_default(),
+                message: ops::index_error(word(2), word(3) as i64, word(4) as i64),
+            });
+        }
+        let ms = driver::elapsed_ms(lane.start, lane.end)
+            .map_err(|e| self.check("cuEventElapsedTime", e))?;
+        Ok(Outcome {
+            fetches,
+            duration: Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3),
+        })
+    }
+}
+
+/// The kernels' machine code for `arch`: from the disk cache, or compiled and cached.
+fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
+    let (major, minor) = driver::nvrtc_version();
+    let key = fnv1a(&[
+        KERNELS.as_bytes(),
+        format!("nvrtc {major}.{minor} sm_{arch}").as_bytes(),
+    ]);
+    let dir = cache_dir();
+    let path = dir
+        .as_ref()
+        .map(|d| d.join(format!("sm{arch}-{key:016x}.bin")));
+    if let Some(path) = &path
+        && let Ok(image) = std::fs::read(path)
+        && !image.is_empty()
+    {
+        return Ok(image);
+    }
+    let (image, _cubin) = driver::nvrtc_compile(KERNELS, arch)?;
+    if let (Some(dir), Some(path)) = (dir, path)
+        && std::fs::create_dir_all(&dir).is_ok()
+    {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &image).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(image)
+}
+
+/// `$SALUS_NVRTC_CACHE`, `$XDG_CACHE_HOME/salus/nvrtc` or `~/.cache/salus/nvrtc`.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("SALUS_NVRTC_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("salus/nvrtc")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/salus/nvrtc")))
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        if let Ok(mut lanes) = self.lanes.lock() {
+            lanes.clear();
+        }
+        if let Ok(t) = self.transfer.lock() {
+            driver::destroy_stream(*t);
+        }
+        driver::free(self.base);
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        self.bind()?;
+        let dst = self.range(offset, bytes.len() as u64)?;
+        let stream = *self
+            .transfer
+            .lock()
+            .map_err(|_| ExecError::Device("transfer lock poisoned".into()))?;
+        driver::htod(dst, bytes, stream).map_err(|e| self.check("cuMemcpyHtoDAsync", e))?;
+        driver::sync(stream).map_err(|e| self.check("writing", e))
+    }
+
+    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        self.bind()?;
+        let src = self.range(offset, len)?;
+        let stream = *self
+            .transfer
+            .lock()
+            .map_err(|_| ExecError::Device("transfer lock poisoned".into()))?;
+        let mut out = vec![0u8; len as usize];
+        driver::dtoh(&mut out, src, stream).map_err(|e| self.check("cuMemcpyDtoHAsync", e))?;
+        driver::sync(stream).map_err(|e| self.check("reading", e))?;
+        Ok(out)
+    }
+
+    fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
+        self.iterate(program, at, feeds)
+    }
+
+    fn health(&self) -> Result<(), String> {
+        match self.poisoned.lock().ok().and_then(|p| p.clone()) {
+            Some(reason) => Err(reason),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_never_panics() {
+        // On a host without a driver this is an Err with a reason; with one, a list.
+        match CudaDevice::probe() {
+            Ok(gpus) => assert!(!gpus.is_empty()),
+            Err(reason) => assert!(!reason.is_empty()),
+        }
+    }
+
+    #[test]
+    fn cache_keys_differ_by_source_and_arch() {
+        assert_ne!(fnv1a(&[b"a", b"sm_90"]), fnv1a(&[b"a", b"sm_80"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+}

@@ -1,0 +1,430 @@
+//! The CUDA device against the CPU device. Every test here needs a GPU: where the CUDA
+//! driver or a GPU is missing (CI), each prints why and passes without running. The op
+//! tests of `tests/ops.rs` run on the GPU with `SALUS_TEST_DEVICE=cuda`.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::*;
+use salus_exec::{CpuDevice, CudaDevice, CudaOptions, Device, ExecError, Placement, Program};
+use salus_graph::{
+    Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update, samples,
+};
+
+/// The GPU, or `None` with the reason printed (the test then passes without running).
+fn gpu(test: &str, cap: u64) -> Option<CudaDevice> {
+    let mut options = CudaOptions::new(0);
+    options.cap = Some(cap);
+    match CudaDevice::new(&options) {
+        Ok(d) => Some(d),
+        Err(reason) => {
+            eprintln!("{test}: skipped: no usable GPU ({reason})");
+            None
+        }
+    }
+}
+
+#[test]
+fn probe_reports_without_panicking() {
+    match CudaDevice::probe() {
+        Ok(gpus) => {
+            for g in &gpus {
+                eprintln!(
+                    "cuda:{} {} sm_{}{} {} MiB",
+                    g.ordinal,
+                    g.name,
+                    g.compute_capability.0,
+                    g.compute_capability.1,
+                    g.total_bytes >> 20
+                );
+            }
+            assert!(!gpus.is_empty());
+        }
+        Err(reason) => eprintln!("no GPU: {reason}"),
+    }
+}
+
+#[test]
+fn opening_without_a_driver_is_a_clean_error() {
+    if CudaDevice::probe().is_ok() {
+        return;
+    }
+    let err = CudaDevice::new(&CudaOptions::new(0)).unwrap_err();
+    assert!(!err.is_empty());
+}
+
+fn bytes_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32s(b: &[u8]) -> Vec<f64> {
+    b.chunks_exact(4)
+        .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+        .collect()
+}
+
+/// Runs `iterations` of `graph` on `device` from the same initial parameters; returns
+/// every iteration's fetches and the final persistent block.
+fn train(
+    device: &dyn Device,
+    graph: &Graph,
+    init: &[u8],
+    feeds: &[Vec<u8>],
+    iterations: usize,
+) -> (Vec<Vec<Vec<u8>>>, Vec<u8>) {
+    let program = Program::new(graph.clone(), &Limits::default()).unwrap();
+    let plan = program.plan().clone();
+    let at = Placement {
+        persistent: 0,
+        lane: plan.persistent_bytes.div_ceil(256) * 256,
+    };
+    device.write(0, init).unwrap();
+    let refs: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+    let outs = (0..iterations)
+        .map(|_| device.run(&program, at, &refs).unwrap().fetches)
+        .collect();
+    (outs, device.read(0, plan.persistent_bytes).unwrap())
+}
+
+#[test]
+fn training_steps_match_the_cpu_with_and_without_graphs() {
+    let Some(gpu) = gpu("training_steps", 256 << 20) else {
+        return;
+    };
+    let (n, d, k) = (64, 128, 32);
+    let graph = samples::regression(n, d, k, 0.05);
+    let mut rng = Rng::new(7);
+    let w: Vec<f32> = rng
+        .vec((d * k) as usize, -0.1, 0.1)
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let x: Vec<f32> = rng
+        .vec((n * d) as usize, -1.0, 1.0)
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let y: Vec<f32> = rng
+        .vec((n * k) as usize, -1.0, 1.0)
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let feeds = vec![bytes_f32(&x), bytes_f32(&y)];
+    let cpu = CpuDevice::new(64 << 20).unwrap();
+    let (want, want_w) = train(&cpu, &graph, &bytes_f32(&w), &feeds, 5);
+    for graphs in [false, true] {
+        gpu.set_graphs(graphs);
+        let (got, got_w) = train(&gpu, &graph, &bytes_f32(&w), &feeds, 5);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(
+                &f32s(&g[0]),
+                &f32s(&w[0]),
+                tol(1e-4, 1e-6),
+                &format!("loss {i} (graphs {graphs})"),
+            );
+        }
+        assert_close(
+            &f32s(&got_w),
+            &f32s(&want_w),
+            tol(1e-4, 1e-6),
+            "weights after 5 steps",
+        );
+    }
+}
+
+fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
+    Tensor {
+        name: name.into(),
+        ty: TensorType::new(dtype, shape.to_vec()),
+        role,
+        data: vec![],
+    }
+}
+
+fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
+    Node {
+        name: format!("{op}"),
+        op,
+        inputs: inputs.iter().map(|&i| Some(i)).collect(),
+        outputs: outputs.iter().map(|&o| Some(o)).collect(),
+        attrs: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        source: String::new(),
+    }
+}
+
+/// out = sum(embedding(table, ids)); table := table * 0.5.
+fn embedding_graph() -> Graph {
+    Graph {
+        tensors: vec![
+            tensor("table", DType::F32, &[4, 2], Role::Parameter),
+            tensor("ids", DType::I64, &[3], Role::Feed),
+            tensor("rows", DType::F32, &[3, 2], Role::Intermediate),
+            tensor("total", DType::F32, &[], Role::Intermediate),
+            tensor("halved", DType::F32, &[4, 2], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Embedding, &[0, 1], &[2], &[]),
+            node(
+                Op::SumDimIntList,
+                &[2],
+                &[3],
+                &[("keepdim", Attr::Bool(false))],
+            ),
+            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(0.5))]),
+        ],
+        fetches: vec![3],
+        updates: vec![Update {
+            target: 0,
+            value: 4,
+        }],
+    }
+}
+
+#[test]
+fn a_bad_index_fails_the_iteration_and_leaves_the_state() {
+    let Some(gpu) = gpu("bad_index", 64 << 20) else {
+        return;
+    };
+    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let at = Placement {
+        persistent: 0,
+        lane: 4096,
+    };
+    let table: Vec<f32> = (0..8).map(|v| v as f32).collect();
+    gpu.write(0, &bytes_f32(&table)).unwrap();
+    let ids = |v: [i64; 3]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    for _ in 0..3 {
+        // Eager, then captured, then replayed: each must fail the same way.
+        let err = gpu.run(&program, at, &[&ids([0, 7, 1])]).unwrap_err();
+        match &err {
+            ExecError::Node { index, message, .. } => {
+                assert_eq!(*index, 0);
+                assert_mentions(message, &["embedding index", "7", "size 4"]);
+            }
+            other => panic!("expected a node error, got {other:?}"),
+        }
+        assert_eq!(
+            gpu.read(0, 32).unwrap(),
+            bytes_f32(&table),
+            "the state must not change"
+        );
+    }
+    assert!(
+        gpu.health().is_ok(),
+        "a bad index must not poison the device"
+    );
+    let out = gpu.run(&program, at, &[&ids([0, 3, -1])]).unwrap();
+    assert_eq!(
+        f32s(&out.fetches[0]),
+        vec![0.0 + 1.0 + 6.0 + 7.0 + 6.0 + 7.0]
+    );
+    let halved: Vec<f32> = table.iter().map(|v| v * 0.5).collect();
+    assert_eq!(gpu.read(0, 32).unwrap(), bytes_f32(&halved));
+}
+
+#[test]
+fn two_lanes_run_concurrently() {
+    let Some(gpu) = gpu("two_lanes", 512 << 20) else {
+        return;
+    };
+    let gpu = Arc::new(gpu);
+    let (n, d, k) = (512, 1024, 512);
+    let graph = samples::regression(n, d, k, 0.01);
+    let program = Arc::new(Program::new(graph, &Limits::default()).unwrap());
+    let plan = program.plan().clone();
+    let lane_bytes = plan.ephemeral_bytes.div_ceil(256) * 256;
+    let block = plan.persistent_bytes.div_ceil(256) * 256;
+    let mut rng = Rng::new(3);
+    let x = bytes_f32(
+        &rng.vec((n * d) as usize, -1.0, 1.0)
+            .iter()
+            .map(|&v| v as f32)
+            .collect::<Vec<_>>(),
+    );
+    let y = bytes_f32(
+        &rng.vec((n * k) as usize, -1.0, 1.0)
+            .iter()
+            .map(|&v| v as f32)
+            .collect::<Vec<_>>(),
+    );
+    let run = |lane: u64, persistent: u64, iterations: usize| {
+        let at = Placement { persistent, lane };
+        for _ in 0..iterations {
+            gpu.run(&program, at, &[&x, &y]).unwrap();
+        }
+    };
+    let lanes = [2 * block, 2 * block + lane_bytes];
+    run(lanes[0], 0, 3);
+    run(lanes[1], block, 3);
+    let t = Instant::now();
+    run(lanes[0], 0, 20);
+    run(lanes[1], block, 20);
+    let sequential = t.elapsed();
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| run(lanes[0], 0, 20));
+        s.spawn(|| run(lanes[1], block, 20));
+    });
+    let concurrent = t.elapsed();
+    eprintln!("two lanes: sequential {sequential:?}, concurrent {concurrent:?}");
+    assert!(
+        concurrent < sequential,
+        "two lanes together ({concurrent:?}) should beat one after the other ({sequential:?})"
+    );
+}
+
+#[test]
+fn memory_in_use_is_the_arena_within_the_reserve() {
+    if CudaDevice::probe().is_err() {
+        eprintln!("memory_in_use: skipped: no usable GPU");
+        return;
+    }
+    let cap = 1u64 << 30;
+    let Some(gpu) = gpu("memory_in_use", cap) else {
+        return;
+    };
+    let graph = samples::regression(256, 512, 256, 0.01);
+    let program = Program::new(graph, &Limits::default()).unwrap();
+    let plan = program.plan().clone();
+    let lane = plan.persistent_bytes.div_ceil(256) * 256;
+    let before_lane = gpu.memory_in_use().unwrap();
+    let zeros = |n: u64| vec![0u8; n as usize];
+    gpu.run(
+        &program,
+        Placement {
+            persistent: 0,
+            lane,
+        },
+        &[&zeros(256 * 512 * 4), &zeros(256 * 256 * 4)],
+    )
+    .unwrap();
+    let after = gpu.memory_in_use().unwrap();
+    eprintln!(
+        "arena {cap} bytes; GPU memory in use {before_lane} before the first lane, {after} after; plan P {} E {}",
+        plan.persistent_bytes, plan.ephemeral_bytes
+    );
+    assert_eq!(gpu.capacity(), cap);
+    assert!(before_lane >= cap, "the arena is allocated up front");
+    assert!(
+        after - before_lane <= 64 << 20,
+        "running a lane may add only its stream, cuBLAS workspace and error block, not per-tensor memory"
+    );
+    assert!(
+        after - cap <= salus_exec::cuda::DEFAULT_RESERVE,
+        "everything outside the arena fits in the reserve"
+    );
+}
+
+/// A few ops of each family on random inputs.
+fn cases() -> Vec<Case> {
+    let mut rng = Rng::new(11);
+    let x = rng.f32s(&[4, 6, 5], -2.0, 2.0);
+    let m = rng.f32s(&[6, 5], -1.0, 1.0);
+    let a = rng.f32s(&[16, 24], -1.0, 1.0);
+    let b = rng.f32s(&[24, 8], -1.0, 1.0);
+    let img = rng.f32s(&[2, 3, 9, 9], -1.0, 1.0);
+    let w = rng.f32s(&[4, 3, 3, 3], -1.0, 1.0);
+    let idx = i64v(&[4], &[3, 0, 5, 1]);
+    let cases = vec![
+        Case::new(Op::AddTensor)
+            .input(x.clone())
+            .input(m.clone())
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Gelu)
+            .input(x.clone())
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Exp)
+            .input(x.clone())
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Permute)
+            .input(x.clone())
+            .ints("dims", &[2, 0, 1])
+            .output(DType::F32, &[5, 4, 6]),
+        Case::new(Op::SumDimIntList)
+            .input(x.clone())
+            .ints("dim", &[0, 2])
+            .output(DType::F32, &[6]),
+        Case::new(Op::Amax)
+            .input(x.clone())
+            .ints("dim", &[1])
+            .output(DType::F32, &[4, 5]),
+        Case::new(Op::VarCorrection)
+            .input(x.clone())
+            .ints("dim", &[2])
+            .output(DType::F32, &[4, 6]),
+        Case::new(Op::Softmax)
+            .input(x.clone())
+            .int("dim", 1)
+            .flag("half_to_float", false)
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Mm)
+            .input(a.clone())
+            .input(b.clone())
+            .output(DType::F32, &[16, 8]),
+        Case::new(Op::Convolution)
+            .input(img.clone())
+            .input(w.clone())
+            .absent()
+            .ints("stride", &[2, 2])
+            .ints("padding", &[1, 1])
+            .ints("dilation", &[1, 1])
+            .flag("transposed", false)
+            .ints("output_padding", &[0, 0])
+            .int("groups", 1)
+            .output(DType::F32, &[2, 4, 5, 5]),
+        Case::new(Op::IndexSelect)
+            .input(m.clone())
+            .int("dim", 0)
+            .input(idx.clone())
+            .output(DType::F32, &[4, 5]),
+    ];
+    cases
+}
+
+#[test]
+fn the_gpu_cases_run_on_the_cpu() {
+    for case in cases() {
+        case.try_run_on(None).unwrap();
+    }
+}
+
+/// The cases above, GPU against CPU.
+#[test]
+fn ops_match_the_cpu_on_random_inputs() {
+    let Some(gpu) = gpu("ops_match", 256 << 20) else {
+        return;
+    };
+    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let mut failures = Vec::new();
+    for case in cases() {
+        let want = case.try_run_on(None);
+        let got = case.try_run_on(Some(gpu.clone()));
+        match (want, got) {
+            (Ok(want), Ok(got)) => {
+                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
+                    if g.len() != w.len()
+                        || g.iter().zip(w).any(|(g, w)| (g - w).abs() > 1e-4 * scale)
+                    {
+                        failures.push(format!("{}: output {k} differs", case.op()));
+                    }
+                }
+            }
+            (w, g) => failures.push(format!(
+                "{}: cpu {:?}, gpu {:?}",
+                case.op(),
+                w.err(),
+                g.err()
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
