@@ -8,7 +8,7 @@
 links=$(mktemp -d /tmp/salus-culibs.XXXXXX)
 for name in libcuda libnvrtc libcublas libcublasLt libnvrtc-builtins; do
     found=$(find /usr/local/nvidia /usr/local/cuda* /usr/lib/x86_64-linux-gnu /opt \
-        -name "$name.so*" 2>/dev/null | sort -r | head -n 1)
+        -name "$name.so*" -not -path "*/stubs/*" 2>/dev/null | sort -r | head -n 1)
     if [ -n "$found" ]; then
         ln -sf "$found" "$links/$name.so"
         for v in 1 12 13; do ln -sf "$found" "$links/$name.so.$v"; done

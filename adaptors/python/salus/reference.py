@@ -118,11 +118,12 @@ def read_tensors(directory: Path, section: dict) -> dict[str, torch.Tensor]:
 # Runs
 
 
-def eager_steps(model, optimizer, loss_fn, batches) -> list[float]:
-    """Trains ``model`` in place with ``optimizer`` in eager PyTorch; the loss of every
-    step."""
+def eager_steps(model, optimizer, loss_fn, batches, device: str = "cpu") -> list[float]:
+    """Trains ``model`` (already on ``device``) in place with ``optimizer`` in eager
+    PyTorch; the loss of every step."""
     losses = []
-    for *xs, target in batches:
+    for batch in batches:
+        *xs, target = (t.to(device) for t in batch)
         optimizer.zero_grad()
         loss = loss_fn(model(*xs), target)
         loss.backward()
@@ -140,20 +141,22 @@ def _persistent(model, optimizer, names: list[str], initial_step: torch.Tensor |
                   .initial_state())
     if isinstance(optimizer, torch.optim.SGD) and initial_step is not None:
         values[STEP] = initial_step + steps  # torch's SGD keeps no step counter
-    return {n: values[n] for n in names}
+    return {n: values[n].cpu() for n in names}
 
 
 def _f64(batch):
     return tuple(t.double() if t.is_floating_point() else t for t in batch)
 
 
-def write_model(out: Path, name: str, run: ReferenceRun, steps: int) -> dict:
-    """Traces, runs and writes one model; returns its manifest."""
+def write_model(out: Path, name: str, run: ReferenceRun, steps: int,
+                device: str = "cpu") -> dict:
+    """Traces, runs and writes one model; returns its manifest. PyTorch's f32 steps run
+    on ``device`` ("cpu" or "cuda"); the f64 ones on the CPU."""
     out.mkdir(parents=True, exist_ok=True)
     spec = run.spec
     model = spec.model(0)
     batches = [spec.batch(k) for k in range(steps)]
-    model32, model64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    model32, model64 = copy.deepcopy(model).to(device), copy.deepcopy(model).double()
     opt32, opt64 = run.optimizer(model32.parameters()), run.optimizer(model64.parameters())
 
     traced = trace_train_step(model, spec.loss_fn, run.optimizer(model.parameters()),
@@ -166,7 +169,7 @@ def write_model(out: Path, name: str, run: ReferenceRun, steps: int) -> dict:
 
     names = traced.state_names
     initial = {n: traced.initial_state[n] for n in names}
-    losses = eager_steps(model32, opt32, spec.loss_fn, batches)
+    losses = eager_steps(model32, opt32, spec.loss_fn, batches, device)
     losses64 = eager_steps(model64, opt64, spec.loss_fn, [_f64(b) for b in batches])
     step0 = initial.get(STEP)
     final = _persistent(model32, opt32, names, step0, steps)
@@ -192,11 +195,12 @@ def write_model(out: Path, name: str, run: ReferenceRun, steps: int) -> dict:
     return manifest
 
 
-def write_all(out_dir: Path, steps: int = 3, names: list[str] | None = None) -> list[str]:
+def write_all(out_dir: Path, steps: int = 3, names: list[str] | None = None,
+              device: str = "cpu") -> list[str]:
     runs = reference_runs()
     chosen = [n for n in runs if names is None or n in names]
     for name in chosen:
-        write_model(Path(out_dir) / name, name, runs[name], steps)
+        write_model(Path(out_dir) / name, name, runs[name], steps, device)
     index = {"format": FORMAT, "version": VERSION, "models": chosen}
     (Path(out_dir) / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     return chosen
@@ -208,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", action="append", dest="models",
                         choices=list(reference_runs()))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where PyTorch's f32 steps run")
     args = parser.parse_args(argv)
-    for name in write_all(args.out_dir, args.steps, args.models):
+    for name in write_all(args.out_dir, args.steps, args.models, args.device):
         size = sum(f.stat().st_size for f in (args.out_dir / name).iterdir())
         print(f"{name}: {size / 1e6:.2f} MB in {args.out_dir / name}")
     return 0

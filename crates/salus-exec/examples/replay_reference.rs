@@ -1,12 +1,13 @@
-//! Runs a reference run written by `python -m salus.reference` on the CPU device and
-//! prints, as JSON, the loss of every step and how far each final persistent tensor is
-//! from PyTorch's: `cargo run -p salus-exec --example replay_reference -- OUT_DIR/mlp`.
+//! Runs a reference run written by `python -m salus.reference` on the CPU device (or with
+//! `--device cuda`, GPU 0) and prints, as JSON, the loss of every step and how far each
+//! final persistent tensor is from PyTorch's:
+//! `cargo run -p salus-exec --example replay_reference -- OUT_DIR/mlp [--device cuda]`.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use salus_exec::Device;
 use salus_exec::reference::ReferenceRun;
+use salus_exec::{CudaDevice, CudaOptions, Device, Placement};
 use serde_json::{Value, json};
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -16,12 +17,27 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-fn run(dir: &Path) -> Result<Value, String> {
+fn run(dir: &Path, cuda: bool) -> Result<Value, String> {
     let run = ReferenceRun::load(dir)?;
-    let (device, at) = run.on_cpu()?;
+    let (device, at): (Box<dyn Device>, Placement) = if cuda {
+        let plan = run.program.plan();
+        let at = Placement {
+            persistent: 0,
+            lane: plan.persistent_bytes.next_multiple_of(256),
+        };
+        let mut options = CudaOptions::new(0);
+        options.cap = Some((at.lane + plan.ephemeral_bytes).next_multiple_of(1 << 20));
+        let device = CudaDevice::new(&options)?;
+        run.upload(&device, at)?;
+        (Box::new(device), at)
+    } else {
+        let (device, at) = run.on_cpu()?;
+        (Box::new(device), at)
+    };
+    let device = &*device;
     let losses = (0..run.batches.len())
         .map(|k| {
-            run.step(&device, at, k)
+            run.step(device, at, k)
                 .map(f64::from)
                 .map_err(|e| e.to_string())
         })
@@ -57,11 +73,15 @@ fn run(dir: &Path) -> Result<Value, String> {
 }
 
 fn main() -> ExitCode {
-    let Some(dir) = std::env::args().nth(1) else {
-        eprintln!("usage: replay_reference REFERENCE_DIR/<model>");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cuda = args
+        .windows(2)
+        .any(|w| w[0] == "--device" && w[1] == "cuda");
+    let Some(dir) = args.first().filter(|a| !a.starts_with("--")) else {
+        eprintln!("usage: replay_reference REFERENCE_DIR/<model> [--device cuda]");
         return ExitCode::FAILURE;
     };
-    match run(Path::new(&dir)) {
+    match run(Path::new(dir), cuda) {
         Ok(v) => {
             println!("{v}");
             ExitCode::SUCCESS

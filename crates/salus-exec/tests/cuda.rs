@@ -307,15 +307,32 @@ fn memory_in_use_is_the_arena_within_the_reserve() {
     )
     .unwrap();
     let after = gpu.memory_in_use().unwrap();
+    // Later iterations in the same lane take nothing more: no per-tensor memory.
+    gpu.run(
+        &program,
+        Placement {
+            persistent: 0,
+            lane,
+        },
+        &[&zeros(256 * 512 * 4), &zeros(256 * 256 * 4)],
+    )
+    .unwrap();
+    assert_eq!(
+        gpu.memory_in_use().unwrap(),
+        after,
+        "an iteration allocates nothing"
+    );
     eprintln!(
         "arena {cap} bytes; GPU memory in use {before_lane} before the first lane, {after} after; plan P {} E {}",
         plan.persistent_bytes, plan.ephemeral_bytes
     );
     assert_eq!(gpu.capacity(), cap);
     assert!(before_lane >= cap, "the arena is allocated up front");
+    // Measured on an H200 (CUDA 13 libraries): about 70 MiB for the first lane (its
+    // stream, cuBLAS handle and workspace, error block, and the first module loads).
     assert!(
-        after - before_lane <= 64 << 20,
-        "running a lane may add only its stream, cuBLAS workspace and error block, not per-tensor memory"
+        after - before_lane <= 128 << 20,
+        "running a lane may add only its stream, cuBLAS state and error block, not per-tensor memory"
     );
     assert!(
         after - cap <= salus_exec::cuda::DEFAULT_RESERVE,

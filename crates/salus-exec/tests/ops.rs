@@ -2334,15 +2334,25 @@ fn index_select_and_index_put() {
         .run1();
     assert_close(&got, &[30.0, 10.0], EXACT, "index_select with i32 indices");
     // index_put with two leading index tensors: values per indexed row, one shared row,
-    // or a scalar; accumulate adds (duplicates too), otherwise writes.
-    let rows = i64v(&[3], &[0, 2, 0]);
-    let cols = i64v(&[3], &[1, -1, 1]);
+    // or a scalar; accumulate adds (duplicates too), otherwise writes. As in PyTorch, which
+    // of several values written to one place without accumulate wins is undefined (the
+    // GPU writes in parallel), so those cases index distinct places.
     for (values_shape, accumulate) in [
         (vec![3u64, 7], true),
         (vec![7], true),
         (vec![], false),
         (vec![3, 7], false),
     ] {
+        let places: [(usize, usize); 3] = if accumulate {
+            [(0, 1), (2, 4), (0, 1)]
+        } else {
+            [(0, 1), (2, 4), (1, 3)]
+        };
+        let rows = i64v(&[3], &places.map(|(r, _)| r as i64));
+        let cols = i64v(
+            &[3],
+            &places.map(|(_, c)| if c == 4 { -1 } else { c as i64 }),
+        );
         let values = rng.f32s(&values_shape, -1.0, 1.0);
         let got = Case::new(Op::IndexPut)
             .input(x.clone())
@@ -2354,7 +2364,7 @@ fn index_select_and_index_put() {
             .output(Fp32, &x.ty.shape)
             .run1();
         let mut want = x.data.clone();
-        for (i, (r, c)) in [(0usize, 1usize), (2, 4), (0, 1)].into_iter().enumerate() {
+        for (i, (r, c)) in places.into_iter().enumerate() {
             for j in 0..7 {
                 let v = match values_shape.len() {
                     2 => values.data[i * 7 + j],

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks, for a host with a GPU and CUDA 12.8+ but without Rust (such as a lent
+# GPU machine). Two halves:
+#
+#   ./scripts/gpu-check.sh prepare   # here: build the release test binaries, the replay
+#                                    # example, salusd, salusctl and salus-bench into .gpu/
+#   ./scripts/gpu-check.sh run       # there, from the repository root (.gpu/ carried
+#                                    # along): CUDA tests, every op test on the GPU, salusd
+#                                    # on the GPU, 10-step parity of the four target models
+#                                    # with PyTorch on the same GPU (TF32 off), the bench
+#
+# Logs go to $OUT (or .gpu/out). PyTorch must be importable by python3 for the parity
+# check and the bench. If the loader cannot find libnvrtc/libcublas by itself, source
+# scripts/cuda-libs.sh first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+prepare)
+    set -e
+    mkdir -p .gpu
+    grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
+    bins=$(cargo test --release --locked -p salus-exec --test cuda --test ops --no-run \
+        --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])')
+    while read -r name path; do cp "$path" ".gpu/$name"; done <<< "$bins"
+    cargo build --release --locked -p salusd -p salusctl -p salus-bench
+    cargo build --release --locked -p salus-exec --example replay_reference
+    cp target/release/salusd target/release/salusctl target/release/salus-bench \
+        target/release/examples/replay_reference .gpu/
+    strip .gpu/* 2>/dev/null || true
+    du -sh .gpu
+    ;;
+run)
+    out=${OUT:-.gpu/out}
+    mkdir -p "$out"
+    export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1 PYTHONPATH=adaptors/python
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    echo "== CUDA device tests"
+    timeout 150 .gpu/cuda --test-threads=1 --nocapture > "$out/cuda.log" 2>&1
+    echo "rc=$?"; grep -E "^test |test result|panicked" "$out/cuda.log"
+    echo "== every op test on the GPU"
+    SALUS_TEST_DEVICE=cuda timeout 100 .gpu/ops --test-threads=4 > "$out/ops.log" 2>&1
+    echo "rc=$?"; grep -E "test result|panicked at" "$out/ops.log"
+    echo "== salusd --device cuda:0"
+    .gpu/salusd --socket /tmp/salus-gpu-check.sock --memory 8GiB > "$out/salusd.log" 2>&1 &
+    for _ in $(seq 100); do [ -S /tmp/salus-gpu-check.sock ] && break; sleep 0.1; done
+    .gpu/salusctl --socket /tmp/salus-gpu-check.sock status | head -2
+    kill -TERM $! && wait
+    echo "== 10 steps of the target models against PyTorch on the same GPU (TF32 off)"
+    timeout 300 python3 -c "
+import torch
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
+from salus import reference
+reference.main(['/tmp/salus-gpu-ref', '--steps', '10', '--device', 'cuda'])" > "$out/reference.log" 2>&1
+    for m in mlp cnn gpt resnet18; do
+        timeout 60 .gpu/replay_reference "/tmp/salus-gpu-ref/$m" --device cuda \
+            > "$out/$m.json" 2> "$out/$m.err" || echo "$m failed: $(tail -1 "$out/$m.err")"
+    done
+    python3 benches/gpu_parity.py /tmp/salus-gpu-ref "$out"
+    echo "== salus-bench cuda"
+    SALUS_PYTHON=python3 timeout 300 .gpu/salus-bench cuda --json --dir /tmp/salus-gpu-bench \
+        > "$out/bench.json" 2> "$out/bench.err"
+    echo "rc=$?"; cat "$out/bench.json"
+    ;;
+*)
+    echo "usage: $0 prepare|run" >&2
+    exit 2
+    ;;
+esac
