@@ -35,13 +35,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from .client import Client, Session
-from .errors import BatchError, SalusError
+from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
+                     SalusError, SessionClosedError)
 from .lower import DTYPES, constant_bytes
 from .optim import STEP, exp_avg_name, exp_avg_sq_name, momentum_buffer_name
 from .trace import TracedStep, trace_inference, trace_train_step
 from .v1 import graph_pb2 as pb
 
-__all__ = ["InferenceSession", "TrainSession", "tensor_bytes", "tensor_from_bytes"]
+__all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
+           "InferenceSession", "SalusError", "SessionClosedError", "TrainSession",
+           "tensor_bytes", "tensor_from_bytes"]
 
 _TORCH_DTYPE = {code: dtype for dtype, code in DTYPES.items()}
 # How bytes of each IR dtype are read (bf16 as its raw 16 bits).
