@@ -49,6 +49,8 @@ KINDS = {"training": session_pb2.SESSION_KIND_TRAINING,
          "inference": session_pb2.SESSION_KIND_INFERENCE}
 
 T = TypeVar("T")
+# gRPC status codes by number (RunStream reports a failed iteration's code as a number).
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 def default_socket_path() -> str:
@@ -369,6 +371,54 @@ class Session:
         time and the wait."""
         return self._rpc(f"run an iteration of session {self.id}", self.client.sessions_stub.Run,
                          session_pb2.RunRequest(session=self.id, feeds=feeds))
+
+    def run_pipelined(self, feeds: Iterable[list[bytes]], depth: int = 2
+                      ) -> Iterator[session_pb2.RunResponse]:
+        """Runs one iteration per element of ``feeds`` through ``RunStream``, keeping up
+        to ``depth`` submitted ahead of the one being answered, so the session always has
+        work queued on the daemon; yields the responses in order. A failed iteration
+        raises its error (the iterations before it are done, none after it runs)."""
+        if depth < 1:
+            raise ValueError("depth must be at least 1")
+        operation = f"run iterations of session {self.id}"
+        self._check_open(operation)
+        window = threading.Semaphore(depth)
+        stop = threading.Event()
+
+        failed: list[BaseException] = []
+
+        def requests():
+            # Runs on grpc's thread: an error of `feeds` (a bad batch) ends the stream and
+            # is raised to the caller once the iterations before it are answered.
+            try:
+                for tag, item in enumerate(feeds):
+                    while not window.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    yield session_pb2.RunRequest(session=self.id, feeds=item, tag=tag)
+            except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
+                failed.append(e)
+
+        call = self.client.sessions_stub.RunStream(requests(), metadata=self.client.metadata)
+        try:
+            for response in call:
+                if response.HasField("failure"):
+                    code = _CODE_NAMES.get(response.failure.code, "UNKNOWN")
+                    raise DaemonError(f"salusd refused to {operation}: iteration "
+                                      f"{response.tag}: {code}: {response.failure.message}",
+                                      code=code, details=response.failure.message,
+                                      operation=operation, address=str(self.client.address))
+                window.release()
+                yield response
+            if failed:
+                raise failed[0]
+        except grpc.RpcError as e:
+            raise rpc_error(e, operation, str(self.client.address)) from None
+        finally:
+            stop.set()
+            call.cancel()
 
     def read(self, tensors: Iterable[int] = ()) -> dict[int, bytes]:
         """Reads persistent tensors by id (every PARAMETER and STATE tensor when empty)."""

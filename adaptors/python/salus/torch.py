@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -285,6 +285,23 @@ class TrainSession(_SalusSession):
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
         return self.layout.fetch_tensors(response)[0]
+
+    def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 2
+              ) -> Iterator[torch.Tensor]:
+        """Pipelined training: runs one iteration per batch of ``batches`` and yields each
+        loss in order, keeping up to ``depth`` iterations submitted ahead so that the
+        session always has work waiting on salusd (no round trip between iterations;
+        the policy always sees it ready). Batches are read as iterations are
+        submitted."""
+        def feeds():
+            for batch in batches:
+                yield self.layout.feed_bytes(tuple(batch), "steps()")
+
+        for response in self._session().run_pipelined(feeds(), depth):
+            self.iterations += 1
+            self.last_device_ms = response.device_us / 1e3
+            self.last_wait_ms = response.wait_us / 1e3
+            yield self.layout.fetch_tensors(response)[0]
 
     def update_model(self, model: torch.nn.Module | None = None, *,
                      optimizer: bool = True) -> torch.nn.Module:
