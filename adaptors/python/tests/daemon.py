@@ -36,11 +36,14 @@ def binaries() -> tuple[Path, Path]:
 
 
 class Daemon:
-    """``salusd --socket <tmp> *args``; stopped (SIGKILL) by :meth:`stop` or on exit of a
+    """``salusd --socket <tmp> *args`` (``--memory 256MiB`` unless given); stopped (SIGKILL) by :meth:`stop` or on exit of a
     ``with`` block."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         salusd, self.salusctl = binaries()
+        if "--memory" not in args:
+            # The cpu device's arena is allocated at start: the 4 GiB default costs seconds.
+            args = (*args, "--memory", "256MiB")
         self.dir = tempfile.TemporaryDirectory(prefix="salusd-")
         self.socket = str(Path(self.dir.name) / "salusd.sock")
         self.log_path = Path(self.dir.name) / "salusd.log"

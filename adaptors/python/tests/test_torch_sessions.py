@@ -37,7 +37,7 @@ LOOSER = {"gpt": ("attn.qkv.bias", 1e-3)}
 
 @pytest.fixture(scope="module")
 def daemon():
-    with Daemon("--policy", "pack", "--memory", "1GiB") as d:
+    with Daemon("--policy", "pack", "--memory", "256MiB") as d:
         yield d
 
 
