@@ -157,7 +157,9 @@ class Client:
         token = _read_token(token)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # An iteration is one small round trip: nothing to retry or batch.
+                   ("grpc.enable_retries", 0), ("grpc.optimization_target", "latency")]
         if self.address.path is not None:
             # Without it grpcio sends the socket path as :authority, which salusd's HTTP/2
             # server refuses (RST_STREAM).
@@ -372,7 +374,7 @@ class Session:
         return self._rpc(f"run an iteration of session {self.id}", self.client.sessions_stub.Run,
                          session_pb2.RunRequest(session=self.id, feeds=feeds))
 
-    def run_pipelined(self, feeds: Iterable[list[bytes]], depth: int = 2
+    def run_pipelined(self, feeds: Iterable[list[bytes]], depth: int = 4
                       ) -> Iterator[session_pb2.RunResponse]:
         """Runs one iteration per element of ``feeds`` through ``RunStream``, keeping up
         to ``depth`` submitted ahead of the one being answered, so the session always has

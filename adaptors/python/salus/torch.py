@@ -286,7 +286,7 @@ class TrainSession(_SalusSession):
         self.last_wait_ms = response.wait_us / 1e3
         return self.layout.fetch_tensors(response)[0]
 
-    def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 2
+    def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
               ) -> Iterator[torch.Tensor]:
         """Pipelined training: runs one iteration per batch of ``batches`` and yields each
         loss in order, keeping up to ``depth`` iterations submitted ahead so that the
