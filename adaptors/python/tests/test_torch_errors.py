@@ -21,7 +21,7 @@ import salus.torch as st
 from salus import client as salus_client
 from salus.client import Address, Client
 from salus.errors import UnsupportedOpError
-from salus.models import target_models
+from salus.models import MLP, target_models, vector_batch
 from salus.torch import (AdmissionTimeoutError, BatchError, DaemonError,
                          DaemonUnavailableError, SessionClosedError)
 
@@ -79,6 +79,22 @@ def test_a_graph_the_daemon_rejects_carries_its_message(daemon):
     assert "graph rejected" in error.details and "fft_r2c" in error.details
     assert str(error).startswith("salusd refused to open a session (bad-op): "
                                  "INVALID_ARGUMENT: graph rejected")
+
+
+def test_an_op_the_device_lacks_fails_the_iteration_with_the_node(daemon):
+    """Dropout lowers to ``bernoulli.p``, which the CPU device does not run yet."""
+    torch.manual_seed(0)
+    model = MLP(32, (64,), 10, dropout=0.1)
+    batch = vector_batch(4, 32)
+    with st.TrainSession(model, SPEC.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                         batch, address=daemon.address) as session:
+        with pytest.raises(DaemonError) as info:
+            session.step(*batch)
+        assert info.value.code == "FAILED_PRECONDITION"
+        assert "'bernoulli' (bernoulli.p): bernoulli.p is not supported on the CPU device" \
+            in str(info.value)
+        # The failed iteration changed nothing; the session stays open.
+        assert not session.session.closed
 
 
 def test_missing_initial_values_are_named(daemon):
