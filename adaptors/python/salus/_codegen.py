@@ -20,8 +20,10 @@ PROTO_ROOT = PACKAGE_ROOT.parent.parent / "proto"
 PROTOS = ["salus/v1/graph.proto", "salus/v1/session.proto", "salus/v1/admin.proto"]
 # Protos that define services: they get gRPC stubs too.
 SERVICES = ["salus/v1/session.proto", "salus/v1/admin.proto"]
+# The IR's op list travels with the package, for installs outside the source tree.
+COPIED = ["salus/v1/ops.txt"]
 GENERATED = ([p.replace(".proto", suffix) for p in PROTOS for suffix in ("_pb2.py", "_pb2.pyi")]
-             + [p.replace(".proto", "_pb2_grpc.py") for p in SERVICES])
+             + [p.replace(".proto", "_pb2_grpc.py") for p in SERVICES] + COPIED)
 
 
 def _protoc(args: list[str]) -> None:
@@ -38,6 +40,8 @@ def generate(out_dir: Path) -> list[Path]:
     _protoc([f"--python_out={out_dir}", f"--pyi_out={out_dir}",
              *[str(PROTO_ROOT / p) for p in PROTOS]])
     _protoc([f"--grpc_python_out={out_dir}", *[str(PROTO_ROOT / p) for p in SERVICES]])
+    for path in COPIED:
+        (out_dir / path).write_bytes((PROTO_ROOT / path).read_bytes())
     return [out_dir / g for g in GENERATED]
 
 
