@@ -7,11 +7,13 @@ with the optimizers of ``salus.reference``), measures
   step), PyTorch on every core;
 - ``salus_ms``: one ``TrainSession.step`` through salusd's CPU device: serializing the
   batch, the gRPC round trip, the iteration, the loss back (what a training loop sees);
+  ``device_ms``: the part the daemon reports as the iteration's time on the device;
 - ``pipelined_ms``: one iteration of ``TrainSession.steps`` (RunStream, four in flight:
   no round trip between iterations);
 - ``ratio``: ``salus_ms / torch_ms``; ``pipelined_ratio``: ``pipelined_ms / torch_ms``;
 - ``open_session_ms``: constructing the ``TrainSession``: trace, lower, open and upload
-  the parameters and optimizer state (``trace_ms``: the trace and lowering part).
+  the parameters and optimizer state (``trace_ms``: the trace and lowering part); the
+  median of three opens.
 
 Torch and salus steps alternate in rounds and each figure is the median over all rounds,
 so a machine that gets busier during the run slows both alike. salusd is started from
@@ -85,13 +87,16 @@ def torch_times(spec, make_optimizer, steps: int) -> list[float]:
     return times
 
 
-def salus_times(session, batch, steps: int) -> list[float]:
+def salus_times(session, batch, steps: int, device: list[float] | None = None
+                ) -> list[float]:
     times = []
     for i in range(steps + 2):
         start = time.perf_counter()
         session.step(*batch).item()
         if i >= 2:
             times.append((time.perf_counter() - start) * 1e3)
+            if device is not None:
+                device.append(session.last_device_ms)
     return times
 
 
@@ -108,7 +113,7 @@ def bench_model(name: str, address: str, rounds: int, steps: int) -> dict:
     batch = spec.batch(0)
     opens, traces = [], []
     session = None
-    for _ in range(2):  # the second open is warm (PyTorch's tracing caches)
+    for _ in range(3):
         if session is not None:
             session.close()
         session = st.TrainSession(model, spec.loss_fn, make_optimizer(model.parameters()),
@@ -116,19 +121,20 @@ def bench_model(name: str, address: str, rounds: int, steps: int) -> dict:
                                   admission_timeout=30)
         opens.append(session.open_ms)
         traces.append(session.trace_ms)
-    torch_ms, salus_ms, piped = [], [], []
+    torch_ms, salus_ms, device_ms, piped = [], [], [], []
     with session:
         salus_times(session, batch, 3)  # warm-up: first iterations touch the lane
         for _ in range(rounds):
             torch_ms += torch_times(spec, make_optimizer, steps)
-            salus_ms += salus_times(session, batch, steps)
-            piped.append(pipelined_ms(session, batch, steps))
+            salus_ms += salus_times(session, batch, steps, device_ms)
+            piped.append(pipelined_ms(session, batch, 4 * steps))
     t, s = statistics.median(torch_ms), statistics.median(salus_ms)
     pm = statistics.median(piped)
     return {"torch_ms": round(t, 4), "salus_ms": round(s, 4), "ratio": round(s / t, 3),
+            "device_ms": round(statistics.median(device_ms), 4),
             "pipelined_ms": round(pm, 4), "pipelined_ratio": round(pm / t, 3),
-            "open_session_ms": round(opens[-1], 1), "trace_ms": round(traces[-1], 1),
-            "first_open_session_ms": round(opens[0], 1),
+            "open_session_ms": round(statistics.median(opens), 1),
+            "trace_ms": round(statistics.median(traces), 1),
             "persistent_bytes": session.session.persistent_bytes,
             "ephemeral_bytes": session.session.ephemeral_bytes}
 
@@ -160,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:9} torch {m['torch_ms']:8.3f} ms  salus {m['salus_ms']:8.3f} "
                           f"ms  ratio {m['ratio']:5.2f}  pipelined {m['pipelined_ms']:8.3f} ms "
                           f"({m['pipelined_ratio']:5.2f})"
-                          f"  open {m['open_session_ms']:7.1f} ms", flush=True)
+                          f"  device {m['device_ms']:8.3f} ms  open {m['open_session_ms']:7.1f} ms",
+                          flush=True)
         finally:
             if process is not None:
                 process.terminate()
