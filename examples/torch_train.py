@@ -26,8 +26,8 @@ class Net(nn.Module):
     # train it on rounding noise, in PyTorch as on salus, and the two would differ there.
     def __init__(self):
         super().__init__()
-        self.conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.MaxPool2d(2))
+        self.conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2))
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 64), nn.ReLU(),
                                   nn.Linear(64, 10))
 

@@ -36,8 +36,8 @@ def binaries() -> tuple[Path, Path]:
 
 
 class Daemon:
-    """``salusd --socket <tmp> *args`` (``--memory 256MiB`` unless given); stopped (SIGKILL) by :meth:`stop` or on exit of a
-    ``with`` block."""
+    """``salusd --socket <tmp> *args`` (``--memory 256MiB`` unless given); stopped
+    (SIGKILL) by :meth:`stop` or on exit of a ``with`` block."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         salusd, self.salusctl = binaries()

@@ -110,9 +110,11 @@ def test_srtf_finishes_the_short_job_first():
         assert not trainer.is_alive()
         long_job.close()
     assert long_at_short_done < 200, "the long job finished before the short one"
-    # While the short job ran, the long one waited (an iteration or two of slack for the
-    # one running when the short job arrived).
-    assert long_at_short_done - long_at_short_open <= 3, (long_at_short_open,
+    # While the short job ran, the long one waited: at most the iteration running when
+    # the short one's first arrived, and a few while a loaded machine kept the short
+    # job's client from refilling its queue (10 iterations run alternately would let the
+    # long job do 10).
+    assert long_at_short_done - long_at_short_open <= 5, (long_at_short_open,
                                                           long_at_short_done)
     assert done and done[0][0] == "long" and done[0][1] > short_done
     assert long_job.iterations == 200
