@@ -7,16 +7,26 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``):
 - :mod:`salus.optim`: SGD, Adam and AdamW updates as functional tensor math;
 - :mod:`salus.lower`: FX graph -> ``salus.v1.Graph``;
 - :mod:`salus.models`: the target models and their example batches;
-- :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools.
+- :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
+- :mod:`salus.client`: the gRPC client of ``salusd`` (:class:`Client`, sessions, admin);
+- :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd.
 """
 
-from .errors import (LoweringError, SalusError, TraceError, UnsupportedOpError,
-                     UnsupportedOptimizerError)
+from .client import Client
+from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
+                     LoweringError, SalusError, SessionClosedError, TraceError,
+                     UnsupportedOpError, UnsupportedOptimizerError)
 from .trace import TracedStep, trace_inference, trace_train_step
 
 __all__ = [
+    "AdmissionTimeoutError",
+    "BatchError",
+    "Client",
+    "DaemonError",
+    "DaemonUnavailableError",
     "LoweringError",
     "SalusError",
+    "SessionClosedError",
     "TraceError",
     "TracedStep",
     "UnsupportedOpError",

@@ -1,8 +1,11 @@
-"""Regenerates the committed protobuf code of the salus IR.
+"""Regenerates the committed protobuf and gRPC code of the salus API.
 
-``python -m salus._codegen`` rewrites ``salus/v1/graph_pb2.py`` and ``graph_pb2.pyi``
-from ``proto/salus/v1/graph.proto`` with grpc_tools' bundled ``protoc``. The test suite
-regenerates into a temporary directory and fails when the committed files differ.
+``python -m salus._codegen`` rewrites ``salus/v1/*_pb2.py`` and ``*_pb2.pyi`` from every
+proto in ``proto/salus/v1/`` (the graph IR, the ``Sessions`` and ``Admin`` services) and
+the gRPC stubs ``session_pb2_grpc.py`` and ``admin_pb2_grpc.py``, with grpc_tools'
+bundled ``protoc``. ``proto/`` is the include root, so the generated modules import each
+other as ``salus.v1.graph_pb2`` and work inside this package. The test suite regenerates
+into a temporary directory and fails when the committed files differ.
 """
 
 from __future__ import annotations
@@ -14,20 +17,31 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # adaptors/python
 PROTO_ROOT = PACKAGE_ROOT.parent.parent / "proto"
-PROTOS = ["salus/v1/graph.proto"]
-GENERATED = ["salus/v1/graph_pb2.py", "salus/v1/graph_pb2.pyi"]
+PROTOS = ["salus/v1/graph.proto", "salus/v1/session.proto", "salus/v1/admin.proto"]
+# Protos that define services: they get gRPC stubs too.
+SERVICES = ["salus/v1/session.proto", "salus/v1/admin.proto"]
+# The IR's op list travels with the package, for installs outside the source tree.
+COPIED = ["salus/v1/ops.txt"]
+GENERATED = ([p.replace(".proto", suffix) for p in PROTOS for suffix in ("_pb2.py", "_pb2.pyi")]
+             + [p.replace(".proto", "_pb2_grpc.py") for p in SERVICES] + COPIED)
+
+
+def _protoc(args: list[str]) -> None:
+    from grpc_tools import protoc
+
+    if protoc.main(["protoc", f"-I{PROTO_ROOT}", *args]) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
 
 
 def generate(out_dir: Path) -> list[Path]:
     """Runs protoc for every proto into ``out_dir`` (as a package root); returns the
     generated files."""
-    from grpc_tools import protoc
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            *[str(PROTO_ROOT / p) for p in PROTOS]]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    _protoc([f"--python_out={out_dir}", f"--pyi_out={out_dir}",
+             *[str(PROTO_ROOT / p) for p in PROTOS]])
+    _protoc([f"--grpc_python_out={out_dir}", *[str(PROTO_ROOT / p) for p in SERVICES]])
+    for path in COPIED:
+        (out_dir / path).write_bytes((PROTO_ROOT / path).read_bytes())
     return [out_dir / g for g in GENERATED]
 
 

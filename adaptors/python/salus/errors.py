@@ -70,3 +70,46 @@ class UnsupportedOpError(SalusError):
 
     def __str__(self) -> str:
         return self._message()
+
+
+# ---------------------------------------------------------------------------------------
+# Talking to salusd
+
+
+class DaemonError(SalusError):
+    """salusd refused a request or could not be reached.
+
+    ``code`` is the gRPC status code's name (``"INVALID_ARGUMENT"``, ``"UNAVAILABLE"``,
+    ...), ``details`` the daemon's own message, ``operation`` what the client was doing
+    ("open a session", "run an iteration of session 3") and ``address`` where the daemon
+    was looked for. ``str(error)`` says all of it in one line.
+    """
+
+    def __init__(self, message: str, *, code: str = "UNKNOWN", details: str = "",
+                 operation: str = "", address: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.details = details
+        self.operation = operation
+        self.address = address
+
+
+class DaemonUnavailableError(DaemonError):
+    """salusd is not running at the address, stopped, or the connection broke."""
+
+
+class SessionClosedError(DaemonError):
+    """The session is closed: by :meth:`close`, or by salusd (shutdown, lease lost)."""
+
+
+class AdmissionTimeoutError(DaemonError):
+    """The session was not admitted in time; ``reason`` is the daemon's last word on why
+    it waits (the session is closed when this is raised)."""
+
+    def __init__(self, message: str, *, reason: str = "", **kwargs):
+        super().__init__(message, code="DEADLINE_EXCEEDED", details=reason, **kwargs)
+        self.reason = reason
+
+
+class BatchError(SalusError, ValueError):
+    """A batch does not match the traced example: count, shape or dtype of a tensor."""

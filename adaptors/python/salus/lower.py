@@ -52,7 +52,10 @@ if TYPE_CHECKING:
 MODULE_META = "salus_module"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-OPS_TXT = REPO_ROOT / "proto" / "salus" / "v1" / "ops.txt"
+# The source tree's op list, else the copy installed with the package (salus._codegen).
+_SOURCE_OPS_TXT = REPO_ROOT / "proto" / "salus" / "v1" / "ops.txt"
+OPS_TXT = (_SOURCE_OPS_TXT if _SOURCE_OPS_TXT.exists()
+           else Path(__file__).resolve().parent / "v1" / "ops.txt")
 
 DTYPES = {
     torch.float32: pb.DTYPE_F32,
@@ -87,8 +90,8 @@ _SCALAR_TWIN = {"add.Tensor": "add.Scalar", "mul.Tensor": "mul.Scalar",
 def supported_ops(path: Path = OPS_TXT) -> frozenset[str]:
     """The op set of the IR, read from ``proto/salus/v1/ops.txt``."""
     if not path.exists():
-        raise LoweringError(f"the IR's op list {path} is missing (salus must be installed "
-                            "from its source tree: pip install -e adaptors/python)")
+        raise LoweringError(f"the IR's op list {path} is missing (reinstall the salus "
+                            "package: pip install adaptors/python)")
     lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
     return frozenset(line for line in lines if line)
 

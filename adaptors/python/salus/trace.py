@@ -381,7 +381,8 @@ def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
     gm.recompile()
     inputs.insert(at, InputSlot(GENERATOR, STATE, "generator"))
     outputs.insert(updates, OutputSlot("update", GENERATOR))
-    initial[GENERATOR] = torch.randint(0, 2**62, (), dtype=torch.int64)
+    # Below 2**52: devices add integers through f64 arithmetic, exact only up to 2**53.
+    initial[GENERATOR] = torch.randint(0, 2**52, (), dtype=torch.int64)
 
 
 def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],

@@ -1,0 +1,482 @@
+"""The Python client of ``salusd``: finding the daemon, sessions and their leases, admin.
+
+This module owns the protocol of ``proto/salus/v1/session.proto`` and ``admin.proto`` as
+the Rust client (``crates/salus-client``) speaks it:
+
+- **Finding the daemon**: an address argument, else ``SALUS_ADDRESS``, else the default
+  socket ``salusd`` itself uses (``/run/salus/salusd.sock`` for root,
+  ``$XDG_RUNTIME_DIR/salus/salusd.sock``, else ``/tmp/salus-$UID/salusd.sock``). An
+  address is a Unix socket path (anything with a ``/``, or ``unix:PATH``) or
+  ``host:port``. Over TCP the bearer token comes from the ``token`` argument or the file
+  named by ``SALUS_TOKEN_FILE``.
+- **A session** (:class:`Session`): ``Sessions.Open`` is a bidirectional stream that is
+  the session's lease. The request side sends ``open``, the initial tensors in 4 MiB
+  chunks and ``commit``, then stays open until :meth:`Session.close`; a background thread
+  reads the daemon's updates (``opened``, ``queued`` with a reason, ``admitted``,
+  ``suspended``) so that :attr:`Session.state` and :attr:`Session.reason` are always
+  current. :meth:`Session.run`, :meth:`Session.read` and :meth:`Session.write` are the
+  ``Run``, ``ReadTensors`` and ``WriteTensors`` calls.
+- **Errors**: every ``grpc.RpcError`` becomes a :class:`~salus.errors.DaemonError` (or
+  :class:`~salus.errors.DaemonUnavailableError` when the daemon cannot be reached)
+  carrying the status code's name and the daemon's message.
+
+Tensors travel as raw little-endian, row-major bytes keyed by their id in the session's
+graph; :mod:`salus.torch` maps PyTorch tensors and names onto them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, TypeVar
+
+import grpc
+
+from .errors import (AdmissionTimeoutError, DaemonError, DaemonUnavailableError,
+                     SessionClosedError)
+from .v1 import admin_pb2, admin_pb2_grpc, graph_pb2, session_pb2, session_pb2_grpc
+
+ADDRESS_ENV = "SALUS_ADDRESS"
+TOKEN_FILE_ENV = "SALUS_TOKEN_FILE"
+# Largest message either side accepts: an iteration's feeds and fetches travel whole.
+MAX_MESSAGE_BYTES = 1 << 30
+# Tensors at open, read and write travel in chunks of this size.
+CHUNK_BYTES = 4 << 20
+
+KINDS = {"training": session_pb2.SESSION_KIND_TRAINING,
+         "inference": session_pb2.SESSION_KIND_INFERENCE}
+
+T = TypeVar("T")
+# gRPC status codes by number (RunStream reports a failed iteration's code as a number).
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def default_socket_path() -> str:
+    """The socket ``salusd`` listens on by default (the same rule as the daemon's)."""
+    uid = os.getuid()
+    if uid == 0:
+        return "/run/salus/salusd.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return str(Path(runtime) / "salus" / "salusd.sock")
+    return f"/tmp/salus-{uid}/salusd.sock"
+
+
+def address_from_env() -> str:
+    """``SALUS_ADDRESS`` if set, else the default socket path."""
+    return os.environ.get(ADDRESS_ENV) or default_socket_path()
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a daemon listens: a Unix socket ``path`` or a TCP ``host`` (``host:port``)."""
+
+    path: str | None = None
+    host: str | None = None
+
+    @classmethod
+    def parse(cls, address: str) -> "Address":
+        """``unix:PATH``/``unix://PATH``, a path (anything with a ``/``),
+        ``http://host:port`` or ``host:port``."""
+        for prefix in ("unix://", "unix:"):
+            if address.startswith(prefix):
+                return cls(path=address[len(prefix):])
+        if address.startswith("http://"):
+            return cls(host=address[len("http://"):].rstrip("/"))
+        if "/" in address:
+            return cls(path=address)
+        return cls(host=address)
+
+    @property
+    def target(self) -> str:
+        """The gRPC target: ``unix:PATH`` or ``host:port``."""
+        return f"unix:{self.path}" if self.path is not None else str(self.host)
+
+    def __str__(self) -> str:
+        return self.path if self.path is not None else str(self.host)
+
+
+def _read_token(token: str | None) -> str | None:
+    if token is not None:
+        return token
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise DaemonError(f"cannot read the token file {path} (named by {TOKEN_FILE_ENV}): "
+                          f"{e.strerror or e}", code="UNAUTHENTICATED") from None
+
+
+def rpc_error(error: grpc.RpcError, operation: str, address: str) -> DaemonError:
+    """The salus exception for a failed call: code name, daemon message, what was done."""
+    code_enum = error.code() if hasattr(error, "code") else None
+    code = code_enum.name if code_enum is not None else "UNKNOWN"
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    if code == "UNAVAILABLE":
+        return DaemonUnavailableError(
+            f"cannot {operation}: salusd at {address} is not reachable ({details}); is it "
+            f"running? start it with `salusd`, or point {ADDRESS_ENV} at it",
+            code=code, details=details, operation=operation, address=address)
+    return DaemonError(f"salusd refused to {operation}: {code}: {details}", code=code,
+                       details=details, operation=operation, address=address)
+
+
+def chunks(tensor: int, data: bytes) -> Iterator[session_pb2.TensorChunk]:
+    """``data`` of one tensor as chunks of at most :data:`CHUNK_BYTES` (at least one)."""
+    view = memoryview(data)
+    if len(view) == 0:
+        yield session_pb2.TensorChunk(tensor=tensor, offset=0, data=b"")
+        return
+    for offset in range(0, len(view), CHUNK_BYTES):
+        yield session_pb2.TensorChunk(tensor=tensor, offset=offset,
+                                      data=bytes(view[offset:offset + CHUNK_BYTES]))
+
+
+class Client:
+    """A connection to one salusd.
+
+    ``address``: a socket path or ``host:port`` (default: ``SALUS_ADDRESS``, else the
+    default socket). ``token``: the bearer token for TCP (default: the contents of the file
+    named by ``SALUS_TOKEN_FILE``, if set). Raises
+    :class:`~salus.errors.DaemonUnavailableError` at once when a Unix socket does not
+    exist. Usable as a context manager (closes the channel).
+    """
+
+    def __init__(self, address: str | None = None, *, token: str | None = None):
+        self.address = Address.parse(address or address_from_env())
+        if self.address.path is not None and not Path(self.address.path).exists():
+            raise DaemonUnavailableError(
+                f"cannot reach salusd: no socket at {self.address.path} (is salusd running? "
+                f"start it with `salusd`, or set {ADDRESS_ENV})", code="UNAVAILABLE",
+                details=f"no socket at {self.address.path}", operation="connect",
+                address=str(self.address))
+        token = _read_token(token)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # An iteration is one small round trip: nothing to retry or batch.
+                   ("grpc.enable_retries", 0), ("grpc.optimization_target", "latency")]
+        if self.address.path is not None:
+            # Without it grpcio sends the socket path as :authority, which salusd's HTTP/2
+            # server refuses (RST_STREAM).
+            options.append(("grpc.default_authority", "localhost"))
+        self.channel = grpc.insecure_channel(self.address.target, options=options)
+        self.sessions_stub = session_pb2_grpc.SessionsStub(self.channel)
+        self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
+
+    def call(self, operation: str, fn: Callable[..., T], *args, **kwargs) -> T:
+        """``fn(*args, metadata=..., **kwargs)``, with errors as salus exceptions."""
+        try:
+            return fn(*args, metadata=self.metadata, **kwargs)
+        except grpc.RpcError as e:
+            raise rpc_error(e, operation, str(self.address)) from None
+
+    # -- sessions -----------------------------------------------------------------------
+
+    def open(self, graph: graph_pb2.Graph, initial: Iterable[tuple[int, bytes]] = (), *,
+             kind: str = "training", name: str = "", priority: int = 0,
+             total_iterations: int = 0, expected_iteration_ms: float = 0.0) -> "Session":
+        """Opens a session of ``graph`` with the initial value of every PARAMETER and STATE
+        tensor (``(tensor id, bytes)``); returns once salusd has accepted it (queued or
+        admitted). Hints: ``name`` (shown by ``salusctl``), ``priority`` (higher first),
+        ``total_iterations`` (SRTF), ``expected_iteration_ms`` (until measured; the time of
+        an iteration on the ``sim`` device)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        hints = session_pb2.Hints(name=name, priority=priority,
+                                  total_iterations=total_iterations,
+                                  expected_iteration_ms=expected_iteration_ms)
+        return Session(self, session_pb2.OpenSession(graph=graph, kind=KINDS[kind],
+                                                     hints=hints), initial)
+
+    # -- admin --------------------------------------------------------------------------
+
+    def status(self) -> admin_pb2.StatusResponse:
+        """The device, its memory map, lanes, the queue and the policy."""
+        return self.call("read the status", self.admin_stub.Status, admin_pb2.StatusRequest())
+
+    def list_sessions(self) -> list[admin_pb2.SessionInfo]:
+        """Every open session with its statistics."""
+        return list(self.call("list the sessions", self.admin_stub.ListSessions,
+                              admin_pb2.ListSessionsRequest()).sessions)
+
+    def policy(self, policy: str | None = None) -> str:
+        """Sets the policy (``fifo``, ``pack``, ``srtf``, ``fair``) or only reads it;
+        returns the policy in force."""
+        return self.call(f"set the policy to {policy}" if policy else "read the policy",
+                         self.admin_stub.SetPolicy,
+                         admin_pb2.SetPolicyRequest(policy=policy or "")).policy
+
+    def drain(self, drain: bool = True) -> bool:
+        """Stops (``True``) or resumes admission; returns whether salusd drains now."""
+        return self.call("drain" if drain else "end draining", self.admin_stub.Drain,
+                         admin_pb2.DrainRequest(drain=drain)).draining
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"salus.Client({str(self.address)!r})"
+
+
+# What a session's state can be, from the updates of its Open stream.
+OPENING, QUEUED, ADMITTED, SUSPENDED, CLOSED = ("opening", "queued", "admitted", "suspended",
+                                                "closed")
+
+
+class Session:
+    """An open session and its lease (the ``Open`` stream); see :meth:`Client.open`.
+
+    ``id``, ``persistent_bytes`` (P) and ``ephemeral_bytes`` (E) come from ``opened``.
+    ``state`` is ``"queued"``, ``"admitted"``, ``"suspended"`` or ``"closed"``;
+    ``reason`` is the daemon's last word on why it waits. Closing (or leaving the ``with``
+    block) ends the lease and the daemon frees the session's memory; so does the end of
+    the process.
+    """
+
+    def __init__(self, client: Client, open_message: session_pb2.OpenSession,
+                 initial: Iterable[tuple[int, bytes]]):
+        self.client = client
+        self.id: int | None = None
+        self.persistent_bytes = 0
+        self.ephemeral_bytes = 0
+        self.state = OPENING
+        self.reason = ""
+        self.lane: int | None = None
+        self.error: DaemonError | None = None
+        self._closing = False
+        self._release = threading.Event()
+        self._changed = threading.Condition()
+        name = open_message.hints.name
+        self._what = f"open a session{f' ({name})' if name else ''}"
+        self._call = client.sessions_stub.Open(self._requests(open_message, initial),
+                                               metadata=client.metadata)
+        self._reader = threading.Thread(target=self._read_updates, daemon=True,
+                                        name="salus-session-lease")
+        self._reader.start()
+        with self._changed:
+            self._changed.wait_for(lambda: self.state != OPENING)
+        if self.id is None:
+            self._release.set()
+            raise self.error or SessionClosedError(
+                f"cannot {self._what}: salusd ended the session stream before `opened`",
+                operation=self._what, address=str(client.address))
+
+    # -- the lease ----------------------------------------------------------------------
+
+    def _requests(self, open_message, initial) -> Iterator[session_pb2.OpenRequest]:
+        yield session_pb2.OpenRequest(open=open_message)
+        for tensor, data in initial:
+            for chunk in chunks(tensor, data):
+                if self._release.is_set():
+                    return
+                yield session_pb2.OpenRequest(chunk=chunk)
+        yield session_pb2.OpenRequest(commit=session_pb2.Commit())
+        # The request side stays open while the session is held: ending it ends the lease.
+        self._release.wait()
+
+    def _read_updates(self) -> None:
+        try:
+            for update in self._call:
+                self._apply(update)
+            why = "the session was closed" if self._closing else \
+                "salusd closed the session (it is shutting down, or the session was closed)"
+            self._finish(SessionClosedError(why, code="CANCELLED", details=why,
+                                            operation="use the session",
+                                            address=str(self.client.address)))
+        except grpc.RpcError as e:
+            operation = self._what if self.id is None else f"keep session {self.id} open"
+            self._finish(rpc_error(e, operation, str(self.client.address)))
+        finally:
+            self._release.set()
+
+    def _apply(self, update: session_pb2.SessionUpdate) -> None:
+        which = update.WhichOneof("update")
+        with self._changed:
+            if which == "opened":
+                self.id = update.opened.session
+                self.persistent_bytes = update.opened.persistent_bytes
+                self.ephemeral_bytes = update.opened.ephemeral_bytes
+                self.state = QUEUED
+            elif which == "queued":
+                self.state, self.reason = QUEUED, update.queued.reason
+            elif which == "admitted":
+                self.state, self.reason, self.lane = ADMITTED, "", update.admitted.lane
+            elif which == "suspended":
+                self.state, self.reason = SUSPENDED, "suspended to host memory by the policy"
+            self._changed.notify_all()
+
+    def _finish(self, error: DaemonError) -> None:
+        with self._changed:
+            self.state = CLOSED
+            if self.error is None and not self._closing:
+                self.error = error
+            self._changed.notify_all()
+
+    def wait_admitted(self, timeout: float | None = None) -> None:
+        """Waits until salusd admits the session. Raises
+        :class:`~salus.errors.AdmissionTimeoutError` (naming the wait's reason) after
+        ``timeout`` seconds, or the error that closed the session."""
+        with self._changed:
+            admitted = self._changed.wait_for(lambda: self.state in (ADMITTED, CLOSED),
+                                              timeout)
+            if admitted and self.state == ADMITTED:
+                return
+            if self.state == CLOSED:
+                raise self._closed_error("wait for admission")
+            reason = self.reason or "no reason given yet"
+        raise AdmissionTimeoutError(
+            f"session {self.id} was not admitted within {timeout:g} s: salusd says it "
+            f"waits because {reason}", reason=reason, operation="wait for admission",
+            address=str(self.client.address))
+
+    def _closed_error(self, operation: str) -> DaemonError:
+        if self.error is not None and not self._closing:
+            return self.error
+        return SessionClosedError(
+            f"cannot {operation}: session {self.id} is closed", code="CANCELLED",
+            details="closed", operation=operation, address=str(self.client.address))
+
+    # -- calls --------------------------------------------------------------------------
+
+    def _check_open(self, operation: str) -> None:
+        if self.state == CLOSED:
+            raise self._closed_error(operation)
+
+    def _rpc(self, operation: str, fn, *args):
+        self._check_open(operation)
+        try:
+            return fn(*args, metadata=self.client.metadata)
+        except grpc.RpcError as e:
+            error = rpc_error(e, operation, str(self.client.address))
+        # The daemon may have closed the session meanwhile: say so rather than NOT_FOUND.
+        if error.code in ("NOT_FOUND", "CANCELLED") or isinstance(error,
+                                                                  DaemonUnavailableError):
+            self._reader.join(timeout=1.0)
+            if self.state == CLOSED and self.error is not None and not self._closing:
+                raise self.error from None
+        raise error
+
+    def run(self, feeds: list[bytes]) -> session_pb2.RunResponse:
+        """Runs one iteration: one byte string per FEED tensor, in graph order. Waits for
+        admission and for the policy; returns the fetches (in graph order), the device
+        time and the wait."""
+        return self._rpc(f"run an iteration of session {self.id}", self.client.sessions_stub.Run,
+                         session_pb2.RunRequest(session=self.id, feeds=feeds))
+
+    def run_pipelined(self, feeds: Iterable[list[bytes]], depth: int = 4
+                      ) -> Iterator[session_pb2.RunResponse]:
+        """Runs one iteration per element of ``feeds`` through ``RunStream``, keeping up
+        to ``depth`` submitted ahead of the one being answered, so the session always has
+        work queued on the daemon; yields the responses in order. A failed iteration
+        raises its error (the iterations before it are done, none after it runs)."""
+        if depth < 1:
+            raise ValueError("depth must be at least 1")
+        operation = f"run iterations of session {self.id}"
+        self._check_open(operation)
+        window = threading.Semaphore(depth)
+        stop = threading.Event()
+
+        failed: list[BaseException] = []
+
+        def requests():
+            # Runs on grpc's thread: an error of `feeds` (a bad batch) ends the stream and
+            # is raised to the caller once the iterations before it are answered.
+            try:
+                for tag, item in enumerate(feeds):
+                    while not window.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    yield session_pb2.RunRequest(session=self.id, feeds=item, tag=tag)
+            except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
+                failed.append(e)
+
+        call = self.client.sessions_stub.RunStream(requests(), metadata=self.client.metadata)
+        try:
+            for response in call:
+                if response.HasField("failure"):
+                    code = _CODE_NAMES.get(response.failure.code, "UNKNOWN")
+                    raise DaemonError(f"salusd refused to {operation}: iteration "
+                                      f"{response.tag}: {code}: {response.failure.message}",
+                                      code=code, details=response.failure.message,
+                                      operation=operation, address=str(self.client.address))
+                window.release()
+                yield response
+            if failed:
+                raise failed[0]
+        except grpc.RpcError as e:
+            raise rpc_error(e, operation, str(self.client.address)) from None
+        finally:
+            stop.set()
+            call.cancel()
+
+    def read(self, tensors: Iterable[int] = ()) -> dict[int, bytes]:
+        """Reads persistent tensors by id (every PARAMETER and STATE tensor when empty)."""
+        def read_all(request, metadata):
+            out: dict[int, bytearray] = {}
+            for chunk in self.client.sessions_stub.ReadTensors(request, metadata=metadata):
+                out.setdefault(chunk.tensor, bytearray()).extend(chunk.data)
+            return {k: bytes(v) for k, v in out.items()}
+
+        return self._rpc(f"read tensors of session {self.id}", read_all,
+                         session_pb2.ReadTensorsRequest(session=self.id, tensors=list(tensors)))
+
+    def write(self, tensors: Mapping[int, bytes]) -> int:
+        """Overwrites persistent tensors by id, all or nothing; returns how many."""
+        def messages():
+            yield session_pb2.WriteTensorsRequest(session=self.id)
+            for tensor, data in tensors.items():
+                for chunk in chunks(tensor, data):
+                    yield session_pb2.WriteTensorsRequest(chunk=chunk)
+
+        return self._rpc(f"write tensors of session {self.id}",
+                         self.client.sessions_stub.WriteTensors, messages()).tensors_written
+
+    def close(self) -> None:
+        """Closes the session (a running iteration finishes) and ends the lease.
+        Idempotent; a daemon that is already gone is not an error."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            if self.state != CLOSED and self.id is not None:
+                try:
+                    self.client.sessions_stub.Close(session_pb2.CloseRequest(session=self.id),
+                                                    metadata=self.client.metadata)
+                except grpc.RpcError as e:
+                    error = rpc_error(e, f"close session {self.id}", str(self.client.address))
+                    if error.code not in ("NOT_FOUND", "UNAVAILABLE", "CANCELLED"):
+                        raise error from None
+        finally:
+            self._release.set()
+            self._reader.join(timeout=10.0)
+            if self._reader.is_alive():
+                self._call.cancel()
+            with self._changed:
+                self.state = CLOSED
+                self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self.state == CLOSED
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<salus.Session {self.id} {self.state}>"

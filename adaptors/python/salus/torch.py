@@ -1,0 +1,380 @@
+"""PyTorch training and inference on salusd: what a training script touches.
+
+:class:`TrainSession` turns a model, a loss function and a ``torch.optim`` optimizer into
+a salus session: it traces one training step (forward, loss, backward, optimizer update;
+:func:`salus.trace_train_step`), lowers it to the graph IR, opens a session on salusd
+uploading the parameters, buffers and optimizer state, and then runs one iteration per
+:meth:`TrainSession.step`. The model's tensors live on the daemon while the session is
+open; :meth:`TrainSession.state_dict` / :meth:`TrainSession.load_state_dict` move them
+both ways and :meth:`TrainSession.update_model` writes them back into the user's model
+(and optimizer) in place. :class:`InferenceSession` does the same for a forward pass.
+
+Porting a training loop::
+
+    model = Net(); optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with salus.torch.TrainSession(model, F.cross_entropy, optimizer, (x0, y0),
+                                  name="net", total_iterations=1000) as session:
+        for x, y in loader:
+            loss = session.step(x, y)       # was: zero_grad, forward, backward, step
+        session.update_model()              # the trained weights back in `model`
+
+Shapes, dtypes and hyperparameters are those of the example batch and the optimizer at
+construction (a learning-rate schedule is not followed); :class:`~salus.errors.BatchError`
+says when a batch does not match. Every failure of the daemon is a
+:class:`~salus.errors.DaemonError` with the status code's name and salusd's message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from .client import Client, Session
+from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
+                     SalusError, SessionClosedError)
+from .lower import DTYPES, constant_bytes
+from .optim import STEP, exp_avg_name, exp_avg_sq_name, momentum_buffer_name
+from .trace import TracedStep, trace_inference, trace_train_step
+from .v1 import graph_pb2 as pb
+
+__all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
+           "InferenceSession", "SalusError", "SessionClosedError", "TrainSession",
+           "tensor_bytes", "tensor_from_bytes"]
+
+_TORCH_DTYPE = {code: dtype for dtype, code in DTYPES.items()}
+# How bytes of each IR dtype are read (bf16 as its raw 16 bits).
+_NUMPY = {pb.DTYPE_F32: "<f4", pb.DTYPE_F16: "<f2", pb.DTYPE_BF16: "<i2",
+          pb.DTYPE_I64: "<i8", pb.DTYPE_I32: "<i4", pb.DTYPE_BOOL: "|b1"}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's values as salus sends them: little-endian, row-major, no padding."""
+    return constant_bytes(tensor)
+
+
+def tensor_from_bytes(data: bytes, dtype: int, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor of IR ``dtype`` (``salus.v1.DType``) and ``shape`` whose bytes are
+    ``data``."""
+    array = np.frombuffer(data, dtype=_NUMPY[dtype]).copy()
+    tensor = torch.from_numpy(array).reshape(tuple(shape))
+    return tensor.view(torch.bfloat16) if dtype == pb.DTYPE_BF16 else tensor
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    id: int
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPE[self.dtype]
+
+    def describe(self) -> str:
+        return f"{_dtype_name(self.torch_dtype)}{list(self.shape)}"
+
+
+class _Layout:
+    """Which tensor of the graph each name, feed and fetch is."""
+
+    def __init__(self, graph: pb.Graph, traced: TracedStep):
+        specs = {t.name: _TensorSpec(t.id, t.name, t.dtype, tuple(t.shape))
+                 for t in graph.tensors
+                 if t.role in (pb.TENSOR_ROLE_PARAMETER, pb.TENSOR_ROLE_STATE,
+                               pb.TENSOR_ROLE_FEED)}
+        self.state = {n: specs[n] for n in traced.state_names}
+        self.feeds = [specs[n] for n in traced.feed_names]
+        self.by_id = {s.id: s for s in self.state.values()}
+        self.fetches = [_TensorSpec(t, graph.tensors[t].name, graph.tensors[t].dtype,
+                                    tuple(graph.tensors[t].shape)) for t in graph.fetches]
+
+    def feed_bytes(self, batch: Sequence[Any], what: str) -> list[bytes]:
+        if len(batch) != len(self.feeds):
+            raise BatchError(f"{what} takes {len(self.feeds)} tensor(s), as the example it "
+                             f"was traced with, but got {len(batch)}")
+        out = []
+        for index, (spec, value) in enumerate(zip(self.feeds, batch)):
+            if not isinstance(value, torch.Tensor):
+                raise BatchError(f"{what}: batch element {index} is a "
+                                 f"{type(value).__name__}, not a tensor")
+            if tuple(value.shape) != spec.shape or value.dtype != spec.torch_dtype:
+                got = f"{_dtype_name(value.dtype)}{list(value.shape)}"
+                raise BatchError(
+                    f"{what}: batch element {index} is {got} but the session was traced "
+                    f"with {spec.describe()}; shapes and dtypes are fixed when the session "
+                    "opens (open another session for another batch shape)")
+            out.append(tensor_bytes(value))
+        return out
+
+    def fetch_tensors(self, response) -> list[torch.Tensor]:
+        return [tensor_from_bytes(data, spec.dtype, spec.shape)
+                for spec, data in zip(self.fetches, response.fetches)]
+
+
+class _SalusSession:
+    """What training and inference sessions share: the traced graph, the open session,
+    reading and writing its tensors, closing."""
+
+    kind = ""
+
+    def _open(self, traced: TracedStep, *, client: Client | None, address: str | None,
+              name: str, priority: int, total_iterations: int, expected_iteration_ms: float,
+              admission_timeout: float | None, started: float) -> None:
+        self.traced = traced
+        self.graph = traced.to_graph()
+        self.trace_ms = (time.perf_counter() - started) * 1e3
+        self.layout = _Layout(self.graph, traced)
+        self.iterations = 0
+        self._own_client = client is None
+        self.client = client if client is not None else Client(address)
+        self.session: Session | None = None
+        try:
+            initial = [(spec.id, tensor_bytes(traced.initial_state[n]))
+                       for n, spec in self.layout.state.items()]
+            self.session = self.client.open(self.graph, initial, kind=self.kind, name=name,
+                                            priority=priority,
+                                            total_iterations=total_iterations,
+                                            expected_iteration_ms=expected_iteration_ms)
+            if admission_timeout is not None:
+                self.session.wait_admitted(admission_timeout)
+        except BaseException:
+            self.close()
+            raise
+        # Trace, lower and upload: what opening cost this process.
+        self.open_ms = (time.perf_counter() - started) * 1e3
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the session's persistent tensors: parameters and buffers as in
+        ``model.named_parameters()``/``named_buffers()``, optimizer state as
+        ``optimizer.<buffer>.<param>`` and ``optimizer.step``."""
+        return list(self.layout.state)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor of the session as it is on salusd now (a checkpoint:
+        ``torch.save`` it, and :meth:`load_state_dict` it into a new session)."""
+        values = self._session().read([s.id for s in self.layout.state.values()])
+        return {name: tensor_from_bytes(values[spec.id], spec.dtype, spec.shape)
+                for name, spec in self.layout.state.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+                        ) -> None:
+        """Overwrites the session's tensors on salusd, all at once, from ``state_dict``: a
+        dict from :meth:`state_dict`, or with ``strict=False`` any subset of it (e.g.
+        ``model.state_dict()``). Names, shapes and dtypes must match the session's."""
+        unknown = sorted(set(state_dict) - set(self.layout.state))
+        missing = sorted(set(self.layout.state) - set(state_dict))
+        if unknown or (strict and missing):
+            parts = []
+            if unknown:
+                parts.append(f"unknown tensors: {', '.join(unknown)}")
+            if strict and missing:
+                parts.append(f"missing tensors: {', '.join(missing)}")
+            raise SalusError(f"load_state_dict: {'; '.join(parts)} (the session holds "
+                             f"{len(self.layout.state)} tensors: see state_names)")
+        writes = {}
+        for name, value in state_dict.items():
+            spec = self.layout.state[name]
+            value = torch.as_tensor(value)
+            if tuple(value.shape) != spec.shape or value.dtype != spec.torch_dtype:
+                raise SalusError(f"load_state_dict: {name} is "
+                                 f"{_dtype_name(value.dtype)}{list(value.shape)} but the "
+                                 f"session's is {spec.describe()}")
+            writes[spec.id] = tensor_bytes(value)
+        if writes:
+            self._session().write(writes)
+
+    def update_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Copies the parameters and buffers from salusd into ``model`` (default: the
+        model the session was made from) in place; returns the model."""
+        model = self.model if model is None else model
+        values = self.state_dict()
+        with torch.no_grad():
+            for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+                if name in values:
+                    tensor.copy_(values[name])
+        return model
+
+    # -- life ---------------------------------------------------------------------------
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise SalusError("the session is not open")
+        return self.session
+
+    @property
+    def id(self) -> int | None:
+        return None if self.session is None else self.session.id
+
+    def close(self) -> None:
+        """Closes the session on salusd (its memory is freed). Idempotent."""
+        try:
+            if self.session is not None:
+                self.session.close()
+        finally:
+            if self._own_client and getattr(self, "client", None) is not None:
+                self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except SalusError:
+            pass  # the exception in flight says more
+
+
+class TrainSession(_SalusSession):
+    """A training job on salusd.
+
+    Traces one training step of ``model`` under ``loss_fn(model(*inputs), target)`` and
+    ``optimizer`` (SGD, Adam, AdamW) with ``example_batch = (inputs..., target)``, opens a
+    session on the daemon at ``address`` (or through ``client``; default: see
+    :class:`salus.client.Client`) and uploads the parameters, buffers and optimizer state.
+    Hints for the scheduler: ``name`` (shown by ``salusctl``), ``priority``,
+    ``total_iterations`` (SRTF ranks by remaining work), ``expected_iteration_ms``.
+    ``admission_timeout`` (seconds): wait at most that long for admission, then raise
+    :class:`~salus.errors.AdmissionTimeoutError` naming why the session waits; ``None``
+    does not wait (iterations queue until the session is admitted).
+
+    ``open_ms`` is what opening cost (trace, lower, upload); ``trace_ms`` the part spent
+    tracing and lowering.
+    """
+
+    kind = "training"
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 optimizer: torch.optim.Optimizer, example_batch: Sequence[torch.Tensor], *,
+                 address: str | None = None, client: Client | None = None,
+                 name: str = "", priority: int = 0, total_iterations: int = 0,
+                 expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
+                 tracing_mode: str = "real"):
+        started = time.perf_counter()
+        self.model = model
+        self.optimizer = optimizer
+        traced = trace_train_step(model, loss_fn, optimizer, example_batch,
+                                  tracing_mode=tracing_mode)
+        self._open(traced, client=client, address=address,
+                   name=name or type(model).__name__, priority=priority,
+                   total_iterations=total_iterations,
+                   expected_iteration_ms=expected_iteration_ms,
+                   admission_timeout=admission_timeout, started=started)
+
+    def step(self, *batch: torch.Tensor) -> torch.Tensor:
+        """Runs one training iteration on salusd with ``batch = (inputs..., target)``;
+        returns the loss (a 0-dim tensor)."""
+        feeds = self.layout.feed_bytes(batch, "step()")
+        response = self._session().run(feeds)
+        self.iterations += 1
+        self.last_device_ms = response.device_us / 1e3
+        self.last_wait_ms = response.wait_us / 1e3
+        return self.layout.fetch_tensors(response)[0]
+
+    def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
+              ) -> Iterator[torch.Tensor]:
+        """Pipelined training: runs one iteration per batch of ``batches`` and yields each
+        loss in order, keeping up to ``depth`` iterations submitted ahead so that the
+        session always has work waiting on salusd (no round trip between iterations;
+        the policy always sees it ready). Batches are read as iterations are
+        submitted."""
+        def feeds():
+            for batch in batches:
+                yield self.layout.feed_bytes(tuple(batch), "steps()")
+
+        for response in self._session().run_pipelined(feeds(), depth):
+            self.iterations += 1
+            self.last_device_ms = response.device_us / 1e3
+            self.last_wait_ms = response.wait_us / 1e3
+            yield self.layout.fetch_tensors(response)[0]
+
+    def update_model(self, model: torch.nn.Module | None = None, *,
+                     optimizer: bool = True) -> torch.nn.Module:
+        """Copies parameters and buffers from salusd into the model in place and, with
+        ``optimizer`` (when ``model`` is the session's own), the optimizer's state
+        (momentum buffers; Adam's moments and step) into the torch optimizer, so that
+        eager training can go on where the session left off. Returns the model."""
+        own = model is None or model is self.model
+        model = self.model if model is None else model
+        values = self.state_dict()
+        with torch.no_grad():
+            for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+                if name in values:
+                    tensor.copy_(values[name])
+        if optimizer and own:
+            self._update_optimizer(values)
+        return model
+
+    def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
+        description = self.traced.optimizer or {}
+        kind = description.get("kind")
+        params = dict(self.model.named_parameters())
+        step = values.get(STEP)
+        for group in description.get("groups", []):
+            for name in group["params"]:
+                state = self.optimizer.state[params[name]]
+                if kind == "sgd" and momentum_buffer_name(name) in values:
+                    if step is not None and step.item() > 0:
+                        state["momentum_buffer"] = values[momentum_buffer_name(name)].clone()
+                elif kind in ("adam", "adamw") and step is not None:
+                    state["step"] = step.clone()
+                    state["exp_avg"] = values[exp_avg_name(name)].clone()
+                    state["exp_avg_sq"] = values[exp_avg_sq_name(name)].clone()
+
+    def __repr__(self) -> str:
+        return (f"<salus.torch.TrainSession {type(self.model).__name__} session {self.id}, "
+                f"{self.iterations} steps>")
+
+
+class InferenceSession(_SalusSession):
+    """A serving job on salusd: ``session(*inputs)`` runs ``model``'s forward pass there.
+
+    Traced in eval mode (``eval_mode=False`` keeps the model's own mode) with
+    ``example_inputs`` (a tensor or a tuple), whose shapes and dtypes are fixed; outputs
+    have the structure the model returns (a tensor, a tuple, a dict). Other arguments as
+    :class:`TrainSession`.
+    """
+
+    kind = "inference"
+
+    def __init__(self, model: torch.nn.Module,
+                 example_inputs: Sequence[torch.Tensor] | torch.Tensor, *,
+                 address: str | None = None, client: Client | None = None, name: str = "",
+                 priority: int = 0, total_iterations: int = 0,
+                 expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
+                 eval_mode: bool = True, tracing_mode: str = "real"):
+        started = time.perf_counter()
+        self.model = model
+        traced = trace_inference(model, example_inputs, eval_mode=eval_mode,
+                                 tracing_mode=tracing_mode)
+        self._open(traced, client=client, address=address,
+                   name=name or f"{type(model).__name__} (inference)", priority=priority,
+                   total_iterations=total_iterations,
+                   expected_iteration_ms=expected_iteration_ms,
+                   admission_timeout=admission_timeout, started=started)
+
+    def __call__(self, *inputs: torch.Tensor):
+        """The model's output for ``inputs``, computed on salusd."""
+        feeds = self.layout.feed_bytes(inputs, "the inference session")
+        response = self._session().run(feeds)
+        self.iterations += 1
+        outputs = self.layout.fetch_tensors(response)
+        return pytree.tree_unflatten(outputs, self.traced.output_spec)
+
+    def __repr__(self) -> str:
+        return f"<salus.torch.InferenceSession {type(self.model).__name__} session {self.id}>"

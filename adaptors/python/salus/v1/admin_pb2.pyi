@@ -1,0 +1,254 @@
+from salus.v1 import session_pb2 as _session_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
+    REGION_KIND_PERSISTENT: _ClassVar[RegionKind]
+    REGION_KIND_HOLE: _ClassVar[RegionKind]
+    REGION_KIND_FREE: _ClassVar[RegionKind]
+    REGION_KIND_LANE: _ClassVar[RegionKind]
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_QUEUED: _ClassVar[SessionState]
+    SESSION_STATE_ADMITTED: _ClassVar[SessionState]
+    SESSION_STATE_SUSPENDED: _ClassVar[SessionState]
+    SESSION_STATE_CLOSING: _ClassVar[SessionState]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_OPENED: _ClassVar[EventKind]
+    EVENT_KIND_QUEUED: _ClassVar[EventKind]
+    EVENT_KIND_ADMITTED: _ClassVar[EventKind]
+    EVENT_KIND_REJECTED: _ClassVar[EventKind]
+    EVENT_KIND_ITERATION_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_ITERATION_FINISHED: _ClassVar[EventKind]
+    EVENT_KIND_ITERATION_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_PREEMPTED: _ClassVar[EventKind]
+    EVENT_KIND_LANE_MOVED: _ClassVar[EventKind]
+    EVENT_KIND_CLOSED: _ClassVar[EventKind]
+    EVENT_KIND_POLICY_CHANGED: _ClassVar[EventKind]
+    EVENT_KIND_DRAINING: _ClassVar[EventKind]
+REGION_KIND_UNSPECIFIED: RegionKind
+REGION_KIND_PERSISTENT: RegionKind
+REGION_KIND_HOLE: RegionKind
+REGION_KIND_FREE: RegionKind
+REGION_KIND_LANE: RegionKind
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_QUEUED: SessionState
+SESSION_STATE_ADMITTED: SessionState
+SESSION_STATE_SUSPENDED: SessionState
+SESSION_STATE_CLOSING: SessionState
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_OPENED: EventKind
+EVENT_KIND_QUEUED: EventKind
+EVENT_KIND_ADMITTED: EventKind
+EVENT_KIND_REJECTED: EventKind
+EVENT_KIND_ITERATION_STARTED: EventKind
+EVENT_KIND_ITERATION_FINISHED: EventKind
+EVENT_KIND_ITERATION_FAILED: EventKind
+EVENT_KIND_PREEMPTED: EventKind
+EVENT_KIND_LANE_MOVED: EventKind
+EVENT_KIND_CLOSED: EventKind
+EVENT_KIND_POLICY_CHANGED: EventKind
+EVENT_KIND_DRAINING: EventKind
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("name", "capacity", "reserve")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity: int
+    reserve: int
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., reserve: _Optional[int] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("offset", "size", "kind", "session", "lane", "sessions")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    size: int
+    kind: RegionKind
+    session: int
+    lane: int
+    sessions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., session: _Optional[int] = ..., lane: _Optional[int] = ..., sessions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MemoryMap(_message.Message):
+    __slots__ = ("capacity", "reserve", "persistent_bytes", "lane_bytes", "available_bytes", "regions")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    reserve: int
+    persistent_bytes: int
+    lane_bytes: int
+    available_bytes: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, capacity: _Optional[int] = ..., reserve: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., lane_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class Lane(_message.Message):
+    __slots__ = ("id", "size", "offset", "placed", "sessions", "running")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    size: int
+    offset: int
+    placed: bool
+    sessions: _containers.RepeatedScalarFieldContainer[int]
+    running: int
+    def __init__(self, id: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., placed: _Optional[bool] = ..., sessions: _Optional[_Iterable[int]] = ..., running: _Optional[int] = ...) -> None: ...
+
+class QueuedSession(_message.Message):
+    __slots__ = ("session", "name", "reason")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    name: str
+    reason: str
+    def __init__(self, session: _Optional[int] = ..., name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("device", "policy", "draining", "memory", "lanes", "queue", "uptime_ms", "version")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    device: Device
+    policy: str
+    draining: bool
+    memory: MemoryMap
+    lanes: _containers.RepeatedCompositeFieldContainer[Lane]
+    queue: _containers.RepeatedCompositeFieldContainer[QueuedSession]
+    uptime_ms: int
+    version: str
+    def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("id", "name", "owner_uid", "kind", "state", "reason", "lane", "persistent_bytes", "ephemeral_bytes", "priority", "total_iterations", "iterations", "pending", "mean_iteration_ms", "p99_iteration_ms", "queue_wait_ms", "attained_service_ms", "preemptions", "suspensions", "age_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ITERATION_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_ITERATION_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTAINED_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SUSPENSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    owner_uid: int
+    kind: _session_pb2.SessionKind
+    state: SessionState
+    reason: str
+    lane: int
+    persistent_bytes: int
+    ephemeral_bytes: int
+    priority: int
+    total_iterations: int
+    iterations: int
+    pending: int
+    mean_iteration_ms: float
+    p99_iteration_ms: float
+    queue_wait_ms: float
+    attained_service_ms: float
+    preemptions: int
+    suspensions: int
+    age_ms: float
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("drain",)
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    drain: bool
+    def __init__(self, drain: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("time_us", "kind", "session", "lane", "detail", "duration_us")
+    TIME_US_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DURATION_US_FIELD_NUMBER: _ClassVar[int]
+    time_us: int
+    kind: EventKind
+    session: int
+    lane: int
+    detail: str
+    duration_us: int
+    def __init__(self, time_us: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., session: _Optional[int] = ..., lane: _Optional[int] = ..., detail: _Optional[str] = ..., duration_us: _Optional[int] = ...) -> None: ...

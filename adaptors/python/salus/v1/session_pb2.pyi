@@ -1,0 +1,170 @@
+from salus.v1 import graph_pb2 as _graph_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_KIND_UNSPECIFIED: _ClassVar[SessionKind]
+    SESSION_KIND_TRAINING: _ClassVar[SessionKind]
+    SESSION_KIND_INFERENCE: _ClassVar[SessionKind]
+SESSION_KIND_UNSPECIFIED: SessionKind
+SESSION_KIND_TRAINING: SessionKind
+SESSION_KIND_INFERENCE: SessionKind
+
+class Hints(_message.Message):
+    __slots__ = ("name", "priority", "total_iterations", "expected_iteration_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_ITERATION_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    priority: int
+    total_iterations: int
+    expected_iteration_ms: float
+    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., expected_iteration_ms: _Optional[float] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("graph", "kind", "hints")
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    graph: _graph_pb2.Graph
+    kind: SessionKind
+    hints: Hints
+    def __init__(self, graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., hints: _Optional[_Union[Hints, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("open", "chunk", "commit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    chunk: TensorChunk
+    commit: Commit
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("session", "persistent_bytes", "ephemeral_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    persistent_bytes: int
+    ephemeral_bytes: int
+    def __init__(self, session: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ...) -> None: ...
+
+class Queued(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Admitted(_message.Message):
+    __slots__ = ("lane", "lane_bytes", "resumed")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    lane_bytes: int
+    resumed: bool
+    def __init__(self, lane: _Optional[int] = ..., lane_bytes: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+
+class Suspended(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("opened", "queued", "admitted", "suspended")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    queued: Queued
+    admitted: Admitted
+    suspended: Suspended
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., admitted: _Optional[_Union[Admitted, _Mapping]] = ..., suspended: _Optional[_Union[Suspended, _Mapping]] = ...) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("session", "feeds", "tag")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    feeds: _containers.RepeatedScalarFieldContainer[bytes]
+    tag: int
+    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RunResponse(_message.Message):
+    __slots__ = ("tag", "fetches", "device_us", "wait_us", "failure")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_US_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    fetches: _containers.RepeatedScalarFieldContainer[bytes]
+    device_us: int
+    wait_us: int
+    failure: Failure
+    def __init__(self, tag: _Optional[int] = ..., fetches: _Optional[_Iterable[bytes]] = ..., device_us: _Optional[int] = ..., wait_us: _Optional[int] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class ReadTensorsRequest(_message.Message):
+    __slots__ = ("session", "tensors")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    tensors: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[int] = ..., tensors: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WriteTensorsRequest(_message.Message):
+    __slots__ = ("session", "chunk")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    chunk: TensorChunk
+    def __init__(self, session: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class WriteTensorsResponse(_message.Message):
+    __slots__ = ("tensors_written",)
+    TENSORS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    tensors_written: int
+    def __init__(self, tensors_written: _Optional[int] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    def __init__(self, session: _Optional[int] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,95 @@
+"""A PyTorch training loop moved onto salusd: the changed lines are marked `# salus`.
+
+Start salusd first (`salusd`, or `salusd --socket /tmp/s.sock` and
+`SALUS_ADDRESS=/tmp/s.sock`), then:
+
+    python examples/torch_train.py [--steps 100] [--compare]
+
+`--compare` also trains a copy of the model in plain PyTorch on the same batches and
+prints both losses and the largest parameter difference at the end: salus gives
+PyTorch's numbers.
+"""
+
+import argparse
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import salus.torch  # salus
+
+
+class Net(nn.Module):
+    # No bias before batch norm: its gradient is zero in exact arithmetic, so Adam would
+    # train it on rounding noise, in PyTorch as on salus, and the two would differ there.
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 64), nn.ReLU(),
+                                  nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.head(self.conv(x))
+
+
+def data(n=2048, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 16, 16, generator=g)
+    y = (x.mean(dim=(1, 2, 3)) * 40).long().clamp(-5, 4) + 5   # a learnable target
+    return TensorDataset(x, y)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--compare", action="store_true")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # Fixed batch shapes: salus traces the step once (drop_last keeps every batch full).
+    loader = DataLoader(data(), batch_size=32, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model) if args.compare else None
+    ref_optimizer = (torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+                     if args.compare else None)
+
+    x0, y0 = next(iter(loader))                                             # salus
+    with salus.torch.TrainSession(model, F.cross_entropy, optimizer, (x0, y0),  # salus
+                                  name="torch_train", total_iterations=args.steps) as session:
+        step = 0
+        while step < args.steps:
+            for x, y in loader:
+                # optimizer.zero_grad()                                    # salus: these four
+                # loss = F.cross_entropy(model(x), y)                      # lines run on
+                # loss.backward()                                          # salusd now,
+                # optimizer.step()                                         # as one step:
+                loss = session.step(x, y)                                  # salus
+                if reference is not None:
+                    ref_optimizer.zero_grad()
+                    ref_loss = F.cross_entropy(reference(x), y)
+                    ref_loss.backward()
+                    ref_optimizer.step()
+                step += 1
+                if step % 10 == 0 or step == args.steps:
+                    line = f"step {step:4d}  loss {loss.item():.6f}"
+                    if reference is not None:
+                        line += f"  pytorch {ref_loss.item():.6f}"
+                    print(line, flush=True)
+                if step == args.steps:
+                    break
+        session.update_model()      # salus: the trained weights back into `model`
+    if reference is not None:
+        diff = max((p - q).abs().max().item()
+                   for p, q in zip(model.parameters(), reference.parameters()))
+        print(f"largest parameter difference from PyTorch: {diff:.2e}")
+    torch.save(model.state_dict(), "/tmp/torch_train.pt")
+    print("saved /tmp/torch_train.pt")
+
+
+if __name__ == "__main__":
+    main()
