@@ -35,12 +35,20 @@ impl Arena {
         let len = usize::try_from(len)
             .map_err(|_| ExecError::Device(format!("capacity {len} does not fit in memory")))?;
         let words = len.div_ceil(16);
-        let mut storage: Vec<u128> = Vec::new();
-        storage
-            .try_reserve_exact(words)
+        // Zeroed by the allocator (fresh pages from the kernel), not by writing: the arena's
+        // memory is committed as sessions touch it, and a 4 GiB arena starts at once.
+        let layout = std::alloc::Layout::array::<u128>(words.max(1))
             .map_err(|e| ExecError::Device(format!("cannot allocate {len} bytes: {e}")))?;
-        storage.resize(words, 0);
-        let mut storage = storage.into_boxed_slice();
+        // SAFETY: `layout` has a non-zero size (at least one word).
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u128>();
+        if raw.is_null() {
+            return Err(ExecError::Device(format!("cannot allocate {len} bytes")));
+        }
+        // SAFETY: `raw` was allocated by the global allocator with the layout of
+        // `[u128; words.max(1)]`, is zero-initialised (a valid `u128` slice) and is owned
+        // by nothing else; the box frees it with that same layout.
+        let mut storage: Box<[u128]> =
+            unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(raw, words.max(1))) };
         let base = NonNull::new(storage.as_mut_ptr().cast::<u8>())
             .ok_or_else(|| ExecError::Device("null allocation".into()))?;
         Ok(Arena {
