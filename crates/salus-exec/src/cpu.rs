@@ -177,10 +177,7 @@ impl CpuDevice {
             .ok()
             .and_then(|mut spare| spare.pop())
             .unwrap_or_default();
-        // The nodes run as one job on the kernels' thread pool: the kernels' parallel loops
-        // then split work from inside the pool, which hands nothing to another thread's
-        // queue per op (and allocates nothing for it).
-        let result = rayon::scope(|_| {
+        let mut run_all = || {
             for (index, node) in graph.nodes.iter().enumerate() {
                 let node_start = times.is_some().then(Instant::now);
                 let result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
@@ -189,8 +186,17 @@ impl CpuDevice {
                 }
                 result?;
             }
-            Ok(())
-        });
+            Ok::<(), ExecError>(())
+        };
+        // The nodes run as one job on the kernels' thread pool: the kernels' parallel loops
+        // then split work from inside the pool, which hands nothing to another thread's
+        // queue per op (and allocates nothing for it). A graph of small tensors runs right
+        // here: it would not split, and the hop to the pool would cost more than its ops.
+        let result = if program.small {
+            run_all()
+        } else {
+            rayon::scope(|_| run_all())
+        };
         if let Ok(mut spare) = self.spare.lock() {
             spare.push(lists);
         }

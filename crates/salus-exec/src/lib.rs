@@ -69,6 +69,10 @@ pub enum Location {
     Lane(u64),
 }
 
+/// Elements below which a tensor is "small": a graph of only such tensors runs on the
+/// calling thread, since handing it to the kernels' thread pool costs more than it saves.
+const SMALL_TENSOR: u64 = 1 << 14;
+
 /// A validated graph with its memory plan: what a device runs, built once per session.
 #[derive(Debug, Clone)]
 pub struct Program {
@@ -78,6 +82,8 @@ pub struct Program {
     expected_iteration: Option<Duration>,
     id: u64,
     pub(crate) layouts: Vec<layout::NodeLayout>,
+    /// Every tensor is small enough that no kernel splits its work across threads.
+    pub(crate) small: bool,
 }
 
 impl Program {
@@ -92,6 +98,10 @@ impl Program {
             .map(|(id, _)| id)
             .collect();
         let layouts = layout::layouts(&graph, &plan);
+        let small = graph
+            .tensors
+            .iter()
+            .all(|t| t.ty.numel().is_some_and(|n| n < SMALL_TENSOR));
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Program {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -99,6 +109,7 @@ impl Program {
             plan,
             feeds,
             layouts,
+            small,
             expected_iteration: None,
         })
     }
