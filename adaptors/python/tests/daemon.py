@@ -42,7 +42,7 @@ class Daemon:
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         salusd, self.salusctl = binaries()
         if "--memory" not in args:
-            # The cpu device's arena is allocated at start: the 4 GiB default costs seconds.
+            # Small daemons: the tests need little memory.
             args = (*args, "--memory", "256MiB")
         self.dir = tempfile.TemporaryDirectory(prefix="salusd-")
         self.socket = str(Path(self.dir.name) / "salusd.sock")

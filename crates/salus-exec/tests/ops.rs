@@ -125,6 +125,16 @@ fn unary_float_functions() {
         |x| 1.0 / x.sqrt(),
     );
     unary(
+        Op::Reciprocal,
+        &[],
+        Fp32,
+        Fp32,
+        (-9.0, 9.0),
+        &[0.0, -0.0, INF, NAN],
+        t,
+        |x| 1.0 / x,
+    );
+    unary(
         Op::Erf,
         &[],
         Fp32,

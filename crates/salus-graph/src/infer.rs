@@ -551,7 +551,7 @@ pub(crate) fn infer(op: Op, args: &Args<'_>) -> Result<Vec<TensorType>> {
             Ok(out)
         }
         Neg | Abs | Sign | Relu | Clone | BitwiseNot => unary_same(args),
-        Exp | Log | Sqrt | Rsqrt | Erf | Sigmoid | Tanh => unary_float(args),
+        Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Sigmoid | Tanh => unary_float(args),
         LeakyRelu => {
             args.count(1)?;
             let t = args.input(0)?;

@@ -43,6 +43,7 @@ ops! {
     Log = "log",
     Sqrt = "sqrt",
     Rsqrt = "rsqrt",
+    Reciprocal = "reciprocal",
     Erf = "erf",
     PowScalar = "pow.Scalar",
     PowTensorScalar = "pow.Tensor_Scalar",

@@ -124,6 +124,7 @@ fn elementwise(op: Op) -> bool {
             | Log
             | Sqrt
             | Rsqrt
+            | Reciprocal
             | Erf
             | PowTensorScalar
             | Clamp

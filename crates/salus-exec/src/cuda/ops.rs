@@ -604,6 +604,7 @@ impl Lower<'_> {
             Log => self.unary(OP_LOG, node, &o, [0.0; 3]),
             Sqrt => self.unary(OP_SQRT, node, &o, [0.0; 3]),
             Rsqrt => self.unary(OP_RSQRT, node, &o, [0.0; 3]),
+            Reciprocal => self.unary(OP_RECIPROCAL, node, &o, [0.0; 3]),
             Sigmoid => self.unary(OP_SIGMOID, node, &o, [0.0; 3]),
             Tanh => self.unary(OP_TANH, node, &o, [0.0; 3]),
             Relu => self.unary(OP_RELU, node, &o, [0.0; 3]),
@@ -1923,6 +1924,7 @@ const OP_BAND: u64 = 33;
 const OP_WHERE: u64 = 34;
 const OP_FILL: u64 = 35;
 const OP_ARANGE: u64 = 36;
+const OP_RECIPROCAL: u64 = 37;
 
 const RED_SUM: u64 = 0;
 const RED_MEAN: u64 = 1;

@@ -444,6 +444,7 @@ pub(crate) fn run(
         Log => unary(args, o, 8, |x: f32| x.ln()),
         Sqrt => unary(args, o, 2, |x: f32| x.sqrt()),
         Rsqrt => unary(args, o, 2, |x: f32| 1.0 / x.sqrt()),
+        Reciprocal => unary(args, o, 1, |x: f32| 1.0 / x),
         Sigmoid => unary(args, o, 8, |x: f32| 1.0 / (1.0 + (-x).exp())),
         Tanh => unary(args, o, 8, |x: f32| x.tanh()),
         // NaN passes through, as in PyTorch (`f32::max` would turn it into 0).

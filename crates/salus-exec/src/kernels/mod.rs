@@ -328,6 +328,7 @@ pub(crate) fn run(
         Log => elementwise(args, o, |v| v[0].ln()),
         Sqrt => elementwise(args, o, |v| v[0].sqrt()),
         Rsqrt => elementwise(args, o, |v| 1.0 / v[0].sqrt()),
+        Reciprocal => elementwise(args, o, |v| 1.0 / v[0]),
         Sigmoid => elementwise(args, o, |v| 1.0 / (1.0 + (-v[0]).exp())),
         Tanh => elementwise(args, o, |v| v[0].tanh()),
         // NaN propagates, as in PyTorch (f64::max would give 0).

@@ -207,6 +207,7 @@ struct EwArgs {
 #define OP_WHERE 34
 #define OP_FILL 35
 #define OP_ARANGE 36
+#define OP_RECIPROCAL 37
 
 __device__ double apply(i64 op, double a, double b, double c, double s0, double s1, i64 i) {
     switch (op) {
@@ -248,6 +249,7 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_WHERE: return a != 0.0 ? b : c;
         case OP_FILL: return s0;
         case OP_ARANGE: return s0 + s1 * (double)i;
+        case OP_RECIPROCAL: return 1.0 / a;
         default: return 0.0;
     }
 }
