@@ -4,7 +4,8 @@
 //! Concurrent lanes write different parts of the same allocation at the same time, which
 //! Rust's borrows cannot express for one `Vec`. So the arena keeps a registry of the regions
 //! currently borrowed and refuses a borrow that overlaps one: two views of the same bytes
-//! can never exist, whatever the scheduler says. This module is the crate's only `unsafe`.
+//! can never exist, whatever the scheduler says. That registry ([`Claims`]) is also what
+//! the sim device, which keeps no bytes, accounts its memory with.
 
 #![allow(unsafe_code)]
 
@@ -14,13 +15,84 @@ use std::sync::Mutex;
 
 use crate::ExecError;
 
+/// The byte ranges of a device's memory in use now, each claimed exclusively: a claim
+/// outside the memory or overlapping a live one is refused.
+pub(crate) struct Claims {
+    len: usize,
+    borrowed: Mutex<Vec<Range<usize>>>,
+}
+
+/// One claimed range, released when dropped.
+pub(crate) struct Claim<'a> {
+    claims: &'a Claims,
+    range: Range<usize>,
+}
+
+impl Claims {
+    /// A registry for `len` bytes, none claimed.
+    pub(crate) fn new(len: usize) -> Claims {
+        Claims {
+            len,
+            borrowed: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Bytes of the memory.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Claims `[offset, offset + len)` until the claim is dropped.
+    pub(crate) fn claim(&self, offset: u64, len: u64) -> Result<Claim<'_>, ExecError> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|l| start.checked_add(l))
+            .filter(|&end| end <= self.len)
+            .ok_or_else(|| {
+                ExecError::Device(format!(
+                    "bytes {offset}..{} are outside the arena of {} bytes",
+                    offset.saturating_add(len),
+                    self.len
+                ))
+            })?;
+        let range = start..end;
+        let mut borrowed = self
+            .borrowed
+            .lock()
+            .map_err(|_| ExecError::Device("arena registry poisoned".into()))?;
+        if let Some(other) = borrowed.iter().find(|r| {
+            r.start < range.end && range.start < r.end && !range.is_empty() && !r.is_empty()
+        }) {
+            return Err(ExecError::Device(format!(
+                "bytes {}..{} are in use by another lane or transfer ({}..{})",
+                range.start, range.end, other.start, other.end
+            )));
+        }
+        borrowed.push(range.clone());
+        Ok(Claim {
+            claims: self,
+            range,
+        })
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut borrowed) = self.claims.borrowed.lock()
+            && let Some(i) = borrowed.iter().position(|r| *r == self.range)
+        {
+            borrowed.swap_remove(i);
+        }
+    }
+}
+
 /// One allocation of `len` bytes, 16-byte aligned, zero-initialised.
 pub struct Arena {
     base: NonNull<u8>,
-    len: usize,
     /// Keeps the allocation alive; only ever accessed through `base`.
     _storage: Box<[u128]>,
-    borrowed: Mutex<Vec<Range<usize>>>,
+    claims: Claims,
 }
 
 // SAFETY: the arena owns its allocation, and every access goes through a `Region`, which
@@ -53,59 +125,35 @@ impl Arena {
             .ok_or_else(|| ExecError::Device("null allocation".into()))?;
         Ok(Arena {
             base,
-            len,
             _storage: storage,
-            borrowed: Mutex::new(Vec::new()),
+            claims: Claims::new(len),
         })
     }
 
     /// Capacity in bytes.
     pub fn len(&self) -> u64 {
-        self.len as u64
+        self.claims.len() as u64
     }
 
     /// True for a zero-byte arena.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.claims.len() == 0
     }
 
     /// Exclusive access to `[offset, offset + len)`, until the region is dropped. Fails if
     /// the range is outside the arena or overlaps a region borrowed now.
     pub fn borrow(&self, offset: u64, len: u64) -> Result<Region<'_>, ExecError> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        let end = usize::try_from(len)
-            .ok()
-            .and_then(|l| start.checked_add(l))
-            .filter(|&end| end <= self.len)
-            .ok_or_else(|| {
-                ExecError::Device(format!(
-                    "bytes {offset}..{} are outside the arena of {} bytes",
-                    offset.saturating_add(len),
-                    self.len
-                ))
-            })?;
-        let range = start..end;
-        let mut borrowed = self
-            .borrowed
-            .lock()
-            .map_err(|_| ExecError::Device("arena registry poisoned".into()))?;
-        if let Some(other) = borrowed.iter().find(|r| {
-            r.start < range.end && range.start < r.end && !range.is_empty() && !r.is_empty()
-        }) {
-            return Err(ExecError::Device(format!(
-                "bytes {}..{} are in use by another lane or transfer ({}..{})",
-                range.start, range.end, other.start, other.end
-            )));
-        }
-        borrowed.push(range.clone());
-        Ok(Region { arena: self, range })
+        Ok(Region {
+            arena: self,
+            claim: self.claims.claim(offset, len)?,
+        })
     }
 }
 
 /// Exclusive access to part of the arena.
 pub struct Region<'a> {
     arena: &'a Arena,
-    range: Range<usize>,
+    claim: Claim<'a>,
 }
 
 impl Deref for Region<'_> {
@@ -116,8 +164,8 @@ impl Deref for Region<'_> {
         // live region overlaps it (the registry), so no `&mut` to these bytes exists.
         unsafe {
             std::slice::from_raw_parts(
-                self.arena.base.as_ptr().add(self.range.start),
-                self.range.len(),
+                self.arena.base.as_ptr().add(self.claim.range.start),
+                self.claim.range.len(),
             )
         }
     }
@@ -129,19 +177,9 @@ impl DerefMut for Region<'_> {
         // region.
         unsafe {
             std::slice::from_raw_parts_mut(
-                self.arena.base.as_ptr().add(self.range.start),
-                self.range.len(),
+                self.arena.base.as_ptr().add(self.claim.range.start),
+                self.claim.range.len(),
             )
-        }
-    }
-}
-
-impl Drop for Region<'_> {
-    fn drop(&mut self) {
-        if let Ok(mut borrowed) = self.arena.borrowed.lock()
-            && let Some(i) = borrowed.iter().position(|r| *r == self.range)
-        {
-            borrowed.swap_remove(i);
         }
     }
 }

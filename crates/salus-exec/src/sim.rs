@@ -7,12 +7,11 @@
 //! sleeps for the session's expected iteration time when its client gave one
 //! ([`Program::with_expected_iteration`]), otherwise for the [`CostModel`]'s estimate.
 
-use std::ops::Range;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use salus_graph::{Node, Op};
 
+use crate::arena::Claims;
 use crate::{Device, ExecError, Outcome, Placement, Program};
 
 /// How long a graph takes on the modeled device: a roofline of arithmetic and memory
@@ -103,71 +102,17 @@ fn flops(
 
 /// The sim device.
 pub struct SimDevice {
-    capacity: u64,
     model: CostModel,
-    borrowed: Mutex<Vec<Range<u64>>>,
-}
-
-/// A range borrowed from the sim arena, released on drop.
-struct Borrow<'a> {
-    device: &'a SimDevice,
-    range: Range<u64>,
-}
-
-impl Drop for Borrow<'_> {
-    fn drop(&mut self) {
-        let mut borrowed = self
-            .device
-            .borrowed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(i) = borrowed.iter().position(|r| *r == self.range) {
-            borrowed.swap_remove(i);
-        }
-    }
+    claims: Claims,
 }
 
 impl SimDevice {
     /// A sim device of `capacity` bytes timing iterations with `model`.
     pub fn new(capacity: u64, model: CostModel) -> SimDevice {
         SimDevice {
-            capacity,
             model,
-            borrowed: Mutex::new(Vec::new()),
+            claims: Claims::new(usize::try_from(capacity).unwrap_or(usize::MAX)),
         }
-    }
-
-    fn borrow(&self, offset: u64, len: u64) -> Result<Borrow<'_>, ExecError> {
-        let end = offset
-            .checked_add(len)
-            .filter(|&end| end <= self.capacity)
-            .ok_or_else(|| {
-                ExecError::Device(format!(
-                    "bytes {offset}..{offset}+{len} are outside the arena of {} bytes",
-                    self.capacity
-                ))
-            })?;
-        let range = offset..end;
-        let mut borrowed = self
-            .borrowed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if len > 0
-            && let Some(other) = borrowed
-                .iter()
-                .find(|r| r.start < range.end && range.start < r.end)
-        {
-            return Err(ExecError::Device(format!(
-                "bytes {range:?} overlap {other:?}, which is in use"
-            )));
-        }
-        if len > 0 {
-            borrowed.push(range.clone());
-        }
-        Ok(Borrow {
-            device: self,
-            range: if len > 0 { range } else { 0..0 },
-        })
     }
 }
 
@@ -177,15 +122,15 @@ impl Device for SimDevice {
     }
 
     fn capacity(&self) -> u64 {
-        self.capacity
+        self.claims.len() as u64
     }
 
     fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
-        self.borrow(offset, bytes.len() as u64).map(drop)
+        self.claims.claim(offset, bytes.len() as u64).map(drop)
     }
 
     fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
-        let _region = self.borrow(offset, len)?;
+        let _region = self.claims.claim(offset, len)?;
         Ok(vec![0; len as usize])
     }
 
@@ -193,8 +138,8 @@ impl Device for SimDevice {
         let start = Instant::now();
         program.check_feeds(feeds)?;
         let plan = program.plan();
-        let _persistent = self.borrow(at.persistent, plan.persistent_bytes)?;
-        let _lane = self.borrow(at.lane, plan.ephemeral_bytes)?;
+        let _persistent = self.claims.claim(at.persistent, plan.persistent_bytes)?;
+        let _lane = self.claims.claim(at.lane, plan.ephemeral_bytes)?;
         let modeled = program
             .expected_iteration()
             .unwrap_or_else(|| self.model.iteration(program));
