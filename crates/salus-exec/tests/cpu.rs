@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use salus_exec::{CpuDevice, Device, ExecError, Location, Placement, Program};
-use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update};
+use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
 
 fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
     Tensor {
@@ -31,34 +31,6 @@ fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> 
     }
 }
 
-/// out = embedding(table, ids) summed; table := table * 0.5.
-fn embedding_graph() -> Graph {
-    Graph {
-        tensors: vec![
-            tensor("table", DType::F32, &[4, 2], Role::Parameter),
-            tensor("ids", DType::I64, &[3], Role::Feed),
-            tensor("rows", DType::F32, &[3, 2], Role::Intermediate),
-            tensor("total", DType::F32, &[], Role::Intermediate),
-            tensor("halved", DType::F32, &[4, 2], Role::Intermediate),
-        ],
-        nodes: vec![
-            node(Op::Embedding, &[0, 1], &[2], &[]),
-            node(
-                Op::SumDimIntList,
-                &[2],
-                &[3],
-                &[("keepdim", Attr::Bool(false))],
-            ),
-            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(0.5))]),
-        ],
-        fetches: vec![3],
-        updates: vec![Update {
-            target: 0,
-            value: 4,
-        }],
-    }
-}
-
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
@@ -76,7 +48,7 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 /// The embedding graph on a fresh CPU device, its table holding 1..=8.
 fn embedding_session() -> (Program, CpuDevice, Placement) {
-    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let program = Program::new(salus_graph::samples::embedding_sum(), &Limits::default()).unwrap();
     let device = CpuDevice::new(1 << 16).unwrap();
     let at = Placement {
         persistent: 0,
@@ -152,7 +124,7 @@ fn feeds_are_checked() {
 
 #[test]
 fn overlapping_placements_are_refused() {
-    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let program = Program::new(salus_graph::samples::embedding_sum(), &Limits::default()).unwrap();
     let device = CpuDevice::new(1 << 16).unwrap();
     let lane = device.write(8192, &[0; 16]);
     assert!(lane.is_ok());

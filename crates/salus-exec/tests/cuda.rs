@@ -6,15 +6,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use common::*;
 use salus_exec::{CpuDevice, CudaDevice, CudaOptions, Device, ExecError, Placement, Program};
-use salus_graph::{
-    Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update, samples,
-};
+use salus_graph::{DType, Graph, Limits, Op, samples};
 
 /// The GPU, or `None` with the reason printed (the test then passes without running).
 fn gpu(test: &str, cap: u64) -> Option<CudaDevice> {
@@ -137,63 +134,12 @@ fn training_steps_match_the_cpu_with_and_without_graphs() {
     }
 }
 
-fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
-    Tensor {
-        name: name.into(),
-        ty: TensorType::new(dtype, shape.to_vec()),
-        role,
-        data: vec![],
-    }
-}
-
-fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
-    Node {
-        name: format!("{op}"),
-        op,
-        inputs: inputs.iter().map(|&i| Some(i)).collect(),
-        outputs: outputs.iter().map(|&o| Some(o)).collect(),
-        attrs: attrs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect::<BTreeMap<_, _>>(),
-        source: String::new(),
-    }
-}
-
-/// out = sum(embedding(table, ids)); table := table * 0.5.
-fn embedding_graph() -> Graph {
-    Graph {
-        tensors: vec![
-            tensor("table", DType::F32, &[4, 2], Role::Parameter),
-            tensor("ids", DType::I64, &[3], Role::Feed),
-            tensor("rows", DType::F32, &[3, 2], Role::Intermediate),
-            tensor("total", DType::F32, &[], Role::Intermediate),
-            tensor("halved", DType::F32, &[4, 2], Role::Intermediate),
-        ],
-        nodes: vec![
-            node(Op::Embedding, &[0, 1], &[2], &[]),
-            node(
-                Op::SumDimIntList,
-                &[2],
-                &[3],
-                &[("keepdim", Attr::Bool(false))],
-            ),
-            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(0.5))]),
-        ],
-        fetches: vec![3],
-        updates: vec![Update {
-            target: 0,
-            value: 4,
-        }],
-    }
-}
-
 #[test]
 fn a_bad_index_fails_the_iteration_and_leaves_the_state() {
     let Some(gpu) = gpu("bad_index", 64 << 20) else {
         return;
     };
-    let program = Program::new(embedding_graph(), &Limits::default()).unwrap();
+    let program = Program::new(samples::embedding_sum(), &Limits::default()).unwrap();
     let at = Placement {
         persistent: 0,
         lane: 4096,

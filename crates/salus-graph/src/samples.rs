@@ -1,5 +1,6 @@
 //! Small real graphs for tests, benchmarks and examples that need a training step without
-//! a framework: linear regression trained by SGD.
+//! a framework: linear regression trained by SGD, and an embedding lookup whose indices
+//! come from the client (for index checks).
 
 use std::collections::BTreeMap;
 
@@ -7,9 +8,13 @@ use crate::ir::{Attr, DType, Graph, Node, Role, Tensor, TensorType, Update};
 use crate::op::Op;
 
 fn tensor(name: &str, shape: &[u64], role: Role) -> Tensor {
+    typed(name, DType::F32, shape, role)
+}
+
+fn typed(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
     Tensor {
         name: name.into(),
-        ty: TensorType::new(DType::F32, shape.to_vec()),
+        ty: TensorType::new(dtype, shape.to_vec()),
         role,
         data: vec![],
     }
@@ -66,6 +71,36 @@ pub fn regression(n: u64, d: u64, k: u64, lr: f64) -> Graph {
     }
 }
 
+/// `total = sum(embedding(table, ids))` with `table: f32[4, 2]` (tensor 0, a parameter)
+/// and `ids: i64[3]` fed; `table := table * 0.5` is the update. An id outside 0..4 must
+/// fail the iteration and leave the table as it was.
+pub fn embedding_sum() -> Graph {
+    Graph {
+        tensors: vec![
+            typed("table", DType::F32, &[4, 2], Role::Parameter),
+            typed("ids", DType::I64, &[3], Role::Feed),
+            typed("rows", DType::F32, &[3, 2], Role::Intermediate),
+            typed("total", DType::F32, &[], Role::Intermediate),
+            typed("halved", DType::F32, &[4, 2], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Embedding, &[0, 1], 2, &[]),
+            node(
+                Op::SumDimIntList,
+                &[2],
+                3,
+                &[("keepdim", Attr::Bool(false))],
+            ),
+            node(Op::MulScalar, &[0], 4, &[("other", Attr::Float(0.5))]),
+        ],
+        fetches: vec![3],
+        updates: vec![Update {
+            target: 0,
+            value: 4,
+        }],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +111,11 @@ mod tests {
         let checked = check(&regression(8, 16, 16, 0.1), &Limits::default()).unwrap();
         assert_eq!(checked.plan.persistent_bytes, 16 * 16 * 4);
         assert!(checked.plan.ephemeral_bytes > 0);
+    }
+
+    #[test]
+    fn embedding_sum_is_valid() {
+        let checked = check(&embedding_sum(), &Limits::default()).unwrap();
+        assert_eq!(checked.plan.persistent_bytes, 256, "4 x 2 f32, aligned");
     }
 }

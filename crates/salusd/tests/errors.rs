@@ -8,7 +8,6 @@ mod common;
 use common::{Daemon, Job, bytes, floats};
 use salus_client::v1 as pb;
 use salus_client::{Client, Error, OpenOptions};
-use salus_graph::{Attr, DType, Graph, Node, Op, Role, Tensor, TensorType, Update};
 use tonic::Code;
 
 fn expect(result: Result<impl std::fmt::Debug, Error>, code: Code, needles: &[&str], case: &str) {
@@ -199,48 +198,6 @@ async fn malformed_requests_get_clear_statuses() {
     assert_eq!((losses, w), j.alone(3));
 }
 
-/// out = sum(embedding(table, ids)); table := table * 0.5. The table has 4 rows.
-fn embedding_graph() -> Graph {
-    let t = |name: &str, dtype, shape: &[u64], role| Tensor {
-        name: String::from(name),
-        ty: TensorType::new(dtype, shape.to_vec()),
-        role,
-        data: vec![],
-    };
-    let n = |op: Op, inputs: &[usize], output: usize, attrs: Vec<(&str, Attr)>| Node {
-        name: format!("{op}_{output}"),
-        op,
-        inputs: inputs.iter().map(|&i| Some(i)).collect(),
-        outputs: vec![Some(output)],
-        attrs: attrs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-        source: "model.embed".into(),
-    };
-    Graph {
-        tensors: vec![
-            t("table", DType::F32, &[4, 2], Role::Parameter),
-            t("ids", DType::I64, &[3], Role::Feed),
-            t("rows", DType::F32, &[3, 2], Role::Intermediate),
-            t("total", DType::F32, &[], Role::Intermediate),
-            t("halved", DType::F32, &[4, 2], Role::Intermediate),
-        ],
-        nodes: vec![
-            n(Op::Embedding, &[0, 1], 2, vec![]),
-            n(
-                Op::SumDimIntList,
-                &[2],
-                3,
-                vec![("keepdim", Attr::Bool(false))],
-            ),
-            n(Op::MulScalar, &[0], 4, vec![("other", Attr::Float(0.5))]),
-        ],
-        fetches: vec![3],
-        updates: vec![Update {
-            target: 0,
-            value: 4,
-        }],
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_index_out_of_range_fails_the_iteration_and_changes_nothing() {
     let daemon = Daemon::start(&["--policy", "pack"]);
@@ -248,7 +205,7 @@ async fn an_index_out_of_range_fails_the_iteration_and_changes_nothing() {
     let table: Vec<f32> = (1..=8).map(|v| v as f32).collect();
     let mut session = client
         .open(OpenOptions {
-            graph: embedding_graph().to_proto(),
+            graph: salus_graph::samples::embedding_sum().to_proto(),
             kind: pb::SessionKind::Training,
             hints: pb::Hints::default(),
             initial: vec![(0, bytes(&table))],
