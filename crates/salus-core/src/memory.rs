@@ -41,6 +41,15 @@ impl MemoryConfig {
         self.capacity - self.reserve
     }
 
+    /// True when a session of `persistent` and `ephemeral` bytes (each aligned up) fits an
+    /// empty device. A session that does not can never be admitted.
+    pub fn fits_empty(&self, persistent: u64, ephemeral: u64) -> bool {
+        match (self.align_up(persistent), self.align_up(ephemeral)) {
+            (Some(p), Some(e)) => p.checked_add(e).is_some_and(|t| t <= self.usable()),
+            _ => false,
+        }
+    }
+
     /// Rounds `bytes` up to the alignment; `None` on overflow.
     pub fn align_up(&self, bytes: u64) -> Option<u64> {
         Some(bytes.checked_add(self.alignment - 1)? & !(self.alignment - 1))

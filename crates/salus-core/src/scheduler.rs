@@ -396,11 +396,10 @@ impl Scheduler {
         }
         let persistent = self.memory.align_up(spec.persistent_bytes);
         let ephemeral = self.memory.align_up(spec.ephemeral_bytes);
-        let fits = match (persistent, ephemeral) {
-            (Some(p), Some(e)) => p.checked_add(e).is_some_and(|t| t <= self.memory.usable()),
-            _ => false,
-        };
-        if !fits {
+        if !self
+            .memory
+            .fits_empty(spec.persistent_bytes, spec.ephemeral_bytes)
+        {
             self.actions.push(Action::Reject {
                 session: id,
                 reason: RejectReason {

@@ -49,9 +49,9 @@ fn graph_status(e: &GraphError) -> Status {
 /// Rejects, before any tensor bytes are held, a session that can never fit.
 fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
     let memory = engine.memory();
-    let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
-    let need = aligned(p).saturating_add(aligned(e.max(1)));
-    if need > memory.usable() {
+    if !memory.fits_empty(p, e.max(1)) {
+        let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
+        let need = aligned(p).saturating_add(aligned(e.max(1)));
         return Err(Status::resource_exhausted(format!(
             "the session needs {need} bytes (P {p} + E {e}, aligned) but the device has only {} \
              usable ({} capacity, {} reserved); it can never run here",
