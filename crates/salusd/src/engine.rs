@@ -326,7 +326,6 @@ pub struct Engine {
     shared: Arc<std::sync::Mutex<Shared>>,
     memory: MemoryConfig,
     limits: salus_graph::Limits,
-    device_name: String,
     next_session: Arc<std::sync::atomic::AtomicU64>,
     stopping: Arc<tokio::sync::watch::Sender<bool>>,
     host: HostBudget,
@@ -368,7 +367,6 @@ impl Engine {
             shared: shared.clone(),
             memory: config.memory,
             limits: config.limits,
-            device_name: config.device.name(),
             next_session: Arc::new(std::sync::atomic::AtomicU64::new(1)),
             stopping: Arc::new(tokio::sync::watch::channel(false).0),
             host: HostBudget::new(config.host_memory),
@@ -437,11 +435,6 @@ impl Engine {
     /// Bounds on graphs.
     pub fn limits(&self) -> &salus_graph::Limits {
         &self.limits
-    }
-
-    /// The device's name.
-    pub fn device_name(&self) -> &str {
-        &self.device_name
     }
 
     /// A snapshot of the engine's own numbers.

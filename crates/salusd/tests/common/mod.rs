@@ -3,7 +3,7 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -216,8 +216,4 @@ pub async fn eventually(
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-}
-
-pub fn path_exists(p: &Path) -> bool {
-    p.exists()
 }
