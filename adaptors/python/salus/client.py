@@ -126,6 +126,16 @@ def rpc_error(error: grpc.RpcError, operation: str, address: str) -> DaemonError
                        details=details, operation=operation, address=address)
 
 
+def failure_error(failure: session_pb2.Failure, operation: str, address: str,
+                  what: str = "") -> DaemonError:
+    """The salus exception for an iteration that failed on a ``RunStream`` (whose status
+    travels as a number and a message); ``what`` names the iteration, e.g. "iteration 3: "."""
+    code = _CODE_NAMES.get(failure.code, "UNKNOWN")
+    return DaemonError(f"salusd refused to {operation}: {what}{code}: {failure.message}",
+                       code=code, details=failure.message, operation=operation,
+                       address=address)
+
+
 def chunks(tensor: int, data: bytes) -> Iterator[session_pb2.TensorChunk]:
     """``data`` of one tensor as chunks of at most :data:`CHUNK_BYTES` (at least one)."""
     view = memoryview(data)
@@ -407,11 +417,7 @@ class Session:
                     f"cannot {operation}: salusd ended the iteration stream", code="UNAVAILABLE",
                     details="stream ended", operation=operation, address=address)) from None
         if response.HasField("failure"):
-            code = _CODE_NAMES.get(response.failure.code, "UNKNOWN")
-            details = response.failure.message
-            raise self._explained(DaemonError(
-                f"salusd refused to {operation}: {code}: {details}", code=code,
-                details=details, operation=operation, address=address))
+            raise self._explained(failure_error(response.failure, operation, address))
         return response
 
     def _end_stream(self) -> None:
@@ -455,11 +461,8 @@ class Session:
         try:
             for response in call:
                 if response.HasField("failure"):
-                    code = _CODE_NAMES.get(response.failure.code, "UNKNOWN")
-                    raise DaemonError(f"salusd refused to {operation}: iteration "
-                                      f"{response.tag}: {code}: {response.failure.message}",
-                                      code=code, details=response.failure.message,
-                                      operation=operation, address=str(self.client.address))
+                    raise failure_error(response.failure, operation, str(self.client.address),
+                                        f"iteration {response.tag}: ")
                 window.release()
                 yield response
             if failed:
