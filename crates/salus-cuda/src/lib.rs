@@ -1,9 +1,22 @@
-//! The CUDA device: one context, one allocation, one stream per lane.
+//! The CUDA backend of salus: the [`CudaDevice`] on one GPU, one context, one allocation,
+//! one stream per lane.
+//!
+//! Owns everything that talks to CUDA: probing GPUs ([`GpuInfo`]), opening one
+//! ([`CudaOptions`]), the calls into the driver, cuBLAS and NVRTC (`driver`), lowering a
+//! program's nodes to kernel launches and cuBLAS products (`ops`), and the kernels'
+//! source (`src/kernels/*.cu`, one file per op family, concatenated into one NVRTC
+//! program). Must not touch: the device contract, programs, placements and node layouts
+//! (`salus-exec`'s; this crate only uses them), the CPU backend (whose results its kernels
+//! reproduce, checked by `salus-testkit`'s tests), sessions and policies. `unsafe` is
+//! allowed in one module only, `driver`.
+//!
+//! The backend is always compiled: it loads the CUDA libraries at run time and reports a
+//! clear error where there are none.
 //!
 //! At start the device takes the primary context of one GPU, allocates its whole arena in
 //! one `cuMemAlloc` (the capacity: free memory minus a reserve, optionally capped), and
-//! compiles its kernels (`kernels/kernels.cu`) with NVRTC for the GPU's architecture,
-//! caching the machine code on disk keyed by architecture, NVRTC version and source hash.
+//! compiles its kernels (`KERNELS`) with NVRTC for the GPU's architecture, caching the
+//! machine code on disk keyed by architecture, NVRTC version and source hash.
 //! Persistent blocks and lanes are offsets into the arena, as the core assigns them.
 //!
 //! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
@@ -37,12 +50,25 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys;
 
+use salus_exec::{Device, ExecError, Location, Outcome, Placement, Program};
+
 use self::driver::{Raw, driver_error};
 use self::ops::{Cmd, K, Lower};
-use crate::{Device, ExecError, Location, Outcome, Placement, Program};
 
-/// The kernels' source, compiled at run time.
-const KERNELS: &str = include_str!("kernels/kernels.cu");
+/// The kernels' source, compiled at run time: the op families' files in the order
+/// `kernels/prelude.cu` gives (a file may use what an earlier one defines).
+const KERNELS: &str = concat!(
+    include_str!("kernels/prelude.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/copy.cu"),
+    include_str!("kernels/reduce.cu"),
+    include_str!("kernels/norm.cu"),
+    include_str!("kernels/matmul.cu"),
+    include_str!("kernels/conv.cu"),
+    include_str!("kernels/pool.cu"),
+    include_str!("kernels/index.cu"),
+    include_str!("kernels/random.cu"),
+);
 
 /// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
 const MIN_DRIVER: i32 = 12080;
