@@ -22,7 +22,7 @@
 //! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
 //! a small error block and two events; iterations of one lane run in order, lanes run
 //! concurrently. A program at a placement is lowered once into a command list (see
-//! [`ops`]); its first iteration runs the list eagerly, the second captures it into a CUDA
+//! `ops`); its first iteration runs the list eagerly, the second captures it into a CUDA
 //! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
 //!
 //! Updates are written after the fetches have been read, by a kernel that does nothing
@@ -715,6 +715,26 @@ mod tests {
             Ok(gpus) => assert!(!gpus.is_empty()),
             Err(reason) => assert!(!reason.is_empty()),
         }
+    }
+
+    #[test]
+    fn every_kernel_file_ends_its_last_line() {
+        // `KERNELS` concatenates the files: one without a final newline would glue its last
+        // line onto the next file's first (a comment swallowing a declaration).
+        let files = [
+            include_str!("kernels/prelude.cu"),
+            include_str!("kernels/elementwise.cu"),
+            include_str!("kernels/copy.cu"),
+            include_str!("kernels/reduce.cu"),
+            include_str!("kernels/norm.cu"),
+            include_str!("kernels/matmul.cu"),
+            include_str!("kernels/conv.cu"),
+            include_str!("kernels/pool.cu"),
+            include_str!("kernels/index.cu"),
+            include_str!("kernels/random.cu"),
+        ];
+        assert!(files.iter().all(|f| f.ends_with('\n')));
+        assert_eq!(files.concat(), KERNELS);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Test tooling of salus's devices, not part of their API (never published): replaying
-//! PyTorch reference runs on a device ([`reference`]), and the tests that run more than one
-//! backend against the same references.
+//! PyTorch reference runs on a device ([`reference`](mod@reference)), and the tests that
+//! run more than one backend against the same references.
 //!
 //! Owns: the reference-run reader used by tests, examples (`replay_reference`,
 //! `profile_reference`) and `salus-bench`; the op tests (`tests/ops.rs`: every op on the
