@@ -4,7 +4,7 @@
 # install (toolkit or the nvidia-* Python wheels) ships only libnvrtc.so.13 and
 # libcublas.so.13, so unversioned links to them go into a temporary folder.
 #
-#   source scripts/cuda-libs.sh && cargo test -p salus-exec --test cuda -- --nocapture
+#   source scripts/cuda-libs.sh && cargo test -p salus-testkit --test cuda -- --nocapture
 links=$(mktemp -d /tmp/salus-culibs.XXXXXX)
 for name in libcuda libnvrtc libcublas libcublasLt libnvrtc-builtins; do
     found=$(find /usr/local/nvidia /usr/local/cuda* /usr/lib/x86_64-linux-gnu /opt \

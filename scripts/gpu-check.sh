@@ -19,7 +19,7 @@ prepare)
     set -e
     mkdir -p .gpu
     grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-    bins=$(cargo test --release --locked -p salus-exec --test cuda --test ops --no-run \
+    bins=$(cargo test --release --locked -p salus-testkit --test cuda --test ops --no-run \
         --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -28,7 +28,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])')
     while read -r name path; do cp "$path" ".gpu/$name"; done <<< "$bins"
     cargo build --release --locked -p salusd -p salusctl -p salus-bench
-    cargo build --release --locked -p salus-exec --example replay_reference
+    cargo build --release --locked -p salus-testkit --example replay_reference
     cp target/release/salusd target/release/salusctl target/release/salus-bench \
         target/release/examples/replay_reference .gpu/
     strip .gpu/* 2>/dev/null || true

@@ -9,8 +9,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use salus_exec::reference::ReferenceRun;
-use salus_exec::{CudaDevice, CudaOptions, Device, Placement};
+use salus_cuda::{CudaDevice, CudaOptions};
+use salus_exec::{Device, Placement};
+use salus_testkit::reference::ReferenceRun;
 use serde::Serialize;
 
 use crate::engine_suite::{median, python};

@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use salus_exec::reference::ReferenceRun;
-use salus_exec::{CpuDevice, Device, Placement, Program};
+use salus_cpu::CpuDevice;
+use salus_exec::{Device, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
+use salus_testkit::reference::ReferenceRun;
 use serde::Serialize;
 
 #[derive(Debug, Serialize)]

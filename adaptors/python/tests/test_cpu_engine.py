@@ -1,7 +1,7 @@
 """The Rust CPU device runs traced training steps and matches PyTorch.
 
 Reference runs come from ``python -m salus.reference`` (eager PyTorch from the same initial
-state on the same batches); the Rust side replays them with ``cargo run -p salus-exec
+state on the same batches); the Rust side replays them with ``cargo run -p salus-testkit
 --example replay_reference`` and reports its losses and final persistent tensors.
 """
 
@@ -39,7 +39,7 @@ def replay(model_dir: Path) -> dict:
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not installed")
     out = subprocess.run(
-        ["cargo", "run", "--quiet", "--locked", "-p", "salus-exec", "--example",
+        ["cargo", "run", "--quiet", "--locked", "-p", "salus-testkit", "--example",
          "replay_reference", "--", str(model_dir)],
         cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr

@@ -2,6 +2,9 @@
 //! the inputs (persistent block or lane), of the outputs and of the scratch in the lane,
 //! and the lane's cut into disjoint pieces. An iteration then only slices; it computes
 //! no location and allocates nothing per node.
+//!
+//! Backends read a program's layouts through [`crate::Program::layouts`]; only the program
+//! builds them.
 
 use std::ops::Range;
 
@@ -9,12 +12,12 @@ use salus_graph::{Graph, MemoryPlan, Op};
 
 /// Where one input of a node is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum InputAt {
+pub enum InputAt {
     /// An optional tensor given as `None`.
     Absent,
-    /// In the lane.
+    /// In the lane, at these bytes of it.
     Lane(Range<usize>),
-    /// In the persistent block.
+    /// In the persistent block, at these bytes of it.
     Persistent(Range<usize>),
     /// In output 0's bytes: the node runs in place over it.
     InOutput,
@@ -24,7 +27,7 @@ pub(crate) enum InputAt {
 
 /// What a piece of the lane is to a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Piece {
+pub enum Piece {
     /// Inputs read there.
     Read,
     /// Output `j` is written there.
@@ -35,11 +38,13 @@ pub(crate) enum Piece {
 
 /// One node's operands.
 #[derive(Debug, Clone)]
-pub(crate) struct NodeLayout {
+#[non_exhaustive]
+pub struct NodeLayout {
     /// A view planned onto its input's bytes: they already hold its value.
     pub skip: bool,
+    /// Where each input is, in the node's input order.
     pub inputs: Vec<InputAt>,
-    /// The lane cut into disjoint, sorted pieces.
+    /// The lane cut into disjoint, sorted pieces (byte ranges of the lane).
     pub cuts: Vec<(Range<usize>, Piece)>,
     /// Outputs of no bytes: they take no piece of the lane (the plan may put them
     /// anywhere, even at the start of another tensor) and get an empty slice.

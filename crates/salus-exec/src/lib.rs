@@ -1,24 +1,29 @@
-//! The execution engine of salus: the device trait and its backends.
+//! The execution layer of salus: what every device backend shares.
 //!
-//! Owns running a session's planned graph: a [`Program`] (a validated graph and its memory
-//! plan, built once per session) runs one iteration at a time on a [`Device`], with its
-//! persistent tensors at the offset `salus-core` gave the session and its intermediates in
-//! the lane `salus-core` started the iteration in. A device owns one arena of its
-//! capacity; it never allocates per tensor or per iteration, and it knows nothing about
-//! sessions, lanes or policies beyond the offsets it is given.
+//! Owns the contract between the core and a device: the [`Device`] trait, a [`Program`]
+//! (a validated graph and its memory plan, built once per session, with each node's
+//! operand [`layout`] worked out once), [`Placement`] and [`Location`] (where a session's
+//! persistent block and lane are, and where a tensor lies in them), [`ExecError`] and
+//! [`Outcome`], the host [`Arena`] (one allocation handed out as exclusive, disjoint
+//! [`Region`]s), and the key random ops derive their streams from ([`random`]). A program
+//! runs one iteration at a time on a device, with its persistent tensors at the offset
+//! `salus-core` gave the session and its intermediates in the lane `salus-core` started the
+//! iteration in. A device owns one arena of its capacity; it never allocates per tensor or
+//! per iteration, and it knows nothing about sessions, lanes or policies beyond the offsets
+//! it is given.
 //!
-//! Backends: `cpu` (the embedded default), `sim` (modeled time, accounted memory) and
-//! `cuda` (one GPU: kernels compiled at run time, one stream per lane, CUDA graphs). The
-//! `cuda` backend is always compiled; it loads the CUDA libraries at run time and reports
-//! a clear error where there are none.
+//! Also the `sim` device (modeled time, accounted memory): a device with no kernels. The
+//! backends that compute are crates of their own: `salus-cpu` (the embedded default) and
+//! `salus-cuda` (one GPU).
+//!
+//! Must not touch: kernels, op semantics or any backend's libraries (no CUDA, no BLAS, no
+//! thread pool); sessions, scheduling and policies (`salus-core`); the wire (`salusd`).
+//! The arena is the one module here allowed `unsafe`, to hand concurrent lanes disjoint
+//! mutable views of one allocation.
 
 mod arena;
-mod blas;
-pub mod cpu;
-pub mod cuda;
-mod kernels;
-mod layout;
-pub mod reference;
+pub mod layout;
+pub mod random;
 pub mod sim;
 
 use std::time::Duration;
@@ -26,8 +31,6 @@ use std::time::Duration;
 use salus_graph::{Graph, GraphError, Limits, MemoryPlan, Role, TensorId, check};
 
 pub use arena::{Arena, Region};
-pub use cpu::CpuDevice;
-pub use cuda::{CudaDevice, CudaOptions, GpuInfo};
 pub use sim::{CostModel, SimDevice};
 
 /// Why an iteration or a transfer failed.
@@ -81,9 +84,9 @@ pub struct Program {
     feeds: Vec<TensorId>,
     expected_iteration: Option<Duration>,
     id: u64,
-    pub(crate) layouts: Vec<layout::NodeLayout>,
+    layouts: Vec<layout::NodeLayout>,
     /// Every tensor is small enough that no kernel splits its work across threads.
-    pub(crate) small: bool,
+    small: bool,
 }
 
 impl Program {
@@ -130,6 +133,18 @@ impl Program {
     /// The client's estimate of one iteration's time, if it gave one.
     pub fn expected_iteration(&self) -> Option<Duration> {
         self.expected_iteration
+    }
+
+    /// Each node's operands, in node order: where a backend finds a node's inputs, outputs
+    /// and scratch without computing a location per iteration.
+    pub fn layouts(&self) -> &[layout::NodeLayout] {
+        &self.layouts
+    }
+
+    /// True when every tensor has fewer than 16384 elements: no kernel would split its work
+    /// across threads, so a backend may run the whole graph on the calling thread.
+    pub fn is_small(&self) -> bool {
+        self.small
     }
 
     /// Checks that `feeds` has one buffer of the right size per feed tensor.

@@ -2,8 +2,9 @@
 //!
 //! Owns serving one device to many jobs: the gRPC services (sessions and admin) on a Unix
 //! socket and optionally TCP, the engine task that drives `salus-core` and runs iterations
-//! on a `salus-exec` device, access control, Prometheus metrics, and orderly shutdown.
-//! `salus-core` decides; `salus-exec` computes; this crate connects them to clients.
+//! on a `salus-exec` device (`salus-cpu`, `salus-cuda` or the sim device), access control,
+//! Prometheus metrics, and orderly shutdown. `salus-core` decides; the devices compute;
+//! this crate connects them to clients.
 
 pub mod auth;
 pub mod config;
@@ -16,7 +17,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use salus_exec::{CostModel, CpuDevice, CudaDevice, CudaOptions, Device, SimDevice};
+use salus_cpu::CpuDevice;
+use salus_cuda::{CudaDevice, CudaOptions};
+use salus_exec::{CostModel, Device, SimDevice};
 use salus_proto::v1 as pb;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};

@@ -462,7 +462,7 @@ async fn waiting_sessions_cannot_exhaust_host_memory() {
 
 #[test]
 fn cuda_without_a_usable_gpu_exits_with_the_reason_and_no_panic() {
-    let Err(reason) = salus_exec::CudaDevice::probe() else {
+    let Err(reason) = salus_cuda::CudaDevice::probe() else {
         eprintln!("skipped: this host has a usable GPU");
         return;
     };

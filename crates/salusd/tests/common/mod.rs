@@ -166,7 +166,8 @@ impl Job {
 
     /// Runs `iterations` on a fresh CPU device in this process: what the job gives alone.
     pub fn alone(&self, iterations: u64) -> (Vec<f32>, Vec<u8>) {
-        use salus_exec::{CpuDevice, Device, Placement, Program};
+        use salus_cpu::CpuDevice;
+        use salus_exec::{Device, Placement, Program};
         let program = Program::new(self.graph(), &salus_graph::Limits::default()).unwrap();
         let plan = program.plan();
         let device = CpuDevice::new(plan.persistent_bytes + plan.ephemeral_bytes + 256).unwrap();

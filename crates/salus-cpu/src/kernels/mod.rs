@@ -20,8 +20,6 @@ mod norm;
 mod pool;
 mod random;
 
-pub(crate) use random::name_key as random_name_key;
-
 type Result<T> = std::result::Result<T, String>;
 
 /// A tensor argument as a kernel sees it.

@@ -1,15 +1,28 @@
-//! The CUDA device: one context, one allocation, one stream per lane.
+//! The CUDA backend of salus: the [`CudaDevice`] on one GPU, one context, one allocation,
+//! one stream per lane.
+//!
+//! Owns everything that talks to CUDA: probing GPUs ([`GpuInfo`]), opening one
+//! ([`CudaOptions`]), the calls into the driver, cuBLAS and NVRTC (`driver`), lowering a
+//! program's nodes to kernel launches and cuBLAS products (`ops`), and the kernels'
+//! source (`src/kernels/*.cu`, one file per op family, concatenated into one NVRTC
+//! program). Must not touch: the device contract, programs, placements and node layouts
+//! (`salus-exec`'s; this crate only uses them), the CPU backend (whose results its kernels
+//! reproduce, checked by `salus-testkit`'s tests), sessions and policies. `unsafe` is
+//! allowed in one module only, `driver`.
+//!
+//! The backend is always compiled: it loads the CUDA libraries at run time and reports a
+//! clear error where there are none.
 //!
 //! At start the device takes the primary context of one GPU, allocates its whole arena in
 //! one `cuMemAlloc` (the capacity: free memory minus a reserve, optionally capped), and
-//! compiles its kernels (`kernels/kernels.cu`) with NVRTC for the GPU's architecture,
-//! caching the machine code on disk keyed by architecture, NVRTC version and source hash.
+//! compiles its kernels (`KERNELS`) with NVRTC for the GPU's architecture, caching the
+//! machine code on disk keyed by architecture, NVRTC version and source hash.
 //! Persistent blocks and lanes are offsets into the arena, as the core assigns them.
 //!
 //! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
 //! a small error block and two events; iterations of one lane run in order, lanes run
 //! concurrently. A program at a placement is lowered once into a command list (see
-//! [`ops`]); its first iteration runs the list eagerly, the second captures it into a CUDA
+//! `ops`); its first iteration runs the list eagerly, the second captures it into a CUDA
 //! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
 //!
 //! Updates are written after the fetches have been read, by a kernel that does nothing
@@ -37,12 +50,25 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys;
 
+use salus_exec::{Device, ExecError, Location, Outcome, Placement, Program};
+
 use self::driver::{Raw, driver_error};
 use self::ops::{Cmd, K, Lower};
-use crate::{Device, ExecError, Location, Outcome, Placement, Program};
 
-/// The kernels' source, compiled at run time.
-const KERNELS: &str = include_str!("kernels/kernels.cu");
+/// The kernels' source, compiled at run time: the op families' files in the order
+/// `kernels/prelude.cu` gives (a file may use what an earlier one defines).
+const KERNELS: &str = concat!(
+    include_str!("kernels/prelude.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/copy.cu"),
+    include_str!("kernels/reduce.cu"),
+    include_str!("kernels/norm.cu"),
+    include_str!("kernels/matmul.cu"),
+    include_str!("kernels/conv.cu"),
+    include_str!("kernels/pool.cu"),
+    include_str!("kernels/index.cu"),
+    include_str!("kernels/random.cu"),
+);
 
 /// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
 const MIN_DRIVER: i32 = 12080;
@@ -689,6 +715,26 @@ mod tests {
             Ok(gpus) => assert!(!gpus.is_empty()),
             Err(reason) => assert!(!reason.is_empty()),
         }
+    }
+
+    #[test]
+    fn every_kernel_file_ends_its_last_line() {
+        // `KERNELS` concatenates the files: one without a final newline would glue its last
+        // line onto the next file's first (a comment swallowing a declaration).
+        let files = [
+            include_str!("kernels/prelude.cu"),
+            include_str!("kernels/elementwise.cu"),
+            include_str!("kernels/copy.cu"),
+            include_str!("kernels/reduce.cu"),
+            include_str!("kernels/norm.cu"),
+            include_str!("kernels/matmul.cu"),
+            include_str!("kernels/conv.cu"),
+            include_str!("kernels/pool.cu"),
+            include_str!("kernels/index.cu"),
+            include_str!("kernels/random.cu"),
+        ];
+        assert!(files.iter().all(|f| f.ends_with('\n')));
+        assert_eq!(files.concat(), KERNELS);
     }
 
     #[test]

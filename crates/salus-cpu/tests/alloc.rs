@@ -13,7 +13,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use salus_exec::{CpuDevice, Device, Placement, Program};
+use salus_cpu::CpuDevice;
+use salus_exec::{Device, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update};
 
 /// The system allocator, counting allocations.

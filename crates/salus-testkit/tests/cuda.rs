@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::*;
-use salus_exec::{CpuDevice, CudaDevice, CudaOptions, Device, ExecError, Placement, Program};
+use salus_cpu::CpuDevice;
+use salus_cuda::{CudaDevice, CudaOptions};
+use salus_exec::{Device, ExecError, Placement, Program};
 use salus_graph::{DType, Graph, Limits, Op, samples};
 
 /// The GPU, or `None` with the reason printed (the test then passes without running).
@@ -281,7 +283,7 @@ fn memory_in_use_is_the_arena_within_the_reserve() {
         "running a lane may add only its stream, cuBLAS state and error block, not per-tensor memory"
     );
     assert!(
-        after - cap <= salus_exec::cuda::DEFAULT_RESERVE,
+        after - cap <= salus_cuda::DEFAULT_RESERVE,
         "everything outside the arena fits in the reserve"
     );
 }

@@ -1,13 +1,13 @@
 //! Times every node of a reference run's training step on the CPU device and prints where
 //! the time goes, per op and per node:
-//! `cargo run --release -p salus-exec --example profile_reference -- target/engine-bench/cnn`.
+//! `cargo run --release -p salus-testkit --example profile_reference -- target/engine-bench/cnn`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use salus_exec::reference::ReferenceRun;
+use salus_testkit::reference::ReferenceRun;
 
 fn run(dir: &Path, steps: usize) -> Result<(), String> {
     let run = ReferenceRun::load(dir)?;

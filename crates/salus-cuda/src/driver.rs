@@ -194,7 +194,7 @@ pub(crate) fn launch(
 ) -> DResult<()> {
     let mut param = args.as_ptr() as *mut c_void;
     // SAFETY: every kernel takes exactly one struct of 8-byte fields, whose layout `args`
-    // reproduces word for word (see kernels.cu); the driver copies the parameter block at
+    // reproduces word for word (see kernels/*.cu); the driver copies the parameter block at
     // launch, and all pointers inside it lie in memory this backend owns.
     unsafe {
         cu::launch_kernel(

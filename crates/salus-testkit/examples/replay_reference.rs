@@ -1,13 +1,14 @@
 //! Runs a reference run written by `python -m salus.reference` on the CPU device (or with
 //! `--device cuda`, GPU 0) and prints, as JSON, the loss of every step and how far each
 //! final persistent tensor is from PyTorch's:
-//! `cargo run -p salus-exec --example replay_reference -- OUT_DIR/mlp [--device cuda]`.
+//! `cargo run -p salus-testkit --example replay_reference -- OUT_DIR/mlp [--device cuda]`.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use salus_exec::reference::ReferenceRun;
-use salus_exec::{CudaDevice, CudaOptions, Device, Placement};
+use salus_cuda::{CudaDevice, CudaOptions};
+use salus_exec::{Device, Placement};
+use salus_testkit::reference::ReferenceRun;
 use serde_json::{Value, json};
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {

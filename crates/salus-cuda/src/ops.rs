@@ -4,14 +4,14 @@
 //! or captured into a CUDA graph, and replayed.
 //!
 //! The argument words of each kernel follow the field order of its struct in
-//! `kernels/kernels.cu`; every field is 8 bytes.
+//! `src/kernels/*.cu` (`crate::KERNELS`); every field is 8 bytes.
 
+use salus_exec::{Location, Program};
 use salus_graph::{Attr, DType, Node, Op, TensorType};
 
-use super::driver::{Gemm, GemmType};
-use crate::{Location, Program};
+use crate::driver::{Gemm, GemmType};
 
-/// The kernels of `kernels.cu`, by name.
+/// The kernels of `crate::KERNELS`, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum K {
     Ew,
@@ -125,7 +125,7 @@ const MAXR: usize = 8;
 const BLOCK: u32 = 256;
 const MAX_GRID: u64 = 65_535;
 
-/// The error block's codes, as kernels.cu reports them, and the CPU device's words.
+/// The error block's codes, as the kernels report them, and the CPU device's words.
 pub(crate) fn index_error(code: u64, value: i64, bound: i64) -> String {
     let what = match code {
         2 => "embedding index",
@@ -560,7 +560,7 @@ impl Lower<'_> {
     /// Lowers one node.
     pub(crate) fn node(&mut self, node: &Node) -> R {
         use Op::*;
-        let layout = &self.program.layouts[self.index];
+        let layout = &self.program.layouts()[self.index];
         if let Some(error) = &layout.error {
             return Err(error.clone());
         }
@@ -1662,7 +1662,7 @@ impl Lower<'_> {
         Ok(())
     }
 
-    /// bernoulli.p from the session's generator (input 1), as `kernels::random` draws.
+    /// bernoulli.p from the session's generator (input 1), as salus-cpu's `kernels::random` draws.
     fn bernoulli(&mut self, node: &Node) -> R {
         let o = self.output(node, 0).ok_or("output 0 is unused")?;
         let state = self.need(node, 1)?;
@@ -1673,7 +1673,7 @@ impl Lower<'_> {
             ));
         }
         let p = attr_f64(node, "p", None)?;
-        let key = crate::kernels::random_name_key(&node.name);
+        let key = salus_exec::random::name_key(&node.name);
         let a = vec![o.numel(), o.dt(), o.ptr, state.ptr, key, p.to_bits()];
         self.launch(K::Bernoulli, o.numel(), a);
         Ok(())
@@ -1977,11 +1977,11 @@ mod tests {
 
     #[test]
     fn every_kernel_name_is_in_the_source() {
-        let source = include_str!("kernels/kernels.cu");
+        let source = crate::KERNELS;
         for k in K::ALL {
             assert!(
                 source.contains(&format!("void {}(", k.name())),
-                "kernels.cu has no kernel {}",
+                "the kernels' source has no kernel {}",
                 k.name()
             );
         }
@@ -1989,8 +1989,8 @@ mod tests {
 
     #[test]
     fn argument_words_match_the_structs() {
-        // Counts of 8-byte fields of each struct in kernels.cu, as the lowering builds them.
-        let source = include_str!("kernels/kernels.cu");
+        // Counts of 8-byte fields of each struct in the kernels' source, as the lowering builds them.
+        let source = crate::KERNELS;
         assert!(source.contains("struct EwArgs"));
         // EwArgs: 5 + 3 + 8 + 4 * (2 + 8).
         assert_eq!(5 + 3 + MAXR + 4 * (2 + MAXR), 56);

@@ -3,7 +3,7 @@
 //! reference implementations, central finite differences, and a record of the ops run.
 //!
 //! `SALUS_TEST_DEVICE=cuda` runs every case on GPU 0 instead (one device shared by all
-//! cases, one case at a time): `SALUS_TEST_DEVICE=cuda cargo test -p salus-exec --test ops`
+//! cases, one case at a time): `SALUS_TEST_DEVICE=cuda cargo test -p salus-testkit --test ops`
 //! checks the CUDA kernels against the same naive references.
 
 #![allow(dead_code)]
@@ -13,7 +13,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use salus_exec::{CpuDevice, CudaDevice, CudaOptions, Device, Placement, Program};
+use salus_cpu::CpuDevice;
+use salus_cuda::{CudaDevice, CudaOptions};
+use salus_exec::{Device, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
 
 thread_local! {

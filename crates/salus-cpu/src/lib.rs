@@ -1,4 +1,13 @@
-//! The CPU device: the arena in host memory, kernels on the host's cores.
+//! The CPU backend of salus: the [`CpuDevice`], the arena in host memory and kernels on
+//! the host's cores. The embedded default device, and the reference the other backends
+//! are checked against.
+//!
+//! Owns the CPU kernels of every op of the IR (`kernels`: plain loops over `f64` for every
+//! dtype, typed f32 fast paths in `kernels::fast`) and the f32 matrix products (`blas`).
+//! Must not touch: the device contract, programs, placements or the arena's rules (those
+//! are `salus-exec`'s; this crate only uses them), other backends, sessions and policies.
+//! `unsafe` is allowed in one module only, `kernels::fast::simd` (calling a function
+//! compiled for a CPU feature detected at run time).
 //!
 //! An iteration borrows its session's persistent block and its lane from the arena, copies
 //! the feeds into the lane, runs every node with its inputs and outputs carved out of those
@@ -10,16 +19,18 @@
 //! its argument lists reuse vectors the device keeps between iterations, and kernels work
 //! in the lane scratch the plan reserved for them.
 
+mod blas;
+mod kernels;
+
 use std::ops::Range;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use salus_exec::layout::{InputAt, Piece};
+use salus_exec::{Arena, Device, ExecError, Location, Outcome, Placement, Program};
 use salus_graph::Node;
 
-use crate::arena::Arena;
-use crate::kernels::{self, Arg, Out};
-use crate::layout::{InputAt, Piece};
-use crate::{Device, ExecError, Location, Outcome, Placement, Program};
+use crate::kernels::{Arg, Out};
 
 /// The CPU device.
 pub struct CpuDevice {
@@ -86,7 +97,7 @@ fn run_node(
     lists: &mut ArgLists,
 ) -> Result<(), ExecError> {
     let graph = program.graph();
-    let layout = &program.layouts[index];
+    let layout = &program.layouts()[index];
     let fail = |message: String| ExecError::Node {
         index,
         name: node.name.clone(),
@@ -192,7 +203,7 @@ impl CpuDevice {
         // then split work from inside the pool, which hands nothing to another thread's
         // queue per op (and allocates nothing for it). A graph of small tensors runs right
         // here: it would not split, and the hop to the pool would cost more than its ops.
-        let result = if program.small {
+        let result = if program.is_small() {
             run_all()
         } else {
             rayon::scope(|_| run_all())

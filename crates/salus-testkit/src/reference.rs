@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use salus_cpu::CpuDevice;
+use salus_exec::{Device, ExecError, Location, Placement, Program};
 use salus_graph::{Graph, Limits};
-
-use crate::{CpuDevice, Device, ExecError, Location, Placement, Program};
 
 /// Named tensors as raw little-endian bytes.
 pub type Tensors = HashMap<String, Vec<u8>>;

@@ -4,6 +4,7 @@
 //! a checkpoint of the session's tensors captures the generator too. The stream is the
 //! session's own, not PyTorch's: masks are statistically, not bitwise, what PyTorch draws.
 
+use salus_exec::random::name_key;
 use salus_graph::Node;
 
 use super::{Arg, Out, Result, attr_f64, store, tensor};
@@ -13,13 +14,6 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-/// FNV-1a of the node's name: two random nodes of one graph draw different streams.
-pub(crate) fn name_key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Uniform in [0, 1) with 24 bits, for element `i` of the stream `key`.

@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use salus_exec::{CpuDevice, Device, ExecError, Location, Placement, Program};
+use salus_cpu::CpuDevice;
+use salus_exec::{Device, ExecError, Location, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
 
 fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {

@@ -1,0 +1,127 @@
+// ------------------------------------------------------------------------------------
+// Elementwise ops and strided copies.
+
+struct Ten {
+    u64 ptr;
+    i64 dt;
+    i64 st[MAXR];
+};
+
+struct EwArgs {
+    i64 n, rank, op, nin, contig;
+    double s0, s1, s2;
+    i64 shape[MAXR];
+    Ten out;
+    Ten in[3];
+};
+
+#define OP_COPY 0
+#define OP_ADD 1
+#define OP_MUL 2
+#define OP_DIV 3
+#define OP_ADDS 4
+#define OP_MULS 5
+#define OP_DIVS 6
+#define OP_NEG 7
+#define OP_ABS 8
+#define OP_SIGN 9
+#define OP_EXP 10
+#define OP_LOG 11
+#define OP_SQRT 12
+#define OP_RSQRT 13
+#define OP_SIGMOID 14
+#define OP_TANH 15
+#define OP_RELU 16
+#define OP_LEAKY 17
+#define OP_GELU_TANH 18
+#define OP_GELU 19
+#define OP_ERF 20
+#define OP_POW_TS 21
+#define OP_POW_S 22
+#define OP_CLAMP 23
+#define OP_EQ 24
+#define OP_NE 25
+#define OP_LT 26
+#define OP_LE 27
+#define OP_GT 28
+#define OP_GE 29
+#define OP_LAND 30
+#define OP_LNOT 31
+#define OP_BNOT 32
+#define OP_BAND 33
+#define OP_WHERE 34
+#define OP_FILL 35
+#define OP_ARANGE 36
+#define OP_RECIPROCAL 37
+
+__device__ double apply(i64 op, double a, double b, double c, double s0, double s1, i64 i) {
+    switch (op) {
+        case OP_COPY: return a;
+        case OP_ADD: return a + s0 * b;
+        case OP_MUL: return a * b;
+        case OP_DIV: return a / b;
+        case OP_ADDS: return a + s0;
+        case OP_MULS: return a * s0;
+        case OP_DIVS: return a / s0;
+        case OP_NEG: return -a;
+        case OP_ABS: return fabs(a);
+        case OP_SIGN: return isnan(a) ? a : (a > 0.0 ? 1.0 : (a < 0.0 ? -1.0 : 0.0));
+        case OP_EXP: return exp(a);
+        case OP_LOG: return log(a);
+        case OP_SQRT: return sqrt(a);
+        case OP_RSQRT: return 1.0 / sqrt(a);
+        case OP_SIGMOID: return 1.0 / (1.0 + exp(-a));
+        case OP_TANH: return tanh(a);
+        case OP_RELU: return isnan(a) ? a : fmax(a, 0.0);
+        case OP_LEAKY: return a > 0.0 ? a : s0 * a;
+        case OP_GELU_TANH:
+            return 0.5 * a * (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (a + 0.044715 * a * a * a)));
+        case OP_GELU: return 0.5 * a * (1.0 + erf(a / 1.41421356237309504880));
+        case OP_ERF: return erf(a);
+        case OP_POW_TS: return pow(a, s0);
+        case OP_POW_S: return pow(s0, a);
+        case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);
+        case OP_EQ: return a == s0 ? 1.0 : 0.0;
+        case OP_NE: return a != s0 ? 1.0 : 0.0;
+        case OP_LT: return a < s0 ? 1.0 : 0.0;
+        case OP_LE: return a <= s0 ? 1.0 : 0.0;
+        case OP_GT: return a > s0 ? 1.0 : 0.0;
+        case OP_GE: return a >= s0 ? 1.0 : 0.0;
+        case OP_LAND: return (a != 0.0 && b != 0.0) ? 1.0 : 0.0;
+        case OP_LNOT: return a == 0.0 ? 1.0 : 0.0;
+        case OP_BNOT: return (double)(~(i64)a);
+        case OP_BAND: return (double)(((i64)a) & ((i64)b));
+        case OP_WHERE: return a != 0.0 ? b : c;
+        case OP_FILL: return s0;
+        case OP_ARANGE: return s0 + s1 * (double)i;
+        case OP_RECIPROCAL: return 1.0 / a;
+        default: return 0.0;
+    }
+}
+
+extern "C" __global__ void ew(const EwArgs a) {
+    GRID_LOOP(i, a.n) {
+        i64 o = i, x0 = i, x1 = i, x2 = i;
+        if (!a.contig) {
+            o = x0 = x1 = x2 = 0;
+            i64 r = i;
+            for (int d = (int)a.rank - 1; d >= 0; --d) {
+                i64 c = r % a.shape[d];
+                r /= a.shape[d];
+                o += c * a.out.st[d];
+                x0 += c * a.in[0].st[d];
+                x1 += c * a.in[1].st[d];
+                x2 += c * a.in[2].st[d];
+            }
+        }
+        if (a.op == OP_COPY && a.in[0].dt == a.out.dt) {
+            raw(a.out.ptr, o, a.in[0].ptr, x0, a.out.dt);
+            continue;
+        }
+        double v0 = a.nin > 0 ? ld(a.in[0].ptr, a.in[0].dt, x0) : 0.0;
+        double v1 = a.nin > 1 ? ld(a.in[1].ptr, a.in[1].dt, x1) : 0.0;
+        double v2 = a.nin > 2 ? ld(a.in[2].ptr, a.in[2].dt, x2) : 0.0;
+        st(a.out.ptr, a.out.dt, o, apply(a.op, v0, v1, v2, a.s0, a.s1, i));
+    }
+}
+

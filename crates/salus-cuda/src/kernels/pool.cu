@@ -1,0 +1,122 @@
+// ------------------------------------------------------------------------------------
+// Pooling over the last two dims of [planes, h, w].
+
+struct PoolArgs {
+    i64 planes, h, w, oh, ow;
+    i64 k[2];
+    i64 s[2];
+    i64 p[2];
+    i64 d[2];
+    i64 count_include_pad, divisor;
+    u64 x;
+    i64 xdt;
+    u64 y;
+    i64 ydt;
+    u64 idx;
+    i64 idt;
+    u64 g;
+    i64 gdt;
+    u64 err;
+    i64 node;
+};
+
+extern "C" __global__ void max_pool_fwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        double best = NEG_INF;
+        i64 at = -1;
+        for (i64 ky = 0; ky < a.k[0]; ++ky) {
+            i64 iy = oy * a.s[0] + ky * a.d[0] - a.p[0];
+            for (i64 kx = 0; kx < a.k[1]; ++kx) {
+                i64 ix = ox * a.s[1] + kx * a.d[1] - a.p[1];
+                if (iy < 0 || ix < 0 || iy >= a.h || ix >= a.w) continue;
+                i64 i = iy * a.w + ix;
+                double v = ld(a.x, a.xdt, pl * a.h * a.w + i);
+                if (at < 0 || (!isnan(best) && (v > best || isnan(v)))) {
+                    best = v;
+                    at = i;
+                }
+            }
+        }
+        if (a.y) st(a.y, a.ydt, t, best);
+        if (a.idx) st(a.idx, a.idt, t, (double)(at < 0 ? 0 : at));
+    }
+}
+
+// grad_input (x, zeroed first) += grad_output (g) at the recorded indices.
+extern "C" __global__ void max_pool_bwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 pl = t / (a.oh * a.ow);
+        i64 at = index_at(a.idx, a.idt, t, a.h * a.w, a.err, a.node, 3);
+        if (at < 0) continue;
+        atomic_addv(a.x, a.xdt, pl * a.h * a.w + at, ld(a.g, a.gdt, t));
+    }
+}
+
+__device__ void avg_window(const PoolArgs& a, i64 oy, i64 ox, i64* win, double* divisor) {
+    i64 o[2] = {oy, ox}, size[2] = {a.h, a.w};
+    i64 padded[2];
+    for (int d = 0; d < 2; ++d) {
+        i64 start = o[d] * a.s[d] - a.p[d];
+        i64 end = start + a.k[d];
+        if (end > size[d] + a.p[d]) end = size[d] + a.p[d];
+        padded[d] = end - start;
+        if (start < 0) start = 0;
+        if (end > size[d]) end = size[d];
+        if (end < start) end = start;
+        win[2 * d] = start;
+        win[2 * d + 1] = end;
+    }
+    if (a.divisor != 0) *divisor = (double)a.divisor;
+    else if (a.count_include_pad) *divisor = (double)(padded[0] * padded[1]);
+    else *divisor = (double)((win[1] - win[0]) * (win[3] - win[2]));
+}
+
+extern "C" __global__ void avg_pool_fwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        i64 win[4];
+        double divisor;
+        avg_window(a, oy, ox, win, &divisor);
+        double s = 0.0;
+        for (i64 iy = win[0]; iy < win[1]; ++iy)
+            for (i64 ix = win[2]; ix < win[3]; ++ix) s += ld(a.x, a.xdt, (pl * a.h + iy) * a.w + ix);
+        st(a.y, a.ydt, t, (win[0] < win[1] && win[2] < win[3]) ? s / divisor : 0.0);
+    }
+}
+
+extern "C" __global__ void avg_pool_bwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        i64 win[4];
+        double divisor;
+        avg_window(a, oy, ox, win, &divisor);
+        double share = ld(a.g, a.gdt, t) / divisor;
+        for (i64 iy = win[0]; iy < win[1]; ++iy)
+            for (i64 ix = win[2]; ix < win[3]; ++ix) atomic_addv(a.x, a.xdt, (pl * a.h + iy) * a.w + ix, share);
+    }
+}
+
+extern "C" __global__ void adaptive_pool_fwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        i64 y0 = oy * a.h / a.oh, y1 = ((oy + 1) * a.h + a.oh - 1) / a.oh;
+        i64 x0 = ox * a.w / a.ow, x1 = ((ox + 1) * a.w + a.ow - 1) / a.ow;
+        double s = 0.0;
+        for (i64 iy = y0; iy < y1; ++iy)
+            for (i64 ix = x0; ix < x1; ++ix) s += ld(a.x, a.xdt, (pl * a.h + iy) * a.w + ix);
+        st(a.y, a.ydt, t, s / (double)((y1 - y0) * (x1 - x0)));
+    }
+}
+
+extern "C" __global__ void adaptive_pool_bwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        i64 y0 = oy * a.h / a.oh, y1 = ((oy + 1) * a.h + a.oh - 1) / a.oh;
+        i64 x0 = ox * a.w / a.ow, x1 = ((ox + 1) * a.w + a.ow - 1) / a.ow;
+        double share = ld(a.g, a.gdt, t) / (double)((y1 - y0) * (x1 - x0));
+        for (i64 iy = y0; iy < y1; ++iy)
+            for (i64 ix = x0; ix < x1; ++ix) atomic_addv(a.x, a.xdt, (pl * a.h + iy) * a.w + ix, share);
+    }
+}
+

@@ -1,0 +1,28 @@
+// ------------------------------------------------------------------------------------
+// Random ops.
+
+// bernoulli.p: the CPU kernel's counter-based stream (salus-cpu's kernels/random.rs), bit
+// for bit. The generator state is read on the device, so a captured graph draws anew each
+// replay.
+struct BernoulliArgs {
+    i64 n, dt;
+    u64 out;
+    u64 state;
+    u64 key;
+    double p;
+};
+
+__device__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void bernoulli(const BernoulliArgs a) {
+    u64 key = mix64((u64)(*(const i64*)a.state) ^ a.key);
+    GRID_LOOP(i, a.n) {
+        u64 bits = mix64(key + (u64)i * 0x9e3779b97f4a7c15ull);
+        float u = (float)(bits >> 40) / 16777216.0f;
+        st(a.out, a.dt, i, ((double)u < a.p) ? 1.0 : 0.0);
+    }
+}
