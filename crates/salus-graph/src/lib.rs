@@ -38,6 +38,7 @@ mod error;
 mod infer;
 mod ir;
 mod op;
+pub mod params;
 pub mod plan;
 pub mod samples;
 mod validate;
@@ -45,21 +46,42 @@ mod validate;
 pub use error::GraphError;
 pub use ir::{Attr, DType, Graph, Node, Role, Tensor, TensorId, TensorType, Update};
 pub use op::Op;
+pub use params::{
+    ConvParams, GeluApproximate, OpParams, PoolParams, Reduction, Scalar, wrap_dim, wrap_dims,
+};
 pub use plan::{Buffer, MemoryPlan};
 pub use validate::{Limits, Producer, validate};
 
-/// A graph that passed validation, with its memory plan.
+/// A graph that passed validation, with its nodes' parameters and its memory plan.
 #[derive(Debug, Clone)]
 pub struct CheckedGraph {
     /// Where each tensor comes from.
     pub producers: Vec<Producer>,
+    /// Per node, in node order: its attributes as typed, checked parameters. Backends read
+    /// these, never [`Node::attrs`].
+    pub params: Vec<OpParams>,
     /// Where each tensor lives.
     pub plan: MemoryPlan,
 }
 
-/// Validates `graph` and plans its memory.
+impl CheckedGraph {
+    /// The parameters of node `node` (its index in [`Graph::nodes`]).
+    ///
+    /// # Panics
+    /// If the graph has no such node.
+    pub fn params(&self, node: usize) -> &OpParams {
+        &self.params[node]
+    }
+}
+
+/// Validates `graph`, reads every node's attributes into its [`OpParams`] and plans its
+/// memory.
 pub fn check(graph: &Graph, limits: &Limits) -> Result<CheckedGraph, GraphError> {
-    let producers = validate(graph, limits)?;
-    let plan = plan::plan(graph, &producers);
-    Ok(CheckedGraph { producers, plan })
+    let (producers, params) = validate::validate_with_params(graph, limits)?;
+    let plan = plan::plan(graph, &producers, &params);
+    Ok(CheckedGraph {
+        producers,
+        params,
+        plan,
+    })
 }

@@ -30,8 +30,9 @@
 
 use serde::Serialize;
 
-use crate::ir::{Attr, DType, Graph, Node, Role, TensorId, TensorType};
+use crate::ir::{DType, Graph, Node, Role, TensorId, TensorType};
 use crate::op::Op;
+use crate::params::OpParams;
 use crate::validate::Producer;
 
 /// Offsets and sizes are multiples of this (what CUDA allocations guarantee).
@@ -139,8 +140,9 @@ fn elementwise(op: Op) -> bool {
     )
 }
 
-/// Plans a graph that [`crate::validate`] accepted, given its producers.
-pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
+/// Plans a graph that [`crate::validate`] accepted, given its producers and its nodes'
+/// parameters.
+pub fn plan(graph: &Graph, producers: &[Producer], params: &[OpParams]) -> MemoryPlan {
     let n = graph.tensors.len();
     let end = graph.nodes.len() + 1;
 
@@ -230,8 +232,8 @@ pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
 
     let mut scratch_of = vec![None; graph.nodes.len()];
     let mut largest_scratch = 0;
-    for (i, node) in graph.nodes.iter().enumerate() {
-        let bytes = scratch_bytes(graph, node);
+    for (i, (node, p)) in graph.nodes.iter().zip(params).enumerate() {
+        let bytes = scratch_bytes(graph, node, p);
         if bytes > 0 {
             scratch_of[i] = Some(buffers.len());
             largest_scratch = largest_scratch.max(align(bytes));
@@ -263,47 +265,15 @@ pub fn plan(graph: &Graph, producers: &[Producer]) -> MemoryPlan {
 /// count, so that E is a property of the graph alone.
 pub const CONV_SLOTS: u64 = 4;
 
-/// The geometry of a 2-d convolution that decides its scratch: `(k, l, direct)` where the
-/// unfolded input of one image and group is `k x l` and `direct` convolutions (1x1, stride
-/// 1, no padding) use the input as it is.
-pub fn conv_unfold(
-    node: &Node,
-    input: &[u64],
-    weight: &[u64],
-    out: &[u64],
-) -> Option<(u64, u64, bool)> {
-    if input.len() != 4 || weight.len() != 4 || out.len() != 4 {
-        return None;
-    }
-    let ints = |name: &str, default: i64| -> [i64; 2] {
-        match node.attrs.get(name) {
-            Some(Attr::Ints(v)) if v.len() == 1 => [v[0]; 2],
-            Some(Attr::Ints(v)) if v.len() >= 2 => [v[0], v[1]],
-            _ => [default; 2],
-        }
-    };
-    let groups = match node.attrs.get("groups") {
-        Some(Attr::Int(g)) => (*g).max(1) as u64,
-        _ => 1,
-    };
-    let k = (input[1] / groups) * weight[2] * weight[3];
-    let l = out[2] * out[3];
-    let direct = weight[2] == 1
-        && weight[3] == 1
-        && ints("stride", 1) == [1, 1]
-        && ints("padding", 0) == [0, 0];
-    Some((k, l, direct))
-}
-
 /// Bytes of lane scratch the kernel of `node` works in: the contract between the planner
 /// and the kernels, which check that what they are given is this large.
 ///
 /// With `slots = min(batch, CONV_SLOTS)`:
 /// - `convolution` (f32): per slot, one image and group unfolded, `k x l` f32 (none when
-///   direct);
+///   direct), `k`, `l` and `direct` as [`crate::ConvParams::unfold_2d`] gives them;
 /// - `convolution_backward` (f32): per slot, that, the gradient of the unfolded input
 ///   (`2 k l` f32, none when direct) and a partial weight gradient (`c_out k` f32).
-pub fn scratch_bytes(graph: &Graph, node: &Node) -> u64 {
+pub fn scratch_bytes(graph: &Graph, node: &Node, params: &OpParams) -> u64 {
     let ty = |k: usize| {
         node.inputs
             .get(k)
@@ -313,19 +283,19 @@ pub fn scratch_bytes(graph: &Graph, node: &Node) -> u64 {
     };
     let f32_only =
         |tys: &[Option<&TensorType>]| tys.iter().all(|t| t.is_some_and(|t| t.dtype == DType::F32));
+    let Some(conv) = params.conv() else {
+        return 0;
+    };
     match node.op {
         Op::Convolution => {
             let (Some(x), Some(w)) = (ty(0), ty(1)) else {
                 return 0;
             };
-            let Some(out) = node.outputs.first().copied().flatten() else {
-                return 0;
-            };
-            if !f32_only(&[Some(x), Some(w)]) {
+            if node.outputs.first().copied().flatten().is_none() || !f32_only(&[Some(x), Some(w)]) {
                 return 0;
             }
-            let slots = x.shape[0].min(CONV_SLOTS);
-            match conv_unfold(node, &x.shape, &w.shape, &graph.tensors[out].ty.shape) {
+            let slots = conv.batch.min(CONV_SLOTS);
+            match conv.unfold_2d() {
                 Some((k, l, false)) => slots * k * l * 4,
                 _ => 0,
             }
@@ -337,8 +307,8 @@ pub fn scratch_bytes(graph: &Graph, node: &Node) -> u64 {
             if !f32_only(&[Some(g), Some(x), Some(w)]) {
                 return 0;
             }
-            let slots = x.shape[0].min(CONV_SLOTS);
-            match conv_unfold(node, &x.shape, &w.shape, &g.shape) {
+            let slots = conv.batch.min(CONV_SLOTS);
+            match conv.unfold_2d() {
                 Some((k, l, direct)) => {
                     let unfold = if direct { 0 } else { 2 * k * l };
                     slots * (unfold + w.shape[0] * k) * 4

@@ -1,8 +1,9 @@
 //! Validation: structure, limits, and shape and dtype inference for every node.
 
 use crate::error::GraphError;
-use crate::infer::{Args, infer};
+use crate::infer::infer;
 use crate::ir::{Graph, Role, TensorType};
+use crate::params::{Inputs, OpParams, extract};
 
 /// Bounds a graph must stay within, so no client can ask for absurd memory or counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,14 @@ fn tensor_err(graph: &Graph, id: usize, message: String) -> GraphError {
 /// Checks `graph` against `limits` and infers every node's output types, which must equal
 /// the declared types of its output tensors. Returns each tensor's producer.
 pub fn validate(graph: &Graph, limits: &Limits) -> Result<Vec<Producer>, GraphError> {
+    validate_with_params(graph, limits).map(|(producers, _)| producers)
+}
+
+/// [`validate`], also returning each node's parameters, read from its attributes.
+pub(crate) fn validate_with_params(
+    graph: &Graph,
+    limits: &Limits,
+) -> Result<(Vec<Producer>, Vec<OpParams>), GraphError> {
     if graph.tensors.len() > limits.max_tensors {
         return Err(GraphError::Graph(format!(
             "{} tensors, more than the limit of {}",
@@ -144,6 +153,7 @@ pub fn validate(graph: &Graph, limits: &Limits) -> Result<Vec<Producer>, GraphEr
         })
         .collect();
     let mut inputs: Vec<Option<TensorType>> = Vec::new();
+    let mut params = Vec::with_capacity(graph.nodes.len());
     for (index, node) in graph.nodes.iter().enumerate() {
         let fail = |message: String| GraphError::Node {
             index,
@@ -170,7 +180,10 @@ pub fn validate(graph: &Graph, limits: &Limits) -> Result<Vec<Producer>, GraphEr
                 }
             }
         }
-        let inferred = infer(node.op, &Args::new(node, &inputs)).map_err(&fail)?;
+        let ins = Inputs::new(&inputs);
+        let p = extract(node.op, &node.attrs, &ins).map_err(&fail)?;
+        let inferred = infer(node.op, &p, &ins).map_err(&fail)?;
+        params.push(p);
         if node.outputs.len() != inferred.len() {
             return Err(fail(format!(
                 "has {} outputs, {} declared",
@@ -277,5 +290,5 @@ pub fn validate(graph: &Graph, limits: &Limits) -> Result<Vec<Producer>, GraphEr
             ));
         }
     }
-    Ok(producer)
+    Ok((producer, params))
 }

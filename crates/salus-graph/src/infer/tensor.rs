@@ -1,0 +1,351 @@
+//! Inference for matrix products, convolution, shape ops, neural-network ops, indexing and
+//! creation.
+
+use super::{Result, broadcast, mismatch, promote_types, require_float, require_index, same};
+use crate::ir::{DType, TensorType};
+use crate::op::Op;
+use crate::params::{Inputs, OpParams};
+
+fn matmul_2d(a: &TensorType, b: &TensorType) -> Result<TensorType> {
+    if a.rank() != 2 || b.rank() != 2 || a.shape[1] != b.shape[0] {
+        return Err(format!("needs [n, k] and [k, m], got {a} and {b}"));
+    }
+    if a.dtype != b.dtype {
+        return Err(format!("operands differ in dtype: {a} and {b}"));
+    }
+    Ok(TensorType::new(a.dtype, vec![a.shape[0], b.shape[1]]))
+}
+
+/// Everything but elementwise ops and reductions (see [`super::infer`]).
+pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<TensorType>> {
+    use Op::*;
+    match (op, p) {
+        (Mm, _) => {
+            ins.count(2)?;
+            let (a, b) = (ins.input(0)?, ins.input(1)?);
+            matmul_2d(a, b).map(|t| vec![t])
+        }
+        (Addmm, _) => {
+            ins.count(3)?;
+            let (bias, a, b) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
+            let out = matmul_2d(a, b)?;
+            if broadcast(&bias.shape, &out.shape)? != out.shape {
+                return Err(format!(
+                    "bias {bias} does not broadcast to the product's {out}"
+                ));
+            }
+            Ok(vec![out])
+        }
+        (Bmm, _) => {
+            ins.count(2)?;
+            let (a, b) = (ins.input(0)?, ins.input(1)?);
+            if a.rank() != 3
+                || b.rank() != 3
+                || a.shape[0] != b.shape[0]
+                || a.shape[2] != b.shape[1]
+            {
+                return Err(format!(
+                    "bmm needs [b, n, k] and [b, k, m], got {a} and {b}"
+                ));
+            }
+            if a.dtype != b.dtype {
+                return Err(format!("operands differ in dtype: {a} and {b}"));
+            }
+            Ok(vec![TensorType::new(
+                a.dtype,
+                vec![a.shape[0], a.shape[1], b.shape[2]],
+            )])
+        }
+        (Convolution, OpParams::Conv(c)) => {
+            let input = ins.input(0)?;
+            require_float(input, "input")?;
+            let shape = c.output_shape();
+            if let Some(bias) = ins.optional(2)
+                && bias.shape != [c.out_channels]
+            {
+                return Err(format!("bias {bias} must be [{}]", c.out_channels));
+            }
+            Ok(vec![TensorType::new(input.dtype, shape)])
+        }
+        (ConvolutionBackward, OpParams::Conv(c)) => {
+            let (grad, input, weight) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
+            let expected = c.output_shape();
+            if grad.shape != expected {
+                return Err(format!(
+                    "grad_output {grad} does not match the convolution's output {expected:?}"
+                ));
+            }
+            Ok(vec![
+                input.clone(),
+                weight.clone(),
+                TensorType::new(grad.dtype, vec![c.out_channels]),
+            ])
+        }
+        (View | Expand, OpParams::Reshape { shape }) => {
+            Ok(vec![TensorType::new(ins.input(0)?.dtype, shape.clone())])
+        }
+        (Permute, OpParams::Permute { dims }) => {
+            let t = ins.input(0)?;
+            Ok(vec![TensorType::new(
+                t.dtype,
+                dims.iter().map(|&d| t.shape[d]).collect(),
+            )])
+        }
+        (Unsqueeze, OpParams::Unsqueeze { dim }) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            shape.insert(*dim, 1);
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (SqueezeDims, OpParams::Squeeze { dims }) => {
+            let t = ins.input(0)?;
+            let shape = t
+                .shape
+                .iter()
+                .enumerate()
+                .filter(|&(i, &n)| !(dims.contains(&i) && n == 1))
+                .map(|(_, &n)| n)
+                .collect();
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (SplitWithSizes, OpParams::Split { dim, sizes }) => {
+            let t = ins.input(0)?;
+            Ok(sizes
+                .iter()
+                .map(|&s| {
+                    let mut shape = t.shape.clone();
+                    shape[*dim] = s;
+                    TensorType::new(t.dtype, shape)
+                })
+                .collect())
+        }
+        (Cat, &OpParams::Cat { dim, count }) => {
+            let first = ins.input(0)?;
+            let mut shape = first.shape.clone();
+            let mut dtype = first.dtype;
+            for i in 1..count {
+                let t = ins.input(i)?;
+                if t.rank() != first.rank()
+                    || t.shape
+                        .iter()
+                        .enumerate()
+                        .any(|(j, &s)| j != dim && s != first.shape[j])
+                {
+                    return Err(format!(
+                        "tensor {i} {t} does not match tensor 0 {first} outside dimension {dim}"
+                    ));
+                }
+                shape[dim] += t.shape[dim];
+                dtype = promote_types(dtype, t.dtype);
+            }
+            Ok(vec![TensorType::new(dtype, shape)])
+        }
+        (SliceTensor, &OpParams::Slice { dim, len, .. }) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            shape[dim] = len;
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (SelectInt, &OpParams::Select { dim, .. }) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            shape.remove(dim);
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (
+            NativeLayerNorm,
+            OpParams::LayerNorm {
+                normalized_shape,
+                axis,
+                ..
+            },
+        ) => {
+            let t = ins.input(0)?;
+            require_float(t, "input")?;
+            for (i, what) in [(1, "weight"), (2, "bias")] {
+                if let Some(p) = ins.optional(i)
+                    && p.shape != *normalized_shape
+                {
+                    return Err(format!(
+                        "{what} {p} must have the normalized shape {normalized_shape:?}"
+                    ));
+                }
+            }
+            let mut stats = t.shape[..*axis].to_vec();
+            stats.extend(std::iter::repeat_n(1, t.rank() - axis));
+            Ok(vec![
+                t.clone(),
+                TensorType::new(t.dtype, stats.clone()),
+                TensorType::new(t.dtype, stats),
+            ])
+        }
+        (
+            NativeLayerNormBackward,
+            OpParams::LayerNorm {
+                normalized_shape, ..
+            },
+        ) => {
+            // grad_out, input, mean, rstd, weight?, bias?
+            let (grad, t) = (ins.input(0)?, ins.input(1)?);
+            if grad.shape != t.shape {
+                return Err(format!("grad_out {grad} and input {t} must have one shape"));
+            }
+            let param = TensorType::new(t.dtype, normalized_shape.clone());
+            Ok(vec![t.clone(), param.clone(), param])
+        }
+        (MaxPool2dWithIndices | AvgPool2d, OpParams::Pool(pool)) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            let rank = shape.len();
+            shape[rank - 2..].copy_from_slice(&pool.output);
+            let out = TensorType::new(t.dtype, shape.clone());
+            if op == AvgPool2d {
+                return Ok(vec![out]);
+            }
+            Ok(vec![out, TensorType::new(DType::I64, shape)])
+        }
+        (MaxPool2dWithIndicesBackward | AvgPool2dBackward, OpParams::Pool(pool)) => {
+            let (grad, t) = (ins.input(0)?, ins.input(1)?);
+            let mut shape = t.shape.clone();
+            let rank = shape.len();
+            shape[rank - 2..].copy_from_slice(&pool.output);
+            if op == AvgPool2dBackward {
+                if grad.shape != shape {
+                    return Err(format!(
+                        "grad_output {grad} must match the pooled shape {shape:?}"
+                    ));
+                }
+                return Ok(same(t));
+            }
+            let indices = ins.input(2)?;
+            if grad.shape != shape || indices.shape != shape {
+                return Err(format!(
+                    "grad_output {grad} and indices {indices} must match the pooled shape {shape:?}"
+                ));
+            }
+            require_index(indices, "indices")?;
+            Ok(same(t))
+        }
+        (AdaptiveAvgPool2d, OpParams::AdaptivePool { output_size }) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            let rank = shape.len();
+            shape[rank - 2..].copy_from_slice(output_size);
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (AdaptiveAvgPool2dBackward, _) => {
+            ins.count(2)?;
+            let (grad, t) = (ins.input(0)?, ins.input(1)?);
+            if grad.rank() != t.rank()
+                || t.rank() < 2
+                || grad.shape[..t.rank() - 2] != t.shape[..t.rank() - 2]
+            {
+                return Err(format!("grad_output {grad} does not fit input {t}"));
+            }
+            Ok(same(t))
+        }
+        (Embedding, _) => {
+            ins.count(2)?;
+            let (weight, indices) = (ins.input(0)?, ins.input(1)?);
+            if weight.rank() != 2 {
+                return Err(format!("weight must be 2-d, got {weight}"));
+            }
+            require_index(indices, "indices")?;
+            let mut shape = indices.shape.clone();
+            shape.push(weight.shape[1]);
+            Ok(vec![TensorType::new(weight.dtype, shape)])
+        }
+        (EmbeddingDenseBackward, &OpParams::Embedding { num_weights, .. }) => {
+            ins.count(2)?;
+            let (grad, indices) = (ins.input(0)?, ins.input(1)?);
+            require_index(indices, "indices")?;
+            let width = *grad
+                .shape
+                .last()
+                .ok_or("grad_output must have a dimension")?;
+            Ok(vec![TensorType::new(grad.dtype, vec![num_weights, width])])
+        }
+        (Gather, OpParams::Index { .. }) => {
+            let (t, index) = (ins.input(0)?, ins.input(1)?);
+            require_index(index, "index")?;
+            if index.rank() != t.rank() {
+                return Err(format!("index {index} must have the rank of input {t}"));
+            }
+            Ok(vec![TensorType::new(t.dtype, index.shape.clone())])
+        }
+        (ScatterValue, OpParams::Scatter { .. }) => {
+            let (t, index) = (ins.input(0)?, ins.input(1)?);
+            require_index(index, "index")?;
+            Ok(same(t))
+        }
+        (ScatterAdd, OpParams::Index { .. }) => {
+            let (t, index, src) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
+            require_index(index, "index")?;
+            if index.rank() != t.rank() || src.rank() != t.rank() {
+                return Err(format!(
+                    "index {index} and src {src} must have the rank of {t}"
+                ));
+            }
+            Ok(same(t))
+        }
+        (IndexPut, &OpParams::IndexPut { count: n, .. }) => {
+            ins.count(n + 2)?;
+            let t = ins.input(0)?;
+            let mut index_shape: Option<Vec<u64>> = None;
+            for i in 1..=n {
+                if let Some(index) = ins.optional(i) {
+                    if !(index.dtype.is_int() || index.dtype == DType::Bool) {
+                        return Err(format!(
+                            "index {} must be integer or bool, got {index}",
+                            i - 1
+                        ));
+                    }
+                    index_shape = Some(match index_shape {
+                        None => index.shape.clone(),
+                        Some(s) => broadcast(&s, &index.shape)?,
+                    });
+                }
+            }
+            if n > t.rank() {
+                return Err(format!("{n} indices for a tensor of rank {}", t.rank()));
+            }
+            let values = ins.input(n + 1)?;
+            if values.dtype != t.dtype {
+                return Err(format!("values {values} must have the dtype of {t}"));
+            }
+            Ok(same(t))
+        }
+        (IndexSelect, &OpParams::Index { dim }) => {
+            let (t, index) = (ins.input(0)?, ins.input(1)?);
+            require_index(index, "index")?;
+            if index.rank() > 1 {
+                return Err(format!("index must be 0-d or 1-d, got {index}"));
+            }
+            let mut shape = t.shape.clone();
+            if !shape.is_empty() {
+                shape[dim] = index.numel().unwrap_or(0);
+            }
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (Full | FullLike | ScalarTensor, OpParams::Fill { dtype, shape, .. }) => {
+            Ok(vec![TensorType::new(*dtype, shape.clone())])
+        }
+        (ArangeStartStep, &OpParams::Arange { len, dtype, .. }) => {
+            Ok(vec![TensorType::new(dtype, vec![len])])
+        }
+        (BernoulliP, OpParams::Bernoulli { .. }) => {
+            // self, then the session's generator: an i64 scalar STATE tensor that the
+            // graph advances every iteration, so each iteration draws new values.
+            ins.count(2)?;
+            let t = ins.input(0)?;
+            let generator = ins.input(1)?;
+            if generator.dtype != DType::I64 || !generator.shape.is_empty() {
+                return Err(format!(
+                    "the generator (input 1) must be an i64 scalar, got {generator}"
+                ));
+            }
+            Ok(same(t))
+        }
+        _ => Err(mismatch(op, p)),
+    }
+}

@@ -1,0 +1,720 @@
+//! Reading a node's attributes into its [`OpParams`]: the one place in salus that reads an
+//! attribute by name. Errors are plain messages naming the attribute; validation adds which
+//! node they are about.
+
+use std::collections::BTreeMap;
+
+use super::geometry::{self, ConvAttrs, PoolAttrs};
+use super::{GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
+use crate::ir::{Attr, DType, TensorType};
+use crate::op::Op;
+
+type Result<T> = std::result::Result<T, String>;
+
+/// A node's tensor inputs' types, as validation found them.
+pub(crate) struct Inputs<'a> {
+    types: &'a [Option<TensorType>],
+}
+
+impl<'a> Inputs<'a> {
+    pub(crate) fn new(types: &'a [Option<TensorType>]) -> Self {
+        Inputs { types }
+    }
+
+    /// Fails unless there are exactly `n` inputs.
+    pub(crate) fn count(&self, n: usize) -> Result<()> {
+        if self.types.len() != n {
+            return Err(format!("takes {n} tensor inputs, got {}", self.types.len()));
+        }
+        Ok(())
+    }
+
+    /// Input `i`, which must be present.
+    pub(crate) fn input(&self, i: usize) -> Result<&'a TensorType> {
+        match self.types.get(i) {
+            Some(Some(t)) => Ok(t),
+            Some(None) => Err(format!("input {i} is required but absent")),
+            None => Err(format!("input {i} is missing ({} given)", self.types.len())),
+        }
+    }
+
+    /// Input `i` when present.
+    pub(crate) fn optional(&self, i: usize) -> Option<&'a TensorType> {
+        self.types.get(i).and_then(Option::as_ref)
+    }
+}
+
+/// A node's attributes, read by schema name with the type each must have.
+struct Attrs<'a>(&'a BTreeMap<String, Attr>);
+
+impl<'a> Attrs<'a> {
+    fn get(&self, name: &str) -> Option<&'a Attr> {
+        self.0.get(name)
+    }
+
+    fn int(&self, name: &str) -> Result<i64> {
+        match self.get(name) {
+            Some(Attr::Int(v)) => Ok(*v),
+            Some(other) => Err(format!("attribute {name:?} must be an int, got {other:?}")),
+            None => Err(format!("attribute {name:?} is missing")),
+        }
+    }
+
+    fn int_or(&self, name: &str, default: i64) -> Result<i64> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(_) => self.int(name),
+        }
+    }
+
+    fn ints(&self, name: &str) -> Result<&'a [i64]> {
+        match self.get(name) {
+            Some(Attr::Ints(v)) => Ok(v),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be a list of ints, got {other:?}"
+            )),
+            None => Err(format!("attribute {name:?} is missing")),
+        }
+    }
+
+    /// A list of ints, empty when absent.
+    fn ints_or_empty(&self, name: &str) -> Result<&'a [i64]> {
+        match self.get(name) {
+            None => Ok(&[]),
+            Some(_) => self.ints(name),
+        }
+    }
+
+    fn ints_opt(&self, name: &str) -> Result<Option<&'a [i64]>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.ints(name).map(Some),
+        }
+    }
+
+    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(Attr::Bool(v)) => Ok(*v),
+            Some(other) => Err(format!("attribute {name:?} must be a bool, got {other:?}")),
+        }
+    }
+
+    fn bools(&self, name: &str) -> Result<&'a [bool]> {
+        match self.get(name) {
+            Some(Attr::Bools(v)) => Ok(v),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be a list of bools, got {other:?}"
+            )),
+            None => Err(format!("attribute {name:?} is missing")),
+        }
+    }
+
+    /// A number argument (ATen `Scalar`): int, float or bool.
+    fn scalar(&self, name: &str) -> Result<Scalar> {
+        match self.get(name) {
+            Some(Attr::Int(v)) => Ok(Scalar::Int(*v)),
+            Some(Attr::Float(v)) => Ok(Scalar::Float(*v)),
+            Some(Attr::Bool(v)) => Ok(Scalar::Bool(*v)),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be a number, got {other:?}"
+            )),
+            None => Err(format!("attribute {name:?} is missing")),
+        }
+    }
+
+    fn scalar_opt(&self, name: &str) -> Result<Option<Scalar>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.scalar(name).map(Some),
+        }
+    }
+
+    /// A number as f64, `default` when absent.
+    fn number_or(&self, name: &str, default: f64) -> Result<f64> {
+        Ok(self.scalar_opt(name)?.map_or(default, Scalar::as_f64))
+    }
+
+    fn dtype_opt(&self, name: &str) -> Result<Option<DType>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Attr::DType(d)) => Ok(Some(*d)),
+            Some(other) => Err(format!("attribute {name:?} must be a dtype, got {other:?}")),
+        }
+    }
+
+    /// The length of tensor list argument `name` (attribute `name.len`).
+    fn list_len(&self, name: &str) -> Result<usize> {
+        let key = format!("{name}.len");
+        match self.get(&key) {
+            Some(Attr::Int(n)) if *n >= 0 => Ok(*n as usize),
+            Some(other) => Err(format!("attribute {key:?} must be a count, got {other:?}")),
+            None => Err(format!(
+                "attribute {key:?} (length of tensor list {name}) is missing"
+            )),
+        }
+    }
+}
+
+fn nonneg(v: i64, what: &str) -> Result<u64> {
+    u64::try_from(v).map_err(|_| format!("{what} must be >= 0, got {v}"))
+}
+
+/// The reduction over `dims` (every dimension when `None` or empty) of a `rank`-d input.
+fn reduction(dims: Option<&[i64]>, rank: usize, keepdim: bool, dtype: DType) -> Result<Reduction> {
+    let mut dims = match dims {
+        Some(ds) if !ds.is_empty() => wrap_dims(ds, rank)?,
+        _ => (0..rank).collect(),
+    };
+    // A 0-dim input has no dimension to reduce (dimension 0 or -1 names the tensor itself).
+    dims.retain(|&d| d < rank);
+    dims.sort_unstable();
+    Ok(Reduction {
+        dims,
+        keepdim,
+        dtype,
+    })
+}
+
+/// The reduction of a `dim` list attribute with `keepdim`.
+fn reduce_attrs(a: &Attrs<'_>, t: &TensorType, dtype: DType) -> Result<Reduction> {
+    reduction(
+        a.ints_opt("dim")?,
+        t.rank(),
+        a.bool_or("keepdim", false)?,
+        dtype,
+    )
+}
+
+fn conv_attrs<'a>(a: &Attrs<'a>, output_mask: [bool; 3]) -> Result<ConvAttrs<'a>> {
+    Ok(ConvAttrs {
+        stride: a.ints("stride")?,
+        padding: a.ints("padding")?,
+        dilation: a.ints("dilation")?,
+        transposed: a.bool_or("transposed", false)?,
+        output_padding: a.ints_or_empty("output_padding")?,
+        groups: a.int("groups")?,
+        output_mask,
+    })
+}
+
+fn pool_attrs<'a>(a: &Attrs<'a>, max: bool) -> Result<PoolAttrs<'a>> {
+    let (dilation, count_include_pad, divisor_override) = if max {
+        (a.ints_or_empty("dilation")?, true, None)
+    } else {
+        let divisor = match a.get("divisor_override") {
+            None => None,
+            Some(_) => Some(a.int("divisor_override")?),
+        };
+        (&[][..], a.bool_or("count_include_pad", true)?, divisor)
+    };
+    Ok(PoolAttrs {
+        kernel_size: a.ints("kernel_size")?,
+        stride: a.ints_or_empty("stride")?,
+        padding: a.ints_or_empty("padding")?,
+        dilation,
+        ceil_mode: a.bool_or("ceil_mode", false)?,
+        count_include_pad,
+        divisor_override,
+    })
+}
+
+/// The view shape `size` (one entry may be -1) of `input`'s elements.
+fn view_shape(input: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
+    let numel = input.numel().unwrap_or(u64::MAX);
+    let mut inferred = None;
+    let mut known = 1u64;
+    let mut out = Vec::with_capacity(size.len());
+    for (i, &s) in size.iter().enumerate() {
+        if s == -1 {
+            if inferred.replace(i).is_some() {
+                return Err(format!("size {size:?} has more than one -1"));
+            }
+            out.push(0);
+        } else {
+            let s = nonneg(s, "a view dimension")?;
+            known = known.saturating_mul(s);
+            out.push(s);
+        }
+    }
+    if let Some(i) = inferred {
+        if known == 0 || !numel.is_multiple_of(known) {
+            return Err(format!("cannot view {input} as {size:?}"));
+        }
+        out[i] = numel / known;
+    } else if known != numel {
+        return Err(format!(
+            "cannot view {input} ({numel} elements) as {size:?}"
+        ));
+    }
+    Ok(out)
+}
+
+/// The shape `size` (-1 keeps a dimension; new leading dimensions allowed) `t` expands to.
+fn expand_shape(t: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
+    if size.len() < t.rank() {
+        return Err(format!("cannot expand {t} to fewer dimensions {size:?}"));
+    }
+    let lead = size.len() - t.rank();
+    let mut shape = Vec::with_capacity(size.len());
+    for (i, &s) in size.iter().enumerate() {
+        let current = (i >= lead).then(|| t.shape[i - lead]);
+        let target = match (s, current) {
+            (-1, Some(c)) => c,
+            (-1, None) => return Err(format!("-1 in a new leading dimension of {size:?}")),
+            (s, _) => nonneg(s, "an expanded dimension")?,
+        };
+        if let Some(c) = current
+            && c != target
+            && c != 1
+        {
+            return Err(format!(
+                "cannot expand {t} to {size:?}: dimension {i} is {c}"
+            ));
+        }
+        shape.push(target);
+    }
+    Ok(shape)
+}
+
+/// A dimension of a tensor that must have one (slicing, splitting, concatenating).
+fn dim_of(d: i64, t: &TensorType, what: &str) -> Result<usize> {
+    if t.rank() == 0 {
+        return Err(format!("cannot {what} a 0-dim tensor"));
+    }
+    wrap_dim(d, t.rank())
+}
+
+fn layer_norm(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
+    let normalized = a.ints("normalized_shape")?;
+    if normalized.is_empty() || normalized.len() > t.rank() {
+        return Err(format!(
+            "normalized_shape {normalized:?} does not fit input {t}"
+        ));
+    }
+    let axis = t.rank() - normalized.len();
+    let tail: Vec<i64> = t.shape[axis..].iter().map(|&d| d as i64).collect();
+    if tail != normalized {
+        return Err(format!(
+            "normalized_shape {normalized:?} must equal the last dimensions of input {t}"
+        ));
+    }
+    Ok(OpParams::LayerNorm {
+        normalized_shape: t.shape[axis..].to_vec(),
+        axis,
+        eps: a.number_or("eps", 1e-5)?,
+    })
+}
+
+fn embedding(a: &Attrs<'_>, num_weights: u64) -> Result<OpParams> {
+    let padding_idx = a.int_or("padding_idx", -1)?;
+    Ok(OpParams::Embedding {
+        padding_idx: u64::try_from(padding_idx).ok(),
+        scale_grad_by_freq: a.bool_or("scale_grad_by_freq", false)?,
+        num_weights,
+    })
+}
+
+/// Reads `attrs` of a node of `op` whose inputs are `ins` into its parameters, checking
+/// every attribute's type and value and the input count. Which inputs each op takes, and
+/// their dtypes, is shape inference's to check; this reads only the shapes it needs.
+pub(crate) fn extract(
+    op: Op,
+    attrs: &BTreeMap<String, Attr>,
+    ins: &Inputs<'_>,
+) -> Result<OpParams> {
+    use Op::*;
+    let a = &Attrs(attrs);
+    Ok(match op {
+        MulTensor
+        | DivTensor
+        | Neg
+        | Abs
+        | Sign
+        | Exp
+        | Log
+        | Sqrt
+        | Rsqrt
+        | Reciprocal
+        | Erf
+        | Relu
+        | Sigmoid
+        | Tanh
+        | LogicalAnd
+        | LogicalNot
+        | BitwiseAndTensor
+        | BitwiseNot
+        | WhereSelf
+        | Clone
+        | Mm
+        | Bmm
+        | AdaptiveAvgPool2dBackward => OpParams::None,
+        AddTensor | SubTensor => OpParams::Binary {
+            alpha: a.number_or("alpha", 1.0)?,
+        },
+        AddScalar | MulScalar | DivScalar | NeScalar | EqScalar | LeScalar | LtScalar
+        | GeScalar | GtScalar | PowTensorScalar | PowScalar => {
+            ins.count(1)?;
+            ins.input(0)?;
+            let name = match op {
+                PowTensorScalar => "exponent",
+                PowScalar => "self",
+                _ => "other",
+            };
+            OpParams::WithScalar {
+                scalar: a.scalar(name)?,
+                alpha: if op == AddScalar {
+                    a.number_or("alpha", 1.0)?
+                } else {
+                    1.0
+                },
+            }
+        }
+        Clamp => {
+            ins.count(1)?;
+            ins.input(0)?;
+            let (min, max) = (a.scalar_opt("min")?, a.scalar_opt("max")?);
+            if min.is_none() && max.is_none() {
+                return Err("needs at least one of \"min\" and \"max\"".into());
+            }
+            OpParams::Clamp { min, max }
+        }
+        LeakyRelu => OpParams::LeakyRelu {
+            negative_slope: a.number_or("negative_slope", 0.01)?,
+        },
+        Gelu => OpParams::Gelu {
+            approximate: match a.get("approximate") {
+                None => GeluApproximate::None,
+                Some(Attr::Str(s)) if s == "none" => GeluApproximate::None,
+                Some(Attr::Str(s)) if s == "tanh" => GeluApproximate::Tanh,
+                Some(other) => {
+                    return Err(format!(
+                        "attribute \"approximate\" must be \"none\" or \"tanh\", got {other:?}"
+                    ));
+                }
+            },
+        },
+        ToCopy => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            OpParams::ToCopy {
+                dtype: a.dtype_opt("dtype")?.unwrap_or(t.dtype),
+            }
+        }
+        SumDimIntList | MeanDim | Amax => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let default = match op {
+                SumDimIntList if !t.dtype.is_float() => DType::I64,
+                _ => t.dtype,
+            };
+            let dtype = match op {
+                Amax => t.dtype,
+                _ => a.dtype_opt("dtype")?.unwrap_or(default),
+            };
+            if op == MeanDim && !dtype.is_float() {
+                return Err(format!("mean needs a floating-point result, got {dtype}"));
+            }
+            OpParams::Reduce(reduce_attrs(a, t, dtype)?)
+        }
+        Mean => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let dtype = a.dtype_opt("dtype")?.unwrap_or(t.dtype);
+            if !dtype.is_float() {
+                return Err(format!("mean needs a floating-point result, got {dtype}"));
+            }
+            OpParams::Reduce(reduction(None, t.rank(), false, dtype)?)
+        }
+        VarCorrection => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let correction = a.number_or("correction", 1.0)?;
+            OpParams::Var {
+                reduction: reduce_attrs(a, t, t.dtype)?,
+                correction,
+            }
+        }
+        AnyDim => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let d = a.int("dim")?;
+            OpParams::Reduce(reduction(
+                Some(&[d]),
+                t.rank(),
+                a.bool_or("keepdim", false)?,
+                DType::Bool,
+            )?)
+        }
+        Softmax | LogSoftmax => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            OpParams::Softmax {
+                dim: wrap_dim(a.int("dim")?, t.rank())?,
+                half_to_float: a.bool_or("half_to_float", false)?,
+            }
+        }
+        SoftmaxBackwardData | LogSoftmaxBackwardData => {
+            ins.count(2)?;
+            let grad = ins.input(0)?;
+            OpParams::SoftmaxBackward {
+                dim: wrap_dim(a.int("dim")?, grad.rank())?,
+                input_dtype: a.dtype_opt("input_dtype")?.unwrap_or(grad.dtype),
+            }
+        }
+        Addmm => OpParams::Addmm {
+            beta: a.number_or("beta", 1.0)?,
+            alpha: a.number_or("alpha", 1.0)?,
+        },
+        Convolution => {
+            ins.count(3)?;
+            let (input, weight) = (ins.input(0)?, ins.input(1)?);
+            OpParams::Conv(geometry::conv(&conv_attrs(a, [true; 3])?, input, weight)?)
+        }
+        ConvolutionBackward => {
+            ins.count(3)?;
+            let (input, weight) = (ins.input(1)?, ins.input(2)?);
+            let mut conv = geometry::conv(&conv_attrs(a, [true; 3])?, input, weight)?;
+            let mask = a.bools("output_mask")?;
+            conv.output_mask = <[bool; 3]>::try_from(mask)
+                .map_err(|_| format!("output_mask must have 3 entries, got {mask:?}"))?;
+            OpParams::Conv(conv)
+        }
+        View => {
+            ins.count(1)?;
+            OpParams::Reshape {
+                shape: view_shape(ins.input(0)?, a.ints("size")?)?,
+            }
+        }
+        Expand => {
+            ins.count(1)?;
+            OpParams::Reshape {
+                shape: expand_shape(ins.input(0)?, a.ints("size")?)?,
+            }
+        }
+        Permute => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let dims = wrap_dims(a.ints("dims")?, t.rank())?;
+            if dims.len() != t.rank() {
+                return Err(format!(
+                    "dims {dims:?} must name each of the {} dimensions",
+                    t.rank()
+                ));
+            }
+            OpParams::Permute { dims }
+        }
+        Unsqueeze => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            OpParams::Unsqueeze {
+                dim: wrap_dim(a.int("dim")?, t.rank() + 1)?,
+            }
+        }
+        SqueezeDims => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let mut dims = wrap_dims(a.ints("dim")?, t.rank())?;
+            dims.retain(|&d| d < t.rank());
+            dims.sort_unstable();
+            OpParams::Squeeze { dims }
+        }
+        SplitWithSizes => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let dim = dim_of(a.int_or("dim", 0)?, t, "split")?;
+            let given = a.ints("split_sizes")?;
+            let sizes = given
+                .iter()
+                .map(|&s| nonneg(s, "a split size"))
+                .collect::<Result<Vec<u64>>>()?;
+            let total: u64 = sizes.iter().sum();
+            if total != t.shape[dim] {
+                return Err(format!(
+                    "split sizes {given:?} add up to {total}, but dimension {dim} of {t} is {}",
+                    t.shape[dim]
+                ));
+            }
+            OpParams::Split { dim, sizes }
+        }
+        Cat => {
+            let count = a.list_len("tensors")?;
+            ins.count(count)?;
+            if count == 0 {
+                return Err("needs at least one tensor".into());
+            }
+            let first = ins.input(0)?;
+            OpParams::Cat {
+                dim: dim_of(a.int_or("dim", 0)?, first, "concatenate")?,
+                count,
+            }
+        }
+        SliceTensor => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let dim = dim_of(a.int_or("dim", 0)?, t, "slice")?;
+            let n = t.shape[dim] as i64;
+            let step = a.int_or("step", 1)?;
+            if step <= 0 {
+                return Err(format!("step must be positive, got {step}"));
+            }
+            let clamp = |v: i64| if v < 0 { (v + n).max(0) } else { v.min(n) };
+            let start = clamp(a.int_or("start", 0)?);
+            let end = clamp(a.int_or("end", n)?).max(start);
+            OpParams::Slice {
+                dim,
+                start: start as u64,
+                end: end as u64,
+                step: step as u64,
+                len: ((end - start + step - 1) / step) as u64,
+            }
+        }
+        SelectInt => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            if t.rank() == 0 {
+                return Err("cannot select from a 0-dim tensor".into());
+            }
+            let dim = wrap_dim(a.int("dim")?, t.rank())?;
+            let index = a.int("index")?;
+            let n = t.shape[dim] as i64;
+            if index < -n || index >= n {
+                return Err(format!(
+                    "index {index} out of range for dimension {dim} of size {n}"
+                ));
+            }
+            OpParams::Select {
+                dim,
+                index: if index < 0 { index + n } else { index } as u64,
+            }
+        }
+        NativeLayerNorm => {
+            ins.count(3)?;
+            layer_norm(a, ins.input(0)?)?
+        }
+        NativeLayerNormBackward => {
+            ins.count(6)?;
+            layer_norm(a, ins.input(1)?)?
+        }
+        MaxPool2dWithIndices | AvgPool2d => {
+            ins.count(1)?;
+            OpParams::Pool(geometry::pool(
+                &pool_attrs(a, op == MaxPool2dWithIndices)?,
+                ins.input(0)?,
+            )?)
+        }
+        MaxPool2dWithIndicesBackward | AvgPool2dBackward => {
+            ins.count(if op == AvgPool2dBackward { 2 } else { 3 })?;
+            OpParams::Pool(geometry::pool(
+                &pool_attrs(a, op == MaxPool2dWithIndicesBackward)?,
+                ins.input(1)?,
+            )?)
+        }
+        AdaptiveAvgPool2d => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            if t.rank() != 3 && t.rank() != 4 {
+                return Err(format!("input must be 3-d or 4-d, got {t}"));
+            }
+            let size = geometry::spatial(a.ints("output_size")?, 2, "output_size", None)?;
+            OpParams::AdaptivePool {
+                output_size: [
+                    nonneg(size[0], "output_size")?,
+                    nonneg(size[1], "output_size")?,
+                ],
+            }
+        }
+        Embedding => embedding(a, 0)?,
+        EmbeddingDenseBackward => {
+            let rows = nonneg(a.int("num_weights")?, "num_weights")?;
+            embedding(a, rows)?
+        }
+        Gather | ScatterAdd | IndexSelect => {
+            ins.count(if op == ScatterAdd { 3 } else { 2 })?;
+            let t = ins.input(0)?;
+            OpParams::Index {
+                dim: wrap_dim(a.int("dim")?, t.rank())?,
+            }
+        }
+        ScatterValue => {
+            ins.count(2)?;
+            let t = ins.input(0)?;
+            OpParams::Scatter {
+                dim: wrap_dim(a.int("dim")?, t.rank())?,
+                value: a.scalar("value")?,
+            }
+        }
+        IndexPut => OpParams::IndexPut {
+            count: a.list_len("indices")?,
+            accumulate: a.bool_or("accumulate", false)?,
+        },
+        Full => {
+            ins.count(0)?;
+            let shape = a
+                .ints("size")?
+                .iter()
+                .map(|&s| nonneg(s, "a dimension"))
+                .collect::<Result<_>>()?;
+            let value = a.scalar("fill_value")?;
+            let dtype = a.dtype_opt("dtype")?.unwrap_or(match value {
+                Scalar::Float(_) => DType::F32,
+                Scalar::Int(_) => DType::I64,
+                Scalar::Bool(_) => DType::Bool,
+            });
+            OpParams::Fill {
+                value,
+                dtype,
+                shape,
+            }
+        }
+        FullLike => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            OpParams::Fill {
+                value: a.scalar("fill_value")?,
+                dtype: a.dtype_opt("dtype")?.unwrap_or(t.dtype),
+                shape: t.shape.clone(),
+            }
+        }
+        ScalarTensor => {
+            ins.count(0)?;
+            OpParams::Fill {
+                value: a.scalar("s")?,
+                dtype: a.dtype_opt("dtype")?.unwrap_or(DType::F32),
+                shape: vec![],
+            }
+        }
+        ArangeStartStep => {
+            ins.count(0)?;
+            let (start, end) = (a.scalar("start")?, a.scalar("end")?);
+            let step = a.scalar_opt("step")?.unwrap_or(Scalar::Int(1));
+            let (x, y, s) = (start.as_f64(), end.as_f64(), step.as_f64());
+            if s == 0.0 || !x.is_finite() || !y.is_finite() || !s.is_finite() {
+                return Err(format!(
+                    "start {x}, end {y} and step {s} must be finite, step non-zero"
+                ));
+            }
+            if (y - x) / s < 0.0 {
+                return Err(format!("step {s} goes away from end {y} starting at {x}"));
+            }
+            let all_int = [start, end, step]
+                .iter()
+                .all(|v| matches!(v, Scalar::Int(_)));
+            let default = if all_int { DType::I64 } else { DType::F32 };
+            OpParams::Arange {
+                start,
+                end,
+                step,
+                len: ((y - x) / s).ceil() as u64,
+                dtype: a.dtype_opt("dtype")?.unwrap_or(default),
+            }
+        }
+        BernoulliP => {
+            let p = a.scalar("p")?.as_f64();
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("p must be in [0, 1], got {p}"));
+            }
+            OpParams::Bernoulli { p }
+        }
+    })
+}

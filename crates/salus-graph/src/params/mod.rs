@@ -1,0 +1,368 @@
+//! Typed op parameters: every node's attributes, read and checked once by validation.
+//!
+//! A node's non-tensor arguments arrive as [`crate::Attr`] values by schema name. Validation
+//! turns them into one [`OpParams`] per node, with defaults filled in, dimensions
+//! normalised by [`wrap_dim`] and the geometry backends need (a convolution's output
+//! size, a slice's clamped bounds) derived from the input shapes. Nothing after validation
+//! reads an attribute by name: shape inference, the memory planner and the backends read
+//! [`crate::CheckedGraph::params`].
+//!
+//! ```
+//! use salus_graph::{Attr, DType, Graph, Limits, Node, Op, OpParams, Role, Tensor, TensorType};
+//!
+//! let t = |name: &str, shape: Vec<u64>, role| Tensor {
+//!     name: name.into(),
+//!     ty: TensorType::new(DType::F32, shape),
+//!     role,
+//!     data: vec![],
+//! };
+//! let graph = Graph {
+//!     tensors: vec![t("x", vec![4, 8], Role::Feed), t("y", vec![4], Role::Intermediate)],
+//!     nodes: vec![Node {
+//!         name: "sum".into(),
+//!         op: Op::SumDimIntList,
+//!         inputs: vec![Some(0)],
+//!         outputs: vec![Some(1)],
+//!         attrs: [("dim".to_string(), Attr::Ints(vec![-1]))].into(),
+//!         source: String::new(),
+//!     }],
+//!     fetches: vec![1],
+//!     updates: vec![],
+//! };
+//! let checked = salus_graph::check(&graph, &Limits::default()).unwrap();
+//! let OpParams::Reduce(r) = checked.params(0) else { unreachable!() };
+//! assert_eq!(r.dims, [1]); // -1 normalised against rank 2
+//! assert!(!r.keepdim);
+//! ```
+
+mod extract;
+mod geometry;
+
+pub(crate) use extract::{Inputs, extract};
+pub use geometry::{ConvParams, PoolParams};
+
+use crate::ir::DType;
+
+/// A number argument (ATen `Scalar`): int, float or bool, as the graph gave it. The kind
+/// matters for type promotion (a float number lifts an integer tensor to f32).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scalar {
+    /// An integer (`Attr::Int`).
+    Int(i64),
+    /// A float (`Attr::Float`).
+    Float(f64),
+    /// A boolean (`Attr::Bool`).
+    Bool(bool),
+}
+
+impl Scalar {
+    /// The value as f64 (a bool is 0 or 1).
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Scalar::Int(v) => v as f64,
+            Scalar::Float(v) => v,
+            Scalar::Bool(v) => f64::from(u8::from(v)),
+        }
+    }
+}
+
+/// How `gelu` computes Φ (`approximate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluApproximate {
+    /// `"none"` (the default): the exact `erf` form.
+    None,
+    /// `"tanh"`: the tanh approximation.
+    Tanh,
+}
+
+/// A reduction's dimensions and result, shared by `sum.dim_IntList`, `mean`, `mean.dim`,
+/// `var.correction`, `any.dim` and `amax`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reduction {
+    /// Reduced dimensions of the input: from `dim` (an int for `any.dim`, a list
+    /// otherwise), normalised by [`wrap_dim`] and sorted; every dimension when `dim` is
+    /// absent or empty (and always for `mean`). Repeated dimensions are an error. Empty
+    /// for a 0-dim input.
+    pub dims: Vec<usize>,
+    /// `keepdim` (default false): reduced dimensions stay as size 1.
+    pub keepdim: bool,
+    /// The result's dtype: `dtype` when given, else the op's default (`sum`: i64 for
+    /// integer and bool inputs; `any.dim`: bool; otherwise the input's).
+    pub dtype: DType,
+}
+
+impl Reduction {
+    /// True when dimension `d` of the input is reduced.
+    pub fn reduces(&self, d: usize) -> bool {
+        self.dims.binary_search(&d).is_ok()
+    }
+}
+
+/// The typed, checked non-tensor arguments of one node: one variant per family of ops.
+/// Each field says which ATen attribute it comes from and its default.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OpParams {
+    /// Ops without attributes: `mul.Tensor`, `div.Tensor`, `neg`, `abs`, `sign`, `exp`,
+    /// `log`, `sqrt`, `rsqrt`, `reciprocal`, `erf`, `relu`, `sigmoid`, `tanh`,
+    /// `logical_and`, `logical_not`, `bitwise_and.Tensor`, `bitwise_not`, `where.self`,
+    /// `clone`, `mm`, `bmm`, `_adaptive_avg_pool2d_backward`.
+    None,
+    /// `add.Tensor`, `sub.Tensor`: `self ± alpha * other`.
+    Binary {
+        /// `alpha` (Scalar, default 1).
+        alpha: f64,
+    },
+    /// A tensor and a number: `add.Scalar`, `mul.Scalar`, `div.Scalar` and the
+    /// comparisons `eq/ne/lt/le/gt/ge.Scalar` (`other`), `pow.Tensor_Scalar` (`exponent`),
+    /// `pow.Scalar` (`self`, the base; the tensor input is the exponent).
+    WithScalar {
+        /// `other`, `exponent` or `self` (Scalar, required).
+        scalar: Scalar,
+        /// `alpha` of `add.Scalar` (default 1); 1 for every other op.
+        alpha: f64,
+    },
+    /// `clamp`: at least one bound.
+    Clamp {
+        /// `min` (Scalar, optional).
+        min: Option<Scalar>,
+        /// `max` (Scalar, optional).
+        max: Option<Scalar>,
+    },
+    /// `leaky_relu`.
+    LeakyRelu {
+        /// `negative_slope` (Scalar, default 0.01).
+        negative_slope: f64,
+    },
+    /// `gelu`.
+    Gelu {
+        /// `approximate` (`"none"` or `"tanh"`, default `"none"`).
+        approximate: GeluApproximate,
+    },
+    /// `_to_copy`.
+    ToCopy {
+        /// `dtype` (default: the input's).
+        dtype: DType,
+    },
+    /// `sum.dim_IntList`, `mean`, `mean.dim`, `any.dim`, `amax`.
+    Reduce(Reduction),
+    /// `var.correction`.
+    Var {
+        /// `dim`, `keepdim` (the dtype is the input's).
+        reduction: Reduction,
+        /// `correction` (Scalar, default 1): the divisor is N - correction.
+        correction: f64,
+    },
+    /// `_softmax`, `_log_softmax`.
+    Softmax {
+        /// `dim`, normalised.
+        dim: usize,
+        /// `half_to_float` (default false): the result is f32.
+        half_to_float: bool,
+    },
+    /// `_softmax_backward_data`, `_log_softmax_backward_data`.
+    SoftmaxBackward {
+        /// `dim`, normalised.
+        dim: usize,
+        /// `input_dtype` (default: grad_output's): the result's dtype.
+        input_dtype: DType,
+    },
+    /// `addmm`: `beta * self + alpha * mat1 @ mat2`.
+    Addmm {
+        /// `beta` (Scalar, default 1).
+        beta: f64,
+        /// `alpha` (Scalar, default 1).
+        alpha: f64,
+    },
+    /// `convolution`, `convolution_backward`: attributes and derived geometry.
+    Conv(ConvParams),
+    /// `view` (`size`, its -1 resolved) and `expand` (`size`, its -1s resolved): the
+    /// result's shape.
+    Reshape {
+        /// The result's shape.
+        shape: Vec<u64>,
+    },
+    /// `permute`.
+    Permute {
+        /// `dims`, normalised: result dimension i is input dimension `dims[i]`.
+        dims: Vec<usize>,
+    },
+    /// `unsqueeze`.
+    Unsqueeze {
+        /// `dim`, normalised against rank + 1: where the size-1 dimension goes.
+        dim: usize,
+    },
+    /// `squeeze.dims`.
+    Squeeze {
+        /// `dim` (a list), normalised and sorted; only those of size 1 are removed.
+        dims: Vec<usize>,
+    },
+    /// `split_with_sizes`.
+    Split {
+        /// `dim` (default 0), normalised.
+        dim: usize,
+        /// `split_sizes`, each >= 0, adding up to the dimension.
+        sizes: Vec<u64>,
+    },
+    /// `cat`.
+    Cat {
+        /// `dim` (default 0), normalised.
+        dim: usize,
+        /// `tensors.len`: how many inputs.
+        count: usize,
+    },
+    /// `slice.Tensor`, bounds clamped as PyTorch does: `start, start + step, ... < end`.
+    Slice {
+        /// `dim` (default 0), normalised.
+        dim: usize,
+        /// `start` (default 0; negative counts from the end), clamped into `[0, size]`.
+        start: u64,
+        /// `end` (default the size; negative counts from the end), clamped into
+        /// `[start, size]`.
+        end: u64,
+        /// `step` (default 1, > 0).
+        step: u64,
+        /// Elements taken: `ceil((end - start) / step)`.
+        len: u64,
+    },
+    /// `select.int`.
+    Select {
+        /// `dim`, normalised.
+        dim: usize,
+        /// `index`, normalised (negative counts from the end) and in range.
+        index: u64,
+    },
+    /// `native_layer_norm`, `native_layer_norm_backward`.
+    LayerNorm {
+        /// `normalized_shape`: the input's last dimensions.
+        normalized_shape: Vec<u64>,
+        /// The first normalised dimension: `rank - normalized_shape.len()`.
+        axis: usize,
+        /// `eps` (float, default 1e-5).
+        eps: f64,
+    },
+    /// `max_pool2d_with_indices(_backward)`, `avg_pool2d(_backward)`.
+    Pool(PoolParams),
+    /// `_adaptive_avg_pool2d`.
+    AdaptivePool {
+        /// `output_size` (one value for both, or two), each >= 0.
+        output_size: [u64; 2],
+    },
+    /// `embedding`, `embedding_dense_backward`.
+    Embedding {
+        /// `padding_idx` (default -1): the row that gets no gradient; `None` when negative.
+        padding_idx: Option<u64>,
+        /// `scale_grad_by_freq` (default false).
+        scale_grad_by_freq: bool,
+        /// `num_weights` of the backward: the gradient's rows; 0 for the forward.
+        num_weights: u64,
+    },
+    /// `gather`, `scatter_add`, `index_select`.
+    Index {
+        /// `dim`, normalised.
+        dim: usize,
+    },
+    /// `scatter.value`.
+    Scatter {
+        /// `dim`, normalised.
+        dim: usize,
+        /// `value` (Scalar).
+        value: Scalar,
+    },
+    /// `index_put`.
+    IndexPut {
+        /// `indices.len`: the index tensors are inputs 1..=count.
+        count: usize,
+        /// `accumulate` (default false).
+        accumulate: bool,
+    },
+    /// `full`, `full_like`, `scalar_tensor`.
+    Fill {
+        /// `fill_value`, or `s` of `scalar_tensor`.
+        value: Scalar,
+        /// `dtype` (default: `full` from the number's kind, `full_like` the input's,
+        /// `scalar_tensor` f32).
+        dtype: DType,
+        /// `size` of `full`; the input's shape for `full_like`; empty for `scalar_tensor`.
+        shape: Vec<u64>,
+    },
+    /// `arange.start_step`.
+    Arange {
+        /// `start` (Scalar).
+        start: Scalar,
+        /// `end` (Scalar).
+        end: Scalar,
+        /// `step` (Scalar, default 1, non-zero).
+        step: Scalar,
+        /// Values: `ceil((end - start) / step)`.
+        len: u64,
+        /// `dtype` (default i64 when all three numbers are integers, else f32).
+        dtype: DType,
+    },
+    /// `bernoulli.p`.
+    Bernoulli {
+        /// `p` (float in [0, 1]).
+        p: f64,
+    },
+}
+
+impl OpParams {
+    /// The convolution's parameters, for `convolution` and `convolution_backward`.
+    pub fn conv(&self) -> Option<&ConvParams> {
+        match self {
+            OpParams::Conv(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The pooling window, for the max and average pooling ops.
+    pub fn pool(&self) -> Option<&PoolParams> {
+        match self {
+            OpParams::Pool(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The reduction, for the reduction ops (`var.correction` included).
+    pub fn reduction(&self) -> Option<&Reduction> {
+        match self {
+            OpParams::Reduce(r) | OpParams::Var { reduction: r, .. } => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// A dimension index for a tensor of rank `rank`, negative counting from the end, as
+/// PyTorch's `maybe_wrap_dim`: valid in `[-rank, rank)`, where a 0-dim tensor counts as
+/// rank 1 (so 0 and -1 name its one "dimension"). Out of range is an error, never clamped.
+///
+/// ```
+/// use salus_graph::wrap_dim;
+/// assert_eq!(wrap_dim(-1, 3), Ok(2));
+/// assert_eq!(wrap_dim(2, 3), Ok(2));
+/// assert_eq!(wrap_dim(-1, 0), Ok(0));
+/// assert!(wrap_dim(3, 3).unwrap_err().contains("out of range"));
+/// assert!(wrap_dim(-4, 3).is_err());
+/// ```
+pub fn wrap_dim(d: i64, rank: usize) -> Result<usize, String> {
+    let r = rank.max(1) as i64;
+    let wrapped = if d < 0 { d + r } else { d };
+    if !(0..r).contains(&wrapped) {
+        return Err(format!(
+            "dimension {d} out of range for a tensor of rank {rank}"
+        ));
+    }
+    Ok(wrapped as usize)
+}
+
+/// [`wrap_dim`] for each of `ds`; a dimension named twice is an error. In the given order.
+pub fn wrap_dims(ds: &[i64], rank: usize) -> Result<Vec<usize>, String> {
+    let mut out = Vec::with_capacity(ds.len());
+    for &d in ds {
+        let d = wrap_dim(d, rank)?;
+        if out.contains(&d) {
+            return Err(format!("dimension {d} appears twice in {ds:?}"));
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
