@@ -28,7 +28,9 @@ pub mod sim;
 
 use std::time::Duration;
 
-use salus_graph::{Graph, GraphError, Limits, MemoryPlan, Role, TensorId, check};
+use salus_graph::{
+    CheckedGraph, Graph, GraphError, Limits, MemoryPlan, OpParams, Role, TensorId, check,
+};
 
 pub use arena::{Arena, Region};
 pub use sim::{CostModel, SimDevice};
@@ -81,6 +83,8 @@ const SMALL_TENSOR: u64 = 1 << 14;
 pub struct Program {
     graph: Graph,
     plan: MemoryPlan,
+    /// Each node's typed parameters, read from its attributes once by validation.
+    params: Vec<OpParams>,
     feeds: Vec<TensorId>,
     expected_iteration: Option<Duration>,
     id: u64,
@@ -92,7 +96,7 @@ pub struct Program {
 impl Program {
     /// Validates and plans `graph`.
     pub fn new(graph: Graph, limits: &Limits) -> Result<Program, GraphError> {
-        let plan = check(&graph, limits)?.plan;
+        let CheckedGraph { plan, params, .. } = check(&graph, limits)?;
         let feeds = graph
             .tensors
             .iter()
@@ -110,6 +114,7 @@ impl Program {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             graph,
             plan,
+            params,
             feeds,
             layouts,
             small,
@@ -173,6 +178,11 @@ impl Program {
     /// The graph.
     pub fn graph(&self) -> &Graph {
         &self.graph
+    }
+
+    /// Node `node`'s typed parameters (every backend reads these, never the attributes).
+    pub fn params(&self, node: usize) -> &OpParams {
+        &self.params[node]
     }
 
     /// The memory plan: P is `plan().persistent_bytes`, E `plan().ephemeral_bytes`.
