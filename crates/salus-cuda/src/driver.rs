@@ -12,6 +12,8 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 
+use crate::abi::LaunchArgs;
+
 /// Raw handles are plain pointers; the backend uses each one under a lock (a lane's
 /// stream and cuBLAS handle) or only for calls the driver allows from any thread
 /// (functions, modules, the context).
@@ -184,18 +186,20 @@ pub(crate) fn function(m: Raw<sys::CUmodule>, name: &str) -> DResult<Raw<sys::CU
     unsafe { cu::module::get_function(m.0, c).map(Raw) }
 }
 
-/// Launches `f` with one by-value struct argument whose bytes are `args`.
+/// Launches `f` with `args`, the kernel's one by-value argument struct.
 pub(crate) fn launch(
     f: Raw<sys::CUfunction>,
     (grid, grid_y): (u32, u32),
     block: u32,
-    args: &[u64],
+    args: &dyn LaunchArgs,
     s: Raw<sys::CUstream>,
 ) -> DResult<()> {
-    let mut param = args.as_ptr() as *mut c_void;
-    // SAFETY: every kernel takes exactly one struct of 8-byte fields, whose layout `args`
-    // reproduces word for word (see kernels/*.cu); the driver copies the parameter block at
-    // launch, and all pointers inside it lie in memory this backend owns.
+    let mut param = args as *const dyn LaunchArgs as *const c_void as *mut c_void;
+    // SAFETY: `LaunchArgs` is implemented only by the `#[repr(C)]` argument structs of
+    // `abi`, whose layout is the C struct the kernel takes (field by field, checked by
+    // abi's tests against the source NVRTC compiles), and the lowering pairs each kernel
+    // with its own struct. The driver copies the parameter block at launch (or capture),
+    // and all pointers inside it lie in memory this backend owns.
     unsafe {
         cu::launch_kernel(
             f.0,

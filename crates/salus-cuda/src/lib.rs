@@ -3,9 +3,11 @@
 //!
 //! Owns everything that talks to CUDA: probing GPUs ([`GpuInfo`]), opening one
 //! ([`CudaOptions`]), the calls into the driver, cuBLAS and NVRTC (`driver`), lowering a
-//! program's nodes to kernel launches and cuBLAS products (`ops`), and the kernels'
-//! source (`src/kernels/*.cu`, one file per op family, concatenated into one NVRTC
-//! program). Must not touch: the device contract, programs, placements and node layouts
+//! program's nodes to kernel launches and cuBLAS products (`lower`, one file per op
+//! family), the interface between the two sides (`abi`: kernels, argument structs and
+//! codes, described once in Rust, from which the CUDA prelude is generated) and the
+//! kernels' source (`src/kernels/*.cu`, one file per op family, joined after the prelude
+//! into one NVRTC program). Must not touch: the device contract, programs, placements and node layouts
 //! (`salus-exec`'s; this crate only uses them), the CPU backend (whose results its kernels
 //! reproduce, checked by `salus-testkit`'s tests), sessions and policies. `unsafe` is
 //! allowed in one module only, `driver`.
@@ -15,14 +17,14 @@
 //!
 //! At start the device takes the primary context of one GPU, allocates its whole arena in
 //! one `cuMemAlloc` (the capacity: free memory minus a reserve, optionally capped), and
-//! compiles its kernels (`KERNELS`) with NVRTC for the GPU's architecture, caching the
+//! compiles its kernels (the generated prelude and `src/kernels/*.cu`) with NVRTC for the GPU's architecture, caching the
 //! machine code on disk keyed by architecture, NVRTC version and source hash.
 //! Persistent blocks and lanes are offsets into the arena, as the core assigns them.
 //!
 //! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
 //! a small error block and two events; iterations of one lane run in order, lanes run
 //! concurrently. A program at a placement is lowered once into a command list (see
-//! `ops`); its first iteration runs the list eagerly, the second captures it into a CUDA
+//! `lower`); its first iteration runs the list eagerly, the second captures it into a CUDA
 //! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
 //!
 //! Updates are written after the fetches have been read, by a kernel that does nothing
@@ -38,8 +40,9 @@
 //! a broken context. It does not try to recover (that would need host copies of every
 //! session's persistent tensors).
 
+mod abi;
 mod driver;
-mod ops;
+mod lower;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -52,23 +55,9 @@ use cudarc::driver::sys;
 
 use salus_exec::{Device, ExecError, Location, Outcome, Placement, Program};
 
+use self::abi::Kernel;
 use self::driver::{Raw, driver_error};
-use self::ops::{Cmd, K, Lower};
-
-/// The kernels' source, compiled at run time: the op families' files in the order
-/// `kernels/prelude.cu` gives (a file may use what an earlier one defines).
-const KERNELS: &str = concat!(
-    include_str!("kernels/prelude.cu"),
-    include_str!("kernels/elementwise.cu"),
-    include_str!("kernels/copy.cu"),
-    include_str!("kernels/reduce.cu"),
-    include_str!("kernels/norm.cu"),
-    include_str!("kernels/matmul.cu"),
-    include_str!("kernels/conv.cu"),
-    include_str!("kernels/pool.cu"),
-    include_str!("kernels/index.cu"),
-    include_str!("kernels/random.cu"),
-);
+use self::lower::{Command, Lowering};
 
 /// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
 const MIN_DRIVER: i32 = 12080;
@@ -125,8 +114,8 @@ impl CudaOptions {
 
 /// A lowered program at one placement, and its captured graph.
 struct Entry {
-    cmds: Vec<Cmd>,
-    updates: Vec<Cmd>,
+    commands: Vec<Command>,
+    updates: Vec<Command>,
     runs: u64,
     graph: Option<Raw<sys::CUgraphExec>>,
     capture_failed: bool,
@@ -273,7 +262,7 @@ impl CudaDevice {
         let image = kernel_image(arch)?;
         let module =
             driver::load_module(&image).map_err(|e| driver_error("loading the kernels", e))?;
-        let functions = K::ALL
+        let functions = Kernel::ALL
             .iter()
             .map(|k| driver::function(module, k.name()).map_err(|e| driver_error(k.name(), e)))
             .collect::<Result<Vec<_>, _>>()?;
@@ -386,13 +375,13 @@ impl CudaDevice {
         let plan = program.plan();
         let persistent = self.range(at.persistent, plan.persistent_bytes)?;
         let lane = self.range(at.lane, plan.ephemeral_bytes)?;
-        let mut lower = Lower {
+        let mut lower = Lowering {
             program,
             persistent,
             lane,
             err,
             index: 0,
-            cmds: Vec::new(),
+            commands: Vec::new(),
         };
         for (index, node) in graph.nodes.iter().enumerate() {
             lower.index = index;
@@ -412,8 +401,8 @@ impl CudaDevice {
             }
         }
         Ok(Entry {
-            cmds: lower.cmds,
-            updates: ops::guarded_copies(&updates, err),
+            commands: lower.commands,
+            updates: lower::guarded_copies(&updates, err),
             runs: 0,
             graph: None,
             capture_failed: false,
@@ -421,26 +410,20 @@ impl CudaDevice {
         })
     }
 
-    fn issue(&self, lane: &Lane, cmds: &[Cmd]) -> Result<(), ExecError> {
-        for cmd in cmds {
-            match cmd {
-                Cmd::Launch {
-                    kernel,
-                    grid,
-                    grid_y,
-                    block,
-                    args,
-                } => driver::launch(
-                    self.functions[*kernel as usize],
-                    (*grid, *grid_y),
-                    *block,
-                    args,
+    fn issue(&self, lane: &Lane, commands: &[Command]) -> Result<(), ExecError> {
+        for command in commands {
+            match command {
+                Command::Launch(l) => driver::launch(
+                    self.functions[l.kernel as usize],
+                    l.grid,
+                    l.block,
+                    &*l.args,
                     lane.stream,
                 )
-                .map_err(|e| self.check(kernel.name(), e))?,
-                Cmd::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, lane.stream)
+                .map_err(|e| self.check(l.kernel.name(), e))?,
+                Command::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, lane.stream)
                     .map_err(|e| self.check("cuMemsetD8Async", e))?,
-                Cmd::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
+                Command::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
             }
         }
         Ok(())
@@ -456,12 +439,13 @@ impl CudaDevice {
         if graphs && let Some(g) = entry.graph {
             return driver::launch_graph(g, stream).map_err(|e| self.check("cuGraphLaunch", e));
         }
-        let capture = graphs && entry.runs >= 1 && !entry.capture_failed && !entry.cmds.is_empty();
+        let capture =
+            graphs && entry.runs >= 1 && !entry.capture_failed && !entry.commands.is_empty();
         if !capture {
-            return self.issue(lane, &entry.cmds);
+            return self.issue(lane, &entry.commands);
         }
         driver::begin_capture(stream).map_err(|e| self.check("cuStreamBeginCapture", e))?;
-        let issued = self.issue(lane, &entry.cmds);
+        let issued = self.issue(lane, &entry.commands);
         let ended = driver::end_capture(stream);
         let exec = match (issued, ended) {
             (Ok(()), Ok(g)) => driver::instantiate(g).ok(),
@@ -483,12 +467,12 @@ impl CudaDevice {
             None => {
                 entry.capture_failed = true;
                 let lane = &*lane;
-                let cmds = lane
+                let commands = lane
                     .entries
                     .get(&key)
-                    .map(|e| e.cmds.clone())
+                    .map(|e| e.commands.clone())
                     .unwrap_or_default();
-                self.issue(lane, &cmds)
+                self.issue(lane, &commands)
             }
         }
     }
@@ -578,7 +562,7 @@ impl CudaDevice {
                 index,
                 name: node.map(|n| n.name.clone()).unwrap_or_default(),
                 op: node.map(|n| n.op.name().to_string()).unwrap_or_default(),
-                message: ops::index_error(word(2), word(3) as i64, word(4) as i64),
+                message: abi::index_error(word(2), word(3) as i64, word(4) as i64),
             });
         }
         let ms = driver::elapsed_ms(lane.start, lane.end)
@@ -593,8 +577,9 @@ impl CudaDevice {
 /// The kernels' machine code for `arch`: from the disk cache, or compiled and cached.
 fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
     let (major, minor) = driver::nvrtc_version();
+    let source = abi::kernel_source();
     let key = fnv1a(&[
-        KERNELS.as_bytes(),
+        source.as_bytes(),
         format!("nvrtc {major}.{minor} sm_{arch}").as_bytes(),
     ]);
     let dir = cache_dir();
@@ -607,7 +592,7 @@ fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
     {
         return Ok(image);
     }
-    let (image, _cubin) = driver::nvrtc_compile(KERNELS, arch)?;
+    let (image, _cubin) = driver::nvrtc_compile(&source, arch)?;
     if let (Some(dir), Some(path)) = (dir, path)
         && std::fs::create_dir_all(&dir).is_ok()
     {
@@ -715,26 +700,6 @@ mod tests {
             Ok(gpus) => assert!(!gpus.is_empty()),
             Err(reason) => assert!(!reason.is_empty()),
         }
-    }
-
-    #[test]
-    fn every_kernel_file_ends_its_last_line() {
-        // `KERNELS` concatenates the files: one without a final newline would glue its last
-        // line onto the next file's first (a comment swallowing a declaration).
-        let files = [
-            include_str!("kernels/prelude.cu"),
-            include_str!("kernels/elementwise.cu"),
-            include_str!("kernels/copy.cu"),
-            include_str!("kernels/reduce.cu"),
-            include_str!("kernels/norm.cu"),
-            include_str!("kernels/matmul.cu"),
-            include_str!("kernels/conv.cu"),
-            include_str!("kernels/pool.cu"),
-            include_str!("kernels/index.cu"),
-            include_str!("kernels/random.cu"),
-        ];
-        assert!(files.iter().all(|f| f.ends_with('\n')));
-        assert_eq!(files.concat(), KERNELS);
     }
 
     #[test]

@@ -3,26 +3,6 @@
 // as direct sums. Not transposed: the input is "large", the output "small"; transposed:
 // the reverse. Small position a and tap k meet large position a * stride - pad + k * dil.
 
-struct ConvArgs {
-    i64 n, groups, cin_g, cout_g, transposed;
-    i64 in3[3];
-    i64 out3[3];
-    i64 k3[3];
-    i64 stride[3];
-    i64 pad[3];
-    i64 dil[3];
-    u64 x;
-    i64 xdt;
-    u64 w;
-    i64 wdt;
-    u64 bias;
-    i64 bdt;
-    u64 y;
-    i64 ydt;
-    u64 g;
-    i64 gdt;
-};
-
 __device__ void unravel3(i64 p, const i64* s, i64* c) {
     c[2] = p % s[2];
     c[1] = (p / s[2]) % s[1];
@@ -140,12 +120,6 @@ extern "C" __global__ void conv_bwd_weight(const ConvArgs a) {
 
 // Unfolds images [n0, n0 + count) of group g of a 2-d input into col[count][K][L] (f32),
 // K = cin_g * kh * kw, L = oh * ow.
-struct Im2colArgs {
-    i64 n0, count, g, c_in, cin_g, h, w, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw;
-    u64 x;
-    u64 col;
-};
-
 extern "C" __global__ void im2col(const Im2colArgs a) {
     i64 K = a.cin_g * a.kh * a.kw, L = a.oh * a.ow;
     GRID_LOOP(t, a.count * K * L) {

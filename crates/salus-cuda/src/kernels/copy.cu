@@ -4,12 +4,7 @@
 // The updates of an iteration: up to 128 copies of (dst, src, bytes), skipped when the
 // lane's error flag is set, so that an iteration whose kernels reported an error never
 // writes the persistent block. Segment blockIdx.y, grid-stride over blockIdx.x.
-struct UpdArgs {
-    u64 err, count;
-    u64 seg[384];
-};
-
-extern "C" __global__ void guarded_copies(const UpdArgs a) {
+extern "C" __global__ void guarded_copies(const GuardedCopyArgs a) {
     if (*(volatile u64*)a.err != 0ull) return;
     for (u64 s = blockIdx.y; s < a.count; s += gridDim.y) {
         u64 dst = a.seg[3 * s], src = a.seg[3 * s + 1], bytes = a.seg[3 * s + 2];

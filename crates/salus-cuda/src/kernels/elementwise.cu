@@ -1,59 +1,6 @@
 // ------------------------------------------------------------------------------------
 // Elementwise ops and strided copies.
 
-struct Ten {
-    u64 ptr;
-    i64 dt;
-    i64 st[MAXR];
-};
-
-struct EwArgs {
-    i64 n, rank, op, nin, contig;
-    double s0, s1, s2;
-    i64 shape[MAXR];
-    Ten out;
-    Ten in[3];
-};
-
-#define OP_COPY 0
-#define OP_ADD 1
-#define OP_MUL 2
-#define OP_DIV 3
-#define OP_ADDS 4
-#define OP_MULS 5
-#define OP_DIVS 6
-#define OP_NEG 7
-#define OP_ABS 8
-#define OP_SIGN 9
-#define OP_EXP 10
-#define OP_LOG 11
-#define OP_SQRT 12
-#define OP_RSQRT 13
-#define OP_SIGMOID 14
-#define OP_TANH 15
-#define OP_RELU 16
-#define OP_LEAKY 17
-#define OP_GELU_TANH 18
-#define OP_GELU 19
-#define OP_ERF 20
-#define OP_POW_TS 21
-#define OP_POW_S 22
-#define OP_CLAMP 23
-#define OP_EQ 24
-#define OP_NE 25
-#define OP_LT 26
-#define OP_LE 27
-#define OP_GT 28
-#define OP_GE 29
-#define OP_LAND 30
-#define OP_LNOT 31
-#define OP_BNOT 32
-#define OP_BAND 33
-#define OP_WHERE 34
-#define OP_FILL 35
-#define OP_ARANGE 36
-#define OP_RECIPROCAL 37
-
 __device__ double apply(i64 op, double a, double b, double c, double s0, double s1, i64 i) {
     switch (op) {
         case OP_COPY: return a;
@@ -99,7 +46,7 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
     }
 }
 
-extern "C" __global__ void ew(const EwArgs a) {
+extern "C" __global__ void ew(const ElementwiseArgs a) {
     GRID_LOOP(i, a.n) {
         i64 o = i, x0 = i, x1 = i, x2 = i;
         if (!a.contig) {
@@ -109,18 +56,18 @@ extern "C" __global__ void ew(const EwArgs a) {
                 i64 c = r % a.shape[d];
                 r /= a.shape[d];
                 o += c * a.out.st[d];
-                x0 += c * a.in[0].st[d];
-                x1 += c * a.in[1].st[d];
-                x2 += c * a.in[2].st[d];
+                x0 += c * a.inputs[0].st[d];
+                x1 += c * a.inputs[1].st[d];
+                x2 += c * a.inputs[2].st[d];
             }
         }
-        if (a.op == OP_COPY && a.in[0].dt == a.out.dt) {
-            raw(a.out.ptr, o, a.in[0].ptr, x0, a.out.dt);
+        if (a.op == OP_COPY && a.inputs[0].dt == a.out.dt) {
+            raw(a.out.ptr, o, a.inputs[0].ptr, x0, a.out.dt);
             continue;
         }
-        double v0 = a.nin > 0 ? ld(a.in[0].ptr, a.in[0].dt, x0) : 0.0;
-        double v1 = a.nin > 1 ? ld(a.in[1].ptr, a.in[1].dt, x1) : 0.0;
-        double v2 = a.nin > 2 ? ld(a.in[2].ptr, a.in[2].dt, x2) : 0.0;
+        double v0 = a.nin > 0 ? ld(a.inputs[0].ptr, a.inputs[0].dt, x0) : 0.0;
+        double v1 = a.nin > 1 ? ld(a.inputs[1].ptr, a.inputs[1].dt, x1) : 0.0;
+        double v2 = a.nin > 2 ? ld(a.inputs[2].ptr, a.inputs[2].dt, x2) : 0.0;
         st(a.out.ptr, a.out.dt, o, apply(a.op, v0, v1, v2, a.s0, a.s1, i));
     }
 }

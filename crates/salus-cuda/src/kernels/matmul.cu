@@ -2,20 +2,7 @@
 // Matrix products of any dtype (the cuBLAS path takes f32, f16 and bf16).
 // c[b, i, j] = beta * bias[i * s0 + j * s1] + alpha * sum_p a[b, i, p] * b[b, p, j].
 
-struct MmArgs {
-    i64 batch, n, k, m;
-    double alpha, beta;
-    u64 a;
-    i64 adt;
-    u64 b;
-    i64 bdt;
-    u64 c;
-    i64 cdt;
-    u64 bias;
-    i64 biasdt, bias_s0, bias_s1;
-};
-
-extern "C" __global__ void matmul_naive(const MmArgs a) {
+extern "C" __global__ void matmul_naive(const MatmulArgs a) {
     GRID_LOOP(t, a.batch * a.n * a.m) {
         i64 j = t % a.m, i = (t / a.m) % a.n, bi = t / (a.m * a.n);
         double acc = 0.0;

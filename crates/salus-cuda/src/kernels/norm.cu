@@ -1,24 +1,7 @@
 // ------------------------------------------------------------------------------------
 // Layer norm over contiguous rows of `inner` elements.
 
-struct LnArgs {
-    i64 rows, inner;
-    double eps;
-    u64 x;
-    i64 xdt;
-    u64 w;
-    i64 wdt;
-    u64 b;
-    i64 bdt;
-    u64 y;
-    i64 ydt;
-    u64 mean;
-    i64 mdt;
-    u64 rstd;
-    i64 rdt;
-};
-
-extern "C" __global__ void layer_norm_fwd(const LnArgs a) {
+extern "C" __global__ void layer_norm_fwd(const LayerNormArgs a) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < a.rows; r += gridDim.x) {
         i64 base = r * a.inner;
@@ -47,27 +30,7 @@ extern "C" __global__ void layer_norm_fwd(const LnArgs a) {
     }
 }
 
-struct LnbArgs {
-    i64 rows, inner;
-    u64 g;
-    i64 gdt;
-    u64 x;
-    i64 xdt;
-    u64 mean;
-    i64 mdt;
-    u64 rstd;
-    i64 rdt;
-    u64 w;
-    i64 wdt;
-    u64 gi;
-    i64 gidt;
-    u64 gw;
-    i64 gwdt;
-    u64 gb;
-    i64 gbdt;
-};
-
-extern "C" __global__ void layer_norm_bwd_input(const LnbArgs a) {
+extern "C" __global__ void layer_norm_bwd_input(const LayerNormBackwardArgs a) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < a.rows; r += gridDim.x) {
         i64 base = r * a.inner;
@@ -89,7 +52,7 @@ extern "C" __global__ void layer_norm_bwd_input(const LnbArgs a) {
     }
 }
 
-extern "C" __global__ void layer_norm_bwd_params(const LnbArgs a) {
+extern "C" __global__ void layer_norm_bwd_params(const LayerNormBackwardArgs a) {
     GRID_LOOP(j, a.inner) {
         double gw = 0.0, gb = 0.0;
         for (i64 r = 0; r < a.rows; ++r) {

@@ -1,25 +1,6 @@
 // ------------------------------------------------------------------------------------
 // Pooling over the last two dims of [planes, h, w].
 
-struct PoolArgs {
-    i64 planes, h, w, oh, ow;
-    i64 k[2];
-    i64 s[2];
-    i64 p[2];
-    i64 d[2];
-    i64 count_include_pad, divisor;
-    u64 x;
-    i64 xdt;
-    u64 y;
-    i64 ydt;
-    u64 idx;
-    i64 idt;
-    u64 g;
-    i64 gdt;
-    u64 err;
-    i64 node;
-};
-
 extern "C" __global__ void max_pool_fwd(const PoolArgs a) {
     GRID_LOOP(t, a.planes * a.oh * a.ow) {
         i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
@@ -47,7 +28,7 @@ extern "C" __global__ void max_pool_fwd(const PoolArgs a) {
 extern "C" __global__ void max_pool_bwd(const PoolArgs a) {
     GRID_LOOP(t, a.planes * a.oh * a.ow) {
         i64 pl = t / (a.oh * a.ow);
-        i64 at = index_at(a.idx, a.idt, t, a.h * a.w, a.err, a.node, 3);
+        i64 at = index_at(a.idx, a.idt, t, a.h * a.w, a.err, a.node, ERR_POOLING_INDEX);
         if (at < 0) continue;
         atomic_addv(a.x, a.xdt, pl * a.h * a.w + at, ld(a.g, a.gdt, t));
     }

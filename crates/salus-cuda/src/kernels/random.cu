@@ -4,14 +4,6 @@
 // bernoulli.p: the CPU kernel's counter-based stream (salus-cpu's kernels/random.rs), bit
 // for bit. The generator state is read on the device, so a captured graph draws anew each
 // replay.
-struct BernoulliArgs {
-    i64 n, dt;
-    u64 out;
-    u64 state;
-    u64 key;
-    double p;
-};
-
 __device__ u64 mix64(u64 z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

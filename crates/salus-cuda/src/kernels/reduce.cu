@@ -1,8 +1,6 @@
 // ------------------------------------------------------------------------------------
 // Block reductions in double.
 
-#define BLOCK 256
-
 __device__ double block_sum(double v, double* sh) {
     sh[threadIdx.x] = v;
     __syncthreads();
@@ -49,26 +47,7 @@ __device__ double block_nan_max(double v, double* sh) {
 // ------------------------------------------------------------------------------------
 // Reductions over any set of dims: sum, mean, amax, any, var.
 
-struct RedArgs {
-    i64 nout, count, op, krank, rrank;
-    double correction;
-    i64 kshape[MAXR];
-    i64 kst[MAXR];
-    i64 rshape[MAXR];
-    i64 rst[MAXR];
-    u64 in;
-    i64 in_dt;
-    u64 out;
-    i64 out_dt;
-};
-
-#define RED_SUM 0
-#define RED_MEAN 1
-#define RED_AMAX 2
-#define RED_ANY 3
-#define RED_VAR 4
-
-__device__ i64 kept_base(const RedArgs& a, i64 oi) {
+__device__ i64 kept_base(const ReduceArgs& a, i64 oi) {
     i64 base = 0, r = oi;
     for (int d = (int)a.krank - 1; d >= 0; --d) {
         i64 c = r % a.kshape[d];
@@ -78,7 +57,7 @@ __device__ i64 kept_base(const RedArgs& a, i64 oi) {
     return base;
 }
 
-__device__ i64 reduced_at(const RedArgs& a, i64 j) {
+__device__ i64 reduced_at(const ReduceArgs& a, i64 j) {
     i64 off = 0, r = j;
     for (int d = (int)a.rrank - 1; d >= 0; --d) {
         i64 c = r % a.rshape[d];
@@ -88,7 +67,7 @@ __device__ i64 reduced_at(const RedArgs& a, i64 j) {
     return off;
 }
 
-__device__ double red_finish(const RedArgs& a, double acc, double sq) {
+__device__ double red_finish(const ReduceArgs& a, double acc, double sq) {
     switch (a.op) {
         case RED_MEAN: return acc / (double)a.count;
         case RED_VAR: {
@@ -100,12 +79,12 @@ __device__ double red_finish(const RedArgs& a, double acc, double sq) {
 }
 
 // One thread per output: for short reductions.
-extern "C" __global__ void red_thread(const RedArgs a) {
+extern "C" __global__ void red_thread(const ReduceArgs a) {
     GRID_LOOP(oi, a.nout) {
         i64 base = kept_base(a, oi);
         double acc = a.op == RED_AMAX ? NEG_INF : 0.0;
         for (i64 j = 0; j < a.count; ++j) {
-            double v = ld(a.in, a.in_dt, base + reduced_at(a, j));
+            double v = ld(a.input, a.in_dt, base + reduced_at(a, j));
             if (a.op == RED_AMAX) acc = nan_max(acc, v);
             else if (a.op == RED_ANY) acc = (acc != 0.0 || v != 0.0) ? 1.0 : 0.0;
             else acc += v;
@@ -114,7 +93,7 @@ extern "C" __global__ void red_thread(const RedArgs a) {
         if (a.op == RED_VAR) {
             double mean = acc / (double)a.count;
             for (i64 j = 0; j < a.count; ++j) {
-                double d = ld(a.in, a.in_dt, base + reduced_at(a, j)) - mean;
+                double d = ld(a.input, a.in_dt, base + reduced_at(a, j)) - mean;
                 sq += d * d;
             }
         }
@@ -123,13 +102,13 @@ extern "C" __global__ void red_thread(const RedArgs a) {
 }
 
 // One block per output: for long reductions.
-extern "C" __global__ void red_block(const RedArgs a) {
+extern "C" __global__ void red_block(const ReduceArgs a) {
     __shared__ double sh[BLOCK];
     for (i64 oi = blockIdx.x; oi < a.nout; oi += gridDim.x) {
         i64 base = kept_base(a, oi);
         double acc = a.op == RED_AMAX ? NEG_INF : 0.0;
         for (i64 j = threadIdx.x; j < a.count; j += blockDim.x) {
-            double v = ld(a.in, a.in_dt, base + reduced_at(a, j));
+            double v = ld(a.input, a.in_dt, base + reduced_at(a, j));
             if (a.op == RED_AMAX) acc = nan_max(acc, v);
             else if (a.op == RED_ANY) acc = (acc != 0.0 || v != 0.0) ? 1.0 : 0.0;
             else acc += v;
@@ -142,7 +121,7 @@ extern "C" __global__ void red_block(const RedArgs a) {
             double mean = acc / (double)a.count;
             double part = 0.0;
             for (i64 j = threadIdx.x; j < a.count; j += blockDim.x) {
-                double d = ld(a.in, a.in_dt, base + reduced_at(a, j)) - mean;
+                double d = ld(a.input, a.in_dt, base + reduced_at(a, j)) - mean;
                 part += d * d;
             }
             sq = block_sum(part, sh);
@@ -155,17 +134,7 @@ extern "C" __global__ void red_block(const RedArgs a) {
 // Softmax, log-softmax and their backward, along one dim: rows of `len` elements
 // `inner` apart.
 
-struct SmArgs {
-    i64 rows, len, inner, log;
-    u64 x;
-    i64 xdt;
-    u64 y;
-    i64 ydt;
-    u64 g;
-    i64 gdt;
-};
-
-extern "C" __global__ void softmax_fwd(const SmArgs a) {
+extern "C" __global__ void softmax_fwd(const SoftmaxArgs a) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < a.rows; r += gridDim.x) {
         i64 base = (r / a.inner) * a.len * a.inner + r % a.inner;
@@ -183,7 +152,7 @@ extern "C" __global__ void softmax_fwd(const SmArgs a) {
 }
 
 // grad_input (into x) from grad_output g and output y.
-extern "C" __global__ void softmax_bwd(const SmArgs a) {
+extern "C" __global__ void softmax_bwd(const SoftmaxArgs a) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < a.rows; r += gridDim.x) {
         i64 base = (r / a.inner) * a.len * a.inner + r % a.inner;

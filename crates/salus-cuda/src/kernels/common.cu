@@ -1,29 +1,22 @@
 // salus CUDA kernels, compiled at run time with NVRTC for the device's architecture.
 //
-// The kernels are one NVRTC program split by op family into files, concatenated in this
-// order (`KERNELS` in crates/salus-cuda/src/lib.rs): prelude.cu (this file: types, dtype
+// The kernels are one NVRTC program: a prelude generated from the Rust description of the
+// interface (crates/salus-cuda/src/abi.rs: the integer types i64 and u64, MAXR, BLOCK,
+// the dtype, op, mode and error codes, and every kernel's argument struct), then the op
+// families' files in the order `abi::KERNEL_FILES` gives: common.cu (this file: dtype
 // loads and stores, the error block), elementwise.cu, copy.cu, reduce.cu (block
 // reductions, reductions, softmax), norm.cu, matmul.cu, conv.cu, pool.cu, index.cu,
-// random.cu. A file may use what an earlier one defines.
+// random.cu. A file may use what an earlier one defines; none defines a name the prelude
+// does.
 //
-// Every kernel takes one struct by value whose fields are all 8 bytes wide (i64, u64 or
-// double), so that the host builds the argument block as a list of 64-bit words in field
-// order (crates/salus-cuda/src/ops.rs mirrors each struct). Values are computed in
+// Every kernel takes one argument struct by value, all of whose fields are 8 bytes wide
+// (i64, u64 or double, arrays of them, or a nested struct), so C and Rust's #[repr(C)]
+// lay it out alike and the host passes the Rust struct itself. Values are computed in
 // double, as the CPU device computes them, and rounded once to the output's dtype.
 // Index-taking kernels check every index and report the first bad one in the lane's error
 // block instead of touching memory out of range.
 
-typedef long long i64;
-typedef unsigned long long u64;
-
-#define MAXR 8
 #define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
-#define DT_F32 0
-#define DT_F16 1
-#define DT_BF16 2
-#define DT_I64 3
-#define DT_I32 4
-#define DT_BOOL 5
 
 // ------------------------------------------------------------------------------------
 // Loads and stores of every dtype, through double.

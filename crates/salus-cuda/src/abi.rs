@@ -1,0 +1,861 @@
+//! The interface between the lowering and the kernels, described once, in Rust.
+//!
+//! Everything the host and the device must agree on lives here: the kernels and the
+//! argument struct each takes, the layout of those structs, the codes they carry (dtypes,
+//! elementwise and reduction ops, index modes, the error block's codes) and the constants
+//! both sides size things by. The CUDA side never writes these by hand: [`prelude`]
+//! generates them as C (`#define`s and `struct`s) and [`kernel_source`] puts that prelude
+//! before the kernel files (`src/kernels/*.cu`), which only use the names.
+//!
+//! An argument struct is `#[repr(C)]` and every field is 8 bytes wide (`i64`, `u64`,
+//! `f64`, arrays of them, or a nested argument struct), so the C compiler lays it out with
+//! no padding, exactly as Rust does; a launch hands the struct itself to the driver as the
+//! kernel's one by-value parameter. The tests parse the source NVRTC compiles and check it
+//! field by field against these descriptions.
+
+use std::fmt::{Debug, Write as _};
+
+/// The most dimensions an elementwise, reduction or indexing kernel walks (`MAXR`).
+pub(crate) const MAX_RANK: usize = 8;
+
+/// Threads per block of every launch; the block reductions size their shared memory by it
+/// (`BLOCK`).
+pub(crate) const BLOCK: u32 = 256;
+
+/// Copies per launch of the guarded copy kernel (`GuardedCopyArgs::seg` holds 3 words each).
+pub(crate) const UPDATE_SEGMENTS: usize = 128;
+
+/// The kernel files, in the order they are joined after the prelude: a file may use what
+/// an earlier one defines.
+pub(crate) const KERNEL_FILES: [(&str, &str); 10] = [
+    ("common.cu", include_str!("kernels/common.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("copy.cu", include_str!("kernels/copy.cu")),
+    ("reduce.cu", include_str!("kernels/reduce.cu")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("conv.cu", include_str!("kernels/conv.cu")),
+    ("pool.cu", include_str!("kernels/pool.cu")),
+    ("index.cu", include_str!("kernels/index.cu")),
+    ("random.cu", include_str!("kernels/random.cu")),
+];
+
+/// The whole NVRTC program: the generated prelude, then the kernel files in order. The
+/// compiled image is cached on disk under a hash of this text.
+pub(crate) fn kernel_source() -> String {
+    let mut source = prelude();
+    for (_, text) in KERNEL_FILES {
+        source.push_str(text);
+    }
+    source
+}
+
+// ------------------------------------------------------------------------------------
+// Codes.
+
+/// A set of codes the kernels switch on: a Rust enum whose variants carry their value and
+/// their C name, from which the prelude's `#define`s are made.
+macro_rules! device_codes {
+    ($(#[$meta:meta])* enum $name:ident {
+        $($(#[$vmeta:meta])* $variant:ident = $value:literal => $c_name:ident,)*
+    }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(i64)]
+        pub(crate) enum $name {
+            $($(#[$vmeta])* $variant = $value,)*
+        }
+
+        impl $name {
+            /// Every code, in order.
+            pub(crate) const ALL: &[$name] = &[$($name::$variant,)*];
+
+            /// The value the kernels see.
+            pub(crate) fn code(self) -> i64 {
+                self as i64
+            }
+
+            /// The name the kernels use.
+            pub(crate) fn c_name(self) -> &'static str {
+                match self {
+                    $($name::$variant => stringify!($c_name),)*
+                }
+            }
+
+            fn defines() -> impl Iterator<Item = (&'static str, i64)> {
+                Self::ALL.iter().map(|c| (c.c_name(), c.code()))
+            }
+        }
+    };
+}
+
+device_codes! {
+    /// A tensor's element type, as the kernels' loads and stores read it (`DT_*`).
+    enum DeviceDType {
+        F32 = 0 => DT_F32,
+        F16 = 1 => DT_F16,
+        Bf16 = 2 => DT_BF16,
+        I64 = 3 => DT_I64,
+        I32 = 4 => DT_I32,
+        Bool = 5 => DT_BOOL,
+    }
+}
+
+impl DeviceDType {
+    /// The code of a graph dtype.
+    pub(crate) fn of(dtype: salus_graph::DType) -> DeviceDType {
+        use salus_graph::DType;
+        match dtype {
+            DType::F32 => DeviceDType::F32,
+            DType::F16 => DeviceDType::F16,
+            DType::Bf16 => DeviceDType::Bf16,
+            DType::I64 => DeviceDType::I64,
+            DType::I32 => DeviceDType::I32,
+            DType::Bool => DeviceDType::Bool,
+        }
+    }
+}
+
+device_codes! {
+    /// What the elementwise kernel computes per element (`ElementwiseArgs::op`, `OP_*`),
+    /// from inputs a, b, c and the scalars s0, s1.
+    enum ElementwiseOp {
+        /// a (a bit copy when the dtypes agree).
+        Copy = 0 => OP_COPY,
+        /// a + s0 * b.
+        Add = 1 => OP_ADD,
+        /// a * b.
+        Mul = 2 => OP_MUL,
+        /// a / b.
+        Div = 3 => OP_DIV,
+        /// a + s0.
+        AddScalar = 4 => OP_ADDS,
+        /// a * s0.
+        MulScalar = 5 => OP_MULS,
+        /// a / s0.
+        DivScalar = 6 => OP_DIVS,
+        Neg = 7 => OP_NEG,
+        Abs = 8 => OP_ABS,
+        Sign = 9 => OP_SIGN,
+        Exp = 10 => OP_EXP,
+        Log = 11 => OP_LOG,
+        Sqrt = 12 => OP_SQRT,
+        Rsqrt = 13 => OP_RSQRT,
+        Sigmoid = 14 => OP_SIGMOID,
+        Tanh = 15 => OP_TANH,
+        Relu = 16 => OP_RELU,
+        /// a, or s0 * a below 0.
+        LeakyRelu = 17 => OP_LEAKY,
+        GeluTanh = 18 => OP_GELU_TANH,
+        Gelu = 19 => OP_GELU,
+        Erf = 20 => OP_ERF,
+        /// a ^ s0.
+        PowTensorScalar = 21 => OP_POW_TS,
+        /// s0 ^ a.
+        PowScalar = 22 => OP_POW_S,
+        /// a clamped into [s0, s1].
+        Clamp = 23 => OP_CLAMP,
+        /// a == s0, and so on.
+        Eq = 24 => OP_EQ,
+        Ne = 25 => OP_NE,
+        Lt = 26 => OP_LT,
+        Le = 27 => OP_LE,
+        Gt = 28 => OP_GT,
+        Ge = 29 => OP_GE,
+        LogicalAnd = 30 => OP_LAND,
+        LogicalNot = 31 => OP_LNOT,
+        BitwiseNot = 32 => OP_BNOT,
+        BitwiseAnd = 33 => OP_BAND,
+        /// a ? b : c.
+        Where = 34 => OP_WHERE,
+        /// s0.
+        Fill = 35 => OP_FILL,
+        /// s0 + s1 * index.
+        Arange = 36 => OP_ARANGE,
+        Reciprocal = 37 => OP_RECIPROCAL,
+    }
+}
+
+device_codes! {
+    /// What a reduction kernel computes (`ReduceArgs::op`, `RED_*`).
+    enum ReduceOp {
+        Sum = 0 => RED_SUM,
+        Mean = 1 => RED_MEAN,
+        Amax = 2 => RED_AMAX,
+        Any = 3 => RED_ANY,
+        /// The variance with `ReduceArgs::correction`.
+        Var = 4 => RED_VAR,
+    }
+}
+
+device_codes! {
+    /// What `along_dim` does at each index (`AlongDimArgs::mode`, `ALONG_*`).
+    enum AlongDimMode {
+        Gather = 0 => ALONG_GATHER,
+        ScatterValue = 1 => ALONG_SCATTER_VALUE,
+        ScatterAdd = 2 => ALONG_SCATTER_ADD,
+    }
+}
+
+device_codes! {
+    /// Which kind of index a kernel found out of range: the code word of the lane's error
+    /// block (`ERR_*`). 0 means no error.
+    enum IndexErrorKind {
+        Index = 1 => ERR_INDEX,
+        Embedding = 2 => ERR_EMBEDDING_INDEX,
+        Pooling = 3 => ERR_POOLING_INDEX,
+        IndexSelect = 4 => ERR_INDEX_SELECT_INDEX,
+        EmbeddingBackward = 5 => ERR_EMBEDDING_BACKWARD_INDEX,
+        IndexPut = 6 => ERR_INDEX_PUT_INDEX,
+    }
+}
+
+impl IndexErrorKind {
+    /// The kind the error block's code word names, if any.
+    pub(crate) fn from_code(code: u64) -> Option<IndexErrorKind> {
+        Self::ALL.iter().copied().find(|k| k.code() as u64 == code)
+    }
+
+    /// What the index is, in the CPU device's words.
+    pub(crate) fn what(self) -> &'static str {
+        match self {
+            IndexErrorKind::Index => "index",
+            IndexErrorKind::Embedding => "embedding index",
+            IndexErrorKind::Pooling => "pooling index",
+            IndexErrorKind::IndexSelect => "index_select index",
+            IndexErrorKind::EmbeddingBackward => "embedding_dense_backward index",
+            IndexErrorKind::IndexPut => "index_put index",
+        }
+    }
+}
+
+/// The message of an index error reported in a lane's error block (code, value, bound).
+pub(crate) fn index_error(code: u64, value: i64, bound: i64) -> String {
+    let what = IndexErrorKind::from_code(code).map_or("index", IndexErrorKind::what);
+    format!("{what} {value} is out of range for a dimension of size {bound}")
+}
+
+// ------------------------------------------------------------------------------------
+// Argument structs.
+
+/// A type the argument structs are made of, by its C name.
+pub(crate) trait CType {
+    /// The type's name in the kernels' source.
+    const C_NAME: &'static str;
+}
+
+/// A field's type as C declares it: a [`CType`], or an array of one.
+pub(crate) trait FieldType {
+    /// The element's C type.
+    const C_TYPE: &'static str;
+    /// The array length, `None` for a single value.
+    const LEN: Option<usize>;
+}
+
+macro_rules! scalar_c_types {
+    ($($ty:ty => $c:literal),*) => {$(
+        impl CType for $ty {
+            const C_NAME: &'static str = $c;
+        }
+        impl FieldType for $ty {
+            const C_TYPE: &'static str = $c;
+            const LEN: Option<usize> = None;
+        }
+    )*};
+}
+
+scalar_c_types!(i64 => "i64", u64 => "u64", f64 => "double");
+
+impl<T: CType, const N: usize> FieldType for [T; N] {
+    const C_TYPE: &'static str = T::C_NAME;
+    const LEN: Option<usize> = Some(N);
+}
+
+/// One field of an argument struct: its C declaration and its offset in the Rust struct.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FieldLayout {
+    pub name: &'static str,
+    pub c_type: &'static str,
+    pub len: Option<usize>,
+    pub offset: usize,
+}
+
+/// An argument struct as Rust lays it out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StructLayout {
+    pub name: &'static str,
+    pub size: usize,
+    pub fields: Vec<FieldLayout>,
+}
+
+impl StructLayout {
+    /// The C definition the prelude gives.
+    fn declaration(&self) -> String {
+        let mut out = format!("struct {} {{\n", self.name);
+        for f in &self.fields {
+            let _ = match f.len {
+                Some(n) => writeln!(out, "    {} {}[{n}];", f.c_type, f.name),
+                None => writeln!(out, "    {} {};", f.c_type, f.name),
+            };
+        }
+        out.push_str("};\n");
+        out
+    }
+}
+
+/// A struct of the interface, described for the prelude and the tests.
+pub(crate) trait DeviceStruct: CType {
+    /// Its fields in order, with their Rust offsets.
+    fn layout() -> StructLayout;
+}
+
+/// An argument struct, defining both the Rust type and its description.
+macro_rules! device_struct {
+    ($(#[$meta:meta])* struct $name:ident {
+        $($(#[$fmeta:meta])* $field:ident: $ty:ty,)*
+    }) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub(crate) struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+        }
+
+        impl CType for $name {
+            const C_NAME: &'static str = stringify!($name);
+        }
+
+        impl FieldType for $name {
+            const C_TYPE: &'static str = stringify!($name);
+            const LEN: Option<usize> = None;
+        }
+
+        impl DeviceStruct for $name {
+            fn layout() -> StructLayout {
+                StructLayout {
+                    name: stringify!($name),
+                    size: std::mem::size_of::<$name>(),
+                    fields: vec![$(FieldLayout {
+                        name: stringify!($field),
+                        c_type: <$ty as FieldType>::C_TYPE,
+                        len: <$ty as FieldType>::LEN,
+                        offset: std::mem::offset_of!($name, $field),
+                    },)*],
+                }
+            }
+        }
+    };
+}
+
+device_struct! {
+    /// One operand of the elementwise kernel: address of element 0, dtype, strides in
+    /// elements (for the coalesced dims; the rest 0).
+    #[derive(Default)]
+    struct StridedTensor {
+        ptr: u64,
+        dt: i64,
+        st: [i64; MAX_RANK],
+    }
+}
+
+device_struct! {
+    /// `ew`: `out[i] = op(inputs[..nin][i], s0, s1, s2)` over `shape` (`rank` dims, `n`
+    /// elements); `contig` when every operand is one flat run.
+    #[derive(Default)]
+    struct ElementwiseArgs {
+        n: i64,
+        rank: i64,
+        op: i64,
+        nin: i64,
+        contig: i64,
+        s0: f64,
+        s1: f64,
+        s2: f64,
+        shape: [i64; MAX_RANK],
+        out: StridedTensor,
+        inputs: [StridedTensor; 3],
+    }
+}
+
+device_struct! {
+    /// `guarded_copies`: `count` copies of (dst, src, bytes), skipped when the error block
+    /// `err` is set.
+    struct GuardedCopyArgs {
+        err: u64,
+        count: u64,
+        seg: [u64; 3 * UPDATE_SEGMENTS],
+    }
+}
+
+device_struct! {
+    /// `red_thread`, `red_block`: `nout` outputs, each over `count` elements; kept dims
+    /// (`kshape`, `kst`) and reduced dims (`rshape`, `rst`) of the input.
+    #[derive(Default)]
+    struct ReduceArgs {
+        nout: i64,
+        count: i64,
+        op: i64,
+        krank: i64,
+        rrank: i64,
+        correction: f64,
+        kshape: [i64; MAX_RANK],
+        kst: [i64; MAX_RANK],
+        rshape: [i64; MAX_RANK],
+        rst: [i64; MAX_RANK],
+        input: u64,
+        in_dt: i64,
+        out: u64,
+        out_dt: i64,
+    }
+}
+
+device_struct! {
+    /// `softmax_fwd` (x in, y out) and `softmax_bwd` (y and grad g in, x out): `rows`
+    /// rows of `len` elements `inner` apart.
+    #[derive(Default)]
+    struct SoftmaxArgs {
+        rows: i64,
+        len: i64,
+        inner: i64,
+        log: i64,
+        x: u64,
+        xdt: i64,
+        y: u64,
+        ydt: i64,
+        g: u64,
+        gdt: i64,
+    }
+}
+
+device_struct! {
+    /// `layer_norm_fwd`: `rows` contiguous rows of `inner`; every output optional (0).
+    #[derive(Default)]
+    struct LayerNormArgs {
+        rows: i64,
+        inner: i64,
+        eps: f64,
+        x: u64,
+        xdt: i64,
+        w: u64,
+        wdt: i64,
+        b: u64,
+        bdt: i64,
+        y: u64,
+        ydt: i64,
+        mean: u64,
+        mdt: i64,
+        rstd: u64,
+        rdt: i64,
+    }
+}
+
+device_struct! {
+    /// `layer_norm_bwd_input`, `layer_norm_bwd_params`.
+    #[derive(Default)]
+    struct LayerNormBackwardArgs {
+        rows: i64,
+        inner: i64,
+        g: u64,
+        gdt: i64,
+        x: u64,
+        xdt: i64,
+        mean: u64,
+        mdt: i64,
+        rstd: u64,
+        rdt: i64,
+        w: u64,
+        wdt: i64,
+        gi: u64,
+        gidt: i64,
+        gw: u64,
+        gwdt: i64,
+        gb: u64,
+        gbdt: i64,
+    }
+}
+
+device_struct! {
+    /// `matmul_naive`: `c[b] = beta * bias + alpha * a[b] (n x k) @ b[b] (k x m)`.
+    #[derive(Default)]
+    struct MatmulArgs {
+        batch: i64,
+        n: i64,
+        k: i64,
+        m: i64,
+        alpha: f64,
+        beta: f64,
+        a: u64,
+        adt: i64,
+        b: u64,
+        bdt: i64,
+        c: u64,
+        cdt: i64,
+        bias: u64,
+        biasdt: i64,
+        bias_s0: i64,
+        bias_s1: i64,
+    }
+}
+
+device_struct! {
+    /// `conv_fwd`, `conv_bwd_input`, `conv_bwd_weight`: 1 to 3 spatial dims padded to 3
+    /// with leading size-1 dims.
+    #[derive(Default)]
+    struct ConvArgs {
+        n: i64,
+        groups: i64,
+        cin_g: i64,
+        cout_g: i64,
+        transposed: i64,
+        in3: [i64; 3],
+        out3: [i64; 3],
+        k3: [i64; 3],
+        stride: [i64; 3],
+        pad: [i64; 3],
+        dil: [i64; 3],
+        x: u64,
+        xdt: i64,
+        w: u64,
+        wdt: i64,
+        bias: u64,
+        bdt: i64,
+        y: u64,
+        ydt: i64,
+        g: u64,
+        gdt: i64,
+    }
+}
+
+device_struct! {
+    /// `im2col`, `col2im`: images `[n0, n0 + count)` of group `g` of a 2-d f32
+    /// convolution, unfolded into (or folded from) `col`.
+    #[derive(Default)]
+    struct Im2colArgs {
+        n0: i64,
+        count: i64,
+        g: i64,
+        c_in: i64,
+        cin_g: i64,
+        h: i64,
+        w: i64,
+        kh: i64,
+        kw: i64,
+        oh: i64,
+        ow: i64,
+        sh: i64,
+        sw: i64,
+        ph: i64,
+        pw: i64,
+        dh: i64,
+        dw: i64,
+        x: u64,
+        col: u64,
+    }
+}
+
+device_struct! {
+    /// The pooling kernels over `[planes, h, w]`: window `k`, stride `s`, padding `p`,
+    /// dilation `d`, each (h, w).
+    #[derive(Default)]
+    struct PoolArgs {
+        planes: i64,
+        h: i64,
+        w: i64,
+        oh: i64,
+        ow: i64,
+        k: [i64; 2],
+        s: [i64; 2],
+        p: [i64; 2],
+        d: [i64; 2],
+        count_include_pad: i64,
+        divisor: i64,
+        x: u64,
+        xdt: i64,
+        y: u64,
+        ydt: i64,
+        idx: u64,
+        idt: i64,
+        g: u64,
+        gdt: i64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
+    /// `along_dim`: gather, scatter.value, scatter_add along `dim` ([`AlongDimMode`]).
+    #[derive(Default)]
+    struct AlongDimArgs {
+        n: i64,
+        rank: i64,
+        dim: i64,
+        dim_size: i64,
+        mode: i64,
+        value: f64,
+        ishape: [i64; MAX_RANK],
+        sst: [i64; MAX_RANK],
+        srcst: [i64; MAX_RANK],
+        input: u64,
+        sdt: i64,
+        index: u64,
+        idt: i64,
+        src: u64,
+        srcdt: i64,
+        out: u64,
+        odt: i64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
+    /// `take_rows`: rows of `[outer, len, inner]` picked along the middle dim; `code` is
+    /// the [`IndexErrorKind`] reported for a bad index.
+    #[derive(Default)]
+    struct TakeRowsArgs {
+        outer: i64,
+        len: i64,
+        inner: i64,
+        rows: i64,
+        code: i64,
+        dt: i64,
+        x: u64,
+        index: u64,
+        idt: i64,
+        out: u64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
+    /// `embedding_bwd`: `padding` is the row left without gradient, -1 for none.
+    #[derive(Default)]
+    struct EmbeddingBackwardArgs {
+        count: i64,
+        width: i64,
+        rows: i64,
+        padding: i64,
+        scale: i64,
+        g: u64,
+        gdt: i64,
+        index: u64,
+        idt: i64,
+        out: u64,
+        odt: i64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
+    /// `index_put`: up to 4 leading integer indices of one shape.
+    #[derive(Default)]
+    struct IndexPutArgs {
+        count: i64,
+        inner: i64,
+        nidx: i64,
+        accumulate: i64,
+        vs0: i64,
+        vs1: i64,
+        idx: [u64; 4],
+        idt: [i64; 4],
+        size: [i64; 4],
+        stride: [i64; 4],
+        values: u64,
+        vdt: i64,
+        out: u64,
+        odt: i64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
+    /// `bernoulli`: `n` draws with probability `p` from the generator at `state`.
+    #[derive(Default)]
+    struct BernoulliArgs {
+        n: i64,
+        dt: i64,
+        out: u64,
+        state: u64,
+        key: u64,
+        p: f64,
+    }
+}
+
+/// Every struct of the interface, in the order the prelude defines them (a nested struct
+/// before its users).
+pub(crate) fn structs() -> Vec<StructLayout> {
+    vec![
+        StridedTensor::layout(),
+        ElementwiseArgs::layout(),
+        GuardedCopyArgs::layout(),
+        ReduceArgs::layout(),
+        SoftmaxArgs::layout(),
+        LayerNormArgs::layout(),
+        LayerNormBackwardArgs::layout(),
+        MatmulArgs::layout(),
+        ConvArgs::layout(),
+        Im2colArgs::layout(),
+        PoolArgs::layout(),
+        AlongDimArgs::layout(),
+        TakeRowsArgs::layout(),
+        EmbeddingBackwardArgs::layout(),
+        IndexPutArgs::layout(),
+        BernoulliArgs::layout(),
+    ]
+}
+
+/// A struct a kernel takes as its one parameter.
+pub(crate) trait KernelArgs: DeviceStruct + Debug + Send + Sync + 'static {}
+
+impl KernelArgs for ElementwiseArgs {}
+impl KernelArgs for GuardedCopyArgs {}
+impl KernelArgs for ReduceArgs {}
+impl KernelArgs for SoftmaxArgs {}
+impl KernelArgs for LayerNormArgs {}
+impl KernelArgs for LayerNormBackwardArgs {}
+impl KernelArgs for MatmulArgs {}
+impl KernelArgs for ConvArgs {}
+impl KernelArgs for Im2colArgs {}
+impl KernelArgs for PoolArgs {}
+impl KernelArgs for AlongDimArgs {}
+impl KernelArgs for TakeRowsArgs {}
+impl KernelArgs for EmbeddingBackwardArgs {}
+impl KernelArgs for IndexPutArgs {}
+impl KernelArgs for BernoulliArgs {}
+
+/// A kernel's argument struct behind a pointer, as a command list keeps it: the driver
+/// hands its bytes to the kernel. Implemented only for the [`KernelArgs`] structs, which
+/// are `#[repr(C)]` and match their C definition (checked by the tests).
+pub(crate) trait LaunchArgs: Debug + Send + Sync {
+    /// The struct's name, which must be the one the kernel takes.
+    fn struct_name(&self) -> &'static str;
+
+    /// The struct, for tests to read its fields.
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<A: KernelArgs> LaunchArgs for A {
+    fn struct_name(&self) -> &'static str {
+        A::C_NAME
+    }
+
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+// ------------------------------------------------------------------------------------
+// Kernels.
+
+macro_rules! kernels {
+    ($($(#[$meta:meta])* $variant:ident = $c_name:literal ($args:ty),)*) => {
+        /// The kernels of [`kernel_source`], by what they do, and the struct each takes.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub(crate) enum Kernel {
+            $($(#[$meta])* $variant,)*
+        }
+
+        impl Kernel {
+            /// Every kernel, in declaration order (the device loads them in this order).
+            pub(crate) const ALL: &[Kernel] = &[$(Kernel::$variant,)*];
+
+            /// The kernel's name in the source.
+            pub(crate) fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $c_name,)*
+                }
+            }
+
+            /// The argument struct it takes.
+            pub(crate) fn args_struct(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => <$args as CType>::C_NAME,)*
+                }
+            }
+        }
+    };
+}
+
+kernels! {
+    Elementwise = "ew" (ElementwiseArgs),
+    GuardedCopies = "guarded_copies" (GuardedCopyArgs),
+    /// A thread per output: short reductions.
+    ReduceByThread = "red_thread" (ReduceArgs),
+    /// A block per output: long reductions.
+    ReduceByBlock = "red_block" (ReduceArgs),
+    SoftmaxForward = "softmax_fwd" (SoftmaxArgs),
+    SoftmaxBackward = "softmax_bwd" (SoftmaxArgs),
+    LayerNormForward = "layer_norm_fwd" (LayerNormArgs),
+    LayerNormBackwardInput = "layer_norm_bwd_input" (LayerNormBackwardArgs),
+    LayerNormBackwardParams = "layer_norm_bwd_params" (LayerNormBackwardArgs),
+    MatmulNaive = "matmul_naive" (MatmulArgs),
+    ConvForward = "conv_fwd" (ConvArgs),
+    ConvBackwardInput = "conv_bwd_input" (ConvArgs),
+    ConvBackwardWeight = "conv_bwd_weight" (ConvArgs),
+    Im2col = "im2col" (Im2colArgs),
+    Col2im = "col2im" (Im2colArgs),
+    MaxPoolForward = "max_pool_fwd" (PoolArgs),
+    MaxPoolBackward = "max_pool_bwd" (PoolArgs),
+    AvgPoolForward = "avg_pool_fwd" (PoolArgs),
+    AvgPoolBackward = "avg_pool_bwd" (PoolArgs),
+    AdaptivePoolForward = "adaptive_pool_fwd" (PoolArgs),
+    AdaptivePoolBackward = "adaptive_pool_bwd" (PoolArgs),
+    AlongDim = "along_dim" (AlongDimArgs),
+    TakeRows = "take_rows" (TakeRowsArgs),
+    EmbeddingBackward = "embedding_bwd" (EmbeddingBackwardArgs),
+    IndexPut = "index_put" (IndexPutArgs),
+    Bernoulli = "bernoulli" (BernoulliArgs),
+}
+
+// ------------------------------------------------------------------------------------
+// The prelude.
+
+/// Constants both sides size things by, by their C name.
+fn constants() -> [(&'static str, i64); 2] {
+    [("MAXR", MAX_RANK as i64), ("BLOCK", i64::from(BLOCK))]
+}
+
+/// Every code's `#define`, by family.
+fn codes() -> Vec<(&'static str, Vec<(&'static str, i64)>)> {
+    vec![
+        ("dtypes", DeviceDType::defines().collect()),
+        ("elementwise ops", ElementwiseOp::defines().collect()),
+        ("reductions", ReduceOp::defines().collect()),
+        ("along_dim modes", AlongDimMode::defines().collect()),
+        ("index error codes", IndexErrorKind::defines().collect()),
+    ]
+}
+
+/// The C text before the kernel files: the integer types, the constants, the codes and
+/// the argument structs, all from this module.
+pub(crate) fn prelude() -> String {
+    let mut out = String::from(
+        "// Generated from crates/salus-cuda/src/abi.rs (the Rust/CUDA interface): do not\n\
+         // define these names in the kernel files.\n\n\
+         typedef long long i64;\n\
+         typedef unsigned long long u64;\n\n",
+    );
+    for (name, value) in constants() {
+        let _ = writeln!(out, "#define {name} {value}");
+    }
+    for (family, defines) in codes() {
+        let _ = writeln!(out, "\n// {family}");
+        for (name, value) in defines {
+            let _ = writeln!(out, "#define {name} {value}");
+        }
+    }
+    for s in structs() {
+        out.push('\n');
+        out.push_str(&s.declaration());
+    }
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,308 @@
+//! Indexing (embedding, index_select, gather, scatter, index_put and the embedding
+//! gradient), whose kernels check every index and report a bad one in the lane's error
+//! block, and the random draws of `bernoulli.p`.
+
+use salus_graph::{DType, Node, OpParams};
+
+use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
+use crate::abi::{
+    AlongDimArgs, AlongDimMode, BernoulliArgs, EmbeddingBackwardArgs, IndexErrorKind, IndexPutArgs,
+    Kernel, MAX_RANK, TakeRowsArgs,
+};
+
+/// Most index tensors `index_put` takes on this device.
+const MAX_INDICES: usize = 4;
+
+impl Lowering<'_> {
+    /// Rows of `x` viewed as `[outer, len, inner]` picked by `idx` along the middle dim
+    /// into `o`; a bad index is reported as `kind`.
+    #[allow(clippy::too_many_arguments)]
+    fn take_rows(
+        &mut self,
+        x: &Operand,
+        idx: &Operand,
+        outer: u64,
+        len: u64,
+        inner: u64,
+        o: &Operand,
+        kind: IndexErrorKind,
+    ) -> Lowered {
+        if !idx.ty.dtype.is_int() {
+            return Err(format!("{} must be an integer tensor", kind.what()));
+        }
+        if x.ty.dtype != o.ty.dtype {
+            return Err(format!(
+                "input {} and output {} differ in dtype",
+                x.ty, o.ty
+            ));
+        }
+        let rows = idx.numel();
+        let args = TakeRowsArgs {
+            outer: outer as i64,
+            len: len as i64,
+            inner: inner as i64,
+            rows: rows as i64,
+            code: kind.code(),
+            dt: x.dt(),
+            x: x.ptr,
+            index: idx.ptr,
+            idt: idx.dt(),
+            out: o.ptr,
+            err: self.err,
+            node: self.index as i64,
+        };
+        self.launch(Kernel::TakeRows, outer * rows * inner, args);
+        Ok(())
+    }
+
+    pub(super) fn embedding(&mut self, node: &Node, o: &Operand) -> Lowered {
+        let (w, idx) = (self.need(node, 0)?, self.need(node, 1)?);
+        if w.ty.rank() != 2 {
+            return Err(format!("embedding weight {} must be 2-d", w.ty));
+        }
+        let (rows, width) = (w.shape()[0], w.shape()[1]);
+        self.take_rows(&w, &idx, 1, rows, width, o, IndexErrorKind::Embedding)
+    }
+
+    pub(super) fn index_select(&mut self, node: &Node, dim: usize, o: &Operand) -> Lowered {
+        let (a, idx) = (self.need(node, 0)?, self.need(node, 1)?);
+        let kind = IndexErrorKind::IndexSelect;
+        if a.ty.rank() == 0 {
+            // A 0-dim self: every index must name element 0 (or -1).
+            self.copy_flat(o, &a)?;
+            for j in 0..idx.numel() {
+                let one = Operand {
+                    ty: salus_graph::TensorType::new(idx.ty.dtype, vec![1]),
+                    ptr: idx.ptr + j * idx.elem_size(),
+                };
+                self.take_rows(&a, &one, 1, 1, 1, o, kind)?;
+            }
+            return Ok(());
+        }
+        let outer = numel(&a.shape()[..dim]);
+        let inner = numel(&a.shape()[dim + 1..]);
+        self.take_rows(&a, &idx, outer, a.shape()[dim], inner, o, kind)
+    }
+
+    /// `bernoulli.p` from the session's generator (input 1), as salus-cpu's
+    /// `kernels::random` draws.
+    pub(super) fn bernoulli(&mut self, node: &Node) -> Lowered {
+        let &OpParams::Bernoulli { p } = self.params() else {
+            return Err("bernoulli.p without its probability".into());
+        };
+        let o = self.output(node, 0).ok_or("output 0 is unused")?;
+        let state = self.need(node, 1)?;
+        if state.ty.dtype != DType::I64 || state.numel() != 1 {
+            return Err(format!(
+                "the generator must be an i64 scalar, got {}",
+                state.ty
+            ));
+        }
+        let args = BernoulliArgs {
+            n: o.numel() as i64,
+            dt: o.dt(),
+            out: o.ptr,
+            state: state.ptr,
+            key: salus_exec::random::name_key(&node.name),
+            p,
+        };
+        self.launch(Kernel::Bernoulli, o.numel(), args);
+        Ok(())
+    }
+
+    /// `gather` and `scatter_add` (`value` None) and `scatter.value` along `dim`.
+    pub(super) fn along(
+        &mut self,
+        node: &Node,
+        dim: usize,
+        value: Option<f64>,
+        o: &Operand,
+    ) -> Lowered {
+        let (a, idx) = (self.need(node, 0)?, self.need(node, 1)?);
+        if !idx.ty.dtype.is_int() {
+            return Err("index must be an integer tensor".into());
+        }
+        if idx.ty.rank() > MAX_RANK {
+            return Err(format!(
+                "the CUDA device indexes tensors of at most {MAX_RANK} dims"
+            ));
+        }
+        if idx.numel() > 0
+            && (0..idx.ty.rank())
+                .any(|d| d != dim && idx.shape()[d] > a.shape().get(d).copied().unwrap_or(1))
+        {
+            return Err(format!(
+                "index shape {:?} exceeds input shape {:?}",
+                idx.shape(),
+                a.shape()
+            ));
+        }
+        let mut sst = contiguous(a.shape());
+        sst.resize(idx.ty.rank(), 0);
+        let dim_size = a.shape().get(dim).copied().unwrap_or(1);
+        let (mode, src) = match (node.op, value) {
+            (salus_graph::Op::Gather, _) => (AlongDimMode::Gather, None),
+            (_, Some(_)) => (AlongDimMode::ScatterValue, None),
+            _ => {
+                let src = self.need(node, 2)?;
+                if idx.ty.rank() != src.ty.rank()
+                    || idx.shape().iter().zip(src.shape()).any(|(i, s)| i > s)
+                {
+                    return Err(format!(
+                        "index {} must not be larger than src {}",
+                        idx.ty, src.ty
+                    ));
+                }
+                (AlongDimMode::ScatterAdd, Some(src))
+            }
+        };
+        if mode != AlongDimMode::Gather {
+            self.copy_flat(o, &a)?;
+        }
+        let srcst = src
+            .as_ref()
+            .map_or(vec![0; idx.ty.rank()], |s| contiguous(s.shape()));
+        let mut args = AlongDimArgs {
+            n: idx.numel() as i64,
+            rank: idx.ty.rank() as i64,
+            dim: dim as i64,
+            dim_size: dim_size as i64,
+            mode: mode.code(),
+            value: value.unwrap_or(0.0),
+            ishape: padded(&signed(idx.shape())),
+            sst: padded(&sst),
+            srcst: padded(&srcst),
+            input: a.ptr,
+            sdt: a.dt(),
+            index: idx.ptr,
+            idt: idx.dt(),
+            out: o.ptr,
+            odt: o.dt(),
+            err: self.err,
+            node: self.index as i64,
+            ..AlongDimArgs::default()
+        };
+        (args.src, args.srcdt) = address(src.as_ref());
+        self.launch(Kernel::AlongDim, idx.numel(), args);
+        Ok(())
+    }
+
+    pub(super) fn embedding_backward(
+        &mut self,
+        node: &Node,
+        padding_idx: Option<u64>,
+        scale_grad_by_freq: bool,
+        o: &Operand,
+    ) -> Lowered {
+        let (g, idx) = (self.need(node, 0)?, self.need(node, 1)?);
+        if !idx.ty.dtype.is_int() {
+            return Err("embedding_dense_backward index must be an integer tensor".into());
+        }
+        let rows = o.shape().first().copied().unwrap_or(0);
+        let width = g.shape().last().copied().unwrap_or(1);
+        let count = idx.numel();
+        if g.numel() != count * width || o.shape() != [rows, width] {
+            return Err(format!(
+                "grad_output {} must hold one row of the output {} per index of {}",
+                g.ty, o.ty, idx.ty
+            ));
+        }
+        self.zero(o);
+        let args = EmbeddingBackwardArgs {
+            count: count as i64,
+            width: width as i64,
+            rows: rows as i64,
+            padding: padding_idx.map_or(-1, |p| p as i64),
+            scale: i64::from(scale_grad_by_freq),
+            g: g.ptr,
+            gdt: g.dt(),
+            index: idx.ptr,
+            idt: idx.dt(),
+            out: o.ptr,
+            odt: o.dt(),
+            err: self.err,
+            node: self.index as i64,
+        };
+        self.launch(Kernel::EmbeddingBackward, count * width, args);
+        Ok(())
+    }
+
+    /// `index_put` with `count` leading integer indices (inputs 1..=count; values next).
+    pub(super) fn index_put(
+        &mut self,
+        node: &Node,
+        count: usize,
+        accumulate: bool,
+        o: &Operand,
+    ) -> Lowered {
+        if node.inputs.len() != count + 2 {
+            return Err(format!(
+                "index_put with {count} indices takes {} inputs, got {}",
+                count + 2,
+                node.inputs.len()
+            ));
+        }
+        let a = self.need(node, 0)?;
+        let values = self.need(node, count + 1)?;
+        let mut indices: Vec<Operand> = Vec::new();
+        for k in 0..count {
+            match self.input(node, 1 + k) {
+                Some(t) if t.ty.dtype.is_int() => {
+                    if let Some(first) = indices.first()
+                        && first.shape() != t.shape()
+                    {
+                        return Err(
+                            "index_put with indices of different shapes is not supported yet"
+                                .into(),
+                        );
+                    }
+                    indices.push(t);
+                }
+                _ => return Err("index_put supports leading integer indices only so far".into()),
+            }
+        }
+        if count > MAX_INDICES {
+            return Err(format!(
+                "the CUDA device's index_put takes at most {MAX_INDICES} index tensors"
+            ));
+        }
+        let rows = indices.first().map_or(1, |t| t.numel());
+        let inner = numel(&a.shape()[count.min(a.ty.rank())..]);
+        let vs = match values.numel() {
+            v if v == rows * inner => [inner, 1],
+            v if v == inner => [0, 1],
+            1 => [0, 0],
+            _ => {
+                return Err(format!(
+                    "values {} do not fit {rows} indexed rows of {inner}",
+                    values.ty
+                ));
+            }
+        };
+        self.copy_flat(o, &a)?;
+        let strides = contiguous(a.shape());
+        let mut args = IndexPutArgs {
+            count: rows as i64,
+            inner: inner as i64,
+            nidx: count as i64,
+            accumulate: i64::from(accumulate),
+            vs0: vs[0] as i64,
+            vs1: vs[1] as i64,
+            values: values.ptr,
+            vdt: values.dt(),
+            out: o.ptr,
+            odt: o.dt(),
+            err: self.err,
+            node: self.index as i64,
+            ..IndexPutArgs::default()
+        };
+        for (k, t) in indices.iter().enumerate() {
+            args.idx[k] = t.ptr;
+            args.idt[k] = t.dt();
+            args.size[k] = a.shape().get(k).map_or(0, |&d| d as i64);
+            args.stride[k] = strides.get(k).copied().unwrap_or(0);
+        }
+        self.launch(Kernel::IndexPut, rows * inner, args);
+        Ok(())
+    }
+}

@@ -1,0 +1,141 @@
+//! Matrix products: cuBLAS for f32, f16 and bf16, a naive kernel for the other dtypes.
+
+use salus_graph::{DType, Node, Op};
+
+use super::{Command, Lowered, Lowering, Operand, broadcast};
+use crate::abi::{ElementwiseOp, Kernel, MatmulArgs};
+use crate::driver::{Gemm, GemmType};
+
+/// One row-major operand of a product: address, row stride (leading dimension) and
+/// stride between the matrices of a batch, in elements.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Matrix {
+    pub ptr: u64,
+    pub ld: u64,
+    pub batch_stride: i64,
+}
+
+/// The cuBLAS element type of operands that all share one dtype cuBLAS takes.
+fn gemm_type(tys: &[&Operand]) -> Option<GemmType> {
+    let d = tys.first()?.ty.dtype;
+    if tys.iter().any(|t| t.ty.dtype != d) {
+        return None;
+    }
+    match d {
+        DType::F32 => Some(GemmType::F32),
+        DType::F16 => Some(GemmType::F16),
+        DType::Bf16 => Some(GemmType::Bf16),
+        _ => None,
+    }
+}
+
+impl Lowering<'_> {
+    /// `c[b] = alpha * a[b] (n x k) @ bm[b] (k x m) + beta * c[b]`, row-major, through
+    /// cuBLAS (column-major: c^T = bm^T a^T).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_row_major(
+        &mut self,
+        ty: GemmType,
+        (n, k, m): (u64, u64, u64),
+        a: Matrix,
+        bm: Matrix,
+        c: Matrix,
+        alpha: f64,
+        beta: f64,
+        batch: u64,
+    ) {
+        if n == 0 || m == 0 || batch == 0 {
+            return;
+        }
+        self.commands.push(Command::Gemm(Gemm {
+            ty,
+            trans_a: false,
+            trans_b: false,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha: alpha as f32,
+            a: bm.ptr,
+            lda: bm.ld as i32,
+            stride_a: bm.batch_stride,
+            b: a.ptr,
+            ldb: a.ld as i32,
+            stride_b: a.batch_stride,
+            beta: beta as f32,
+            c: c.ptr,
+            ldc: c.ld as i32,
+            stride_c: c.batch_stride,
+            batch: batch as i32,
+        }));
+    }
+
+    /// `mm`, `bmm` and `addmm` (`beta * self + alpha * mat1 @ mat2`).
+    pub(super) fn matmul(&mut self, node: &Node, alpha: f64, beta: f64, o: &Operand) -> Lowered {
+        let (a, b, bias) = match node.op {
+            Op::Addmm => (
+                self.need(node, 1)?,
+                self.need(node, 2)?,
+                Some(self.need(node, 0)?),
+            ),
+            _ => (self.need(node, 0)?, self.need(node, 1)?, None),
+        };
+        let batched = node.op == Op::Bmm;
+        let sh = |t: &Operand, k: usize| -> Result<u64, String> {
+            t.shape()
+                .get(k)
+                .copied()
+                .ok_or_else(|| format!("{} has too few dims for {}", t.ty, node.op))
+        };
+        let (batch, n, k, m) = if batched {
+            (sh(&a, 0)?, sh(&a, 1)?, sh(&a, 2)?, sh(&b, 2)?)
+        } else {
+            (1, sh(&a, 0)?, sh(&a, 1)?, sh(&b, 1)?)
+        };
+        if let (Some(ty), true) = (gemm_type(&[&a, &b, o]), k > 0) {
+            let mut acc = 0.0;
+            if let Some(bias) = &bias {
+                self.ew(ElementwiseOp::MulScalar, o, &[bias], [beta, 0.0, 0.0])?;
+                acc = 1.0;
+            }
+            let matrix = |ptr, ld, rows| Matrix {
+                ptr,
+                ld,
+                batch_stride: (rows * ld) as i64,
+            };
+            self.gemm_row_major(
+                ty,
+                (n, k, m),
+                matrix(a.ptr, k, n),
+                matrix(b.ptr, m, k),
+                matrix(o.ptr, m, n),
+                alpha,
+                acc,
+                batch,
+            );
+            return Ok(());
+        }
+        let mut args = MatmulArgs {
+            batch: batch as i64,
+            n: n as i64,
+            k: k as i64,
+            m: m as i64,
+            alpha,
+            beta,
+            a: a.ptr,
+            adt: a.dt(),
+            b: b.ptr,
+            bdt: b.dt(),
+            c: o.ptr,
+            cdt: o.dt(),
+            ..MatmulArgs::default()
+        };
+        if let Some(t) = &bias {
+            let st = broadcast(t.shape(), o.shape());
+            (args.bias, args.biasdt) = (t.ptr, t.dt());
+            args.bias_s0 = st.first().copied().unwrap_or(0);
+            args.bias_s1 = st.get(1).copied().unwrap_or(0);
+        }
+        self.launch(Kernel::MatmulNaive, batch * n * m, args);
+        Ok(())
+    }
+}
