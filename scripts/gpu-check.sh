@@ -8,6 +8,8 @@
 #                                    # along): CUDA tests, every op test on the GPU, salusd
 #                                    # on the GPU, 10-step parity of the four target models
 #                                    # with PyTorch on the same GPU (TF32 off), the bench
+#   ./scripts/gpu-check.sh run --no-bench   # the same without the bench (a correctness
+#                                    # check that fits a short lease)
 #
 # Logs go to $OUT (or .gpu/out). PyTorch must be importable by python3 for the parity
 # check and the bench. If the loader cannot find libnvrtc/libcublas by itself, source
@@ -62,6 +64,7 @@ reference.main(['/tmp/salus-gpu-ref', '--steps', '10', '--device', 'cuda'])" > "
             > "$out/$m.json" 2> "$out/$m.err" || echo "$m failed: $(tail -1 "$out/$m.err")"
     done
     python3 benches/gpu_parity.py /tmp/salus-gpu-ref "$out"
+    [ "${2:-}" = "--no-bench" ] && exit 0
     echo "== salus-bench cuda"
     SALUS_PYTHON=python3 timeout 300 .gpu/salus-bench cuda --json --dir /tmp/salus-gpu-bench \
         > "$out/bench.json" 2> "$out/bench.err"
