@@ -16,8 +16,9 @@
 //! the session's state as it was.
 //!
 //! Running a node allocates nothing: its operands' ranges come from the program's layouts,
-//! its argument lists reuse vectors the device keeps between iterations, and kernels work
-//! in the lane scratch the plan reserved for them.
+//! its argument lists reuse vectors the device keeps between iterations, its parameters
+//! are the ones validation read once ([`Program::params`]), and kernels work in the lane
+//! scratch the plan reserved for them.
 
 mod blas;
 mod kernels;
@@ -155,7 +156,8 @@ fn run_node(
             bytes,
         }));
     }
-    let result = kernels::run(node, &args, &mut outs, scratch).map_err(fail);
+    let params = program.params(index);
+    let result = kernels::run(node, params, &args, &mut outs, scratch).map_err(fail);
     lists.outs = recycle(outs);
     lists.args = recycle(args);
     lists.writes = recycle(writes);

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use salus_graph::{Node, Op};
+use salus_graph::{ConvParams, Node, Op, OpParams};
 
 use crate::arena::Claims;
 use crate::{Device, ExecError, Outcome, Placement, Program};
@@ -49,14 +49,14 @@ impl CostModel {
                 .unwrap_or(0)
         };
         let mut seconds = 0.0;
-        for node in &graph.nodes {
+        for (index, node) in graph.nodes.iter().enumerate() {
             let traffic: u64 = node
                 .inputs
                 .iter()
                 .chain(&node.outputs)
                 .map(|&t| bytes_of(t))
                 .sum();
-            let flops = flops(node, &numel_of, |i| {
+            let flops = flops(node, program.params(index), &numel_of, |i| {
                 node.inputs
                     .get(i)
                     .copied()
@@ -75,29 +75,36 @@ impl CostModel {
 /// convolutions, one per output element otherwise.
 fn flops(
     node: &Node,
+    params: &OpParams,
     numel: &dyn Fn(Option<usize>) -> u64,
     shape: impl Fn(usize) -> Vec<u64>,
 ) -> f64 {
     let out = numel(node.outputs.first().copied().flatten()) as f64;
-    match node.op {
+    match (node.op, params) {
         // [m, k] x [k, n] (addmm: bias first) and [b, m, k] x [b, k, n]: k = inner size.
-        Op::Mm | Op::Bmm => 2.0 * out * shape(0).last().copied().unwrap_or(1) as f64,
-        Op::Addmm => 2.0 * out * shape(1).last().copied().unwrap_or(1) as f64,
-        // Each output element sums C_in/groups x kernel-window products; the backward
-        // computes two such products (input and weight gradients).
-        Op::Convolution | Op::ConvolutionBackward => {
-            let weight = shape(1);
-            let window: u64 = weight.iter().skip(1).product();
-            let passes = if node.op == Op::Convolution { 1.0 } else { 2.0 };
-            let out = if node.op == Op::Convolution {
-                out
-            } else {
-                numel(node.inputs.first().copied().flatten()) as f64
-            };
-            passes * 2.0 * out * window as f64
+        (Op::Mm | Op::Bmm, _) => 2.0 * out * shape(0).last().copied().unwrap_or(1) as f64,
+        (Op::Addmm, _) => 2.0 * out * shape(1).last().copied().unwrap_or(1) as f64,
+        // The backward computes one such product for each of the input and weight
+        // gradients it is asked for (`output_mask`); the bias gradient is a sum.
+        (Op::Convolution, OpParams::Conv(conv)) => 2.0 * conv_products(conv),
+        (Op::ConvolutionBackward, OpParams::Conv(conv)) => {
+            let passes = conv.output_mask[..2].iter().filter(|&&m| m).count();
+            passes as f64 * 2.0 * conv_products(conv)
         }
         _ => out,
     }
+}
+
+/// Multiply-adds of one convolution: every weight element meets every position of the
+/// smaller spatial side (the output, or the input when transposed) of every image.
+fn conv_products(conv: &ConvParams) -> f64 {
+    let small = if conv.transposed {
+        &conv.input
+    } else {
+        &conv.output
+    };
+    let weight = conv.in_channels * conv.out_per_group() * conv.kernel.iter().product::<u64>();
+    (conv.batch * weight * small.iter().product::<u64>()) as f64
 }
 
 /// The sim device.

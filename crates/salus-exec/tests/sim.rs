@@ -119,3 +119,105 @@ fn feeds_and_overlapping_lanes_are_refused() {
     assert!(clash.to_string().contains("in use"), "{clash}");
     running.join().unwrap().unwrap();
 }
+
+/// One `convolution` (or `convolution_backward` with `output_mask`) of a 3x3 kernel,
+/// stride 1, padding 1, on `[2, 8, 32, 32]` to 16 channels in `groups` groups.
+fn convolution(groups: u64, output_mask: Option<[bool; 3]>) -> Program {
+    use salus_graph::{Attr, DType, Graph, Node, Op, Role, Tensor, TensorType};
+    let t = |name: &str, shape: &[u64]| Tensor {
+        name: name.into(),
+        ty: TensorType::new(DType::F32, shape.to_vec()),
+        role: Role::Feed,
+        data: vec![],
+    };
+    let mut attrs: std::collections::BTreeMap<String, Attr> = [
+        ("stride", Attr::Ints(vec![1])),
+        ("padding", Attr::Ints(vec![1])),
+        ("dilation", Attr::Ints(vec![1])),
+        ("groups", Attr::Int(groups as i64)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let (x, w, y) = ([2, 8, 32, 32], [16, 8 / groups, 3, 3], [2, 16, 32, 32]);
+    let intermediate = |mut t: Tensor| {
+        t.role = Role::Intermediate;
+        t
+    };
+    let (tensors, node) = match output_mask {
+        None => (
+            vec![t("x", &x), t("w", &w), intermediate(t("y", &y))],
+            Node {
+                name: "conv".into(),
+                op: Op::Convolution,
+                inputs: vec![Some(0), Some(1), None],
+                outputs: vec![Some(2)],
+                attrs,
+                source: String::new(),
+            },
+        ),
+        Some(mask) => {
+            attrs.insert("output_mask".into(), Attr::Bools(mask.to_vec()));
+            let outputs = (0..3).map(|i| mask[i].then_some(3 + i)).collect();
+            (
+                vec![
+                    t("gy", &y),
+                    t("x", &x),
+                    t("w", &w),
+                    intermediate(t("gx", &x)),
+                    intermediate(t("gw", &w)),
+                    intermediate(t("gb", &[16])),
+                ],
+                Node {
+                    name: "conv_backward".into(),
+                    op: Op::ConvolutionBackward,
+                    inputs: vec![Some(0), Some(1), Some(2)],
+                    outputs,
+                    attrs,
+                    source: String::new(),
+                },
+            )
+        }
+    };
+    let fetches = node.outputs.iter().flatten().copied().collect();
+    let graph = Graph {
+        tensors,
+        nodes: vec![node],
+        fetches,
+        updates: vec![],
+    };
+    Program::new(graph, &Limits::default()).unwrap()
+}
+
+#[test]
+fn a_convolution_costs_its_multiply_adds() {
+    let model = CostModel {
+        flops_per_s: 1e9,
+        bytes_per_s: 1e15,
+        per_node: Duration::ZERO,
+    };
+    // Each of the 2 x 16 x 32 x 32 outputs sums 8/groups x 3 x 3 products.
+    let seconds = |p: &Program| model.iteration(p).as_secs_f64();
+    let products = |groups: f64| 2.0 * 16.0 * 32.0 * 32.0 * (8.0 / groups) * 9.0;
+    for groups in [1, 4] {
+        let expected = 2.0 * products(groups as f64) / 1e9;
+        let forward = seconds(&convolution(groups, None));
+        assert!(
+            (forward - expected).abs() < 1e-3 * expected,
+            "groups {groups}: {forward} s vs {expected} s"
+        );
+    }
+    // The backward makes one such product per gradient of the input and the weight.
+    let both = seconds(&convolution(1, Some([true, true, true])));
+    let weight_only = seconds(&convolution(1, Some([false, true, true])));
+    let expected = 2.0 * 2.0 * products(1.0) / 1e9;
+    assert!(
+        (both - expected).abs() < 1e-3 * expected,
+        "{both} s vs {expected} s"
+    );
+    assert!(
+        (weight_only - expected / 2.0).abs() < 1e-3 * expected,
+        "{weight_only} s vs {} s",
+        expected / 2.0
+    );
+}

@@ -1,7 +1,8 @@
-//! Convolutions the 2-d `f32` kernel does not take: 1-d, 2-d and 3-d, transposed or not,
-//! any float dtype (values in `f64`, each result rounded once). Direct loops: correct
-//! for every geometry, not fast; the target models' 2-d `f32` convolutions keep their
-//! matrix-product kernel.
+//! Convolutions the typed 2-d `f32` kernel (`fast::conv`) does not take: 1-d, 2-d and
+//! 3-d, transposed or not, any float dtype (values in `f64`, each result rounded once).
+//! Direct loops: correct for every geometry, not fast; the target models' 2-d `f32`
+//! convolutions keep their matrix-product kernel. The geometry is the node's
+//! [`ConvParams`].
 //!
 //! Both kinds of convolution relate a "small" tensor to a "large" one: position `a` of the
 //! small one and kernel tap `k` meet position `b = a * stride - padding + k * dilation` of
@@ -10,25 +11,9 @@
 //! weight `[C_in, C_out/groups, *k]`. [`Geometry::for_each_tap`] walks these triples once;
 //! the forward and all three gradients are sums over them.
 
-use salus_graph::{DType, Node, Op, TensorType};
+use salus_graph::{ConvParams, TensorType};
 
-use super::{Arg, Out, Result, attr_bool, attr_int, attr_ints, load, numel, store, tensor};
-
-/// True when `convolution` (or its backward) must run here rather than in the 2-d `f32`
-/// kernel: another rank, transposed, or a dtype other than f32.
-pub(super) fn is_generic(node: &Node, args: &[Arg<'_>]) -> bool {
-    let (input, operands) = if node.op == Op::ConvolutionBackward {
-        (1, 0..3)
-    } else {
-        (0, 0..2)
-    };
-    let rank4 = matches!(args.get(input), Some(Arg::Tensor(t, _)) if t.rank() == 4);
-    let mut all_f32 = operands
-        .map(|k| args.get(k))
-        .all(|a| matches!(a, Some(Arg::Tensor(t, _)) if t.dtype == DType::F32));
-    all_f32 &= !attr_bool(node, "transposed");
-    !(rank4 && all_f32)
-}
+use super::{Arg, Out, Result, load, numel, store, tensor};
 
 /// The geometry of one convolution, spatial dims padded to three with size-1 dims.
 struct Geometry {
@@ -47,80 +32,32 @@ struct Geometry {
     transposed: bool,
 }
 
-fn spatial3(shape: &[u64]) -> [usize; 3] {
-    let s = &shape[2..];
-    let mut out = [1usize; 3];
-    for (o, v) in out[3 - s.len()..].iter_mut().zip(s) {
-        *o = *v as usize;
+/// Per-dimension values of 1 to 3 spatial dimensions, padded in front to three with `pad`.
+fn spatial3<T: Copy>(values: &[u64], pad: T, cast: impl Fn(u64) -> T) -> [T; 3] {
+    let mut out = [pad; 3];
+    for (o, &v) in out[3 - values.len()..].iter_mut().zip(values) {
+        *o = cast(v);
     }
     out
 }
 
 impl Geometry {
-    fn new(node: &Node, input: &TensorType, weight: &TensorType, output: &[u64]) -> Result<Self> {
-        let rank = input.rank();
-        if !(3..=5).contains(&rank) || weight.rank() != rank || output.len() != rank {
-            return Err(format!(
-                "convolution needs input, weight and output of one rank from 3 to 5, got {input}, {weight} and {output:?}"
-            ));
+    fn new(conv: &ConvParams) -> Geometry {
+        let size = |v: u64| v as usize;
+        let signed = |v: u64| v as i64;
+        Geometry {
+            n: conv.batch as usize,
+            groups: conv.groups as usize,
+            cin_g: conv.in_per_group() as usize,
+            cout_g: conv.out_per_group() as usize,
+            input: spatial3(&conv.input, 1, size),
+            output: spatial3(&conv.output, 1, size),
+            kernel: spatial3(&conv.kernel, 1, size),
+            stride: spatial3(&conv.stride, 1, signed),
+            padding: spatial3(&conv.padding, 0, signed),
+            dilation: spatial3(&conv.dilation, 1, signed),
+            transposed: conv.transposed,
         }
-        let dims = rank - 2;
-        let triple = |name: &str, default: i64| -> Result<[i64; 3]> {
-            let values = attr_ints(node, name).unwrap_or(&[]);
-            let mut out = [default; 3];
-            match values.len() {
-                0 => {}
-                1 => out[3 - dims..].fill(values[0]),
-                len if len == dims => out[3 - dims..].copy_from_slice(values),
-                len => {
-                    return Err(format!(
-                        "attribute {name:?} has {len} values for {dims} spatial dimensions"
-                    ));
-                }
-            }
-            Ok(out)
-        };
-        let transposed = attr_bool(node, "transposed");
-        let groups = attr_int(node, "groups", 1);
-        if groups <= 0 {
-            return Err(format!("groups must be positive, got {groups}"));
-        }
-        let groups = groups as usize;
-        let (c_in, c_out) = (input.shape[1] as usize, output[1] as usize);
-        let (w0, w1) = (weight.shape[0] as usize, weight.shape[1] as usize);
-        let (cin_g, cout_g) = if transposed {
-            (w0 / groups, w1)
-        } else {
-            (w1, w0 / groups)
-        };
-        if cin_g * groups != c_in || cout_g * groups != c_out {
-            return Err(format!(
-                "weight {weight} with {groups} groups does not map {c_in} input channels to {c_out}"
-            ));
-        }
-        let geometry = Geometry {
-            n: input.shape[0] as usize,
-            groups,
-            cin_g,
-            cout_g,
-            input: spatial3(&input.shape),
-            output: spatial3(output),
-            kernel: spatial3(&weight.shape),
-            stride: triple("stride", 1)?,
-            padding: triple("padding", 0)?,
-            dilation: triple("dilation", 1)?,
-            transposed,
-        };
-        if geometry
-            .stride
-            .iter()
-            .chain(&geometry.dilation)
-            .any(|&v| v <= 0)
-            || geometry.padding.iter().any(|&p| p < 0)
-        {
-            return Err("stride and dilation must be positive, padding >= 0".into());
-        }
-        Ok(geometry)
     }
 
     /// Calls `f(input_index, output_index, weight_index)` for every product term of the
@@ -199,10 +136,10 @@ fn write(o: &mut Out<'_>, data: Vec<f64>) -> Result<()> {
 }
 
 /// `convolution(input, weight, bias?)`.
-pub(super) fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn convolution(conv: &ConvParams, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ity, ib) = tensor(args, 0)?;
     let (wty, wb) = tensor(args, 1)?;
-    let geometry = Geometry::new(node, ity, wty, &o.ty.shape)?;
+    let geometry = Geometry::new(conv);
     let (x, w) = (values(ity, ib), values(wty, wb));
     let mut y = vec![0.0; numel(&o.ty.shape)];
     geometry.for_each_tap(|xi, yi, wi| y[yi] += x[xi] * w[wi]);
@@ -219,14 +156,14 @@ pub(super) fn convolution(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Res
 /// `convolution_backward(grad_output, input, weight)`: (grad_input, grad_weight,
 /// grad_bias), whichever are used.
 pub(super) fn convolution_backward(
-    node: &Node,
+    conv: &ConvParams,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
     let (gty, gb) = tensor(args, 0)?;
     let (ity, ib) = tensor(args, 1)?;
     let (wty, wb) = tensor(args, 2)?;
-    let geometry = Geometry::new(node, ity, wty, &gty.shape)?;
+    let geometry = Geometry::new(conv);
     let g = values(gty, gb);
     let want: Vec<bool> = outs.iter().map(Option::is_some).collect();
     let want = |k: usize| want.get(k).copied().unwrap_or(false);

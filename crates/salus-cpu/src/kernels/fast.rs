@@ -11,9 +11,9 @@
 
 use bytemuck::Pod;
 use rayon::prelude::*;
-use salus_graph::{Attr, DType, Node, Op, TensorType};
+use salus_graph::{DType, GeluApproximate, Op, OpParams, TensorType};
 
-use super::{Arg, Out, Result, attr_f64};
+use super::{Arg, Out, Result, number_or};
 
 mod conv;
 mod copy;
@@ -386,34 +386,39 @@ fn select(args: &[Arg<'_>], out: &mut Out<'_>) -> Option<Result<()>> {
     Some(Ok(()))
 }
 
-fn float_attr(node: &Node, name: &str, default: Option<f64>) -> Option<f64> {
-    attr_f64(node, name, default).ok()
-}
-
 /// The exact error function in f32 (musl's `erff`, within 1 ulp).
 fn erf(x: f32) -> f32 {
     libm::erff(x)
 }
 
-/// Runs `node` with a typed kernel when one covers it (`None`: the generic path runs it).
+/// Runs a node of `op` with a typed kernel when one covers it (`None`: the generic path
+/// runs it).
 pub(crate) fn run(
-    node: &Node,
+    op: Op,
+    params: &OpParams,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
     scratch: &mut [u8],
 ) -> Option<Result<()>> {
     use Op::*;
-    match node.op {
-        ConvolutionBackward => return conv::backward(node, args, outs, scratch),
-        MaxPool2dWithIndices => return pool::max_pool2d(node, args, outs),
-        NativeLayerNorm => return reduce::layer_norm(node, args, outs),
+    match (op, params) {
+        (ConvolutionBackward, OpParams::Conv(c)) => return conv::backward(c, args, outs, scratch),
+        (MaxPool2dWithIndices, OpParams::Pool(p)) => return pool::max_pool2d(p, args, outs),
+        (
+            NativeLayerNorm,
+            OpParams::LayerNorm {
+                normalized_shape,
+                eps,
+                ..
+            },
+        ) => {
+            return reduce::layer_norm(normalized_shape, *eps, args, outs);
+        }
         _ => {}
     }
     let o = outs.first_mut()?.as_mut()?;
-    let op = node.op;
-    match op {
-        AddTensor | SubTensor => {
-            let alpha = float_attr(node, "alpha", Some(1.0))?;
+    match (op, params) {
+        (AddTensor | SubTensor, &OpParams::Binary { alpha }) => {
             let scale = (if op == SubTensor { -alpha } else { alpha }) as f32;
             if scale == 1.0 {
                 binary(args, o, 1, |x: f32, y: f32| x + y)
@@ -423,34 +428,33 @@ pub(crate) fn run(
                 binary(args, o, 1, move |x: f32, y: f32| x + scale * y)
             }
         }
-        MulTensor => binary(args, o, 1, |x: f32, y: f32| x * y),
-        DivTensor => binary(args, o, 1, |x: f32, y: f32| x / y),
-        AddScalar => {
-            let v =
-                (float_attr(node, "other", None)? * float_attr(node, "alpha", Some(1.0))?) as f32;
+        (MulTensor, _) => binary(args, o, 1, |x: f32, y: f32| x * y),
+        (DivTensor, _) => binary(args, o, 1, |x: f32, y: f32| x / y),
+        (AddScalar, &OpParams::WithScalar { scalar, alpha }) => {
+            let v = (scalar.as_f64() * alpha) as f32;
             unary(args, o, 1, move |x: f32| x + v)
         }
-        MulScalar => {
-            let v = float_attr(node, "other", None)? as f32;
+        (MulScalar, &OpParams::WithScalar { scalar, .. }) => {
+            let v = scalar.as_f64() as f32;
             unary(args, o, 1, move |x: f32| x * v)
         }
-        DivScalar => {
-            let v = float_attr(node, "other", None)? as f32;
+        (DivScalar, &OpParams::WithScalar { scalar, .. }) => {
+            let v = scalar.as_f64() as f32;
             unary(args, o, 1, move |x: f32| x / v)
         }
-        Neg => unary(args, o, 1, |x: f32| -x),
-        Abs => unary(args, o, 1, |x: f32| x.abs()),
-        Exp => unary(args, o, 8, |x: f32| x.exp()),
-        Log => unary(args, o, 8, |x: f32| x.ln()),
-        Sqrt => unary(args, o, 2, |x: f32| x.sqrt()),
-        Rsqrt => unary(args, o, 2, |x: f32| 1.0 / x.sqrt()),
-        Reciprocal => unary(args, o, 1, |x: f32| 1.0 / x),
-        Sigmoid => unary(args, o, 8, |x: f32| 1.0 / (1.0 + (-x).exp())),
-        Tanh => unary(args, o, 8, |x: f32| x.tanh()),
+        (Neg, _) => unary(args, o, 1, |x: f32| -x),
+        (Abs, _) => unary(args, o, 1, |x: f32| x.abs()),
+        (Exp, _) => unary(args, o, 8, |x: f32| x.exp()),
+        (Log, _) => unary(args, o, 8, |x: f32| x.ln()),
+        (Sqrt, _) => unary(args, o, 2, |x: f32| x.sqrt()),
+        (Rsqrt, _) => unary(args, o, 2, |x: f32| 1.0 / x.sqrt()),
+        (Reciprocal, _) => unary(args, o, 1, |x: f32| 1.0 / x),
+        (Sigmoid, _) => unary(args, o, 8, |x: f32| 1.0 / (1.0 + (-x).exp())),
+        (Tanh, _) => unary(args, o, 8, |x: f32| x.tanh()),
         // NaN passes through, as in PyTorch (`f32::max` would turn it into 0).
-        Relu => unary(args, o, 1, |x: f32| if x.is_nan() { x } else { x.max(0.0) }),
-        LeakyRelu => {
-            let slope = float_attr(node, "negative_slope", Some(0.01))? as f32;
+        (Relu, _) => unary(args, o, 1, |x: f32| if x.is_nan() { x } else { x.max(0.0) }),
+        (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
+            let slope = negative_slope as f32;
             unary(
                 args,
                 o,
@@ -458,18 +462,18 @@ pub(crate) fn run(
                 move |x: f32| if x > 0.0 { x } else { slope * x },
             )
         }
-        Gelu if matches!(node.attrs.get("approximate"), Some(Attr::Str(s)) if s == "tanh") => {
-            unary(args, o, 8, |x: f32| {
+        (Gelu, OpParams::Gelu { approximate }) => match approximate {
+            GeluApproximate::Tanh => unary(args, o, 8, |x: f32| {
                 let c = (2.0 / std::f32::consts::PI).sqrt();
                 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-            })
-        }
-        Gelu => unary(args, o, 8, |x: f32| {
-            0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
-        }),
-        Erf => unary(args, o, 8, erf),
-        PowTensorScalar => {
-            let e = float_attr(node, "exponent", None)?;
+            }),
+            GeluApproximate::None => unary(args, o, 8, |x: f32| {
+                0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
+            }),
+        },
+        (Erf, _) => unary(args, o, 8, erf),
+        (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
+            let e = scalar.as_f64();
             if e == 2.0 {
                 unary(args, o, 1, |x: f32| x * x)
             } else if e == 1.0 {
@@ -479,9 +483,9 @@ pub(crate) fn run(
                 unary(args, o, 8, move |x: f32| x.powf(e))
             }
         }
-        Clamp => {
-            let lo = float_attr(node, "min", Some(f64::NEG_INFINITY))? as f32;
-            let hi = float_attr(node, "max", Some(f64::INFINITY))? as f32;
+        (Clamp, &OpParams::Clamp { min, max }) => {
+            let lo = number_or(min, f64::NEG_INFINITY) as f32;
+            let hi = number_or(max, f64::INFINITY) as f32;
             unary(
                 args,
                 o,
@@ -491,8 +495,11 @@ pub(crate) fn run(
                 },
             )
         }
-        EqScalar | NeScalar | LtScalar | LeScalar | GtScalar | GeScalar => {
-            let v = float_attr(node, "other", None)?;
+        (
+            EqScalar | NeScalar | LtScalar | LeScalar | GtScalar | GeScalar,
+            &OpParams::WithScalar { scalar, .. },
+        ) => {
+            let v = scalar.as_f64();
             let cmp = move |x: f32| -> u8 {
                 let x = f64::from(x);
                 u8::from(match op {
@@ -506,26 +513,37 @@ pub(crate) fn run(
             };
             unary(args, o, 1, cmp)
         }
-        LogicalNot | BitwiseNot if o.ty.dtype == DType::Bool => {
+        (LogicalNot | BitwiseNot, _) if o.ty.dtype == DType::Bool => {
             unary(args, o, 1, |x: u8| u8::from(x == 0))
         }
-        LogicalAnd => binary(args, o, 1, |x: u8, y: u8| u8::from(x != 0 && y != 0)),
-        WhereSelf => select(args, o),
-        ToCopy | Clone => match args.first()? {
+        (LogicalAnd, _) => binary(args, o, 1, |x: u8, y: u8| u8::from(x != 0 && y != 0)),
+        (WhereSelf, _) => select(args, o),
+        (ToCopy | Clone, _) => match args.first()? {
             Arg::Tensor(ty, _) if ty.dtype == o.ty.dtype && ty.shape == o.ty.shape => {
                 copy::same(args, o)
             }
             _ => unary(args, o, 1, |x: f32| x),
         },
-        Permute => copy::permute(node, args, o),
-        Expand => copy::expand(args, o),
-        SumDimIntList | MeanDim | Mean | Amax => reduce::reduce(node, args, o),
-        VarCorrection => reduce::variance(node, args, o),
-        Softmax | LogSoftmax => reduce::softmax(node, args, o),
-        MaxPool2dWithIndicesBackward => pool::max_pool2d_backward(args, o),
-        Convolution => conv::forward(node, args, o, scratch),
-        Mm | Addmm => matmul::matmul(node, args, o),
-        Bmm => matmul::bmm(args, o),
+        (Permute, OpParams::Permute { dims }) => copy::permute(dims, args, o),
+        (Expand, _) => copy::expand(args, o),
+        (SumDimIntList | MeanDim | Mean | Amax, OpParams::Reduce(r)) => {
+            reduce::reduce(op, r, args, o)
+        }
+        (
+            VarCorrection,
+            OpParams::Var {
+                reduction,
+                correction,
+            },
+        ) => reduce::variance(reduction, *correction, args, o),
+        (Softmax | LogSoftmax, &OpParams::Softmax { dim, .. }) => {
+            reduce::softmax(dim, op == LogSoftmax, args, o)
+        }
+        (MaxPool2dWithIndicesBackward, _) => pool::max_pool2d_backward(args, o),
+        (Convolution, OpParams::Conv(c)) => conv::forward(c, args, o, scratch),
+        (Mm, _) => matmul::matmul(None, 1.0, args, o),
+        (Addmm, &OpParams::Addmm { beta, alpha }) => matmul::matmul(Some(beta), alpha, args, o),
+        (Bmm, _) => matmul::bmm(args, o),
         _ => None,
     }
 }

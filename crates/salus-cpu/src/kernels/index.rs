@@ -1,13 +1,10 @@
-//! Slicing and indexing kernels: `slice.Tensor`, `select.int`, `index_select`,
-//! `scatter_add`, `embedding_dense_backward`. Every index read from a tensor is checked
+//! Slicing and indexing kernels: `slice.Tensor`, `select.int`, `index_select`, `gather`,
+//! `scatter.value`, `scatter_add`, `index_put`, `embedding` and `embedding_dense_backward`. Every index read from a tensor is checked
 //! before it is used; a bad one fails the node with the index and the bound it broke.
 
-use salus_graph::{Node, TensorType};
+use salus_graph::TensorType;
 
-use super::{
-    Arg, Out, Result, along_dim, attr_bool, attr_int, contiguous_strides, index_at, load, numel,
-    store, tensor, wrap,
-};
+use super::{Arg, Out, Result, contiguous_strides, index_at, load, numel, store, tensor};
 
 /// The tensor as `(outer, len, inner)` around dimension `d`: elements of the dims before
 /// `d`, the size of `d`, elements of the dims after it.
@@ -49,56 +46,30 @@ fn copy_rows(
     Ok(())
 }
 
-/// `slice.Tensor`: elements `start, start + step, ... < end` along `dim`, with `start` and
-/// `end` clamped to the dimension (negative counting from its end).
-pub(super) fn slice(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// `slice.Tensor`: the `len` elements `start, start + step, ...` along `d` (validation
+/// clamped the bounds to the dimension).
+pub(super) fn slice(
+    d: usize,
+    start: u64,
+    step: u64,
+    len: u64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
-    if ty.rank() == 0 {
-        return Err("cannot slice a 0-dim tensor".into());
-    }
-    let d = wrap(attr_int(node, "dim", 0), ty.rank());
-    let n = ty.shape[d] as i64;
-    let step = attr_int(node, "step", 1);
-    if step <= 0 {
-        return Err(format!("step must be positive, got {step}"));
-    }
-    let clamp = |v: i64| {
-        if v < 0 {
-            v.saturating_add(n).max(0)
-        } else {
-            v.min(n)
-        }
-    };
-    let start = clamp(attr_int(node, "start", 0));
-    let end = clamp(attr_int(node, "end", n)).max(start);
-    let rows: Vec<usize> = (start..end)
-        .step_by(step as usize)
-        .map(|r| r as usize)
-        .collect();
+    let rows: Vec<usize> = (0..len).map(|i| (start + i * step) as usize).collect();
     copy_rows(ty, bytes, d, &rows, o)
 }
 
-/// `select.int`: the `index`-th slice along `dim` (negative counting from the end), the
-/// dimension removed.
-pub(super) fn select(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// `select.int`: the `index`-th slice along `d` (validation normalised and checked the
+/// index), the dimension removed.
+pub(super) fn select(d: usize, index: u64, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
-    if ty.rank() == 0 {
-        return Err("cannot select from a 0-dim tensor".into());
-    }
-    let d = wrap(attr_int(node, "dim", 0), ty.rank());
-    let index = attr_int(node, "index", 0);
-    let n = ty.shape[d] as i64;
-    let row = if index < 0 { index + n } else { index };
-    if !(0..n).contains(&row) {
-        return Err(format!(
-            "select index {index} is out of range for dimension {d} of size {n}"
-        ));
-    }
-    copy_rows(ty, bytes, d, &[row as usize], o)
+    copy_rows(ty, bytes, d, &[index as usize], o)
 }
 
 /// `index_select`: rows `index[0], index[1], ...` of `self` along `dim`.
-pub(super) fn index_select(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn index_select(d: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
     let (ity, index) = tensor(args, 1)?;
     if ty.rank() == 0 {
@@ -109,7 +80,6 @@ pub(super) fn index_select(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Re
         o.bytes.copy_from_slice(bytes);
         return Ok(());
     }
-    let d = wrap(attr_int(node, "dim", 0), ty.rank());
     let rows = (0..numel(&ity.shape))
         .map(|i| index_at(index, ity.dtype, i, ty.shape[d], "index_select index"))
         .collect::<Result<Vec<_>>>()?;
@@ -118,11 +88,10 @@ pub(super) fn index_select(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Re
 
 /// `scatter_add(self, index, src)`: a copy of `self` with `src[i]` added at the place
 /// `index[i]` names along `dim`; `index` may be smaller than `src` in every dimension.
-pub(super) fn scatter_add(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn scatter_add(dim: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
     let (ity, index) = tensor(args, 1)?;
     let (sty, src) = tensor(args, 2)?;
-    let dim = wrap(attr_int(node, "dim", 0), ty.rank());
     if ity.rank() != sty.rank() || ity.shape.iter().zip(&sty.shape).any(|(i, s)| i > s) {
         return Err(format!("index {ity} must not be larger than src {sty}"));
     }
@@ -148,8 +117,13 @@ pub(super) fn scatter_add(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Res
 
 /// `embedding_dense_backward(grad_output, indices)`: `[num_weights, D]`, row `r` the sum
 /// of the gradient rows whose index is `r` (divided by how often `r` occurs when
-/// `scale_grad_by_freq`); the `padding_idx` row (if >= 0) stays zero.
-pub(super) fn embedding_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// `scale_grad_by_freq`); the `padding_idx` row (if any) stays zero.
+pub(super) fn embedding_backward(
+    padding_idx: Option<u64>,
+    scale_grad_by_freq: bool,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (gty, grad) = tensor(args, 0)?;
     let (ity, indices) = tensor(args, 1)?;
     let rows = o.ty.shape.first().copied().unwrap_or(0);
@@ -161,7 +135,6 @@ pub(super) fn embedding_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>)
             o.ty
         ));
     }
-    let padding = attr_int(node, "padding_idx", -1);
     let at = (0..count)
         .map(|i| {
             index_at(
@@ -177,19 +150,166 @@ pub(super) fn embedding_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>)
     for &r in &at {
         freq[r] += 1;
     }
-    let scale = attr_bool(node, "scale_grad_by_freq");
     let mut acc = vec![0.0; rows as usize * width];
     for (i, &r) in at.iter().enumerate() {
-        if padding >= 0 && r as i64 == padding {
+        if padding_idx == Some(r as u64) {
             continue;
         }
-        let factor = if scale { 1.0 / freq[r] as f64 } else { 1.0 };
+        let factor = if scale_grad_by_freq {
+            1.0 / freq[r] as f64
+        } else {
+            1.0
+        };
         for j in 0..width {
             acc[r * width + j] += factor * load(grad, gty.dtype, i * width + j);
         }
     }
     for (i, v) in acc.into_iter().enumerate() {
         store(o.bytes, o.ty.dtype, i, v);
+    }
+    Ok(())
+}
+
+/// Calls `f(self_offset, index_position)` for every element of `index` along `dim`.
+fn along_dim(
+    self_shape: &[u64],
+    index_ty: &TensorType,
+    index: &[u8],
+    dim: usize,
+    mut f: impl FnMut(usize, usize),
+) -> Result<()> {
+    let strides = contiguous_strides(self_shape);
+    let index_strides = contiguous_strides(&index_ty.shape);
+    let mut error = None;
+    for i in 0..numel(&index_ty.shape) {
+        let mut offset = 0;
+        let mut rest = i;
+        for d in 0..index_ty.rank() {
+            let coord = rest / index_strides[d];
+            rest %= index_strides[d];
+            let coord = if d == dim {
+                match index_at(index, index_ty.dtype, i, self_shape[d], "index") {
+                    Ok(c) => c,
+                    Err(e) => {
+                        error.get_or_insert(e);
+                        0
+                    }
+                }
+            } else if coord as u64 >= self_shape[d] {
+                error.get_or_insert(format!(
+                    "index shape {:?} exceeds input shape {self_shape:?}",
+                    index_ty.shape
+                ));
+                0
+            } else {
+                coord
+            };
+            offset += coord * strides[d];
+        }
+        if error.is_some() {
+            break;
+        }
+        f(offset, i);
+    }
+    error.map_or(Ok(()), Err)
+}
+
+/// `gather`: `out[i] = self[index[i]]` along `dim`, the other coordinates those of `i`.
+pub(super) fn gather(dim: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let (ity, index) = tensor(args, 1)?;
+    along_dim(&ty.shape, ity, index, dim, |src, i| {
+        store(o.bytes, o.ty.dtype, i, load(bytes, ty.dtype, src));
+    })
+}
+
+/// `scatter.value`: a copy of `self` with `value` at the places `index` names along `dim`.
+pub(super) fn scatter_value(
+    dim: usize,
+    value: f64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let (ity, index) = tensor(args, 1)?;
+    o.bytes.copy_from_slice(bytes);
+    let out_bytes = &mut *o.bytes;
+    let dtype = o.ty.dtype;
+    along_dim(&ty.shape, ity, index, dim, |dst, _| {
+        store(out_bytes, dtype, dst, value)
+    })
+}
+
+/// `embedding(weight, indices)`: row `indices[i]` of `weight` for each index.
+pub(super) fn embedding(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (wty, wbytes) = tensor(args, 0)?;
+    let (ity, ibytes) = tensor(args, 1)?;
+    let (rows, width) = (wty.shape[0], wty.shape[1] as usize);
+    let size = wty.dtype.size() as usize;
+    for i in 0..numel(&ity.shape) {
+        let row = index_at(ibytes, ity.dtype, i, rows, "embedding index")?;
+        o.bytes[i * width * size..(i + 1) * width * size]
+            .copy_from_slice(&wbytes[row * width * size..(row + 1) * width * size]);
+    }
+    Ok(())
+}
+
+/// `index_put(self, indices, values)`: a copy of `self` with `values` written (or added,
+/// when `accumulate`) at the places the leading integer index tensors name.
+pub(super) fn index_put(accumulate: bool, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let n = args.len() - 2;
+    let (vty, vbytes) = tensor(args, n + 1)?;
+    o.bytes.copy_from_slice(bytes);
+    // Supported form: leading integer indices of one shape, the rest of the dims sliced.
+    let mut index_shape: Option<&[u64]> = None;
+    for k in 0..n {
+        match &args[1 + k] {
+            Arg::Tensor(ity, _) if ity.dtype.is_int() => match index_shape {
+                None => index_shape = Some(&ity.shape),
+                Some(s) if s == ity.shape.as_slice() => {}
+                Some(_) => {
+                    return Err(
+                        "index_put with indices of different shapes is not supported yet".into(),
+                    );
+                }
+            },
+            _ => return Err("index_put supports leading integer indices only so far".into()),
+        }
+    }
+    let count = index_shape.map_or(1, numel);
+    let inner: usize = ty.shape[n..].iter().product::<u64>() as usize;
+    let strides = contiguous_strides(&ty.shape);
+    // Values are either one per indexed element, one row shared by all, or a scalar.
+    let value_strides = match numel(&vty.shape) {
+        n if n == count * inner => [inner, 1],
+        n if n == inner => [0, 1],
+        1 => [0, 0],
+        _ => {
+            return Err(format!(
+                "values {vty} do not fit {count} indexed rows of {inner}"
+            ));
+        }
+    };
+    for i in 0..count {
+        let mut base = 0;
+        for (k, (&size, &stride)) in ty.shape.iter().zip(&strides).take(n).enumerate() {
+            let (ity, ib) = tensor(args, 1 + k)?;
+            base += index_at(ib, ity.dtype, i, size, "index_put index")? * stride;
+        }
+        for j in 0..inner {
+            let v = load(
+                vbytes,
+                vty.dtype,
+                i * value_strides[0] + j * value_strides[1],
+            );
+            let cur = if accumulate {
+                load(o.bytes, o.ty.dtype, base + j)
+            } else {
+                0.0
+            };
+            store(o.bytes, o.ty.dtype, base + j, cur + v);
+        }
     }
     Ok(())
 }

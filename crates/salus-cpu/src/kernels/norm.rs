@@ -1,13 +1,16 @@
-//! Backward kernels of softmax, log-softmax and layer norm.
+//! Layer norm, forward and backward, and the backwards of softmax and log-softmax.
 
-use salus_graph::{Node, Op};
+use super::{Arg, Out, Result, load, numel, store, tensor};
 
-use super::{Arg, Out, Result, attr_int, attr_ints, load, numel, store, tensor, wrap};
-
-/// `_softmax_backward_data` and `_log_softmax_backward_data` along `dim`:
+/// `_softmax_backward_data` and (`log`) `_log_softmax_backward_data` along `d`:
 /// softmax: `grad_input = output * (grad - sum(grad * output))`;
 /// log-softmax: `grad_input = grad - exp(output) * sum(grad)`.
-pub(super) fn softmax_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn softmax_backward(
+    d: usize,
+    log: bool,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (gty, g) = tensor(args, 0)?;
     let (yty, y) = tensor(args, 1)?;
     if gty.shape != yty.shape || o.ty.shape != gty.shape {
@@ -16,7 +19,6 @@ pub(super) fn softmax_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -
             o.ty
         ));
     }
-    let d = wrap(attr_int(node, "dim", -1), gty.rank());
     let len = gty.shape.get(d).copied().unwrap_or(1) as usize;
     let inner: usize = gty
         .shape
@@ -25,7 +27,6 @@ pub(super) fn softmax_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -
         .iter()
         .product::<u64>() as usize;
     let outer = numel(&gty.shape) / (len * inner).max(1);
-    let log = node.op == Op::LogSoftmaxBackwardData;
     for a in 0..outer {
         for b in 0..inner {
             let idx = |j: usize| (a * len + j) * inner + b;
@@ -59,7 +60,7 @@ pub(super) fn softmax_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -
 /// `grad_weight = sum over rows of grad_out * xhat`, `grad_bias = sum of grad_out`.
 /// Computes whichever outputs are used.
 pub(super) fn layer_norm_backward(
-    node: &Node,
+    normalized: &[u64],
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
@@ -67,9 +68,7 @@ pub(super) fn layer_norm_backward(
     let (xty, x) = tensor(args, 1)?;
     let (mty, mean) = tensor(args, 2)?;
     let (rty, rstd) = tensor(args, 3)?;
-    let normalized =
-        attr_ints(node, "normalized_shape").ok_or("attribute \"normalized_shape\" is missing")?;
-    let inner = normalized.iter().product::<i64>().max(0) as usize;
+    let inner = numel(normalized);
     let total = numel(&xty.shape);
     let outer = total.checked_div(inner).unwrap_or(0);
     if numel(&gty.shape) != total || numel(&mty.shape) != outer || numel(&rty.shape) != outer {
@@ -114,6 +113,55 @@ pub(super) fn layer_norm_backward(
                     data.len()
                 ));
             }
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `native_layer_norm(input, weight?, bias?)` over the last dimensions `normalized`:
+/// (output, mean, rstd), whichever are used.
+pub(super) fn layer_norm(
+    normalized: &[u64],
+    eps: f64,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let inner = numel(normalized);
+    let outer = numel(&ty.shape) / inner.max(1);
+    let param = |k: usize| match args.get(k) {
+        Some(Arg::Tensor(pty, pb)) => Some((*pty, *pb)),
+        _ => None,
+    };
+    let (weight, bias) = (param(1), param(2));
+    let mut y = vec![0.0; numel(&ty.shape)];
+    let mut means = vec![0.0; outer];
+    let mut rstds = vec![0.0; outer];
+    for a in 0..outer {
+        let row: Vec<f64> = (0..inner)
+            .map(|j| load(bytes, ty.dtype, a * inner + j))
+            .collect();
+        let mean = row.iter().sum::<f64>() / inner as f64;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / inner as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, x) in row.iter().enumerate() {
+            let mut v = (x - mean) * rstd;
+            if let Some((wty, wb)) = weight {
+                v *= load(wb, wty.dtype, j);
+            }
+            if let Some((bty, bb)) = bias {
+                v += load(bb, bty.dtype, j);
+            }
+            y[a * inner + j] = v;
+        }
+        means[a] = mean;
+        rstds[a] = rstd;
+    }
+    for (k, data) in [y, means, rstds].into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
             for (i, v) in data.into_iter().enumerate() {
                 store(out.bytes, out.ty.dtype, i, v);
             }

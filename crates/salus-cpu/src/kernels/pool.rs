@@ -1,10 +1,10 @@
-//! Average pooling (fixed and adaptive windows) and its backward, and max pooling of
-//! 3-d (unbatched) inputs. Inputs are `[N?, C, H, W]`: every leading dimension counts as
-//! one more plane of `H x W`.
+//! Pooling in `f64` for every dtype: average pooling (fixed and adaptive windows) and max
+//! pooling, forward and backward. Inputs are `[N?, C, H, W]`: every leading dimension
+//! counts as one more plane of `H x W`. Fixed windows come from the node's [`PoolParams`].
 
-use salus_graph::{Attr, Node, TensorType};
+use salus_graph::{PoolParams, TensorType};
 
-use super::{Arg, Out, Result, attr_bool, attr_ints, index_at, load, numel, store, tensor};
+use super::{Arg, Out, Result, index_at, load, numel, store, tensor};
 
 /// `(planes, h, w)` of a 3-d or 4-d tensor.
 fn planes(t: &TensorType) -> Result<(usize, usize, usize)> {
@@ -17,6 +17,12 @@ fn planes(t: &TensorType) -> Result<(usize, usize, usize)> {
     Ok((planes, h, w))
 }
 
+/// A fixed-window pooling's planes, input `[h, w]` and output `[oh, ow]`.
+fn geometry(pool: &PoolParams) -> (usize, [usize; 2], [usize; 2]) {
+    let size = |v: [u64; 2]| v.map(|x| x as usize);
+    (pool.planes as usize, size(pool.input), size(pool.output))
+}
+
 /// The output's `(oh, ow)`, checked to pool the same planes as the input.
 fn pooled(input: &TensorType, out: &TensorType) -> Result<(usize, usize)> {
     let (p, _, _) = planes(input)?;
@@ -25,16 +31,6 @@ fn pooled(input: &TensorType, out: &TensorType) -> Result<(usize, usize)> {
         return Err(format!("{out} does not pool the planes of {input}"));
     }
     Ok((oh, ow))
-}
-
-/// A 2-d attribute: one value for both dims, or two.
-fn pair(node: &Node, name: &str, default: [i64; 2]) -> Result<[i64; 2]> {
-    match attr_ints(node, name) {
-        None | Some([]) => Ok(default),
-        Some([a]) => Ok([*a, *a]),
-        Some([a, b]) => Ok([*a, *b]),
-        Some(other) => Err(format!("attribute {name:?} has {} values", other.len())),
-    }
 }
 
 /// The windows of an `avg_pool2d`: for each output element, the clipped input window and
@@ -48,30 +44,15 @@ struct AvgWindows {
 }
 
 impl AvgWindows {
-    fn new(node: &Node) -> Result<AvgWindows> {
-        let kernel = pair(node, "kernel_size", [1, 1])?;
-        let stride = pair(node, "stride", kernel)?;
-        let padding = pair(node, "padding", [0, 0])?;
-        if kernel.iter().chain(&stride).any(|&v| v <= 0) || padding.iter().any(|&p| p < 0) {
-            return Err(format!(
-                "kernel {kernel:?} and stride {stride:?} must be positive, padding {padding:?} >= 0"
-            ));
+    fn new(pool: &PoolParams) -> AvgWindows {
+        let signed = |v: [u64; 2]| v.map(|x| x as i64);
+        AvgWindows {
+            kernel: signed(pool.kernel),
+            stride: signed(pool.stride),
+            padding: signed(pool.padding),
+            count_include_pad: pool.count_include_pad,
+            divisor: pool.divisor_override,
         }
-        let divisor = match node.attrs.get("divisor_override") {
-            Some(Attr::Int(d)) if *d != 0 => Some(*d),
-            Some(Attr::Int(_)) => return Err("divisor_override must not be 0".into()),
-            _ => None,
-        };
-        Ok(AvgWindows {
-            kernel,
-            stride,
-            padding,
-            count_include_pad: match node.attrs.get("count_include_pad") {
-                None => true,
-                Some(_) => attr_bool(node, "count_include_pad"),
-            },
-            divisor,
-        })
     }
 
     /// The window of output `(oy, ox)` on an `h x w` plane as `(y0..y1, x0..x1, divisor)`,
@@ -97,11 +78,10 @@ impl AvgWindows {
 }
 
 /// `avg_pool2d`.
-pub(super) fn avg_pool2d(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn avg_pool2d(pool: &PoolParams, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ity, x) = tensor(args, 0)?;
-    let (planes, h, w) = planes(ity)?;
-    let (oh, ow) = pooled(ity, o.ty)?;
-    let windows = AvgWindows::new(node)?;
+    let (planes, [h, w], [oh, ow]) = geometry(pool);
+    let windows = AvgWindows::new(pool);
     for p in 0..planes {
         for oy in 0..oh {
             for ox in 0..ow {
@@ -126,12 +106,15 @@ pub(super) fn avg_pool2d(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Resu
 
 /// `avg_pool2d_backward(grad_output, self)`: each output gradient spread evenly (by the
 /// forward's divisor) over its window.
-pub(super) fn avg_pool2d_backward(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn avg_pool2d_backward(
+    pool: &PoolParams,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (gty, g) = tensor(args, 0)?;
     let (ity, _) = tensor(args, 1)?;
-    let (planes, h, w) = planes(ity)?;
-    let (oh, ow) = pooled(ity, gty)?;
-    let windows = AvgWindows::new(node)?;
+    let (planes, [h, w], [oh, ow]) = geometry(pool);
+    let windows = AvgWindows::new(pool);
     let mut grad = vec![0.0; numel(&ity.shape)];
     for p in 0..planes {
         for oy in 0..oh {
@@ -209,32 +192,18 @@ pub(super) fn adaptive_avg_pool2d_backward(args: &[Arg<'_>], o: &mut Out<'_>) ->
     Ok(())
 }
 
-/// True when a max pool (or its backward) must run here: 3-d inputs, which the 4-d
-/// kernels do not take.
-pub(super) fn is_unbatched(args: &[Arg<'_>], input: usize) -> bool {
-    matches!(args.get(input), Some(Arg::Tensor(ty, _)) if ty.rank() == 3)
-}
-
 /// `max_pool2d_with_indices` of any 3-d or 4-d input: (max of each window, its index in
 /// the `H x W` plane); NaN wins, and the first of equal maxima.
 pub(super) fn max_pool2d(
-    node: &Node,
+    pool: &PoolParams,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
     let (ity, x) = tensor(args, 0)?;
-    let (planes, h, w) = planes(ity)?;
-    let out_ty = outs
-        .iter()
-        .flatten()
-        .next()
-        .map(|o| o.ty.clone())
-        .ok_or("both outputs are unused")?;
-    let (oh, ow) = pooled(ity, &out_ty)?;
-    let kernel = pair(node, "kernel_size", [1, 1])?;
-    let stride = pair(node, "stride", kernel)?;
-    let padding = pair(node, "padding", [0, 0])?;
-    let dilation = pair(node, "dilation", [1, 1])?;
+    let (planes, [h, w], [oh, ow]) = geometry(pool);
+    let signed = |v: [u64; 2]| v.map(|x| x as i64);
+    let (kernel, stride) = (signed(pool.kernel), signed(pool.stride));
+    let (padding, dilation) = (signed(pool.padding), signed(pool.dilation));
     let mut values = vec![0.0; planes * oh * ow];
     let mut indices = vec![0.0; values.len()];
     for p in 0..planes {
@@ -273,12 +242,15 @@ pub(super) fn max_pool2d(
 
 /// `max_pool2d_with_indices_backward(grad_output, self, indices)` of any 3-d or 4-d
 /// input: each gradient added at its (checked) index in its plane.
-pub(super) fn max_pool2d_backward(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+pub(super) fn max_pool2d_backward(
+    pool: &PoolParams,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (gty, g) = tensor(args, 0)?;
     let (ity, _) = tensor(args, 1)?;
     let (xty, idx) = tensor(args, 2)?;
-    let (planes, h, w) = planes(ity)?;
-    let (oh, ow) = pooled(ity, gty)?;
+    let (planes, [h, w], [oh, ow]) = geometry(pool);
     if xty.shape != gty.shape {
         return Err(format!(
             "indices {xty} must have the shape of grad_output {gty}"

@@ -7,7 +7,7 @@
 use salus_exec::random::name_key;
 use salus_graph::Node;
 
-use super::{Arg, Out, Result, attr_f64, store, tensor};
+use super::{Arg, Out, Result, store, tensor};
 
 /// SplitMix64's finalizer: a bijective mix of all 64 bits.
 fn mix(mut z: u64) -> u64 {
@@ -27,9 +27,8 @@ pub(crate) fn stream(node: &Node, state: i64) -> u64 {
     mix(state as u64 ^ name_key(&node.name))
 }
 
-/// bernoulli.p: 1 with probability p, else 0, in the dtype of `self`.
-pub(crate) fn bernoulli(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
-    let p = attr_f64(node, "p", None)?;
+/// bernoulli.p: 1 with probability `p`, else 0, in the dtype of `self`.
+pub(crate) fn bernoulli(node: &Node, p: f64, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 1)?;
     if ty.dtype != salus_graph::DType::I64 || bytes.len() != 8 {
         return Err(format!("the generator must be an i64 scalar, got {ty}"));

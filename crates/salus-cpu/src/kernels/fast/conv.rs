@@ -2,17 +2,18 @@
 //! input (im2col), in the lane scratch the plan reserved
 //! (`salus_graph::plan::scratch_bytes`): `slots` = min(batch, `CONV_SLOTS`) unfolding
 //! buffers, so that groups of images run on different cores at once. 1x1 convolutions with
-//! stride 1 and no padding ("direct") multiply the input as it is.
+//! stride 1 and no padding ("direct") multiply the input as it is. The unfolded matrix's
+//! size and whether it is direct come from [`ConvParams::unfold_2d`], as the planner's do.
 
 use rayon::prelude::*;
+use salus_graph::ConvParams;
 use salus_graph::plan::CONV_SLOTS;
-use salus_graph::{Node, TensorType};
 
 use super::matmul::{gemm, rows, transposed};
 use super::{PARALLEL_WORK, input, typed_mut};
-use crate::kernels::{Arg, Out, Result, attr_bool, attr_int, attr_ints};
+use crate::kernels::{Arg, Out, Result};
 
-/// The geometry of a 2-d convolution.
+/// The geometry of a 2-d convolution, from its [`ConvParams`].
 struct Geometry {
     n: usize,
     c_in: usize,
@@ -27,44 +28,42 @@ struct Geometry {
     stride: [usize; 2],
     padding: [usize; 2],
     dilation: [usize; 2],
+    /// Rows of the unfolded input of one image and group: `C_in/groups * kh * kw`.
+    k: usize,
+    /// Its columns: `oh * ow`.
+    l: usize,
+    /// The unfolded input is the input itself.
+    direct: bool,
 }
 
 impl Geometry {
-    fn new(node: &Node, x: &TensorType, w: &TensorType, out: &[u64]) -> Option<Geometry> {
-        if x.rank() != 4 || w.rank() != 4 || out.len() != 4 || attr_bool(node, "transposed") {
+    /// The geometry of a 2-d, non-transposed convolution (`None` for others: the
+    /// generic path's).
+    fn new(conv: &ConvParams) -> Option<Geometry> {
+        if conv.transposed || conv.batch == 0 {
             return None;
         }
-        let pair = |name: &str, default: usize| -> [usize; 2] {
-            match attr_ints(node, name) {
-                Some([a]) => [*a as usize; 2],
-                Some([a, b, ..]) => [*a as usize, *b as usize],
-                _ => [default; 2],
-            }
-        };
-        let s = |t: &[u64], i: usize| t[i] as usize;
-        let g = Geometry {
-            n: s(&x.shape, 0),
-            c_in: s(&x.shape, 1),
-            h: s(&x.shape, 2),
-            w: s(&x.shape, 3),
-            c_out: s(&w.shape, 0),
-            kh: s(&w.shape, 2),
-            kw: s(&w.shape, 3),
-            oh: s(out, 2),
-            ow: s(out, 3),
-            groups: attr_int(node, "groups", 1).max(1) as usize,
-            stride: pair("stride", 1),
-            padding: pair("padding", 0),
-            dilation: pair("dilation", 1),
-        };
-        let consistent = g.c_in.is_multiple_of(g.groups)
-            && g.c_out.is_multiple_of(g.groups)
-            && w.shape[1] as usize == g.c_in / g.groups
-            && out[0] as usize == g.n
-            && out[1] as usize == g.c_out
-            && g.stride.iter().all(|&s| s > 0)
-            && g.n > 0;
-        consistent.then_some(g)
+        let (k, l, direct) = conv.unfold_2d()?;
+        let size = |v: u64| v as usize;
+        let pair = |v: &[u64]| [size(v[0]), size(v[1])];
+        Some(Geometry {
+            n: size(conv.batch),
+            c_in: size(conv.in_channels),
+            h: size(conv.input[0]),
+            w: size(conv.input[1]),
+            c_out: size(conv.out_channels),
+            kh: size(conv.kernel[0]),
+            kw: size(conv.kernel[1]),
+            oh: size(conv.output[0]),
+            ow: size(conv.output[1]),
+            groups: size(conv.groups),
+            stride: pair(&conv.stride),
+            padding: pair(&conv.padding),
+            dilation: pair(&conv.dilation),
+            k: size(k),
+            l: size(l),
+            direct,
+        })
     }
 
     fn cin_g(&self) -> usize {
@@ -73,23 +72,6 @@ impl Geometry {
 
     fn cout_g(&self) -> usize {
         self.c_out / self.groups
-    }
-
-    fn k(&self) -> usize {
-        self.cin_g() * self.kh * self.kw
-    }
-
-    fn l(&self) -> usize {
-        self.oh * self.ow
-    }
-
-    /// The unfolded input is the input itself (as the planner decides it).
-    fn direct(&self) -> bool {
-        self.kh == 1
-            && self.kw == 1
-            && self.stride == [1, 1]
-            && self.padding == [0, 0]
-            && self.l() == self.h * self.w
     }
 
     fn slots(&self) -> usize {
@@ -101,7 +83,7 @@ impl Geometry {
     }
 
     fn image_out(&self) -> usize {
-        self.c_out * self.l()
+        self.c_out * self.l
     }
 
     /// The valid output columns `lo..hi` for kernel column `kx` (the input column
@@ -145,7 +127,7 @@ impl Geometry {
 
     /// Unfolds group `g` of one image (`x`: its `c_in` planes) into `col` (`k x l`).
     fn im2col(&self, x: &[f32], g: usize, col: &mut [f32]) {
-        let (l, ow, s) = (self.l(), self.ow, self.stride[1]);
+        let (l, ow, s) = (self.l, self.ow, self.stride[1]);
         let planes = &x[g * self.cin_g() * self.h * self.w..];
         self.rows(|row, oy, inside, (lo, hi, dx)| {
             let dst = &mut col[row * l + oy * ow..row * l + (oy + 1) * ow];
@@ -169,7 +151,7 @@ impl Geometry {
 
     /// Adds the unfolded gradient `col` of group `g` back into one image's planes `x`.
     fn col2im(&self, col: &[f32], g: usize, x: &mut [f32]) {
-        let (l, ow, s, w) = (self.l(), self.ow, self.stride[1], self.w);
+        let (l, ow, s, w) = (self.l, self.ow, self.stride[1], self.w);
         let planes = &mut x[g * self.cin_g() * self.h * w..];
         self.rows(|row, oy, inside, (lo, hi, dx)| {
             let Some(at) = inside else {
@@ -193,7 +175,7 @@ impl Geometry {
 
     /// Multiply-adds of one pass over the batch, to decide whether to split it.
     fn work(&self) -> usize {
-        self.n * self.c_out * self.k() * self.l()
+        self.n * self.c_out * self.k * self.l
     }
 }
 
@@ -206,25 +188,29 @@ fn scratch_f32(scratch: &mut [u8], need: usize) -> std::result::Result<&mut [f32
 }
 
 pub(super) fn forward(
-    node: &Node,
+    conv: &ConvParams,
     args: &[Arg<'_>],
     o: &mut Out<'_>,
     scratch: &mut [u8],
 ) -> Option<Result<()>> {
-    let (xty, x) = input::<f32>(args, 0)?;
-    let (wty, w) = input::<f32>(args, 1)?;
+    let (_, x) = input::<f32>(args, 0)?;
+    let (_, w) = input::<f32>(args, 1)?;
     let bias = match args.get(2) {
         None | Some(Arg::Absent) => None,
         Some(_) => Some(input::<f32>(args, 2)?.1),
     };
-    let geo = Geometry::new(node, xty, wty, &o.ty.shape)?;
+    let geo = Geometry::new(conv)?;
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
-    let (k, l, cout_g) = (geo.k(), geo.l(), geo.cout_g());
-    if bias.is_some_and(|b| b.len() != geo.c_out) || w.len() != geo.c_out * k {
+    let (k, l, cout_g) = (geo.k, geo.l, geo.cout_g());
+    if bias.is_some_and(|b| b.len() != geo.c_out)
+        || w.len() != geo.c_out * k
+        || x.len() != geo.n * geo.image_in()
+        || dst.len() != geo.n * geo.image_out()
+    {
         return None;
     }
     let slots = geo.slots();
-    let slot_len = if geo.direct() { 0 } else { k * l };
+    let slot_len = if geo.direct { 0 } else { k * l };
     let cols = match scratch_f32(scratch, slots * slot_len) {
         Ok(c) => c,
         Err(e) => return Some(Err(e)),
@@ -234,7 +220,7 @@ pub(super) fn forward(
         for (i, out) in out.chunks_exact_mut(geo.image_out()).enumerate() {
             let image = &x[(t * per + i) * geo.image_in()..][..geo.image_in()];
             for g in 0..geo.groups {
-                let unfolded = if geo.direct() {
+                let unfolded = if geo.direct {
                     &image[g * k * l..(g + 1) * k * l]
                 } else {
                     geo.im2col(image, g, col);
@@ -285,21 +271,22 @@ fn typed_out<'a>(o: &'a mut Option<Out<'_>>) -> Option<Option<&'a mut [f32]>> {
 }
 
 pub(super) fn backward(
-    node: &Node,
+    conv: &ConvParams,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
     scratch: &mut [u8],
 ) -> Option<Result<()>> {
-    let (gty, gout) = input::<f32>(args, 0)?;
-    let (xty, x) = input::<f32>(args, 1)?;
-    let (wty, w) = input::<f32>(args, 2)?;
-    let geo = Geometry::new(node, xty, wty, &gty.shape)?;
+    let (_, gout) = input::<f32>(args, 0)?;
+    let (_, x) = input::<f32>(args, 1)?;
+    let (_, w) = input::<f32>(args, 2)?;
+    let geo = Geometry::new(conv)?;
     let [gi, gw, gb] = outs else {
         return None;
     };
     let (gi, gw, gb) = (typed_out(gi)?, typed_out(gw)?, typed_out(gb)?);
-    let (k, l, cout_g, cin_g) = (geo.k(), geo.l(), geo.cout_g(), geo.cin_g());
+    let (k, l, cout_g, cin_g) = (geo.k, geo.l, geo.cout_g(), geo.cin_g());
     if w.len() != geo.c_out * k
+        || x.len() != geo.n * geo.image_in()
         || gout.len() != geo.n * geo.image_out()
         || gi
             .as_ref()
@@ -310,7 +297,7 @@ pub(super) fn backward(
         return None;
     }
     let slots = geo.slots();
-    let unfold = if geo.direct() { 0 } else { k * l };
+    let unfold = if geo.direct { 0 } else { k * l };
     let slot_len = 2 * unfold + geo.c_out * k;
     let space = match scratch_f32(scratch, slots * slot_len) {
         Ok(s) => s,
@@ -335,7 +322,7 @@ pub(super) fn backward(
                 let g_at = (n * geo.c_out + g * cout_g) * l;
                 let g_mat = rows(&gout[g_at..g_at + cout_g * l], cout_g, l);
                 if want_gw {
-                    let unfolded = if geo.direct() {
+                    let unfolded = if geo.direct {
                         &image[g * k * l..(g + 1) * k * l]
                     } else {
                         geo.im2col(image, g, col);
@@ -352,7 +339,7 @@ pub(super) fn backward(
                 if let Some(gi) = gi.as_deref_mut() {
                     let gi_img = &mut gi[i * geo.image_in()..(i + 1) * geo.image_in()];
                     let w_t = transposed(&w[g * cout_g * k..(g + 1) * cout_g * k], k, cout_g);
-                    if geo.direct() {
+                    if geo.direct {
                         let at = g * cin_g * geo.h * geo.w;
                         gemm(w_t, g_mat, &mut gi_img[at..at + k * l], false, 1.0)?;
                     } else {

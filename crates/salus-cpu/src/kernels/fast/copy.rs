@@ -2,10 +2,9 @@
 //! (or single-strided) inner loop, for any dtype by element size.
 
 use bytemuck::Pod;
-use salus_graph::Node;
 
 use super::{Broadcast, MAX_RANK, for_chunks};
-use crate::kernels::{Arg, Out, Result, attr_ints, tensor, wrap};
+use crate::kernels::{Arg, Out, Result, tensor};
 
 /// Copies `src` into `dst` (`dst` in row-major order of `shape`; element `i` of it from
 /// `src` along `strides` per dim).
@@ -97,16 +96,15 @@ pub(super) fn same(args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
     Some(Ok(()))
 }
 
-pub(super) fn permute(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+/// `permute`: output dimension `i` is input dimension `dims[i]`.
+pub(super) fn permute(dims: &[usize], args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
     let (ty, bytes) = tensor(args, 0).ok()?;
-    let dims = attr_ints(node, "dims")?;
     if ty.dtype != o.ty.dtype || dims.len() != ty.rank() || o.ty.rank() != ty.rank() {
         return None;
     }
     let own = contiguous(&ty.shape)?;
     let mut strides = [0usize; MAX_RANK];
     for (i, &d) in dims.iter().enumerate() {
-        let d = wrap(d, ty.rank());
         if d >= ty.rank() || ty.shape[d] != o.ty.shape[i] {
             return None;
         }

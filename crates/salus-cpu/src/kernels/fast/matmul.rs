@@ -1,11 +1,9 @@
 //! Matrix products over f32: small products in a plain loop (no packing, no allocation,
 //! no thread hand-off: they take microseconds), larger ones through `gemm`.
 
-use salus_graph::{Node, Op};
-
 use super::{for_chunks, input, typed_mut};
 use crate::blas::{Mat, sgemm};
-use crate::kernels::{Arg, Out, Result, attr_f64};
+use crate::kernels::{Arg, Out, Result};
 
 /// Products with at most this many multiply-adds run in [`small`].
 const SMALL: usize = 1 << 18;
@@ -180,8 +178,15 @@ fn product(
     gemm(rows(a, n, k), rows(b, k, m), out, accumulate, alpha)
 }
 
-pub(super) fn matmul(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
-    let (first, bias) = if node.op == Op::Addmm {
+/// `mm` (`beta` `None`) and `addmm` (`beta * self + alpha * mat1 @ mat2`, `self`
+/// broadcast from a matrix, a row or one value).
+pub(super) fn matmul(
+    beta: Option<f64>,
+    alpha: f64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Option<Result<()>> {
+    let (first, bias) = if beta.is_some() {
         (1, Some(input::<f32>(args, 0)?))
     } else {
         (0, None)
@@ -196,8 +201,7 @@ pub(super) fn matmul(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<R
         aty.shape[1] as usize,
         bty.shape[1] as usize,
     );
-    let beta = attr_f64(node, "beta", Some(1.0)).ok()? as f32;
-    let alpha = attr_f64(node, "alpha", Some(1.0)).ok()? as f32;
+    let (beta, alpha) = (beta.unwrap_or(1.0) as f32, alpha as f32);
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
     if dst.len() != n * m {
         return None;

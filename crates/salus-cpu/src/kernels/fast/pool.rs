@@ -1,10 +1,10 @@
 //! 2-d max pooling over f32 planes, forward and backward, parallel over planes.
 
 use rayon::prelude::*;
-use salus_graph::Node;
+use salus_graph::PoolParams;
 
 use super::{PARALLEL_WORK, for_chunks, input, typed_mut};
-use crate::kernels::{Arg, Out, Result, attr_ints};
+use crate::kernels::{Arg, Out, Result};
 
 /// A pooling window's geometry.
 struct Window {
@@ -19,27 +19,21 @@ struct Window {
 }
 
 impl Window {
-    fn new(node: &Node, input: &[u64], out: &[u64]) -> Option<Window> {
-        if input.len() != 4 || out.len() != 4 {
+    /// The window of a pooling of a 4-d input (`None` for 3-d: the generic path's).
+    fn new(pool: &PoolParams, input: &[u64]) -> Option<Window> {
+        if input.len() != 4 {
             return None;
         }
-        let pair = |name: &str, default: [usize; 2]| -> [usize; 2] {
-            match attr_ints(node, name) {
-                Some([a]) => [*a as usize; 2],
-                Some([a, b, ..]) => [*a as usize, *b as usize],
-                _ => default,
-            }
-        };
-        let kernel = pair("kernel_size", [1, 1]);
+        let size = |v: [u64; 2]| v.map(|x| x as usize);
         Some(Window {
-            kernel,
-            stride: pair("stride", kernel),
-            padding: pair("padding", [0, 0]),
-            dilation: pair("dilation", [1, 1]),
-            h: input[2] as usize,
-            w: input[3] as usize,
-            oh: out[2] as usize,
-            ow: out[3] as usize,
+            kernel: size(pool.kernel),
+            stride: size(pool.stride),
+            padding: size(pool.padding),
+            dilation: size(pool.dilation),
+            h: pool.input[0] as usize,
+            w: pool.input[1] as usize,
+            oh: pool.output[0] as usize,
+            ow: pool.output[1] as usize,
         })
     }
 
@@ -80,7 +74,7 @@ impl Window {
 }
 
 pub(super) fn max_pool2d(
-    node: &Node,
+    pool: &PoolParams,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
@@ -88,8 +82,7 @@ pub(super) fn max_pool2d(
     let [values, indices] = outs else {
         return None;
     };
-    let out_ty = values.as_ref().or(indices.as_ref()).map(|o| o.ty)?;
-    let win = Window::new(node, &ty.shape, &out_ty.shape)?;
+    let win = Window::new(pool, &ty.shape)?;
     let values = match values {
         Some(o) => Some(typed_mut::<f32>(o.ty, &mut *o.bytes)?),
         None => None,

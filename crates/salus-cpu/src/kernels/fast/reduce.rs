@@ -1,10 +1,10 @@
 //! Reductions (sum, mean, amax, var), softmax and layer norm over f32, walking the input
 //! once in contiguous runs.
 
-use salus_graph::{Node, Op};
+use salus_graph::{Op, Reduction};
 
 use super::{MAX_RANK, for_chunks, input, numel, typed_mut};
-use crate::kernels::{Arg, Out, Result, attr_f64, attr_int, attr_ints, wrap};
+use crate::kernels::{Arg, Out, Result};
 
 /// The sum of a run, accumulated in f64 over eight lanes.
 fn sum(x: &[f32]) -> f64 {
@@ -107,18 +107,15 @@ impl Groups {
     }
 }
 
-/// The dims a reduction node reduces.
-fn reduced_dims(node: &Node, rank: usize) -> impl Fn(usize) -> bool + '_ {
-    let dims = match (node.op, attr_ints(node, "dim")) {
-        (Op::Mean, _) | (_, None) | (_, Some([])) => None,
-        (_, Some(ds)) => Some(ds),
-    };
-    move |d| dims.is_none_or(|ds| ds.iter().any(|&x| wrap(x, rank) == d))
-}
-
-pub(super) fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+/// `sum.dim_IntList`, `mean`, `mean.dim` and `amax` of `op`.
+pub(super) fn reduce(
+    op: Op,
+    r: &Reduction,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Option<Result<()>> {
     let (ty, x) = input::<f32>(args, 0)?;
-    let g = Groups::new(&ty.shape, reduced_dims(node, ty.rank()))?;
+    let g = Groups::new(&ty.shape, |d| r.reduces(d))?;
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
     let count: usize = (0..g.count)
         .filter(|&i| g.reduced[i])
@@ -127,8 +124,8 @@ pub(super) fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<R
     if numel(&ty.shape) == 0 || dst.is_empty() {
         return None;
     }
-    let is_max = node.op == Op::Amax;
-    let scale = if matches!(node.op, Op::MeanDim | Op::Mean) {
+    let is_max = op == Op::Amax;
+    let scale = if matches!(op, Op::MeanDim | Op::Mean) {
         1.0 / count.max(1) as f64
     } else {
         1.0
@@ -205,13 +202,15 @@ pub(super) fn reduce(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<R
 /// Outputs of a variance accumulated on the stack: larger ones take the generic path.
 const VAR_OUTPUTS: usize = 1024;
 
-pub(super) fn variance(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+/// `var.correction`: the sum of squared deviations over `count - correction`.
+pub(super) fn variance(
+    r: &Reduction,
+    correction: f64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Option<Result<()>> {
     let (ty, x) = input::<f32>(args, 0)?;
-    let rank = ty.rank();
-    let dims = attr_ints(node, "dim");
-    let is_reduced =
-        |d: usize| dims.is_none_or(|ds| ds.is_empty() || ds.iter().any(|&x| wrap(x, rank) == d));
-    let g = Groups::new(&ty.shape, is_reduced)?;
+    let g = Groups::new(&ty.shape, |d| r.reduces(d))?;
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
     let n_out = dst.len();
     if n_out > VAR_OUTPUTS || numel(&ty.shape) == 0 {
@@ -221,7 +220,6 @@ pub(super) fn variance(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option
         .filter(|&i| g.reduced[i])
         .map(|i| g.sizes[i])
         .product();
-    let correction = attr_f64(node, "correction", Some(1.0)).ok()?;
     let inner = g.inner();
     let mut mean = [0f64; VAR_OUTPUTS];
     let mut sq = [0f64; VAR_OUTPUTS];
@@ -267,15 +265,19 @@ pub(super) fn variance(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option
     Some(Ok(()))
 }
 
-pub(super) fn softmax(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<Result<()>> {
+/// `_softmax` (`log` false) and `_log_softmax` along dimension `d`, when it is the last.
+pub(super) fn softmax(
+    d: usize,
+    log: bool,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Option<Result<()>> {
     let (ty, x) = input::<f32>(args, 0)?;
-    let d = wrap(attr_int(node, "dim", -1), ty.rank());
     let len = ty.shape.get(d).copied().unwrap_or(1) as usize;
     let inner: usize = ty.shape.get(d + 1..)?.iter().product::<u64>() as usize;
     if inner != 1 || len == 0 {
         return None;
     }
-    let log = node.op == Op::LogSoftmax;
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
     if dst.len() != x.len() {
         return None;
@@ -304,15 +306,15 @@ pub(super) fn softmax(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Option<
     Some(Ok(()))
 }
 
+/// `native_layer_norm` over the last dimensions `normalized`.
 pub(super) fn layer_norm(
-    node: &Node,
+    normalized: &[u64],
+    eps: f64,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
     let (_, x) = input::<f32>(args, 0)?;
-    let normalized = attr_ints(node, "normalized_shape")?;
-    let eps = attr_f64(node, "eps", Some(1e-5)).ok()?;
-    let inner = normalized.iter().product::<i64>().max(1) as usize;
+    let inner = numel(normalized).max(1);
     if x.is_empty() || x.len() % inner != 0 {
         return None;
     }

@@ -1,0 +1,144 @@
+//! Matrix products in `f64` for every dtype, and through [`sgemm`] for f32 operands the
+//! typed kernels did not take: `mm`, `addmm` and `bmm`.
+
+use super::{
+    Arg, Out, Result, as_f32, as_f32_mut, broadcast_strides, for_each_index, load, store, tensor,
+};
+use crate::blas::{Mat, sgemm};
+
+/// `mm` (`beta` `None`) and `addmm` (`beta * self + alpha * mat1 @ mat2`).
+pub(super) fn matmul(
+    beta: Option<f64>,
+    alpha: f64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
+    let (a, b, bias) = match beta {
+        Some(beta) => (
+            tensor(args, 1)?,
+            tensor(args, 2)?,
+            Some((beta, tensor(args, 0)?)),
+        ),
+        None => (tensor(args, 0)?, tensor(args, 1)?, None),
+    };
+    let (n, k, m) = (
+        a.0.shape[0] as usize,
+        a.0.shape[1] as usize,
+        b.0.shape[1] as usize,
+    );
+    if let (Some(av), Some(bv), Some(dst)) = (
+        as_f32(a.1, a.0.dtype),
+        as_f32(b.1, b.0.dtype),
+        as_f32_mut(o.bytes, o.ty.dtype),
+    ) {
+        let accumulate = match bias {
+            Some((beta, (bty, bbytes))) => {
+                let strides = broadcast_strides(&bty.shape, &o.ty.shape);
+                for_each_index(&o.ty.shape, &[strides], |i, offs| {
+                    dst[i] = (beta * load(bbytes, bty.dtype, offs[0])) as f32;
+                });
+                true
+            }
+            None => false,
+        };
+        return sgemm(
+            Mat {
+                data: av,
+                rows: n,
+                cols: k,
+                row_stride: k,
+                col_stride: 1,
+            },
+            Mat {
+                data: bv,
+                rows: k,
+                cols: m,
+                row_stride: m,
+                col_stride: 1,
+            },
+            dst,
+            accumulate,
+            alpha as f32,
+        );
+    }
+    let av: Vec<f64> = (0..n * k).map(|i| load(a.1, a.0.dtype, i)).collect();
+    let bv: Vec<f64> = (0..k * m).map(|i| load(b.1, b.0.dtype, i)).collect();
+    let mut c = vec![0.0f64; n * m];
+    for i in 0..n {
+        for p in 0..k {
+            let x = av[i * k + p];
+            if x == 0.0 {
+                continue;
+            }
+            let row = &bv[p * m..(p + 1) * m];
+            for (cj, bj) in c[i * m..(i + 1) * m].iter_mut().zip(row) {
+                *cj += x * bj;
+            }
+        }
+    }
+    if let Some((beta, (bty, bbytes))) = bias {
+        let strides = broadcast_strides(&bty.shape, &o.ty.shape);
+        for_each_index(&o.ty.shape, &[strides], |i, offs| {
+            c[i] = beta * load(bbytes, bty.dtype, offs[0]) + alpha * c[i];
+        });
+    }
+    for (i, v) in c.into_iter().enumerate() {
+        store(o.bytes, o.ty.dtype, i, v);
+    }
+    Ok(())
+}
+
+/// `bmm`: one product per batch.
+pub(super) fn bmm(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (aty, a) = tensor(args, 0)?;
+    let (bty, b) = tensor(args, 1)?;
+    let (batches, n, k, m) = (
+        aty.shape[0] as usize,
+        aty.shape[1] as usize,
+        aty.shape[2] as usize,
+        bty.shape[2] as usize,
+    );
+    if let (Some(av), Some(bv), Some(dst)) = (
+        as_f32(a, aty.dtype),
+        as_f32(b, bty.dtype),
+        as_f32_mut(o.bytes, o.ty.dtype),
+    ) {
+        for bi in 0..batches {
+            sgemm(
+                Mat {
+                    data: &av[bi * n * k..(bi + 1) * n * k],
+                    rows: n,
+                    cols: k,
+                    row_stride: k,
+                    col_stride: 1,
+                },
+                Mat {
+                    data: &bv[bi * k * m..(bi + 1) * k * m],
+                    rows: k,
+                    cols: m,
+                    row_stride: m,
+                    col_stride: 1,
+                },
+                &mut dst[bi * n * m..(bi + 1) * n * m],
+                false,
+                1.0,
+            )?;
+        }
+        return Ok(());
+    }
+    for bi in 0..batches {
+        for i in 0..n {
+            let mut row = vec![0.0; m];
+            for p in 0..k {
+                let x = load(a, aty.dtype, (bi * n + i) * k + p);
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r += x * load(b, bty.dtype, (bi * k + p) * m + j);
+                }
+            }
+            for (j, v) in row.into_iter().enumerate() {
+                store(o.bytes, o.ty.dtype, (bi * n + i) * m + j, v);
+            }
+        }
+    }
+    Ok(())
+}
