@@ -17,9 +17,7 @@
 # every test, bench and example directory (they build graphs, which is construction, not
 # reading). Prints each offending file:line and a count per file.
 #
-# Not yet run by scripts/test.sh: salus-exec's CPU kernels and CUDA lowering still read
-# attributes by name. Once they read CheckedGraph::params, call this script from test.sh
-# before `cargo test`.
+# scripts/test.sh runs this before the Rust tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
