@@ -3,13 +3,22 @@
 //!
 //! The daemon runs in this process (its own multi-threaded runtime) and the clients talk
 //! to it through a real Unix socket and real gRPC, exactly as separate processes would.
+//!
+//! The baseline is a bare tonic server on another Unix socket, also in its own runtime,
+//! whose `Run` echoes the feeds back as fetches: the same messages over the same kind of
+//! transport with no engine behind them. The iteration round trip is reported also as a
+//! ratio to that echo, measured in the same run, so what the service itself adds shows
+//! whatever machine runs it.
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use salus_client::{Client, OpenOptions, Session, v1 as pb};
 use salus_graph::{DType, Graph, Node, Op, Role, Tensor, TensorType};
 use serde::Serialize;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
 
 #[derive(Debug, Serialize)]
 struct Percentiles {
@@ -20,6 +29,10 @@ struct Percentiles {
 #[derive(Debug, Serialize)]
 struct Report {
     iteration_rtt_us: Percentiles,
+    /// The bare tonic echo of the same messages, measured beside it.
+    echo_rtt_us: Percentiles,
+    /// The iteration round trip over the echo's, per percentile.
+    rtt_over_echo: Percentiles,
     iterations_per_s_8_sessions: f64,
     switch_us: Percentiles,
     idle_session_bytes: f64,
@@ -92,8 +105,99 @@ async fn open(client: &Client, name: &str) -> Result<Session, String> {
     Ok(session)
 }
 
+/// A bare tonic `Sessions` server whose `Run` echoes its feeds as fetches; nothing else.
+struct Echo;
+
+type Unimplemented<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl pb::sessions_server::Sessions for Echo {
+    type OpenStream = Unimplemented<pb::SessionUpdate>;
+    type RunStreamStream = Unimplemented<pb::RunResponse>;
+    type ReadTensorsStream = Unimplemented<pb::TensorChunk>;
+
+    async fn open(
+        &self,
+        _: Request<Streaming<pb::OpenRequest>>,
+    ) -> Result<Response<Self::OpenStream>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+
+    async fn run(
+        &self,
+        request: Request<pb::RunRequest>,
+    ) -> Result<Response<pb::RunResponse>, Status> {
+        let pb::RunRequest { feeds, tag, .. } = request.into_inner();
+        Ok(Response::new(pb::RunResponse {
+            tag,
+            fetches: feeds,
+            ..Default::default()
+        }))
+    }
+
+    async fn run_stream(
+        &self,
+        _: Request<Streaming<pb::RunRequest>>,
+    ) -> Result<Response<Self::RunStreamStream>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+
+    async fn read_tensors(
+        &self,
+        _: Request<pb::ReadTensorsRequest>,
+    ) -> Result<Response<Self::ReadTensorsStream>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+
+    async fn write_tensors(
+        &self,
+        _: Request<Streaming<pb::WriteTensorsRequest>>,
+    ) -> Result<Response<pb::WriteTensorsResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+
+    async fn close(
+        &self,
+        _: Request<pb::CloseRequest>,
+    ) -> Result<Response<pb::CloseResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+}
+
+/// Serves [`Echo`] on `socket` from its own multi-threaded runtime (as the daemon is
+/// served) until `stop` fires.
+fn serve_echo(
+    socket: std::path::PathBuf,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> Result<std::thread::JoinHandle<Result<(), String>>, String> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+        runtime.block_on(async move {
+            let listener = tokio::net::UnixListener::bind(&socket).map_err(|e| e.to_string())?;
+            let _ = ready_tx.send(());
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(pb::sessions_server::SessionsServer::new(Echo))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    async {
+                        let _ = stop.await;
+                    },
+                )
+                .await
+                .map_err(|e| e.to_string())
+        })
+    });
+    ready_rx
+        .recv()
+        .map_err(|_| "the echo server did not start".to_string())?;
+    Ok(server)
+}
+
 async fn measure(
     address: &str,
+    echo_address: &str,
     daemon: &salusd::engine::Engine,
     rtt_iterations: usize,
 ) -> Result<Report, String> {
@@ -103,13 +207,29 @@ async fn measure(
         .map_err(err)?;
     let feeds = || vec![vec![0u8; 16]];
 
-    // Round trip of one iteration, one client, nothing else running.
+    // Round trip of one iteration, one client, nothing else running; beside it, the same
+    // request echoed by a bare tonic server. The two alternate so that both see the same
+    // machine.
+    let echo_client = Client::connect_with_token(echo_address, None)
+        .await
+        .map_err(err)?;
+    let mut echo = pb::sessions_client::SessionsClient::new(echo_client.channel());
+    let echo_request = || pb::RunRequest {
+        session: 0,
+        feeds: feeds(),
+        tag: 0,
+    };
     let session = open(&client, "rtt").await?;
     for _ in 0..200 {
         session.run(feeds()).await.map_err(err)?;
+        echo.run(echo_request()).await.map_err(|e| e.to_string())?;
     }
     let mut rtt = Vec::with_capacity(rtt_iterations);
+    let mut echo_rtt = Vec::with_capacity(rtt_iterations);
     for _ in 0..rtt_iterations {
+        let start = Instant::now();
+        echo.run(echo_request()).await.map_err(|e| e.to_string())?;
+        echo_rtt.push(start.elapsed());
         let start = Instant::now();
         session.run(feeds()).await.map_err(err)?;
         rtt.push(start.elapsed());
@@ -176,8 +296,14 @@ async fn measure(
     let grown = rss_bytes()?.saturating_sub(base);
     drop(held);
 
+    let (iteration_rtt_us, echo_rtt_us) = (percentiles(rtt), percentiles(echo_rtt));
     Ok(Report {
-        iteration_rtt_us: percentiles(rtt),
+        rtt_over_echo: Percentiles {
+            p50: iteration_rtt_us.p50 / echo_rtt_us.p50,
+            p99: iteration_rtt_us.p99 / echo_rtt_us.p99,
+        },
+        iteration_rtt_us,
+        echo_rtt_us,
         iterations_per_s_8_sessions: rate,
         switch_us: percentiles(switches),
         idle_session_bytes: grown as f64 / idle as f64,
@@ -209,13 +335,26 @@ pub fn run(iterations: usize, json: bool) -> Result<(), String> {
     let engine = engine_rx
         .recv()
         .map_err(|_| "the daemon did not start".to_string())?;
+    let echo_socket = dir.join("echo.sock");
+    let (stop_echo, echo_stopped) = tokio::sync::oneshot::channel::<()>();
+    let echo = serve_echo(echo_socket.clone(), echo_stopped)?;
     let client_runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let report =
-        client_runtime.block_on(measure(&socket.display().to_string(), &engine, iterations));
+    let report = client_runtime.block_on(measure(
+        &socket.display().to_string(),
+        &echo_socket.display().to_string(),
+        &engine,
+        iterations,
+    ));
+    // Dropping the clients' runtime closes their connections, so both servers can finish
+    // their graceful shutdown.
+    drop(client_runtime);
     let _ = stop.send(());
+    let _ = stop_echo.send(());
+    echo.join()
+        .map_err(|_| "the echo server panicked".to_string())??;
     daemon
         .join()
         .map_err(|_| "the daemon panicked".to_string())??;
@@ -230,6 +369,14 @@ pub fn run(iterations: usize, json: bool) -> Result<(), String> {
         println!(
             "iteration round trip  p50 {:.1} us  p99 {:.1} us",
             report.iteration_rtt_us.p50, report.iteration_rtt_us.p99
+        );
+        println!(
+            "tonic echo (baseline) p50 {:.1} us  p99 {:.1} us",
+            report.echo_rtt_us.p50, report.echo_rtt_us.p99
+        );
+        println!(
+            "round trip / echo     p50 {:.2}x    p99 {:.2}x",
+            report.rtt_over_echo.p50, report.rtt_over_echo.p99
         );
         println!(
             "8 sessions            {:.0} iterations/s",

@@ -1,9 +1,12 @@
 //! The Rust client of `salusd`: what `salusctl`, the benchmarks and the tests use.
 //!
 //! Owns finding the daemon (an address argument, `SALUS_ADDRESS`, or the default socket
-//! path that `salusd` also uses), authenticating over TCP (a bearer token), and the shape
+//! path), authenticating over TCP (a bearer token), and the shape
 //! of a session's life: [`Client::open`] uploads the graph and initial tensors in chunks
 //! and holds the session's lease (the `Open` stream) until [`Session::close`] or drop.
+//!
+//! The conventions both ends share (the default socket path, message and chunk sizes, the
+//! bearer-token header) live in `salus_proto::wire` and are re-exported here.
 //!
 //! ```no_run
 //! # async fn demo(graph: salus_proto::v1::Graph) -> Result<(), salus_client::Error> {
@@ -16,8 +19,6 @@
 //! # Ok(()) }
 //! ```
 
-use std::path::{Path, PathBuf};
-
 use salus_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -26,14 +27,10 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use salus_proto::v1;
 
-/// The environment variable naming the daemon: a Unix socket path or `host:port`.
-pub const ADDRESS_ENV: &str = "SALUS_ADDRESS";
-/// The environment variable naming a file that holds the bearer token for TCP.
-pub const TOKEN_FILE_ENV: &str = "SALUS_TOKEN_FILE";
-/// Largest message either side accepts: feeds and fetches of one iteration travel whole.
-pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
-/// Size of the chunks tensors travel in.
-pub const CHUNK_BYTES: usize = 4 << 20;
+pub use salus_proto::wire::{
+    ADDRESS_ENV, Address, CHUNK_BYTES, MAX_MESSAGE_BYTES, TOKEN_FILE_ENV, chunks, current_uid,
+    default_socket_path,
+};
 
 /// What went wrong talking to the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -58,58 +55,12 @@ fn code_name(code: tonic::Code) -> String {
     format!("{code:?}")
 }
 
-/// The default Unix socket: `/run/salus/salusd.sock` for root (a system service),
-/// `$XDG_RUNTIME_DIR/salus/salusd.sock` for other users, or `/tmp/salus-$UID/salusd.sock`
-/// when there is no runtime directory.
-pub fn default_socket_path() -> PathBuf {
-    let uid = current_uid();
-    if uid == 0 {
-        return PathBuf::from("/run/salus/salusd.sock");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(dir) if !dir.is_empty() => Path::new(&dir).join("salus/salusd.sock"),
-        _ => PathBuf::from(format!("/tmp/salus-{uid}/salusd.sock")),
-    }
-}
-
-/// The uid of this process, from `/proc/self` (no libc needed).
-pub fn current_uid() -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
-}
-
 /// `SALUS_ADDRESS` if set, else the default socket path.
 pub fn address_from_env() -> String {
     std::env::var(ADDRESS_ENV)
         .ok()
         .filter(|a| !a.is_empty())
         .unwrap_or_else(|| default_socket_path().display().to_string())
-}
-
-/// Where a daemon listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Address {
-    /// A Unix socket path.
-    Unix(PathBuf),
-    /// A TCP `host:port`.
-    Tcp(String),
-}
-
-impl Address {
-    /// Parses `unix:PATH`, a path (anything with a `/`), `http://host:port` or `host:port`.
-    pub fn parse(address: &str) -> Address {
-        if let Some(path) = address.strip_prefix("unix://") {
-            Address::Unix(PathBuf::from(path))
-        } else if let Some(path) = address.strip_prefix("unix:") {
-            Address::Unix(PathBuf::from(path))
-        } else if let Some(host) = address.strip_prefix("http://") {
-            Address::Tcp(host.to_string())
-        } else if address.contains('/') {
-            Address::Unix(PathBuf::from(address))
-        } else {
-            Address::Tcp(address.to_string())
-        }
-    }
 }
 
 /// Options of a new session.
@@ -199,9 +150,11 @@ impl Client {
     pub fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         if let Some(token) = &self.token
-            && let Ok(value) = format!("Bearer {token}").parse()
+            && let Ok(value) = salus_proto::wire::bearer(token).parse()
         {
-            request.metadata_mut().insert("authorization", value);
+            request
+                .metadata_mut()
+                .insert(salus_proto::wire::AUTHORIZATION, value);
         }
         request
     }
@@ -334,27 +287,6 @@ fn source_chain(e: &dyn std::error::Error) -> String {
         next = source.source();
     }
     parts.join(": ")
-}
-
-/// `bytes` of one tensor as chunks of at most [`CHUNK_BYTES`] (one, possibly empty, at
-/// least).
-pub fn chunks(tensor: u32, bytes: &[u8]) -> Vec<pb::TensorChunk> {
-    if bytes.is_empty() {
-        return vec![pb::TensorChunk {
-            tensor,
-            offset: 0,
-            data: Vec::new(),
-        }];
-    }
-    bytes
-        .chunks(CHUNK_BYTES)
-        .enumerate()
-        .map(|(i, data)| pb::TensorChunk {
-            tensor,
-            offset: (i * CHUNK_BYTES) as u64,
-            data: data.to_vec(),
-        })
-        .collect()
 }
 
 /// An open session. Dropping it ends the lease: the daemon closes it.

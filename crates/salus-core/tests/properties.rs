@@ -205,12 +205,10 @@ impl Checked {
                 self.feed(Event::Tick);
             }
             Op::Policy(p) => {
-                self.core.set_policy(p);
-                self.feed(Event::Tick);
+                self.feed(Event::PolicyChanged(p));
             }
             Op::Drain(d) => {
-                self.core.set_draining(d);
-                self.feed(Event::Tick);
+                self.feed(Event::DrainingChanged(d));
             }
         }
     }
@@ -219,7 +217,7 @@ impl Checked {
     /// device runs whatever it is told. Returns once every session has closed, or panics if
     /// the core stops making progress.
     fn run_to_completion(&mut self, quota: u64) {
-        self.core.set_draining(false);
+        self.feed(Event::DrainingChanged(false));
         let mut left: BTreeMap<SessionId, u64> = BTreeMap::new();
         for id in self.open.clone() {
             if self.core.session(id).is_none() {
@@ -286,8 +284,7 @@ proptest! {
         for op in ops {
             run.apply(op);
         }
-        run.core.set_policy(finish_under);
-        run.feed(Event::Tick);
+        run.feed(Event::PolicyChanged(finish_under));
         run.run_to_completion(3);
     }
 

@@ -524,7 +524,7 @@ fn persistent_holes_are_reused_best_fit() {
 fn draining_stops_admission_but_not_running_sessions() {
     let mut d = Driver::new(1000 * MB, 0, PolicyKind::Pack);
     d.open(spec(1, 0, 100 * MB));
-    d.core.set_draining(true);
+    d.feed(Event::DrainingChanged(true));
     let a = d.open(spec(2, 0, 100 * MB));
     assert_eq!(
         a,
@@ -534,9 +534,66 @@ fn draining_stops_admission_but_not_running_sessions() {
         }]
     );
     assert_eq!(started(&d.submit(1)), vec![1]);
-    d.core.set_draining(false);
-    let a = d.feed(Event::Tick);
+    let a = d.feed(Event::DrainingChanged(false));
     assert_eq!(admitted(&a), vec![(2, LaneId(1))]);
+}
+
+#[test]
+fn policy_and_drain_changes_replay_from_the_event_stream() {
+    let ms = Duration::from_millis;
+    let stream = vec![
+        (ms(0), Event::SessionOpened(spec(1, 0, 100 * MB))),
+        (ms(1), Event::SessionOpened(spec(2, 0, 100 * MB))),
+        (ms(2), Event::IterationSubmitted(SessionId(1))),
+        (ms(3), Event::PolicyChanged(PolicyKind::Pack)),
+        (ms(4), Event::DrainingChanged(true)),
+        (ms(5), Event::SessionOpened(spec(3, 0, 50 * MB))),
+        (ms(6), Event::DrainingChanged(false)),
+        (ms(7), Event::PolicyChanged(PolicyKind::Fair)),
+        (ms(8), Event::IterationSubmitted(SessionId(3))),
+    ];
+    let replay = || {
+        let mut core = Scheduler::new(MemoryConfig::new(1000 * MB, 0), PolicyKind::Fifo).unwrap();
+        let mut actions = Vec::new();
+        for (at, event) in stream.clone() {
+            core.handle(at, event).unwrap();
+            actions.extend(core.poll());
+            core.check_invariants().unwrap();
+        }
+        (actions, core.policy(), core.draining())
+    };
+    let (first, policy, draining) = replay();
+    assert_eq!((policy, draining), (PolicyKind::Fair, false));
+    assert!(first.contains(&Action::Queue {
+        session: SessionId(3),
+        reason: WaitReason::Draining
+    }));
+    assert_eq!(
+        first,
+        replay().0,
+        "the same timed events give the same actions"
+    );
+}
+
+#[test]
+fn a_policy_change_is_a_timed_event() {
+    let mut core = Scheduler::new(MemoryConfig::new(1000 * MB, 0), PolicyKind::Fifo).unwrap();
+    core.handle(Duration::from_secs(2), Event::Tick).unwrap();
+    assert_eq!(
+        core.handle(
+            Duration::from_secs(1),
+            Event::PolicyChanged(PolicyKind::Pack)
+        ),
+        Err(CoreError::TimeWentBackwards {
+            now: Duration::from_secs(1),
+            last: Duration::from_secs(2)
+        })
+    );
+    assert_eq!(
+        core.policy(),
+        PolicyKind::Fifo,
+        "a refused event changes nothing"
+    );
 }
 
 #[test]
@@ -545,10 +602,9 @@ fn the_policy_can_change_while_sessions_run() {
     d.open(spec(1, 0, 100 * MB));
     d.open(spec(2, 0, 100 * MB));
     assert_eq!(d.core.waiting().len(), 1);
-    d.core.set_policy(PolicyKind::Pack);
-    let a = d.feed(Event::Tick);
+    let a = d.feed(Event::PolicyChanged(PolicyKind::Pack));
     assert_eq!(admitted(&a), vec![(2, LaneId(1))]);
-    d.core.set_policy(PolicyKind::Fair);
+    d.feed(Event::PolicyChanged(PolicyKind::Fair));
     let a = d.open(spec(3, 0, 50 * MB));
     assert_eq!(
         admitted(&a),

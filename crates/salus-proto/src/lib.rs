@@ -1,7 +1,11 @@
-//! The salus API's protobuf messages, generated from `proto/salus/v1` at build time.
+//! The salus API's protobuf messages, generated from `proto/salus/v1` at build time, and
+//! the wire conventions both ends share ([`wire`]: default socket, message and chunk
+//! sizes, bearer tokens, the peer's uid).
 //!
-//! Owns nothing but the generated types: conversions to and from the crates' own types
-//! live with those types (`salus-graph` for the graph IR).
+//! Owns nothing else: conversions to and from the crates' own types live with those types
+//! (`salus-graph` for the graph IR, `salusd`'s service for the daemon's replies).
+
+pub mod wire;
 
 /// Version 1 of the API.
 #[allow(missing_docs, clippy::all)]

@@ -6,10 +6,14 @@
 //! draining need root or the daemon's own user. Over TCP a client proves itself with the
 //! bearer token from the daemon's token file and then acts as the daemon's user; a daemon
 //! started with `--insecure-tcp` takes every TCP client as the unprivileged `nobody`.
+//!
+//! Every permission rule lives here: [`Principal::check_session`] and
+//! [`Principal::check_steering`] are the only checks the engine makes, and [`Denied`]
+//! says who was refused what.
 
 use std::fmt;
 
-use tonic::transport::server::{TcpConnectInfo, UdsConnectInfo};
+use salus_proto::wire::{self, Peer};
 use tonic::{Request, Status};
 
 /// The uid TCP clients of an insecure daemon act as.
@@ -28,6 +32,49 @@ impl fmt::Display for Principal {
     }
 }
 
+/// What only root and the daemon's own user may do to the whole daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Steering {
+    /// Change the policy.
+    Policy,
+    /// Start or stop draining.
+    Drain,
+}
+
+impl fmt::Display for Steering {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Steering::Policy => "changing the policy",
+            Steering::Drain => "draining",
+        })
+    }
+}
+
+/// A request refused because of who made it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    /// A session used by someone other than its owner or root.
+    #[error("session {session} belongs to uid {}; {principal} may not use it", .owner.uid)]
+    Session {
+        /// Which session.
+        session: u64,
+        /// Who owns it.
+        owner: Principal,
+        /// Who asked.
+        principal: Principal,
+    },
+    /// The daemon steered by someone other than root or its own user.
+    #[error("{what} needs root or the daemon's user (uid {daemon_uid}); {principal} may not")]
+    Steering {
+        /// What was asked.
+        what: Steering,
+        /// The daemon's own uid.
+        daemon_uid: u32,
+        /// Who asked.
+        principal: Principal,
+    },
+}
+
 impl Principal {
     /// True when this user may run, read, write or close a session owned by `owner`.
     pub fn may_use(self, owner: Principal) -> bool {
@@ -37,6 +84,32 @@ impl Principal {
     /// True when this user may change the policy or drain.
     pub fn may_steer(self, daemon_uid: u32) -> bool {
         self.uid == 0 || self.uid == daemon_uid
+    }
+
+    /// May this user run, read, write or close `session`, owned by `owner`?
+    pub fn check_session(self, session: u64, owner: Principal) -> Result<(), Denied> {
+        if self.may_use(owner) {
+            Ok(())
+        } else {
+            Err(Denied::Session {
+                session,
+                owner,
+                principal: self,
+            })
+        }
+    }
+
+    /// May this user do `what` to a daemon running as `daemon_uid`?
+    pub fn check_steering(self, what: Steering, daemon_uid: u32) -> Result<(), Denied> {
+        if self.may_steer(daemon_uid) {
+            Ok(())
+        } else {
+            Err(Denied::Steering {
+                what,
+                daemon_uid,
+                principal: self,
+            })
+        }
     }
 }
 
@@ -54,21 +127,14 @@ pub struct Access {
 impl Access {
     /// The principal of a request, or UNAUTHENTICATED.
     pub fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
-        if let Some(info) = request.extensions().get::<UdsConnectInfo>() {
-            return info
-                .peer_cred
-                .map(|cred| Principal { uid: cred.uid() })
-                .ok_or_else(|| {
-                    Status::unauthenticated("the Unix socket gave no peer credentials")
-                });
+        let peer = wire::peer(request);
+        if let Peer::Unix { uid } = peer {
+            return uid.map(|uid| Principal { uid }).ok_or_else(|| {
+                Status::unauthenticated("the Unix socket gave no peer credentials")
+            });
         }
-        if request.extensions().get::<TcpConnectInfo>().is_some() || self.token.is_some() {
-            let sent = request
-                .metadata()
-                .get("authorization")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            return match (&self.token, sent) {
+        if peer == Peer::Tcp || self.token.is_some() {
+            return match (&self.token, wire::bearer_token(request)) {
                 (Some(token), Some(sent))
                     if constant_time_eq(token.as_bytes(), sent.as_bytes()) =>
                 {
@@ -111,6 +177,37 @@ mod tests {
         assert!(Principal { uid: 0 }.may_steer(999));
         assert!(Principal { uid: 999 }.may_steer(999));
         assert!(!Principal { uid: 1000 }.may_steer(999));
+    }
+
+    #[test]
+    fn refusals_say_who_was_refused_what() {
+        let owner = Principal { uid: 1000 };
+        let other = Principal { uid: 1001 };
+        assert_eq!(
+            other.check_session(7, owner).map_err(|e| e.to_string()),
+            Err("session 7 belongs to uid 1000; uid 1001 may not use it".into())
+        );
+        assert_eq!(
+            other
+                .check_steering(Steering::Policy, 999)
+                .map_err(|e| e.to_string()),
+            Err(
+                "changing the policy needs root or the daemon's user (uid 999); uid 1001 may not"
+                    .into()
+            )
+        );
+        assert_eq!(
+            other
+                .check_steering(Steering::Drain, 999)
+                .map_err(|e| e.to_string()),
+            Err("draining needs root or the daemon's user (uid 999); uid 1001 may not".into())
+        );
+        assert!(owner.check_session(7, owner).is_ok());
+        assert!(
+            Principal { uid: 999 }
+                .check_steering(Steering::Drain, 999)
+                .is_ok()
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::time::Duration;
 use salus_cpu::CpuDevice;
 use salus_cuda::{CudaDevice, CudaOptions};
 use salus_exec::{CostModel, Device, SimDevice};
-use salus_proto::v1 as pb;
+use salus_proto::{v1 as pb, wire};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::transport::Server;
@@ -115,8 +115,8 @@ fn router(engine: &Engine, access: &auth::Access) -> tonic::transport::server::R
         .tcp_nodelay(true)
         .add_service(
             pb::sessions_server::SessionsServer::new(service.clone())
-                .max_decoding_message_size(salus_client::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(salus_client::MAX_MESSAGE_BYTES),
+                .max_decoding_message_size(wire::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(wire::MAX_MESSAGE_BYTES),
         )
         .add_service(pb::admin_server::AdminServer::new(service))
 }
@@ -141,7 +141,7 @@ pub async fn run_with(
 ) -> Result<(), String> {
     let device = open_device(&config)?;
     let memory = salus_core::MemoryConfig::new(device.capacity(), core_reserve(&config, &*device));
-    let daemon_uid = salus_client::current_uid();
+    let daemon_uid = wire::current_uid();
     let engine = Engine::start(EngineConfig {
         device: device.clone(),
         memory,

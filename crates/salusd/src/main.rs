@@ -67,7 +67,7 @@ fn config(args: Args) -> Result<(Config, String), String> {
     let socket = args
         .socket
         .or(file.socket)
-        .unwrap_or_else(salus_client::default_socket_path);
+        .unwrap_or_else(salus_proto::wire::default_socket_path);
     let mut config = Config::new(socket);
     if let Some(listen) = args.listen.or(file.listen) {
         config.listen = Some(

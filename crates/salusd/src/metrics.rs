@@ -171,7 +171,7 @@ pub async fn serve(listener: TcpListener, engine: Engine) {
             let (status, body) = if path == "/metrics" || path == "/" {
                 match engine.ask(Command::Metrics).await {
                     Ok(metrics) => ("200 OK", render(&engine, metrics)),
-                    Err(status) => ("503 Service Unavailable", format!("{}\n", status.message())),
+                    Err(error) => ("503 Service Unavailable", format!("{error}\n")),
                 }
             } else {
                 (

@@ -1,23 +1,26 @@
 //! The gRPC services: requests in, engine commands out.
 //!
-//! This layer authenticates every request, decodes and validates what clients send
-//! (graphs, chunks, feeds) so the engine only ever sees well-formed work, and turns engine
-//! answers into gRPC statuses whose messages say what was wrong.
+//! This layer is the protocol edge, and the only one that speaks protobuf and gRPC
+//! statuses. It authenticates every request, decodes and validates what clients send
+//! (graphs, chunks, feeds; `open`) so the engine only ever sees well-formed work, and
+//! turns the engine's domain answers and errors into messages and statuses (`convert`).
 
-use std::collections::HashMap;
+mod convert;
+mod open;
+
 use std::pin::Pin;
 
-use salus_core::{Hints, PolicyKind};
-use salus_exec::{Location, Program};
-use salus_graph::{Graph, GraphError, Role};
-use salus_proto::v1 as pb;
+use salus_core::PolicyKind;
+use salus_proto::{v1 as pb, wire};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
-use crate::engine::{Command, Engine, HostImage, NewSession, RunResult, micros, session_kind};
+use crate::engine::{Command, Engine, EngineError};
+use convert::run_response;
+pub use convert::{code, micros};
 
 /// Iterations one `RunStream` may have submitted and not yet answered.
 pub const PIPELINE: usize = 16;
@@ -40,190 +43,6 @@ impl Service {
     fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
         self.access.principal(request)
     }
-}
-
-fn graph_status(e: &GraphError) -> Status {
-    Status::invalid_argument(format!("graph rejected: {e}"))
-}
-
-/// Rejects, before any tensor bytes are held, a session that can never fit.
-fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
-    let memory = engine.memory();
-    if !memory.fits_empty(p, e.max(1)) {
-        let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
-        let need = aligned(p).saturating_add(aligned(e.max(1)));
-        return Err(Status::resource_exhausted(format!(
-            "the session needs {need} bytes (P {p} + E {e}, aligned) but the device has only {} \
-             usable ({} capacity, {} reserved); it can never run here",
-            memory.usable(),
-            memory.capacity,
-            memory.reserve
-        )));
-    }
-    Ok(())
-}
-
-fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
-    let h = h.unwrap_or_default();
-    if !h.expected_iteration_ms.is_finite() || h.expected_iteration_ms < 0.0 {
-        return Err(Status::invalid_argument(format!(
-            "hints.expected_iteration_ms must be a finite number >= 0, got {}",
-            h.expected_iteration_ms
-        )));
-    }
-    if h.name.len() > 256 {
-        return Err(Status::invalid_argument(
-            "hints.name is longer than 256 bytes",
-        ));
-    }
-    Ok(Hints {
-        name: h.name,
-        priority: h.priority,
-        total_iterations: (h.total_iterations > 0).then_some(h.total_iterations),
-        expected_iteration: (h.expected_iteration_ms > 0.0)
-            .then(|| std::time::Duration::from_secs_f64(h.expected_iteration_ms / 1e3)),
-    })
-}
-
-/// Assembles a tensor from chunks that must arrive in order.
-struct Assembly {
-    /// Tensor id to (offset in the image, length, bytes received).
-    received: HashMap<u32, (u64, u64, u64)>,
-}
-
-impl Assembly {
-    fn new() -> Assembly {
-        Assembly {
-            received: HashMap::new(),
-        }
-    }
-
-    /// Checks a chunk against the program; returns where its bytes go in the image.
-    fn place(&mut self, program: &Program, chunk: &pb::TensorChunk) -> Result<usize, Status> {
-        let id = chunk.tensor as usize;
-        let tensor = program.graph().tensors.get(id).ok_or_else(|| {
-            Status::invalid_argument(format!(
-                "chunk for tensor {id}, but the graph has {} tensors",
-                program.graph().tensors.len()
-            ))
-        })?;
-        if !matches!(tensor.role, Role::Parameter | Role::State) {
-            return Err(Status::invalid_argument(format!(
-                "tensor {id} '{}' is {:?}: only PARAMETER and STATE tensors take values",
-                tensor.name, tensor.role
-            )));
-        }
-        let Some(Location::Persistent(base)) = program.location(id) else {
-            return Err(Status::internal(format!(
-                "tensor {id} has no persistent place"
-            )));
-        };
-        let len = program.bytes(id);
-        let entry = self.received.entry(chunk.tensor).or_insert((base, len, 0));
-        if chunk.offset != entry.2 {
-            return Err(Status::invalid_argument(format!(
-                "tensor {id} '{}': chunk at byte {} but {} bytes have arrived (chunks go in order)",
-                tensor.name, chunk.offset, entry.2
-            )));
-        }
-        let end = entry.2 + chunk.data.len() as u64;
-        if end > len {
-            return Err(Status::invalid_argument(format!(
-                "tensor {id} '{}' ({}) has {len} bytes; chunks give {end}",
-                tensor.name, tensor.ty
-            )));
-        }
-        let at = (base + entry.2) as usize;
-        entry.2 = end;
-        Ok(at)
-    }
-
-    /// Every PARAMETER and STATE tensor complete?
-    fn check_complete(&self, program: &Program) -> Result<(), Status> {
-        for (id, t) in program.graph().tensors.iter().enumerate() {
-            if !matches!(t.role, Role::Parameter | Role::State) {
-                continue;
-            }
-            let want = program.bytes(id);
-            let got = self.received.get(&(id as u32)).map_or(0, |r| r.2);
-            if got != want {
-                return Err(Status::invalid_argument(format!(
-                    "tensor {id} '{}' ({}) needs {want} bytes of initial value, got {got}",
-                    t.name, t.ty
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Reads the `Open` stream up to `commit`; returns the session to hand to the engine.
-async fn receive_session(
-    engine: &Engine,
-    owner: Principal,
-    stream: &mut Streaming<pb::OpenRequest>,
-    updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
-) -> Result<NewSession, Status> {
-    let first = stream
-        .next()
-        .await
-        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))??;
-    let Some(pb::open_request::Item::Open(open)) = first.item else {
-        return Err(Status::invalid_argument(
-            "the first Open message must be `open`",
-        ));
-    };
-    let graph_message = open
-        .graph
-        .ok_or_else(|| Status::invalid_argument("`open` has no graph"))?;
-    let kind = session_kind(open.kind)?;
-    let hints = hints(open.hints)?;
-    let graph = Graph::from_proto(&graph_message).map_err(|e| graph_status(&e))?;
-    let program = Program::new(graph, engine.limits())
-        .map_err(|e| graph_status(&e))?
-        .with_expected_iteration(hints.expected_iteration);
-    let plan = program.plan();
-    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
-    let held = engine.host_budget().reserve(plan.persistent_bytes)?;
-    // Zeroed pages are not touched until written: a big image costs what is uploaded.
-    let mut image = vec![0u8; plan.persistent_bytes as usize];
-    for (id, t) in program.graph().tensors.iter().enumerate() {
-        if t.role == Role::Constant
-            && let Some(Location::Persistent(off)) = program.location(id)
-        {
-            let off = off as usize;
-            let n = t.data.len().min(image.len().saturating_sub(off));
-            image[off..off + n].copy_from_slice(&t.data[..n]);
-        }
-    }
-    let mut assembly = Assembly::new();
-    loop {
-        let message = stream
-            .next()
-            .await
-            .ok_or_else(|| Status::invalid_argument("the Open stream ended before `commit`"))??;
-        match message.item {
-            Some(pb::open_request::Item::Chunk(chunk)) => {
-                let at = assembly.place(&program, &chunk)?;
-                image[at..at + chunk.data.len()].copy_from_slice(&chunk.data);
-            }
-            Some(pb::open_request::Item::Commit(_)) => break,
-            Some(pb::open_request::Item::Open(_)) => {
-                return Err(Status::invalid_argument("`open` sent twice"));
-            }
-            None => return Err(Status::invalid_argument("an empty Open message")),
-        }
-    }
-    assembly.check_complete(&program)?;
-    Ok(NewSession {
-        id: engine.new_session_id(),
-        owner,
-        program,
-        image: HostImage { bytes: image, held },
-        kind,
-        hints,
-        updates,
-    })
 }
 
 /// Ends a session's lease when its update stream is dropped (the client went away).
@@ -268,26 +87,6 @@ impl Drop for Lease {
     }
 }
 
-fn run_response(tag: u64, result: Result<RunResult, Status>) -> pb::RunResponse {
-    match result {
-        Ok(r) => pb::RunResponse {
-            tag,
-            fetches: r.fetches,
-            device_us: micros(r.device),
-            wait_us: micros(r.wait),
-            failure: None,
-        },
-        Err(status) => pb::RunResponse {
-            tag,
-            failure: Some(pb::Failure {
-                code: status.code() as i32,
-                message: status.message().to_string(),
-            }),
-            ..Default::default()
-        },
-    }
-}
-
 #[tonic::async_trait]
 impl pb::sessions_server::Sessions for Service {
     type OpenStream = BoxStream<pb::SessionUpdate>;
@@ -307,7 +106,8 @@ impl pb::sessions_server::Sessions for Service {
             updates: UnboundedReceiverStream::new(rx),
         };
         tokio::spawn(async move {
-            let id = match receive_session(&engine, owner, &mut stream, updates.clone()).await {
+            let id = match open::receive_session(&engine, owner, &mut stream, updates.clone()).await
+            {
                 Ok(session) => {
                     let id = session.id;
                     if engine.send(Command::Open(Box::new(session))).is_err() {
@@ -386,7 +186,8 @@ impl pb::sessions_server::Sessions for Service {
             while let Some((tag, answer)) = order_rx.recv().await {
                 let result = answer
                     .await
-                    .unwrap_or_else(|_| Err(Status::unavailable("salusd is shutting down")));
+                    .unwrap_or(Err(EngineError::ShuttingDown))
+                    .map_err(Status::from);
                 if tx.send(Ok(run_response(tag, result))).is_err() {
                     break;
                 }
@@ -414,7 +215,7 @@ impl pb::sessions_server::Sessions for Service {
             .await?;
         let chunks = values
             .into_iter()
-            .flat_map(|(id, bytes)| salus_client::chunks(id, &bytes))
+            .flat_map(|(id, bytes)| wire::chunks(id, &bytes))
             .map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
@@ -502,7 +303,8 @@ impl pb::admin_server::Admin for Service {
         request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
         self.principal(&request)?;
-        Ok(Response::new(self.engine.ask(Command::Status).await?))
+        let report = self.engine.ask(Command::Status).await?;
+        Ok(Response::new(convert::status(report)))
     }
 
     async fn list_sessions(
@@ -510,7 +312,13 @@ impl pb::admin_server::Admin for Service {
         request: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         self.principal(&request)?;
-        let sessions = self.engine.ask(Command::Sessions).await?;
+        let sessions = self
+            .engine
+            .ask(Command::Sessions)
+            .await?
+            .into_iter()
+            .map(convert::session_info)
+            .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
 
@@ -576,7 +384,7 @@ impl pb::admin_server::Admin for Service {
                     _ = stopping.wait_for(|&s| s) => break,
                 };
                 let event = match event {
-                    Ok(event) => event,
+                    Ok(event) => convert::event(event),
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => pb::Event {
                         detail: format!("{n} events were dropped: this watcher fell behind"),
                         ..Default::default()

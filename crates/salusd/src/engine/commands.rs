@@ -1,0 +1,480 @@
+//! The command protocol: what the service asks of the engine, and how the engine answers
+//! each request (open, run, read, write, close, policy, drain).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use salus_core::{Event, Hints, PolicyKind, SessionId, SessionKind, SessionSpec};
+use salus_exec::{ExecError, Location, Program};
+use salus_graph::Role;
+use tokio::sync::oneshot;
+
+use super::reports::{
+    EventKind, Metrics, NOT_YET_DECIDED, SessionReport, SessionUpdate, StatusReport, UpdateSink,
+};
+use super::{Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, State};
+use crate::auth::{Principal, Steering};
+
+/// Where the engine's answer to one command goes.
+pub type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+/// A session as the service hands it to the engine: validated, planned, its initial
+/// persistent block assembled on the host.
+pub struct NewSession {
+    /// Its id, from [`super::Engine::new_session_id`].
+    pub id: u64,
+    /// Who opened it.
+    pub owner: Principal,
+    /// Its graph and plan.
+    pub program: Program,
+    /// The persistent block's initial bytes (P of them).
+    pub image: HostImage,
+    /// Training or inference.
+    pub kind: SessionKind,
+    /// The client's hints.
+    pub hints: Hints,
+    /// Where its updates go.
+    pub updates: UpdateSink,
+}
+
+/// What one iteration gave the client.
+#[derive(Debug)]
+pub struct RunResult {
+    /// The fetches, in graph order.
+    pub fetches: Vec<Vec<u8>>,
+    /// Time on the device.
+    pub device: Duration,
+    /// Time from arrival to start.
+    pub wait: Duration,
+}
+
+/// A request to the engine.
+pub enum Command {
+    /// Open a session; answered on its update sink.
+    Open(Box<NewSession>),
+    /// Run one iteration.
+    Run {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// One buffer per feed.
+        feeds: Vec<Vec<u8>>,
+        /// Where the result goes.
+        reply: Reply<RunResult>,
+    },
+    /// Read persistent tensors between iterations.
+    Read {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// Tensor ids; empty for every PARAMETER and STATE tensor.
+        tensors: Vec<u32>,
+        /// (id, bytes) per tensor.
+        reply: Reply<Vec<(u32, Vec<u8>)>>,
+    },
+    /// Overwrite persistent tensors between iterations.
+    Write {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// (id, bytes) per tensor, each complete.
+        tensors: Vec<(u32, Vec<u8>)>,
+        /// How many were written.
+        reply: Reply<u32>,
+    },
+    /// Close a session: by request (`reply` set) or because its lease ended.
+    Close {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// Present for a Close request; absent when the lease ended.
+        reply: Option<Reply<()>>,
+    },
+    /// An iteration finished on the device.
+    Finished {
+        /// Whose.
+        session: SessionId,
+        /// What it gave.
+        result: Result<salus_exec::Outcome, ExecError>,
+        /// When it ended.
+        ended: Instant,
+        /// The client waiting for it.
+        reply: Reply<RunResult>,
+        /// Time from arrival to start.
+        wait: Duration,
+    },
+    /// The daemon at a glance.
+    Status(Reply<StatusReport>),
+    /// Every open session.
+    Sessions(Reply<Vec<SessionReport>>),
+    /// Numbers for the metrics endpoint.
+    Metrics(Reply<Metrics>),
+    /// Read or set the policy.
+    Policy {
+        /// Who asks.
+        principal: Principal,
+        /// The new policy, or none to read it.
+        policy: Option<PolicyKind>,
+        /// The policy in force.
+        reply: Reply<PolicyKind>,
+    },
+    /// Start or stop draining.
+    Drain {
+        /// Who asks.
+        principal: Principal,
+        /// True to drain.
+        drain: bool,
+        /// Whether it drains now.
+        reply: Reply<bool>,
+    },
+    /// Shut down: drain, let running iterations finish, close every session. Answered
+    /// once nothing runs.
+    Shutdown(oneshot::Sender<()>),
+}
+
+impl State {
+    /// Finds a session the principal may use: it exists, they own it (or are root), and
+    /// it is not closing.
+    fn owned(&mut self, principal: Principal, session: u64) -> Result<&mut Entry, EngineError> {
+        let entry = self
+            .sessions
+            .get_mut(&SessionId(session))
+            .ok_or(EngineError::UnknownSession(session))?;
+        principal.check_session(session, entry.owner)?;
+        if entry.closing {
+            return Err(EngineError::Closing(session));
+        }
+        Ok(entry)
+    }
+
+    pub(super) fn handle(&mut self, command: Command) {
+        match command {
+            Command::Open(new) => self.open(*new),
+            Command::Run {
+                principal,
+                session,
+                feeds,
+                reply,
+            } => self.submit(principal, session, feeds, reply),
+            Command::Read {
+                principal,
+                session,
+                tensors,
+                reply,
+            } => match self.owned(principal, session) {
+                Err(error) => drop(reply.send(Err(error))),
+                Ok(entry) if entry.running => entry.deferred.push(Deferred::Read(tensors, reply)),
+                Ok(_) => drop(reply.send(self.read(SessionId(session), &tensors))),
+            },
+            Command::Write {
+                principal,
+                session,
+                tensors,
+                reply,
+            } => match self.owned(principal, session) {
+                Err(error) => drop(reply.send(Err(error))),
+                Ok(entry) if entry.running => entry.deferred.push(Deferred::Write(tensors, reply)),
+                Ok(_) => drop(reply.send(self.write(SessionId(session), &tensors))),
+            },
+            Command::Close {
+                principal: _,
+                session,
+                reply: None,
+            } => {
+                // A lease that ended: the session may already be gone.
+                if self.sessions.contains_key(&SessionId(session)) {
+                    self.close(SessionId(session), "the client went away");
+                }
+            }
+            Command::Close {
+                principal,
+                session,
+                reply: Some(reply),
+            } => {
+                let result = self.owned(principal, session).map(|_| ());
+                if result.is_ok() {
+                    self.close(SessionId(session), "closed by the client");
+                }
+                let _ = reply.send(result);
+            }
+            Command::Finished {
+                session,
+                result,
+                ended,
+                reply,
+                wait,
+            } => self.finished(session, result, ended, reply, wait),
+            Command::Status(reply) => drop(reply.send(Ok(self.status()))),
+            Command::Sessions(reply) => drop(reply.send(Ok(self.session_reports()))),
+            Command::Metrics(reply) => drop(reply.send(Ok(self.metrics()))),
+            Command::Policy {
+                principal,
+                policy,
+                reply,
+            } => {
+                let result = match policy {
+                    None => Ok(self.core.policy()),
+                    Some(policy) => principal
+                        .check_steering(Steering::Policy, self.daemon_uid)
+                        .map_err(EngineError::from)
+                        .and_then(|()| self.set_policy(policy).map(|()| policy)),
+                };
+                let _ = reply.send(result);
+            }
+            Command::Drain {
+                principal,
+                drain,
+                reply,
+            } => {
+                let result = principal
+                    .check_steering(Steering::Drain, self.daemon_uid)
+                    .map_err(EngineError::from)
+                    .and_then(|()| self.set_draining(drain).map(|()| drain));
+                let _ = reply.send(result);
+            }
+            Command::Shutdown(done) => {
+                if let Err(error) = self.set_draining(true) {
+                    tracing::error!(%error, "drain refused by the scheduler");
+                }
+                self.shutdown = Some(done);
+            }
+        }
+    }
+
+    fn set_policy(&mut self, policy: PolicyKind) -> Result<(), EngineError> {
+        if policy != self.core.policy() {
+            self.core(Event::PolicyChanged(policy))?;
+            tracing::info!(%policy, "policy changed");
+            self.event(
+                EventKind::PolicyChanged,
+                None,
+                None,
+                policy.to_string(),
+                Duration::ZERO,
+            );
+        }
+        Ok(())
+    }
+
+    fn set_draining(&mut self, drain: bool) -> Result<(), EngineError> {
+        if drain != self.core.draining() {
+            self.core(Event::DrainingChanged(drain))?;
+            tracing::info!(drain, "draining changed");
+            self.event(
+                EventKind::Draining,
+                None,
+                None,
+                if drain { "draining" } else { "admitting" }.into(),
+                Duration::ZERO,
+            );
+        }
+        Ok(())
+    }
+
+    fn open(&mut self, new: NewSession) {
+        let id = SessionId(new.id);
+        let plan = new.program.plan();
+        let (p, e, planned_e) = (
+            plan.persistent_bytes,
+            plan.ephemeral_bytes.max(1),
+            plan.ephemeral_bytes,
+        );
+        let spec = SessionSpec {
+            id,
+            kind: new.kind,
+            persistent_bytes: p,
+            ephemeral_bytes: e,
+            hints: new.hints.clone(),
+        };
+        if let Err(error) = self.core(Event::SessionOpened(spec)) {
+            (new.updates)(Err(error));
+            return;
+        }
+        let entry = Entry {
+            owner: new.owner,
+            program: Arc::new(new.program),
+            hints: new.hints,
+            image: Some(new.image),
+            place: Place::Queued,
+            reason: NOT_YET_DECIDED.into(),
+            running: false,
+            closing: false,
+            pending: VecDeque::new(),
+            deferred: Vec::new(),
+            updates: new.updates,
+            opened: Instant::now(),
+            recent: VecDeque::new(),
+            histogram: [0; HISTOGRAM_BOUNDS.len() + 1],
+            iteration_seconds: 0.0,
+        };
+        entry.send(SessionUpdate::Opened {
+            session: id,
+            persistent_bytes: p,
+            ephemeral_bytes: planned_e,
+        });
+        tracing::info!(session = id.0, name = %entry.hints.name, owner = entry.owner.uid, p, e, "opened");
+        self.event(
+            EventKind::Opened,
+            Some(id),
+            None,
+            format!("{} (P {p} B, E {e} B)", entry.hints.name),
+            Duration::ZERO,
+        );
+        self.sessions.insert(id, entry);
+    }
+
+    fn submit(
+        &mut self,
+        principal: Principal,
+        session: u64,
+        feeds: Vec<Vec<u8>>,
+        reply: Reply<RunResult>,
+    ) {
+        let entry = match self.owned(principal, session) {
+            Ok(entry) => entry,
+            Err(error) => {
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
+        let views: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+        if let Err(error) = entry.program.check_feeds(&views) {
+            let _ = reply.send(Err(EngineError::Feeds { session, error }));
+            return;
+        }
+        entry.pending.push_back(Pending {
+            feeds,
+            reply,
+            arrived: Instant::now(),
+        });
+        if let Err(error) = self.core(Event::IterationSubmitted(SessionId(session)))
+            && let Some(entry) = self.sessions.get_mut(&SessionId(session))
+            && let Some(pending) = entry.pending.pop_back()
+        {
+            let _ = pending.reply.send(Err(error));
+        }
+    }
+
+    pub(super) fn close(&mut self, id: SessionId, why: &'static str) {
+        let Some(entry) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        if entry.closing {
+            return;
+        }
+        entry.closing = true;
+        for pending in entry.pending.drain(..) {
+            let _ = pending
+                .reply
+                .send(Err(EngineError::ClosedBeforeStart { session: id.0, why }));
+        }
+        tracing::info!(session = id.0, why, "closing");
+        if let Err(error) = self.core(Event::SessionClosed(id)) {
+            tracing::error!(session = id.0, %error, "close refused by the scheduler");
+        }
+    }
+
+    /// Byte range of a persistent tensor within the session's block, checking the id.
+    fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), EngineError> {
+        let t = program
+            .graph()
+            .tensors
+            .get(tensor as usize)
+            .ok_or_else(|| EngineError::UnknownTensor {
+                tensor,
+                count: program.graph().tensors.len(),
+            })?;
+        match program.location(tensor as usize) {
+            Some(Location::Persistent(off)) => Ok((off, program.bytes(tensor as usize))),
+            _ => Err(EngineError::NotPersistent {
+                tensor,
+                name: t.name.clone(),
+                role: t.role,
+            }),
+        }
+    }
+
+    pub(super) fn read(
+        &self,
+        id: SessionId,
+        tensors: &[u32],
+    ) -> Result<Vec<(u32, Vec<u8>)>, EngineError> {
+        let entry = self
+            .sessions
+            .get(&id)
+            .ok_or(EngineError::UnknownSession(id.0))?;
+        let program = &entry.program;
+        let ids: Vec<u32> = if tensors.is_empty() {
+            program
+                .graph()
+                .tensors
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| matches!(t.role, Role::Parameter | Role::State))
+                .map(|(i, _)| i as u32)
+                .collect()
+        } else {
+            tensors.to_vec()
+        };
+        let mut out = Vec::with_capacity(ids.len());
+        for tensor in ids {
+            let (off, len) = Self::persistent_range(program, tensor)?;
+            let bytes = match (&entry.image, entry.place) {
+                (Some(image), _) => image.bytes[off as usize..(off + len) as usize].to_vec(),
+                (None, Place::Admitted { persistent }) => self
+                    .device
+                    .read(persistent + off, len)
+                    .map_err(EngineError::Exec)?,
+                (None, _) => return Err(EngineError::NoTensorCopy(id.0)),
+            };
+            out.push((tensor, bytes));
+        }
+        Ok(out)
+    }
+
+    pub(super) fn write(
+        &mut self,
+        id: SessionId,
+        tensors: &[(u32, Vec<u8>)],
+    ) -> Result<u32, EngineError> {
+        let entry = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSession(id.0))?;
+        let program = entry.program.clone();
+        // Check everything before changing anything: all or nothing.
+        let mut ranges = Vec::with_capacity(tensors.len());
+        for (tensor, bytes) in tensors {
+            let (off, len) = Self::persistent_range(&program, *tensor)?;
+            if bytes.len() as u64 != len {
+                let t = &program.graph().tensors[*tensor as usize];
+                return Err(EngineError::TensorSize {
+                    tensor: *tensor,
+                    name: t.name.clone(),
+                    ty: t.ty.to_string(),
+                    expected: len,
+                    got: bytes.len(),
+                });
+            }
+            ranges.push(off);
+        }
+        for ((_, bytes), off) in tensors.iter().zip(ranges) {
+            match (&mut entry.image, entry.place) {
+                (Some(image), _) => {
+                    image.bytes[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
+                }
+                (None, Place::Admitted { persistent }) => self
+                    .device
+                    .write(persistent + off, bytes)
+                    .map_err(EngineError::Exec)?,
+                (None, _) => return Err(EngineError::NoTensorCopy(id.0)),
+            }
+        }
+        Ok(tensors.len() as u32)
+    }
+}

@@ -1,0 +1,108 @@
+//! What the engine answers when it cannot do what was asked.
+//!
+//! Domain errors only: each names the session, tensor or policy involved, and the gRPC
+//! service alone decides which status code each becomes.
+
+use salus_core::{CoreError, RejectReason};
+use salus_exec::ExecError;
+use salus_graph::Role;
+
+use crate::auth::Denied;
+
+/// A request the engine refused, or an iteration that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The engine has stopped: the daemon is shutting down.
+    #[error("salusd is shutting down")]
+    ShuttingDown,
+    /// No open session has this id.
+    #[error("session {0} does not exist")]
+    UnknownSession(u64),
+    /// The asker may not do this.
+    #[error(transparent)]
+    Denied(#[from] Denied),
+    /// The session is closing and takes no more requests.
+    #[error("session {0} is closing")]
+    Closing(u64),
+    /// The feeds of an iteration do not match the session's graph.
+    #[error("session {session}: {error}")]
+    Feeds {
+        /// Whose iteration.
+        session: u64,
+        /// What does not match.
+        error: ExecError,
+    },
+    /// The session was closed while this iteration waited to start.
+    #[error("session {session} was closed ({why}) before this iteration started")]
+    ClosedBeforeStart {
+        /// Which session.
+        session: u64,
+        /// Why it was closed.
+        why: &'static str,
+    },
+    /// The session closed before this request could be served.
+    #[error("session {0} is closed")]
+    Closed(u64),
+    /// The session can never be admitted on this device.
+    #[error("session {session} can never run here: {reason}")]
+    NeverFits {
+        /// Which session.
+        session: u64,
+        /// Why, with the sizes involved.
+        reason: RejectReason,
+    },
+    /// The device failed an iteration, a read or a write.
+    #[error("{0}")]
+    Exec(ExecError),
+    /// The scheduling core refused an event: the engine and the core disagree (a bug).
+    #[error("scheduler: {0}")]
+    Scheduler(#[from] CoreError),
+    /// A tensor id outside the session's graph.
+    #[error("tensor {tensor} does not exist (the graph has {count})")]
+    UnknownTensor {
+        /// The id asked for.
+        tensor: u32,
+        /// How many tensors the graph has.
+        count: usize,
+    },
+    /// A tensor that lives only during an iteration, asked for between iterations.
+    #[error("tensor {tensor} '{name}' is not persistent ({role:?})")]
+    NotPersistent {
+        /// Its id.
+        tensor: u32,
+        /// Its name.
+        name: String,
+        /// Its role in the graph.
+        role: Role,
+    },
+    /// A tensor value of the wrong size.
+    #[error("tensor {tensor} '{name}' ({ty}) needs {expected} bytes, got {got}")]
+    TensorSize {
+        /// Its id.
+        tensor: u32,
+        /// Its name.
+        name: String,
+        /// Its dtype and shape.
+        ty: String,
+        /// Bytes it holds.
+        expected: u64,
+        /// Bytes given.
+        got: usize,
+    },
+    /// The session's persistent tensors are neither on the device nor on the host (a bug).
+    #[error("session {0} has no copy of its tensors")]
+    NoTensorCopy(u64),
+    /// Holding this session's tensors on the host would pass `--host-memory`.
+    #[error(
+        "waiting sessions hold {used} bytes of host memory; {bytes} more would pass the limit \
+         of {limit} (salusd --host-memory)"
+    )]
+    HostMemory {
+        /// Bytes held now.
+        used: u64,
+        /// Bytes asked for.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+    },
+}

@@ -1,0 +1,314 @@
+//! The engine: one task that owns the scheduling core and the device's bookkeeping.
+//!
+//! Every request that changes state (open, run, read, write, close, policy, drain) and
+//! every finished iteration arrives as a [`Command`] on one channel; the engine applies it
+//! to the sans-IO core as a timed event, polls the core, and carries out the actions.
+//! Nothing else touches the core, so there are no locks around scheduling decisions.
+//!
+//! The engine speaks the daemon's own terms: it answers with domain values and
+//! [`EngineError`]s, and knows nothing of protobuf or gRPC statuses (the service
+//! converts). It can be driven without any socket: start it, send [`Command`]s.
+//!
+//! - `commands`: the command protocol and the answer to each request;
+//! - `actions`: carrying out the core's actions and finished iterations;
+//! - `reports`: session updates, the event stream, status, reports and metrics;
+//! - `host_budget`: host memory held by sessions that are not on the device;
+//! - `error`: [`EngineError`].
+
+mod actions;
+mod commands;
+mod error;
+mod host_budget;
+mod reports;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use salus_core::{Event, Hints, LaneId, MemoryConfig, PolicyKind, Scheduler, SessionId};
+use salus_exec::{Device, Program};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+
+use crate::auth::Principal;
+
+pub use commands::{Command, NewSession, Reply, RunResult};
+pub use error::EngineError;
+pub use host_budget::{HostBudget, HostBytes, HostImage};
+pub use reports::{
+    EngineEvent, EventKind, Metrics, QueuedReport, SessionMetrics, SessionReport, SessionState,
+    SessionUpdate, StatusReport, UpdateSink,
+};
+
+/// Numbers the engine keeps about itself, for benchmarks and metrics.
+#[derive(Debug, Clone, Default)]
+pub struct EngineStats {
+    /// Recent switch latencies: end of one session's iteration to the start of another's
+    /// on the same lane.
+    pub switches: VecDeque<Duration>,
+}
+
+/// Fixed upper bounds of the iteration-time histogram, in seconds.
+pub const HISTOGRAM_BOUNDS: [f64; 14] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+/// How many recent samples percentiles are computed over.
+const RECENT: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Queued,
+    Admitted { persistent: u64 },
+    Suspended,
+}
+
+struct Pending {
+    feeds: Vec<Vec<u8>>,
+    reply: Reply<RunResult>,
+    arrived: Instant,
+}
+
+enum Deferred {
+    Read(Vec<u32>, Reply<Vec<(u32, Vec<u8>)>>),
+    Write(Vec<(u32, Vec<u8>)>, Reply<u32>),
+}
+
+struct Entry {
+    owner: Principal,
+    program: Arc<Program>,
+    hints: Hints,
+    /// The persistent block on the host: before admission and while suspended.
+    image: Option<HostImage>,
+    place: Place,
+    reason: String,
+    running: bool,
+    closing: bool,
+    pending: VecDeque<Pending>,
+    deferred: Vec<Deferred>,
+    updates: UpdateSink,
+    opened: Instant,
+    recent: VecDeque<Duration>,
+    histogram: [u64; HISTOGRAM_BOUNDS.len() + 1],
+    iteration_seconds: f64,
+}
+
+impl Entry {
+    fn send(&self, update: SessionUpdate) {
+        (self.updates)(Ok(update));
+    }
+}
+
+/// A cloneable handle to the engine task.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::UnboundedSender<Command>,
+    events: broadcast::Sender<EngineEvent>,
+    shared: Arc<std::sync::Mutex<Shared>>,
+    memory: MemoryConfig,
+    limits: salus_graph::Limits,
+    next_session: Arc<AtomicU64>,
+    stopping: Arc<watch::Sender<bool>>,
+    host: HostBudget,
+    fatal: Arc<watch::Sender<Option<String>>>,
+}
+
+/// What the engine publishes for readers that must not wait on it (benchmarks).
+#[derive(Debug, Default)]
+struct Shared {
+    stats: EngineStats,
+}
+
+/// How the engine is set up.
+pub struct EngineConfig {
+    /// The device it runs iterations on.
+    pub device: Arc<dyn Device>,
+    /// Capacity and reserve.
+    pub memory: MemoryConfig,
+    /// The policy at start.
+    pub policy: PolicyKind,
+    /// Bounds on graphs.
+    pub limits: salus_graph::Limits,
+    /// The daemon's own user, who may steer it.
+    pub daemon_uid: u32,
+    /// Bytes of host memory waiting and suspended sessions may hold.
+    pub host_memory: u64,
+}
+
+impl Engine {
+    /// Starts the engine task on the current tokio runtime.
+    pub fn start(config: EngineConfig) -> Result<Engine, String> {
+        let core = Scheduler::new(config.memory, config.policy).map_err(|e| e.to_string())?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (events, _) = broadcast::channel(4096);
+        let shared = Arc::new(std::sync::Mutex::new(Shared::default()));
+        let engine = Engine {
+            tx: tx.clone(),
+            events: events.clone(),
+            shared: shared.clone(),
+            memory: config.memory,
+            limits: config.limits,
+            next_session: Arc::new(AtomicU64::new(1)),
+            stopping: Arc::new(watch::channel(false).0),
+            host: HostBudget::new(config.host_memory),
+            fatal: Arc::new(watch::channel(None).0),
+        };
+        let state = State {
+            fatal: engine.fatal.clone(),
+            core,
+            device: config.device,
+            daemon_uid: config.daemon_uid,
+            sessions: HashMap::new(),
+            started: Instant::now(),
+            tx,
+            events,
+            shared,
+            host: engine.host.clone(),
+            lane_last_end: HashMap::new(),
+            shutdown: None,
+        };
+        tokio::spawn(state.run(rx));
+        Ok(engine)
+    }
+
+    /// Sends a command; fails only when the engine has stopped.
+    pub fn send(&self, command: Command) -> Result<(), EngineError> {
+        self.tx.send(command).map_err(|_| EngineError::ShuttingDown)
+    }
+
+    /// Sends a command built around a reply channel and waits for the answer.
+    pub async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(make(reply))?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)?
+    }
+
+    /// Host memory of waiting and suspended sessions.
+    pub fn host_budget(&self) -> &HostBudget {
+        &self.host
+    }
+
+    /// A fresh session id.
+    pub fn new_session_id(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Changes to true when the daemon starts shutting down.
+    pub fn stopping(&self) -> watch::Receiver<bool> {
+        self.stopping.subscribe()
+    }
+
+    /// Subscribes to the event stream.
+    pub fn subscribe(&self) -> broadcast::Receiver<EngineEvent> {
+        self.events.subscribe()
+    }
+
+    /// Capacity and reserve.
+    pub fn memory(&self) -> MemoryConfig {
+        self.memory
+    }
+
+    /// Bounds on graphs.
+    pub fn limits(&self) -> &salus_graph::Limits {
+        &self.limits
+    }
+
+    /// A snapshot of the engine's own numbers.
+    pub fn stats(&self) -> EngineStats {
+        self.shared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .stats
+            .clone()
+    }
+
+    /// Resolves with the reason once the device has failed for good (a poisoned GPU
+    /// context): the daemon then shuts down rather than serve wrong results.
+    pub async fn device_failed(&self) -> String {
+        let mut rx = self.fatal.subscribe();
+        match rx.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        }
+    }
+
+    /// Shuts down: no admission, running iterations finish, every session is closed.
+    pub async fn shutdown(&self) {
+        self.stopping.send_replace(true);
+        let (done, wait) = oneshot::channel();
+        if self.send(Command::Shutdown(done)).is_ok() {
+            let _ = wait.await;
+        }
+    }
+}
+
+/// The engine task's state: the core and what the daemon knows beside it.
+struct State {
+    core: Scheduler,
+    device: Arc<dyn Device>,
+    daemon_uid: u32,
+    sessions: HashMap<SessionId, Entry>,
+    started: Instant,
+    tx: mpsc::UnboundedSender<Command>,
+    events: broadcast::Sender<EngineEvent>,
+    shared: Arc<std::sync::Mutex<Shared>>,
+    host: HostBudget,
+    /// When the last iteration on each lane ended, and whose it was.
+    lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
+    shutdown: Option<oneshot::Sender<()>>,
+    fatal: Arc<watch::Sender<Option<String>>>,
+}
+
+impl State {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        while let Some(command) = rx.recv().await {
+            self.handle(command);
+            // Take what else is queued before polling: one poll per burst.
+            while let Ok(command) = rx.try_recv() {
+                self.handle(command);
+            }
+            self.drive();
+            if self.shutdown.is_some() && self.sessions.values().all(|e| !e.running) {
+                let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+                for id in ids {
+                    self.close(id, "salusd is shutting down");
+                }
+                self.drive();
+                if self.sessions.is_empty()
+                    && let Some(done) = self.shutdown.take()
+                {
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    /// The core's clock: time since the engine started.
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn event(
+        &self,
+        kind: EventKind,
+        session: Option<SessionId>,
+        lane: Option<LaneId>,
+        detail: String,
+        duration: Duration,
+    ) {
+        let _ = self.events.send(EngineEvent {
+            time: self.now(),
+            kind,
+            session,
+            lane,
+            detail,
+            duration,
+        });
+    }
+
+    /// Feeds one event to the core, at the engine's time now.
+    fn core(&mut self, event: Event) -> Result<(), EngineError> {
+        let now = self.now();
+        Ok(self.core.handle(now, event)?)
+    }
+}

@@ -1,0 +1,256 @@
+//! The engine's answers as the API speaks them: domain values to protobuf messages, and
+//! each [`EngineError`] to the gRPC status code clients rely on.
+
+use std::time::Duration;
+
+use salus_core::{RegionKind, SessionKind};
+use salus_exec::ExecError;
+use salus_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tonic::{Code, Status};
+
+use crate::engine::{
+    EngineError, EngineEvent, EventKind, RunResult, SessionReport, SessionState, SessionUpdate,
+    StatusReport, UpdateSink,
+};
+
+/// Microseconds in a u64, saturating.
+pub fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The gRPC code each engine error travels as.
+pub fn code(error: &EngineError) -> Code {
+    match error {
+        EngineError::ShuttingDown => Code::Unavailable,
+        EngineError::UnknownSession(_) => Code::NotFound,
+        EngineError::Denied(_) => Code::PermissionDenied,
+        EngineError::Closing(_) => Code::FailedPrecondition,
+        EngineError::Feeds { .. }
+        | EngineError::UnknownTensor { .. }
+        | EngineError::NotPersistent { .. }
+        | EngineError::TensorSize { .. } => Code::InvalidArgument,
+        EngineError::ClosedBeforeStart { .. } | EngineError::Closed(_) => Code::Cancelled,
+        EngineError::NeverFits { .. } | EngineError::HostMemory { .. } => Code::ResourceExhausted,
+        EngineError::Exec(ExecError::Feed { .. }) => Code::InvalidArgument,
+        EngineError::Exec(ExecError::Node { .. }) => Code::FailedPrecondition,
+        EngineError::Exec(ExecError::Device(_))
+        | EngineError::Scheduler(_)
+        | EngineError::NoTensorCopy(_) => Code::Internal,
+    }
+}
+
+impl From<EngineError> for Status {
+    fn from(error: EngineError) -> Status {
+        Status::new(code(&error), error.to_string())
+    }
+}
+
+/// The sink a session's updates go to: converted, then down its `Open` stream.
+pub fn update_sink(
+    updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
+) -> UpdateSink {
+    Box::new(move |update| {
+        let _ = updates.send(
+            update
+                .map(|u| pb::SessionUpdate {
+                    update: Some(session_update(u)),
+                })
+                .map_err(Status::from),
+        );
+    })
+}
+
+fn session_update(update: SessionUpdate) -> pb::session_update::Update {
+    use pb::session_update::Update;
+    match update {
+        SessionUpdate::Opened {
+            session,
+            persistent_bytes,
+            ephemeral_bytes,
+        } => Update::Opened(pb::Opened {
+            session: session.0,
+            persistent_bytes,
+            ephemeral_bytes,
+        }),
+        SessionUpdate::Queued { reason } => Update::Queued(pb::Queued { reason }),
+        SessionUpdate::Admitted {
+            lane,
+            lane_bytes,
+            resumed,
+        } => Update::Admitted(pb::Admitted {
+            lane: lane.0,
+            lane_bytes,
+            resumed,
+        }),
+        SessionUpdate::Suspended => Update::Suspended(pb::Suspended {}),
+    }
+}
+
+/// One iteration's answer, successful or not, as a `RunResponse`.
+pub fn run_response(tag: u64, result: Result<RunResult, Status>) -> pb::RunResponse {
+    match result {
+        Ok(r) => pb::RunResponse {
+            tag,
+            fetches: r.fetches,
+            device_us: micros(r.device),
+            wait_us: micros(r.wait),
+            failure: None,
+        },
+        Err(status) => pb::RunResponse {
+            tag,
+            failure: Some(pb::Failure {
+                code: status.code() as i32,
+                message: status.message().to_string(),
+            }),
+            ..Default::default()
+        },
+    }
+}
+
+/// An entry of the event stream.
+pub fn event(event: EngineEvent) -> pb::Event {
+    let kind = match event.kind {
+        EventKind::Opened => pb::EventKind::Opened,
+        EventKind::Queued => pb::EventKind::Queued,
+        EventKind::Admitted => pb::EventKind::Admitted,
+        EventKind::Rejected => pb::EventKind::Rejected,
+        EventKind::IterationStarted => pb::EventKind::IterationStarted,
+        EventKind::IterationFinished => pb::EventKind::IterationFinished,
+        EventKind::IterationFailed => pb::EventKind::IterationFailed,
+        EventKind::Preempted => pb::EventKind::Preempted,
+        EventKind::LaneMoved => pb::EventKind::LaneMoved,
+        EventKind::Closed => pb::EventKind::Closed,
+        EventKind::PolicyChanged => pb::EventKind::PolicyChanged,
+        EventKind::Draining => pb::EventKind::Draining,
+    };
+    pb::Event {
+        time_us: micros(event.time),
+        kind: kind as i32,
+        session: event.session.map(|s| s.0),
+        lane: event.lane.map(|l| l.0),
+        detail: event.detail,
+        duration_us: micros(event.duration),
+    }
+}
+
+/// One session's report as a `SessionInfo`.
+pub fn session_info(r: SessionReport) -> pb::SessionInfo {
+    pb::SessionInfo {
+        id: r.id.0,
+        name: r.name,
+        owner_uid: r.owner_uid,
+        kind: match r.kind {
+            SessionKind::Training => pb::SessionKind::Training,
+            SessionKind::Inference => pb::SessionKind::Inference,
+        } as i32,
+        state: match r.state {
+            SessionState::Queued => pb::SessionState::Queued,
+            SessionState::Admitted => pb::SessionState::Admitted,
+            SessionState::Suspended => pb::SessionState::Suspended,
+            SessionState::Closing => pb::SessionState::Closing,
+        } as i32,
+        reason: r.reason,
+        lane: r.lane.map(|l| l.0),
+        persistent_bytes: r.persistent_bytes,
+        ephemeral_bytes: r.ephemeral_bytes,
+        priority: r.priority,
+        total_iterations: r.total_iterations,
+        iterations: r.iterations,
+        pending: r.pending,
+        mean_iteration_ms: millis(r.mean_iteration),
+        p99_iteration_ms: millis(r.p99_iteration),
+        queue_wait_ms: millis(r.queue_wait),
+        attained_service_ms: millis(r.attained_service),
+        preemptions: r.preemptions,
+        suspensions: r.suspensions,
+        age_ms: millis(r.age),
+    }
+}
+
+/// The status report as a `StatusResponse`.
+pub fn status(r: StatusReport) -> pb::StatusResponse {
+    let map = r.map;
+    pb::StatusResponse {
+        device: Some(pb::Device {
+            name: r.device,
+            capacity: r.memory.capacity,
+            reserve: r.memory.reserve,
+        }),
+        policy: r.policy.to_string(),
+        draining: r.draining,
+        memory: Some(pb::MemoryMap {
+            capacity: map.capacity,
+            reserve: map.reserve,
+            persistent_bytes: map.persistent_bytes,
+            lane_bytes: map.lane_bytes,
+            available_bytes: map.available_bytes,
+            regions: map
+                .regions
+                .iter()
+                .map(|r| {
+                    let mut region = pb::Region {
+                        offset: r.extent.offset,
+                        size: r.extent.size,
+                        ..Default::default()
+                    };
+                    let kind = match &r.kind {
+                        RegionKind::Persistent { session } => {
+                            region.session = session.0;
+                            pb::RegionKind::Persistent
+                        }
+                        RegionKind::Hole => pb::RegionKind::Hole,
+                        RegionKind::Free => pb::RegionKind::Free,
+                        RegionKind::Lane { lane, sessions } => {
+                            region.lane = lane.0;
+                            region.sessions = sessions.iter().map(|s| s.0).collect();
+                            pb::RegionKind::Lane
+                        }
+                    };
+                    region.kind = kind as i32;
+                    region
+                })
+                .collect(),
+        }),
+        lanes: r
+            .lanes
+            .into_iter()
+            .map(|l| pb::Lane {
+                id: l.id.0,
+                size: l.size,
+                offset: l.placed.map_or(l.target.offset, |p| p.offset),
+                placed: l.placed.is_some(),
+                sessions: l.sessions.iter().map(|s| s.0).collect(),
+                running: l.running.map(|s| s.0),
+            })
+            .collect(),
+        queue: r
+            .queue
+            .into_iter()
+            .map(|q| pb::QueuedSession {
+                session: q.session.0,
+                name: q.name,
+                reason: q.reason,
+            })
+            .collect(),
+        uptime_ms: r.uptime.as_millis() as u64,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// The kind named in the API, as the core knows it.
+pub fn session_kind(kind: i32) -> Result<SessionKind, Status> {
+    match pb::SessionKind::try_from(kind) {
+        Ok(pb::SessionKind::Training) | Ok(pb::SessionKind::Unspecified) => {
+            Ok(SessionKind::Training)
+        }
+        Ok(pb::SessionKind::Inference) => Ok(SessionKind::Inference),
+        Err(_) => Err(Status::invalid_argument(format!(
+            "unknown session kind {kind}"
+        ))),
+    }
+}

@@ -1,0 +1,200 @@
+//! Receiving a session: the `Open` stream's graph, hints and initial tensor values,
+//! checked and assembled into the host image the engine takes.
+
+use std::collections::HashMap;
+
+use salus_core::Hints;
+use salus_exec::{Location, Program};
+use salus_graph::{Graph, GraphError, Role};
+use salus_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tonic::{Status, Streaming};
+
+use super::convert::{session_kind, update_sink};
+use crate::auth::Principal;
+use crate::engine::{Engine, HostImage, NewSession};
+
+fn graph_status(e: &GraphError) -> Status {
+    Status::invalid_argument(format!("graph rejected: {e}"))
+}
+
+/// Rejects, before any tensor bytes are held, a session that can never fit.
+fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
+    let memory = engine.memory();
+    if !memory.fits_empty(p, e.max(1)) {
+        let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
+        let need = aligned(p).saturating_add(aligned(e.max(1)));
+        return Err(Status::resource_exhausted(format!(
+            "the session needs {need} bytes (P {p} + E {e}, aligned) but the device has only {} \
+             usable ({} capacity, {} reserved); it can never run here",
+            memory.usable(),
+            memory.capacity,
+            memory.reserve
+        )));
+    }
+    Ok(())
+}
+
+fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
+    let h = h.unwrap_or_default();
+    if !h.expected_iteration_ms.is_finite() || h.expected_iteration_ms < 0.0 {
+        return Err(Status::invalid_argument(format!(
+            "hints.expected_iteration_ms must be a finite number >= 0, got {}",
+            h.expected_iteration_ms
+        )));
+    }
+    if h.name.len() > 256 {
+        return Err(Status::invalid_argument(
+            "hints.name is longer than 256 bytes",
+        ));
+    }
+    Ok(Hints {
+        name: h.name,
+        priority: h.priority,
+        total_iterations: (h.total_iterations > 0).then_some(h.total_iterations),
+        expected_iteration: (h.expected_iteration_ms > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(h.expected_iteration_ms / 1e3)),
+    })
+}
+
+/// Assembles a tensor from chunks that must arrive in order.
+struct Assembly {
+    /// Tensor id to (offset in the image, length, bytes received).
+    received: HashMap<u32, (u64, u64, u64)>,
+}
+
+impl Assembly {
+    fn new() -> Assembly {
+        Assembly {
+            received: HashMap::new(),
+        }
+    }
+
+    /// Checks a chunk against the program; returns where its bytes go in the image.
+    fn place(&mut self, program: &Program, chunk: &pb::TensorChunk) -> Result<usize, Status> {
+        let id = chunk.tensor as usize;
+        let tensor = program.graph().tensors.get(id).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "chunk for tensor {id}, but the graph has {} tensors",
+                program.graph().tensors.len()
+            ))
+        })?;
+        if !matches!(tensor.role, Role::Parameter | Role::State) {
+            return Err(Status::invalid_argument(format!(
+                "tensor {id} '{}' is {:?}: only PARAMETER and STATE tensors take values",
+                tensor.name, tensor.role
+            )));
+        }
+        let Some(Location::Persistent(base)) = program.location(id) else {
+            return Err(Status::internal(format!(
+                "tensor {id} has no persistent place"
+            )));
+        };
+        let len = program.bytes(id);
+        let entry = self.received.entry(chunk.tensor).or_insert((base, len, 0));
+        if chunk.offset != entry.2 {
+            return Err(Status::invalid_argument(format!(
+                "tensor {id} '{}': chunk at byte {} but {} bytes have arrived (chunks go in order)",
+                tensor.name, chunk.offset, entry.2
+            )));
+        }
+        let end = entry.2 + chunk.data.len() as u64;
+        if end > len {
+            return Err(Status::invalid_argument(format!(
+                "tensor {id} '{}' ({}) has {len} bytes; chunks give {end}",
+                tensor.name, tensor.ty
+            )));
+        }
+        let at = (base + entry.2) as usize;
+        entry.2 = end;
+        Ok(at)
+    }
+
+    /// Every PARAMETER and STATE tensor complete?
+    fn check_complete(&self, program: &Program) -> Result<(), Status> {
+        for (id, t) in program.graph().tensors.iter().enumerate() {
+            if !matches!(t.role, Role::Parameter | Role::State) {
+                continue;
+            }
+            let want = program.bytes(id);
+            let got = self.received.get(&(id as u32)).map_or(0, |r| r.2);
+            if got != want {
+                return Err(Status::invalid_argument(format!(
+                    "tensor {id} '{}' ({}) needs {want} bytes of initial value, got {got}",
+                    t.name, t.ty
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads the `Open` stream up to `commit`; returns the session to hand to the engine.
+pub(super) async fn receive_session(
+    engine: &Engine,
+    owner: Principal,
+    stream: &mut Streaming<pb::OpenRequest>,
+    updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
+) -> Result<NewSession, Status> {
+    let first = stream
+        .next()
+        .await
+        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))??;
+    let Some(pb::open_request::Item::Open(open)) = first.item else {
+        return Err(Status::invalid_argument(
+            "the first Open message must be `open`",
+        ));
+    };
+    let graph_message = open
+        .graph
+        .ok_or_else(|| Status::invalid_argument("`open` has no graph"))?;
+    let kind = session_kind(open.kind)?;
+    let hints = hints(open.hints)?;
+    let graph = Graph::from_proto(&graph_message).map_err(|e| graph_status(&e))?;
+    let program = Program::new(graph, engine.limits())
+        .map_err(|e| graph_status(&e))?
+        .with_expected_iteration(hints.expected_iteration);
+    let plan = program.plan();
+    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
+    let held = engine.host_budget().reserve(plan.persistent_bytes)?;
+    // Zeroed pages are not touched until written: a big image costs what is uploaded.
+    let mut image = vec![0u8; plan.persistent_bytes as usize];
+    for (id, t) in program.graph().tensors.iter().enumerate() {
+        if t.role == Role::Constant
+            && let Some(Location::Persistent(off)) = program.location(id)
+        {
+            let off = off as usize;
+            let n = t.data.len().min(image.len().saturating_sub(off));
+            image[off..off + n].copy_from_slice(&t.data[..n]);
+        }
+    }
+    let mut assembly = Assembly::new();
+    loop {
+        let message = stream
+            .next()
+            .await
+            .ok_or_else(|| Status::invalid_argument("the Open stream ended before `commit`"))??;
+        match message.item {
+            Some(pb::open_request::Item::Chunk(chunk)) => {
+                let at = assembly.place(&program, &chunk)?;
+                image[at..at + chunk.data.len()].copy_from_slice(&chunk.data);
+            }
+            Some(pb::open_request::Item::Commit(_)) => break,
+            Some(pb::open_request::Item::Open(_)) => {
+                return Err(Status::invalid_argument("`open` sent twice"));
+            }
+            None => return Err(Status::invalid_argument("an empty Open message")),
+        }
+    }
+    assembly.check_complete(&program)?;
+    Ok(NewSession {
+        id: engine.new_session_id(),
+        owner,
+        program,
+        image: HostImage { bytes: image, held },
+        kind,
+        hints,
+        updates: update_sink(updates),
+    })
+}
