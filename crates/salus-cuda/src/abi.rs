@@ -22,17 +22,22 @@ pub(crate) const MAX_RANK: usize = 8;
 /// (`BLOCK`).
 pub(crate) const BLOCK: u32 = 256;
 
+/// Rows of at most this many elements take a warp each in the row kernels (`rows.cu`);
+/// longer ones a block each (`ROW_WARP_MAX`).
+pub(crate) const ROW_WARP_MAX: u64 = 1024;
+
 /// Copies per launch of the guarded copy kernel (`GuardedCopyArgs::seg` holds 3 words each).
 pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 10] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 11] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
     ("reduce.cu", include_str!("kernels/reduce.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
+    ("rows.cu", include_str!("kernels/rows.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("conv.cu", include_str!("kernels/conv.cu")),
     ("pool.cu", include_str!("kernels/pool.cu")),
@@ -810,14 +815,28 @@ kernels! {
     EmbeddingBackward = "embedding_bwd" (EmbeddingBackwardArgs),
     IndexPut = "index_put" (IndexPutArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
+    // The row kernels (`rows.cu`): a warp or a block per contiguous row.
+    /// Reduced elements contiguous per output.
+    ReduceRows = "red_rows" (ReduceArgs),
+    /// Outputs contiguous, reduced elements strided: column sums.
+    ReduceColumns = "red_cols" (ReduceArgs),
+    SoftmaxForwardRows = "softmax_fwd_rows" (SoftmaxArgs),
+    SoftmaxBackwardRows = "softmax_bwd_rows" (SoftmaxArgs),
+    LayerNormForwardRows = "layer_norm_fwd_rows" (LayerNormArgs),
+    LayerNormBackwardInputRows = "layer_norm_bwd_input_rows" (LayerNormBackwardArgs),
+    LayerNormBackwardParamsColumns = "layer_norm_bwd_params_cols" (LayerNormBackwardArgs),
 }
 
 // ------------------------------------------------------------------------------------
 // The prelude.
 
 /// Constants both sides size things by, by their C name.
-fn constants() -> [(&'static str, i64); 2] {
-    [("MAXR", MAX_RANK as i64), ("BLOCK", i64::from(BLOCK))]
+fn constants() -> [(&'static str, i64); 3] {
+    [
+        ("MAXR", MAX_RANK as i64),
+        ("BLOCK", i64::from(BLOCK)),
+        ("ROW_WARP_MAX", ROW_WARP_MAX as i64),
+    ]
 }
 
 /// Every code's `#define`, by family.

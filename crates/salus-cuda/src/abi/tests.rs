@@ -254,3 +254,26 @@ fn the_kernel_source_compiles_as_host_cpp() {
         ),
     }
 }
+
+/// Compiles the kernels' source with NVRTC for sm_90 where the NVRTC library can be loaded
+/// (no GPU needed): the real compiler's check of what the GPU will load. Skips elsewhere.
+#[test]
+fn the_kernel_source_compiles_with_nvrtc_where_present() {
+    let source = kernel_source();
+    match nvrtc_compiles(&source) {
+        None => eprintln!("skipped: no NVRTC library"),
+        Some(Err(log)) => panic!("NVRTC rejects the kernels' source:\n{log}"),
+        Some(Ok(())) => {}
+    }
+}
+
+/// `Some(result)` of compiling `source` for sm_90 with NVRTC, `None` without the library.
+pub(crate) fn nvrtc_compiles(source: &str) -> Option<Result<(), String>> {
+    let run = std::panic::catch_unwind(|| crate::driver::nvrtc_compile(source, 90));
+    match run {
+        Err(_) => None,
+        Ok(Ok((_, true))) => Some(Ok(())),
+        Ok(Ok((_, false))) => Some(Err("NVRTC made PTX, not sm_90 machine code".into())),
+        Ok(Err(e)) => Some(Err(e)),
+    }
+}
