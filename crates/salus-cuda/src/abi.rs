@@ -689,6 +689,48 @@ device_struct! {
     }
 }
 
+// ------------------------------------------------------------------------------------
+// Fused pointwise kernels (generated per region by `lower::fusion`).
+
+/// Most operands (external inputs and written outputs) of a fused kernel.
+pub(crate) const MAX_FUSED_OPERANDS: usize = 16;
+
+/// Most nodes of a fused region; each has two scalars (`FusedArgs::s`).
+pub(crate) const MAX_FUSED_NODES: usize = 16;
+
+device_struct! {
+    /// A generated fused kernel: `n` elements over `shape` (`rank` dims; `contig` when every
+    /// operand is one flat run); operands `ops[..]` (the region's inputs, then the outputs it
+    /// writes), two scalars per node in `s`. The ops and dtypes are in the kernel's source.
+    #[derive(Default)]
+    struct FusedArgs {
+        n: i64,
+        rank: i64,
+        contig: i64,
+        nops: i64,
+        shape: [i64; MAX_RANK],
+        s: [f64; 2 * MAX_FUSED_NODES],
+        ops: [StridedTensor; MAX_FUSED_OPERANDS],
+    }
+}
+
+impl KernelArgs for FusedArgs {}
+
+/// The NVRTC program of generated fused kernels: the prelude, the files that define loads,
+/// stores and `apply` (common.cu, elementwise.cu), then the kernels.
+pub(crate) fn fused_kernel_source<'k>(kernels: impl IntoIterator<Item = &'k str>) -> String {
+    let mut source = prelude();
+    for (name, text) in KERNEL_FILES {
+        if matches!(name, "common.cu" | "elementwise.cu") {
+            source.push_str(text);
+        }
+    }
+    for k in kernels {
+        source.push_str(k);
+    }
+    source
+}
+
 /// Every struct of the interface, in the order the prelude defines them (a nested struct
 /// before its users).
 pub(crate) fn structs() -> Vec<StructLayout> {
@@ -709,6 +751,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         EmbeddingBackwardArgs::layout(),
         IndexPutArgs::layout(),
         BernoulliArgs::layout(),
+        FusedArgs::layout(),
     ]
 }
 
@@ -877,4 +920,4 @@ pub(crate) fn prelude() -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
