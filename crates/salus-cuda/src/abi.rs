@@ -22,17 +22,22 @@ pub(crate) const MAX_RANK: usize = 8;
 /// (`BLOCK`).
 pub(crate) const BLOCK: u32 = 256;
 
+/// Rows of at most this many elements take a warp each in the row kernels (`rows.cu`);
+/// longer ones a block each (`ROW_WARP_MAX`).
+pub(crate) const ROW_WARP_MAX: u64 = 1024;
+
 /// Copies per launch of the guarded copy kernel (`GuardedCopyArgs::seg` holds 3 words each).
 pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 10] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 11] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
     ("reduce.cu", include_str!("kernels/reduce.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
+    ("rows.cu", include_str!("kernels/rows.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("conv.cu", include_str!("kernels/conv.cu")),
     ("pool.cu", include_str!("kernels/pool.cu")),
@@ -684,6 +689,48 @@ device_struct! {
     }
 }
 
+// ------------------------------------------------------------------------------------
+// Fused pointwise kernels (generated per region by `lower::fusion`).
+
+/// Most operands (external inputs and written outputs) of a fused kernel.
+pub(crate) const MAX_FUSED_OPERANDS: usize = 16;
+
+/// Most nodes of a fused region; each has two scalars (`FusedArgs::s`).
+pub(crate) const MAX_FUSED_NODES: usize = 16;
+
+device_struct! {
+    /// A generated fused kernel: `n` elements over `shape` (`rank` dims; `contig` when every
+    /// operand is one flat run); operands `ops[..]` (the region's inputs, then the outputs it
+    /// writes), two scalars per node in `s`. The ops and dtypes are in the kernel's source.
+    #[derive(Default)]
+    struct FusedArgs {
+        n: i64,
+        rank: i64,
+        contig: i64,
+        nops: i64,
+        shape: [i64; MAX_RANK],
+        s: [f64; 2 * MAX_FUSED_NODES],
+        ops: [StridedTensor; MAX_FUSED_OPERANDS],
+    }
+}
+
+impl KernelArgs for FusedArgs {}
+
+/// The NVRTC program of generated fused kernels: the prelude, the files that define loads,
+/// stores and `apply` (common.cu, elementwise.cu), then the kernels.
+pub(crate) fn fused_kernel_source<'k>(kernels: impl IntoIterator<Item = &'k str>) -> String {
+    let mut source = prelude();
+    for (name, text) in KERNEL_FILES {
+        if matches!(name, "common.cu" | "elementwise.cu") {
+            source.push_str(text);
+        }
+    }
+    for k in kernels {
+        source.push_str(k);
+    }
+    source
+}
+
 /// Every struct of the interface, in the order the prelude defines them (a nested struct
 /// before its users).
 pub(crate) fn structs() -> Vec<StructLayout> {
@@ -704,6 +751,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         EmbeddingBackwardArgs::layout(),
         IndexPutArgs::layout(),
         BernoulliArgs::layout(),
+        FusedArgs::layout(),
     ]
 }
 
@@ -810,14 +858,28 @@ kernels! {
     EmbeddingBackward = "embedding_bwd" (EmbeddingBackwardArgs),
     IndexPut = "index_put" (IndexPutArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
+    // The row kernels (`rows.cu`): a warp or a block per contiguous row.
+    /// Reduced elements contiguous per output.
+    ReduceRows = "red_rows" (ReduceArgs),
+    /// Outputs contiguous, reduced elements strided: column sums.
+    ReduceColumns = "red_cols" (ReduceArgs),
+    SoftmaxForwardRows = "softmax_fwd_rows" (SoftmaxArgs),
+    SoftmaxBackwardRows = "softmax_bwd_rows" (SoftmaxArgs),
+    LayerNormForwardRows = "layer_norm_fwd_rows" (LayerNormArgs),
+    LayerNormBackwardInputRows = "layer_norm_bwd_input_rows" (LayerNormBackwardArgs),
+    LayerNormBackwardParamsColumns = "layer_norm_bwd_params_cols" (LayerNormBackwardArgs),
 }
 
 // ------------------------------------------------------------------------------------
 // The prelude.
 
 /// Constants both sides size things by, by their C name.
-fn constants() -> [(&'static str, i64); 2] {
-    [("MAXR", MAX_RANK as i64), ("BLOCK", i64::from(BLOCK))]
+fn constants() -> [(&'static str, i64); 3] {
+    [
+        ("MAXR", MAX_RANK as i64),
+        ("BLOCK", i64::from(BLOCK)),
+        ("ROW_WARP_MAX", ROW_WARP_MAX as i64),
+    ]
 }
 
 /// Every code's `#define`, by family.
@@ -858,4 +920,4 @@ pub(crate) fn prelude() -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -162,6 +162,12 @@ pub struct CudaDevice {
     transfer: Mutex<Raw<sys::CUstream>>,
     graphs: AtomicBool,
     poisoned: Mutex<Option<String>>,
+    /// The GPU's architecture (e.g. 90), for compiling generated kernels.
+    arch: u32,
+    /// Fuse pointwise regions into generated kernels (`SALUS_CUDA_FUSION=0`: off).
+    fusion: AtomicBool,
+    /// The generated kernels loaded so far, by name.
+    fused: Mutex<HashMap<String, Raw<sys::CUfunction>>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -291,12 +297,21 @@ impl CudaDevice {
             transfer: Mutex::new(transfer),
             graphs: AtomicBool::new(options.graphs),
             poisoned: Mutex::new(None),
+            arch,
+            fusion: AtomicBool::new(std::env::var("SALUS_CUDA_FUSION").as_deref() != Ok("0")),
+            fused: Mutex::new(HashMap::new()),
         })
     }
 
     /// Turns CUDA-graph capture and replay on or off (for measuring the difference).
     pub fn set_graphs(&self, on: bool) {
         self.graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// Turns the fusion of pointwise regions on or off for programs lowered from now on
+    /// (for comparison; `SALUS_CUDA_FUSION=0` starts with it off).
+    pub fn set_fusion(&self, on: bool) {
+        self.fusion.store(on, Ordering::Relaxed);
     }
 
     /// Bytes the GPU has in use now, by everyone (total minus free).
@@ -369,8 +384,61 @@ impl CudaDevice {
         Ok(lane)
     }
 
-    /// Lowers `program` at `at` for a lane whose error block is `err`.
+    /// Lowers `program` at `at` for a lane whose error block is `err`, with its pointwise
+    /// regions fused when fusion is on (and unfused should their kernels fail to build).
     fn lower(&self, program: &Program, at: Placement, err: u64) -> Result<Entry, ExecError> {
+        if self.fusion.load(Ordering::Relaxed) {
+            let fusion = lower::fusion::plan(program);
+            if !fusion.regions.is_empty() {
+                match self.lower_with(program, at, err, &fusion) {
+                    Err(ExecError::Device(message)) if message.starts_with("fused kernels") => {
+                        tracing_note(&message)
+                    }
+                    other => return other,
+                }
+            }
+        }
+        self.lower_with(program, at, err, &lower::fusion::FusionPlan::none())
+    }
+
+    /// Loads the generated kernels the commands launch (compiling those not loaded yet, in
+    /// one NVRTC program) and fills in their function handles.
+    fn link(&self, commands: &mut [Command], kernels: &[(String, String)]) -> Result<(), String> {
+        let mut loaded = self
+            .fused
+            .lock()
+            .map_err(|_| "fused kernels: lock poisoned".to_string())?;
+        let missing: Vec<&(String, String)> = kernels
+            .iter()
+            .filter(|(name, _)| !loaded.contains_key(name))
+            .collect();
+        if !missing.is_empty() {
+            let source = abi::fused_kernel_source(missing.iter().map(|(_, text)| text.as_str()));
+            let image =
+                cached_image(&source, self.arch).map_err(|e| format!("fused kernels: {e}"))?;
+            let module = driver::load_module(&image)
+                .map_err(|e| format!("fused kernels: {}", driver_error("loading", e)))?;
+            for (name, _) in missing {
+                let f = driver::function(module, name)
+                    .map_err(|e| format!("fused kernels: {}", driver_error(name, e)))?;
+                loaded.insert(name.clone(), f);
+            }
+        }
+        for command in commands {
+            if let Command::Fused(f) = command {
+                f.function = loaded.get(&f.name).copied();
+            }
+        }
+        Ok(())
+    }
+
+    fn lower_with(
+        &self,
+        program: &Program,
+        at: Placement,
+        err: u64,
+        fusion: &lower::fusion::FusionPlan,
+    ) -> Result<Entry, ExecError> {
         let graph = program.graph();
         let plan = program.plan();
         let persistent = self.range(at.persistent, plan.persistent_bytes)?;
@@ -382,6 +450,8 @@ impl CudaDevice {
             err,
             index: 0,
             commands: Vec::new(),
+            fusion,
+            kernels: Vec::new(),
         };
         for (index, node) in graph.nodes.iter().enumerate() {
             lower.index = index;
@@ -391,6 +461,10 @@ impl CudaDevice {
                 op: node.op.name().to_string(),
                 message,
             })?;
+        }
+        if !lower.kernels.is_empty() {
+            self.link(&mut lower.commands, &lower.kernels)
+                .map_err(ExecError::Device)?;
         }
         let mut updates = Vec::new();
         for u in &graph.updates {
@@ -424,6 +498,13 @@ impl CudaDevice {
                 Command::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, lane.stream)
                     .map_err(|e| self.check("cuMemsetD8Async", e))?,
                 Command::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
+                Command::Fused(f) => {
+                    let function = f.function.ok_or_else(|| {
+                        ExecError::Device(format!("internal: {} is not loaded", f.name))
+                    })?;
+                    driver::launch(function, (f.grid, 1), f.block, &*f.args, lane.stream)
+                        .map_err(|e| self.check(&f.name, e))?
+                }
             }
         }
         Ok(())
@@ -576,8 +657,17 @@ impl CudaDevice {
 
 /// The kernels' machine code for `arch`: from the disk cache, or compiled and cached.
 fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
+    cached_image(&abi::kernel_source(), arch)
+}
+
+/// Says why fusion was given up for a program (its kernels did not build).
+fn tracing_note(message: &str) {
+    eprintln!("salus-cuda: running unfused: {message}");
+}
+
+/// The machine code of `source` for `arch`: from the disk cache, or compiled and cached.
+fn cached_image(source: &str, arch: u32) -> Result<Vec<u8>, String> {
     let (major, minor) = driver::nvrtc_version();
-    let source = abi::kernel_source();
     let key = fnv1a(&[
         source.as_bytes(),
         format!("nvrtc {major}.{minor} sm_{arch}").as_bytes(),
@@ -592,7 +682,7 @@ fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
     {
         return Ok(image);
     }
-    let (image, _cubin) = driver::nvrtc_compile(&source, arch)?;
+    let (image, _cubin) = driver::nvrtc_compile(source, arch)?;
     if let (Some(dir), Some(path)) = (dir, path)
         && std::fs::create_dir_all(&dir).is_ok()
     {

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,7 +14,9 @@ use common::*;
 use salus_cpu::CpuDevice;
 use salus_cuda::{CudaDevice, CudaOptions};
 use salus_exec::{Device, ExecError, Placement, Program};
-use salus_graph::{DType, Graph, Limits, Op, samples};
+use salus_graph::{
+    Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update, samples,
+};
 
 /// The GPU, or `None` with the reason printed (the test then passes without running).
 fn gpu(test: &str, cap: u64) -> Option<CudaDevice> {
@@ -116,24 +119,263 @@ fn training_steps_match_the_cpu_with_and_without_graphs() {
     let feeds = vec![bytes_f32(&x), bytes_f32(&y)];
     let cpu = CpuDevice::new(64 << 20).unwrap();
     let (want, want_w) = train(&cpu, &graph, &bytes_f32(&w), &feeds, 5);
-    for graphs in [false, true] {
+    for (graphs, fusion) in [(false, false), (true, false), (false, true), (true, true)] {
         gpu.set_graphs(graphs);
+        gpu.set_fusion(fusion);
         let (got, got_w) = train(&gpu, &graph, &bytes_f32(&w), &feeds, 5);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_close(
                 &f32s(&g[0]),
                 &f32s(&w[0]),
                 tol(1e-4, 1e-6),
-                &format!("loss {i} (graphs {graphs})"),
+                &format!("loss {i} (graphs {graphs}, fusion {fusion})"),
             );
         }
         assert_close(
             &f32s(&got_w),
             &f32s(&want_w),
             tol(1e-4, 1e-6),
-            "weights after 5 steps",
+            &format!("weights after 5 steps (graphs {graphs}, fusion {fusion})"),
         );
     }
+}
+
+fn f32t(name: &str, shape: &[u64], role: Role) -> Tensor {
+    Tensor {
+        name: name.into(),
+        ty: TensorType::new(DType::F32, shape.to_vec()),
+        role,
+        data: vec![],
+    }
+}
+
+fn pointwise(op: Op, inputs: &[usize], output: usize, attrs: &[(&str, Attr)]) -> Node {
+    Node {
+        name: format!("{op}.{output}"),
+        op,
+        inputs: inputs.iter().map(|&i| Some(i)).collect(),
+        outputs: vec![Some(output)],
+        attrs: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        source: String::new(),
+    }
+}
+
+/// Pointwise chains the CUDA device fuses: x [64, 96] + b [96], times 2, gelu (fetched),
+/// minus x, tanh (fetched); and two parameter updates, w minus 0.1 sigmoid(g) and v minus
+/// 0.1 sigmoid(h), their ops interleaved as traced optimizers lay them out.
+fn fusable_step() -> Graph {
+    let f = |v: f64| Attr::Float(v);
+    Graph {
+        tensors: vec![
+            f32t("x", &[64, 96], Role::Feed),
+            f32t("b", &[96], Role::Parameter),
+            f32t("t0", &[64, 96], Role::Intermediate),
+            f32t("t1", &[64, 96], Role::Intermediate),
+            f32t("t2", &[64, 96], Role::Intermediate),
+            f32t("t3", &[64, 96], Role::Intermediate),
+            f32t("t4", &[64, 96], Role::Intermediate),
+            f32t("w", &[300], Role::Parameter),
+            f32t("v", &[300], Role::Parameter),
+            f32t("g", &[300], Role::Feed),
+            f32t("h", &[300], Role::Feed),
+            f32t("sg", &[300], Role::Intermediate),
+            f32t("sh", &[300], Role::Intermediate),
+            f32t("w2", &[300], Role::Intermediate),
+            f32t("v2", &[300], Role::Intermediate),
+        ],
+        nodes: vec![
+            pointwise(Op::AddTensor, &[0, 1], 2, &[]),
+            pointwise(Op::MulScalar, &[2], 3, &[("other", f(2.0))]),
+            pointwise(Op::Gelu, &[3], 4, &[]),
+            pointwise(Op::SubTensor, &[4, 0], 5, &[]),
+            pointwise(Op::Tanh, &[5], 6, &[]),
+            pointwise(Op::Sigmoid, &[9], 11, &[]),
+            pointwise(Op::Sigmoid, &[10], 12, &[]),
+            pointwise(Op::SubTensor, &[7, 11], 13, &[("alpha", f(0.1))]),
+            pointwise(Op::SubTensor, &[8, 12], 14, &[("alpha", f(0.1))]),
+        ],
+        fetches: vec![4, 6],
+        updates: vec![
+            Update {
+                target: 7,
+                value: 13,
+            },
+            Update {
+                target: 8,
+                value: 14,
+            },
+        ],
+    }
+}
+
+#[test]
+fn fused_chains_match_the_cpu_with_fusion_on_and_off() {
+    let Some(gpu) = gpu("fused_chains", 64 << 20) else {
+        return;
+    };
+    let graph = fusable_step();
+    let mut rng = Rng::new(19);
+    let mut f32s_of = |n: usize, lo: f64, hi: f64| -> Vec<f32> {
+        rng.vec(n, lo, hi).iter().map(|&v| v as f32).collect()
+    };
+    // The whole persistent block (b, w, v, wherever the plan puts them), all f32.
+    let block = Program::new(graph.clone(), &Limits::default())
+        .unwrap()
+        .plan()
+        .persistent_bytes;
+    let init = bytes_f32(&f32s_of(block as usize / 4, -1.0, 1.0));
+    let feeds = vec![
+        bytes_f32(&f32s_of(64 * 96, -2.0, 2.0)),
+        bytes_f32(&f32s_of(300, -3.0, 3.0)),
+        bytes_f32(&f32s_of(300, -3.0, 3.0)),
+    ];
+    let cpu = CpuDevice::new(64 << 20).unwrap();
+    let (want, want_state) = train(&cpu, &graph, &init, &feeds, 3);
+    for (graphs, fusion) in [(false, false), (false, true), (true, true)] {
+        gpu.set_graphs(graphs);
+        gpu.set_fusion(fusion);
+        let (got, got_state) = train(&gpu, &graph, &init, &feeds, 3);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            for k in 0..2 {
+                assert_close(
+                    &f32s(&g[k]),
+                    &f32s(&w[k]),
+                    tol(1e-5, 1e-6),
+                    &format!("fetch {k} of step {i} (graphs {graphs}, fusion {fusion})"),
+                );
+            }
+        }
+        assert_close(
+            &f32s(&got_state),
+            &f32s(&want_state),
+            tol(1e-5, 1e-6),
+            &format!("parameters after 3 steps (graphs {graphs}, fusion {fusion})"),
+        );
+    }
+    gpu.set_fusion(true);
+}
+
+/// Softmax, log-softmax, layer norm (and their backward) and sums over the last dim and
+/// over rows, at row lengths around the warp and block kernels' bounds.
+fn row_cases() -> Vec<Case> {
+    let mut rng = Rng::new(23);
+    let mut cases = Vec::new();
+    for len in [1u64, 31, 32, 1000, 1025, 4096] {
+        let shape = [3u64, len];
+        let x = rng.f32s(&shape, -3.0, 3.0);
+        let g = rng.f32s(&shape, -1.0, 1.0);
+        let y = rng.f32s(&shape, 0.0, 1.0);
+        let w = rng.f32s(&[len], 0.5, 1.5);
+        let bias = rng.f32s(&[len], -1.0, 1.0);
+        let stats = rng.f32s(&[3, 1], 0.5, 1.5);
+        for op in [Op::Softmax, Op::LogSoftmax] {
+            cases.push(
+                Case::new(op)
+                    .input(x.clone())
+                    .int("dim", -1)
+                    .flag("half_to_float", false)
+                    .output(DType::F32, &shape),
+            );
+        }
+        for op in [Op::SoftmaxBackwardData, Op::LogSoftmaxBackwardData] {
+            cases.push(
+                Case::new(op)
+                    .input(g.clone())
+                    .input(y.clone())
+                    .int("dim", -1)
+                    .dtype("input_dtype", DType::F32)
+                    .output(DType::F32, &shape),
+            );
+        }
+        cases.push(
+            Case::new(Op::NativeLayerNorm)
+                .input(x.clone())
+                .input(w.clone())
+                .input(bias.clone())
+                .ints("normalized_shape", &[len as i64])
+                .float("eps", 1e-5)
+                .output(DType::F32, &shape)
+                .output(DType::F32, &[3, 1])
+                .output(DType::F32, &[3, 1]),
+        );
+        cases.push(
+            Case::new(Op::NativeLayerNormBackward)
+                .input(g.clone())
+                .input(x.clone())
+                .input(stats.clone())
+                .input(stats.clone())
+                .input(w.clone())
+                .input(bias.clone())
+                .ints("normalized_shape", &[len as i64])
+                .attr("output_mask", Attr::Bools(vec![true, true, true]))
+                .output(DType::F32, &shape)
+                .output(DType::F32, &[len])
+                .output(DType::F32, &[len]),
+        );
+        for (dim, out) in [(1i64, vec![3u64]), (0, vec![len])] {
+            for op in [Op::SumDimIntList, Op::Amax, Op::VarCorrection] {
+                cases.push(
+                    Case::new(op)
+                        .input(x.clone())
+                        .ints("dim", &[dim])
+                        .output(DType::F32, &out),
+                );
+            }
+        }
+    }
+    cases
+}
+
+#[test]
+fn the_row_cases_run_on_the_cpu() {
+    for case in row_cases() {
+        case.try_run_on(None).unwrap();
+    }
+}
+
+/// The row kernels (a warp or a block per row, column sums) against the CPU.
+#[test]
+fn row_kernels_match_the_cpu() {
+    let Some(gpu) = gpu("row_kernels", 256 << 20) else {
+        return;
+    };
+    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let mut failures = Vec::new();
+    for case in row_cases() {
+        let shapes: Vec<_> = case
+            .input_values()
+            .iter()
+            .map(|v| v.ty.shape.clone())
+            .collect();
+        match (case.try_run_on(None), case.try_run_on(Some(gpu.clone()))) {
+            (Ok(want), Ok(got)) => {
+                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
+                    let worst = g
+                        .iter()
+                        .zip(w)
+                        .map(|(g, w)| (g - w).abs())
+                        .fold(0.0, f64::max);
+                    if g.len() != w.len() || worst > 2e-5 * scale {
+                        failures.push(format!(
+                            "{} of {shapes:?}: output {k} differs by {worst:e} (scale {scale})",
+                            case.op()
+                        ));
+                    }
+                }
+            }
+            (w, g) => failures.push(format!(
+                "{} of {shapes:?}: cpu {:?}, gpu {:?}",
+                case.op(),
+                w.err(),
+                g.err()
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]

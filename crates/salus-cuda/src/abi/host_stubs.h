@@ -17,5 +17,8 @@ int atomicAdd(int*, int);
 unsigned atomicCAS(unsigned*, unsigned, unsigned);
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
 void __threadfence();
+float __int_as_float(int);
+float __shfl_xor_sync(unsigned, float, int);
+double __shfl_xor_sync(unsigned, double, int);
 void __syncthreads();
 using std::isnan; using std::fmax; using std::fmin; using std::fabs; using std::exp; using std::log; using std::sqrt; using std::tanh; using std::erf; using std::pow;

@@ -232,25 +232,61 @@ fn every_kernel_file_ends_its_last_line() {
 /// the generated prelude and the kernel files together on machines without NVRTC.
 #[test]
 fn the_kernel_source_compiles_as_host_cpp() {
+    match host_compiles(&kernel_source()) {
+        None => eprintln!("skipped: no C++ compiler"),
+        Some(Err(log)) => panic!("the kernels' source does not compile as host C++:\n{log}"),
+        Some(Ok(())) => {}
+    }
+}
+
+/// `Some(result)` of compiling `source` as host C++ with the stand-ins of `host_stubs.h`,
+/// `None` without a C++ compiler (`$CXX`, else `c++`).
+pub(crate) fn host_compiles(source: &str) -> Option<Result<(), String>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static RUN: AtomicUsize = AtomicUsize::new(0);
     let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let dir = std::env::temp_dir().join(format!("salus-cuda-host-check-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "salus-cuda-host-check-{}-{}",
+        std::process::id(),
+        RUN.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    let (stubs, source) = (dir.join("host_stubs.h"), dir.join("kernels.cu"));
+    let (stubs, file) = (dir.join("host_stubs.h"), dir.join("kernels.cu"));
     std::fs::write(&stubs, include_str!("host_stubs.h")).unwrap();
-    std::fs::write(&source, kernel_source()).unwrap();
+    std::fs::write(&file, source).unwrap();
     let run = std::process::Command::new(&compiler)
         .args(["-std=c++14", "-fsyntax-only", "-include"])
         .arg(&stubs)
         .args(["-x", "c++"])
-        .arg(&source)
+        .arg(&file)
         .output();
     let _ = std::fs::remove_dir_all(&dir);
     match run {
-        Err(e) => eprintln!("skipped: no C++ compiler {compiler:?} ({e})"),
-        Ok(out) => assert!(
-            out.status.success(),
-            "the kernels' source does not compile as host C++:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ),
+        Err(_) => None,
+        Ok(out) if out.status.success() => Some(Ok(())),
+        Ok(out) => Some(Err(String::from_utf8_lossy(&out.stderr).into_owned())),
+    }
+}
+
+/// Compiles the kernels' source with NVRTC for sm_90 where the NVRTC library can be loaded
+/// (no GPU needed): the real compiler's check of what the GPU will load. Skips elsewhere.
+#[test]
+fn the_kernel_source_compiles_with_nvrtc_where_present() {
+    let source = kernel_source();
+    match nvrtc_compiles(&source) {
+        None => eprintln!("skipped: no NVRTC library"),
+        Some(Err(log)) => panic!("NVRTC rejects the kernels' source:\n{log}"),
+        Some(Ok(())) => {}
+    }
+}
+
+/// `Some(result)` of compiling `source` for sm_90 with NVRTC, `None` without the library.
+pub(crate) fn nvrtc_compiles(source: &str) -> Option<Result<(), String>> {
+    let run = std::panic::catch_unwind(|| crate::driver::nvrtc_compile(source, 90));
+    match run {
+        Err(_) => None,
+        Ok(Ok((_, true))) => Some(Ok(())),
+        Ok(Ok((_, false))) => Some(Err("NVRTC made PTX, not sm_90 machine code".into())),
+        Ok(Err(e)) => Some(Err(e)),
     }
 }

@@ -11,6 +11,7 @@
 
 mod conv;
 mod elementwise;
+pub(crate) mod fusion;
 mod index;
 mod matmul;
 mod pool;
@@ -58,8 +59,13 @@ impl Launch {
 #[derive(Debug, Clone)]
 pub(crate) enum Command {
     Launch(Launch),
-    Zero { ptr: u64, bytes: u64 },
+    Zero {
+        ptr: u64,
+        bytes: u64,
+    },
     Gemm(Gemm),
+    /// A generated kernel of a fused region (`fusion`).
+    Fused(fusion::FusedLaunch),
 }
 
 /// Most blocks of a grid dimension the lowering asks for (kernels loop over the rest).
@@ -164,6 +170,10 @@ pub(crate) struct Lowering<'a> {
     /// The node being lowered.
     pub index: usize,
     pub commands: Vec<Command>,
+    /// The program's fused regions ([`fusion::FusionPlan::none`] for none).
+    pub fusion: &'a fusion::FusionPlan,
+    /// The generated kernels the commands launch, (name, source), each once.
+    pub kernels: Vec<(String, String)>,
 }
 
 /// A node lowered, or why it cannot run on this device.
@@ -238,6 +248,10 @@ impl<'a> Lowering<'a> {
         }
         if layout.skip {
             return Ok(());
+        }
+        let fusion = self.fusion;
+        if let Some(region) = fusion.region(self.index) {
+            return self.fused(region);
         }
         match node.op {
             ConvolutionBackward => return self.convolution_backward(node),

@@ -5,8 +5,36 @@ use salus_graph::{Node, OpParams};
 use super::elementwise::{StridedView, coalesce};
 use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
 use crate::abi::{
-    Kernel, LayerNormArgs, LayerNormBackwardArgs, MAX_RANK, ReduceArgs, ReduceOp, SoftmaxArgs,
+    BLOCK, Kernel, LayerNormArgs, LayerNormBackwardArgs, MAX_RANK, ROW_WARP_MAX, ReduceArgs,
+    ReduceOp, SoftmaxArgs,
 };
+
+/// How a row kernel (`rows.cu`) covers `rows` rows of `len` elements: a warp per row
+/// (`BLOCK / 32` rows a block) when a row has at most [`ROW_WARP_MAX`] elements, else a
+/// block per row. Returns the blocks to launch.
+pub(super) fn row_blocks(rows: u64, len: u64) -> u64 {
+    if len <= ROW_WARP_MAX {
+        rows.div_ceil(u64::from(BLOCK / 32))
+    } else {
+        rows
+    }
+}
+
+/// Which kernel reduces a tensor whose kept and reduced dims are coalesced to
+/// (`kshape`, `kst`) and (`rshape`, `rst`), `count` elements per output.
+pub(super) fn reduce_kernel(kst: &[i64], rshape: &[u64], rst: &[i64], count: u64) -> Kernel {
+    if rshape.len() == 1 && rst == [1] {
+        // Each output's elements are one contiguous run: a warp or block per output.
+        Kernel::ReduceRows
+    } else if rshape.len() == 1 && kst == [1] {
+        // Adjacent outputs are adjacent elements: a lane per output, coalesced.
+        Kernel::ReduceColumns
+    } else if count <= THREAD_REDUCTION {
+        Kernel::ReduceByThread
+    } else {
+        Kernel::ReduceByBlock
+    }
+}
 
 /// Reductions of at most this many elements per output take a thread each; longer ones a
 /// block each.
@@ -64,10 +92,16 @@ impl Lowering<'_> {
             out: out.ptr,
             out_dt: out.dt(),
         };
-        if count <= THREAD_REDUCTION {
-            self.launch(Kernel::ReduceByThread, nout, args);
-        } else {
-            self.launch_blocks(Kernel::ReduceByBlock, nout, args);
+        match reduce_kernel(&kept[0].st, &rshape, &reduced[0].st, count) {
+            Kernel::ReduceRows => {
+                let blocks = row_blocks(nout, count);
+                self.launch_blocks(Kernel::ReduceRows, blocks, args);
+            }
+            Kernel::ReduceColumns => {
+                self.launch_blocks(Kernel::ReduceColumns, nout.div_ceil(32), args);
+            }
+            Kernel::ReduceByThread => self.launch(Kernel::ReduceByThread, nout, args),
+            kernel => self.launch_blocks(kernel, nout, args),
         }
         Ok(())
     }
@@ -95,20 +129,35 @@ impl Lowering<'_> {
             log: i64::from(log),
             ..SoftmaxArgs::default()
         };
+        // Along the last dim (inner 1) the rows are contiguous: the row kernels.
+        let last = inner == 1;
         let kernel = match g {
             None => {
                 (args.x, args.xdt) = (a.ptr, a.dt());
                 (args.y, args.ydt) = (o.ptr, o.dt());
-                Kernel::SoftmaxForward
+                if last {
+                    Kernel::SoftmaxForwardRows
+                } else {
+                    Kernel::SoftmaxForward
+                }
             }
             Some(g) => {
                 (args.x, args.xdt) = (o.ptr, o.dt());
                 (args.y, args.ydt) = (a.ptr, a.dt());
                 (args.g, args.gdt) = (g.ptr, g.dt());
-                Kernel::SoftmaxBackward
+                if last {
+                    Kernel::SoftmaxBackwardRows
+                } else {
+                    Kernel::SoftmaxBackward
+                }
             }
         };
-        self.launch_blocks(kernel, rows * inner, args);
+        let blocks = if last {
+            row_blocks(rows, len)
+        } else {
+            rows * inner
+        };
+        self.launch_blocks(kernel, blocks, args);
         Ok(())
     }
 
@@ -147,7 +196,7 @@ impl Lowering<'_> {
         (args.y, args.ydt) = address(y.as_ref());
         (args.mean, args.mdt) = address(mean.as_ref());
         (args.rstd, args.rdt) = address(rstd.as_ref());
-        self.launch_blocks(Kernel::LayerNormForward, rows, args);
+        self.launch_blocks(Kernel::LayerNormForwardRows, row_blocks(rows, inner), args);
         Ok(())
     }
 
@@ -199,7 +248,8 @@ impl Lowering<'_> {
         (args.gw, args.gwdt) = address(outs[1].as_ref());
         (args.gb, args.gbdt) = address(outs[2].as_ref());
         if args.gi != 0 {
-            self.launch_blocks(Kernel::LayerNormBackwardInput, rows, args);
+            let blocks = row_blocks(rows, inner);
+            self.launch_blocks(Kernel::LayerNormBackwardInputRows, blocks, args);
         }
         if args.gw != 0 || args.gb != 0 {
             if rows == 0 {
@@ -207,7 +257,8 @@ impl Lowering<'_> {
                     self.zero(o);
                 }
             } else {
-                self.launch(Kernel::LayerNormBackwardParams, inner, args);
+                let blocks = inner.div_ceil(32);
+                self.launch_blocks(Kernel::LayerNormBackwardParamsColumns, blocks, args);
             }
         }
         Ok(())

@@ -35,6 +35,8 @@ fn lower(graph: Graph) -> Vec<Command> {
         err: 1 << 40,
         index: 0,
         commands: Vec::new(),
+        fusion: &fusion::FusionPlan::none(),
+        kernels: Vec::new(),
     };
     for (index, node) in program.graph().nodes.iter().enumerate() {
         lowering.index = index;
@@ -185,4 +187,284 @@ fn updates_become_guarded_copies_of_up_to_128_segments() {
         &[128 * 64, 128 * 64 + 8, 64, 129 * 64, 129 * 64 + 8, 64]
     );
     assert!(second.seg[6..].iter().all(|&w| w == 0));
+}
+
+// ---------------------------------------------------------------------------------------
+// Fusion.
+
+use salus_graph::Update;
+
+use super::fusion::{FusionPlan, plan};
+use crate::abi::{ElementwiseArgs, FusedArgs};
+
+fn f32t(name: &str, shape: &[u64], role: Role) -> Tensor {
+    tensor(name, DType::F32, shape, role)
+}
+
+fn program(graph: Graph) -> Program {
+    Program::new(graph, &Limits::default()).expect("a valid graph")
+}
+
+/// The commands of `program` lowered with `fusion`, and the generated kernels.
+fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(String, String)>) {
+    let mut lowering = Lowering {
+        program,
+        persistent: 1 << 20,
+        lane: 1 << 30,
+        err: 1 << 40,
+        index: 0,
+        commands: Vec::new(),
+        fusion,
+        kernels: Vec::new(),
+    };
+    for (index, node) in program.graph().nodes.iter().enumerate() {
+        lowering.index = index;
+        lowering.node(node).expect("lowered");
+    }
+    (lowering.commands, lowering.kernels)
+}
+
+/// x [4, 8] + b [8], * 2, relu (fetched), - x, tanh (fetched): five pointwise ops with a
+/// broadcast and a fetched middle value.
+fn chain_with_fetched_middle() -> Graph {
+    Graph {
+        tensors: vec![
+            f32t("x", &[4, 8], Role::Feed),
+            f32t("b", &[8], Role::Parameter),
+            f32t("t0", &[4, 8], Role::Intermediate),
+            f32t("t1", &[4, 8], Role::Intermediate),
+            f32t("t2", &[4, 8], Role::Intermediate),
+            f32t("t3", &[4, 8], Role::Intermediate),
+            f32t("t4", &[4, 8], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::AddTensor, &[0, 1], &[2], &[]),
+            node(Op::MulScalar, &[2], &[3], &[("other", Attr::Float(2.0))]),
+            node(Op::Relu, &[3], &[4], &[]),
+            node(Op::SubTensor, &[4, 0], &[5], &[]),
+            node(Op::Tanh, &[5], &[6], &[]),
+        ],
+        fetches: vec![4, 6],
+        updates: vec![],
+    }
+}
+
+#[test]
+fn a_chain_fuses_into_one_region_writing_only_what_is_needed() {
+    let program = program(chain_with_fetched_middle());
+    let fusion = plan(&program);
+    assert_eq!(fusion.regions.len(), 1, "{fusion:?}");
+    let r = &fusion.regions[0];
+    assert_eq!(r.nodes, vec![0, 1, 2, 3, 4]);
+    assert_eq!(r.shape, vec![4, 8]);
+    assert_eq!(r.inputs, vec![0, 1], "x and b are read");
+    assert_eq!(r.outputs, vec![4, 6], "the fetched t2 and t4 are written");
+    let (commands, kernels) = lower_fused(&program, &fusion);
+    assert_eq!(commands.len(), 1, "{commands:?}");
+    let Command::Fused(f) = &commands[0] else {
+        panic!("{commands:?}")
+    };
+    assert_eq!(kernels.len(), 1);
+    assert_eq!(kernels[0].0, f.name);
+    let a: &FusedArgs = &f.args;
+    assert_eq!((a.n, a.nops, a.contig), (32, 4, 0));
+    assert_eq!(&a.shape[..2], &[4, 8]);
+    assert_eq!(&a.ops[1].st[..2], &[0, 1], "b broadcast over the rows");
+    assert_eq!(&a.s[..4], &[1.0, 0.0, 2.0, 0.0]);
+    assert_eq!(&a.s[6..8], &[-1.0, 0.0], "sub is add with alpha -1");
+    // Without fusion: five launches of `ew`.
+    let (unfused, none) = lower_fused(&program, &FusionPlan::none());
+    assert_eq!(launches(&unfused).len(), 5);
+    assert!(none.is_empty());
+}
+
+#[test]
+fn an_intermediate_read_outside_the_region_is_written_and_bounds_it() {
+    // t0 = exp(x); t1 = neg(t0); s = sum(t0, 1) reads t0; t2 = t1 + 1 after the sum.
+    let graph = Graph {
+        tensors: vec![
+            f32t("x", &[4, 8], Role::Feed),
+            f32t("t0", &[4, 8], Role::Intermediate),
+            f32t("t1", &[4, 8], Role::Intermediate),
+            f32t("s", &[4], Role::Intermediate),
+            f32t("t2", &[4, 8], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Exp, &[0], &[1], &[]),
+            node(Op::Neg, &[1], &[2], &[]),
+            node(
+                Op::SumDimIntList,
+                &[1],
+                &[3],
+                &[("dim", Attr::Ints(vec![1]))],
+            ),
+            node(Op::AddScalar, &[2], &[4], &[("other", Attr::Float(1.0))]),
+        ],
+        fetches: vec![3, 4],
+        updates: vec![],
+    };
+    let program = program(graph);
+    let fusion = plan(&program);
+    assert_eq!(fusion.regions.len(), 1, "{fusion:?}");
+    let r = &fusion.regions[0];
+    assert_eq!(
+        r.nodes,
+        vec![0, 1],
+        "the add runs after the sum that reads t0"
+    );
+    assert_eq!(
+        r.outputs,
+        vec![1, 2],
+        "t0 (read by the sum) and t1 (by the add)"
+    );
+    assert!(fusion.region(3).is_none());
+}
+
+#[test]
+fn different_shapes_do_not_fuse_and_updates_are_written() {
+    // a = exp(r) [4, 1]; c = x * a [4, 8]; d = -c [4, 8]; w2 = w - 0.1 * g, w updated.
+    let graph = Graph {
+        tensors: vec![
+            f32t("x", &[4, 8], Role::Feed),
+            f32t("r", &[4, 1], Role::Feed),
+            f32t("a", &[4, 1], Role::Intermediate),
+            f32t("c", &[4, 8], Role::Intermediate),
+            f32t("d", &[4, 8], Role::Intermediate),
+            f32t("w", &[8], Role::Parameter),
+            f32t("g", &[8], Role::Feed),
+            f32t("t", &[8], Role::Intermediate),
+            f32t("w2", &[8], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::Exp, &[1], &[2], &[]),
+            node(Op::MulTensor, &[0, 2], &[3], &[]),
+            node(Op::Neg, &[3], &[4], &[]),
+            node(Op::MulScalar, &[6], &[7], &[("other", Attr::Float(0.1))]),
+            node(Op::SubTensor, &[5, 7], &[8], &[]),
+        ],
+        fetches: vec![4],
+        updates: vec![Update {
+            target: 5,
+            value: 8,
+        }],
+    };
+    let program = program(graph);
+    let fusion = plan(&program);
+    let regions: Vec<(Vec<usize>, Vec<usize>, Vec<usize>)> = fusion
+        .regions
+        .iter()
+        .map(|r| (r.nodes.clone(), r.inputs.clone(), r.outputs.clone()))
+        .collect();
+    assert_eq!(
+        regions,
+        vec![
+            (vec![1, 2], vec![0, 2], vec![4]),
+            (vec![3, 4], vec![6, 5], vec![8]),
+        ]
+    );
+    assert!(fusion.region(0).is_none(), "exp over [4, 1] runs alone");
+}
+
+#[test]
+fn non_adjacent_nodes_fuse_when_nothing_between_overwrites_their_inputs() {
+    // Two interleaved chains (as traced optimizers lay them out): a0 = x * 2, b0 = y * 2,
+    // a1 = a0 + 1, b1 = b0 + 1; each chain is a region running at its last node.
+    let graph = Graph {
+        tensors: vec![
+            f32t("x", &[16], Role::Feed),
+            f32t("y", &[16], Role::Feed),
+            f32t("a0", &[16], Role::Intermediate),
+            f32t("b0", &[16], Role::Intermediate),
+            f32t("a1", &[16], Role::Intermediate),
+            f32t("b1", &[16], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::MulScalar, &[0], &[2], &[("other", Attr::Float(2.0))]),
+            node(Op::MulScalar, &[1], &[3], &[("other", Attr::Float(2.0))]),
+            node(Op::AddScalar, &[2], &[4], &[("other", Attr::Float(1.0))]),
+            node(Op::AddScalar, &[3], &[5], &[("other", Attr::Float(1.0))]),
+        ],
+        fetches: vec![4, 5],
+        updates: vec![],
+    };
+    let program = program(graph);
+    let fusion = plan(&program);
+    let nodes: Vec<Vec<usize>> = fusion.regions.iter().map(|r| r.nodes.clone()).collect();
+    assert_eq!(nodes, vec![vec![0, 2], vec![1, 3]]);
+    let (commands, kernels) = lower_fused(&program, &fusion);
+    assert_eq!(commands.len(), 2);
+    assert_eq!(kernels.len(), 1, "both regions are the same kernel");
+}
+
+#[test]
+fn fused_ops_and_scalars_are_the_unfused_lowering_s() {
+    // Each single node lowered unfused (one `ew` launch) against `pointwise`.
+    type Case = (Op, Vec<(&'static str, Attr)>, usize);
+    let cases: Vec<Case> = vec![
+        (Op::AddTensor, vec![("alpha", Attr::Float(0.5))], 2),
+        (Op::SubTensor, vec![("alpha", Attr::Float(3.0))], 2),
+        (Op::MulTensor, vec![], 2),
+        (Op::DivTensor, vec![], 2),
+        (
+            Op::AddScalar,
+            vec![("other", Attr::Float(2.0)), ("alpha", Attr::Float(3.0))],
+            1,
+        ),
+        (Op::DivScalar, vec![("other", Attr::Float(4.0))], 1),
+        (Op::PowTensorScalar, vec![("exponent", Attr::Float(3.0))], 1),
+        (Op::Sigmoid, vec![], 1),
+        (Op::Rsqrt, vec![], 1),
+        (Op::Gelu, vec![("approximate", Attr::Str("tanh".into()))], 1),
+        (Op::Gelu, vec![], 1),
+        (Op::LeakyRelu, vec![("negative_slope", Attr::Float(0.2))], 1),
+        (
+            Op::Clamp,
+            vec![("min", Attr::Float(-1.0)), ("max", Attr::Float(2.0))],
+            1,
+        ),
+    ];
+    for (op, attrs, inputs) in cases {
+        let mut tensors: Vec<Tensor> = (0..inputs)
+            .map(|k| f32t(&format!("in{k}"), &[3, 5], Role::Feed))
+            .collect();
+        tensors.push(f32t("out", &[3, 5], Role::Intermediate));
+        let ins: Vec<usize> = (0..inputs).collect();
+        let graph = Graph {
+            tensors,
+            nodes: vec![node(op, &ins, &[inputs], &attrs)],
+            fetches: vec![inputs],
+            updates: vec![],
+        };
+        let program = program(graph);
+        let (commands, _) = lower_fused(&program, &FusionPlan::none());
+        let launches = launches(&commands);
+        let ew: &ElementwiseArgs = launches[0].args.as_any().downcast_ref().unwrap();
+        let p = fusion::pointwise(op, program.params(0), DType::F32, DType::F32)
+            .unwrap_or_else(|| panic!("{op} fuses"));
+        assert_eq!(
+            (p.op.code(), p.inputs as i64, p.s),
+            (ew.op, ew.nin, [ew.s0, ew.s1]),
+            "{op} {attrs:?}"
+        );
+    }
+}
+
+#[test]
+fn generated_kernels_compile() {
+    let program = program(chain_with_fetched_middle());
+    let (_, kernels) = lower_fused(&program, &plan(&program));
+    let text = &kernels[0].1;
+    assert!(text.contains(&format!("void {}(const FusedArgs a)", kernels[0].0)));
+    for name in ["OP_ADD", "OP_MULS", "OP_RELU", "OP_TANH", "DT_F32"] {
+        assert!(text.contains(name), "{name} in\n{text}");
+    }
+    let source = crate::abi::fused_kernel_source(kernels.iter().map(|(_, t)| t.as_str()));
+    match crate::abi::tests::host_compiles(&source) {
+        None => eprintln!("host C++ check skipped: no C++ compiler"),
+        Some(r) => r.unwrap_or_else(|log| panic!("host C++ rejects\n{text}\n{log}")),
+    }
+    match crate::abi::tests::nvrtc_compiles(&source) {
+        None => eprintln!("NVRTC check skipped: no NVRTC library"),
+        Some(r) => r.unwrap_or_else(|log| panic!("NVRTC rejects\n{text}\n{log}")),
+    }
 }

@@ -1,0 +1,309 @@
+// ------------------------------------------------------------------------------------
+// Row kernels: reductions, softmax and layer norm over contiguous rows (the innermost dims),
+// a warp per row when a row has at most ROW_WARP_MAX elements (BLOCK / 32 rows per block),
+// else a block per row. Lanes read consecutive elements (coalesced); partial results are
+// combined with warp shuffles, and across the block's warps through shared memory.
+// Softmax and layer norm compute in f32 (loads widened to f32, f32 sums); reductions sum
+// in double as the general kernels do (exact integer sums). The general kernels of
+// reduce.cu and norm.cu remain for other layouts.
+
+#define ROW_WARPS (BLOCK / 32)
+
+// The rows of a launch, for the calling thread: a warp or a block per row.
+#define ROW_LOOP(r, rows, per_warp)                                                    \
+    for (i64 r = (per_warp) ? (i64)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5)       \
+                            : (i64)blockIdx.x;                                         \
+         r < (rows); r += (per_warp) ? (i64)gridDim.x * ROW_WARPS : (i64)gridDim.x)
+
+__device__ float warp_sum_f(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// max that ignores NaN (fmaxf), as softmax's block_fmax.
+__device__ float warp_max_f(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ double warp_nan_max_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The whole row's sum (max) in every thread of the row's warp (per_warp) or block.
+__device__ float row_sum_f(float v, bool per_warp, float* sh) {
+    v = warp_sum_f(v);
+    if (per_warp) return v;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = (threadIdx.x & 31) < ROW_WARPS ? sh[threadIdx.x & 31] : 0.0f;
+    return warp_sum_f(v);
+}
+
+__device__ float row_max_f(float v, bool per_warp, float* sh) {
+    v = warp_max_f(v);
+    if (per_warp) return v;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = (threadIdx.x & 31) < ROW_WARPS ? sh[threadIdx.x & 31] : -__int_as_float(0x7f800000);
+    return warp_max_f(v);
+}
+
+__device__ double row_sum_d(double v, bool per_warp, double* sh) {
+    v = warp_sum_d(v);
+    if (per_warp) return v;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = (threadIdx.x & 31) < ROW_WARPS ? sh[threadIdx.x & 31] : 0.0;
+    return warp_sum_d(v);
+}
+
+__device__ double row_nan_max_d(double v, bool per_warp, double* sh) {
+    v = warp_nan_max_d(v);
+    if (per_warp) return v;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = (threadIdx.x & 31) < ROW_WARPS ? sh[threadIdx.x & 31] : NEG_INF;
+    return warp_nan_max_d(v);
+}
+
+__device__ float ldf(u64 p, i64 dt, i64 i) {
+    if (dt == DT_F32) return ((const float*)p)[i];
+    return (float)ld(p, dt, i);
+}
+
+__device__ void stf(u64 p, i64 dt, i64 i, float v) {
+    if (dt == DT_F32) ((float*)p)[i] = v;
+    else st(p, dt, i, (double)v);
+}
+
+// Reductions whose reduced elements are one contiguous run per output (`rrank` 1 with
+// stride 1): output `oi` reads `count` elements from `kept_base(oi)`.
+extern "C" __global__ void red_rows(const ReduceArgs a) {
+    __shared__ double sh[32];
+    bool pw = a.count <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    ROW_LOOP(oi, a.nout, pw) {
+        i64 base = kept_base(a, oi);
+        double acc = a.op == RED_AMAX ? NEG_INF : 0.0;
+        for (i64 j = t; j < a.count; j += nt) {
+            double v = ld(a.input, a.in_dt, base + j);
+            if (a.op == RED_AMAX) acc = nan_max(acc, v);
+            else if (a.op == RED_ANY) acc = (acc != 0.0 || v != 0.0) ? 1.0 : 0.0;
+            else acc += v;
+        }
+        if (a.op == RED_AMAX) acc = row_nan_max_d(acc, pw, sh);
+        else if (a.op == RED_ANY) acc = row_sum_d(acc, pw, sh) != 0.0 ? 1.0 : 0.0;
+        else acc = row_sum_d(acc, pw, sh);
+        double sq = 0.0;
+        if (a.op == RED_VAR) {
+            double mean = acc / (double)a.count;
+            double part = 0.0;
+            for (i64 j = t; j < a.count; j += nt) {
+                double d = ld(a.input, a.in_dt, base + j) - mean;
+                part += d * d;
+            }
+            sq = row_sum_d(part, pw, sh);
+        }
+        if (t == 0) st(a.out, a.out_dt, oi, red_finish(a, acc, sq));
+    }
+}
+
+// Reductions whose outputs are one contiguous run (`krank` 1, stride 1) and whose reduced
+// elements are `rst[0]` apart (`rrank` 1): the sum of a [count, nout] matrix's columns, as a
+// bias gradient. A block takes 32 adjacent outputs (a lane each, coalesced) and splits the
+// reduced elements among its ROW_WARPS warps, combined through shared memory.
+extern "C" __global__ void red_cols(const ReduceArgs a) {
+    __shared__ double sh[ROW_WARPS][33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    i64 stride = a.rst[0];
+    for (i64 c0 = (i64)blockIdx.x * 32; c0 < a.nout; c0 += (i64)gridDim.x * 32) {
+        i64 oi = c0 + lane;
+        bool on = oi < a.nout;
+        double acc = a.op == RED_AMAX ? NEG_INF : 0.0;
+        if (on) {
+            for (i64 j = w; j < a.count; j += ROW_WARPS) {
+                double v = ld(a.input, a.in_dt, oi + j * stride);
+                if (a.op == RED_AMAX) acc = nan_max(acc, v);
+                else if (a.op == RED_ANY) acc = (acc != 0.0 || v != 0.0) ? 1.0 : 0.0;
+                else acc += v;
+            }
+        }
+        __syncthreads();
+        sh[w][lane] = acc;
+        __syncthreads();
+        double total = a.op == RED_AMAX ? NEG_INF : 0.0;
+        for (int k = 0; k < ROW_WARPS; ++k) {
+            double v = sh[k][lane];
+            if (a.op == RED_AMAX) total = nan_max(total, v);
+            else if (a.op == RED_ANY) total = (total != 0.0 || v != 0.0) ? 1.0 : 0.0;
+            else total += v;
+        }
+        double sq = 0.0;
+        if (a.op == RED_VAR) {
+            double mean = total / (double)a.count;
+            double part = 0.0;
+            if (on) {
+                for (i64 j = w; j < a.count; j += ROW_WARPS) {
+                    double d = ld(a.input, a.in_dt, oi + j * stride) - mean;
+                    part += d * d;
+                }
+            }
+            __syncthreads();
+            sh[w][lane] = part;
+            __syncthreads();
+            for (int k = 0; k < ROW_WARPS; ++k) sq += sh[k][lane];
+        }
+        if (w == 0 && on) st(a.out, a.out_dt, oi, red_finish(a, total, sq));
+    }
+}
+
+// Softmax and log-softmax over the last dim (`inner` 1): rows of `len` contiguous elements.
+extern "C" __global__ void softmax_fwd_rows(const SoftmaxArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.len <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    ROW_LOOP(r, a.rows, pw) {
+        i64 base = r * a.len;
+        float m = -__int_as_float(0x7f800000);
+        for (i64 j = t; j < a.len; j += nt) m = fmaxf(m, ldf(a.x, a.xdt, base + j));
+        m = row_max_f(m, pw, sh);
+        float s = 0.0f;
+        for (i64 j = t; j < a.len; j += nt) s += expf(ldf(a.x, a.xdt, base + j) - m);
+        s = row_sum_f(s, pw, sh);
+        float ls = logf(s);
+        for (i64 j = t; j < a.len; j += nt) {
+            float v = ldf(a.x, a.xdt, base + j) - m;
+            stf(a.y, a.ydt, base + j, a.log ? v - ls : expf(v) / s);
+        }
+    }
+}
+
+// Their backward over the last dim: grad_input (into x) from grad_output g and output y.
+// Each element is read and written by one thread, after the row's sum: in place over g
+// is safe.
+extern "C" __global__ void softmax_bwd_rows(const SoftmaxArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.len <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    ROW_LOOP(r, a.rows, pw) {
+        i64 base = r * a.len;
+        float s = 0.0f;
+        for (i64 j = t; j < a.len; j += nt) {
+            float gv = ldf(a.g, a.gdt, base + j);
+            s += a.log ? gv : gv * ldf(a.y, a.ydt, base + j);
+        }
+        s = row_sum_f(s, pw, sh);
+        for (i64 j = t; j < a.len; j += nt) {
+            float gv = ldf(a.g, a.gdt, base + j), yv = ldf(a.y, a.ydt, base + j);
+            stf(a.x, a.xdt, base + j, a.log ? gv - expf(yv) * s : yv * (gv - s));
+        }
+    }
+}
+
+// Layer norm over rows of `inner` contiguous elements: mean, then the variance about it
+// (two passes, f32).
+extern "C" __global__ void layer_norm_fwd_rows(const LayerNormArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.inner <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    float n = (float)a.inner;
+    ROW_LOOP(r, a.rows, pw) {
+        i64 base = r * a.inner;
+        float s = 0.0f;
+        for (i64 j = t; j < a.inner; j += nt) s += ldf(a.x, a.xdt, base + j);
+        float mean = row_sum_f(s, pw, sh) / n;
+        float q = 0.0f;
+        for (i64 j = t; j < a.inner; j += nt) {
+            float d = ldf(a.x, a.xdt, base + j) - mean;
+            q += d * d;
+        }
+        float var = row_sum_f(q, pw, sh) / n;
+        float rstd = 1.0f / sqrtf(var + (float)a.eps);
+        if (a.y) {
+            for (i64 j = t; j < a.inner; j += nt) {
+                float v = (ldf(a.x, a.xdt, base + j) - mean) * rstd;
+                if (a.w) v *= ldf(a.w, a.wdt, j);
+                if (a.b) v += ldf(a.b, a.bdt, j);
+                stf(a.y, a.ydt, base + j, v);
+            }
+        }
+        if (t == 0) {
+            if (a.mean) stf(a.mean, a.mdt, r, mean);
+            if (a.rstd) stf(a.rstd, a.rdt, r, rstd);
+        }
+    }
+}
+
+extern "C" __global__ void layer_norm_bwd_input_rows(const LayerNormBackwardArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.inner <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    float n = (float)a.inner;
+    ROW_LOOP(r, a.rows, pw) {
+        i64 base = r * a.inner;
+        float m = ldf(a.mean, a.mdt, r), rs = ldf(a.rstd, a.rdt, r);
+        float s1 = 0.0f, s2 = 0.0f;
+        for (i64 j = t; j < a.inner; j += nt) {
+            float xhat = (ldf(a.x, a.xdt, base + j) - m) * rs;
+            float dyw = ldf(a.g, a.gdt, base + j) * (a.w ? ldf(a.w, a.wdt, j) : 1.0f);
+            s1 += dyw;
+            s2 += dyw * xhat;
+        }
+        float mean_dyw = row_sum_f(s1, pw, sh) / n;
+        float mean_dyw_xhat = row_sum_f(s2, pw, sh) / n;
+        for (i64 j = t; j < a.inner; j += nt) {
+            float xhat = (ldf(a.x, a.xdt, base + j) - m) * rs;
+            float dyw = ldf(a.g, a.gdt, base + j) * (a.w ? ldf(a.w, a.wdt, j) : 1.0f);
+            stf(a.gi, a.gidt, base + j, rs * (dyw - mean_dyw - xhat * mean_dyw_xhat));
+        }
+    }
+}
+
+// The weight and bias gradients: 32 adjacent columns a block (a lane each, coalesced), the
+// rows split among its warps and combined through shared memory; sums in double.
+extern "C" __global__ void layer_norm_bwd_params_cols(const LayerNormBackwardArgs a) {
+    __shared__ double shw[ROW_WARPS][33];
+    __shared__ double shb[ROW_WARPS][33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (i64 c0 = (i64)blockIdx.x * 32; c0 < a.inner; c0 += (i64)gridDim.x * 32) {
+        i64 j = c0 + lane;
+        double gw = 0.0, gb = 0.0;
+        if (j < a.inner) {
+            for (i64 r = w; r < a.rows; r += ROW_WARPS) {
+                double dy = ld(a.g, a.gdt, r * a.inner + j);
+                double xhat = (ld(a.x, a.xdt, r * a.inner + j) - ld(a.mean, a.mdt, r)) * ld(a.rstd, a.rdt, r);
+                gw += dy * xhat;
+                gb += dy;
+            }
+        }
+        __syncthreads();
+        shw[w][lane] = gw;
+        shb[w][lane] = gb;
+        __syncthreads();
+        if (w == 0 && j < a.inner) {
+            double tw = 0.0, tb = 0.0;
+            for (int k = 0; k < ROW_WARPS; ++k) {
+                tw += shw[k][lane];
+                tb += shb[k][lane];
+            }
+            if (a.gw) st(a.gw, a.gwdt, j, tw);
+            if (a.gb) st(a.gb, a.gbdt, j, tb);
+        }
+    }
+}

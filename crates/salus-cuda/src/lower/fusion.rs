@@ -1,0 +1,660 @@
+//! Fused pointwise regions: nodes of elementwise ops (unary, binary, with a scalar, where,
+//! casts) over one output shape, whose inputs broadcast to it, become one generated kernel
+//! that keeps the region's intermediates in registers and writes only the outputs something
+//! else needs (a node outside the region, a fetch, an update).
+//!
+//! A region runs where its last node is. Its nodes need not be adjacent in the program;
+//! what [`plan`] checks keeps that equal to running them one by one under the program's
+//! static memory plan (which fusion leaves as it is: dropped intermediates keep their bytes,
+//! untouched):
+//!
+//! 1. every reader of a region output outside the region comes after the region's last
+//!    node (it must find the value written);
+//! 2. no node outside the region that runs between a region input's first reader in the
+//!    region and the last node writes (outputs or scratch) over that input's bytes;
+//! 3. an output the region writes does not overlap an input it reads, unless it is that
+//!    input's own bytes, same dtype and every element (in place: each thread reads its
+//!    element before writing it).
+//!
+//! The generated source names ops, dtypes and the loads and stores by the `abi` codes;
+//! `apply` (elementwise.cu) computes every op as the `ew` kernel does, in double, and each
+//! intermediate is rounded to its dtype as storing and reloading it would.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::sync::Arc;
+
+use salus_exec::{Location, Program};
+use salus_graph::{DType, GeluApproximate, Op, OpParams};
+
+use super::elementwise::{StridedView, coalesce};
+use super::{Command, Lowered, Lowering, broadcast, contiguous, grid_for, numel, padded, signed};
+use crate::abi::{
+    BLOCK, DeviceDType, ElementwiseOp, FusedArgs, MAX_FUSED_NODES, MAX_FUSED_OPERANDS, MAX_RANK,
+    StridedTensor,
+};
+use crate::driver::Raw;
+
+/// A fused kernel's launch: its generated kernel (by name; the function handle is filled in
+/// once the kernel is compiled and loaded), grid and arguments.
+#[derive(Debug, Clone)]
+pub(crate) struct FusedLaunch {
+    pub name: String,
+    pub grid: u32,
+    pub block: u32,
+    pub args: Arc<FusedArgs>,
+    pub function: Option<Raw<cudarc::driver::sys::CUfunction>>,
+}
+
+/// What one node of a region computes: `apply(op, in[0], in[1], in[2], s[0], s[1])`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Pointwise {
+    pub op: ElementwiseOp,
+    pub inputs: usize,
+    pub s: [f64; 2],
+}
+
+/// The elementwise op a node is, as the unfused lowering runs it; `None` for every other
+/// node (and for same-dtype i64 copies, which `ew` copies bit for bit and a region could
+/// not through double).
+pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Option<Pointwise> {
+    use ElementwiseOp as E;
+    use Op::*;
+    let p = |op, inputs, s| Some(Pointwise { op, inputs, s });
+    match (op, params) {
+        (AddTensor | SubTensor, &OpParams::Binary { alpha }) => {
+            let sign = if op == SubTensor { -1.0 } else { 1.0 };
+            p(E::Add, 2, [sign * alpha, 0.0])
+        }
+        (MulTensor, _) => p(E::Mul, 2, [0.0; 2]),
+        (DivTensor, _) => p(E::Div, 2, [0.0; 2]),
+        (LogicalAnd, _) => p(E::LogicalAnd, 2, [0.0; 2]),
+        (BitwiseAndTensor, _) => p(E::BitwiseAnd, 2, [0.0; 2]),
+        (
+            AddScalar | MulScalar | DivScalar | PowTensorScalar | PowScalar | EqScalar | NeScalar
+            | LtScalar | LeScalar | GtScalar | GeScalar,
+            &OpParams::WithScalar { scalar, alpha },
+        ) => {
+            let e = match op {
+                AddScalar => E::AddScalar,
+                MulScalar => E::MulScalar,
+                DivScalar => E::DivScalar,
+                PowTensorScalar => E::PowTensorScalar,
+                PowScalar => E::PowScalar,
+                EqScalar => E::Eq,
+                NeScalar => E::Ne,
+                LtScalar => E::Lt,
+                LeScalar => E::Le,
+                GtScalar => E::Gt,
+                _ => E::Ge,
+            };
+            p(e, 1, [alpha * scalar.as_f64(), 0.0])
+        }
+        (Neg, _) => p(E::Neg, 1, [0.0; 2]),
+        (Abs, _) => p(E::Abs, 1, [0.0; 2]),
+        (Sign, _) => p(E::Sign, 1, [0.0; 2]),
+        (Exp, _) => p(E::Exp, 1, [0.0; 2]),
+        (Log, _) => p(E::Log, 1, [0.0; 2]),
+        (Sqrt, _) => p(E::Sqrt, 1, [0.0; 2]),
+        (Rsqrt, _) => p(E::Rsqrt, 1, [0.0; 2]),
+        (Reciprocal, _) => p(E::Reciprocal, 1, [0.0; 2]),
+        (Sigmoid, _) => p(E::Sigmoid, 1, [0.0; 2]),
+        (Tanh, _) => p(E::Tanh, 1, [0.0; 2]),
+        (Relu, _) => p(E::Relu, 1, [0.0; 2]),
+        (Erf, _) => p(E::Erf, 1, [0.0; 2]),
+        (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
+            p(E::LeakyRelu, 1, [negative_slope, 0.0])
+        }
+        (Gelu, &OpParams::Gelu { approximate }) => match approximate {
+            GeluApproximate::Tanh => p(E::GeluTanh, 1, [0.0; 2]),
+            GeluApproximate::None => p(E::Gelu, 1, [0.0; 2]),
+        },
+        (Clamp, &OpParams::Clamp { min, max }) => {
+            let lo = min.map_or(f64::NEG_INFINITY, |v| v.as_f64());
+            let hi = max.map_or(f64::INFINITY, |v| v.as_f64());
+            p(E::Clamp, 1, [lo, hi])
+        }
+        (LogicalNot, _) => p(E::LogicalNot, 1, [0.0; 2]),
+        (BitwiseNot, _) if to == DType::Bool => p(E::LogicalNot, 1, [0.0; 2]),
+        (BitwiseNot, _) => p(E::BitwiseNot, 1, [0.0; 2]),
+        (WhereSelf, _) => p(E::Where, 3, [0.0; 2]),
+        (ToCopy | Clone, _) if from == to && to == DType::I64 => None,
+        (ToCopy | Clone, _) => p(E::Copy, 1, [0.0; 2]),
+        _ => None,
+    }
+}
+
+/// One fused region: its nodes in program order (it runs at the last), their output shape,
+/// and the tensors it reads from memory and writes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Region {
+    pub nodes: Vec<usize>,
+    pub shape: Vec<u64>,
+    /// Tensors produced outside the region that its nodes read, in first-use order.
+    pub inputs: Vec<usize>,
+    /// Outputs of its nodes that something outside the region needs, in node order.
+    pub outputs: Vec<usize>,
+}
+
+/// The fused regions of a program.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FusionPlan {
+    pub regions: Vec<Region>,
+    /// Per node, the region it belongs to.
+    pub region_of: Vec<Option<usize>>,
+}
+
+impl FusionPlan {
+    /// No fusion: every node on its own.
+    pub(crate) fn none() -> FusionPlan {
+        FusionPlan::default()
+    }
+
+    /// The region of node `index`, if it is fused.
+    pub(crate) fn region(&self, index: usize) -> Option<&Region> {
+        let r = self.region_of.get(index).copied().flatten()?;
+        self.regions.get(r)
+    }
+}
+
+fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+/// What the region finder knows about a program.
+struct Facts<'p> {
+    program: &'p Program,
+    ops: Vec<Option<Pointwise>>,
+    /// Per tensor, the nodes that read it (ascending, once each).
+    readers: Vec<Vec<usize>>,
+    /// Per tensor, its producer.
+    producer: Vec<Option<usize>>,
+    /// Tensors read after the last node (fetches, update values).
+    at_end: BTreeSet<usize>,
+    /// Per node, the lane bytes it writes (outputs and scratch).
+    writes: Vec<Vec<Range<u64>>>,
+}
+
+impl Facts<'_> {
+    fn lane_range(&self, id: usize) -> Option<Range<u64>> {
+        match self.program.location(id) {
+            Some(Location::Lane(off)) => Some(off..off + self.program.bytes(id)),
+            _ => None,
+        }
+    }
+
+    fn inputs(&self, node: usize) -> impl Iterator<Item = usize> + '_ {
+        self.program.graph().nodes[node]
+            .inputs
+            .iter()
+            .flatten()
+            .copied()
+    }
+
+    fn output(&self, node: usize) -> usize {
+        self.program.graph().nodes[node].outputs[0].unwrap_or(usize::MAX)
+    }
+
+    fn shape(&self, id: usize) -> &[u64] {
+        &self.program.graph().tensors[id].ty.shape
+    }
+
+    /// The region's external inputs (first-use order) if `nodes` ran as one.
+    fn external(&self, nodes: &[usize]) -> Vec<usize> {
+        let produced: BTreeSet<usize> = nodes.iter().map(|&n| self.output(n)).collect();
+        let mut out = Vec::new();
+        for &n in nodes {
+            for t in self.inputs(n) {
+                if !produced.contains(&t) && !out.contains(&t) {
+                    out.push(t);
+                }
+            }
+        }
+        out
+    }
+
+    /// Outputs of `nodes` that something outside them needs.
+    fn needed(&self, nodes: &[usize]) -> Vec<usize> {
+        nodes
+            .iter()
+            .map(|&n| self.output(n))
+            .filter(|&t| {
+                self.at_end.contains(&t) || self.readers[t].iter().any(|r| !nodes.contains(r))
+            })
+            .collect()
+    }
+
+    /// Rules 1 and 2 and the size limits for `nodes` (ascending) as one region.
+    fn may_run_together(&self, nodes: &[usize]) -> bool {
+        let last = *nodes.last().unwrap_or(&0);
+        if nodes.len() > MAX_FUSED_NODES {
+            return false;
+        }
+        let external = self.external(nodes);
+        let needed = self.needed(nodes);
+        if external.len() + needed.len() > MAX_FUSED_OPERANDS {
+            return false;
+        }
+        // 1: outside readers of region outputs come after the last node.
+        for &n in nodes {
+            let t = self.output(n);
+            if self.readers[t]
+                .iter()
+                .any(|r| !nodes.contains(r) && *r < last)
+            {
+                return false;
+            }
+        }
+        // 2: nothing outside overwrites an input between its first read and the last node.
+        for &x in &external {
+            let Some(bytes) = self.lane_range(x) else {
+                continue;
+            };
+            let first = nodes
+                .iter()
+                .copied()
+                .find(|&n| self.inputs(n).any(|t| t == x))
+                .unwrap_or(last);
+            for m in first + 1..last {
+                if !nodes.contains(&m) && self.writes[m].iter().any(|w| overlaps(w, &bytes)) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Rule 3 for a finished region.
+    fn writes_are_safe(&self, region: &Region) -> bool {
+        let count = numel(&region.shape);
+        for &o in &region.outputs {
+            let Some(ob) = self.lane_range(o) else {
+                return false;
+            };
+            for &x in &region.inputs {
+                let Some(xb) = self.lane_range(x) else {
+                    continue;
+                };
+                if !overlaps(&ob, &xb) {
+                    continue;
+                }
+                let tensors = &self.program.graph().tensors;
+                let same = ob == xb
+                    && tensors[o].ty.dtype == tensors[x].ty.dtype
+                    && numel(self.shape(x)) == count;
+                if !same {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The fused regions of `program`: greedily, in program order, each fusible node joins the
+/// region that produced one of its inputs (the first that may take it) or starts one;
+/// regions of one node, and regions whose writes would overlap their reads, are dropped.
+pub(crate) fn plan(program: &Program) -> FusionPlan {
+    let graph = program.graph();
+    let layouts = program.layouts();
+    let count = graph.nodes.len();
+    let mut readers = vec![Vec::new(); graph.tensors.len()];
+    let mut producer = vec![None; graph.tensors.len()];
+    for (n, node) in graph.nodes.iter().enumerate() {
+        for &t in node.inputs.iter().flatten() {
+            if readers[t].last() != Some(&n) {
+                readers[t].push(n);
+            }
+        }
+        for &t in node.outputs.iter().flatten() {
+            producer[t] = Some(n);
+        }
+    }
+    let at_end: BTreeSet<usize> = graph
+        .fetches
+        .iter()
+        .copied()
+        .chain(graph.updates.iter().map(|u| u.value))
+        .collect();
+    let plan = program.plan();
+    let writes: Vec<Vec<Range<u64>>> = graph
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(n, node)| {
+            if layouts[n].skip {
+                return Vec::new();
+            }
+            let mut w: Vec<Range<u64>> = node
+                .outputs
+                .iter()
+                .flatten()
+                .filter_map(|&t| match program.location(t) {
+                    Some(Location::Lane(off)) => Some(off..off + program.bytes(t)),
+                    _ => None,
+                })
+                .collect();
+            if let Some((off, len)) = plan.scratch(n) {
+                w.push(off..off + len);
+            }
+            w
+        })
+        .collect();
+    let ops: Vec<Option<Pointwise>> = (0..count)
+        .map(|n| {
+            let node = &graph.nodes[n];
+            let layout = &layouts[n];
+            if layout.skip || layout.error.is_some() || node.outputs.len() != 1 {
+                return None;
+            }
+            let out = node.outputs[0]?;
+            if node.inputs.iter().any(Option::is_none) {
+                return None;
+            }
+            let ty = &graph.tensors[out].ty;
+            let n_out = numel(&ty.shape);
+            if n_out == 0 || ty.shape.len() > MAX_RANK {
+                return None;
+            }
+            if !matches!(program.location(out), Some(Location::Lane(_))) {
+                return None;
+            }
+            let from = node
+                .inputs
+                .first()
+                .copied()
+                .flatten()
+                .map_or(ty.dtype, |t| graph.tensors[t].ty.dtype);
+            let p = pointwise(node.op, program.params(n), from, ty.dtype)?;
+            // Every input broadcasts to the output's shape (no more dims than it).
+            let fits = node.inputs.iter().flatten().all(|&t| {
+                let s = &graph.tensors[t].ty.shape;
+                s.len() <= ty.shape.len()
+                    && s.iter()
+                        .rev()
+                        .zip(ty.shape.iter().rev())
+                        .all(|(&a, &b)| a == b || a == 1)
+            });
+            (fits && node.inputs.len() == p.inputs).then_some(p)
+        })
+        .collect();
+    let facts = Facts {
+        program,
+        ops,
+        readers,
+        producer,
+        at_end,
+        writes,
+    };
+    let mut building: Vec<Vec<usize>> = Vec::new();
+    let mut region_of: Vec<Option<usize>> = vec![None; count];
+    for n in 0..count {
+        if facts.ops[n].is_none() {
+            continue;
+        }
+        let shape = facts.shape(facts.output(n)).to_vec();
+        let mut placed = None;
+        for t in facts.inputs(n) {
+            let Some(r) = facts.producer[t].and_then(|p| region_of[p]) else {
+                continue;
+            };
+            let first = building[r][0];
+            if facts.shape(facts.output(first)) != shape.as_slice() {
+                continue;
+            }
+            let mut nodes = building[r].clone();
+            nodes.push(n);
+            if facts.may_run_together(&nodes) {
+                placed = Some(r);
+                break;
+            }
+        }
+        match placed {
+            Some(r) => building[r].push(n),
+            None => {
+                building.push(vec![n]);
+                placed = Some(building.len() - 1);
+            }
+        }
+        region_of[n] = placed;
+    }
+    let mut out = FusionPlan {
+        regions: Vec::new(),
+        region_of: vec![None; count],
+    };
+    for nodes in building {
+        if nodes.len() < 2 {
+            continue;
+        }
+        let region = Region {
+            shape: facts.shape(facts.output(nodes[0])).to_vec(),
+            inputs: facts.external(&nodes),
+            outputs: facts.needed(&nodes),
+            nodes,
+        };
+        if region.outputs.is_empty() || !facts.writes_are_safe(&region) {
+            continue;
+        }
+        for &n in &region.nodes {
+            out.region_of[n] = Some(out.regions.len());
+        }
+        out.regions.push(region);
+    }
+    out
+}
+
+/// The C expression of `v` (a double) rounded to `dt` and widened back, as storing it and
+/// loading it again would give.
+fn rounded(dt: DeviceDType, v: &str) -> String {
+    match dt {
+        DeviceDType::F32 => format!("(double)(float)({v})"),
+        DeviceDType::F16 => format!("(double)h2f(f2h((float)({v})))"),
+        DeviceDType::Bf16 => format!("(double)bf2f(f2bf((float)({v})))"),
+        DeviceDType::I64 => format!("(double)(i64)({v})"),
+        DeviceDType::I32 => format!("(double)(int)({v})"),
+        DeviceDType::Bool => format!("(({v}) != 0.0 ? 1.0 : 0.0)"),
+    }
+}
+
+/// An operand of a region's node: `Ok(input slot)` (loaded) or `Err(node position)` (an
+/// earlier node's value).
+pub(crate) type Source = Result<usize, usize>;
+
+/// One node of a generated kernel: what it computes, its output dtype, its operands.
+pub(crate) type SpecNode = (Pointwise, DeviceDType, Vec<Source>);
+
+/// The generated kernel of a region: inputs `ins` (dtype of each external input), the
+/// nodes, `outs` (node position and dtype of each written output).
+pub(crate) struct KernelSpec {
+    pub ins: Vec<DeviceDType>,
+    pub nodes: Vec<SpecNode>,
+    pub outs: Vec<(usize, DeviceDType)>,
+}
+
+impl KernelSpec {
+    /// The kernel's source, its name `fused_<hash of the body>`.
+    pub(crate) fn source(&self) -> (String, String) {
+        let body = self.body();
+        let name = format!("fused_{:016x}", crate::fnv1a(&[body.as_bytes()]));
+        let text = format!("\nextern \"C\" __global__ void {name}(const FusedArgs a) {body}");
+        (name, text)
+    }
+
+    fn body(&self) -> String {
+        let nops = self.ins.len() + self.outs.len();
+        let mut b = String::from("{\n    GRID_LOOP(i, a.n) {\n");
+        // One offset per operand, each its own variable (no run-time indexed array).
+        for k in 0..nops {
+            let _ = writeln!(b, "        i64 p{k} = i;");
+        }
+        b.push_str("        if (!a.contig) {\n");
+        for k in 0..nops {
+            let _ = writeln!(b, "            p{k} = 0;");
+        }
+        b.push_str("            i64 r = i;\n");
+        b.push_str("            for (int d = (int)a.rank - 1; d >= 0; --d) {\n");
+        b.push_str("                i64 c = r % a.shape[d];\n");
+        b.push_str("                r /= a.shape[d];\n");
+        for k in 0..nops {
+            let _ = writeln!(b, "                p{k} += c * a.ops[{k}].st[d];");
+        }
+        b.push_str("            }\n        }\n");
+        for (k, dt) in self.ins.iter().enumerate() {
+            let _ = writeln!(
+                b,
+                "        double x{k} = ld(a.ops[{k}].ptr, {}, p{k});",
+                dt.c_name()
+            );
+        }
+        for (j, (p, dt, operands)) in self.nodes.iter().enumerate() {
+            let arg = |k: usize| match operands.get(k) {
+                Some(Ok(slot)) => format!("x{slot}"),
+                Some(Err(node)) => format!("v{node}"),
+                None => "0.0".to_string(),
+            };
+            let call = format!(
+                "apply({}, {}, {}, {}, a.s[{}], a.s[{}], i)",
+                p.op.c_name(),
+                arg(0),
+                arg(1),
+                arg(2),
+                2 * j,
+                2 * j + 1
+            );
+            let _ = writeln!(b, "        double v{j} = {};", rounded(*dt, &call));
+        }
+        for (k, (node, dt)) in self.outs.iter().enumerate() {
+            let slot = self.ins.len() + k;
+            let _ = writeln!(
+                b,
+                "        st(a.ops[{slot}].ptr, {}, p{slot}, v{node});",
+                dt.c_name()
+            );
+        }
+        b.push_str("    }\n}\n");
+        b
+    }
+}
+
+/// The kernel spec of a region of `program`, and its nodes' scalars.
+pub(crate) fn spec(program: &Program, region: &Region) -> (KernelSpec, Vec<f64>) {
+    let graph = program.graph();
+    let dt = |t: usize| DeviceDType::of(graph.tensors[t].ty.dtype);
+    let ins: Vec<DeviceDType> = region.inputs.iter().map(|&t| dt(t)).collect();
+    let mut position: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut nodes = Vec::new();
+    let mut scalars = Vec::new();
+    for (j, &n) in region.nodes.iter().enumerate() {
+        let node = &graph.nodes[n];
+        let out = node.outputs[0].unwrap_or(usize::MAX);
+        let from = node
+            .inputs
+            .first()
+            .copied()
+            .flatten()
+            .map_or(graph.tensors[out].ty.dtype, |t| graph.tensors[t].ty.dtype);
+        let p = pointwise(
+            node.op,
+            program.params(n),
+            from,
+            graph.tensors[out].ty.dtype,
+        )
+        .unwrap_or(Pointwise {
+            op: ElementwiseOp::Copy,
+            inputs: 1,
+            s: [0.0; 2],
+        });
+        let operands = node
+            .inputs
+            .iter()
+            .flatten()
+            .map(|t| match position.get(t) {
+                Some(&k) => Err(k),
+                None => Ok(region.inputs.iter().position(|x| x == t).unwrap_or(0)),
+            })
+            .collect();
+        nodes.push((p, dt(out), operands));
+        scalars.extend(p.s);
+        position.insert(out, j);
+    }
+    let outs = region
+        .outputs
+        .iter()
+        .map(|t| (position.get(t).copied().unwrap_or(0), dt(*t)))
+        .collect();
+    (KernelSpec { ins, nodes, outs }, scalars)
+}
+
+impl Lowering<'_> {
+    /// Node `self.index` of a fused region: nothing, or at the region's last node its
+    /// kernel.
+    pub(super) fn fused(&mut self, region: &Region) -> Lowered {
+        if region.nodes.last() != Some(&self.index) {
+            return Ok(());
+        }
+        let (spec, scalars) = spec(self.program, region);
+        let (name, text) = spec.source();
+        if !self.kernels.iter().any(|(n, _)| *n == name) {
+            self.kernels.push((name.clone(), text));
+        }
+        let shape = region.shape.clone();
+        let mut views: Vec<StridedView> = region
+            .inputs
+            .iter()
+            .map(|&t| {
+                let o = self.operand(t);
+                StridedView {
+                    ptr: o.ptr,
+                    dt: o.dt(),
+                    st: broadcast(o.shape(), &shape),
+                }
+            })
+            .collect();
+        for &t in &region.outputs {
+            let o = self.operand(t);
+            views.push(StridedView {
+                ptr: o.ptr,
+                dt: o.dt(),
+                st: contiguous(&shape),
+            });
+        }
+        let n = numel(&shape);
+        let coalesced = coalesce(&shape, &mut views);
+        if coalesced.len() > MAX_RANK {
+            return Err(format!(
+                "the CUDA device runs fused regions of at most {MAX_RANK} dims"
+            ));
+        }
+        let contig = coalesced.len() <= 1 && views.iter().all(|v| v.st.iter().all(|&x| x == 1));
+        let mut ops = [StridedTensor::default(); MAX_FUSED_OPERANDS];
+        for (slot, v) in ops.iter_mut().zip(&views) {
+            *slot = StridedTensor {
+                ptr: v.ptr,
+                dt: v.dt,
+                st: padded(&v.st),
+            };
+        }
+        let mut s = [0.0; 2 * MAX_FUSED_NODES];
+        for (slot, v) in s.iter_mut().zip(&scalars) {
+            *slot = *v;
+        }
+        let args = FusedArgs {
+            n: n as i64,
+            rank: coalesced.len() as i64,
+            contig: i64::from(contig),
+            nops: views.len() as i64,
+            shape: padded(&signed(&coalesced)),
+            s,
+            ops,
+        };
+        self.commands.push(Command::Fused(FusedLaunch {
+            name,
+            grid: grid_for(n),
+            block: BLOCK,
+            args: Arc::new(args),
+            function: None,
+        }));
+        Ok(())
+    }
+}
