@@ -45,6 +45,7 @@ fn trivial() -> Graph {
         }],
         fetches: vec![1],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 

@@ -33,6 +33,7 @@ fn lower(graph: Graph) -> Vec<Command> {
         persistent: 1 << 20,
         lane: 1 << 30,
         err: 1 << 40,
+        dnn: None,
         index: 0,
         commands: Vec::new(),
     };
@@ -113,6 +114,7 @@ fn conv_then_pool(dtype: DType) -> Graph {
         ],
         fetches: vec![3],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 

@@ -223,6 +223,8 @@ impl Case {
             }],
             fetches: outputs.into_iter().flatten().collect(),
             updates: vec![],
+            // Full f32, so the GPU's results compare as tightly as the CPU's.
+            precision: salus_graph::Precision::IEEE,
         }
     }
 
