@@ -30,9 +30,6 @@ fn gemm_type(tys: &[&Operand]) -> Option<GemmType> {
 }
 
 impl Lowering<'_> {
-    /// `c[b] = alpha * a[b] (n x k) @ bm[b] (k x m) + beta * c[b]`, row-major, through
-    /// cuBLAS (column-major: c^T = bm^T a^T).
-    #[allow(clippy::too_many_arguments)]
     /// Whether the node's f32 products may use TF32: a convolution's (its im2col products)
     /// as the job allowed for convolutions, any other's as it allowed for matrix products.
     pub(super) fn tf32(&self) -> bool {
@@ -45,6 +42,9 @@ impl Lowering<'_> {
         }
     }
 
+    /// `c[b] = alpha * a[b] (n x k) @ bm[b] (k x m) + beta * c[b]`, row-major, through
+    /// cuBLAS (column-major: c^T = bm^T a^T).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm_row_major(
         &mut self,
         ty: GemmType,
