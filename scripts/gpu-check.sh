@@ -2,7 +2,8 @@
 # The GPU checks, for a host with a GPU and CUDA 12.8+ but without Rust (such as a lent
 # GPU machine). Two halves:
 #
-#   ./scripts/gpu-check.sh prepare   # here: build the release test binaries, the replay
+#   ./scripts/gpu-check.sh prepare   # here: build the release test binaries (cuda, cudnn,
+#                                    # ops; scripts/gpu/cudnn.sh runs the cuDNN checks), the replay
 #                                    # example, salusd, salusctl and salus-bench into .gpu/
 #   ./scripts/gpu-check.sh run       # there, from the repository root (.gpu/ carried
 #                                    # along): CUDA tests, every op test on the GPU, salusd
@@ -21,7 +22,7 @@ prepare)
     set -e
     mkdir -p .gpu
     grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-    bins=$(cargo test --release --locked -p salus-testkit --test cuda --test ops --no-run \
+    bins=$(cargo test --release --locked -p salus-testkit --test cuda --test cudnn --test ops --no-run \
         --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -72,6 +72,7 @@ fn one_node(
         }],
         fetches: vec![],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 

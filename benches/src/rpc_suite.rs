@@ -58,6 +58,7 @@ fn trivial() -> Graph {
         }],
         fetches: vec![1],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 

@@ -335,6 +335,7 @@ class _Lowering:
         self.traced = traced
         self.gm = traced.graph_module
         self.graph = pb.Graph(version=1)
+        self.graph.precision.CopyFrom(pb.Precision(**traced.precision))
         self.ids: dict[torch.fx.Node, int] = {}
         self.multi: dict[torch.fx.Node, dict[int, int]] = {}
         self.numbers: dict[tuple, int] = {}

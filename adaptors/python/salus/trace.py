@@ -31,6 +31,7 @@ and fixed in the graph.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -82,6 +83,21 @@ class OutputSlot:
     name: str
 
 
+def float32_precision() -> dict[str, bool]:
+    """Whether PyTorch would run f32 convolutions and matrix products on TF32 tensor cores
+    now: ``torch.backends.cudnn.allow_tf32`` (default True) and
+    ``torch.backends.cuda.matmul.allow_tf32``, which ``torch.set_float32_matmul_precision``
+    also sets (default "highest": False). The graph carries both, and salusd's GPU
+    computes f32 with TF32 exactly where PyTorch would."""
+    with warnings.catch_warnings():
+        # Newer PyTorch steers toward `fp32_precision`; the flags still tell.
+        warnings.simplefilter("ignore")
+        conv = bool(torch.backends.cudnn.allow_tf32)
+        matmul = bool(torch.backends.cuda.matmul.allow_tf32
+                      or torch.get_float32_matmul_precision() != "highest")
+    return {"conv_allow_tf32": conv, "matmul_allow_tf32": matmul}
+
+
 @dataclass
 class TracedStep:
     """A traced training step (``kind == "train"``) or forward pass (``"inference"``)."""
@@ -93,6 +109,9 @@ class TracedStep:
     initial_state: dict[str, torch.Tensor]
     optimizer: dict | None = None
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
+    # Whether f32 convolutions and matrix products may use TF32, as PyTorch was set when
+    # the step was traced (see :func:`float32_precision`).
+    precision: dict[str, bool] = field(default_factory=lambda: float32_precision())
 
     @property
     def state_names(self) -> list[str]:

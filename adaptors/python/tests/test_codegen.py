@@ -24,7 +24,7 @@ def test_generated_module_imports_and_has_the_schema():
     graph = graph_pb2.Graph(version=1)
     assert graph_pb2.DType.Name(graph_pb2.DTYPE_BF16) == "DTYPE_BF16"
     assert {f.name for f in graph.DESCRIPTOR.fields} == {
-        "version", "tensors", "nodes", "fetches", "updates"}
+        "version", "tensors", "nodes", "fetches", "updates", "precision"}
 
 
 def test_service_stubs_import_inside_the_package():

@@ -245,3 +245,31 @@ def test_steps_without_randomness_have_no_generator():
                                     (torch.randn(64, 8), torch.randint(0, 4, (64,))))
     assert salus.trace.GENERATOR not in traced.initial_state
     assert all(t.name != salus.trace.GENERATOR for t in traced.to_graph().tensors)
+
+
+def _traced_mlp_graph():
+    model = MLP(8, (16,), 4)
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(16, 8), torch.randint(0, 4, (16,))))
+    return pb.Graph.FromString(traced.to_graph().SerializeToString())
+
+
+def test_graphs_carry_pytorchs_tf32_flags():
+    conv, precision = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("highest")
+        graph = _traced_mlp_graph()
+        assert graph.HasField("precision")
+        assert graph.precision.conv_allow_tf32 is True
+        assert graph.precision.matmul_allow_tf32 is False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("high")
+        graph = _traced_mlp_graph()
+        assert graph.precision.HasField("conv_allow_tf32")
+        assert graph.precision.conv_allow_tf32 is False
+        assert graph.precision.matmul_allow_tf32 is True
+    finally:
+        torch.backends.cudnn.allow_tf32 = conv
+        torch.set_float32_matmul_precision(precision)

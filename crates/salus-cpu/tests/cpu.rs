@@ -169,6 +169,7 @@ fn mlp_graph() -> Graph {
         ],
         fetches: vec![6],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 

@@ -4,6 +4,8 @@
 
 #![allow(unsafe_code)]
 
+pub(crate) mod cudnn;
+
 use std::ffi::c_void;
 
 use cudarc::cublas::result as cublas;
@@ -286,6 +288,8 @@ pub(crate) enum GemmType {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Gemm {
     pub ty: GemmType,
+    /// f32 may run on TF32 tensor cores (as the job's PyTorch allowed).
+    pub tf32: bool,
     pub trans_a: bool,
     pub trans_b: bool,
     pub m: i32,
@@ -319,6 +323,31 @@ pub(crate) fn gemm(h: Raw<cublas_sys::cublasHandle_t>, g: &Gemm) -> Result<(), S
     // live across the call (cuBLAS reads them before returning in host pointer mode).
     let r = unsafe {
         match g.ty {
+            GemmType::F32 if g.tf32 => cublas::gemm_strided_batched_ex(
+                h.0,
+                op(g.trans_a),
+                op(g.trans_b),
+                g.m,
+                g.n,
+                g.k,
+                &alpha as *const f32 as *const c_void,
+                g.a as *const c_void,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                g.lda,
+                g.stride_a,
+                g.b as *const c_void,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                g.ldb,
+                g.stride_b,
+                &beta as *const f32 as *const c_void,
+                g.c as *mut c_void,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                g.ldc,
+                g.stride_c,
+                g.batch,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            ),
             GemmType::F32 => cublas::sgemm_strided_batched(
                 h.0,
                 op(g.trans_a),

@@ -41,6 +41,7 @@
 //! session's persistent tensors).
 
 mod abi;
+mod cudnn;
 mod driver;
 mod lower;
 
@@ -54,6 +55,7 @@ use cudarc::driver::CudaContext;
 use cudarc::driver::sys;
 
 use salus_exec::{Device, ExecError, Location, Outcome, Placement, Program};
+use salus_graph::{Graph, OpParams, PortableScratch, ScratchSizer};
 
 use self::abi::Kernel;
 use self::driver::{Raw, driver_error};
@@ -126,6 +128,8 @@ struct Entry {
 struct Lane {
     stream: Raw<sys::CUstream>,
     blas: Raw<cudarc::cublas::sys::cublasHandle_t>,
+    /// The lane's cuDNN handle, on its stream, when the device uses cuDNN.
+    dnn: Option<driver::cudnn::Handle>,
     workspace: u64,
     err: u64,
     start: Raw<sys::CUevent>,
@@ -143,6 +147,9 @@ impl Drop for Lane {
             }
         }
         driver::destroy_blas(self.blas);
+        if let Some(h) = self.dnn {
+            driver::cudnn::destroy_handle(h);
+        }
         driver::destroy_event(self.start);
         driver::destroy_event(self.end);
         driver::destroy_stream(self.stream);
@@ -168,6 +175,8 @@ pub struct CudaDevice {
     fusion: AtomicBool,
     /// The generated kernels loaded so far, by name.
     fused: Mutex<HashMap<String, Raw<sys::CUfunction>>>,
+    /// cuDNN, or why the device runs its own convolution kernels.
+    dnn: Result<cudnn::Dnn, String>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -184,7 +193,7 @@ fn dev_err(what: &str, e: cudarc::driver::DriverError) -> ExecError {
 }
 
 /// Runs `f`, turning a panic inside cudarc into an error: the probe must never panic.
-fn no_panic<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+pub(crate) fn no_panic<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
         .unwrap_or_else(|_| Err("the CUDA libraries failed while loading".into()))
 }
@@ -287,9 +296,27 @@ impl CudaDevice {
         }
         let base = driver::malloc(capacity as usize)
             .map_err(|e| driver_error(&format!("allocating the {capacity}-byte arena"), e))?;
+        let dnn = no_panic(cudnn::Dnn::open);
+        let convolutions = match &dnn {
+            Ok(dnn) => {
+                tracing::info!(gpu = options.ordinal, "convolutions use {}", dnn.version);
+                dnn.version
+                    .split(" from ")
+                    .next()
+                    .unwrap_or("cuDNN")
+                    .to_string()
+            }
+            Err(why) => {
+                tracing::warn!(
+                    gpu = options.ordinal,
+                    "no cuDNN ({why}); convolutions use salus' own kernels"
+                );
+                "no cuDNN".to_string()
+            }
+        };
         Ok(CudaDevice {
             ctx,
-            name: format!("cuda:{} ({})", options.ordinal, gpu.name),
+            name: format!("cuda:{} ({}, {convolutions})", options.ordinal, gpu.name),
             base,
             capacity,
             functions,
@@ -300,7 +327,38 @@ impl CudaDevice {
             arch,
             fusion: AtomicBool::new(std::env::var("SALUS_CUDA_FUSION").as_deref() != Ok("0")),
             fused: Mutex::new(HashMap::new()),
+            dnn,
         })
+    }
+
+    /// The cuDNN the device uses ("cuDNN 9.10.2 from <folder>"), or why it uses none.
+    pub fn cudnn(&self) -> Result<&str, &str> {
+        match &self.dnn {
+            Ok(dnn) => Ok(&dnn.version),
+            Err(why) => Err(why),
+        }
+    }
+
+    /// The cuDNN calls `program`'s convolutions make, as lowered: `(node, workspace bytes
+    /// given, scratch bytes planned)` each. For checking that E holds every workspace.
+    pub fn cudnn_calls(&self, program: &Program) -> Result<Vec<(usize, u64, u64)>, ExecError> {
+        self.bind()?;
+        let at = Placement {
+            persistent: 0,
+            lane: 0,
+        };
+        let entry = self.lower(program, at, 0)?;
+        Ok(entry
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Dnn(call) => {
+                    let scratch = program.plan().scratch(call.node).map_or(0, |s| s.1);
+                    Some((call.node, call.choice.workspace, scratch))
+                }
+                _ => None,
+            })
+            .collect())
     }
 
     /// Turns CUDA-graph capture and replay on or off (for measuring the difference).
@@ -368,11 +426,16 @@ impl CudaDevice {
         let err =
             driver::malloc(ERROR_BLOCK).map_err(|e| self.check("allocating an error block", e))?;
         let blas = driver::new_blas(stream, workspace, WORKSPACE).map_err(ExecError::Device)?;
+        let dnn = match &self.dnn {
+            Ok(_) => Some(driver::cudnn::new_handle(Some(stream)).map_err(ExecError::Device)?),
+            Err(_) => None,
+        };
         let start = driver::new_event().map_err(|e| self.check("creating an event", e))?;
         let end = driver::new_event().map_err(|e| self.check("creating an event", e))?;
         let lane = Arc::new(Mutex::new(Lane {
             stream,
             blas,
+            dnn,
             workspace,
             err,
             start,
@@ -448,6 +511,7 @@ impl CudaDevice {
             persistent,
             lane,
             err,
+            dnn: self.dnn.as_ref().ok(),
             index: 0,
             commands: Vec::new(),
             fusion,
@@ -504,6 +568,13 @@ impl CudaDevice {
                     })?;
                     driver::launch(function, (f.grid, 1), f.block, &*f.args, lane.stream)
                         .map_err(|e| self.check(&f.name, e))?
+                }
+                Command::Dnn(call) => {
+                    let h = lane.dnn.ok_or_else(|| {
+                        ExecError::Device("internal: a cuDNN call on a lane without cuDNN".into())
+                    })?;
+                    driver::cudnn::convolve(h, call)
+                        .map_err(|e| ExecError::Device(format!("node {}: {e}", call.node)))?
                 }
             }
         }
@@ -776,6 +847,24 @@ impl Device for CudaDevice {
             Some(reason) => Err(reason),
             None => Ok(()),
         }
+    }
+
+    fn scratch_sizer(&self) -> Option<&dyn ScratchSizer> {
+        Some(self)
+    }
+}
+
+/// A node that runs on cuDNN works in the largest workspace of its calls; every other node
+/// in what the backend's own kernels need.
+impl ScratchSizer for CudaDevice {
+    fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
+        if let Ok(dnn) = &self.dnn
+            && self.ctx.bind_to_thread().is_ok()
+            && let Some(plan) = dnn.plan_node(graph, node, params)
+        {
+            return plan.workspace();
+        }
+        PortableScratch.scratch_bytes(graph, node, params)
     }
 }
 

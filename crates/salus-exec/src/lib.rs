@@ -29,7 +29,8 @@ pub mod sim;
 use std::time::Duration;
 
 use salus_graph::{
-    CheckedGraph, Graph, GraphError, Limits, MemoryPlan, OpParams, Role, TensorId, check,
+    CheckedGraph, Graph, GraphError, Limits, MemoryPlan, OpParams, PortableScratch, Role,
+    ScratchSizer, TensorId, check_with,
 };
 
 pub use arena::{Arena, Region};
@@ -94,9 +95,32 @@ pub struct Program {
 }
 
 impl Program {
-    /// Validates and plans `graph`.
+    /// Validates and plans `graph` with the portable kernels' scratch (the CPU and sim
+    /// devices').
     pub fn new(graph: Graph, limits: &Limits) -> Result<Program, GraphError> {
-        let CheckedGraph { plan, params, .. } = check(&graph, limits)?;
+        Program::with_scratch(graph, limits, &PortableScratch)
+    }
+
+    /// Validates and plans `graph` for `device`: each node's scratch is what that device's
+    /// kernels will work in, so E is exact there.
+    pub fn for_device(
+        graph: Graph,
+        limits: &Limits,
+        device: &dyn Device,
+    ) -> Result<Program, GraphError> {
+        match device.scratch_sizer() {
+            Some(sizer) => Program::with_scratch(graph, limits, sizer),
+            None => Program::new(graph, limits),
+        }
+    }
+
+    /// Validates and plans `graph`, each node's scratch as `sizer` gives it.
+    pub fn with_scratch(
+        graph: Graph,
+        limits: &Limits,
+        sizer: &dyn ScratchSizer,
+    ) -> Result<Program, GraphError> {
+        let CheckedGraph { plan, params, .. } = check_with(&graph, limits, sizer)?;
         let feeds = graph
             .tensors
             .iter()
@@ -250,6 +274,12 @@ pub trait Device: Send + Sync {
     /// [`Program::feeds`] order), fetches out, updates written into the persistent block
     /// after every node has run. On error the persistent block is unchanged.
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError>;
+
+    /// How this device sizes a node's scratch when a program is planned for it
+    /// ([`Program::for_device`]); `None`: the portable kernels' ([`PortableScratch`]).
+    fn scratch_sizer(&self) -> Option<&dyn ScratchSizer> {
+        None
+    }
 
     /// `Err(reason)` once the device can no longer run anything correctly (a GPU context
     /// poisoned by a device error): the daemon then stops serving.

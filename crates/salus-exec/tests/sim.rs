@@ -185,6 +185,7 @@ fn convolution(groups: u64, output_mask: Option<[bool; 3]>) -> Program {
         nodes: vec![node],
         fetches,
         updates: vec![],
+        precision: Default::default(),
     };
     Program::new(graph, &Limits::default()).unwrap()
 }

@@ -5,7 +5,7 @@ use salus_proto::v1 as pb;
 use salus_proto::v1::attribute::Value;
 
 use crate::error::GraphError;
-use crate::ir::{Attr, DType, Graph, Node, Role, Tensor, TensorType, Update};
+use crate::ir::{Attr, DType, Graph, Node, Precision, Role, Tensor, TensorType, Update};
 
 fn dtype_from(v: i32) -> Option<DType> {
     Some(match pb::DType::try_from(v).ok()? {
@@ -189,11 +189,17 @@ impl Graph {
                 })
             })
             .collect::<Result<_, GraphError>>()?;
+        let defaults = Precision::default();
+        let precision = message.precision.map_or(defaults, |p| Precision {
+            conv_tf32: p.conv_allow_tf32.unwrap_or(defaults.conv_tf32),
+            matmul_tf32: p.matmul_allow_tf32.unwrap_or(defaults.matmul_tf32),
+        });
         Ok(Graph {
             tensors,
             nodes,
             fetches,
             updates,
+            precision,
         })
     }
 
@@ -254,6 +260,10 @@ impl Graph {
                     value: u.value as u32,
                 })
                 .collect(),
+            precision: Some(pb::Precision {
+                conv_allow_tf32: Some(self.precision.conv_tf32),
+                matmul_allow_tf32: Some(self.precision.matmul_tf32),
+            }),
         }
     }
 }

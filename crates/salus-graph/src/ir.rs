@@ -199,6 +199,37 @@ pub struct Graph {
     pub fetches: Vec<TensorId>,
     /// Write-backs into persistent tensors at the end of each iteration.
     pub updates: Vec<Update>,
+    /// The f32 precision the job allowed (TF32 or not), as its framework was set.
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+/// Whether a device may compute f32 work with TF32 tensor cores (products of 10-bit
+/// mantissas, f32 sums), as the job's PyTorch allowed when it was traced. Devices without
+/// TF32 ignore it. The default is PyTorch's: convolutions may, matrix products may not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Precision {
+    /// f32 convolutions may use TF32 (`torch.backends.cudnn.allow_tf32`).
+    pub conv_tf32: bool,
+    /// f32 matrix products may use TF32 (`torch.backends.cuda.matmul.allow_tf32`).
+    pub matmul_tf32: bool,
+}
+
+impl Precision {
+    /// Full f32 everywhere: what comparisons against the CPU device ask for.
+    pub const IEEE: Precision = Precision {
+        conv_tf32: false,
+        matmul_tf32: false,
+    };
+}
+
+impl Default for Precision {
+    fn default() -> Precision {
+        Precision {
+            conv_tf32: true,
+            matmul_tf32: false,
+        }
+    }
 }
 
 impl Graph {

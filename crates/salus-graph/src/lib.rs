@@ -28,6 +28,7 @@
 //!     }],
 //!     fetches: vec![1],
 //!     updates: vec![],
+//!     precision: Default::default(),
 //! };
 //! let checked = salus_graph::check(&graph, &Limits::default()).unwrap();
 //! assert_eq!(checked.plan.ephemeral_bytes, 256); // relu runs in place over x
@@ -44,12 +45,12 @@ pub mod samples;
 mod validate;
 
 pub use error::GraphError;
-pub use ir::{Attr, DType, Graph, Node, Role, Tensor, TensorId, TensorType, Update};
+pub use ir::{Attr, DType, Graph, Node, Precision, Role, Tensor, TensorId, TensorType, Update};
 pub use op::Op;
 pub use params::{
     ConvParams, GeluApproximate, OpParams, PoolParams, Reduction, Scalar, wrap_dim, wrap_dims,
 };
-pub use plan::{Buffer, MemoryPlan};
+pub use plan::{Buffer, MemoryPlan, PortableScratch, ScratchSizer};
 pub use validate::{Limits, Producer, validate};
 
 /// A graph that passed validation, with its nodes' parameters and its memory plan.
@@ -77,8 +78,17 @@ impl CheckedGraph {
 /// Validates `graph`, reads every node's attributes into its [`OpParams`] and plans its
 /// memory.
 pub fn check(graph: &Graph, limits: &Limits) -> Result<CheckedGraph, GraphError> {
+    check_with(graph, limits, &plan::PortableScratch)
+}
+
+/// [`check`] with each node's scratch sized by `sizer` (a device's own kernels).
+pub fn check_with(
+    graph: &Graph,
+    limits: &Limits,
+    sizer: &dyn plan::ScratchSizer,
+) -> Result<CheckedGraph, GraphError> {
     let (producers, params) = validate::validate_with_params(graph, limits)?;
-    let plan = plan::plan(graph, &producers, &params);
+    let plan = plan::plan_with(graph, &producers, &params, sizer);
     Ok(CheckedGraph {
         producers,
         params,

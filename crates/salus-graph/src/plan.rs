@@ -140,9 +140,38 @@ fn elementwise(op: Op) -> bool {
     )
 }
 
+/// How much scratch each node needs on one device: the planner asks it for every node, so
+/// that E includes the working memory of the kernels (or library calls) that device will
+/// run. The CPU and sim devices use [`PortableScratch`]; a device whose kernels need other
+/// working memory (the CUDA device's cuDNN workspaces) brings its own.
+pub trait ScratchSizer {
+    /// Bytes of lane scratch node `node` of `graph` works in (0: none).
+    fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64;
+}
+
+/// The portable kernels' scratch, [`scratch_bytes`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PortableScratch;
+
+impl ScratchSizer for PortableScratch {
+    fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
+        scratch_bytes(graph, &graph.nodes[node], params)
+    }
+}
+
 /// Plans a graph that [`crate::validate`] accepted, given its producers and its nodes'
-/// parameters.
+/// parameters, with the portable kernels' scratch.
 pub fn plan(graph: &Graph, producers: &[Producer], params: &[OpParams]) -> MemoryPlan {
+    plan_with(graph, producers, params, &PortableScratch)
+}
+
+/// [`plan`] with each node's scratch as `sizer` gives it.
+pub fn plan_with(
+    graph: &Graph,
+    producers: &[Producer],
+    params: &[OpParams],
+    sizer: &dyn ScratchSizer,
+) -> MemoryPlan {
     let n = graph.tensors.len();
     let end = graph.nodes.len() + 1;
 
@@ -232,8 +261,8 @@ pub fn plan(graph: &Graph, producers: &[Producer], params: &[OpParams]) -> Memor
 
     let mut scratch_of = vec![None; graph.nodes.len()];
     let mut largest_scratch = 0;
-    for (i, (node, p)) in graph.nodes.iter().zip(params).enumerate() {
-        let bytes = scratch_bytes(graph, node, p);
+    for (i, p) in params.iter().enumerate().take(graph.nodes.len()) {
+        let bytes = sizer.scratch_bytes(graph, i, p);
         if bytes > 0 {
             scratch_of[i] = Some(buffers.len());
             largest_scratch = largest_scratch.max(align(bytes));

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Attr, DType, Graph, Node, Role, Tensor, TensorType, Update};
+use crate::ir::{Attr, DType, Graph, Node, Precision, Role, Tensor, TensorType, Update};
 use crate::op::Op;
 
 fn tensor(name: &str, shape: &[u64], role: Role) -> Tensor {
@@ -68,6 +68,7 @@ pub fn regression(n: u64, d: u64, k: u64, lr: f64) -> Graph {
             target: 0,
             value: 10,
         }],
+        precision: Precision::IEEE,
     }
 }
 
@@ -98,6 +99,7 @@ pub fn embedding_sum() -> Graph {
             target: 0,
             value: 4,
         }],
+        precision: Precision::IEEE,
     }
 }
 

@@ -204,3 +204,84 @@ proptest! {
         }
     }
 }
+
+/// A 2-d f32 convolution (3x3 kernel, not pointwise) and its backward.
+fn conv_net() -> Graph {
+    let mut g = Builder::default();
+    let x = g.f32("x", &[8, 3, 16, 16], Role::Feed);
+    let w = g.f32("w", &[4, 3, 3, 3], Role::Parameter);
+    let attrs = [
+        ("stride", Attr::Ints(vec![1, 1])),
+        ("padding", Attr::Ints(vec![1, 1])),
+        ("dilation", Attr::Ints(vec![1, 1])),
+        ("transposed", Attr::Bool(false)),
+        ("output_padding", Attr::Ints(vec![0, 0])),
+        ("groups", Attr::Int(1)),
+    ];
+    let y = g.node(
+        Op::Convolution,
+        &[Some(x), Some(w), None],
+        &[(DType::F32, &[8, 4, 16, 16])],
+        &attrs,
+    )[0];
+    let mut back = attrs.to_vec();
+    back.push(("bias_sizes", Attr::Ints(vec![4])));
+    back.push(("output_mask", Attr::Bools(vec![true, true, false])));
+    let grads = g.node(
+        Op::ConvolutionBackward,
+        &[Some(y), Some(x), Some(w)],
+        &[(DType::F32, &[8, 3, 16, 16]), (DType::F32, &[4, 3, 3, 3])],
+        &back,
+    );
+    g.graph.nodes[1].outputs.push(None); // no bias gradient
+    g.graph.fetches = grads;
+    g.graph
+}
+
+#[test]
+fn the_portable_scratch_is_what_plain_planning_gives() {
+    use salus_graph::{PortableScratch, check_with};
+    let graph = conv_net();
+    let plain = check(&graph, &Limits::default()).unwrap().plan;
+    let portable = check_with(&graph, &Limits::default(), &PortableScratch)
+        .unwrap()
+        .plan;
+    assert_eq!(plain, portable);
+    // The CPU's im2col scratch, as before device-aware sizing: 4 images unfolded, k = 27,
+    // l = 256 (forward); twice that plus the weight's gradient per slot (backward).
+    let (k, l) = (27u64, 256u64);
+    assert_eq!(
+        plain.scratch(0).unwrap().1,
+        (4 * k * l * 4).div_ceil(256) * 256
+    );
+    let backward = 4 * (2 * k * l + 4 * k) * 4;
+    assert_eq!(plain.scratch(1).unwrap().1, backward.div_ceil(256) * 256);
+    assert_eq!(plain.scratch_bytes, backward.div_ceil(256) * 256);
+}
+
+#[test]
+fn a_device_sizer_sets_each_nodes_scratch_and_e_follows() {
+    use salus_graph::{OpParams, ScratchSizer, check_with};
+    /// A device whose convolutions want 1000 bytes and whose backward wants none.
+    struct Device;
+    impl ScratchSizer for Device {
+        fn scratch_bytes(&self, graph: &Graph, node: usize, _: &OpParams) -> u64 {
+            if graph.nodes[node].op == Op::Convolution {
+                1000
+            } else {
+                0
+            }
+        }
+    }
+    let graph = conv_net();
+    let plan = check_with(&graph, &Limits::default(), &Device)
+        .unwrap()
+        .plan;
+    assert_sound(&graph, &plan);
+    assert_eq!(plan.scratch(0).unwrap().1, 1024);
+    assert_eq!(plan.scratch(1), None);
+    assert_eq!(plan.scratch_bytes, 1024);
+    let plain = check(&graph, &Limits::default()).unwrap().plan;
+    assert!(plan.ephemeral_bytes < plain.ephemeral_bytes);
+    assert!(plan.ephemeral_bytes >= plan.lower_bound);
+}

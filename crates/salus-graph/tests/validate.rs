@@ -607,3 +607,43 @@ fn update_values_must_be_computed() {
         &["tensor 2 'b'", "update's value but is a Parameter tensor"],
     );
 }
+
+#[test]
+fn precision_flags_round_trip_and_default_to_pytorchs() {
+    use salus_graph::Precision;
+    let mut g = valid().graph;
+    assert_eq!(
+        g.precision,
+        Precision {
+            conv_tf32: true,
+            matmul_tf32: false
+        }
+    );
+    for precision in [
+        Precision::IEEE,
+        Precision {
+            conv_tf32: false,
+            matmul_tf32: true,
+        },
+    ] {
+        g.precision = precision;
+        assert_eq!(Graph::decode(&g.encode()).unwrap().precision, precision);
+    }
+    // An older client sends no flags: PyTorch's defaults.
+    let mut message = g.to_proto();
+    message.precision = None;
+    assert_eq!(
+        Graph::from_proto(&message).unwrap().precision,
+        Precision::default()
+    );
+    // One flag given, the other left out: that one takes its default.
+    let mut message = g.to_proto();
+    if let Some(p) = message.precision.as_mut() {
+        p.conv_allow_tf32 = Some(false);
+        p.matmul_allow_tf32 = None;
+    }
+    assert_eq!(
+        Graph::from_proto(&message).unwrap().precision,
+        Precision::IEEE
+    );
+}

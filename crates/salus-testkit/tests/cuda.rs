@@ -15,7 +15,7 @@ use salus_cpu::CpuDevice;
 use salus_cuda::{CudaDevice, CudaOptions};
 use salus_exec::{Device, ExecError, Placement, Program};
 use salus_graph::{
-    Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType, Update, samples,
+    Attr, DType, Graph, Limits, Node, Op, Precision, Role, Tensor, TensorType, Update, samples,
 };
 
 /// The GPU, or `None` with the reason printed (the test then passes without running).
@@ -208,6 +208,7 @@ fn fusable_step() -> Graph {
                 value: 14,
             },
         ],
+        precision: Precision::IEEE,
     }
 }
 

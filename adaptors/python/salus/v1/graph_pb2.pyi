@@ -125,15 +125,25 @@ class Update(_message.Message):
     def __init__(self, target: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
 class Graph(_message.Message):
-    __slots__ = ("version", "tensors", "nodes", "fetches", "updates")
+    __slots__ = ("version", "tensors", "nodes", "fetches", "updates", "precision")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     fetches: _containers.RepeatedScalarFieldContainer[int]
     updates: _containers.RepeatedCompositeFieldContainer[Update]
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., fetches: _Optional[_Iterable[int]] = ..., updates: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
+    precision: Precision
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., fetches: _Optional[_Iterable[int]] = ..., updates: _Optional[_Iterable[_Union[Update, _Mapping]]] = ..., precision: _Optional[_Union[Precision, _Mapping]] = ...) -> None: ...
+
+class Precision(_message.Message):
+    __slots__ = ("conv_allow_tf32", "matmul_allow_tf32")
+    CONV_ALLOW_TF32_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_ALLOW_TF32_FIELD_NUMBER: _ClassVar[int]
+    conv_allow_tf32: bool
+    matmul_allow_tf32: bool
+    def __init__(self, conv_allow_tf32: _Optional[bool] = ..., matmul_allow_tf32: _Optional[bool] = ...) -> None: ...

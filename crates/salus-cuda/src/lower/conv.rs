@@ -1,11 +1,16 @@
-//! Convolutions: 2-d f32 ones unfold the input (im2col) into the node's scratch and
-//! multiply with cuBLAS; the rest run the direct kernels. Geometry from [`ConvParams`].
+//! Convolutions: those the device planned on cuDNN (see `crate::cudnn`) call it, their
+//! workspace the node's scratch; other 2-d f32 ones unfold the input (im2col) into the
+//! node's scratch and multiply with cuBLAS; the rest run the direct kernels. Geometry from
+//! [`ConvParams`].
+
+use std::sync::Arc;
 
 use salus_graph::{ConvParams, DType, Node};
 
 use super::matmul::Matrix;
 use super::{Command, Lowered, Lowering, Operand};
 use crate::abi::{ConvArgs, ElementwiseOp, Im2colArgs, Kernel, ReduceOp};
+use crate::driver::cudnn::{Direction, DnnConv, descriptors_for};
 use crate::driver::{Gemm, GemmType};
 
 /// Per-dimension values padded in front to the kernels' 3 spatial dims with `fill`.
@@ -87,9 +92,62 @@ impl Lowering<'_> {
             .map_or((0, 0), |(off, len)| (self.lane + off, len))
     }
 
+    /// Lowers the node to the cuDNN calls the device planned for it, each call's operands
+    /// from `operands`; false (and nothing lowered) when it has none, or when its scratch
+    /// cannot hold their workspace (a program planned without the device's scratch sizes).
+    fn cudnn(&mut self, operands: impl Fn(Direction) -> Option<(u64, u64, u64)>) -> bool {
+        let Some(dnn) = self.dnn else {
+            return false;
+        };
+        let Some(plan) = dnn.plan_node(self.program.graph(), self.index, self.params()) else {
+            return false;
+        };
+        let (scratch, len) = self.scratch();
+        if plan.workspace() > len {
+            return false;
+        }
+        let mut calls = Vec::with_capacity(plan.calls.len());
+        for choice in &plan.calls {
+            let Some((a, b, c)) = operands(choice.direction) else {
+                return false;
+            };
+            let descriptors = match descriptors_for(&plan.shape, choice) {
+                Ok(d) => Arc::new(d),
+                Err(why) => {
+                    tracing::warn!(
+                        node = self.index,
+                        "cuDNN: {why}; the node runs on salus' own kernels"
+                    );
+                    return false;
+                }
+            };
+            calls.push(Command::Dnn(DnnConv {
+                node: self.index,
+                descriptors,
+                choice: *choice,
+                a,
+                b,
+                c,
+                workspace: if choice.workspace > 0 { scratch } else { 0 },
+            }));
+        }
+        self.commands.extend(calls);
+        true
+    }
+
     pub(super) fn convolution(&mut self, node: &Node, conv: &ConvParams, o: &Operand) -> Lowered {
         let (x, w) = (self.need(node, 0)?, self.need(node, 1)?);
         let bias = self.input(node, 2);
+        let forward = |d: Direction| (d == Direction::Forward).then_some((x.ptr, w.ptr, o.ptr));
+        if self.cudnn(forward) {
+            if let Some(b) = &bias {
+                let mut shape = vec![1u64; o.ty.rank()];
+                shape[1] = conv.out_channels;
+                let b = b.viewed_as(b.ty.dtype, shape);
+                self.ew(ElementwiseOp::Add, o, &[o, &b], [1.0, 0.0, 0.0])?;
+            }
+            return Ok(());
+        }
         if let Some(Unfolding { k, l, direct }) = unfolding(conv, &[&x, &w, o]) {
             let (scratch, len) = self.scratch();
             let per_image = k * l * 4;
@@ -176,6 +234,16 @@ impl Lowering<'_> {
             let dims: Vec<usize> = (0..g.ty.rank()).filter(|&d| d != 1).collect();
             self.reduce(ReduceOp::Sum, &g, &dims, gb, 0.0)?;
         }
+        let (gi_ptr, gw_ptr) = (gi.as_ref().map(|t| t.ptr), gw.as_ref().map(|t| t.ptr));
+        let backward = |d: Direction| match d {
+            Direction::BackwardData => Some((w.ptr, g.ptr, gi_ptr?)),
+            Direction::BackwardFilter => Some((x.ptr, g.ptr, gw_ptr?)),
+            Direction::Forward => None,
+        };
+        if self.cudnn(backward) {
+            return Ok(());
+        }
+        let tf32 = self.tf32();
         let mut f32_operands = vec![&g, &x, &w];
         f32_operands.extend(gi.iter().chain(&gw));
         if let Some(Unfolding { k, l, direct }) = unfolding(conv, &f32_operands) {
@@ -212,6 +280,7 @@ impl Lowering<'_> {
                             for img in 0..count {
                                 self.commands.push(Command::Gemm(Gemm {
                                     ty: GemmType::F32,
+                                    tf32,
                                     trans_a: true,
                                     trans_b: false,
                                     m: k as i32,
@@ -241,6 +310,7 @@ impl Lowering<'_> {
                             };
                             self.commands.push(Command::Gemm(Gemm {
                                 ty: GemmType::F32,
+                                tf32,
                                 trans_a: false,
                                 trans_b: true,
                                 m: l as i32,

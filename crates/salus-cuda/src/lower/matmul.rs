@@ -30,6 +30,18 @@ fn gemm_type(tys: &[&Operand]) -> Option<GemmType> {
 }
 
 impl Lowering<'_> {
+    /// Whether the node's f32 products may use TF32: a convolution's (its im2col products)
+    /// as the job allowed for convolutions, any other's as it allowed for matrix products.
+    pub(super) fn tf32(&self) -> bool {
+        let precision = self.program.graph().precision;
+        match self.program.graph().nodes[self.index].op {
+            salus_graph::Op::Convolution | salus_graph::Op::ConvolutionBackward => {
+                precision.conv_tf32
+            }
+            _ => precision.matmul_tf32,
+        }
+    }
+
     /// `c[b] = alpha * a[b] (n x k) @ bm[b] (k x m) + beta * c[b]`, row-major, through
     /// cuBLAS (column-major: c^T = bm^T a^T).
     #[allow(clippy::too_many_arguments)]
@@ -47,8 +59,10 @@ impl Lowering<'_> {
         if n == 0 || m == 0 || batch == 0 {
             return;
         }
+        let tf32 = self.tf32();
         self.commands.push(Command::Gemm(Gemm {
             ty,
+            tf32,
             trans_a: false,
             trans_b: false,
             m: m as i32,

@@ -26,7 +26,9 @@ use crate::abi::{
     BLOCK, DeviceDType, ElementwiseOp, GuardedCopyArgs, Kernel, KernelArgs, LaunchArgs, ReduceOp,
     UPDATE_SEGMENTS,
 };
+use crate::cudnn::Dnn;
 use crate::driver::Gemm;
+use crate::driver::cudnn::DnnConv;
 
 /// One kernel launch: the kernel, its grid (x, y), threads per block and its argument
 /// struct, which the driver passes by value.
@@ -66,6 +68,8 @@ pub(crate) enum Command {
     Gemm(Gemm),
     /// A generated kernel of a fused region (`fusion`).
     Fused(fusion::FusedLaunch),
+    /// A cuDNN convolution call.
+    Dnn(DnnConv),
 }
 
 /// Most blocks of a grid dimension the lowering asks for (kernels loop over the rest).
@@ -167,6 +171,8 @@ pub(crate) struct Lowering<'a> {
     pub lane: u64,
     /// Device address of the lane's error block.
     pub err: u64,
+    /// The device's cuDNN, when it has one.
+    pub dnn: Option<&'a Dnn>,
     /// The node being lowered.
     pub index: usize,
     pub commands: Vec<Command>,

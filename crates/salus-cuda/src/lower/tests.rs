@@ -33,6 +33,7 @@ fn lower(graph: Graph) -> Vec<Command> {
         persistent: 1 << 20,
         lane: 1 << 30,
         err: 1 << 40,
+        dnn: None,
         index: 0,
         commands: Vec::new(),
         fusion: &fusion::FusionPlan::none(),
@@ -115,6 +116,7 @@ fn conv_then_pool(dtype: DType) -> Graph {
         ],
         fetches: vec![3],
         updates: vec![],
+        precision: Default::default(),
     }
 }
 
@@ -192,7 +194,7 @@ fn updates_become_guarded_copies_of_up_to_128_segments() {
 // ---------------------------------------------------------------------------------------
 // Fusion.
 
-use salus_graph::Update;
+use salus_graph::{Precision, Update};
 
 use super::fusion::{FusionPlan, plan};
 use crate::abi::{ElementwiseArgs, FusedArgs};
@@ -212,6 +214,7 @@ fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(St
         persistent: 1 << 20,
         lane: 1 << 30,
         err: 1 << 40,
+        dnn: None,
         index: 0,
         commands: Vec::new(),
         fusion,
@@ -246,6 +249,7 @@ fn chain_with_fetched_middle() -> Graph {
         ],
         fetches: vec![4, 6],
         updates: vec![],
+        precision: Precision::IEEE,
     }
 }
 
@@ -302,6 +306,7 @@ fn an_intermediate_read_outside_the_region_is_written_and_bounds_it() {
         ],
         fetches: vec![3, 4],
         updates: vec![],
+        precision: Precision::IEEE,
     };
     let program = program(graph);
     let fusion = plan(&program);
@@ -347,6 +352,7 @@ fn different_shapes_do_not_fuse_and_updates_are_written() {
             target: 5,
             value: 8,
         }],
+        precision: Precision::IEEE,
     };
     let program = program(graph);
     let fusion = plan(&program);
@@ -386,6 +392,7 @@ fn non_adjacent_nodes_fuse_when_nothing_between_overwrites_their_inputs() {
         ],
         fetches: vec![4, 5],
         updates: vec![],
+        precision: Precision::IEEE,
     };
     let program = program(graph);
     let fusion = plan(&program);
@@ -434,6 +441,7 @@ fn fused_ops_and_scalars_are_the_unfused_lowering_s() {
             nodes: vec![node(op, &ins, &[inputs], &attrs)],
             fetches: vec![inputs],
             updates: vec![],
+            precision: Precision::IEEE,
         };
         let program = program(graph);
         let (commands, _) = lower_fused(&program, &FusionPlan::none());

@@ -28,6 +28,7 @@
 //!     }],
 //!     fetches: vec![1],
 //!     updates: vec![],
+//!     precision: Default::default(),
 //! };
 //! let checked = salus_graph::check(&graph, &Limits::default()).unwrap();
 //! let OpParams::Reduce(r) = checked.params(0) else { unreachable!() };

@@ -223,20 +223,22 @@ impl Case {
             }],
             fetches: outputs.into_iter().flatten().collect(),
             updates: vec![],
+            // Full f32, so the GPU's results compare as tightly as the CPU's.
+            precision: salus_graph::Precision::IEEE,
         }
     }
 
     /// The case's graph, validated and planned, on a device of its own (or on the shared
     /// GPU under `SALUS_TEST_DEVICE=cuda`).
     pub fn try_session(&self) -> Result<Session, String> {
-        let program = Program::new(self.graph(), &Limits::default())
+        let Some(gpu) = shared_gpu() else {
+            return self.try_session_cpu();
+        };
+        // Planned for the GPU: E includes the workspace of its cuDNN calls.
+        let program = Program::for_device(self.graph(), &Limits::default(), &*gpu)
             .map_err(|e| format!("{}: invalid graph: {e}", self.op))?;
         let lane = 256;
-        let capacity = lane + program.plan().ephemeral_bytes.max(1) + 256;
-        let device: Arc<dyn Device> = match shared_gpu() {
-            Some(gpu) => gpu,
-            None => Arc::new(CpuDevice::new(capacity).map_err(|e| e.to_string())?),
-        };
+        let device = gpu;
         Ok(Session {
             op: self.op,
             program,
@@ -259,6 +261,8 @@ impl Case {
     pub fn try_run_on(&self, device: Option<Arc<dyn Device>>) -> Result<Vec<Vec<f64>>, String> {
         let mut session = self.try_session_cpu()?;
         if let Some(d) = device {
+            session.program = Program::for_device(self.graph(), &Limits::default(), &*d)
+                .map_err(|e| format!("{}: invalid graph: {e}", self.op))?;
             session.device = d;
         }
         let feeds: Vec<&[f64]> = self.input_values().iter().map(|v| &v.data[..]).collect();

@@ -107,6 +107,8 @@ pub struct Engine {
     shared: Arc<std::sync::Mutex<Shared>>,
     memory: MemoryConfig,
     limits: salus_graph::Limits,
+    /// The device, for planning programs (the engine task runs iterations on it).
+    device: Arc<dyn Device>,
     next_session: Arc<AtomicU64>,
     stopping: Arc<watch::Sender<bool>>,
     host: HostBudget,
@@ -148,6 +150,7 @@ impl Engine {
             shared: shared.clone(),
             memory: config.memory,
             limits: config.limits,
+            device: config.device.clone(),
             next_session: Arc::new(AtomicU64::new(1)),
             stopping: Arc::new(watch::channel(false).0),
             host: HostBudget::new(config.host_memory),
@@ -211,6 +214,12 @@ impl Engine {
     /// Bounds on graphs.
     pub fn limits(&self) -> &salus_graph::Limits {
         &self.limits
+    }
+
+    /// Validates and plans a session's graph for the device: E includes the working memory
+    /// the device's kernels need (a GPU's cuDNN workspaces).
+    pub fn plan(&self, graph: salus_graph::Graph) -> Result<Program, salus_graph::GraphError> {
+        Program::for_device(graph, &self.limits, &*self.device)
     }
 
     /// A snapshot of the engine's own numbers.

@@ -152,7 +152,8 @@ pub(super) async fn receive_session(
     let kind = session_kind(open.kind)?;
     let hints = hints(open.hints)?;
     let graph = Graph::from_proto(&graph_message).map_err(|e| graph_status(&e))?;
-    let program = Program::new(graph, engine.limits())
+    let program = engine
+        .plan(graph)
         .map_err(|e| graph_status(&e))?
         .with_expected_iteration(hints.expected_iteration);
     let plan = program.plan();
