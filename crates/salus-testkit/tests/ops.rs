@@ -1589,6 +1589,17 @@ fn conv_specs() -> Vec<ConvSpec> {
             2,
             false,
         ),
+        // 1x1 stride 1 (multiplied directly, no scratch), with an odd number of channels.
+        spec(
+            &[2, 3, 4, 5],
+            &[5, 3, 1, 1],
+            &[1, 1],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            false,
+        ),
         // 1-d and 3-d.
         spec(&[2, 3, 11], &[4, 3, 3], &[2], &[1], &[2], &[0], 1, false),
         spec(

@@ -180,6 +180,11 @@ impl Geometry {
 }
 
 fn scratch_f32(scratch: &mut [u8], need: usize) -> std::result::Result<&mut [f32], String> {
+    // A node that needs no scratch (a direct 1x1 convolution) gets an empty slice at
+    // whatever address the lane layout gives it, which need not be f32-aligned.
+    if need == 0 {
+        return Ok(&mut []);
+    }
     let s: &mut [f32] = bytemuck::try_cast_slice_mut(scratch)
         .map_err(|e| format!("convolution scratch is not f32-aligned: {e}"))?;
     let have = s.len();
