@@ -95,6 +95,9 @@ enum Suite {
         /// Cap the salus arena at this many GiB (default: the free memory less 1 GiB).
         #[arg(long)]
         arena_gib: Option<u64>,
+        /// Print a profile saved with --json as tables instead of measuring (no GPU).
+        #[arg(long)]
+        from: Option<std::path::PathBuf>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -148,9 +151,11 @@ fn main() -> ExitCode {
             iterations,
             top,
             arena_gib,
+            from,
             json,
         } => profile_suite::run(&profile_suite::Options {
             dir: &dir,
+            from: from.as_deref(),
             models: &models,
             iterations,
             top,

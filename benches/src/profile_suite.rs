@@ -19,7 +19,7 @@ use salus_cuda::profile::{Family, GroupTime, op_family};
 use salus_cuda::{CudaDevice, CudaOptions};
 use salus_exec::{Device, Placement};
 use salus_testkit::reference::ReferenceRun;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::engine_suite::{median, python};
@@ -28,7 +28,7 @@ use crate::engine_suite::{median, python};
 pub const DEFAULT_MODELS: [&str; 4] = ["mlp", "cnn", "gpt", "resnet18"];
 
 /// One family's row: salus' device time and launches, PyTorch's kernel time and kernels.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FamilyRow {
     pub family: String,
     /// Summed device time of the family's nodes in the profiled iteration, ms.
@@ -44,7 +44,7 @@ pub struct FamilyRow {
 }
 
 /// One op of either side, with its family.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpRow {
     pub op: String,
     pub family: String,
@@ -55,7 +55,7 @@ pub struct OpRow {
 }
 
 /// One model's profile.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelProfile {
     pub model: String,
     pub families: Vec<FamilyRow>,
@@ -87,7 +87,7 @@ pub struct ModelProfile {
 }
 
 /// The whole run.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ProfileResult {
     pub gpu: String,
     pub torch_device: String,
@@ -333,6 +333,8 @@ pub fn render(r: &ProfileResult) -> String {
 
 pub struct Options<'a> {
     pub dir: &'a Path,
+    /// Print this saved `--json` output instead of measuring.
+    pub from: Option<&'a Path>,
     pub models: &'a [String],
     pub iterations: usize,
     pub top: usize,
@@ -340,8 +342,22 @@ pub struct Options<'a> {
     pub json: bool,
 }
 
+/// A profile saved with `--json`.
+pub fn load(path: &Path) -> Result<ProfileResult, String> {
+    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let value: Value =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Some(e) = value.get("error").and_then(Value::as_str) {
+        return Err(format!("{}: the profile failed: {e}", path.display()));
+    }
+    serde_json::from_value(value).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 pub fn run(o: &Options<'_>) -> Result<(), String> {
-    let result = measure(o);
+    let result = match o.from {
+        Some(path) => load(path),
+        None => measure(o),
+    };
     match (&result, o.json) {
         (Err(e), true) => println!("{}", serde_json::json!({ "error": e })),
         (Ok(r), true) => println!(
@@ -746,6 +762,20 @@ mod tests {
         assert_eq!(m["families"][0]["family"], "conv");
         assert_eq!(m["families"][0]["torch_kernels"], 50);
         assert!(v["models"][1]["salus_graph_ms"].is_null());
+    }
+
+    #[test]
+    fn a_saved_profile_reads_back() {
+        let dir = std::env::temp_dir().join(format!("salus-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("profile.json");
+        let r = sample_result();
+        std::fs::write(&path, serde_json::to_string(&r).expect("json")).expect("write");
+        assert_eq!(load(&path), Ok(r));
+        std::fs::write(&path, r#"{"error": "no usable GPU: no CUDA driver"}"#).expect("write");
+        let err = load(&path).expect_err("a failed run");
+        assert!(err.contains("no usable GPU"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
