@@ -6,6 +6,10 @@ training steps of the same models on the CPU (or with ``--device cuda`` on GPU 0
 prints JSON: ``{"threads": n, "device": ..., "models": {"mlp": {"torch_ms": ...}, ...}}``.
 
     python benches/torch_engine.py OUT_DIR [--iterations N] [--device cpu|cuda]
+        [--model NAME ...]
+
+``--model`` (repeatable) picks models among the four and the large ones of
+``salus.reference.large_runs`` (written unchecked: traced with fake tensors, no steps).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 
 from salus import models
-from salus.reference import ReferenceRun, reference_runs, write_model
+from salus.reference import ReferenceRun, large_runs, reference_runs, write_model
 
 BATCH = 32
 
@@ -60,13 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", action="append", dest="models")
     args = parser.parse_args(argv)
+    small, large = bench_runs(), large_runs()
+    names = args.models or list(small)
+    unknown = [n for n in names if n not in small and n not in large]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {[*small, *large]}")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     result = {"threads": threads, "batch_size": BATCH, "device": device_name, "models": {}}
-    for name, run in bench_runs().items():
-        write_model(args.out / name, name, run, steps=1)
+    for name in dict.fromkeys(names):
+        run = small.get(name) or large[name]
+        write_model(args.out / name, name, run, steps=1, check=name in small)
         result["models"][name] = {"torch_ms": torch_ms(run, args.iterations, args.device)}
     print(json.dumps(result))
     return 0

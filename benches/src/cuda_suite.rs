@@ -71,8 +71,8 @@ fn step_ms(
     Ok(median(times).as_secs_f64() * 1e3)
 }
 
-pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
-    let result = measure(dir, iterations);
+pub fn run(dir: &Path, iterations: usize, models: &[String], json: bool) -> Result<(), String> {
+    let result = measure(dir, iterations, models);
     match (&result, json) {
         (Err(e), true) => println!("{}", serde_json::json!({ "error": e })),
         (Ok(r), true) => println!(
@@ -118,16 +118,23 @@ pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
 /// The salus arena in this benchmark: room for the four models with lanes to spare.
 const ARENA_BYTES: u64 = 16 << 30;
 
-fn measure(dir: &Path, iterations: usize) -> Result<CudaResult, String> {
+fn measure(dir: &Path, iterations: usize, names: &[String]) -> Result<CudaResult, String> {
     let gpus = CudaDevice::probe().map_err(|e| format!("no usable GPU: {e}"))?;
     // PyTorch runs on the same GPU in the same run: leave it most of the memory.
     let mut options = CudaOptions::new(0);
     options.cap = Some(ARENA_BYTES);
     let device = Arc::new(CudaDevice::new(&options)?);
-    let out = Command::new(python())
-        .arg("benches/torch_engine.py")
-        .arg(dir)
-        .args(["--iterations", &iterations.to_string(), "--device", "cuda"])
+    let mut cmd = Command::new(python());
+    cmd.arg("benches/torch_engine.py").arg(dir).args([
+        "--iterations",
+        &iterations.to_string(),
+        "--device",
+        "cuda",
+    ]);
+    for name in names {
+        cmd.args(["--model", name]);
+    }
+    let out = cmd
         .output()
         .map_err(|e| format!("cannot run benches/torch_engine.py: {e}"))?;
     if !out.status.success() {

@@ -6,12 +6,14 @@
 //! cargo run --release -p salus-bench -- plan target/reference/*/graph.pb
 //! cargo run --release -p salus-bench -- rpc --json
 //! cargo run --release -p salus-bench -- cuda --json     # on a host with a GPU
+//! cargo run --release -p salus-bench -- profile --model resnet50   # where the GPU time goes
 //! ```
 
 mod core_suite;
 mod cuda_suite;
 mod engine_suite;
 mod plan_suite;
+mod profile_suite;
 mod rpc_suite;
 
 use std::process::ExitCode;
@@ -63,6 +65,39 @@ enum Suite {
         /// Timed iterations per model.
         #[arg(long, default_value_t = 20)]
         iterations: usize,
+        /// A model to run (repeatable): mlp, cnn, gpt, resnet18 (the default four), or
+        /// the large resnet50, vit_b_16, transformer, transformer_nodrop, gpt512.
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Where the GPU time goes (needs a GPU and PyTorch with CUDA): per model, the CUDA
+    /// device's device time by op family (one eager iteration, each node timed with CUDA
+    /// events) and its launches, next to PyTorch's kernel time for the same families
+    /// from torch.profiler on the same GPU; graph-replay, eager-sum and PyTorch step
+    /// times; salus' P + E against PyTorch's peak memory.
+    Profile {
+        /// Where the traced models are written.
+        #[arg(long, default_value = "target/profile-bench")]
+        dir: std::path::PathBuf,
+        /// A model to profile (repeatable): mlp, cnn, gpt, resnet18 (the default four),
+        /// resnet50, vit_b_16, transformer, transformer_nodrop, gpt512.
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// Timed iterations per model (graph replay and PyTorch's eager step).
+        #[arg(long, default_value_t = 10)]
+        iterations: usize,
+        /// Ops listed per side and model.
+        #[arg(long, default_value_t = 8)]
+        top: usize,
+        /// Cap the salus arena at this many GiB (default: the free memory less 1 GiB).
+        #[arg(long)]
+        arena_gib: Option<u64>,
+        /// Print a profile saved with --json as tables instead of measuring (no GPU).
+        #[arg(long)]
+        from: Option<std::path::PathBuf>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -107,8 +142,26 @@ fn main() -> ExitCode {
         Suite::Cuda {
             dir,
             iterations,
+            models,
             json,
-        } => cuda_suite::run(&dir, iterations, json),
+        } => cuda_suite::run(&dir, iterations, &models, json),
+        Suite::Profile {
+            dir,
+            models,
+            iterations,
+            top,
+            arena_gib,
+            from,
+            json,
+        } => profile_suite::run(&profile_suite::Options {
+            dir: &dir,
+            from: from.as_deref(),
+            models: &models,
+            iterations,
+            top,
+            arena_gib,
+            json,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

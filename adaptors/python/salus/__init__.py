@@ -10,13 +10,24 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``):
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
 - :mod:`salus.client`: the gRPC client of ``salusd`` (:class:`Client`, sessions, admin);
 - :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd.
+
+``salus.Client`` is imported on first use, so tracing and the reference tools
+(``salus.trace``, ``salus.reference``) work without gRPC (or with a grpcio the generated
+stubs do not accept).
 """
 
-from .client import Client
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      LoweringError, SalusError, SessionClosedError, TraceError,
                      UnsupportedOpError, UnsupportedOptimizerError)
 from .trace import TracedStep, trace_inference, trace_train_step
+
+
+def __getattr__(name: str):
+    if name == "Client":
+        from .client import Client
+        return Client
+    raise AttributeError(f"module 'salus' has no attribute {name!r}")
+
 
 __all__ = [
     "AdmissionTimeoutError",

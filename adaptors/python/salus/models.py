@@ -12,6 +12,11 @@ Four models exercise the tracer and the IR's op set end to end:
   topology from torchvision's ``BasicBlock`` with narrower layers (for small reference
   files); 64 is torchvision's model itself.
 
+:func:`large_models` adds the models of the profiling targets at their real sizes
+(torchvision's resnet50 and vit_b_16 at 224 px, a stock ``nn.TransformerEncoder``, the
+GPT-style decoder at sequence 512 and width 768), every size a parameter so that tests
+can build them small.
+
 Every model is built from a seed and every batch is drawn from a seeded generator, so
 the same arguments give the same tensors; the global RNG is left alone.
 """
@@ -157,6 +162,21 @@ def _narrow_resnet(model: nn.Module, width: int, num_classes: int) -> nn.Module:
     return model
 
 
+class Encoder(nn.Module):
+    """A stock ``nn.TransformerEncoder`` (post-norm layers, ReLU, dropout 0.1, batch
+    first): ``forward(x[B, T, d]) -> y[B, T, d]``."""
+
+    def __init__(self, d_model: int = 512, n_head: int = 8, n_layer: int = 6,
+                 dim_feedforward: int = 2048, dropout: float = 0.1):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, n_head, dim_feedforward, dropout,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
 # ---------------------------------------------------------------------------------------
 # Batches
 
@@ -175,6 +195,14 @@ def vector_batch(batch_size: int, features: int, num_classes: int = 10,
     x = torch.randn(batch_size, features, generator=g)
     y = torch.randint(0, num_classes, (batch_size,), generator=g)
     return x, y
+
+
+def sequence_batch(batch_size: int, length: int, width: int,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, target)``: two random ``[batch, length, width]`` tensors (a regression)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, length, width, generator=g)
+    return x, torch.randn(batch_size, length, width, generator=g)
 
 
 def token_batch(batch_size: int, block_size: int, vocab_size: int,
@@ -219,4 +247,47 @@ def target_models(batch_size: int = 8, image_size: int = 32, resnet_size: int = 
                                 F.cross_entropy,
                                 lambda seed: image_batch(batch_size, resnet_size, 10,
                                                          seed=seed)),
+    }
+
+
+def large_models(batch_size: int = 32, image_size: int = 224, num_classes: int = 1000,
+                 seq: int = 128, d_model: int = 512, layers: int = 6,
+                 gpt_seq: int = 512, gpt_width: int = 768, gpt_heads: int = 12,
+                 gpt_layers: int = 6, gpt_vocab: int = 8192) -> dict[str, TargetModel]:
+    """The profiling targets at their real sizes (defaults):
+
+    - ``resnet50``: torchvision's, ``image_size`` px, ``num_classes`` classes;
+    - ``vit_b_16``: torchvision's, built for ``image_size`` px (16 px patches);
+    - ``transformer``: :class:`Encoder`, ``layers`` layers of width ``d_model`` (8 heads,
+      feed-forward 4x), sequence ``seq``, trained on MSE against a random target;
+      ``transformer_nodrop`` the same without dropout (the attention's dropout traces to
+      ``native_dropout``, which the IR does not have yet);
+    - ``gpt512``: :class:`TinyGPT` at sequence ``gpt_seq`` and width ``gpt_width``
+      (``gpt_heads`` heads, ``gpt_layers`` layers, vocabulary ``gpt_vocab``).
+    """
+
+    def tv(name: str, **kwargs) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            import torchvision
+
+            return getattr(torchvision.models, name)(num_classes=num_classes, **kwargs)
+
+        return build
+
+    def images(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return image_batch(batch_size, image_size, num_classes, seed=seed)
+
+    return {
+        "resnet50": TargetModel("resnet50", tv("resnet50"), F.cross_entropy, images),
+        "vit_b_16": TargetModel("vit_b_16", tv("vit_b_16", image_size=image_size),
+                                F.cross_entropy, images),
+        "transformer": TargetModel(
+            "transformer", lambda: Encoder(d_model, 8, layers, 4 * d_model), F.mse_loss,
+            lambda seed: sequence_batch(batch_size, seq, d_model, seed)),
+        "transformer_nodrop": TargetModel(
+            "transformer_nodrop", lambda: Encoder(d_model, 8, layers, 4 * d_model, 0.0),
+            F.mse_loss, lambda seed: sequence_batch(batch_size, seq, d_model, seed)),
+        "gpt512": TargetModel(
+            "gpt512", lambda: TinyGPT(gpt_vocab, gpt_seq, gpt_layers, gpt_heads, gpt_width),
+            next_token_loss, lambda seed: token_batch(batch_size, gpt_seq, gpt_vocab, seed)),
     }

@@ -1,5 +1,11 @@
 """``python -m salus.reference OUT_DIR``: reference runs of the target models for engines.
 
+``--model NAME`` (repeatable) picks models, among the four below and the large ones of
+:func:`large_runs` (resnet50, vit_b_16, transformer, transformer_nodrop, gpt512: real sizes, written only when
+named). A large model is written unchecked: traced with fake tensors, with its graph, its
+initial state and its batches, but no PyTorch steps, losses or final state (``"checked":
+false`` in its manifest); ``--check`` runs the steps anyway (slow: f64 on the CPU).
+
 For each target model (``salus.models``, at small sizes) this traces one training step,
 runs N steps (``--steps``, default 3) of eager PyTorch from the same initial state on the
 same batches, and writes what an engine needs to run the graph and check its results::
@@ -50,7 +56,7 @@ import numpy as np
 import torch
 
 from .lower import DTYPES, constant_bytes
-from .models import TargetModel, target_models
+from .models import TargetModel, large_models, target_models
 from .optim import STEP, functional_optimizer
 from .trace import trace_train_step
 from .v1 import graph_pb2 as pb
@@ -81,6 +87,28 @@ def reference_runs() -> dict[str, ReferenceRun]:
             p, lr=1e-3, weight_decay=0.01)),
         "resnet18": ReferenceRun(models["resnet18"], lambda p: torch.optim.SGD(
             p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)),
+    }
+
+
+MODEL_NAMES_LARGE = ("resnet50", "vit_b_16", "transformer", "transformer_nodrop", "gpt512")
+
+
+def large_runs(**sizes) -> dict[str, ReferenceRun]:
+    """The profiling targets (:func:`salus.models.large_models`, ``sizes`` passed on) with
+    their optimizers: resnet50 with SGD, the transformers with AdamW."""
+    models = large_models(**sizes)
+    return {
+        "resnet50": ReferenceRun(models["resnet50"], lambda p: torch.optim.SGD(
+            p, lr=0.1, momentum=0.9, weight_decay=1e-4)),
+        "vit_b_16": ReferenceRun(models["vit_b_16"], lambda p: torch.optim.AdamW(
+            p, lr=1e-3, weight_decay=0.05)),
+        "transformer": ReferenceRun(models["transformer"], lambda p: torch.optim.AdamW(
+            p, lr=1e-4, weight_decay=0.01)),
+        "transformer_nodrop": ReferenceRun(models["transformer_nodrop"],
+                                           lambda p: torch.optim.AdamW(
+                                               p, lr=1e-4, weight_decay=0.01)),
+        "gpt512": ReferenceRun(models["gpt512"], lambda p: torch.optim.AdamW(
+            p, lr=3e-4, weight_decay=0.1)),
     }
 
 
@@ -149,19 +177,21 @@ def _f64(batch):
 
 
 def write_model(out: Path, name: str, run: ReferenceRun, steps: int,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", check: bool = True) -> dict:
     """Traces, runs and writes one model; returns its manifest. PyTorch's f32 steps run
-    on ``device`` ("cpu" or "cuda"); the f64 ones on the CPU."""
+    on ``device`` ("cpu" or "cuda"); the f64 ones on the CPU. Without ``check``, traces
+    with fake tensors and writes the graph, the initial state and the batches only."""
     out.mkdir(parents=True, exist_ok=True)
     spec = run.spec
     model = spec.model(0)
     batches = [spec.batch(k) for k in range(steps)]
+    traced = trace_train_step(model, spec.loss_fn, run.optimizer(model.parameters()),
+                              batches[0], tracing_mode="real" if check else "fake")
+    (out / "graph.pb").write_bytes(traced.to_graph().SerializeToString())
+    if not check:
+        return _write_unchecked(out, name, traced, batches)
     model32, model64 = copy.deepcopy(model).to(device), copy.deepcopy(model).double()
     opt32, opt64 = run.optimizer(model32.parameters()), run.optimizer(model64.parameters())
-
-    traced = trace_train_step(model, spec.loss_fn, run.optimizer(model.parameters()),
-                              batches[0])
-    (out / "graph.pb").write_bytes(traced.to_graph().SerializeToString())
     state, graph_losses = dict(traced.initial_state), []
     for batch in batches:
         state, loss = traced.run(state, *batch)
@@ -195,12 +225,41 @@ def write_model(out: Path, name: str, run: ReferenceRun, steps: int,
     return manifest
 
 
+def _write_unchecked(out: Path, name: str, traced, batches) -> dict:
+    names = traced.state_names
+    feeds = traced.feed_names
+    manifest = {
+        "format": FORMAT, "version": VERSION, "model": name, "steps": len(batches),
+        "graph": "graph.pb", "optimizer": traced.optimizer, "checked": False,
+        "losses": [], "losses_f64": [], "graph_losses": [],
+        "initial": {"file": "initial.bin",
+                    "tensors": write_tensors(out / "initial.bin",
+                                             {n: traced.initial_state[n] for n in names})},
+        "batches": [{"file": f"batch_{k}.bin",
+                     "tensors": write_tensors(out / f"batch_{k}.bin", dict(zip(feeds, b)))}
+                    for k, b in enumerate(batches)],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
 def write_all(out_dir: Path, steps: int = 3, names: list[str] | None = None,
-              device: str = "cpu") -> list[str]:
+              device: str = "cpu", check: bool | None = None) -> list[str]:
+    """Writes the four reference models, or ``names`` (which may name large ones).
+    ``check=None`` checks the four and not the large ones."""
     runs = reference_runs()
-    chosen = [n for n in runs if names is None or n in names]
+    large = large_runs()
+    if names is None:
+        chosen = list(runs)
+    else:
+        unknown = [n for n in names if n not in runs and n not in large]
+        if unknown:
+            raise ValueError(f"unknown models: {unknown}")
+        chosen = list(dict.fromkeys(names))
     for name in chosen:
-        write_model(Path(out_dir) / name, name, runs[name], steps, device)
+        run = runs.get(name) or large[name]
+        checked = (name in runs) if check is None else check
+        write_model(Path(out_dir) / name, name, run, steps, device, checked)
     index = {"format": FORMAT, "version": VERSION, "models": chosen}
     (Path(out_dir) / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     return chosen
@@ -211,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", action="append", dest="models",
-                        choices=list(reference_runs()))
+                        choices=[*reference_runs(), *MODEL_NAMES_LARGE])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where PyTorch's f32 steps run")
+    parser.add_argument("--check", action="store_true", default=None,
+                        help="run and write PyTorch's steps for the large models too")
     args = parser.parse_args(argv)
-    for name in write_all(args.out_dir, args.steps, args.models, args.device):
+    for name in write_all(args.out_dir, args.steps, args.models, args.device, args.check):
         size = sum(f.stat().st_size for f in (args.out_dir / name).iterdir())
         print(f"{name}: {size / 1e6:.2f} MB in {args.out_dir / name}")
     return 0

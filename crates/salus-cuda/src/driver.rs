@@ -470,3 +470,100 @@ pub(crate) fn nvrtc_version() -> (i32, i32) {
     let _ = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
     (major, minor)
 }
+
+/// Events for timing, destroyed together when dropped.
+pub(crate) struct Events(Vec<Raw<sys::CUevent>>);
+
+impl Events {
+    /// `n` events with timing enabled.
+    pub(crate) fn new(n: usize) -> DResult<Events> {
+        let mut events = Events(Vec::with_capacity(n));
+        for _ in 0..n {
+            events.0.push(new_event()?);
+        }
+        Ok(events)
+    }
+
+    pub(crate) fn get(&self, k: usize) -> Raw<sys::CUevent> {
+        self.0[k]
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        // cuEventDestroy on an event still pending on a stream releases it once it
+        // completes, so this is safe on any path.
+        for &e in &self.0 {
+            destroy_event(e);
+        }
+    }
+}
+
+/// The longest a [`Gate`] holds its stream: past this the stream goes on (and the gate
+/// says so) rather than hang, e.g. when the driver's launch queue filled up behind it.
+const GATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+#[derive(Default)]
+struct GateState {
+    open: std::sync::atomic::AtomicBool,
+    timed_out: std::sync::atomic::AtomicBool,
+}
+
+/// Holds a stream at a point until opened: work queued behind it starts only once all of
+/// it has been issued, so the GPU runs it back to back, without the gaps of host launch
+/// latency (for timing kernels one by one). Opens when dropped.
+pub(crate) struct Gate(std::sync::Arc<GateState>);
+
+/// The host function queued by [`Gate::hold`]: waits for the gate to open, at most
+/// [`GATE_TIMEOUT`]. Makes no CUDA call, as host functions must not.
+unsafe extern "C" fn wait_at_gate(user: *mut c_void) {
+    use std::sync::atomic::Ordering;
+    // SAFETY: `user` is the `Arc::into_raw` of `Gate::hold`, whose count the driver hands
+    // to this call exactly once.
+    let state = unsafe { std::sync::Arc::from_raw(user as *const GateState) };
+    let start = std::time::Instant::now();
+    while !state.open.load(Ordering::Acquire) {
+        if start.elapsed() > GATE_TIMEOUT {
+            state.timed_out.store(true, Ordering::Release);
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
+impl Gate {
+    /// Queues the gate on `s`, closed.
+    pub(crate) fn hold(s: Raw<sys::CUstream>) -> DResult<Gate> {
+        let state = std::sync::Arc::new(GateState::default());
+        let user = std::sync::Arc::into_raw(state.clone()) as *mut c_void;
+        // SAFETY: a live stream; `wait_at_gate` makes no CUDA call and takes ownership of
+        // `user` (one count of the Arc), which stays valid until it runs.
+        match unsafe { cu::stream::launch_host_function(s.0, wait_at_gate, user) } {
+            Ok(()) => Ok(Gate(state)),
+            Err(e) => {
+                // SAFETY: the launch failed, so the host function will never run and
+                // the count it would have taken is still ours to release.
+                drop(unsafe { std::sync::Arc::from_raw(user as *const GateState) });
+                Err(e)
+            }
+        }
+    }
+
+    /// Lets the stream go on.
+    pub(crate) fn open(&self) {
+        self.0
+            .open
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// True when the gate gave up waiting (final once the stream has been synchronised).
+    pub(crate) fn timed_out(&self) -> bool {
+        self.0.timed_out.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}

@@ -44,6 +44,7 @@ mod abi;
 mod cudnn;
 mod driver;
 mod lower;
+pub mod profile;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -60,6 +61,7 @@ use salus_graph::{Graph, OpParams, PortableScratch, ScratchSizer};
 use self::abi::Kernel;
 use self::driver::{Raw, driver_error};
 use self::lower::{Command, Lowering};
+use self::profile::{NodeTime, Profile};
 
 /// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
 const MIN_DRIVER: i32 = 12080;
@@ -75,6 +77,10 @@ const ERROR_BLOCK: usize = 256;
 
 /// Most program placements a lane keeps lowered (and captured) at once.
 const ENTRIES_PER_LANE: usize = 32;
+
+/// Most commands a profiled iteration issues behind one gate (well below the driver's
+/// launch queue, so issuing never waits for the gated stream).
+const PROFILE_BATCH: usize = 128;
 
 /// One GPU the driver sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,6 +123,8 @@ impl CudaOptions {
 /// A lowered program at one placement, and its captured graph.
 struct Entry {
     commands: Vec<Command>,
+    /// The commands of each node, by node index (empty for a node that issues none).
+    spans: Vec<std::ops::Range<usize>>,
     updates: Vec<Command>,
     runs: u64,
     graph: Option<Raw<sys::CUgraphExec>>,
@@ -517,14 +525,17 @@ impl CudaDevice {
             fusion,
             kernels: Vec::new(),
         };
+        let mut spans = Vec::with_capacity(graph.nodes.len());
         for (index, node) in graph.nodes.iter().enumerate() {
             lower.index = index;
+            let start = lower.commands.len();
             lower.node(node).map_err(|message| ExecError::Node {
                 index,
                 name: node.name.clone(),
                 op: node.op.name().to_string(),
                 message,
             })?;
+            spans.push(start..lower.commands.len());
         }
         if !lower.kernels.is_empty() {
             self.link(&mut lower.commands, &lower.kernels)
@@ -540,6 +551,7 @@ impl CudaDevice {
         }
         Ok(Entry {
             commands: lower.commands,
+            spans,
             updates: lower::guarded_copies(&updates, err),
             runs: 0,
             graph: None,
@@ -629,6 +641,115 @@ impl CudaDevice {
         }
     }
 
+    /// Clears the lane's error block and copies the feeds into the lane, on its stream.
+    fn start_iteration(
+        &self,
+        program: &Program,
+        lane: &Lane,
+        lane_base: u64,
+        feeds: &[&[u8]],
+    ) -> Result<(), ExecError> {
+        driver::zero(lane.err, ERROR_BLOCK, lane.stream)
+            .map_err(|e| self.check("cuMemsetD8Async", e))?;
+        for (&id, bytes) in program.feeds().iter().zip(feeds) {
+            if let Some(Location::Lane(off)) = program.location(id) {
+                driver::htod(lane_base + off, bytes, lane.stream)
+                    .map_err(|e| self.check("copying a feed", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the nodes of one iteration of `program` at `at` eagerly (never a captured
+    /// graph), with a CUDA event on the lane's stream just before each node's first
+    /// command and just after its last, and returns each node's device time.
+    ///
+    /// The updates are not written, so the session's persistent tensors are unchanged
+    /// and no fetch is read. To keep host launch latency out of the times, the stream
+    /// is held by a gate while each batch of up to 128 commands is issued, then let go
+    /// and synchronised: a node's time is its kernels running back to back. Normal
+    /// iterations ([`Device::run`]) are untouched by this: they keep their own lowered
+    /// and captured commands, and a profile neither adds to nor evicts them.
+    pub fn profile_iteration(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+    ) -> Result<Profile, ExecError> {
+        program.check_feeds(feeds)?;
+        self.bind()?;
+        let lane = self.lane(at.lane)?;
+        let lane = lane
+            .lock()
+            .map_err(|_| ExecError::Device("lane lock poisoned".into()))?;
+        let entry = self.lower(program, at, lane.err)?;
+        let lane_base = self.range(at.lane, program.plan().ephemeral_bytes)?;
+        let stream = lane.stream;
+        self.start_iteration(program, &lane, lane_base, feeds)?;
+        driver::sync(stream).map_err(|e| self.check("copying the feeds", e))?;
+        let timed: Vec<usize> = (0..entry.spans.len())
+            .filter(|&i| !entry.spans[i].is_empty())
+            .collect();
+        let events =
+            driver::Events::new(2 * timed.len()).map_err(|e| self.check("cuEventCreate", e))?;
+        let mut gate_timed_out = false;
+        for batch in profile_batches(&entry.spans, &timed) {
+            // After one timeout the rest runs ungated: a second wait would only repeat it.
+            let gate = if gate_timed_out {
+                None
+            } else {
+                Some(driver::Gate::hold(stream).map_err(|e| self.check("cuLaunchHostFunc", e))?)
+            };
+            let issued = batch.clone().try_for_each(|j| {
+                driver::record(events.get(2 * j), stream)
+                    .map_err(|e| self.check("cuEventRecord", e))?;
+                self.issue(&lane, &entry.commands[entry.spans[timed[j]].clone()])?;
+                driver::record(events.get(2 * j + 1), stream)
+                    .map_err(|e| self.check("cuEventRecord", e))
+            });
+            if let Some(gate) = &gate {
+                gate.open();
+            }
+            let synced =
+                driver::sync(stream).map_err(|e| self.check("running the profiled nodes", e));
+            gate_timed_out |= gate.as_ref().is_some_and(driver::Gate::timed_out);
+            issued?;
+            synced?;
+        }
+        let mut err = [0u8; 40];
+        driver::dtoh(&mut err, lane.err, stream)
+            .map_err(|e| self.check("reading the error block", e))?;
+        driver::sync(stream).map_err(|e| self.check("reading the error block", e))?;
+        if let Some(e) = reported_error(program, &err) {
+            return Err(e);
+        }
+        let mut ms = vec![0.0; entry.spans.len()];
+        for (j, &i) in timed.iter().enumerate() {
+            let t = driver::elapsed_ms(events.get(2 * j), events.get(2 * j + 1))
+                .map_err(|e| self.check("cuEventElapsedTime", e))?;
+            ms[i] = f64::from(t.max(0.0));
+        }
+        let nodes = program
+            .graph()
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| NodeTime {
+                index: i,
+                name: node.name.clone(),
+                op: node.op.name().to_string(),
+                family: profile::node_family(node.op.name(), &node.source),
+                launches: entry.spans[i].len() as u32,
+                ms: ms[i],
+            })
+            .collect();
+        Ok(Profile {
+            nodes,
+            update_launches: entry.updates.len() as u32,
+            gate_timed_out,
+        })
+    }
+
     fn iterate(
         &self,
         program: &Program,
@@ -663,14 +784,7 @@ impl CudaDevice {
         let lane_base = self.range(at.lane, plan.ephemeral_bytes)?;
         let persistent_base = self.range(at.persistent, plan.persistent_bytes)?;
         let stream = lane.stream;
-        driver::zero(lane.err, ERROR_BLOCK, stream)
-            .map_err(|e| self.check("cuMemsetD8Async", e))?;
-        for (&id, bytes) in program.feeds().iter().zip(feeds) {
-            if let Some(Location::Lane(off)) = program.location(id) {
-                driver::htod(lane_base + off, bytes, stream)
-                    .map_err(|e| self.check("copying a feed", e))?;
-            }
-        }
+        self.start_iteration(program, &lane, lane_base, feeds)?;
         driver::record(lane.start, stream).map_err(|e| self.check("cuEventRecord", e))?;
         self.nodes(&mut lane, key)?;
         let graph = program.graph();
@@ -702,20 +816,8 @@ impl CudaDevice {
             entry.runs += 1;
             entry.last_used = tick;
         }
-        let word = |k: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&err[k * 8..k * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        if word(0) != 0 {
-            let index = word(1) as usize;
-            let node = graph.nodes.get(index);
-            return Err(ExecError::Node {
-                index,
-                name: node.map(|n| n.name.clone()).unwrap_or_default(),
-                op: node.map(|n| n.op.name().to_string()).unwrap_or_default(),
-                message: abi::index_error(word(2), word(3) as i64, word(4) as i64),
-            });
+        if let Some(e) = reported_error(program, &err) {
+            return Err(e);
         }
         let ms = driver::elapsed_ms(lane.start, lane.end)
             .map_err(|e| self.check("cuEventElapsedTime", e))?;
@@ -724,6 +826,51 @@ impl CudaDevice {
             duration: Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3),
         })
     }
+}
+
+/// The error a kernel reported in a lane's error block (its first 40 bytes), if any.
+fn reported_error(program: &Program, err: &[u8; 40]) -> Option<ExecError> {
+    let word = |k: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&err[k * 8..k * 8 + 8]);
+        u64::from_le_bytes(w)
+    };
+    if word(0) == 0 {
+        return None;
+    }
+    let index = word(1) as usize;
+    let node = program.graph().nodes.get(index);
+    Some(ExecError::Node {
+        index,
+        name: node.map(|n| n.name.clone()).unwrap_or_default(),
+        op: node.map(|n| n.op.name().to_string()).unwrap_or_default(),
+        message: abi::index_error(word(2), word(3) as i64, word(4) as i64),
+    })
+}
+
+/// Splits the nodes that issue commands (`timed`, node indices) into batches of at most
+/// [`PROFILE_BATCH`] commands each (a larger node alone), as ranges of `timed`.
+fn profile_batches(
+    spans: &[std::ops::Range<usize>],
+    timed: &[usize],
+) -> Vec<std::ops::Range<usize>> {
+    let mut batches = Vec::new();
+    let mut start = 0;
+    while start < timed.len() {
+        let mut end = start;
+        let mut count = 0;
+        while end < timed.len() {
+            let len = spans[timed[end]].len();
+            if end > start && count + len > PROFILE_BATCH {
+                break;
+            }
+            count += len;
+            end += 1;
+        }
+        batches.push(start..end);
+        start = end;
+    }
+    batches
 }
 
 /// The kernels' machine code for `arch`: from the disk cache, or compiled and cached.
@@ -878,6 +1025,35 @@ mod tests {
         match CudaDevice::probe() {
             Ok(gpus) => assert!(!gpus.is_empty()),
             Err(reason) => assert!(!reason.is_empty()),
+        }
+    }
+
+    #[test]
+    fn profile_batches_cover_every_timed_node_within_the_limit() {
+        // Node 1 issues nothing; node 3 alone exceeds a batch.
+        let lens = [3usize, 0, 100, 300, 30, 1];
+        let mut spans = Vec::new();
+        let mut at = 0;
+        for len in lens {
+            spans.push(at..at + len);
+            at += len;
+        }
+        let timed: Vec<usize> = (0..spans.len()).filter(|&i| !spans[i].is_empty()).collect();
+        let batches = profile_batches(&spans, &timed);
+        assert_eq!(batches, vec![0..2, 2..3, 3..5]);
+        for b in &batches {
+            let count: usize = b.clone().map(|j| spans[timed[j]].len()).sum();
+            assert!(b.len() == 1 || count <= PROFILE_BATCH);
+        }
+        assert!(profile_batches(&spans, &[]).is_empty());
+    }
+
+    #[test]
+    fn profiling_without_a_gpu_fails_cleanly() {
+        // Where there is no GPU the device cannot open, so there is nothing to profile;
+        // where there is one, tests/cuda.rs profiles on it.
+        if CudaDevice::probe().is_err() {
+            assert!(CudaDevice::new(&CudaOptions::new(0)).is_err());
         }
     }
 

@@ -380,6 +380,81 @@ fn row_kernels_match_the_cpu() {
 }
 
 #[test]
+fn a_profiled_iteration_times_every_node_and_leaves_the_state() {
+    let Some(gpu) = gpu("profile", 256 << 20) else {
+        return;
+    };
+    let (n, d, k) = (64, 128, 32);
+    let graph = samples::regression(n, d, k, 0.05);
+    let program = Program::new(graph.clone(), &Limits::default()).unwrap();
+    let mut rng = Rng::new(11);
+    let mut data = |len: u64| -> Vec<u8> {
+        let v: Vec<f32> = rng
+            .vec(len as usize, -1.0, 1.0)
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        bytes_f32(&v)
+    };
+    let (w, x, y) = (data(d * k), data(n * d), data(n * k));
+    let feeds = vec![x, y];
+    let refs: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+    let plan = program.plan().clone();
+    let at = Placement {
+        persistent: 0,
+        lane: plan.persistent_bytes.div_ceil(256) * 256,
+    };
+    gpu.write(0, &w).unwrap();
+    // A captured graph first: profiling must not disturb it.
+    let first = gpu.run(&program, at, &refs).unwrap();
+    gpu.run(&program, at, &refs).unwrap();
+    let before = gpu.read(0, plan.persistent_bytes).unwrap();
+    let profile = gpu.profile_iteration(&program, at, &refs).unwrap();
+    assert_eq!(
+        gpu.read(0, plan.persistent_bytes).unwrap(),
+        before,
+        "a profile must not write the updates"
+    );
+    assert_eq!(profile.nodes.len(), graph.nodes.len());
+    assert!(!profile.gate_timed_out, "the gate timed out");
+    assert!(profile.launches() > 0);
+    assert!(profile.total_ms() > 0.0 && profile.total_ms() < 1000.0);
+    for node in &profile.nodes {
+        assert!(node.ms >= 0.0, "{node:?}");
+        if node.launches == 0 {
+            assert_eq!(node.ms, 0.0, "{node:?}");
+        }
+    }
+    let by_family = profile.by_family();
+    let summed: u64 = by_family.values().map(|g| g.launches).sum();
+    assert_eq!(summed, profile.launches());
+    eprintln!(
+        "profile: {} nodes, {} launches, {:.3} ms: {:?}",
+        profile.nodes.len(),
+        profile.launches(),
+        profile.total_ms(),
+        by_family
+    );
+    // The next iterations go on as if no profile had run: the third step's loss is the
+    // CPU's third.
+    let cpu = CpuDevice::new(64 << 20).unwrap();
+    let (want, _) = train(&cpu, &graph, &w, &feeds, 3);
+    assert_close(
+        &f32s(&first.fetches[0]),
+        &f32s(&want[0][0]),
+        tol(1e-4, 1e-6),
+        "loss 0",
+    );
+    let third = gpu.run(&program, at, &refs).unwrap();
+    assert_close(
+        &f32s(&third.fetches[0]),
+        &f32s(&want[2][0]),
+        tol(1e-4, 1e-6),
+        "loss 2 after a profile",
+    );
+}
+
+#[test]
 fn a_bad_index_fails_the_iteration_and_leaves_the_state() {
     let Some(gpu) = gpu("bad_index", 64 << 20) else {
         return;
