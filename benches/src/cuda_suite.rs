@@ -151,7 +151,8 @@ fn measure(dir: &Path, iterations: usize, names: &[String]) -> Result<CudaResult
         .as_object()
         .ok_or("no models from torch_engine.py")?
     {
-        let run = ReferenceRun::load(&dir.join(name))?;
+        let mut run = ReferenceRun::load(&dir.join(name))?;
+        run.plan_for(&*device)?;
         let at = place(&run, 0);
         run.upload(&*device, at)?;
         device.set_graphs(false);

@@ -506,7 +506,8 @@ fn salus_side(
     o: &Options<'_>,
     m: &mut ModelProfile,
 ) -> Result<salus_cuda::profile::Profile, String> {
-    let run = ReferenceRun::load(dir)?;
+    let mut run = ReferenceRun::load(dir)?;
+    run.plan_for(device)?;
     let plan = run.program.plan();
     m.persistent_bytes = Some(plan.persistent_bytes);
     m.ephemeral_bytes = Some(plan.ephemeral_bytes);

@@ -94,6 +94,16 @@ impl ReferenceRun {
         })
     }
 
+    /// Plans the program again for `device`, so each node's scratch is what that device's
+    /// kernels work in (a GPU's cuDNN workspaces) and E is exact there, as salusd plans a
+    /// session for its device.
+    pub fn plan_for(&mut self, device: &dyn Device) -> Result<(), String> {
+        let graph = self.program.graph().clone();
+        self.program =
+            Program::for_device(graph, &Limits::default(), device).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
     /// Arena offset of a persistent tensor of the program, for a session placed at `at`.
     pub fn offset_of(&self, at: Placement, name: &str) -> Result<u64, String> {
         let id = self
