@@ -392,6 +392,59 @@ device_struct! {
     }
 }
 
+// Layout copies (`copy.cu`): a strided view copied bit for bit into another, by element
+// size, never by dtype.
+
+device_struct! {
+    /// `copy_rows`: `rows` rows of `vpr` vectors of `vec` bytes (16, 8, 4, 2 or 1), each row
+    /// contiguous in both `src` and `dst`; row r sits at `sum c[d] * src_st[d]` bytes (and
+    /// `dst_st`) where c is r's index over `shape` (`rank` outer dims). A row is split into
+    /// `chunks` of at most `chunk` vectors; `tpr` threads (a power of two dividing BLOCK)
+    /// share each (row, chunk).
+    #[derive(Default)]
+    struct CopyRowsArgs {
+        dst: u64,
+        src: u64,
+        rows: i64,
+        vpr: i64,
+        vec: i64,
+        tpr: i64,
+        chunks: i64,
+        chunk: i64,
+        rank: i64,
+        shape: [i64; MAX_RANK],
+        src_st: [i64; MAX_RANK],
+        dst_st: [i64; MAX_RANK],
+    }
+}
+
+device_struct! {
+    /// `copy_transpose`: a batched 2-D transpose of `esize`-byte elements (8, 4, 2 or 1)
+    /// through 32x32 shared-memory tiles. Element (b, i, j), i < `ni`, j < `nj`, is read
+    /// at `src + boff + (i + j * src_j) * esize` and written at
+    /// `dst + boff' + (i * dst_i + j) * esize`: i is contiguous in the source, j in the
+    /// destination. Batch b's offsets (bytes) come from its index over `shape` (`rank`
+    /// dims) with `src_st` and `dst_st`.
+    #[derive(Default)]
+    struct TransposeArgs {
+        dst: u64,
+        src: u64,
+        esize: i64,
+        ni: i64,
+        nj: i64,
+        src_j: i64,
+        dst_i: i64,
+        batches: i64,
+        rank: i64,
+        shape: [i64; MAX_RANK],
+        src_st: [i64; MAX_RANK],
+        dst_st: [i64; MAX_RANK],
+    }
+}
+
+impl KernelArgs for CopyRowsArgs {}
+impl KernelArgs for TransposeArgs {}
+
 device_struct! {
     /// `red_thread`, `red_block`: `nout` outputs, each over `count` elements; kept dims
     /// (`kshape`, `kst`) and reduced dims (`rshape`, `rst`) of the input.
@@ -738,6 +791,8 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         StridedTensor::layout(),
         ElementwiseArgs::layout(),
         GuardedCopyArgs::layout(),
+        CopyRowsArgs::layout(),
+        TransposeArgs::layout(),
         ReduceArgs::layout(),
         SoftmaxArgs::layout(),
         LayerNormArgs::layout(),
@@ -832,6 +887,10 @@ macro_rules! kernels {
 kernels! {
     Elementwise = "ew" (ElementwiseArgs),
     GuardedCopies = "guarded_copies" (GuardedCopyArgs),
+    /// Copies of contiguous rows, vectorized (`copy.cu`).
+    CopyRows = "copy_rows" (CopyRowsArgs),
+    /// Batched 2-D transposes through shared-memory tiles (`copy.cu`).
+    CopyTranspose = "copy_transpose" (TransposeArgs),
     /// A thread per output: short reductions.
     ReduceByThread = "red_thread" (ReduceArgs),
     /// A block per output: long reductions.

@@ -711,3 +711,174 @@ fn ops_match_the_cpu_on_random_inputs() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Random data of `dtype` (ints for the integer types, 0/1 for bool).
+fn random_of(rng: &mut Rng, dtype: DType, shape: &[u64]) -> Value {
+    let n = shape.iter().product::<u64>() as usize;
+    let data = match dtype {
+        DType::I64 => rng
+            .ints(n, -(1 << 40), 1 << 40)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        DType::I32 => rng
+            .ints(n, -(1 << 30), 1 << 30)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        DType::Bool => rng.ints(n, 0, 2).iter().map(|&v| v as f64).collect(),
+        _ => rng.vec(n, -4.0, 4.0),
+    };
+    val(dtype, shape, data)
+}
+
+fn permuted(shape: &[u64], dims: &[usize]) -> Vec<u64> {
+    dims.iter().map(|&d| shape[d]).collect()
+}
+
+/// Every order of `0..n`.
+fn orders(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![vec![]];
+    }
+    let mut out = Vec::new();
+    for rest in orders(n - 1) {
+        for at in 0..=rest.len() {
+            let mut o = rest.clone();
+            o.insert(at, n - 1);
+            out.push(o);
+        }
+    }
+    out
+}
+
+const COPY_DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::I64,
+    DType::I32,
+    DType::Bool,
+];
+
+/// Layout copies: the routes of `copy_rows`, `copy_transpose` and `ew` (permutes in every
+/// order, the attention shapes, odd sizes in every element size, expands, slices at odd
+/// offsets, cat).
+fn copy_cases() -> Vec<Case> {
+    let mut rng = Rng::new(41);
+    let mut cases = Vec::new();
+    let permute = |x: Value, dims: &[usize]| {
+        let out = permuted(&x.ty.shape, dims);
+        let dtype = x.ty.dtype;
+        let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        Case::new(Op::Permute)
+            .input(x)
+            .ints("dims", &dims)
+            .output(dtype, &out)
+    };
+    let x = rng.f32s(&[2, 3, 4, 5], -1.0, 1.0);
+    for dims in orders(4) {
+        cases.push(permute(x.clone(), &dims));
+    }
+    let x = rng.f32s(&[32, 128, 8, 64], -1.0, 1.0);
+    cases.push(permute(x.clone(), &[0, 2, 1, 3]));
+    cases.push(permute(x, &[0, 1, 3, 2]));
+    for dtype in COPY_DTYPES {
+        let x = random_of(&mut rng, dtype, &[3, 33, 17]);
+        for dims in orders(3) {
+            cases.push(permute(x.clone(), &dims));
+        }
+        let x = random_of(&mut rng, dtype, &[2, 37, 3, 65]);
+        for dims in [[0, 2, 1, 3], [0, 1, 3, 2], [3, 0, 1, 2]] {
+            cases.push(permute(x.clone(), &dims));
+        }
+        for (from, to) in [
+            (vec![4u64, 1, 64], vec![4u64, 16, 64]),
+            (vec![8, 1], vec![8, 32]),
+            (vec![3, 1, 17], vec![3, 33, 17]),
+            (vec![1, 33, 1], vec![5, 33, 7]),
+            (vec![17], vec![3, 33, 17]),
+        ] {
+            let size: Vec<i64> = to.iter().map(|&v| v as i64).collect();
+            cases.push(
+                Case::new(Op::Expand)
+                    .input(random_of(&mut rng, dtype, &from))
+                    .ints("size", &size)
+                    .output(dtype, &to),
+            );
+        }
+        // Slices of the innermost dim starting at an odd element: narrow accesses.
+        let x = random_of(&mut rng, dtype, &[5, 40]);
+        for (start, end, step) in [(1i64, 33i64, 1i64), (3, 40, 1), (1, 40, 2)] {
+            let n = ((end - start) + step - 1) / step;
+            cases.push(
+                Case::new(Op::SliceTensor)
+                    .input(x.clone())
+                    .int("dim", 1)
+                    .int("start", start)
+                    .int("end", end)
+                    .int("step", step)
+                    .output(dtype, &[5, n as u64]),
+            );
+        }
+        cases.push(
+            Case::new(Op::Cat)
+                .int("tensors.len", 2)
+                .int("dim", -1)
+                .input(random_of(&mut rng, dtype, &[6, 3, 5]))
+                .input(random_of(&mut rng, dtype, &[6, 3, 8]))
+                .output(dtype, &[6, 3, 13]),
+        );
+    }
+    cases
+}
+
+#[test]
+fn the_copy_cases_run_on_the_cpu() {
+    for case in copy_cases() {
+        case.try_run_on(None).unwrap();
+    }
+}
+
+/// Layout copies on the GPU, bit for bit against the CPU.
+#[test]
+fn layout_copies_match_the_cpu_bitwise() {
+    let Some(gpu) = gpu("layout_copies", 512 << 20) else {
+        return;
+    };
+    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let mut failures = Vec::new();
+    for case in copy_cases() {
+        let what = format!(
+            "{} of {:?} {:?}",
+            case.op(),
+            case.input_values()
+                .iter()
+                .map(|v| (v.ty.dtype, v.ty.shape.clone()))
+                .collect::<Vec<_>>(),
+            case.graph().nodes[0].attrs
+        );
+        match (case.try_run_on(None), case.try_run_on(Some(gpu.clone()))) {
+            (Ok(want), Ok(got)) => {
+                let bits = |v: &Vec<Vec<f64>>| -> Vec<Vec<u64>> {
+                    v.iter()
+                        .map(|o| o.iter().map(|x| x.to_bits()).collect())
+                        .collect()
+                };
+                if bits(&want) != bits(&got) {
+                    let first = want[0]
+                        .iter()
+                        .zip(&got[0])
+                        .position(|(w, g)| w.to_bits() != g.to_bits());
+                    failures.push(format!("{what}: differs, first at {first:?}"));
+                }
+            }
+            (w, g) => failures.push(format!("{what}: cpu {:?}, gpu {:?}", w.err(), g.err())),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures: {failures:#?}",
+        failures.len()
+    );
+}

@@ -1,10 +1,17 @@
 //! Pointwise ops, strided copies and the view ops that copy (permute, expand, slice,
-//! select, cat, split): all one kernel, `ew`, over operands with their own strides.
+//! select, cat, split): one kernel, `ew`, over operands with their own strides, except
+//! same-dtype copies whose coalesced dims allow a faster one ([`route_copy`]): contiguous
+//! rows (`copy_rows`) or a batched 2-D transpose (`copy_transpose`).
 
 use salus_graph::Node;
 
-use super::{Lowered, Lowering, Operand, broadcast, contiguous, numel, padded, signed};
-use crate::abi::{ElementwiseArgs, ElementwiseOp, Kernel, MAX_RANK, StridedTensor};
+use super::{
+    BLOCK, Lowered, Lowering, MAX_GRID, Operand, broadcast, contiguous, numel, padded, signed,
+};
+use crate::abi::{
+    CopyRowsArgs, DeviceDType, ElementwiseArgs, ElementwiseOp, Kernel, MAX_RANK, StridedTensor,
+    TransposeArgs,
+};
 
 /// An operand of the elementwise kernel: address (of element 0), dtype code, strides in
 /// elements.
@@ -65,6 +72,114 @@ pub(super) fn coalesce(shape: &[u64], ops: &mut [StridedView]) -> Vec<u64> {
     out_shape
 }
 
+/// `a / b` rounded up, for positive sizes.
+fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+/// Bytes per element of a dtype code.
+fn dtype_size(dt: i64) -> i64 {
+    match dt {
+        x if x == DeviceDType::F32.code() || x == DeviceDType::I32.code() => 4,
+        x if x == DeviceDType::F16.code() || x == DeviceDType::Bf16.code() => 2,
+        x if x == DeviceDType::I64.code() => 8,
+        _ => 1,
+    }
+}
+
+/// How a same-dtype copy runs.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum CopyRoute {
+    /// Innermost dim contiguous in both: contiguous rows, vectorized.
+    Rows(CopyRowsArgs),
+    /// The destination's innermost dim is strided in the source, and another dim is
+    /// contiguous there: a batched 2-D transpose.
+    Transpose(TransposeArgs),
+    /// Anything else: `ew`'s per-element index math.
+    Generic,
+}
+
+/// The route of a copy of `shape` (already coalesced: no size-1 dims) from `src` into
+/// `dst`, both `esize`-byte elements (strides in elements).
+pub(super) fn route_copy(
+    shape: &[u64],
+    dst: &StridedView,
+    src: &StridedView,
+    esize: i64,
+) -> CopyRoute {
+    let rank = shape.len();
+    if rank == 0 || rank > MAX_RANK {
+        return CopyRoute::Generic;
+    }
+    let last = rank - 1;
+    let outer = |skip: &[usize]| {
+        let dims: Vec<usize> = (0..rank).filter(|d| !skip.contains(d)).collect();
+        let sh: Vec<i64> = dims.iter().map(|&d| shape[d] as i64).collect();
+        let ss: Vec<i64> = dims.iter().map(|&d| src.st[d] * esize).collect();
+        let ds: Vec<i64> = dims.iter().map(|&d| dst.st[d] * esize).collect();
+        (dims.len() as i64, padded(&sh), padded(&ss), padded(&ds))
+    };
+    if dst.st[last] == 1 && src.st[last] == 1 {
+        let row_bytes = shape[last] as i64 * esize;
+        let (orank, oshape, src_st, dst_st) = outer(&[last]);
+        // The widest access that every row start and the row length allow.
+        let vec = [16i64, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&w| {
+                row_bytes % w == 0
+                    && src.ptr % w as u64 == 0
+                    && dst.ptr % w as u64 == 0
+                    && src_st[..orank as usize].iter().all(|s| s % w == 0)
+                    && dst_st[..orank as usize].iter().all(|s| s % w == 0)
+            })
+            .unwrap_or(1);
+        let vpr = row_bytes / vec;
+        // Threads per row: about 4 vectors each, at most a block; a chunk is 4 vectors a
+        // thread, so long rows split across blocks.
+        let tpr = (ceil_div(vpr, 4) as u64)
+            .next_power_of_two()
+            .min(u64::from(BLOCK)) as i64;
+        let chunk = 4 * tpr;
+        return CopyRoute::Rows(CopyRowsArgs {
+            dst: dst.ptr,
+            src: src.ptr,
+            rows: numel(&shape[..last]) as i64,
+            vpr,
+            vec,
+            tpr,
+            chunks: ceil_div(vpr, chunk),
+            chunk,
+            rank: orank,
+            shape: oshape,
+            src_st,
+            dst_st,
+        });
+    }
+    if dst.st[last] == 1 && src.st[last] != 1 {
+        if let Some(k) = (0..last).find(|&d| src.st[d] == 1) {
+            let (brank, bshape, src_st, dst_st) = outer(&[k, last]);
+            return CopyRoute::Transpose(TransposeArgs {
+                dst: dst.ptr,
+                src: src.ptr,
+                esize,
+                ni: shape[k] as i64,
+                nj: shape[last] as i64,
+                src_j: src.st[last],
+                dst_i: dst.st[k],
+                batches: (0..rank)
+                    .filter(|&d| d != k && d != last)
+                    .map(|d| shape[d] as i64)
+                    .product(),
+                rank: brank,
+                shape: bshape,
+                src_st,
+                dst_st,
+            });
+        }
+    }
+    CopyRoute::Generic
+}
+
 impl Lowering<'_> {
     /// `out[idx] = op(ins[idx]...)` over `shape`, each operand with its own strides.
     pub(super) fn strided(
@@ -88,6 +203,22 @@ impl Lowering<'_> {
                 "the CUDA device runs elementwise ops of at most {MAX_RANK} dims, got {}",
                 shape.len()
             ));
+        }
+        if op == ElementwiseOp::Copy && nin == 1 && ops[0].dt == ops[1].dt {
+            match route_copy(&shape, &ops[0], &ops[1], dtype_size(ops[0].dt)) {
+                CopyRoute::Rows(args) => {
+                    let per_block = i64::from(BLOCK) / args.tpr;
+                    let blocks = ceil_div(args.rows * args.chunks, per_block) as u64;
+                    self.launch_blocks(Kernel::CopyRows, blocks.min(MAX_GRID), args);
+                    return Ok(());
+                }
+                CopyRoute::Transpose(args) => {
+                    let tiles = args.batches * ceil_div(args.ni, 32) * ceil_div(args.nj, 32);
+                    self.launch_blocks(Kernel::CopyTranspose, (tiles as u64).min(MAX_GRID), args);
+                    return Ok(());
+                }
+                CopyRoute::Generic => {}
+            }
         }
         let contig = shape.len() <= 1 && ops.iter().all(|o| o.st.iter().all(|&x| x == 1));
         let mut inputs = [StridedTensor::default(); 3];

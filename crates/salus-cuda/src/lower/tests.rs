@@ -476,3 +476,197 @@ fn generated_kernels_compile() {
         Some(r) => r.unwrap_or_else(|log| panic!("NVRTC rejects\n{text}\n{log}")),
     }
 }
+
+// ------------------------------------------------------------------------------------
+// Copy routing.
+
+use super::elementwise::{CopyRoute, route_copy};
+
+/// The route of a copy of a dense `shape` permuted by `dims` into a dense output, f32 at
+/// 16-byte aligned addresses.
+fn permute_route(shape: &[u64], dims: &[usize], esize: i64) -> (Vec<u64>, CopyRoute) {
+    let own = contiguous(shape);
+    let out_shape: Vec<u64> = dims.iter().map(|&d| shape[d]).collect();
+    let mut ops = vec![
+        StridedView {
+            ptr: 1 << 20,
+            dt: 0,
+            st: contiguous(&out_shape),
+        },
+        StridedView {
+            ptr: 1 << 24,
+            dt: 0,
+            st: dims.iter().map(|&d| own[d]).collect(),
+        },
+    ];
+    let shape = coalesce(&out_shape, &mut ops);
+    let route = route_copy(&shape, &ops[0], &ops[1], esize);
+    (shape, route)
+}
+
+#[test]
+fn heads_split_permute_copies_rows() {
+    // [B, S, H, D] -> [B, H, S, D]: D stays innermost.
+    let (shape, route) = permute_route(&[32, 128, 8, 64], &[0, 2, 1, 3], 4);
+    assert_eq!(shape, vec![32, 8, 128, 64]);
+    let CopyRoute::Rows(a) = route else {
+        panic!("{route:?}")
+    };
+    assert_eq!(
+        (a.rows, a.vec, a.vpr, a.tpr, a.chunks, a.rank),
+        (32 * 8 * 128, 16, 16, 4, 1, 3)
+    );
+    assert_eq!(&a.shape[..3], &[32, 8, 128]);
+    assert_eq!(&a.src_st[..3], &[128 * 8 * 64 * 4, 64 * 4, 8 * 64 * 4]);
+    assert_eq!(&a.dst_st[..3], &[8 * 128 * 64 * 4, 128 * 64 * 4, 64 * 4]);
+    // An odd row of f16 falls to 2-byte accesses.
+    let (_, route) = permute_route(&[3, 5, 7], &[1, 0, 2], 2);
+    let CopyRoute::Rows(a) = route else {
+        panic!("{route:?}")
+    };
+    assert_eq!((a.vec, a.vpr, a.rows), (2, 7, 15));
+}
+
+#[test]
+fn last_two_dims_swapped_is_a_batched_transpose() {
+    let (shape, route) = permute_route(&[32, 128, 8, 64], &[0, 1, 3, 2], 4);
+    assert_eq!(shape, vec![32 * 128, 64, 8]);
+    let CopyRoute::Transpose(a) = route else {
+        panic!("{route:?}")
+    };
+    assert_eq!(
+        (a.ni, a.nj, a.src_j, a.dst_i, a.batches, a.rank),
+        (64, 8, 64, 8, 4096, 1)
+    );
+    assert_eq!((a.src_st[0], a.dst_st[0], a.esize), (512 * 4, 512 * 4, 4));
+    // The innermost dim moved outward past a batch dim: [a, b, c] -> [c, a, b].
+    let (shape, route) = permute_route(&[3, 33, 17], &[2, 0, 1], 8);
+    assert_eq!(shape, vec![17, 99]);
+    let CopyRoute::Transpose(a) = route else {
+        panic!("{route:?}")
+    };
+    assert_eq!(
+        (a.ni, a.nj, a.src_j, a.dst_i, a.batches, a.rank),
+        (17, 99, 17, 99, 1, 0)
+    );
+    // [a, b, c] -> [b, c, a] keeps a batch dim between.
+    let (shape, route) = permute_route(&[4, 5, 6], &[1, 0, 2], 1);
+    assert_eq!(shape, vec![5, 4, 6]);
+    assert!(matches!(route, CopyRoute::Rows(_)));
+    let (shape, route) = permute_route(&[2, 3, 4, 5], &[3, 1, 0, 2], 4);
+    assert_eq!(shape, vec![5, 3, 2, 4]);
+    let CopyRoute::Transpose(a) = route else {
+        panic!("{route:?}")
+    };
+    assert_eq!(
+        (a.ni, a.nj, a.src_j, a.dst_i, a.batches, a.rank),
+        (5, 4, 5, 24, 6, 2)
+    );
+    assert_eq!(&a.shape[..2], &[3, 2]);
+    assert_eq!(&a.src_st[..2], &[20 * 4, 60 * 4]);
+    assert_eq!(&a.dst_st[..2], &[8 * 4, 4 * 4]);
+}
+
+#[test]
+fn broadcast_innermost_and_misaligned_copies() {
+    // expand [4, 1, 64] -> [4, 16, 64]: rows, the source row read 16 times.
+    let shape = [4u64, 16, 64];
+    let mut ops = vec![
+        StridedView {
+            ptr: 4096,
+            dt: 0,
+            st: contiguous(&shape),
+        },
+        StridedView {
+            ptr: 8192,
+            dt: 0,
+            st: broadcast(&[4, 1, 64], &shape),
+        },
+    ];
+    let shape = coalesce(&shape, &mut ops);
+    let CopyRoute::Rows(a) = route_copy(&shape, &ops[0], &ops[1], 4) else {
+        panic!()
+    };
+    assert_eq!((a.rows, a.vec, &a.src_st[..2]), (64, 16, &[256i64, 0][..]));
+    // expand [8, 1] -> [8, 32]: innermost broadcast, read along the other dim's run.
+    let shape = [8u64, 32];
+    let mut ops = vec![
+        StridedView {
+            ptr: 4096,
+            dt: 0,
+            st: contiguous(&shape),
+        },
+        StridedView {
+            ptr: 8192,
+            dt: 0,
+            st: broadcast(&[8, 1], &shape),
+        },
+    ];
+    let shape = coalesce(&shape, &mut ops);
+    let CopyRoute::Transpose(a) = route_copy(&shape, &ops[0], &ops[1], 4) else {
+        panic!()
+    };
+    assert_eq!((a.ni, a.nj, a.src_j, a.dst_i), (8, 32, 0, 32));
+    // Every second element of the innermost dim: nothing contiguous in the source.
+    let dst = StridedView {
+        ptr: 4096,
+        dt: 0,
+        st: vec![16, 1],
+    };
+    let src = StridedView {
+        ptr: 8192,
+        dt: 0,
+        st: vec![32, 2],
+    };
+    assert_eq!(route_copy(&[8, 16], &dst, &src, 4), CopyRoute::Generic);
+    // A slice starting one f32 in: 4-byte accesses; a flat copy is one row in chunks.
+    let src = StridedView {
+        ptr: 8196,
+        dt: 0,
+        st: vec![1],
+    };
+    let dst = StridedView {
+        ptr: 4096,
+        dt: 0,
+        st: vec![1],
+    };
+    let CopyRoute::Rows(a) = route_copy(&[1 << 20], &dst, &src, 4) else {
+        panic!()
+    };
+    assert_eq!(
+        (a.rows, a.vec, a.vpr, a.tpr, a.chunk, a.chunks),
+        (1, 4, 1 << 20, 256, 1024, 1024)
+    );
+}
+
+#[test]
+fn permute_and_dtype_changing_copies_launch_their_kernels() {
+    let t = |n: &str, d: DType, s: &[u64], r: Role| tensor(n, d, s, r);
+    let graph = Graph {
+        tensors: vec![
+            t("x", DType::F32, &[4, 6, 8], Role::Feed),
+            t("p", DType::F32, &[4, 8, 6], Role::Intermediate),
+            t("q", DType::F16, &[4, 8, 6], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(
+                Op::Permute,
+                &[0],
+                &[1],
+                &[("dims", Attr::Ints(vec![0, 2, 1]))],
+            ),
+            node(
+                Op::ToCopy,
+                &[1],
+                &[2],
+                &[("dtype", Attr::DType(DType::F16))],
+            ),
+        ],
+        fetches: vec![2],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let commands = lower(graph);
+    let kernels: Vec<Kernel> = launches(&commands).iter().map(|l| l.kernel).collect();
+    assert_eq!(kernels, vec![Kernel::CopyTranspose, Kernel::Elementwise]);
+}
