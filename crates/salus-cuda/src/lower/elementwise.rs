@@ -127,8 +127,8 @@ pub(super) fn route_copy(
             .into_iter()
             .find(|&w| {
                 row_bytes % w == 0
-                    && src.ptr % w as u64 == 0
-                    && dst.ptr % w as u64 == 0
+                    && src.ptr.is_multiple_of(w as u64)
+                    && dst.ptr.is_multiple_of(w as u64)
                     && src_st[..orank as usize].iter().all(|s| s % w == 0)
                     && dst_st[..orank as usize].iter().all(|s| s % w == 0)
             })
@@ -155,27 +155,28 @@ pub(super) fn route_copy(
             dst_st,
         });
     }
-    if dst.st[last] == 1 && src.st[last] != 1 {
-        if let Some(k) = (0..last).find(|&d| src.st[d] == 1) {
-            let (brank, bshape, src_st, dst_st) = outer(&[k, last]);
-            return CopyRoute::Transpose(TransposeArgs {
-                dst: dst.ptr,
-                src: src.ptr,
-                esize,
-                ni: shape[k] as i64,
-                nj: shape[last] as i64,
-                src_j: src.st[last],
-                dst_i: dst.st[k],
-                batches: (0..rank)
-                    .filter(|&d| d != k && d != last)
-                    .map(|d| shape[d] as i64)
-                    .product(),
-                rank: brank,
-                shape: bshape,
-                src_st,
-                dst_st,
-            });
-        }
+    if dst.st[last] == 1
+        && src.st[last] != 1
+        && let Some(k) = (0..last).find(|&d| src.st[d] == 1)
+    {
+        let (brank, bshape, src_st, dst_st) = outer(&[k, last]);
+        return CopyRoute::Transpose(TransposeArgs {
+            dst: dst.ptr,
+            src: src.ptr,
+            esize,
+            ni: shape[k] as i64,
+            nj: shape[last] as i64,
+            src_j: src.st[last],
+            dst_i: dst.st[k],
+            batches: (0..rank)
+                .filter(|&d| d != k && d != last)
+                .map(|d| shape[d] as i64)
+                .product(),
+            rank: brank,
+            shape: bshape,
+            src_st,
+            dst_st,
+        });
     }
     CopyRoute::Generic
 }
