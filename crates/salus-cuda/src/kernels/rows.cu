@@ -200,53 +200,49 @@ __device__ double red_init(const ReduceArgs& a, bool dev) {
     return (!dev && a.op == RED_AMAX) ? NEG_INF : 0.0;
 }
 
-// The flattened reduced index j (digits in rshape, the last innermost) and its offset,
-// advanced by a fixed step: a thread's walk through its chunk without a division per
-// element. The outermost digit is not wrapped (the walk stops at the chunk's end).
-struct RedWalk {
-    i64 dig[MAXR];
-    i64 step[MAXR];
-    i64 off;
-};
-
-__device__ void walk_start(const ReduceArgs& a, RedWalk& w, i64 j, i64 step) {
-    w.off = 0;
-#pragma unroll
-    for (int d = MAXR - 1; d >= 0; --d) {
-        w.dig[d] = 0;
-        w.step[d] = 0;
-        if (d < a.rrank) {
-            if (d > 0) {
-                w.dig[d] = j % a.rshape[d];
-                j /= a.rshape[d];
-                w.step[d] = step % a.rshape[d];
-                step /= a.rshape[d];
-            } else {
-                w.dig[d] = j;
-                w.step[d] = step;
-            }
-            w.off += w.dig[d] * a.rst[d];
-        }
+// A thread's walk through its chunk without a division per element: the flattened
+// reduced index j as digits in rshape (the last innermost) and its offset, advanced by a
+// fixed step. The outermost digit is not wrapped (the walk stops at the chunk's end).
+// Fully unrolled over MAXR, so that the digits stay in registers.
+#define WALK_START(a, dig, stp, off, j, step)                                           \
+    {                                                                                    \
+        i64 jj_ = (j), ss_ = (step);                                                     \
+        off = 0;                                                                         \
+        _Pragma("unroll") for (int d = MAXR - 1; d >= 0; --d) {                          \
+            dig[d] = 0;                                                                  \
+            stp[d] = 0;                                                                  \
+            if (d < (a).rrank) {                                                         \
+                if (d > 0) {                                                             \
+                    dig[d] = jj_ % (a).rshape[d];                                        \
+                    jj_ /= (a).rshape[d];                                                \
+                    stp[d] = ss_ % (a).rshape[d];                                        \
+                    ss_ /= (a).rshape[d];                                                \
+                } else {                                                                 \
+                    dig[d] = jj_;                                                        \
+                    stp[d] = ss_;                                                        \
+                }                                                                        \
+                off += dig[d] * (a).rst[d];                                              \
+            }                                                                            \
+        }                                                                                \
     }
-}
 
-__device__ void walk_next(const ReduceArgs& a, RedWalk& w) {
-    i64 carry = 0;
-#pragma unroll
-    for (int d = MAXR - 1; d >= 0; --d) {
-        if (d < a.rrank) {
-            i64 add = w.step[d] + carry;
-            w.dig[d] += add;
-            w.off += add * a.rst[d];
-            carry = 0;
-            if (d > 0 && w.dig[d] >= a.rshape[d]) {
-                w.dig[d] -= a.rshape[d];
-                w.off -= a.rshape[d] * a.rst[d];
-                carry = 1;
-            }
-        }
+#define WALK_NEXT(a, dig, stp, off)                                                     \
+    {                                                                                    \
+        i64 carry_ = 0;                                                                  \
+        _Pragma("unroll") for (int d = MAXR - 1; d >= 0; --d) {                          \
+            if (d < (a).rrank) {                                                         \
+                i64 add_ = stp[d] + carry_;                                              \
+                dig[d] += add_;                                                          \
+                off += add_ * (a).rst[d];                                                \
+                carry_ = 0;                                                              \
+                if (d > 0 && dig[d] >= (a).rshape[d]) {                                  \
+                    dig[d] -= (a).rshape[d];                                             \
+                    off -= (a).rshape[d] * (a).rst[d];                                   \
+                    carry_ = 1;                                                          \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
     }
-}
 
 // This thread's share of reduced elements [j0, j1) of the output at `base`, the block's
 // threads interleaved (coalesced along the contiguous innermost reduced dim).
@@ -258,11 +254,11 @@ __device__ double red_chunk(const ReduceArgs& a, i64 base, i64 j0, i64 j1, bool 
         i64 s = a.rst[0];
         for (; j < j1; j += nt) acc = red_step(a, acc, ld(a.input, a.in_dt, base + j * s), dev, mean);
     } else if (j < j1) {
-        RedWalk w;
-        walk_start(a, w, j, nt);
+        i64 dig[MAXR], stp[MAXR], off;
+        WALK_START(a, dig, stp, off, j, nt);
         for (; j < j1; j += nt) {
-            acc = red_step(a, acc, ld(a.input, a.in_dt, base + w.off), dev, mean);
-            walk_next(a, w);
+            acc = red_step(a, acc, ld(a.input, a.in_dt, base + off), dev, mean);
+            WALK_NEXT(a, dig, stp, off);
         }
     }
     return acc;
@@ -277,8 +273,8 @@ __device__ double red_block_all(const ReduceArgs& a, double acc, bool dev, doubl
 
 // Elements in chunk `s`.
 __device__ i64 chunk_len(const ReduceArgs& a, i64 s) {
-    i64 j0 = s * a.chunk;
-    return min(a.chunk, a.count - j0);
+    i64 rest = a.count - s * a.chunk;
+    return rest < a.chunk ? rest : a.chunk;
 }
 
 // A chunk's result: the output (one chunk) or its partial(s).
