@@ -486,3 +486,197 @@ impl Lowering<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use salus_exec::Program;
+    use salus_graph::{Attr, DType, Limits, PortableScratch, Role, ScratchSizer, Tensor, TensorType};
+
+    use super::*;
+    use crate::lower::{Command, fusion};
+
+    fn layout(shape: &[u64], dims: &[usize]) -> ReduceLayout {
+        ReduceLayout::new(shape, dims)
+    }
+
+    #[test]
+    fn reductions_classify_by_their_coalesced_layout() {
+        // [B*S, D] over rows: columns; over D: rows; everything: full.
+        assert_eq!(layout(&[32, 128, 512], &[0, 1]).pattern(), Pattern::Columns);
+        assert_eq!(layout(&[4096, 512], &[1]).pattern(), Pattern::Rows);
+        assert_eq!(layout(&[32, 128, 512], &[0, 1, 2]).pattern(), Pattern::Full);
+        // NCHW over (0, 2, 3): planes, H and W coalesced.
+        let nchw = layout(&[32, 64, 56, 56], &[0, 2, 3]);
+        assert_eq!(nchw.pattern(), Pattern::Planes);
+        assert_eq!((nchw.kshape.clone(), nchw.kst.clone()), (vec![64], vec![3136]));
+        assert_eq!((nchw.rshape.clone(), nchw.rst.clone()), (vec![32, 3136], vec![200_704, 1]));
+        assert_eq!((nchw.count, nchw.nout), (32 * 3136, 64));
+        // 1x1 spatial: NC over N, columns.
+        assert_eq!(layout(&[32, 2048, 1, 1], &[0, 2, 3]).pattern(), Pattern::Columns);
+        // K R K: the general kernels; size-1 and empty reductions too.
+        assert_eq!(layout(&[4, 5, 6], &[1]).pattern(), Pattern::Other);
+        assert_eq!(layout(&[4, 1], &[1]).pattern(), Pattern::Other);
+        assert_eq!(layout(&[4, 0], &[1]).pattern(), Pattern::Other);
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_without_tiny_or_empty_chunks() {
+        // Many outputs already fill it.
+        assert_eq!(split(SPLIT_TARGET_BLOCKS, 1 << 20, 1), (1, 1 << 20));
+        // Small work: no split.
+        assert_eq!(split(1, 1000, 1), (1, 1000));
+        for (groups, count, width) in [
+            (1u64, 1u64 << 22, 1u64),
+            (16, 4096, 32),
+            (24, 16384, 32),
+            (64, 100_352, 1),
+            (256, 100_352, 1),
+            (1, 10_000_019, 1),
+            (3, 8193, 1),
+        ] {
+            let (splits, chunk) = split(groups, count, width);
+            assert!(splits >= 1 && chunk >= 1, "{groups} {count}");
+            // Every chunk non-empty, the chunks exactly covering the range.
+            assert!((splits - 1) * chunk < count && splits * chunk >= count);
+            assert!(chunk * width >= SPLIT_MIN_WORK.min(count * width) / 2, "{groups} {count}");
+            assert!(groups * splits <= 2 * SPLIT_TARGET_BLOCKS);
+        }
+        // Large work reaches at least 2 blocks per SM of a 132-SM GPU.
+        assert!(split(1, 1 << 22, 1).0 >= 264);
+        assert!(16 * split(16, 4096, 32).0 >= 256);
+        assert!(24 * split(24, 16384, 32).0 >= 264);
+        assert!(64 * split(64, 100_352, 1).0 >= 264);
+    }
+
+    #[test]
+    fn each_pattern_takes_its_kernel() {
+        let plan = |shape: &[u64], dims: &[usize], ok| reduce_plan(&layout(shape, dims), ok);
+        // Bias gradient of a [4096, 512] activation: columns, split.
+        let p = plan(&[4096, 512], &[0], true);
+        assert_eq!(p.kernel, Kernel::ReducePartColumns);
+        assert_eq!(p.blocks, 16 * p.splits);
+        assert_eq!(plan(&[4096, 512], &[0], false).kernel, Kernel::ReduceColumns);
+        // A scalar mean: one output split over many blocks.
+        let p = plan(&[4096, 512], &[0, 1], true);
+        assert_eq!((p.kernel, p.blocks), (Kernel::ReducePartRows, p.splits));
+        assert_eq!(p.splits, 4096 * 512 / SPLIT_MIN_WORK);
+        assert_eq!(plan(&[4096, 512], &[0, 1], false).kernel, Kernel::ReduceRows);
+        // Many short rows: the row kernel.
+        assert_eq!(plan(&[4096, 512], &[1], true).kernel, Kernel::ReduceRows);
+        // Batch norm statistics: planes, split when the channels are few.
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], true);
+        assert_eq!(p.kernel, Kernel::ReducePartRows);
+        assert!(p.splits > 1 && p.blocks == 64 * p.splits);
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], false);
+        assert_eq!((p.kernel, p.splits, p.blocks), (Kernel::ReducePartRows, 1, 64));
+        let p = plan(&[32, 2048, 7, 7], &[0, 2, 3], true);
+        assert_eq!((p.kernel, p.splits), (Kernel::ReducePartRows, 1));
+        assert_eq!(p.scratch_bytes(2048, ReduceOp::Var), 0);
+        // Short planes: a thread per output.
+        assert_eq!(plan(&[2, 8, 2, 2], &[0, 2, 3], true).kernel, Kernel::ReduceByThread);
+        assert_eq!(plan(&[4, 5, 6], &[1], true).kernel, Kernel::ReduceByThread);
+        // Scratch: f64 partials, two for the variance.
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], true);
+        assert_eq!(p.scratch_bytes(64, ReduceOp::Sum), 64 * p.splits * 8);
+        assert_eq!(p.scratch_bytes(64, ReduceOp::Var), 64 * p.splits * 16);
+    }
+
+    /// The CUDA device's sizer, without a GPU (no cuDNN).
+    struct Sizer;
+
+    impl ScratchSizer for Sizer {
+        fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
+            match reduce_scratch_bytes(graph, node, params) {
+                0 => PortableScratch.scratch_bytes(graph, node, params),
+                n => n,
+            }
+        }
+    }
+
+    fn reduction(op: Op, shape: &[u64], dims: &[i64], out: &[u64]) -> Graph {
+        let t = |name: &str, shape: &[u64], role| Tensor {
+            name: name.into(),
+            ty: TensorType::new(DType::F32, shape.to_vec()),
+            role,
+            data: vec![],
+        };
+        let mut attrs = BTreeMap::new();
+        attrs.insert("dim".to_string(), Attr::Ints(dims.to_vec()));
+        Graph {
+            tensors: vec![t("x", shape, Role::Feed), t("y", out, Role::Intermediate)],
+            nodes: vec![Node {
+                name: format!("{op}"),
+                op,
+                inputs: vec![Some(0)],
+                outputs: vec![Some(1)],
+                attrs,
+                source: String::new(),
+            }],
+            fetches: vec![1],
+            updates: vec![],
+            precision: Default::default(),
+        }
+    }
+
+    fn lowered(program: &Program) -> Vec<(Kernel, u32, ReduceArgs)> {
+        let mut lowering = Lowering {
+            program,
+            persistent: 1 << 20,
+            lane: 1 << 30,
+            err: 1 << 40,
+            dnn: None,
+            index: 0,
+            commands: Vec::new(),
+            fusion: &fusion::FusionPlan::none(),
+            kernels: Vec::new(),
+        };
+        for (index, node) in program.graph().nodes.iter().enumerate() {
+            lowering.index = index;
+            lowering.node(node).expect("lowered");
+        }
+        lowering
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Launch(l) => {
+                    let args = l.args.as_any().downcast_ref::<ReduceArgs>()?;
+                    Some((l.kernel, l.grid.0, *args))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn planned_scratch_holds_the_partials_and_without_it_nothing_splits() {
+        for (op, shape, dims, out) in [
+            (Op::SumDimIntList, vec![4096u64, 512], vec![0i64], vec![512u64]),
+            (Op::VarCorrection, vec![32, 64, 56, 56], vec![0, 2, 3], vec![64]),
+            (Op::SumDimIntList, vec![64, 8192], vec![0, 1], vec![]),
+        ] {
+            let graph = reduction(op, &shape, &dims, &out);
+            let sized = Program::with_scratch(graph.clone(), &Limits::default(), &Sizer).unwrap();
+            let (off, len) = sized.plan().scratch(0).expect("scratch for the partials");
+            let launches = lowered(&sized);
+            assert_eq!(launches.len(), 2, "{op}: {launches:?}");
+            let (first, _, args) = launches[0];
+            assert!(matches!(first, Kernel::ReducePartRows | Kernel::ReducePartColumns));
+            assert_eq!(launches[1].0, Kernel::ReduceParts);
+            assert_eq!(args.part, (1 << 30) + off);
+            let per = if op == Op::VarCorrection { 16 } else { 8 };
+            assert!(args.splits > 1);
+            assert!((args.nout * args.splits * per) as u64 <= len);
+            assert!((args.splits - 1) * args.chunk < args.count);
+            assert!(args.splits * args.chunk >= args.count);
+            // The portable plan (CPU, sim) has no scratch for it: a single pass.
+            let plain = Program::new(graph, &Limits::default()).unwrap();
+            assert_eq!(plain.plan().scratch(0), None);
+            assert!(plain.plan().ephemeral_bytes < sized.plan().ephemeral_bytes);
+            let launches = lowered(&plain);
+            assert_eq!(launches.len(), 1, "{op}: {launches:?}");
+            assert_eq!((launches[0].2.splits, launches[0].2.part), (1, 0));
+        }
+    }
+}
