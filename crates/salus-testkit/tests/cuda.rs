@@ -781,8 +781,17 @@ fn split_reductions_match_the_cpu_and_repeat_bitwise() {
                     let worst = g
                         .iter()
                         .zip(w)
-                        .map(|(g, w)| if g.is_nan() && w.is_nan() { 0.0 } else { (g - w).abs() })
-                        .fold(0.0, |m: f64, d| if d.is_nan() { f64::INFINITY } else { m.max(d) });
+                        .map(|(g, w)| {
+                            if g.is_nan() && w.is_nan() {
+                                0.0
+                            } else {
+                                (g - w).abs()
+                            }
+                        })
+                        .fold(
+                            0.0,
+                            |m: f64, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
+                        );
                     if g.len() != w.len() || worst > 2e-5 * scale {
                         failures.push(format!(
                             "{} of {shape:?}: output {k} differs by {worst:e} (scale {scale})",
@@ -791,7 +800,9 @@ fn split_reductions_match_the_cpu_and_repeat_bitwise() {
                     }
                 }
                 let bits = |r: &Vec<Vec<f64>>| -> Vec<Vec<u64>> {
-                    r.iter().map(|o| o.iter().map(|v| v.to_bits()).collect()).collect()
+                    r.iter()
+                        .map(|o| o.iter().map(|v| v.to_bits()).collect())
+                        .collect()
                 };
                 if bits(&got) != bits(&again) {
                     failures.push(format!("{} of {shape:?}: two runs differ", case.op()));

@@ -492,7 +492,9 @@ mod tests {
     use std::collections::BTreeMap;
 
     use salus_exec::Program;
-    use salus_graph::{Attr, DType, Limits, PortableScratch, Role, ScratchSizer, Tensor, TensorType};
+    use salus_graph::{
+        Attr, DType, Limits, PortableScratch, Role, ScratchSizer, Tensor, TensorType,
+    };
 
     use super::*;
     use crate::lower::{Command, fusion};
@@ -510,11 +512,20 @@ mod tests {
         // NCHW over (0, 2, 3): planes, H and W coalesced.
         let nchw = layout(&[32, 64, 56, 56], &[0, 2, 3]);
         assert_eq!(nchw.pattern(), Pattern::Planes);
-        assert_eq!((nchw.kshape.clone(), nchw.kst.clone()), (vec![64], vec![3136]));
-        assert_eq!((nchw.rshape.clone(), nchw.rst.clone()), (vec![32, 3136], vec![200_704, 1]));
+        assert_eq!(
+            (nchw.kshape.clone(), nchw.kst.clone()),
+            (vec![64], vec![3136])
+        );
+        assert_eq!(
+            (nchw.rshape.clone(), nchw.rst.clone()),
+            (vec![32, 3136], vec![200_704, 1])
+        );
         assert_eq!((nchw.count, nchw.nout), (32 * 3136, 64));
         // 1x1 spatial: NC over N, columns.
-        assert_eq!(layout(&[32, 2048, 1, 1], &[0, 2, 3]).pattern(), Pattern::Columns);
+        assert_eq!(
+            layout(&[32, 2048, 1, 1], &[0, 2, 3]).pattern(),
+            Pattern::Columns
+        );
         // K R K: the general kernels; size-1 and empty reductions too.
         assert_eq!(layout(&[4, 5, 6], &[1]).pattern(), Pattern::Other);
         assert_eq!(layout(&[4, 1], &[1]).pattern(), Pattern::Other);
@@ -540,7 +551,10 @@ mod tests {
             assert!(splits >= 1 && chunk >= 1, "{groups} {count}");
             // Every chunk non-empty, the chunks exactly covering the range.
             assert!((splits - 1) * chunk < count && splits * chunk >= count);
-            assert!(chunk * width >= SPLIT_MIN_WORK.min(count * width) / 2, "{groups} {count}");
+            assert!(
+                chunk * width >= SPLIT_MIN_WORK.min(count * width) / 2,
+                "{groups} {count}"
+            );
             assert!(groups * splits <= 2 * SPLIT_TARGET_BLOCKS);
         }
         // Large work reaches at least 2 blocks per SM of a 132-SM GPU.
@@ -557,12 +571,18 @@ mod tests {
         let p = plan(&[4096, 512], &[0], true);
         assert_eq!(p.kernel, Kernel::ReducePartColumns);
         assert_eq!(p.blocks, 16 * p.splits);
-        assert_eq!(plan(&[4096, 512], &[0], false).kernel, Kernel::ReduceColumns);
+        assert_eq!(
+            plan(&[4096, 512], &[0], false).kernel,
+            Kernel::ReduceColumns
+        );
         // A scalar mean: one output split over many blocks.
         let p = plan(&[4096, 512], &[0, 1], true);
         assert_eq!((p.kernel, p.blocks), (Kernel::ReducePartRows, p.splits));
         assert_eq!(p.splits, 4096 * 512 / SPLIT_MIN_WORK);
-        assert_eq!(plan(&[4096, 512], &[0, 1], false).kernel, Kernel::ReduceRows);
+        assert_eq!(
+            plan(&[4096, 512], &[0, 1], false).kernel,
+            Kernel::ReduceRows
+        );
         // Many short rows: the row kernel.
         assert_eq!(plan(&[4096, 512], &[1], true).kernel, Kernel::ReduceRows);
         // Batch norm statistics: planes, split when the channels are few.
@@ -570,12 +590,18 @@ mod tests {
         assert_eq!(p.kernel, Kernel::ReducePartRows);
         assert!(p.splits > 1 && p.blocks == 64 * p.splits);
         let p = plan(&[32, 64, 56, 56], &[0, 2, 3], false);
-        assert_eq!((p.kernel, p.splits, p.blocks), (Kernel::ReducePartRows, 1, 64));
+        assert_eq!(
+            (p.kernel, p.splits, p.blocks),
+            (Kernel::ReducePartRows, 1, 64)
+        );
         let p = plan(&[32, 2048, 7, 7], &[0, 2, 3], true);
         assert_eq!((p.kernel, p.splits), (Kernel::ReducePartRows, 1));
         assert_eq!(p.scratch_bytes(2048, ReduceOp::Var), 0);
         // Short planes: a thread per output.
-        assert_eq!(plan(&[2, 8, 2, 2], &[0, 2, 3], true).kernel, Kernel::ReduceByThread);
+        assert_eq!(
+            plan(&[2, 8, 2, 2], &[0, 2, 3], true).kernel,
+            Kernel::ReduceByThread
+        );
         assert_eq!(plan(&[4, 5, 6], &[1], true).kernel, Kernel::ReduceByThread);
         // Scratch: f64 partials, two for the variance.
         let p = plan(&[32, 64, 56, 56], &[0, 2, 3], true);
@@ -652,8 +678,18 @@ mod tests {
     #[test]
     fn planned_scratch_holds_the_partials_and_without_it_nothing_splits() {
         for (op, shape, dims, out) in [
-            (Op::SumDimIntList, vec![4096u64, 512], vec![0i64], vec![512u64]),
-            (Op::VarCorrection, vec![32, 64, 56, 56], vec![0, 2, 3], vec![64]),
+            (
+                Op::SumDimIntList,
+                vec![4096u64, 512],
+                vec![0i64],
+                vec![512u64],
+            ),
+            (
+                Op::VarCorrection,
+                vec![32, 64, 56, 56],
+                vec![0, 2, 3],
+                vec![64],
+            ),
             (Op::SumDimIntList, vec![64, 8192], vec![0, 1], vec![]),
         ] {
             let graph = reduction(op, &shape, &dims, &out);
@@ -662,7 +698,10 @@ mod tests {
             let launches = lowered(&sized);
             assert_eq!(launches.len(), 2, "{op}: {launches:?}");
             let (first, _, args) = launches[0];
-            assert!(matches!(first, Kernel::ReducePartRows | Kernel::ReducePartColumns));
+            assert!(matches!(
+                first,
+                Kernel::ReducePartRows | Kernel::ReducePartColumns
+            ));
             assert_eq!(launches[1].0, Kernel::ReduceParts);
             assert_eq!(args.part, (1 << 30) + off);
             let per = if op == Op::VarCorrection { 16 } else { 8 };
