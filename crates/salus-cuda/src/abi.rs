@@ -446,8 +446,13 @@ impl KernelArgs for CopyRowsArgs {}
 impl KernelArgs for TransposeArgs {}
 
 device_struct! {
-    /// `red_thread`, `red_block`: `nout` outputs, each over `count` elements; kept dims
-    /// (`kshape`, `kst`) and reduced dims (`rshape`, `rst`) of the input.
+    /// `red_thread`, `red_block` (and the row kernels): `nout` outputs, each over `count`
+    /// elements; kept dims (`kshape`, `kst`) and reduced dims (`rshape`, `rst`) of the
+    /// input. Split reductions (`red_part_rows`, `red_part_cols`, then `red_parts`): each
+    /// output's reduced range in `splits` chunks of `chunk` elements (the last shorter),
+    /// their f64 partials at `part` (planned scratch; for the variance, chunk means then
+    /// chunk sums of squared deviations, `nout * splits` each), output `oi`'s chunk `s`
+    /// at `oi * splits + s`. `splits` 1: no partials, the result straight to `out`.
     #[derive(Default)]
     struct ReduceArgs {
         nout: i64,
@@ -464,6 +469,9 @@ device_struct! {
         in_dt: i64,
         out: u64,
         out_dt: i64,
+        splits: i64,
+        chunk: i64,
+        part: u64,
     }
 }
 
@@ -922,6 +930,13 @@ kernels! {
     ReduceRows = "red_rows" (ReduceArgs),
     /// Outputs contiguous, reduced elements strided: column sums.
     ReduceColumns = "red_cols" (ReduceArgs),
+    /// Split reductions, stage 1: a block per (output, chunk), the innermost reduced dim
+    /// contiguous (rows, planes, full).
+    ReducePartRows = "red_part_rows" (ReduceArgs),
+    /// Split reductions, stage 1: a block per (32 outputs, chunk of rows), column sums.
+    ReducePartColumns = "red_part_cols" (ReduceArgs),
+    /// Split reductions, stage 2: a warp per output combines its partials in a fixed order.
+    ReduceParts = "red_parts" (ReduceArgs),
     SoftmaxForwardRows = "softmax_fwd_rows" (SoftmaxArgs),
     SoftmaxBackwardRows = "softmax_bwd_rows" (SoftmaxArgs),
     LayerNormForwardRows = "layer_norm_fwd_rows" (LayerNormArgs),

@@ -1001,8 +1001,10 @@ impl Device for CudaDevice {
     }
 }
 
-/// A node that runs on cuDNN works in the largest workspace of its calls; every other node
-/// in what the backend's own kernels need.
+/// A node that runs on cuDNN works in the largest workspace of its calls; a reduction that
+/// splits its elements over many blocks in its partial results
+/// ([`lower::reduce::reduce_scratch_bytes`]); every other node in what the backend's own kernels
+/// need.
 impl ScratchSizer for CudaDevice {
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
         if let Ok(dnn) = &self.dnn
@@ -1010,6 +1012,10 @@ impl ScratchSizer for CudaDevice {
             && let Some(plan) = dnn.plan_node(graph, node, params)
         {
             return plan.workspace();
+        }
+        let partials = lower::reduce::reduce_scratch_bytes(graph, node, params);
+        if partials > 0 {
+            return partials;
         }
         PortableScratch.scratch_bytes(graph, node, params)
     }

@@ -882,3 +882,111 @@ fn layout_copies_match_the_cpu_bitwise() {
         failures.len()
     );
 }
+
+/// Sums, means, maxima and variances over rows, columns, planes (NCHW over (0, 2, 3)) and
+/// everything, at sizes that take the single-pass kernels and the split ones (partials in
+/// planned scratch, then combined in a fixed order).
+fn split_reduction_cases() -> Vec<Case> {
+    let mut rng = Rng::new(41);
+    let mut layouts: Vec<(Vec<u64>, Vec<i64>)> = Vec::new();
+    for n in [1u64, 31, 1000] {
+        layouts.push((vec![n, 7], vec![0, 1])); // full
+        layouts.push((vec![n, 700], vec![0])); // columns
+        layouts.push((vec![5, n * 40], vec![1])); // rows
+        layouts.push((vec![n, 5, n], vec![0, 2])); // planes
+    }
+    layouts.push((vec![4096, 512], vec![0])); // columns: a bias gradient
+    layouts.push((vec![4096, 512], vec![0, 1])); // full
+    layouts.push((vec![4096, 512], vec![1])); // rows, many
+    layouts.push((vec![8, 300_000], vec![1])); // rows, few and long
+    layouts.push((vec![32, 64, 56, 56], vec![0, 2, 3])); // planes: batch norm statistics
+    layouts.push((vec![32, 2048, 7, 7], vec![0, 2, 3])); // planes, many channels
+    let mut cases = Vec::new();
+    for (shape, dims) in layouts {
+        let x = rng.f32s(&shape, -3.0, 3.0);
+        let out: Vec<u64> = (0..shape.len())
+            .filter(|d| !dims.contains(&(*d as i64)))
+            .map(|d| shape[d])
+            .collect();
+        for op in [Op::SumDimIntList, Op::MeanDim, Op::Amax, Op::VarCorrection] {
+            cases.push(
+                Case::new(op)
+                    .input(x.clone())
+                    .ints("dim", &dims)
+                    .output(DType::F32, &out),
+            );
+        }
+        if dims.len() == shape.len() {
+            cases.push(Case::new(Op::Mean).input(x.clone()).output(DType::F32, &[]));
+        }
+    }
+    cases
+}
+
+#[test]
+fn the_split_reduction_cases_run_on_the_cpu() {
+    for case in split_reduction_cases() {
+        case.try_run_on(None).unwrap();
+    }
+}
+
+/// The reductions against the CPU, and bit for bit the same on a second run.
+#[test]
+fn split_reductions_match_the_cpu_and_repeat_bitwise() {
+    let Some(gpu) = gpu("split_reductions", 1 << 30) else {
+        return;
+    };
+    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let mut failures = Vec::new();
+    for case in split_reduction_cases() {
+        let shape = case.input_values()[0].ty.shape.clone();
+        let runs = (
+            case.try_run_on(None),
+            case.try_run_on(Some(gpu.clone())),
+            case.try_run_on(Some(gpu.clone())),
+        );
+        match runs {
+            (Ok(want), Ok(got), Ok(again)) => {
+                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
+                    let worst = g
+                        .iter()
+                        .zip(w)
+                        .map(|(g, w)| {
+                            if g.is_nan() && w.is_nan() {
+                                0.0
+                            } else {
+                                (g - w).abs()
+                            }
+                        })
+                        .fold(
+                            0.0,
+                            |m: f64, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
+                        );
+                    if g.len() != w.len() || worst > 2e-5 * scale {
+                        failures.push(format!(
+                            "{} of {shape:?}: output {k} differs by {worst:e} (scale {scale})",
+                            case.op()
+                        ));
+                    }
+                }
+                let bits = |r: &Vec<Vec<f64>>| -> Vec<Vec<u64>> {
+                    r.iter()
+                        .map(|o| o.iter().map(|v| v.to_bits()).collect())
+                        .collect()
+                };
+                if bits(&got) != bits(&again) {
+                    failures.push(format!("{} of {shape:?}: two runs differ", case.op()));
+                }
+            }
+            (w, g, a) => failures.push(format!(
+                "{} of {shape:?}: cpu {:?}, gpu {:?}, again {:?}",
+                case.op(),
+                w.err(),
+                g.err(),
+                a.err()
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

@@ -169,6 +169,237 @@ extern "C" __global__ void red_cols(const ReduceArgs a) {
     }
 }
 
+// ------------------------------------------------------------------------------------
+// Split reductions: for few outputs over many elements, each output's reduced range is cut
+// into `a.splits` chunks of `a.chunk` elements, a block per (output or 32 outputs, chunk).
+// Each block writes its chunk's partial (f64) to `a.part`; `red_parts` then combines each
+// output's partials in a fixed order. Every sum has a fixed shape (no atomics): the same
+// inputs give the same bits. With `a.splits` 1 the stage-1 kernels write the result.
+// The variance is two-pass within a chunk (its mean, then its sum of squared deviations
+// about it); chunks merge as (n, mean, m2) pairs.
+
+// One element into an accumulator: `dev` sums squared deviations from `mean`.
+__device__ double red_step(const ReduceArgs& a, double acc, double v, bool dev, double mean) {
+    if (dev) {
+        double d = v - mean;
+        return acc + d * d;
+    }
+    if (a.op == RED_AMAX) return nan_max(acc, v);
+    if (a.op == RED_ANY) return (acc != 0.0 || v != 0.0) ? 1.0 : 0.0;
+    return acc + v;
+}
+
+// Two accumulators of the same kind into one.
+__device__ double red_merge(const ReduceArgs& a, double x, double y, bool dev) {
+    if (!dev && a.op == RED_AMAX) return nan_max(x, y);
+    if (!dev && a.op == RED_ANY) return (x != 0.0 || y != 0.0) ? 1.0 : 0.0;
+    return x + y;
+}
+
+__device__ double red_init(const ReduceArgs& a, bool dev) {
+    return (!dev && a.op == RED_AMAX) ? NEG_INF : 0.0;
+}
+
+// A thread's walk through its chunk without a division per element: the flattened
+// reduced index j as digits in rshape (the last innermost) and its offset, advanced by a
+// fixed step. The outermost digit is not wrapped (the walk stops at the chunk's end).
+// Fully unrolled over MAXR, so that the digits stay in registers.
+#define WALK_START(a, dig, stp, off, j, step)                                           \
+    {                                                                                    \
+        i64 jj_ = (j), ss_ = (step);                                                     \
+        off = 0;                                                                         \
+        _Pragma("unroll") for (int d = MAXR - 1; d >= 0; --d) {                          \
+            dig[d] = 0;                                                                  \
+            stp[d] = 0;                                                                  \
+            if (d < (a).rrank) {                                                         \
+                if (d > 0) {                                                             \
+                    dig[d] = jj_ % (a).rshape[d];                                        \
+                    jj_ /= (a).rshape[d];                                                \
+                    stp[d] = ss_ % (a).rshape[d];                                        \
+                    ss_ /= (a).rshape[d];                                                \
+                } else {                                                                 \
+                    dig[d] = jj_;                                                        \
+                    stp[d] = ss_;                                                        \
+                }                                                                        \
+                off += dig[d] * (a).rst[d];                                              \
+            }                                                                            \
+        }                                                                                \
+    }
+
+#define WALK_NEXT(a, dig, stp, off)                                                     \
+    {                                                                                    \
+        i64 carry_ = 0;                                                                  \
+        _Pragma("unroll") for (int d = MAXR - 1; d >= 0; --d) {                          \
+            if (d < (a).rrank) {                                                         \
+                i64 add_ = stp[d] + carry_;                                              \
+                dig[d] += add_;                                                          \
+                off += add_ * (a).rst[d];                                                \
+                carry_ = 0;                                                              \
+                if (d > 0 && dig[d] >= (a).rshape[d]) {                                  \
+                    dig[d] -= (a).rshape[d];                                             \
+                    off -= (a).rshape[d] * (a).rst[d];                                   \
+                    carry_ = 1;                                                          \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+    }
+
+// This thread's share of reduced elements [j0, j1) of the output at `base`, the block's
+// threads interleaved (coalesced along the contiguous innermost reduced dim).
+__device__ double red_chunk(const ReduceArgs& a, i64 base, i64 j0, i64 j1, bool dev, double mean) {
+    double acc = red_init(a, dev);
+    i64 nt = (i64)blockDim.x;
+    i64 j = j0 + (i64)threadIdx.x;
+    if (a.rrank == 1) {
+        i64 s = a.rst[0];
+        for (; j < j1; j += nt) acc = red_step(a, acc, ld(a.input, a.in_dt, base + j * s), dev, mean);
+    } else if (j < j1) {
+        i64 dig[MAXR], stp[MAXR], off;
+        WALK_START(a, dig, stp, off, j, nt);
+        for (; j < j1; j += nt) {
+            acc = red_step(a, acc, ld(a.input, a.in_dt, base + off), dev, mean);
+            WALK_NEXT(a, dig, stp, off);
+        }
+    }
+    return acc;
+}
+
+// The block's accumulators combined, in every thread (a fixed shuffle tree).
+__device__ double red_block_all(const ReduceArgs& a, double acc, bool dev, double* sh) {
+    if (!dev && a.op == RED_AMAX) return row_nan_max_d(acc, false, sh);
+    if (!dev && a.op == RED_ANY) return row_sum_d(acc, false, sh) != 0.0 ? 1.0 : 0.0;
+    return row_sum_d(acc, false, sh);
+}
+
+// Elements in chunk `s`.
+__device__ i64 chunk_len(const ReduceArgs& a, i64 s) {
+    i64 rest = a.count - s * a.chunk;
+    return rest < a.chunk ? rest : a.chunk;
+}
+
+// A chunk's result: the output (one chunk) or its partial(s).
+__device__ void red_put(const ReduceArgs& a, i64 oi, i64 s, double acc, double sq) {
+    if (a.splits == 1) {
+        st(a.out, a.out_dt, oi, red_finish(a, acc, sq));
+        return;
+    }
+    double* part = (double*)a.part;
+    i64 k = oi * a.splits + s;
+    if (a.op == RED_VAR) {
+        part[k] = acc / (double)chunk_len(a, s);
+        part[a.nout * a.splits + k] = sq;
+    } else {
+        part[k] = acc;
+    }
+}
+
+// Stage 1 where the innermost reduced dim is contiguous (rows, planes, full): a block per
+// (output, chunk).
+extern "C" __global__ void red_part_rows(const ReduceArgs a) {
+    __shared__ double sh[32];
+    i64 blocks = a.nout * a.splits;
+    for (i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
+        i64 oi = b / a.splits, s = b % a.splits;
+        i64 j0 = s * a.chunk, j1 = j0 + chunk_len(a, s);
+        i64 base = kept_base(a, oi);
+        double acc = red_block_all(a, red_chunk(a, base, j0, j1, false, 0.0), false, sh);
+        double sq = 0.0;
+        if (a.op == RED_VAR) {
+            double mean = acc / (double)(j1 - j0);
+            sq = red_block_all(a, red_chunk(a, base, j0, j1, true, mean), true, sh);
+        }
+        if (threadIdx.x == 0) red_put(a, oi, s, acc, sq);
+    }
+}
+
+// This lane's column `oi`, rows [j0, j1) stepping by the block's warps from warp `w`.
+__device__ double col_chunk(const ReduceArgs& a, i64 oi, int w, i64 j0, i64 j1, bool dev, double mean) {
+    double acc = red_init(a, dev);
+    i64 stride = a.rst[0];
+    for (i64 j = j0 + w; j < j1; j += ROW_WARPS) acc = red_step(a, acc, ld(a.input, a.in_dt, oi + j * stride), dev, mean);
+    return acc;
+}
+
+// The warps' accumulators of each lane's column, combined in warp order.
+__device__ double col_merge(const ReduceArgs& a, double acc, bool dev, double (*sh)[33]) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();
+    sh[w][lane] = acc;
+    __syncthreads();
+    double total = red_init(a, dev);
+    for (int k = 0; k < ROW_WARPS; ++k) total = red_merge(a, total, sh[k][lane], dev);
+    return total;
+}
+
+// Stage 1 for column sums (outputs contiguous, `rrank` 1): a block per (32 adjacent
+// outputs, chunk of rows), a lane per output, the block's warps over the chunk's rows.
+extern "C" __global__ void red_part_cols(const ReduceArgs a) {
+    __shared__ double sh[ROW_WARPS][33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    i64 groups = (a.nout + 31) / 32;
+    i64 blocks = groups * a.splits;
+    for (i64 b = blockIdx.x; b < blocks; b += gridDim.x) {
+        i64 g = b / a.splits, s = b % a.splits;
+        i64 oi = g * 32 + lane;
+        bool on = oi < a.nout;
+        i64 j0 = s * a.chunk, j1 = j0 + chunk_len(a, s);
+        double acc = col_merge(a, on ? col_chunk(a, oi, w, j0, j1, false, 0.0) : red_init(a, false), false, sh);
+        double sq = 0.0;
+        if (a.op == RED_VAR) {
+            double mean = acc / (double)(j1 - j0);
+            sq = col_merge(a, on ? col_chunk(a, oi, w, j0, j1, true, mean) : 0.0, true, sh);
+        }
+        if (w == 0 && on) red_put(a, oi, s, acc, sq);
+    }
+}
+
+// (n, mean, m2) of two disjoint sets: symmetric in its arguments, bit for bit.
+__device__ void var_merge(double& n, double& mean, double& m2, double nb, double mb, double m2b) {
+    if (nb == 0.0) return;
+    if (n == 0.0) {
+        n = nb;
+        mean = mb;
+        m2 = m2b;
+        return;
+    }
+    double nt = n + nb;
+    double d = mean - mb;
+    double m = (n * mean + nb * mb) / nt;
+    m2 = (m2 + m2b) + d * d * ((n * nb) / nt);
+    mean = m;
+    n = nt;
+}
+
+// Stage 2: a warp per output; lane l combines chunks l, l + 32, ... in order, then the
+// lanes combine through a fixed shuffle tree; lane 0 writes.
+extern "C" __global__ void red_parts(const ReduceArgs a) {
+    const double* part = (const double*)a.part;
+    int lane = threadIdx.x & 31;
+    i64 total = a.nout * a.splits;
+    for (i64 oi = (i64)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5); oi < a.nout;
+         oi += (i64)gridDim.x * ROW_WARPS) {
+        const double* q = part + oi * a.splits;
+        double r;
+        if (a.op == RED_VAR) {
+            double n = 0.0, mean = 0.0, m2 = 0.0;
+            for (i64 s = lane; s < a.splits; s += 32) var_merge(n, mean, m2, (double)chunk_len(a, s), q[s], q[total + s]);
+            for (int o = 16; o > 0; o >>= 1) {
+                double nb = __shfl_xor_sync(0xffffffffu, n, o);
+                double mb = __shfl_xor_sync(0xffffffffu, mean, o);
+                double m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+                var_merge(n, mean, m2, nb, mb, m2b);
+            }
+            r = m2 / fmax((double)a.count - a.correction, 0.0);
+        } else {
+            double acc = red_init(a, false);
+            for (i64 s = lane; s < a.splits; s += 32) acc = red_merge(a, acc, q[s], false);
+            for (int o = 16; o > 0; o >>= 1) acc = red_merge(a, acc, __shfl_xor_sync(0xffffffffu, acc, o), false);
+            r = a.op == RED_MEAN ? acc / (double)a.count : acc;
+        }
+        if (lane == 0) st(a.out, a.out_dt, oi, r);
+    }
+}
+
 // Softmax and log-softmax over the last dim (`inner` 1): rows of `len` contiguous elements.
 extern "C" __global__ void softmax_fwd_rows(const SoftmaxArgs a) {
     __shared__ float sh[32];

@@ -15,7 +15,7 @@ pub(crate) mod fusion;
 mod index;
 mod matmul;
 mod pool;
-mod reduce;
+pub(crate) mod reduce;
 
 use std::sync::Arc;
 

@@ -1,6 +1,6 @@
 //! Reductions over any set of dims, softmax along one dim, and layer norm.
 
-use salus_graph::{Node, OpParams};
+use salus_graph::{Graph, Node, Op, OpParams};
 
 use super::elementwise::{StridedView, coalesce};
 use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
@@ -20,37 +20,23 @@ pub(super) fn row_blocks(rows: u64, len: u64) -> u64 {
     }
 }
 
-/// Which kernel reduces a tensor whose kept and reduced dims are coalesced to
-/// (`kshape`, `kst`) and (`rshape`, `rst`), `count` elements per output.
-pub(super) fn reduce_kernel(kst: &[i64], rshape: &[u64], rst: &[i64], count: u64) -> Kernel {
-    if rshape.len() == 1 && rst == [1] {
-        // Each output's elements are one contiguous run: a warp or block per output.
-        Kernel::ReduceRows
-    } else if rshape.len() == 1 && kst == [1] {
-        // Adjacent outputs are adjacent elements: a lane per output, coalesced.
-        Kernel::ReduceColumns
-    } else if count <= THREAD_REDUCTION {
-        Kernel::ReduceByThread
-    } else {
-        Kernel::ReduceByBlock
-    }
+/// A reduction's input (contiguous, of `shape`) over `dims`, its kept and reduced dims
+/// each coalesced: what the lowering and the device's scratch sizer both classify.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ReduceLayout {
+    pub kshape: Vec<u64>,
+    pub kst: Vec<i64>,
+    pub rshape: Vec<u64>,
+    pub rst: Vec<i64>,
+    /// Elements per output.
+    pub count: u64,
+    /// Outputs.
+    pub nout: u64,
 }
 
-/// Reductions of at most this many elements per output take a thread each; longer ones a
-/// block each.
-const THREAD_REDUCTION: u64 = 32;
-
-impl Lowering<'_> {
-    /// Reduces `x` over `dims` into `out` (kept dims in order).
-    pub(super) fn reduce(
-        &mut self,
-        op: ReduceOp,
-        x: &Operand,
-        dims: &[usize],
-        out: &Operand,
-        correction: f64,
-    ) -> Lowered {
-        let own = contiguous(x.shape());
+impl ReduceLayout {
+    pub(crate) fn new(shape: &[u64], dims: &[usize]) -> ReduceLayout {
+        let own = contiguous(shape);
         let empty = || StridedView {
             ptr: 0,
             dt: 0,
@@ -58,7 +44,7 @@ impl Lowering<'_> {
         };
         let (mut kept, mut reduced) = ([empty()], [empty()]);
         let (mut kshape, mut rshape) = (Vec::new(), Vec::new());
-        for (d, (&size, &st)) in x.shape().iter().zip(&own).enumerate() {
+        for (d, (&size, &st)) in shape.iter().zip(&own).enumerate() {
             if dims.contains(&d) {
                 rshape.push(size);
                 reduced[0].st.push(st);
@@ -71,37 +57,273 @@ impl Lowering<'_> {
         let nout = numel(&kshape);
         let kshape = coalesce(&kshape, &mut kept);
         let rshape = coalesce(&rshape, &mut reduced);
-        if kshape.len() > MAX_RANK || rshape.len() > MAX_RANK {
+        let [kept] = kept;
+        let [reduced] = reduced;
+        ReduceLayout {
+            kshape,
+            kst: kept.st,
+            rshape,
+            rst: reduced.st,
+            count,
+            nout,
+        }
+    }
+
+    /// The layout's pattern.
+    pub(crate) fn pattern(&self) -> Pattern {
+        let inner_contiguous = self.rst.last() == Some(&1);
+        if self.count == 0 || self.nout == 0 || self.rshape.is_empty() {
+            Pattern::Other
+        } else if self.rshape.len() == 1 && inner_contiguous {
+            if self.kshape.is_empty() {
+                Pattern::Full
+            } else {
+                Pattern::Rows
+            }
+        } else if self.rshape.len() == 1 && self.kst == [1] {
+            Pattern::Columns
+        } else if inner_contiguous && !self.kshape.is_empty() {
+            Pattern::Planes
+        } else {
+            Pattern::Other
+        }
+    }
+}
+
+/// How a reduction's elements lie, its dims coalesced (K kept, R reduced, outermost first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pattern {
+    /// K R: each output's elements one contiguous run.
+    Rows,
+    /// R K: outputs contiguous, each output's elements one stride apart (column sums).
+    Columns,
+    /// R K R (and other mixes) whose innermost reduced dim is contiguous: NCHW over
+    /// (0, 2, 3).
+    Planes,
+    /// R: everything to one output, contiguous.
+    Full,
+    /// Anything else (and empty reductions): the general kernels.
+    Other,
+}
+
+/// Blocks a split reduction aims for: several per SM of a 132-SM GPU. A constant (not
+/// the device's SM count), so that the plan, and the order of the sums, depend only on
+/// the shapes.
+pub(crate) const SPLIT_TARGET_BLOCKS: u64 = 4 * 132;
+
+/// Elements a block of a split reduction reads at least.
+pub(crate) const SPLIT_MIN_WORK: u64 = 8192;
+
+/// How a reduction is launched: `kernel` on `blocks` blocks (or a thread per output for
+/// [`Kernel::ReduceByThread`]); with `splits` > 1 each output's reduced range is cut into
+/// `splits` chunks of `chunk` elements (the last shorter), each block writes its chunk's
+/// partial result into scratch, and [`Kernel::ReduceParts`] then combines each output's
+/// partials in a fixed order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReducePlan {
+    pub kernel: Kernel,
+    pub blocks: u64,
+    pub splits: u64,
+    pub chunk: u64,
+}
+
+impl ReducePlan {
+    /// Scratch bytes for the partials (f64 each; a mean and a sum of squared deviations
+    /// each for the variance): 0 unless split.
+    pub(crate) fn scratch_bytes(&self, nout: u64, op: ReduceOp) -> u64 {
+        if self.splits <= 1 {
+            return 0;
+        }
+        let per = if op == ReduceOp::Var { 16 } else { 8 };
+        nout * self.splits * per
+    }
+
+    /// Blocks of [`Kernel::ReduceParts`]: a warp per output.
+    pub(crate) fn finish_blocks(nout: u64) -> u64 {
+        nout.div_ceil(u64::from(BLOCK / 32))
+    }
+}
+
+/// Into how many chunks to cut `count` reduced elements when `groups` blocks would
+/// otherwise cover the outputs and each chunk element stands for `width` elements read;
+/// returns (splits, chunk) with no empty chunk.
+pub(crate) fn split(groups: u64, count: u64, width: u64) -> (u64, u64) {
+    if groups == 0 || count == 0 || groups >= SPLIT_TARGET_BLOCKS {
+        return (1, count);
+    }
+    let wanted = SPLIT_TARGET_BLOCKS.div_ceil(groups);
+    let most = (count * width / SPLIT_MIN_WORK).max(1);
+    let splits = wanted.min(most).min(count);
+    let chunk = count.div_ceil(splits);
+    (count.div_ceil(chunk), chunk)
+}
+
+/// The launch of a reduction of `layout`; `split_ok`: whether the node has scratch for
+/// partials (else no split).
+pub(crate) fn reduce_plan(layout: &ReduceLayout, split_ok: bool) -> ReducePlan {
+    let (nout, count) = (layout.nout, layout.count);
+    let single = |kernel, blocks| ReducePlan {
+        kernel,
+        blocks,
+        splits: 1,
+        chunk: count,
+    };
+    let general = || {
+        if count <= THREAD_REDUCTION {
+            single(Kernel::ReduceByThread, nout)
+        } else {
+            single(Kernel::ReduceByBlock, nout)
+        }
+    };
+    match layout.pattern() {
+        Pattern::Rows | Pattern::Full => {
+            let (splits, chunk) = split(nout, count, 1);
+            if split_ok && splits > 1 && count > ROW_WARP_MAX {
+                ReducePlan {
+                    kernel: Kernel::ReducePartRows,
+                    blocks: nout * splits,
+                    splits,
+                    chunk,
+                }
+            } else {
+                single(Kernel::ReduceRows, row_blocks(nout, count))
+            }
+        }
+        Pattern::Columns => {
+            let groups = nout.div_ceil(32);
+            let (splits, chunk) = split(groups, count, 32);
+            if split_ok && splits > 1 {
+                ReducePlan {
+                    kernel: Kernel::ReducePartColumns,
+                    blocks: groups * splits,
+                    splits,
+                    chunk,
+                }
+            } else {
+                single(Kernel::ReduceColumns, groups)
+            }
+        }
+        Pattern::Planes if count > THREAD_REDUCTION => {
+            let (splits, chunk) = if split_ok {
+                split(nout, count, 1)
+            } else {
+                (1, count)
+            };
+            ReducePlan {
+                kernel: Kernel::ReducePartRows,
+                blocks: nout * splits,
+                splits,
+                chunk,
+            }
+        }
+        Pattern::Planes | Pattern::Other => general(),
+    }
+}
+
+/// Reductions of at most this many elements per output take a thread each; longer ones a
+/// block each.
+const THREAD_REDUCTION: u64 = 32;
+
+/// The reduction a node computes: (op, dims) for the ops that lower to [`Lowering::reduce`]
+/// as the node itself (not the bias gradient of a convolution's backward).
+pub(crate) fn node_reduction(op: Op, params: &OpParams) -> Option<(ReduceOp, &[usize])> {
+    match (op, params) {
+        (Op::SumDimIntList, OpParams::Reduce(r)) => Some((ReduceOp::Sum, &r.dims)),
+        (Op::Amax, OpParams::Reduce(r)) => Some((ReduceOp::Amax, &r.dims)),
+        (Op::AnyDim, OpParams::Reduce(r)) => Some((ReduceOp::Any, &r.dims)),
+        (Op::MeanDim | Op::Mean, OpParams::Reduce(r)) => Some((ReduceOp::Mean, &r.dims)),
+        (Op::VarCorrection, OpParams::Var { reduction, .. }) => {
+            Some((ReduceOp::Var, &reduction.dims))
+        }
+        _ => None,
+    }
+}
+
+/// Scratch bytes the reduction node `node` of `graph` splits its work in (0 for other
+/// nodes, and for reductions that do not split): the CUDA device's scratch sizer.
+pub(crate) fn reduce_scratch_bytes(graph: &Graph, node: usize, params: &OpParams) -> u64 {
+    let Some(n) = graph.nodes.get(node) else {
+        return 0;
+    };
+    let Some((op, dims)) = node_reduction(n.op, params) else {
+        return 0;
+    };
+    let Some(id) = n.inputs.first().copied().flatten() else {
+        return 0;
+    };
+    let layout = ReduceLayout::new(&graph.tensors[id].ty.shape, dims);
+    if layout.kshape.len() > MAX_RANK || layout.rshape.len() > MAX_RANK {
+        return 0;
+    }
+    reduce_plan(&layout, true).scratch_bytes(layout.nout, op)
+}
+
+impl Lowering<'_> {
+    /// The node's scratch for a split reduction: (address, bytes), (0, 0) unless the node
+    /// itself is a reduction (a convolution's backward sums its bias gradient in its
+    /// cuDNN workspace's stead: no split).
+    fn reduction_scratch(&self) -> (u64, u64) {
+        let node = &self.program.graph().nodes[self.index];
+        if node_reduction(node.op, self.params()).is_none() {
+            return (0, 0);
+        }
+        self.program
+            .plan()
+            .scratch(self.index)
+            .map_or((0, 0), |(off, len)| (self.lane + off, len))
+    }
+
+    /// Reduces `x` over `dims` into `out` (kept dims in order).
+    pub(super) fn reduce(
+        &mut self,
+        op: ReduceOp,
+        x: &Operand,
+        dims: &[usize],
+        out: &Operand,
+        correction: f64,
+    ) -> Lowered {
+        let layout = ReduceLayout::new(x.shape(), dims);
+        if layout.kshape.len() > MAX_RANK || layout.rshape.len() > MAX_RANK {
             return Err(format!(
                 "the CUDA device reduces tensors of at most {MAX_RANK} dims"
             ));
         }
+        let (scratch, scratch_len) = self.reduction_scratch();
+        let wanted = reduce_plan(&layout, true);
+        let need = wanted.scratch_bytes(layout.nout, op);
+        // Planned without the device's scratch (or too little): no split.
+        let plan = if need == 0 || (scratch != 0 && need <= scratch_len) {
+            wanted
+        } else {
+            reduce_plan(&layout, false)
+        };
+        let (nout, count) = (layout.nout, layout.count);
         let args = ReduceArgs {
             nout: nout as i64,
             count: count as i64,
             op: op.code(),
-            krank: kshape.len() as i64,
-            rrank: rshape.len() as i64,
+            krank: layout.kshape.len() as i64,
+            rrank: layout.rshape.len() as i64,
             correction,
-            kshape: padded(&signed(&kshape)),
-            kst: padded(&kept[0].st),
-            rshape: padded(&signed(&rshape)),
-            rst: padded(&reduced[0].st),
+            kshape: padded(&signed(&layout.kshape)),
+            kst: padded(&layout.kst),
+            rshape: padded(&signed(&layout.rshape)),
+            rst: padded(&layout.rst),
             input: x.ptr,
             in_dt: x.dt(),
             out: out.ptr,
             out_dt: out.dt(),
+            splits: plan.splits as i64,
+            chunk: plan.chunk as i64,
+            part: if plan.splits > 1 { scratch } else { 0 },
         };
-        match reduce_kernel(&kept[0].st, &rshape, &reduced[0].st, count) {
-            Kernel::ReduceRows => {
-                let blocks = row_blocks(nout, count);
-                self.launch_blocks(Kernel::ReduceRows, blocks, args);
-            }
-            Kernel::ReduceColumns => {
-                self.launch_blocks(Kernel::ReduceColumns, nout.div_ceil(32), args);
-            }
+        match plan.kernel {
             Kernel::ReduceByThread => self.launch(Kernel::ReduceByThread, nout, args),
-            kernel => self.launch_blocks(kernel, nout, args),
+            kernel => self.launch_blocks(kernel, plan.blocks, args),
+        }
+        if plan.splits > 1 {
+            let blocks = ReducePlan::finish_blocks(nout);
+            self.launch_blocks(Kernel::ReduceParts, blocks, args);
         }
         Ok(())
     }
@@ -262,5 +484,238 @@ impl Lowering<'_> {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use salus_exec::Program;
+    use salus_graph::{
+        Attr, DType, Limits, PortableScratch, Role, ScratchSizer, Tensor, TensorType,
+    };
+
+    use super::*;
+    use crate::lower::{Command, fusion};
+
+    fn layout(shape: &[u64], dims: &[usize]) -> ReduceLayout {
+        ReduceLayout::new(shape, dims)
+    }
+
+    #[test]
+    fn reductions_classify_by_their_coalesced_layout() {
+        // [B*S, D] over rows: columns; over D: rows; everything: full.
+        assert_eq!(layout(&[32, 128, 512], &[0, 1]).pattern(), Pattern::Columns);
+        assert_eq!(layout(&[4096, 512], &[1]).pattern(), Pattern::Rows);
+        assert_eq!(layout(&[32, 128, 512], &[0, 1, 2]).pattern(), Pattern::Full);
+        // NCHW over (0, 2, 3): planes, H and W coalesced.
+        let nchw = layout(&[32, 64, 56, 56], &[0, 2, 3]);
+        assert_eq!(nchw.pattern(), Pattern::Planes);
+        assert_eq!(
+            (nchw.kshape.clone(), nchw.kst.clone()),
+            (vec![64], vec![3136])
+        );
+        assert_eq!(
+            (nchw.rshape.clone(), nchw.rst.clone()),
+            (vec![32, 3136], vec![200_704, 1])
+        );
+        assert_eq!((nchw.count, nchw.nout), (32 * 3136, 64));
+        // 1x1 spatial: NC over N, columns.
+        assert_eq!(
+            layout(&[32, 2048, 1, 1], &[0, 2, 3]).pattern(),
+            Pattern::Columns
+        );
+        // K R K: the general kernels; size-1 and empty reductions too.
+        assert_eq!(layout(&[4, 5, 6], &[1]).pattern(), Pattern::Other);
+        assert_eq!(layout(&[4, 1], &[1]).pattern(), Pattern::Other);
+        assert_eq!(layout(&[4, 0], &[1]).pattern(), Pattern::Other);
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_without_tiny_or_empty_chunks() {
+        // Many outputs already fill it.
+        assert_eq!(split(SPLIT_TARGET_BLOCKS, 1 << 20, 1), (1, 1 << 20));
+        // Small work: no split.
+        assert_eq!(split(1, 1000, 1), (1, 1000));
+        for (groups, count, width) in [
+            (1u64, 1u64 << 22, 1u64),
+            (16, 4096, 32),
+            (24, 16384, 32),
+            (64, 100_352, 1),
+            (256, 100_352, 1),
+            (1, 10_000_019, 1),
+            (3, 8193, 1),
+        ] {
+            let (splits, chunk) = split(groups, count, width);
+            assert!(splits >= 1 && chunk >= 1, "{groups} {count}");
+            // Every chunk non-empty, the chunks exactly covering the range.
+            assert!((splits - 1) * chunk < count && splits * chunk >= count);
+            assert!(
+                chunk * width >= SPLIT_MIN_WORK.min(count * width) / 2,
+                "{groups} {count}"
+            );
+            assert!(groups * splits <= 2 * SPLIT_TARGET_BLOCKS);
+        }
+        // Large work reaches at least 2 blocks per SM of a 132-SM GPU.
+        assert!(split(1, 1 << 22, 1).0 >= 264);
+        assert!(16 * split(16, 4096, 32).0 >= 256);
+        assert!(24 * split(24, 16384, 32).0 >= 264);
+        assert!(64 * split(64, 100_352, 1).0 >= 264);
+    }
+
+    #[test]
+    fn each_pattern_takes_its_kernel() {
+        let plan = |shape: &[u64], dims: &[usize], ok| reduce_plan(&layout(shape, dims), ok);
+        // Bias gradient of a [4096, 512] activation: columns, split.
+        let p = plan(&[4096, 512], &[0], true);
+        assert_eq!(p.kernel, Kernel::ReducePartColumns);
+        assert_eq!(p.blocks, 16 * p.splits);
+        assert_eq!(
+            plan(&[4096, 512], &[0], false).kernel,
+            Kernel::ReduceColumns
+        );
+        // A scalar mean: one output split over many blocks.
+        let p = plan(&[4096, 512], &[0, 1], true);
+        assert_eq!((p.kernel, p.blocks), (Kernel::ReducePartRows, p.splits));
+        assert_eq!(p.splits, 4096 * 512 / SPLIT_MIN_WORK);
+        assert_eq!(
+            plan(&[4096, 512], &[0, 1], false).kernel,
+            Kernel::ReduceRows
+        );
+        // Many short rows: the row kernel.
+        assert_eq!(plan(&[4096, 512], &[1], true).kernel, Kernel::ReduceRows);
+        // Batch norm statistics: planes, split when the channels are few.
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], true);
+        assert_eq!(p.kernel, Kernel::ReducePartRows);
+        assert!(p.splits > 1 && p.blocks == 64 * p.splits);
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], false);
+        assert_eq!(
+            (p.kernel, p.splits, p.blocks),
+            (Kernel::ReducePartRows, 1, 64)
+        );
+        let p = plan(&[32, 2048, 7, 7], &[0, 2, 3], true);
+        assert_eq!((p.kernel, p.splits), (Kernel::ReducePartRows, 1));
+        assert_eq!(p.scratch_bytes(2048, ReduceOp::Var), 0);
+        // Short planes: a thread per output.
+        assert_eq!(
+            plan(&[2, 8, 2, 2], &[0, 2, 3], true).kernel,
+            Kernel::ReduceByThread
+        );
+        assert_eq!(plan(&[4, 5, 6], &[1], true).kernel, Kernel::ReduceByThread);
+        // Scratch: f64 partials, two for the variance.
+        let p = plan(&[32, 64, 56, 56], &[0, 2, 3], true);
+        assert_eq!(p.scratch_bytes(64, ReduceOp::Sum), 64 * p.splits * 8);
+        assert_eq!(p.scratch_bytes(64, ReduceOp::Var), 64 * p.splits * 16);
+    }
+
+    /// The CUDA device's sizer, without a GPU (no cuDNN).
+    struct Sizer;
+
+    impl ScratchSizer for Sizer {
+        fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
+            match reduce_scratch_bytes(graph, node, params) {
+                0 => PortableScratch.scratch_bytes(graph, node, params),
+                n => n,
+            }
+        }
+    }
+
+    fn reduction(op: Op, shape: &[u64], dims: &[i64], out: &[u64]) -> Graph {
+        let t = |name: &str, shape: &[u64], role| Tensor {
+            name: name.into(),
+            ty: TensorType::new(DType::F32, shape.to_vec()),
+            role,
+            data: vec![],
+        };
+        let mut attrs = BTreeMap::new();
+        attrs.insert("dim".to_string(), Attr::Ints(dims.to_vec()));
+        Graph {
+            tensors: vec![t("x", shape, Role::Feed), t("y", out, Role::Intermediate)],
+            nodes: vec![Node {
+                name: format!("{op}"),
+                op,
+                inputs: vec![Some(0)],
+                outputs: vec![Some(1)],
+                attrs,
+                source: String::new(),
+            }],
+            fetches: vec![1],
+            updates: vec![],
+            precision: Default::default(),
+        }
+    }
+
+    fn lowered(program: &Program) -> Vec<(Kernel, u32, ReduceArgs)> {
+        let mut lowering = Lowering {
+            program,
+            persistent: 1 << 20,
+            lane: 1 << 30,
+            err: 1 << 40,
+            dnn: None,
+            index: 0,
+            commands: Vec::new(),
+            fusion: &fusion::FusionPlan::none(),
+            kernels: Vec::new(),
+        };
+        for (index, node) in program.graph().nodes.iter().enumerate() {
+            lowering.index = index;
+            lowering.node(node).expect("lowered");
+        }
+        lowering
+            .commands
+            .iter()
+            .filter_map(|c| match c {
+                Command::Launch(l) => {
+                    let args = l.args.as_any().downcast_ref::<ReduceArgs>()?;
+                    Some((l.kernel, l.grid.0, *args))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn planned_scratch_holds_the_partials_and_without_it_nothing_splits() {
+        for (op, shape, dims, out) in [
+            (
+                Op::SumDimIntList,
+                vec![4096u64, 512],
+                vec![0i64],
+                vec![512u64],
+            ),
+            (
+                Op::VarCorrection,
+                vec![32, 64, 56, 56],
+                vec![0, 2, 3],
+                vec![64],
+            ),
+            (Op::SumDimIntList, vec![64, 8192], vec![0, 1], vec![]),
+        ] {
+            let graph = reduction(op, &shape, &dims, &out);
+            let sized = Program::with_scratch(graph.clone(), &Limits::default(), &Sizer).unwrap();
+            let (off, len) = sized.plan().scratch(0).expect("scratch for the partials");
+            let launches = lowered(&sized);
+            assert_eq!(launches.len(), 2, "{op}: {launches:?}");
+            let (first, _, args) = launches[0];
+            assert!(matches!(
+                first,
+                Kernel::ReducePartRows | Kernel::ReducePartColumns
+            ));
+            assert_eq!(launches[1].0, Kernel::ReduceParts);
+            assert_eq!(args.part, (1 << 30) + off);
+            let per = if op == Op::VarCorrection { 16 } else { 8 };
+            assert!(args.splits > 1);
+            assert!((args.nout * args.splits * per) as u64 <= len);
+            assert!((args.splits - 1) * args.chunk < args.count);
+            assert!(args.splits * args.chunk >= args.count);
+            // The portable plan (CPU, sim) has no scratch for it: a single pass.
+            let plain = Program::new(graph, &Limits::default()).unwrap();
+            assert_eq!(plain.plan().scratch(0), None);
+            assert!(plain.plan().ephemeral_bytes < sized.plan().ephemeral_bytes);
+            let launches = lowered(&plain);
+            assert_eq!(launches.len(), 1, "{op}: {launches:?}");
+            assert_eq!((launches[0].2.splits, launches[0].2.part), (1, 0));
+        }
     }
 }
