@@ -210,8 +210,8 @@ def plain_job(index, job, args, barrier, results):
 
 def start_daemon(args, directory: str) -> tuple[subprocess.Popen, str]:
     socket = os.path.join(directory, "salusd.sock")
-    command = [str(args.salusd), "--socket", socket,
-               "--device", "cuda:0" if args.device == "cuda" else "cpu"]
+    device = args.salusd_device or ("cuda:0" if args.device == "cuda" else "cpu")
+    command = [str(args.salusd), "--socket", socket, "--device", device]
     if args.memory:
         command += ["--memory", args.memory]
     if args.policy:
@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", default=None,
                         help="salusd --memory (default: 16GiB on cuda, 1GiB on cpu)")
     parser.add_argument("--policy", default=None, help="salusd --policy (default: its own)")
+    parser.add_argument("--salusd-device", default=None,
+                        help="salusd --device (default: cuda:0 or cpu after --device; "
+                             "sim checks the full-size jobs' graphs without a GPU)")
     parser.add_argument("--only", choices=["salus", "plain"], default=None,
                         help="run one phase only")
     parser.add_argument("--barrier-timeout", type=float, default=300.0,
@@ -308,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(Path(directory, "salusd.log").read_text()[-4000:], file=sys.stderr)
                 raise
             finally:
-                daemon.kill()
-                daemon.wait()
+                daemon.terminate()  # salusd shuts down cleanly on SIGTERM
+                try:
+                    daemon.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait()
     if args.only in (None, "plain"):
         plain_results = run_phase(ctx, plain_job, jobs, (), args)
 

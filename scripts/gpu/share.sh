@@ -34,12 +34,14 @@ preflight() {
 }
 if ! preflight; then
     echo "salusd did not start on cuda:0 as is:"; tail -n 5 "$out/preflight.log"
+    set +u  # cuda-libs.sh is not written for nounset
     # shellcheck source=scripts/cuda-libs.sh
     source scripts/cuda-libs.sh
+    set -u
     preflight || { echo "salusd cannot start on cuda:0:"; tail -n 20 "$out/preflight.log"; exit 1; }
 fi
 
-timeout 300 python3 benches/share_e2e.py --salusd "$salusd" --device cuda \
+timeout 420 python3 benches/share_e2e.py --salusd "$salusd" --device cuda \
     --seconds "${SECONDS_PER_PHASE:-20}" --json > "$out/share.json" 2> "$out/share.log"
 rc=$?
 echo "share_e2e rc=$rc"
