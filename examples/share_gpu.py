@@ -61,7 +61,8 @@ def salusctl():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--policy", help="set the daemon's policy first (fifo/pack/srtf/fair)")
+    parser.add_argument("--policy",
+                        help="set the daemon's policy first (share/pack/srtf/fair/fifo)")
     args = parser.parse_args()
 
     import salus

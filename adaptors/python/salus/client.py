@@ -216,7 +216,7 @@ class Client:
                               admin_pb2.ListSessionsRequest()).sessions)
 
     def policy(self, policy: str | None = None) -> str:
-        """Sets the policy (``fifo``, ``pack``, ``srtf``, ``fair``) or only reads it;
+        """Sets the policy (``share``, ``pack``, ``srtf``, ``fair``, ``fifo``) or only reads it;
         returns the policy in force."""
         return self.call(f"set the policy to {policy}" if policy else "read the policy",
                          self.admin_stub.SetPolicy,

@@ -4,7 +4,8 @@
 //! persistent region (best-fit, coalescing), the lanes stacked down from the top of memory
 //! (Salus Algorithm 2.1, reference counting, auto-defragmentation), the admission queue
 //! with a reason for every wait, per-lane run queues, and the FIFO, PACK, SRTF and FAIR
-//! policies.
+//! policies, and SHARE (PACK's lanes with SRTF's order and a bounded wait; the daemon's
+//! default).
 //!
 //! It is sans-IO, like `quinn-proto`: no threads, sockets, clocks or sleeping. Time comes
 //! in as an argument; decisions come out as [`Action`] values. The daemon, the simulator

@@ -24,16 +24,24 @@ pub enum PolicyKind {
     Srtf,
     /// Time-share each lane so its sessions receive equal service.
     Fair,
+    /// Pack every session memory allows into lanes (as PACK); memory and each lane go to
+    /// the shortest remaining work first (as SRTF), and no ready session waits much longer
+    /// than [`Share::MAX_WAIT`] for its next iteration. The daemon's default.
+    Share,
 }
 
 impl PolicyKind {
     /// Every policy, in the order status output lists them.
-    pub const ALL: [PolicyKind; 4] = [
+    pub const ALL: [PolicyKind; 5] = [
         PolicyKind::Fifo,
         PolicyKind::Srtf,
         PolicyKind::Pack,
         PolicyKind::Fair,
+        PolicyKind::Share,
     ];
+
+    /// The policy a daemon starts with unless told otherwise: one that shares the device.
+    pub const DEFAULT: PolicyKind = PolicyKind::Share;
 
     /// The lower-case name used on command lines and in JSON.
     pub fn name(self) -> &'static str {
@@ -42,6 +50,7 @@ impl PolicyKind {
             PolicyKind::Pack => "pack",
             PolicyKind::Srtf => "srtf",
             PolicyKind::Fair => "fair",
+            PolicyKind::Share => "share",
         }
     }
 
@@ -52,6 +61,7 @@ impl PolicyKind {
             PolicyKind::Pack => &Pack,
             PolicyKind::Srtf => &Srtf,
             PolicyKind::Fair => &Fair,
+            PolicyKind::Share => &Share,
         }
     }
 }
@@ -69,7 +79,9 @@ impl FromStr for PolicyKind {
         PolicyKind::ALL
             .into_iter()
             .find(|k| k.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("unknown policy {s:?}; expected one of fifo, pack, srtf, fair"))
+            .ok_or_else(|| {
+                format!("unknown policy {s:?}; expected one of fifo, pack, srtf, fair, share")
+            })
     }
 }
 
@@ -110,6 +122,13 @@ pub trait Policy: Sync {
     /// accounting, so run queues stay ordered sets and picking the next iteration is
     /// logarithmic in the number of sessions.
     fn run_key(&self, session: &SessionView<'_>) -> RunKey;
+
+    /// For a policy that [suspends](Policy::suspends): the order that decides which idle
+    /// sessions come after a waiting one and may give it their memory (smallest first, the
+    /// largest suspended first). The run order unless the policy says otherwise.
+    fn suspension_key(&self, session: &SessionView<'_>) -> RunKey {
+        self.run_key(session)
+    }
 }
 
 /// Position in a lane's run queue; compared lexicographically, smallest first.
@@ -256,6 +275,66 @@ impl Policy for Fair {
     }
 }
 
+/// Sharing by default: PACK's lanes with SRTF's order and a bound on waiting.
+///
+/// - **Lanes**: as many as memory allows (Salus Algorithm 2.1, a new lane first), so
+///   sessions that leave the device's compute idle run side by side.
+/// - **Admission**: priority, then shortest remaining time (sessions without hints after
+///   every one with them, in arrival order); later sessions backfill the memory an earlier
+///   one cannot use. When the first waiting session does not fit, idle admitted sessions
+///   with more remaining work are suspended to host memory to make room (as SRTF).
+/// - **Within a lane**: the ready session with the earliest *deadline* runs next, where a
+///   session's deadline is its last start (its arrival, before the first) plus its
+///   remaining time capped at [`Share::MAX_WAIT`]. A short job runs ahead of long ones, but
+///   once a session has waited `MAX_WAIT` past its last start it goes before every session
+///   that started after that, so no ready session starves. Sessions of unknown or long
+///   remaining time take turns (round robin).
+#[derive(Debug, Clone, Copy)]
+pub struct Share;
+
+impl Share {
+    /// The longest a ready session's deadline lies after its last start: the bound on how
+    /// long shorter sessions may keep it waiting in a shared lane.
+    pub const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+}
+
+impl Policy for Share {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Share
+    }
+    fn max_lanes(&self) -> usize {
+        usize::MAX
+    }
+    fn suspends(&self) -> bool {
+        true
+    }
+    fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+        b.spec
+            .hints
+            .priority
+            .cmp(&a.spec.hints.priority)
+            .then_with(|| shortest_remaining(a, b))
+    }
+    fn run_key(&self, s: &SessionView<'_>) -> RunKey {
+        let slack = s
+            .remaining_time()
+            .map_or(Share::MAX_WAIT, |r| r.min(Share::MAX_WAIT));
+        let since = s.stats.last_started_at.unwrap_or(s.stats.opened_at);
+        [
+            nanos(since).saturating_add(nanos(slack)),
+            nanos(s.stats.opened_at),
+            0,
+        ]
+    }
+    fn suspension_key(&self, s: &SessionView<'_>) -> RunKey {
+        // Higher priority first.
+        let priority =
+            u64::try_from(i64::from(i32::MAX) - i64::from(s.spec.hints.priority)).unwrap_or(0);
+        let remaining = s.remaining_time().map_or(u64::MAX, nanos);
+        [priority, remaining, nanos(s.stats.opened_at)]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,7 +348,7 @@ mod tests {
         assert_eq!("FAIR".parse::<PolicyKind>(), Ok(PolicyKind::Fair));
         let err = "lifo".parse::<PolicyKind>().unwrap_err();
         assert!(
-            err.contains("lifo") && err.contains("fifo, pack, srtf, fair"),
+            err.contains("lifo") && err.contains("fifo, pack, srtf, fair, share"),
             "{err}"
         );
     }

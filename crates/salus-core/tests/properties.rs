@@ -32,7 +32,8 @@ fn policy() -> impl Strategy<Value = PolicyKind> {
         Just(PolicyKind::Fifo),
         Just(PolicyKind::Pack),
         Just(PolicyKind::Srtf),
-        Just(PolicyKind::Fair)
+        Just(PolicyKind::Fair),
+        Just(PolicyKind::Share)
     ]
 }
 
@@ -276,7 +277,8 @@ proptest! {
     fn invariants_hold_and_every_session_finishes(
         start in policy(),
         finish_under in prop_oneof![Just(PolicyKind::Fifo), Just(PolicyKind::Pack),
-                                    Just(PolicyKind::Fair), Just(PolicyKind::Srtf)],
+                                    Just(PolicyKind::Fair), Just(PolicyKind::Srtf),
+                                    Just(PolicyKind::Share)],
         reserve in 0u64..200,
         ops in prop::collection::vec(op(), 1..120),
     ) {

@@ -807,3 +807,128 @@ fn plan_admission_predicts_algorithm_2_1_without_changing_anything() {
     ));
     assert_eq!(d.core.lanes().len(), 3);
 }
+
+#[test]
+fn share_packs_sessions_into_lanes_side_by_side() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Share);
+    d.open(spec(1, 100 * MB, 300 * MB));
+    d.open(spec(2, 100 * MB, 300 * MB));
+    assert_eq!(
+        admitted(&d.log),
+        vec![(1, LaneId(0)), (2, LaneId(1))],
+        "a lane each while memory allows"
+    );
+    d.submit(1);
+    d.submit(2);
+    assert_eq!(started(&d.log), vec![1, 2], "both lanes run at once");
+}
+
+#[test]
+fn share_runs_the_shortest_first_in_a_shared_lane() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Share);
+    d.open(timed(1, 100 * MB, 500 * MB, 1000, 100));
+    d.submit(1);
+    d.submit(1);
+    // No room for a second lane (100 + 500 + 100 + 400 > 1000): job 2 joins lane 0.
+    let a = d.open(timed(2, 100 * MB, 400 * MB, 3, 50));
+    assert_eq!(admitted(&a), vec![(2, LaneId(0))]);
+    d.submit(2);
+    let a = d.finish(1, 100);
+    assert_eq!(
+        a.last(),
+        Some(&Action::StartIteration {
+            session: SessionId(2),
+            lane: LaneId(0),
+            lane_offset: 500 * MB,
+            switched_from: Some(SessionId(1)),
+        }),
+        "the shorter job goes first at the boundary"
+    );
+    d.submit(2);
+    assert_eq!(started(&d.finish(2, 50)), vec![2]);
+    d.submit(2);
+    assert_eq!(started(&d.finish(2, 50)), vec![2]);
+    assert_eq!(
+        started(&d.finish(2, 50)),
+        vec![1],
+        "the long job resumes when the short one is done"
+    );
+}
+
+#[test]
+fn share_bounds_how_long_a_ready_session_waits_behind_shorter_ones() {
+    // Job 1 has no hints (unknown length); a stream of one-iteration jobs, each shorter,
+    // keeps arriving in its lane. SRTF would never run job 1 again; share runs it once it
+    // has waited `Share::MAX_WAIT` since its last start.
+    let bound = salus_core::policy::Share::MAX_WAIT;
+    for policy in [PolicyKind::Share, PolicyKind::Srtf] {
+        let mut d = Driver::new(1000 * MB, 0, policy);
+        d.open(spec(1, 100 * MB, 500 * MB));
+        d.submit(1);
+        d.submit(1);
+        let mut running = 1;
+        let mut last_start_of_1 = Duration::ZERO;
+        let mut longest_wait = Duration::ZERO;
+        for k in 2..200 {
+            // 100 + 500 + 10 + 400 > 1000: every short job shares lane 0.
+            d.open(timed(k, 10 * MB, 400 * MB, 1, 100));
+            d.submit(k);
+            let a = d.finish(running, 100);
+            if running != 1 {
+                d.close(running);
+            } else {
+                d.submit(1);
+            }
+            if let Some(&next) = started(&a).last() {
+                running = next;
+            }
+            if running == 1 {
+                longest_wait = longest_wait.max(d.now - last_start_of_1);
+                last_start_of_1 = d.now;
+            }
+        }
+        let waited_last = d.now - last_start_of_1;
+        match policy {
+            PolicyKind::Share => assert!(
+                longest_wait <= bound + Duration::from_millis(200) && waited_last <= bound,
+                "job 1 waited {longest_wait:?} (bound {bound:?})"
+            ),
+            _ => assert_eq!(last_start_of_1, Duration::ZERO, "SRTF starves job 1"),
+        }
+    }
+}
+
+#[test]
+fn share_suspends_an_idle_longer_session_for_a_shorter_one() {
+    let mut d = Driver::new(1000 * MB, 0, PolicyKind::Share);
+    d.open(timed(1, 400 * MB, 400 * MB, 1000, 100));
+    d.submit(1);
+    // Job 2 is shorter but does not fit beside job 1 (400 + 400 + 400 > 1000).
+    let a = d.open(timed(2, 400 * MB, 400 * MB, 5, 100));
+    assert!(matches!(a.last(), Some(Action::Queue { .. })), "{a:?}");
+    // At job 1's boundary it is idle: it goes to host memory and job 2 comes in.
+    let a = d.finish(1, 100);
+    assert_eq!(suspended(&a), vec![1], "{a:?}");
+    assert_eq!(admitted(&a).len(), 1);
+    assert_eq!(admitted(&a)[0].0, 2);
+    d.submit(1);
+    d.submit(2);
+    for _ in 0..4 {
+        d.finish(2, 100);
+        d.submit(2);
+    }
+    d.finish(2, 100);
+    let a = d.close(2);
+    assert!(
+        a.iter().any(|x| matches!(
+            x,
+            Action::Admit {
+                session: SessionId(1),
+                resumed: true,
+                ..
+            }
+        )),
+        "job 1 comes back once job 2 is done: {a:?}"
+    );
+    assert!(started(&a).contains(&1), "{a:?}");
+}

@@ -193,16 +193,11 @@ pub struct FairShareResult {
     pub max_share_deviation_10s: f64,
 }
 
-/// Salus Fig. 2.9: three inception3_50 jobs starting at 0, 15 and 30 s under FAIR; each
-/// job's share of the GPU's throughput over time.
-pub fn fair_share(seed: u64) -> Result<FairShareResult, SimError> {
-    let workload = catalog::by_name(FAIR_WORKLOAD).ok_or_else(|| SimError::Stalled {
-        at_s: 0.0,
-        unfinished: 0,
-        detail: format!("{FAIR_WORKLOAD} missing from the catalog"),
-    })?;
+/// The fair-sharing trace: three jobs of `workload` starting at [`FAIR_STARTS_S`], each
+/// 180-240 s long alone.
+pub fn fair_share_trace(workload: &Workload, seed: u64) -> Vec<JobSpec> {
     let mut rng = Rng::new(seed);
-    let jobs: Vec<JobSpec> = FAIR_STARTS_S
+    FAIR_STARTS_S
         .iter()
         .enumerate()
         .map(|(i, &start)| {
@@ -213,7 +208,18 @@ pub fn fair_share(seed: u64) -> Result<FairShareResult, SimError> {
                 rng.uniform(180.0, 240.0),
             )
         })
-        .collect();
+        .collect()
+}
+
+/// Salus Fig. 2.9: three inception3_50 jobs starting at 0, 15 and 30 s under FAIR; each
+/// job's share of the GPU's throughput over time.
+pub fn fair_share(seed: u64) -> Result<FairShareResult, SimError> {
+    let workload = catalog::by_name(FAIR_WORKLOAD).ok_or_else(|| SimError::Stalled {
+        at_s: 0.0,
+        unfinished: 0,
+        detail: format!("{FAIR_WORKLOAD} missing from the catalog"),
+    })?;
+    let jobs = fair_share_trace(workload, seed);
     let config = SimConfig {
         sample_s: Some(1.0),
         ..SimConfig::reference(PolicyKind::Fair)
@@ -276,6 +282,138 @@ pub fn fair_share(seed: u64) -> Result<FairShareResult, SimError> {
         series,
         max_share_deviation: deviation(FAIR_WINDOW_S),
         max_share_deviation_10s: deviation(10.0),
+    })
+}
+
+/// Every trace family the experiments draw, by name, for one seed: the long training trace,
+/// the two tuning sets and the fair-sharing trace.
+pub fn trace_families(seed: u64) -> Vec<(String, Vec<JobSpec>)> {
+    let mut families = vec![("training".to_string(), training_trace(seed))];
+    for name in TUNING_SETS {
+        if let Some(w) = catalog::by_name(name) {
+            families.push((format!("tuning {name}"), tuning_trace(w, seed)));
+        }
+    }
+    if let Some(w) = catalog::by_name(FAIR_WORKLOAD) {
+        families.push(("fair-share".to_string(), fair_share_trace(w, seed)));
+    }
+    families
+}
+
+/// One trace family under every policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct FamilyResult {
+    /// The family's name.
+    pub family: String,
+    /// Per policy name.
+    pub policies: BTreeMap<String, Summary>,
+}
+
+/// How far one policy is from the best policy of each run, over seeds: for each measure,
+/// the policy's value over the best value any policy reached on the same trace.
+#[derive(Debug, Clone, Serialize)]
+pub struct BehindBest {
+    /// Trace family.
+    pub family: String,
+    /// Policy name.
+    pub policy: String,
+    /// Average JCT over the best: median and worst over the seeds.
+    pub avg_jct: (f64, f64),
+    /// 95th percentile JCT over the best: median and worst.
+    pub p95_jct: (f64, f64),
+    /// Makespan over the best: median and worst.
+    pub makespan: (f64, f64),
+    /// Best utilisation over this policy's: median and worst.
+    pub utilisation: (f64, f64),
+}
+
+/// Results of [`policies`].
+#[derive(Debug, Clone, Serialize)]
+pub struct PoliciesResult {
+    /// The seed of the detailed tables.
+    pub seed: u64,
+    /// Every family under every policy, for `seed`.
+    pub families: Vec<FamilyResult>,
+    /// Seeds 1..=`seeds` summarised per family and policy.
+    pub seeds: u64,
+    /// Each policy's distance from the best, per family.
+    pub behind_best: Vec<BehindBest>,
+}
+
+fn median_and_max(mut v: Vec<f64>) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() - 1])
+}
+
+/// Every policy on every trace family: the detailed results for `seed`, and each policy's
+/// ratio to the best policy of each trace over seeds `1..=seeds`.
+pub fn policies(seed: u64, seeds: u64) -> Result<PoliciesResult, SimError> {
+    let run = |jobs: &[JobSpec]| -> Result<BTreeMap<String, Summary>, SimError> {
+        let mut out = BTreeMap::new();
+        for policy in PolicyKind::ALL {
+            out.insert(
+                policy.name().to_string(),
+                simulate(jobs, &SimConfig::reference(policy))?.summary(),
+            );
+        }
+        Ok(out)
+    };
+    let families = trace_families(seed)
+        .into_iter()
+        .map(|(family, jobs)| {
+            Ok(FamilyResult {
+                family,
+                policies: run(&jobs)?,
+            })
+        })
+        .collect::<Result<Vec<_>, SimError>>()?;
+    // ratios[family][policy] = per-seed ratios of (avg JCT, p95 JCT, makespan, utilisation).
+    let mut ratios: BTreeMap<(usize, String), [Vec<f64>; 4]> = BTreeMap::new();
+    let mut names: Vec<String> = Vec::new();
+    for s in 1..=seeds {
+        for (f, (family, jobs)) in trace_families(s).into_iter().enumerate() {
+            if names.len() <= f {
+                names.push(family);
+            }
+            let results = run(&jobs)?;
+            let best = |get: &dyn Fn(&Summary) -> f64, lowest: bool| {
+                results.values().map(get).fold(
+                    if lowest { f64::INFINITY } else { 0.0 },
+                    if lowest { f64::min } else { f64::max },
+                )
+            };
+            let b_jct = best(&|x| x.avg_jct_s, true);
+            let b_p95 = best(&|x| x.p95_jct_s, true);
+            let b_mk = best(&|x| x.makespan_s, true);
+            let b_util = best(&|x| x.utilisation, false);
+            for (name, x) in &results {
+                let r = ratios.entry((f, name.clone())).or_default();
+                r[0].push(x.avg_jct_s / b_jct);
+                r[1].push(x.p95_jct_s / b_p95);
+                r[2].push(x.makespan_s / b_mk);
+                r[3].push(b_util / x.utilisation);
+            }
+        }
+    }
+    let behind_best = ratios
+        .into_iter()
+        .map(|((f, policy), [jct, p95, mk, util])| BehindBest {
+            family: names[f].clone(),
+            policy,
+            avg_jct: median_and_max(jct),
+            p95_jct: median_and_max(p95),
+            makespan: median_and_max(mk),
+            utilisation: median_and_max(util),
+        })
+        .collect();
+    Ok(PoliciesResult {
+        seed,
+        families,
+        seeds,
+        behind_best,
     })
 }
 

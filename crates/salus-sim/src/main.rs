@@ -29,7 +29,7 @@ enum Command {
     Replay {
         /// The trace file.
         trace: PathBuf,
-        /// fifo, pack, srtf or fair.
+        /// fifo, pack, srtf, fair or share.
         #[arg(long, default_value = "pack")]
         policy: PolicyKind,
         /// Device memory in bytes (default: the 16 GB P100 of the papers).
@@ -89,6 +89,19 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// Every policy on every trace family (training, both tuning sets, fair-share): the
+    /// results for one seed, and each policy's ratio to the best policy over seeds 1..=COUNT.
+    Policies {
+        /// Seed of the detailed tables.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Seeds to summarise.
+        #[arg(long, default_value_t = 10)]
+        count: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Three inception3_50 jobs under FAIR starting at 0, 15 and 30 s (Fig. 2.9).
     FairShare {
         /// Seed of the job lengths.
@@ -141,6 +154,14 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&sweep)?);
                 } else {
                     print_sweep(&sweep, count);
+                }
+            }
+            Experiment::Policies { seed, count, json } => {
+                let result = experiments::policies(seed, count).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_policies(&result);
                 }
             }
             Experiment::FairShare { seed, json } => {
@@ -295,12 +316,72 @@ fn print_training(result: &TrainingResult, with_paper: bool) {
             print_summary_row(name, s, with_paper.then_some(paper));
         }
     }
+    // Policies beyond the paper's four (the daemon's default, share).
+    for (name, s) in &result.policies {
+        if !PAPER_TABLE_2_1.iter().any(|(p, _)| p == name) {
+            print_summary_row(name, s, None);
+        }
+    }
     let jct = |p: &str| result.policies.get(p).map_or(f64::NAN, |s| s.avg_jct_s);
     println!(
         "avg JCT, FIFO / SRTF: {:.2}x (paper 3.19x); FIFO / FAIR: {:.2}x (paper 1.77x)",
         jct("fifo") / jct("srtf"),
         jct("fifo") / jct("fair")
     );
+}
+
+fn print_policies(result: &experiments::PoliciesResult) {
+    let min = |x: f64| format!("{:.1} min", x / 60.0);
+    println!("Every policy on every trace family (seed {})", result.seed);
+    println!(
+        "{:<22} {:<7} {:>11} {:>11} {:>11} {:>6}",
+        "family", "policy", "makespan", "avg JCT", "95% JCT", "util"
+    );
+    for family in &result.families {
+        for policy in PolicyKind::ALL {
+            if let Some(s) = family.policies.get(policy.name()) {
+                println!(
+                    "{:<22} {:<7} {:>11} {:>11} {:>11} {:>5.1}%",
+                    family.family,
+                    policy.name(),
+                    min(s.makespan_s),
+                    min(s.avg_jct_s),
+                    min(s.p95_jct_s),
+                    100.0 * s.utilisation
+                );
+            }
+        }
+    }
+    println!();
+    println!(
+        "Over seeds 1..={}: each measure over the best policy's on the same trace (1 = best), median / worst",
+        result.seeds
+    );
+    println!(
+        "{:<22} {:<7} {:>13} {:>13} {:>13} {:>13}",
+        "family", "policy", "avg JCT", "95% JCT", "makespan", "best util /"
+    );
+    let families: Vec<&str> = result.families.iter().map(|f| f.family.as_str()).collect();
+    for family in families {
+        for policy in PolicyKind::ALL {
+            if let Some(b) = result
+                .behind_best
+                .iter()
+                .find(|b| b.family == family && b.policy == policy.name())
+            {
+                let pair = |(m, w): (f64, f64)| format!("{m:.2} / {w:.2}");
+                println!(
+                    "{:<22} {:<7} {:>13} {:>13} {:>13} {:>13}",
+                    family,
+                    policy.name(),
+                    pair(b.avg_jct),
+                    pair(b.p95_jct),
+                    pair(b.makespan),
+                    pair(b.utilisation)
+                );
+            }
+        }
+    }
 }
 
 fn print_tuning(result: &TuningResult) {

@@ -106,6 +106,9 @@ pub struct Summary {
     pub completed: usize,
     /// Jobs rejected because they can never fit.
     pub rejected: usize,
+    /// Fraction of the makespan the device's compute was busy: the running iterations'
+    /// compute shares summed (at most 1) and integrated over time, over the makespan.
+    pub utilisation: f64,
 }
 
 /// Everything one simulation produced.
@@ -119,6 +122,9 @@ pub struct SimReport {
     pub suspensions: u64,
     /// With `sample_s`: per bucket, per job, seconds of solo-speed progress made.
     pub progress: Vec<Vec<f64>>,
+    /// Seconds the device's compute was busy (the running shares summed, at most 1,
+    /// integrated over time).
+    pub busy_s: f64,
 }
 
 impl SimReport {
@@ -157,6 +163,11 @@ impl SimReport {
             p95_jct_s: p95,
             completed: jcts.len(),
             rejected: self.jobs.iter().filter(|j| j.rejected.is_some()).count(),
+            utilisation: if jcts.is_empty() || last <= first {
+                0.0
+            } else {
+                self.busy_s / (last - first)
+            },
         }
     }
 }
@@ -221,6 +232,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
     let mut restore_s = vec![0.0f64; jobs.len()];
     let mut unresolved = jobs.len();
     let mut now = 0.0f64;
+    let mut busy_s = 0.0f64;
 
     while unresolved > 0 {
         let demand: f64 = running.iter().map(|r| jobs[r.job].compute_share).sum();
@@ -255,6 +267,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
         if let Some(width) = config.sample_s {
             record_progress(&mut progress, width, jobs.len(), &running, now, t, rate);
         }
+        busy_s += (t - now) * demand.min(1.0);
         let finishing = t >= finish_at;
         for r in &mut running {
             r.work_left -= (t - now) * rate;
@@ -369,6 +382,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
         switches,
         suspensions,
         progress,
+        busy_s,
     })
 }
 

@@ -33,7 +33,7 @@ enum Command {
     Status,
     /// Every open session with its statistics.
     Sessions,
-    /// Show the policy, or change it (fifo, pack, srtf, fair).
+    /// Show the policy, or change it (share, pack, srtf, fair, fifo).
     Policy {
         /// The new policy.
         name: Option<String>,

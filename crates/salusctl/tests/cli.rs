@@ -44,6 +44,8 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     let socket = dir.path().join("salusd.sock");
     let mut config = Config::new(socket.clone());
     config.memory = 64 << 20;
+    // One session at a time, so the second waits with a reason to show.
+    config.policy = "fifo".parse().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let daemon = std::thread::spawn(move || {
         let runtime = tokio::runtime::Runtime::new().unwrap();

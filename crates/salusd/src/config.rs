@@ -73,7 +73,8 @@ pub struct Config {
 pub const DEFAULT_MEMORY: u64 = 4 << 30;
 
 impl Config {
-    /// Defaults: the per-user socket, the cpu device with 4 GiB, no reserve, FIFO.
+    /// Defaults: the per-user socket, the cpu device with 4 GiB, no reserve, the sharing
+    /// policy ([`PolicyKind::DEFAULT`], share).
     pub fn new(socket: PathBuf) -> Config {
         Config {
             socket,
@@ -83,7 +84,7 @@ impl Config {
             memory_given: false,
             reserve: 0,
             host_memory: None,
-            policy: PolicyKind::Fifo,
+            policy: PolicyKind::DEFAULT,
             metrics: None,
             token_file: None,
             insecure_tcp: false,

@@ -39,7 +39,7 @@ struct Args {
     /// may hold in all [default: the device capacity].
     #[arg(long, env = "SALUS_HOST_MEMORY")]
     host_memory: Option<String>,
-    /// Scheduling policy at start: fifo, pack, srtf or fair [default: fifo].
+    /// Scheduling policy at start: share, pack, srtf, fair or fifo [default: share].
     #[arg(long, env = "SALUS_POLICY")]
     policy: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464).

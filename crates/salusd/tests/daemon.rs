@@ -76,6 +76,34 @@ async fn fair_results_match_alone() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn share_results_match_alone() {
+    concurrent_jobs_match_alone("share").await;
+}
+
+/// Without `--policy`, salusd shares the device: two sessions are admitted side by side,
+/// each in a lane of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_policy_shares_the_device() {
+    let daemon = Daemon::start(&["--memory", "64MiB"]);
+    let client = daemon.client().await;
+    assert_eq!(client.policy(None).await.unwrap(), "share");
+    let mut first = client
+        .open(Job::new("a", 16, 8, 2, 1).options())
+        .await
+        .unwrap();
+    let mut second = client
+        .open(Job::new("b", 16, 8, 2, 2).options())
+        .await
+        .unwrap();
+    first.admitted().await.unwrap();
+    second.admitted().await.unwrap();
+    let status = client.status().await.unwrap();
+    assert_eq!(status.lanes.len(), 2, "a lane each: {:?}", status.lanes);
+    first.close().await.unwrap();
+    second.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_runs_one_session_at_a_time_and_the_next_is_admitted_on_close() {
     let daemon = Daemon::start(&["--policy", "fifo"]);
     let client = daemon.client().await;

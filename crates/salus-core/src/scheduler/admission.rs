@@ -310,7 +310,7 @@ impl Scheduler {
         let Some(head_session) = self.sessions.get(&head) else {
             return false;
         };
-        let head_key = (policy.run_key(&head_session.view()), head);
+        let head_key = (policy.suspension_key(&head_session.view()), head);
         let mut behind: Vec<((RunKey, SessionId), SessionId)> = self
             .sessions
             .values()
@@ -324,7 +324,7 @@ impl Scheduler {
                     }
                 )
             })
-            .map(|s| ((policy.run_key(&s.view()), s.spec.id), s.spec.id))
+            .map(|s| ((policy.suspension_key(&s.view()), s.spec.id), s.spec.id))
             .filter(|(key, _)| *key > head_key)
             .collect();
         if behind.is_empty() {
