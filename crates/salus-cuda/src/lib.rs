@@ -43,11 +43,14 @@
 mod abi;
 mod cudnn;
 mod driver;
+mod image;
 mod lower;
 pub mod profile;
 
+pub use image::cache_dir;
+use image::{cached_image, kernel_image, tracing_note};
+
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -873,70 +876,6 @@ fn profile_batches(
     batches
 }
 
-/// The kernels' machine code for `arch`: from the disk cache, or compiled and cached.
-fn kernel_image(arch: u32) -> Result<Vec<u8>, String> {
-    cached_image(&abi::kernel_source(), arch)
-}
-
-/// Says why fusion was given up for a program (its kernels did not build).
-fn tracing_note(message: &str) {
-    eprintln!("salus-cuda: running unfused: {message}");
-}
-
-/// The machine code of `source` for `arch`: from the disk cache, or compiled and cached.
-fn cached_image(source: &str, arch: u32) -> Result<Vec<u8>, String> {
-    let (major, minor) = driver::nvrtc_version();
-    let key = fnv1a(&[
-        source.as_bytes(),
-        format!("nvrtc {major}.{minor} sm_{arch}").as_bytes(),
-    ]);
-    let dir = cache_dir();
-    let path = dir
-        .as_ref()
-        .map(|d| d.join(format!("sm{arch}-{key:016x}.bin")));
-    if let Some(path) = &path
-        && let Ok(image) = std::fs::read(path)
-        && !image.is_empty()
-    {
-        return Ok(image);
-    }
-    let (image, _cubin) = driver::nvrtc_compile(source, arch)?;
-    if let (Some(dir), Some(path)) = (dir, path)
-        && std::fs::create_dir_all(&dir).is_ok()
-    {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &image).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
-        }
-    }
-    Ok(image)
-}
-
-/// `$SALUS_NVRTC_CACHE`, `$XDG_CACHE_HOME/salus/nvrtc` or `~/.cache/salus/nvrtc`.
-pub fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("SALUS_NVRTC_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("salus/nvrtc")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache/salus/nvrtc")))
-}
-
-fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in parts {
-        for &b in *part {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_err() {
@@ -1022,50 +961,4 @@ impl ScratchSizer for CudaDevice {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn probe_never_panics() {
-        // On a host without a driver this is an Err with a reason; with one, a list.
-        match CudaDevice::probe() {
-            Ok(gpus) => assert!(!gpus.is_empty()),
-            Err(reason) => assert!(!reason.is_empty()),
-        }
-    }
-
-    #[test]
-    fn profile_batches_cover_every_timed_node_within_the_limit() {
-        // Node 1 issues nothing; node 3 alone exceeds a batch.
-        let lens = [3usize, 0, 100, 300, 30, 1];
-        let mut spans = Vec::new();
-        let mut at = 0;
-        for len in lens {
-            spans.push(at..at + len);
-            at += len;
-        }
-        let timed: Vec<usize> = (0..spans.len()).filter(|&i| !spans[i].is_empty()).collect();
-        let batches = profile_batches(&spans, &timed);
-        assert_eq!(batches, vec![0..2, 2..3, 3..5]);
-        for b in &batches {
-            let count: usize = b.clone().map(|j| spans[timed[j]].len()).sum();
-            assert!(b.len() == 1 || count <= PROFILE_BATCH);
-        }
-        assert!(profile_batches(&spans, &[]).is_empty());
-    }
-
-    #[test]
-    fn profiling_without_a_gpu_fails_cleanly() {
-        // Where there is no GPU the device cannot open, so there is nothing to profile;
-        // where there is one, tests/cuda.rs profiles on it.
-        if CudaDevice::probe().is_err() {
-            assert!(CudaDevice::new(&CudaOptions::new(0)).is_err());
-        }
-    }
-
-    #[test]
-    fn cache_keys_differ_by_source_and_arch() {
-        assert_ne!(fnv1a(&[b"a", b"sm_90"]), fnv1a(&[b"a", b"sm_80"]));
-        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
-    }
-}
+mod tests;

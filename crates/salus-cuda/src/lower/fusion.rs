@@ -476,7 +476,7 @@ impl KernelSpec {
     /// The kernel's source, its name `fused_<hash of the body>`.
     pub(crate) fn source(&self) -> (String, String) {
         let body = self.body();
-        let name = format!("fused_{:016x}", crate::fnv1a(&[body.as_bytes()]));
+        let name = format!("fused_{:016x}", crate::image::fnv1a(&[body.as_bytes()]));
         let text = format!("\nextern \"C\" __global__ void {name}(const FusedArgs a) {body}");
         (name, text)
     }
