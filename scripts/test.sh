@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 ./scripts/check-attrs.sh
+./scripts/check-file-sizes.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 python=$(./scripts/python-env.sh)
