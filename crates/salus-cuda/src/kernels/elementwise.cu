@@ -46,10 +46,35 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
     }
 }
 
+// An operand's element of flat index `i` in the fast index modes: `(i / q) % m`, `q` 0
+// for element 0, `m` 0 for no modulo; `narrow` (every index below 2^32) divides in 32 bits.
+__device__ i64 fast_index(i64 i, i64 q, i64 m, bool narrow) {
+    if (q == 0) return 0;
+    if (narrow) {
+        unsigned x = (unsigned)i;
+        if (q != 1) x /= (unsigned)q;
+        if (m != 0) x %= (unsigned)m;
+        return (i64)x;
+    }
+    i64 x = i;
+    if (q != 1) x /= q;
+    if (m != 0) x %= m;
+    return x;
+}
+
 extern "C" __global__ void ew(const ElementwiseArgs a) {
+    const bool narrow = a.n <= 0xffffffffLL;
     GRID_LOOP(i, a.n) {
         i64 o = i, x0 = i, x1 = i, x2 = i;
-        if (!a.contig) {
+        if (a.mode == IDX_FLAT) {
+            x0 = a.inputs[0].q != 0 ? i : 0;
+            x1 = a.inputs[1].q != 0 ? i : 0;
+            x2 = a.inputs[2].q != 0 ? i : 0;
+        } else if (a.mode == IDX_BROADCAST) {
+            x0 = fast_index(i, a.inputs[0].q, a.inputs[0].m, narrow);
+            x1 = fast_index(i, a.inputs[1].q, a.inputs[1].m, narrow);
+            x2 = fast_index(i, a.inputs[2].q, a.inputs[2].m, narrow);
+        } else {
             o = x0 = x1 = x2 = 0;
             i64 r = i;
             for (int d = (int)a.rank - 1; d >= 0; --d) {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use salus_graph::{Attr, Graph, Limits, Node, Role, Tensor, samples};
 
-use super::elementwise::{StridedView, coalesce};
+use super::elementwise::{StridedView, coalesce, fast_index, index_mode};
 use super::*;
 use crate::abi::{ConvArgs, PoolArgs};
 
@@ -23,6 +23,82 @@ fn coalescing_merges_contiguous_dims_and_keeps_broadcasts() {
     assert_eq!(ops[1].st, vec![0, 1]);
     let mut ops = vec![view(vec![12, 4, 1])];
     assert_eq!(coalesce(&[1, 1, 1], &mut ops), Vec::<u64>::new());
+}
+
+/// The index mode and fast indices of `out = op(ins...)` over `shape`, after coalescing
+/// (the output dense, each input broadcast from its own shape).
+fn mode_of(shape: &[u64], ins: &[&[u64]]) -> (crate::abi::IndexMode, Vec<(i64, i64)>, Vec<u64>) {
+    let mut ops = vec![view(contiguous(shape))];
+    ops.extend(ins.iter().map(|s| view(broadcast(s, shape))));
+    let coalesced = coalesce(shape, &mut ops);
+    let (mode, fast) = index_mode(&coalesced, &ops, 0..1);
+    (mode, fast, coalesced)
+}
+
+#[test]
+fn index_mode_is_flat_for_contiguous_operands_and_scalars() {
+    use crate::abi::IndexMode;
+    let (mode, fast, _) = mode_of(&[32, 512, 768], &[&[32, 512, 768], &[32, 512, 768]]);
+    assert_eq!(mode, IndexMode::Flat);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (1, 0)]);
+    // A numel-1 operand of any rank, and a 0-d one.
+    let (mode, fast, _) = mode_of(&[7, 13], &[&[7, 13], &[1, 1], &[]]);
+    assert_eq!(mode, IndexMode::Flat);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (0, 0), (0, 0)]);
+    // Everything numel 1: rank 0 after coalescing.
+    let (mode, fast, shape) = mode_of(&[1, 1], &[&[1], &[]]);
+    assert_eq!((mode, shape.len()), (IndexMode::Flat, 0));
+    assert_eq!(fast, vec![(1, 0), (0, 0), (0, 0)]);
+}
+
+#[test]
+fn index_mode_broadcasts_along_outer_inner_and_both() {
+    use crate::abi::IndexMode;
+    // Outer: a bias [C] or [1, C] against [N, C]: i % C.
+    for b in [&[768u64][..], &[1, 768]] {
+        let (mode, fast, _) = mode_of(&[4096, 768], &[&[4096, 768], b]);
+        assert_eq!(mode, IndexMode::Broadcast);
+        assert_eq!(fast, vec![(1, 0), (1, 0), (1, 768)]);
+    }
+    // Inner: [N, C, 1, 1] against [N, C, H, W]: i / (H W).
+    let (mode, fast, _) = mode_of(&[32, 64, 7, 9], &[&[32, 64, 7, 9], &[32, 64, 1, 1]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (63, 0)]);
+    // Both: [1, C, 1, 1] against [N, C, H, W]: (i / (H W)) % C.
+    let (mode, fast, _) = mode_of(&[32, 64, 7, 9], &[&[32, 64, 7, 9], &[1, 64, 1, 1]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (63, 64)]);
+    // Mixed: a where with a [S, S] mask, a scalar and a full operand.
+    let (mode, fast, _) = mode_of(&[8, 12, 5, 5], &[&[5, 5], &[], &[8, 12, 5, 5]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 25), (0, 0), (1, 0)]);
+}
+
+#[test]
+fn index_mode_is_generic_otherwise() {
+    use crate::abi::IndexMode;
+    // Two walked runs with a broadcast between: [N, 1, W] against [N, C, W].
+    let (mode, fast, _) = mode_of(&[4, 3, 5], &[&[4, 1, 5]]);
+    assert_eq!(mode, IndexMode::Generic);
+    assert_eq!(fast, vec![(0, 0), (0, 0)]);
+    // Both broadcast against each other: [N, 1] x [1, C].
+    let (mode, _, _) = mode_of(&[6, 10], &[&[6, 1], &[1, 10]]);
+    assert_eq!(
+        mode,
+        IndexMode::Broadcast,
+        "each one run: [6,1] -> i/10, [1,10] -> i%10"
+    );
+    // A transposed operand (strides not row-major).
+    let shape = [6u64, 10];
+    let ops = vec![view(contiguous(&shape)), view(vec![1, 6])];
+    assert_eq!(index_mode(&shape, &ops, 0..1).0, IndexMode::Generic);
+    // A strided output (a cat into a slice of a wider tensor).
+    let ops = vec![view(vec![20, 1]), view(contiguous(&shape))];
+    assert_eq!(index_mode(&shape, &ops, 0..1).0, IndexMode::Generic);
+    // A step-2 slice: stride 2 innermost.
+    assert_eq!(fast_index(&[6, 10], &[20, 2]), None);
+    assert_eq!(fast_index(&[6, 10], &[10, 1]), Some((1, 0)));
+    assert_eq!(fast_index(&[6, 10], &[0, 0]), Some((0, 0)));
 }
 
 /// The commands of `graph`, persistent block at 1 << 20, lane at 1 << 30.
@@ -197,7 +273,7 @@ fn updates_become_guarded_copies_of_up_to_128_segments() {
 use salus_graph::{Precision, Update};
 
 use super::fusion::{FusionPlan, plan};
-use crate::abi::{ElementwiseArgs, FusedArgs};
+use crate::abi::{ElementwiseArgs, FusedArgs, IndexMode};
 
 fn f32t(name: &str, shape: &[u64], role: Role) -> Tensor {
     tensor(name, DType::F32, shape, role)
@@ -271,7 +347,7 @@ fn a_chain_fuses_into_one_region_writing_only_what_is_needed() {
     assert_eq!(kernels.len(), 1);
     assert_eq!(kernels[0].0, f.name);
     let a: &FusedArgs = &f.args;
-    assert_eq!((a.n, a.nops, a.contig), (32, 4, 0));
+    assert_eq!((a.n, a.nops, a.mode), (32, 4, IndexMode::Broadcast.code()));
     assert_eq!(&a.shape[..2], &[4, 8]);
     assert_eq!(&a.ops[1].st[..2], &[0, 1], "b broadcast over the rows");
     assert_eq!(&a.s[..4], &[1.0, 0.0, 2.0, 0.0]);
