@@ -214,6 +214,9 @@ device_codes! {
         /// Every operand `(i / q) % m` (`q` 0: element 0; `m` 0: no modulo): broadcast
         /// along outer and/or inner dims of a contiguous run.
         Broadcast = 2 => IDX_BROADCAST,
+        /// [`IndexMode::Flat`] with every operand f32, `n` a multiple of 4 and every
+        /// contiguous operand 16-byte aligned: 4 elements a thread, as `float4` (`ew` only).
+        FlatVec4 = 3 => IDX_FLAT4,
     }
 }
 

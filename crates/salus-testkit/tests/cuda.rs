@@ -971,7 +971,7 @@ fn layout_copies_match_the_cpu_bitwise() {
 }
 
 /// Pointwise ops at shapes that take each index mode of `ew`: flat (contiguous operands,
-/// numel-1 operands of any rank), broadcast (a bias along the outer dims, an NCHW x [N, C,
+/// numel-1 operands of any rank; float4 where n is a multiple of 4), broadcast (a bias along the outer dims, an NCHW x [N, C,
 /// 1, 1] and x [1, C, 1, 1] along the inner or both, mixed with scalars and full operands,
 /// the broadcast operand first or last) and generic ([N, 1, W] against [N, C, W]), at odd
 /// sizes. Add, mul, div and where round once from exact or correctly rounded f64 values,
@@ -982,8 +982,12 @@ fn pointwise_mode_cases() -> Vec<Case> {
     let binary = |op: Op, a: Value, b: Value, out: &[u64]| {
         Case::new(op).input(a).input(b).output(DType::F32, out)
     };
-    let shapes: [(&[u64], &[u64], &[u64]); 12] = [
-        // Flat.
+    let shapes: [(&[u64], &[u64], &[u64]); 15] = [
+        // Flat, 4 f32 elements a thread (n a multiple of 4).
+        (&[64, 100], &[64, 100], &[64, 100]),
+        (&[64, 100], &[], &[64, 100]),
+        (&[1, 1], &[8, 50], &[8, 50]),
+        // Flat, one element a thread.
         (&[3, 1001], &[3, 1001], &[3, 1001]),
         (&[37, 41], &[37, 41], &[37, 41]),
         (&[5, 333], &[], &[5, 333]),

@@ -287,7 +287,18 @@ impl Lowering<'_> {
                 CopyRoute::Generic => {}
             }
         }
-        let (mode, fast) = index_mode(&shape, &ops, 0..1);
+        let (mut mode, fast) = index_mode(&shape, &ops, 0..1);
+        let f32_code = DeviceDType::F32.code();
+        let vec4 = mode == IndexMode::Flat
+            && op != ElementwiseOp::Copy
+            && n.is_multiple_of(4)
+            && ops
+                .iter()
+                .zip(&fast)
+                .all(|(o, &(q, _))| o.dt == f32_code && (q == 0 || o.ptr.is_multiple_of(16)));
+        if vec4 {
+            mode = IndexMode::FlatVec4;
+        }
         let mut inputs = [StridedTensor::default(); 3];
         for ((slot, view), &f) in inputs.iter_mut().zip(&ops[1..]).zip(&fast[1..]) {
             *slot = view.kernel_operand(f);
@@ -305,7 +316,8 @@ impl Lowering<'_> {
             out: ops[0].kernel_operand(fast[0]),
             inputs,
         };
-        self.launch(Kernel::Elementwise, n, args);
+        let threads = if vec4 { n / 4 } else { n };
+        self.launch(Kernel::Elementwise, threads, args);
         Ok(())
     }
 

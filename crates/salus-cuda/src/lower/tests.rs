@@ -533,6 +533,58 @@ fn fused_ops_and_scalars_are_the_unfused_lowering_s() {
     }
 }
 
+/// The `ew` launch of `out = a * b` (f32, or `b` of `bdt`), unfused.
+fn mul_launch(a: &[u64], b: &[u64], bdt: DType, out: &[u64]) -> (ElementwiseArgs, u32) {
+    let graph = Graph {
+        tensors: vec![
+            f32t("a", a, Role::Feed),
+            tensor("b", bdt, b, Role::Feed),
+            f32t("out", out, Role::Intermediate),
+        ],
+        nodes: vec![node(Op::MulTensor, &[0, 1], &[2], &[])],
+        fetches: vec![2],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let program = program(graph);
+    let (commands, _) = lower_fused(&program, &FusionPlan::none());
+    let launches = launches(&commands);
+    assert_eq!(launches.len(), 1, "{commands:?}");
+    let ew: &ElementwiseArgs = launches[0].args.as_any().downcast_ref().unwrap();
+    (*ew, launches[0].grid.0)
+}
+
+#[test]
+fn ew_launches_take_the_index_mode_of_their_shapes() {
+    // f32, contiguous, n a multiple of 4 (planned addresses 16-byte aligned): float4, a
+    // thread per 4 elements.
+    let (a, grid) = mul_launch(&[512, 1024], &[512, 1024], DType::F32, &[512, 1024]);
+    assert_eq!(a.mode, IndexMode::FlatVec4.code());
+    assert_eq!(grid, 512 * 1024 / 4 / BLOCK);
+    let (a, _) = mul_launch(&[64, 16], &[], DType::F32, &[64, 16]);
+    assert_eq!(a.mode, IndexMode::FlatVec4.code());
+    assert_eq!(
+        (a.inputs[0].q, a.inputs[1].q),
+        (1, 0),
+        "the scalar read once"
+    );
+    // An odd size, or another dtype: flat, one element a thread.
+    let (a, grid) = mul_launch(&[3, 5], &[3, 5], DType::F32, &[3, 5]);
+    assert_eq!((a.mode, grid), (IndexMode::Flat.code(), 1));
+    let (a, _) = mul_launch(&[8, 16], &[8, 16], DType::I64, &[8, 16]);
+    assert_eq!(a.mode, IndexMode::Flat.code());
+    // A bias along the rows; a per-channel NCHW scale.
+    let (a, _) = mul_launch(&[8, 16], &[16], DType::F32, &[8, 16]);
+    assert_eq!(a.mode, IndexMode::Broadcast.code());
+    assert_eq!((a.inputs[1].q, a.inputs[1].m), (1, 16));
+    let (a, _) = mul_launch(&[2, 3, 4, 5], &[1, 3, 1, 1], DType::F32, &[2, 3, 4, 5]);
+    assert_eq!(a.mode, IndexMode::Broadcast.code());
+    assert_eq!((a.inputs[1].q, a.inputs[1].m), (20, 3));
+    // Two runs: generic.
+    let (a, _) = mul_launch(&[2, 1, 5], &[2, 3, 5], DType::F32, &[2, 3, 5]);
+    assert_eq!((a.mode, a.rank), (IndexMode::Generic.code(), 3));
+}
+
 #[test]
 fn generated_kernels_compile() {
     let program = program(chain_with_fetched_middle());
