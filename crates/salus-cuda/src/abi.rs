@@ -203,6 +203,24 @@ device_codes! {
 }
 
 device_codes! {
+    /// How `ew` and the fused kernels find each operand's element from the flat output
+    /// index `i` (`ElementwiseArgs::mode`, `FusedArgs::mode`, `IDX_*`).
+    enum IndexMode {
+        /// Full N-d walk: a div and a mod per dim, each operand its strides `st`.
+        Generic = 0 => IDX_GENERIC,
+        /// Every operand contiguous with the output (`q` 1) or one broadcast element (`q`
+        /// 0): `i` or 0, no division.
+        Flat = 1 => IDX_FLAT,
+        /// Every operand `(i / q) % m` (`q` 0: element 0; `m` 0: no modulo): broadcast
+        /// along outer and/or inner dims of a contiguous run.
+        Broadcast = 2 => IDX_BROADCAST,
+        /// [`IndexMode::Flat`] with every operand f32, `n` a multiple of 4 and every
+        /// contiguous operand 16-byte aligned: 4 elements a thread, as `float4` (`ew` only).
+        FlatVec4 = 3 => IDX_FLAT4,
+    }
+}
+
+device_codes! {
     /// Which kind of index a kernel found out of range: the code word of the lane's error
     /// block (`ERR_*`). 0 means no error.
     enum IndexErrorKind {
@@ -354,25 +372,28 @@ macro_rules! device_struct {
 
 device_struct! {
     /// One operand of the elementwise kernel: address of element 0, dtype, strides in
-    /// elements (for the coalesced dims; the rest 0).
+    /// elements (for the coalesced dims; the rest 0); for the fast [`IndexMode`]s its
+    /// element of flat index `i` is `(i / q) % m` (`q` 0: element 0; `m` 0: no modulo).
     #[derive(Default)]
     struct StridedTensor {
         ptr: u64,
         dt: i64,
+        q: i64,
+        m: i64,
         st: [i64; MAX_RANK],
     }
 }
 
 device_struct! {
     /// `ew`: `out[i] = op(inputs[..nin][i], s0, s1, s2)` over `shape` (`rank` dims, `n`
-    /// elements); `contig` when every operand is one flat run.
+    /// elements); `mode` how operands are indexed ([`IndexMode`]).
     #[derive(Default)]
     struct ElementwiseArgs {
         n: i64,
         rank: i64,
         op: i64,
         nin: i64,
-        contig: i64,
+        mode: i64,
         s0: f64,
         s1: f64,
         s2: f64,
@@ -760,14 +781,14 @@ pub(crate) const MAX_FUSED_OPERANDS: usize = 16;
 pub(crate) const MAX_FUSED_NODES: usize = 16;
 
 device_struct! {
-    /// A generated fused kernel: `n` elements over `shape` (`rank` dims; `contig` when every
-    /// operand is one flat run); operands `ops[..]` (the region's inputs, then the outputs it
+    /// A generated fused kernel: `n` elements over `shape` (`rank` dims; `mode` how operands
+    /// are indexed, [`IndexMode`]); operands `ops[..]` (the region's inputs, then the outputs it
     /// writes), two scalars per node in `s`. The ops and dtypes are in the kernel's source.
     #[derive(Default)]
     struct FusedArgs {
         n: i64,
         rank: i64,
-        contig: i64,
+        mode: i64,
         nops: i64,
         shape: [i64; MAX_RANK],
         s: [f64; 2 * MAX_FUSED_NODES],
@@ -963,6 +984,7 @@ fn codes() -> Vec<(&'static str, Vec<(&'static str, i64)>)> {
         ("elementwise ops", ElementwiseOp::defines().collect()),
         ("reductions", ReduceOp::defines().collect()),
         ("along_dim modes", AlongDimMode::defines().collect()),
+        ("index modes", IndexMode::defines().collect()),
         ("index error codes", IndexErrorKind::defines().collect()),
     ]
 }

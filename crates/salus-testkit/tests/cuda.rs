@@ -259,6 +259,93 @@ fn fused_chains_match_the_cpu_with_fusion_on_and_off() {
     gpu.set_fusion(true);
 }
 
+/// A fused NCHW chain: x [4, 6, 5, 7] times a per-channel scale [1, 6, 1, 1], plus `e`,
+/// relu (fetched), times x (fetched): with `e` [4, 6, 1, 1] the fused kernel takes the
+/// broadcast index mode, with [4, 1, 1, 7] the generic one.
+fn nchw_chain(e: &[u64]) -> Graph {
+    let nchw = [4u64, 6, 5, 7];
+    Graph {
+        tensors: vec![
+            f32t("x", &nchw, Role::Feed),
+            f32t("s", &[1, 6, 1, 1], Role::Parameter),
+            f32t("e", e, Role::Feed),
+            f32t("t0", &nchw, Role::Intermediate),
+            f32t("t1", &nchw, Role::Intermediate),
+            f32t("t2", &nchw, Role::Intermediate),
+            f32t("t3", &nchw, Role::Intermediate),
+        ],
+        nodes: vec![
+            pointwise(Op::MulTensor, &[0, 1], 3, &[]),
+            pointwise(Op::AddTensor, &[3, 2], 4, &[]),
+            pointwise(Op::Relu, &[4], 5, &[]),
+            pointwise(Op::MulTensor, &[5, 0], 6, &[]),
+        ],
+        fetches: vec![5, 6],
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[test]
+fn the_nchw_chains_run_on_the_cpu() {
+    for e in [&[4u64, 6, 1, 1][..], &[4, 1, 1, 7]] {
+        let graph = nchw_chain(e);
+        let block = Program::new(graph.clone(), &Limits::default())
+            .unwrap()
+            .plan()
+            .persistent_bytes;
+        let init = vec![0u8; block as usize];
+        let feeds = vec![
+            bytes_f32(&vec![1.0; 4 * 6 * 5 * 7]),
+            bytes_f32(&vec![1.0; e.iter().product::<u64>() as usize]),
+        ];
+        let cpu = CpuDevice::new(64 << 20).unwrap();
+        let (outs, _) = train(&cpu, &graph, &init, &feeds, 1);
+        assert_eq!(
+            f32s(&outs[0][1]),
+            vec![1.0; 4 * 6 * 5 * 7],
+            "relu(x 0 + 1) x"
+        );
+    }
+}
+
+#[test]
+fn fused_nchw_broadcasts_match_the_cpu() {
+    let Some(gpu) = gpu("fused_nchw", 64 << 20) else {
+        return;
+    };
+    let mut rng = Rng::new(23);
+    let mut f32s_of =
+        |n: usize| -> Vec<f32> { rng.vec(n, -2.0, 2.0).iter().map(|&v| v as f32).collect() };
+    for e in [&[4u64, 6, 1, 1][..], &[4, 1, 1, 7]] {
+        let graph = nchw_chain(e);
+        let block = Program::new(graph.clone(), &Limits::default())
+            .unwrap()
+            .plan()
+            .persistent_bytes;
+        let init = bytes_f32(&f32s_of(block as usize / 4));
+        let feeds = vec![
+            bytes_f32(&f32s_of(4 * 6 * 5 * 7)),
+            bytes_f32(&f32s_of(e.iter().product::<u64>() as usize)),
+        ];
+        let cpu = CpuDevice::new(64 << 20).unwrap();
+        let (want, _) = train(&cpu, &graph, &init, &feeds, 1);
+        for fusion in [false, true] {
+            gpu.set_fusion(fusion);
+            let (got, _) = train(&gpu, &graph, &init, &feeds, 1);
+            for k in 0..2 {
+                assert_close(
+                    &f32s(&got[0][k]),
+                    &f32s(&want[0][k]),
+                    tol(1e-6, 1e-7),
+                    &format!("fetch {k} with e {e:?} (fusion {fusion})"),
+                );
+            }
+        }
+    }
+    gpu.set_fusion(true);
+}
+
 /// Softmax, log-softmax, layer norm (and their backward) and sums over the last dim and
 /// over rows, at row lengths around the warp and block kernels' bounds.
 fn row_cases() -> Vec<Case> {
@@ -870,6 +957,129 @@ fn layout_copies_match_the_cpu_bitwise() {
                         .iter()
                         .zip(&got[0])
                         .position(|(w, g)| w.to_bits() != g.to_bits());
+                    failures.push(format!("{what}: differs, first at {first:?}"));
+                }
+            }
+            (w, g) => failures.push(format!("{what}: cpu {:?}, gpu {:?}", w.err(), g.err())),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures: {failures:#?}",
+        failures.len()
+    );
+}
+
+/// Pointwise ops at shapes that take each index mode of `ew`: flat (contiguous operands,
+/// numel-1 operands of any rank; float4 where n is a multiple of 4), broadcast (a bias along the outer dims, an NCHW x [N, C,
+/// 1, 1] and x [1, C, 1, 1] along the inner or both, mixed with scalars and full operands,
+/// the broadcast operand first or last) and generic ([N, 1, W] against [N, C, W]), at odd
+/// sizes. Add, mul, div and where round once from exact or correctly rounded f64 values,
+/// so the GPU must match the CPU bit for bit.
+fn pointwise_mode_cases() -> Vec<Case> {
+    let mut rng = Rng::new(43);
+    let mut cases = Vec::new();
+    let binary = |op: Op, a: Value, b: Value, out: &[u64]| {
+        Case::new(op).input(a).input(b).output(DType::F32, out)
+    };
+    let shapes: [(&[u64], &[u64], &[u64]); 15] = [
+        // Flat, 4 f32 elements a thread (n a multiple of 4).
+        (&[64, 100], &[64, 100], &[64, 100]),
+        (&[64, 100], &[], &[64, 100]),
+        (&[1, 1], &[8, 50], &[8, 50]),
+        // Flat, one element a thread.
+        (&[3, 1001], &[3, 1001], &[3, 1001]),
+        (&[37, 41], &[37, 41], &[37, 41]),
+        (&[5, 333], &[], &[5, 333]),
+        (&[1, 1], &[7, 13, 3], &[7, 13, 3]),
+        // Outer broadcast.
+        (&[129, 77], &[77], &[129, 77]),
+        (&[1, 77], &[129, 77], &[129, 77]),
+        // Inner broadcast and both.
+        (&[6, 10, 7, 9], &[6, 10, 1, 1], &[6, 10, 7, 9]),
+        (&[6, 10, 7, 9], &[1, 10, 1, 1], &[6, 10, 7, 9]),
+        (&[1, 10, 1, 1], &[6, 10, 7, 9], &[6, 10, 7, 9]),
+        (&[3, 5, 1], &[1, 1, 11], &[3, 5, 11]),
+        // Generic: two walked runs with a broadcast between; and an outer product.
+        (&[4, 1, 5], &[4, 3, 5], &[4, 3, 5]),
+        (&[6, 1, 4], &[1, 3, 1], &[6, 3, 4]),
+    ];
+    for (a, b, out) in shapes {
+        for op in [Op::AddTensor, Op::MulTensor, Op::DivTensor] {
+            let x = rng.f32s(a, -2.0, 2.0);
+            let y = if op == Op::DivTensor {
+                rng.f32s(b, 0.5, 3.0)
+            } else {
+                rng.f32s(b, -2.0, 2.0)
+            };
+            cases.push(binary(op, x, y, out));
+        }
+    }
+    // Mixed, three operands: where(mask [S, S], x [B, H, S, S], fill []) and where(cond
+    // [B, 1, 1, S], x [1, H, 1, S] ...) as attention masks lay them out.
+    for (c, x, y, out) in [
+        (
+            &[7u64, 9][..],
+            &[6u64, 10, 7, 9][..],
+            &[][..],
+            &[6u64, 10, 7, 9][..],
+        ),
+        (
+            &[6, 1, 1, 9],
+            &[6, 10, 7, 9],
+            &[1, 10, 1, 1],
+            &[6, 10, 7, 9],
+        ),
+        (&[6, 10, 7, 9], &[9], &[6, 10, 7, 9], &[6, 10, 7, 9]),
+        (
+            &[6, 1, 7, 1],
+            &[6, 10, 7, 9],
+            &[6, 10, 7, 9],
+            &[6, 10, 7, 9],
+        ),
+    ] {
+        cases.push(
+            Case::new(Op::WhereSelf)
+                .input(random_of(&mut rng, DType::Bool, c))
+                .input(rng.f32s(x, -2.0, 2.0))
+                .input(rng.f32s(y, -2.0, 2.0))
+                .output(DType::F32, out),
+        );
+    }
+    cases
+}
+
+#[test]
+fn the_pointwise_mode_cases_run_on_the_cpu() {
+    for case in pointwise_mode_cases() {
+        case.try_run_on(None).unwrap();
+    }
+}
+
+/// Pointwise ops in every index mode on the GPU, bit for bit against the CPU.
+#[test]
+fn pointwise_index_modes_match_the_cpu_bitwise() {
+    let Some(gpu) = gpu("pointwise_index_modes", 256 << 20) else {
+        return;
+    };
+    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let mut failures = Vec::new();
+    for case in pointwise_mode_cases() {
+        let what = format!(
+            "{} of {:?}",
+            case.op(),
+            case.input_values()
+                .iter()
+                .map(|v| v.ty.shape.clone())
+                .collect::<Vec<_>>()
+        );
+        match (case.try_run_on(None), case.try_run_on(Some(gpu.clone()))) {
+            (Ok(want), Ok(got)) => {
+                let first = want[0]
+                    .iter()
+                    .zip(&got[0])
+                    .position(|(w, g)| w.to_bits() != g.to_bits());
+                if want[0].len() != got[0].len() || first.is_some() {
                     failures.push(format!("{what}: differs, first at {first:?}"));
                 }
             }

@@ -7,6 +7,7 @@
 #define __shared__ static
 struct dim3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
 extern dim3 blockIdx, threadIdx, blockDim, gridDim;
 float __uint_as_float(unsigned);
 unsigned __float_as_uint(float);

@@ -46,10 +46,68 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
     }
 }
 
+// An operand's element of flat index `i` in the fast index modes: `(i / q) % m`, `q` 0
+// for element 0, `m` 0 for no modulo; `narrow` (every index below 2^32) divides in 32 bits.
+__device__ i64 fast_index(i64 i, i64 q, i64 m, bool narrow) {
+    if (q == 0) return 0;
+    if (narrow) {
+        unsigned x = (unsigned)i;
+        if (q != 1) x /= (unsigned)q;
+        if (m != 0) x %= (unsigned)m;
+        return (i64)x;
+    }
+    i64 x = i;
+    if (q != 1) x /= q;
+    if (m != 0) x %= m;
+    return x;
+}
+
+// Four f32 elements from `4 j` of an operand contiguous with the output (`q` 1, 16-byte
+// aligned), or its one element four times (`q` 0).
+__device__ float4 ld4(u64 p, i64 q, i64 j) {
+    if (q == 0) {
+        float v = ((const float*)p)[0];
+        float4 r;
+        r.x = v;
+        r.y = v;
+        r.z = v;
+        r.w = v;
+        return r;
+    }
+    return ((const float4*)p)[j];
+}
+
 extern "C" __global__ void ew(const ElementwiseArgs a) {
+    if (a.mode == IDX_FLAT4) {
+        // Every operand f32, `n` a multiple of 4: the same loads, `apply` and rounding as
+        // one element at a time, element `4 j + k` in lane k.
+        float4 z;
+        z.x = z.y = z.z = z.w = 0.0f;
+        GRID_LOOP(j, a.n >> 2) {
+            float4 v0 = a.nin > 0 ? ld4(a.inputs[0].ptr, a.inputs[0].q, j) : z;
+            float4 v1 = a.nin > 1 ? ld4(a.inputs[1].ptr, a.inputs[1].q, j) : z;
+            float4 v2 = a.nin > 2 ? ld4(a.inputs[2].ptr, a.inputs[2].q, j) : z;
+            float4 r;
+            r.x = (float)apply(a.op, (double)v0.x, (double)v1.x, (double)v2.x, a.s0, a.s1, 4 * j);
+            r.y = (float)apply(a.op, (double)v0.y, (double)v1.y, (double)v2.y, a.s0, a.s1, 4 * j + 1);
+            r.z = (float)apply(a.op, (double)v0.z, (double)v1.z, (double)v2.z, a.s0, a.s1, 4 * j + 2);
+            r.w = (float)apply(a.op, (double)v0.w, (double)v1.w, (double)v2.w, a.s0, a.s1, 4 * j + 3);
+            ((float4*)a.out.ptr)[j] = r;
+        }
+        return;
+    }
+    const bool narrow = a.n <= 0xffffffffLL;
     GRID_LOOP(i, a.n) {
         i64 o = i, x0 = i, x1 = i, x2 = i;
-        if (!a.contig) {
+        if (a.mode == IDX_FLAT) {
+            x0 = a.inputs[0].q != 0 ? i : 0;
+            x1 = a.inputs[1].q != 0 ? i : 0;
+            x2 = a.inputs[2].q != 0 ? i : 0;
+        } else if (a.mode == IDX_BROADCAST) {
+            x0 = fast_index(i, a.inputs[0].q, a.inputs[0].m, narrow);
+            x1 = fast_index(i, a.inputs[1].q, a.inputs[1].m, narrow);
+            x2 = fast_index(i, a.inputs[2].q, a.inputs[2].m, narrow);
+        } else {
             o = x0 = x1 = x2 = 0;
             i64 r = i;
             for (int d = (int)a.rank - 1; d >= 0; --d) {

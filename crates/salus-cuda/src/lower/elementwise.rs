@@ -3,14 +3,16 @@
 //! same-dtype copies whose coalesced dims allow a faster one ([`route_copy`]): contiguous
 //! rows (`copy_rows`) or a batched 2-D transpose (`copy_transpose`).
 
+use std::ops::Range;
+
 use salus_graph::Node;
 
 use super::{
     BLOCK, Lowered, Lowering, MAX_GRID, Operand, broadcast, contiguous, numel, padded, signed,
 };
 use crate::abi::{
-    CopyRowsArgs, DeviceDType, ElementwiseArgs, ElementwiseOp, Kernel, MAX_RANK, StridedTensor,
-    TransposeArgs,
+    CopyRowsArgs, DeviceDType, ElementwiseArgs, ElementwiseOp, IndexMode, Kernel, MAX_RANK,
+    StridedTensor, TransposeArgs,
 };
 
 /// An operand of the elementwise kernel: address (of element 0), dtype code, strides in
@@ -32,13 +34,77 @@ impl StridedView {
         }
     }
 
-    fn kernel_operand(&self) -> StridedTensor {
+    /// The kernel's operand, with its fast index `(q, m)` ([`fast_index`]; (0, 0) where
+    /// the mode is generic).
+    pub(super) fn kernel_operand(&self, (q, m): (i64, i64)) -> StridedTensor {
         StridedTensor {
             ptr: self.ptr,
             dt: self.dt,
+            q,
+            m,
             st: padded(&self.st),
         }
     }
+}
+
+/// An operand's element of flat index `i` over the coalesced `shape` as `(i / q) % m` (`q`
+/// 0: always element 0; `m` 0: no modulo), when its non-zero strides `st` are one run of
+/// adjacent dims laid out row-major (innermost stride 1); `None` otherwise.
+pub(super) fn fast_index(shape: &[u64], st: &[i64]) -> Option<(i64, i64)> {
+    let walked: Vec<usize> = (0..shape.len()).filter(|&d| st[d] != 0).collect();
+    let (Some(&first), Some(&last)) = (walked.first(), walked.last()) else {
+        return Some((0, 0));
+    };
+    if last - first + 1 != walked.len() {
+        return None;
+    }
+    let mut run = 1i64;
+    for d in (first..=last).rev() {
+        if st[d] != run {
+            return None;
+        }
+        run *= shape[d] as i64;
+    }
+    let q = numel(&shape[last + 1..]) as i64;
+    Some((q, if first == 0 { 0 } else { run }))
+}
+
+/// How the kernel indexes `ops` (those at `outputs` written, the rest read) over the
+/// coalesced `shape`, and each operand's fast index: [`IndexMode::Flat`] when every input
+/// is contiguous with the outputs or one element, [`IndexMode::Broadcast`] when every input
+/// is one contiguous run broadcast along outer and/or inner dims, both only when the
+/// outputs are dense; [`IndexMode::Generic`] (and (0, 0)s) otherwise.
+pub(super) fn index_mode(
+    shape: &[u64],
+    ops: &[StridedView],
+    outputs: Range<usize>,
+) -> (IndexMode, Vec<(i64, i64)>) {
+    let generic = (IndexMode::Generic, vec![(0, 0); ops.len()]);
+    let dense = contiguous(shape);
+    if ops[outputs.clone()].iter().any(|o| o.st != dense) {
+        return generic;
+    }
+    let Some(fast) = ops
+        .iter()
+        .enumerate()
+        .map(|(k, o)| {
+            if outputs.contains(&k) {
+                Some((1, 0))
+            } else {
+                fast_index(shape, &o.st)
+            }
+        })
+        .collect::<Option<Vec<_>>>()
+    else {
+        return generic;
+    };
+    let flat = fast.iter().all(|&(q, m)| q <= 1 && m == 0);
+    let mode = if flat {
+        IndexMode::Flat
+    } else {
+        IndexMode::Broadcast
+    };
+    (mode, fast)
 }
 
 /// Drops size-1 dims and merges dims that every operand walks contiguously.
@@ -221,25 +287,37 @@ impl Lowering<'_> {
                 CopyRoute::Generic => {}
             }
         }
-        let contig = shape.len() <= 1 && ops.iter().all(|o| o.st.iter().all(|&x| x == 1));
+        let (mut mode, fast) = index_mode(&shape, &ops, 0..1);
+        let f32_code = DeviceDType::F32.code();
+        let vec4 = mode == IndexMode::Flat
+            && op != ElementwiseOp::Copy
+            && n.is_multiple_of(4)
+            && ops
+                .iter()
+                .zip(&fast)
+                .all(|(o, &(q, _))| o.dt == f32_code && (q == 0 || o.ptr.is_multiple_of(16)));
+        if vec4 {
+            mode = IndexMode::FlatVec4;
+        }
         let mut inputs = [StridedTensor::default(); 3];
-        for (slot, view) in inputs.iter_mut().zip(&ops[1..]) {
-            *slot = view.kernel_operand();
+        for ((slot, view), &f) in inputs.iter_mut().zip(&ops[1..]).zip(&fast[1..]) {
+            *slot = view.kernel_operand(f);
         }
         let args = ElementwiseArgs {
             n: n as i64,
             rank: shape.len() as i64,
             op: op.code(),
             nin: nin as i64,
-            contig: i64::from(contig),
+            mode: mode.code(),
             s0: s[0],
             s1: s[1],
             s2: s[2],
             shape: padded(&signed(&shape)),
-            out: ops[0].kernel_operand(),
+            out: ops[0].kernel_operand(fast[0]),
             inputs,
         };
-        self.launch(Kernel::Elementwise, n, args);
+        let threads = if vec4 { n / 4 } else { n };
+        self.launch(Kernel::Elementwise, threads, args);
         Ok(())
     }
 

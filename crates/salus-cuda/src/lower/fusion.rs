@@ -28,7 +28,7 @@ use std::sync::Arc;
 use salus_exec::{Location, Program};
 use salus_graph::{DType, GeluApproximate, Op, OpParams};
 
-use super::elementwise::{StridedView, coalesce};
+use super::elementwise::{StridedView, coalesce, index_mode};
 use super::{Command, Lowered, Lowering, broadcast, contiguous, grid_for, numel, padded, signed};
 use crate::abi::{
     BLOCK, DeviceDType, ElementwiseOp, FusedArgs, MAX_FUSED_NODES, MAX_FUSED_OPERANDS, MAX_RANK,
@@ -488,7 +488,19 @@ impl KernelSpec {
         for k in 0..nops {
             let _ = writeln!(b, "        i64 p{k} = i;");
         }
-        b.push_str("        if (!a.contig) {\n");
+        b.push_str("        if (a.mode == IDX_FLAT) {\n");
+        for k in 0..nops {
+            let _ = writeln!(b, "            p{k} = a.ops[{k}].q != 0 ? i : 0;");
+        }
+        b.push_str("        } else if (a.mode == IDX_BROADCAST) {\n");
+        b.push_str("            const bool narrow = a.n <= 0xffffffffLL;\n");
+        for k in 0..nops {
+            let _ = writeln!(
+                b,
+                "            p{k} = fast_index(i, a.ops[{k}].q, a.ops[{k}].m, narrow);"
+            );
+        }
+        b.push_str("        } else {\n");
         for k in 0..nops {
             let _ = writeln!(b, "            p{k} = 0;");
         }
@@ -626,14 +638,11 @@ impl Lowering<'_> {
                 "the CUDA device runs fused regions of at most {MAX_RANK} dims"
             ));
         }
-        let contig = coalesced.len() <= 1 && views.iter().all(|v| v.st.iter().all(|&x| x == 1));
+        let outputs = region.inputs.len()..views.len();
+        let (mode, fast) = index_mode(&coalesced, &views, outputs);
         let mut ops = [StridedTensor::default(); MAX_FUSED_OPERANDS];
-        for (slot, v) in ops.iter_mut().zip(&views) {
-            *slot = StridedTensor {
-                ptr: v.ptr,
-                dt: v.dt,
-                st: padded(&v.st),
-            };
+        for ((slot, v), &f) in ops.iter_mut().zip(&views).zip(&fast) {
+            *slot = v.kernel_operand(f);
         }
         let mut s = [0.0; 2 * MAX_FUSED_NODES];
         for (slot, v) in s.iter_mut().zip(&scalars) {
@@ -642,7 +651,7 @@ impl Lowering<'_> {
         let args = FusedArgs {
             n: n as i64,
             rank: coalesced.len() as i64,
-            contig: i64::from(contig),
+            mode: mode.code(),
             nops: views.len() as i64,
             shape: padded(&signed(&coalesced)),
             s,

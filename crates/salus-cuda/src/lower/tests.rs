@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use salus_graph::{Attr, Graph, Limits, Node, Role, Tensor, samples};
 
-use super::elementwise::{StridedView, coalesce};
+use super::elementwise::{StridedView, coalesce, fast_index, index_mode};
 use super::*;
 use crate::abi::{ConvArgs, PoolArgs};
 
@@ -23,6 +23,82 @@ fn coalescing_merges_contiguous_dims_and_keeps_broadcasts() {
     assert_eq!(ops[1].st, vec![0, 1]);
     let mut ops = vec![view(vec![12, 4, 1])];
     assert_eq!(coalesce(&[1, 1, 1], &mut ops), Vec::<u64>::new());
+}
+
+/// The index mode and fast indices of `out = op(ins...)` over `shape`, after coalescing
+/// (the output dense, each input broadcast from its own shape).
+fn mode_of(shape: &[u64], ins: &[&[u64]]) -> (crate::abi::IndexMode, Vec<(i64, i64)>, Vec<u64>) {
+    let mut ops = vec![view(contiguous(shape))];
+    ops.extend(ins.iter().map(|s| view(broadcast(s, shape))));
+    let coalesced = coalesce(shape, &mut ops);
+    let (mode, fast) = index_mode(&coalesced, &ops, 0..1);
+    (mode, fast, coalesced)
+}
+
+#[test]
+fn index_mode_is_flat_for_contiguous_operands_and_scalars() {
+    use crate::abi::IndexMode;
+    let (mode, fast, _) = mode_of(&[32, 512, 768], &[&[32, 512, 768], &[32, 512, 768]]);
+    assert_eq!(mode, IndexMode::Flat);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (1, 0)]);
+    // A numel-1 operand of any rank, and a 0-d one.
+    let (mode, fast, _) = mode_of(&[7, 13], &[&[7, 13], &[1, 1], &[]]);
+    assert_eq!(mode, IndexMode::Flat);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (0, 0), (0, 0)]);
+    // Everything numel 1: rank 0 after coalescing.
+    let (mode, fast, shape) = mode_of(&[1, 1], &[&[1], &[]]);
+    assert_eq!((mode, shape.len()), (IndexMode::Flat, 0));
+    assert_eq!(fast, vec![(1, 0), (0, 0), (0, 0)]);
+}
+
+#[test]
+fn index_mode_broadcasts_along_outer_inner_and_both() {
+    use crate::abi::IndexMode;
+    // Outer: a bias [C] or [1, C] against [N, C]: i % C.
+    for b in [&[768u64][..], &[1, 768]] {
+        let (mode, fast, _) = mode_of(&[4096, 768], &[&[4096, 768], b]);
+        assert_eq!(mode, IndexMode::Broadcast);
+        assert_eq!(fast, vec![(1, 0), (1, 0), (1, 768)]);
+    }
+    // Inner: [N, C, 1, 1] against [N, C, H, W]: i / (H W).
+    let (mode, fast, _) = mode_of(&[32, 64, 7, 9], &[&[32, 64, 7, 9], &[32, 64, 1, 1]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (63, 0)]);
+    // Both: [1, C, 1, 1] against [N, C, H, W]: (i / (H W)) % C.
+    let (mode, fast, _) = mode_of(&[32, 64, 7, 9], &[&[32, 64, 7, 9], &[1, 64, 1, 1]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 0), (63, 64)]);
+    // Mixed: a where with a [S, S] mask, a scalar and a full operand.
+    let (mode, fast, _) = mode_of(&[8, 12, 5, 5], &[&[5, 5], &[], &[8, 12, 5, 5]]);
+    assert_eq!(mode, IndexMode::Broadcast);
+    assert_eq!(fast, vec![(1, 0), (1, 25), (0, 0), (1, 0)]);
+}
+
+#[test]
+fn index_mode_is_generic_otherwise() {
+    use crate::abi::IndexMode;
+    // Two walked runs with a broadcast between: [N, 1, W] against [N, C, W].
+    let (mode, fast, _) = mode_of(&[4, 3, 5], &[&[4, 1, 5]]);
+    assert_eq!(mode, IndexMode::Generic);
+    assert_eq!(fast, vec![(0, 0), (0, 0)]);
+    // Both broadcast against each other: [N, 1] x [1, C].
+    let (mode, _, _) = mode_of(&[6, 10], &[&[6, 1], &[1, 10]]);
+    assert_eq!(
+        mode,
+        IndexMode::Broadcast,
+        "each one run: [6,1] -> i/10, [1,10] -> i%10"
+    );
+    // A transposed operand (strides not row-major).
+    let shape = [6u64, 10];
+    let ops = vec![view(contiguous(&shape)), view(vec![1, 6])];
+    assert_eq!(index_mode(&shape, &ops, 0..1).0, IndexMode::Generic);
+    // A strided output (a cat into a slice of a wider tensor).
+    let ops = vec![view(vec![20, 1]), view(contiguous(&shape))];
+    assert_eq!(index_mode(&shape, &ops, 0..1).0, IndexMode::Generic);
+    // A step-2 slice: stride 2 innermost.
+    assert_eq!(fast_index(&[6, 10], &[20, 2]), None);
+    assert_eq!(fast_index(&[6, 10], &[10, 1]), Some((1, 0)));
+    assert_eq!(fast_index(&[6, 10], &[0, 0]), Some((0, 0)));
 }
 
 /// The commands of `graph`, persistent block at 1 << 20, lane at 1 << 30.
@@ -197,7 +273,7 @@ fn updates_become_guarded_copies_of_up_to_128_segments() {
 use salus_graph::{Precision, Update};
 
 use super::fusion::{FusionPlan, plan};
-use crate::abi::{ElementwiseArgs, FusedArgs};
+use crate::abi::{ElementwiseArgs, FusedArgs, IndexMode};
 
 fn f32t(name: &str, shape: &[u64], role: Role) -> Tensor {
     tensor(name, DType::F32, shape, role)
@@ -271,7 +347,7 @@ fn a_chain_fuses_into_one_region_writing_only_what_is_needed() {
     assert_eq!(kernels.len(), 1);
     assert_eq!(kernels[0].0, f.name);
     let a: &FusedArgs = &f.args;
-    assert_eq!((a.n, a.nops, a.contig), (32, 4, 0));
+    assert_eq!((a.n, a.nops, a.mode), (32, 4, IndexMode::Broadcast.code()));
     assert_eq!(&a.shape[..2], &[4, 8]);
     assert_eq!(&a.ops[1].st[..2], &[0, 1], "b broadcast over the rows");
     assert_eq!(&a.s[..4], &[1.0, 0.0, 2.0, 0.0]);
@@ -455,6 +531,58 @@ fn fused_ops_and_scalars_are_the_unfused_lowering_s() {
             "{op} {attrs:?}"
         );
     }
+}
+
+/// The `ew` launch of `out = a * b` (f32, or `b` of `bdt`), unfused.
+fn mul_launch(a: &[u64], b: &[u64], bdt: DType, out: &[u64]) -> (ElementwiseArgs, u32) {
+    let graph = Graph {
+        tensors: vec![
+            f32t("a", a, Role::Feed),
+            tensor("b", bdt, b, Role::Feed),
+            f32t("out", out, Role::Intermediate),
+        ],
+        nodes: vec![node(Op::MulTensor, &[0, 1], &[2], &[])],
+        fetches: vec![2],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let program = program(graph);
+    let (commands, _) = lower_fused(&program, &FusionPlan::none());
+    let launches = launches(&commands);
+    assert_eq!(launches.len(), 1, "{commands:?}");
+    let ew: &ElementwiseArgs = launches[0].args.as_any().downcast_ref().unwrap();
+    (*ew, launches[0].grid.0)
+}
+
+#[test]
+fn ew_launches_take_the_index_mode_of_their_shapes() {
+    // f32, contiguous, n a multiple of 4 (planned addresses 16-byte aligned): float4, a
+    // thread per 4 elements.
+    let (a, grid) = mul_launch(&[512, 1024], &[512, 1024], DType::F32, &[512, 1024]);
+    assert_eq!(a.mode, IndexMode::FlatVec4.code());
+    assert_eq!(grid, 512 * 1024 / 4 / BLOCK);
+    let (a, _) = mul_launch(&[64, 16], &[], DType::F32, &[64, 16]);
+    assert_eq!(a.mode, IndexMode::FlatVec4.code());
+    assert_eq!(
+        (a.inputs[0].q, a.inputs[1].q),
+        (1, 0),
+        "the scalar read once"
+    );
+    // An odd size, or another dtype: flat, one element a thread.
+    let (a, grid) = mul_launch(&[3, 5], &[3, 5], DType::F32, &[3, 5]);
+    assert_eq!((a.mode, grid), (IndexMode::Flat.code(), 1));
+    let (a, _) = mul_launch(&[8, 16], &[8, 16], DType::I64, &[8, 16]);
+    assert_eq!(a.mode, IndexMode::Flat.code());
+    // A bias along the rows; a per-channel NCHW scale.
+    let (a, _) = mul_launch(&[8, 16], &[16], DType::F32, &[8, 16]);
+    assert_eq!(a.mode, IndexMode::Broadcast.code());
+    assert_eq!((a.inputs[1].q, a.inputs[1].m), (1, 16));
+    let (a, _) = mul_launch(&[2, 3, 4, 5], &[1, 3, 1, 1], DType::F32, &[2, 3, 4, 5]);
+    assert_eq!(a.mode, IndexMode::Broadcast.code());
+    assert_eq!((a.inputs[1].q, a.inputs[1].m), (20, 3));
+    // Two runs: generic.
+    let (a, _) = mul_launch(&[2, 1, 5], &[2, 3, 5], DType::F32, &[2, 3, 5]);
+    assert_eq!((a.mode, a.rank), (IndexMode::Generic.code(), 3));
 }
 
 #[test]
