@@ -6,11 +6,22 @@ the gRPC stubs ``session_pb2_grpc.py`` and ``admin_pb2_grpc.py``, with grpc_tool
 bundled ``protoc``. ``proto/`` is the include root, so the generated modules import each
 other as ``salus.v1.graph_pb2`` and work inside this package. The test suite regenerates
 into a temporary directory and fails when the committed files differ.
+
+The generated code is made independent of the generator's version, so that it imports
+with every grpcio and protobuf release salus supports (``pyproject.toml``), not only
+those at least as new as the generator: protoc's ``ValidateProtobufRuntimeVersion`` call
+and its "Protobuf Python Version" line, and grpc_tools' ``GRPC_GENERATED_VERSION`` guard
+(which refuses any older grpcio), are taken out (:func:`without_version_guards`). What
+remains uses only APIs that the oldest supported releases have (protobuf's ``builder``,
+grpcio's ``_registered_method``), which scripts/test-torch-versions.sh checks. The same
+files come out of every grpcio-tools release from 1.84 on, so the staleness check holds
+whichever one is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +44,30 @@ def _protoc(args: list[str]) -> None:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
 
 
+# protoc's check that the protobuf runtime is at least the generator's version.
+_PROTOBUF_GUARD = re.compile(
+    r"^# Protobuf Python Version: .*\n"
+    r"|^from google\.protobuf import runtime_version as _runtime_version\n"
+    r"|^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)\n", re.MULTILINE)
+# grpc_tools' check that grpcio is at least the generator's version, and its import.
+_GRPC_GUARD = re.compile(
+    r"^import warnings\n"
+    r"|^GRPC_GENERATED_VERSION = .*\n(?:.*\n)*?^if _version_not_supported:\n"
+    r"(?:    .*\n)+\n?", re.MULTILINE)
+
+
+def without_version_guards(path: Path) -> None:
+    """Takes the generator's version checks out of one generated module (see the module
+    docstring); fails when there is none to take out, so that a new generator's changed
+    output is noticed."""
+    text = path.read_text()
+    guard = _GRPC_GUARD if path.name.endswith("_grpc.py") else _PROTOBUF_GUARD
+    stripped, count = guard.subn("", text)
+    assert count >= 2, f"{path}: the generator's version check is not where it was"
+    assert "_version" not in stripped.replace("_registered_method", ""), path
+    path.write_text(stripped)
+
+
 def generate(out_dir: Path) -> list[Path]:
     """Runs protoc for every proto into ``out_dir`` (as a package root); returns the
     generated files."""
@@ -42,6 +77,9 @@ def generate(out_dir: Path) -> list[Path]:
     _protoc([f"--grpc_python_out={out_dir}", *[str(PROTO_ROOT / p) for p in SERVICES]])
     for path in COPIED:
         (out_dir / path).write_bytes((PROTO_ROOT / path).read_bytes())
+    for g in GENERATED:
+        if g.endswith(".py"):
+            without_version_guards(out_dir / g)
     return [out_dir / g for g in GENERATED]
 
 
