@@ -301,13 +301,18 @@ def _one_minus_power(beta: float, t: torch.Tensor) -> torch.Tensor:
     """``1 - beta ** t`` accurate to a few ulps of ``t``'s dtype. The plain formula in
     float32 rounds beta first and then cancels: 1 - 0.999 comes out 1.3e-5 off, which
     moves every Adam step by half that (eager PyTorch computes it in Python's float64).
-    Here it is -expm1(t * log(beta)) with log(beta) taken in float64, and expm1 by
-    Kahan's formula from exp and log: expm1(y) = (u - 1) * y / log(u) with u = exp(y),
-    y itself where u rounds to 1, and u - 1 where u < 1/2 (no cancellation there)."""
+    Here it is -expm1(y), y = t * log(beta) with log(beta) taken in float64: expm1 by its
+    Taylor series (Horner, to y**8/8! in float32 and y**16/16! in float64, within an ulp
+    for -1/2 < y <= 0) and by exp(y) - 1 below -1/2, where nothing cancels. Only
+    multiplications, additions, exp and a select: no branch that an engine evaluates can
+    be inf or NaN."""
     y = t * math.log(beta)
-    u = torch.exp(y)
-    kahan = (u - 1) * y / torch.log(u)
-    expm1 = torch.where(torch.lt(u, 0.5), u - 1, torch.where(torch.eq(u, 1), y, kahan))
+    series = torch.ones_like(y)
+    for k in range(16 if y.dtype == torch.float64 else 8, 0, -1):
+        series = series * (y / k) + 1 if k > 1 else series * y
+    # exp(y) - 1 written as -(1 - exp(y)): salus's CPU engine mis-executes sub.Tensor
+    # with a scalar operand (losses diverge from step 5 on when it is used here)
+    expm1 = torch.where(torch.gt(y, -0.5), series, torch.neg(torch.neg(torch.exp(y)) + 1))
     return torch.neg(expm1)
 
 
