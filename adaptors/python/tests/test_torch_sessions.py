@@ -55,9 +55,9 @@ def test_training_on_salusd_matches_pytorch(daemon, name):
         o = run.optimizer(m.parameters())
         fed = [to_dtype(b, dtype) for b in batches]
         losses = eager_steps(m, o, spec.loss_fn, fed[:STEPS])
-        state = torch_state(m, o)
+        state = {n: t.clone() for n, t in torch_state(m, o).items()}
         more = eager_steps(m, o, spec.loss_fn, fed[STEPS:])
-        return losses, {n: t.clone() for n, t in state.items()}, more, torch_state(m, o)
+        return losses, state, more, torch_state(m, o)
 
     want = eager(torch.float32)
     exact = eager(torch.float64)
