@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.fx
-from harness import check_graph_structure
+from harness import (assert_as_exact_as_pytorch, check_graph_structure, f64_twin,
+                     randomly_rounded, to_dtype)
 from torch import nn
 
 import salus
@@ -72,8 +73,12 @@ def test_inference_matches_eval_forward_and_lowers(specs, name):
     assert model.training, "trace_inference restores the training flag"
     state, output = traced.run(dict(traced.initial_state), *inputs)
     model.eval()
+    def exact():
+        return {"output": f64_twin(model)(*to_dtype(inputs, torch.float64))}
+
     with torch.no_grad():
-        torch.testing.assert_close(output, model(*inputs), rtol=1e-5, atol=1e-5)
+        assert_as_exact_as_pytorch({"output": output}, exact(), {"output": model(*inputs)},
+                                   randomly_rounded(exact))
     graph = _roundtrip(traced.to_graph())
     check_graph_structure(graph, supported_ops(), kind="inference")
     assert len(graph.fetches) == 1 and graph.tensors[graph.fetches[0]].name == "output.0"
@@ -85,10 +90,15 @@ def test_inference_in_training_mode_updates_batch_norm_statistics(specs):
     x = spec.batch(0)[0]
     traced = salus.trace_inference(model, x, eval_mode=False)
     state, output = traced.run(dict(traced.initial_state), x)
+
+    def exact():
+        exact_model = f64_twin(spec.model())
+        return {"output": exact_model(x.double()), **dict(exact_model.named_buffers())}
+
     with torch.no_grad():
-        torch.testing.assert_close(output, model(x), rtol=1e-5, atol=1e-5)
-    for name, buffer in model.named_buffers():
-        torch.testing.assert_close(state[name], buffer, rtol=1e-5, atol=1e-6)
+        eager = {"output": model(x), **dict(model.named_buffers())}
+        assert_as_exact_as_pytorch({"output": output, **state}, exact(), eager,
+                                   randomly_rounded(exact))
     graph = traced.to_graph()
     check_graph_structure(graph, supported_ops(), kind="inference", updates=True)
     assert {graph.tensors[u.target].name for u in graph.updates} == set(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from harness import assert_states_close, eager_steps, torch_state, traced_steps, twin
+from harness import (assert_as_exact_as_pytorch, eager_steps, f64_twin, randomly_rounded,
+                     to_dtype, torch_state, traced_steps, twin)
 from torch import nn
 
 import salus
@@ -64,10 +67,16 @@ def test_sgd_first_step_takes_the_gradient_as_momentum_buffer():
                                     make(model.parameters()), (x, y))
     state, _ = traced.run(dict(traced.initial_state), x, y)
     assert state["optimizer.step"].item() == 1.0
-    grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y),
-                                list(model.parameters()))
-    for (name, _), grad in zip(model.named_parameters(), grads):
-        torch.testing.assert_close(state[f"optimizer.momentum_buffer.{name}"], grad)
+
+    def grads(m, x):
+        names = [f"optimizer.momentum_buffer.{n}" for n, _ in m.named_parameters()]
+        return dict(zip(names, torch.autograd.grad(nn.functional.cross_entropy(m(x), y),
+                                                   list(m.parameters()))))
+
+    def exact():
+        return grads(f64_twin(model), x.double())
+
+    assert_as_exact_as_pytorch(state, exact(), grads(model, x), randomly_rounded(exact))
 
 
 @pytest.mark.parametrize("make", [
@@ -79,14 +88,21 @@ def test_tracing_takes_over_an_optimizer_that_already_stepped(make):
     batches = [vector_batch(4, 6, 3, seed=s) for s in range(4)]
     optimizer = make(model.parameters())
     eager_steps(model, optimizer, nn.functional.cross_entropy, batches[:2])
-    reference = twin(model)
-    reference_opt = make(reference.parameters())
-    reference_opt.load_state_dict(optimizer.state_dict())
+    def reference(dtype):
+        reference = twin(model, dtype)
+        reference_opt = make(reference.parameters())
+        # a copy: Adam's load_state_dict keeps the step tensors, which the steps below
+        # would advance in ``optimizer`` too
+        reference_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        eager_steps(reference, reference_opt, nn.functional.cross_entropy,
+                    [to_dtype(b, dtype) for b in batches[2:]])
+        return torch_state(reference, reference_opt)
 
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
     traced = salus.trace_train_step(model, nn.functional.cross_entropy, optimizer, batches[2])
     state, _ = traced_steps(traced, batches[2:])
-    eager_steps(reference, reference_opt, nn.functional.cross_entropy, batches[2:])
-    assert_states_close(state, torch_state(reference, reference_opt), rtol=1e-5, atol=1e-6)
+    assert_as_exact_as_pytorch(state, exact, eager, rounded)
 
 
 def test_frozen_parameters_are_not_updated():
@@ -104,14 +120,21 @@ def test_param_groups_keep_their_own_hyperparameters():
     model = _model()
     groups = [{"params": model.body.parameters(), "lr": 0.5},
               {"params": model.head.parameters(), "lr": 0.01, "momentum": 0.5}]
-    reference = twin(model)
-    ref_groups = [{"params": reference.body.parameters(), "lr": 0.5},
-                  {"params": reference.head.parameters(), "lr": 0.01, "momentum": 0.5}]
     batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+
+    def reference(dtype):
+        reference = twin(model, dtype)
+        ref_groups = [{"params": reference.body.parameters(), "lr": 0.5},
+                      {"params": reference.head.parameters(), "lr": 0.01, "momentum": 0.5}]
+        ref_opt = torch.optim.SGD(ref_groups, lr=0.1)
+        eager_steps(reference, ref_opt, nn.functional.cross_entropy,
+                    [to_dtype(b, dtype) for b in batches])
+        return torch_state(reference, ref_opt)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
     traced = salus.trace_train_step(model, nn.functional.cross_entropy,
                                     torch.optim.SGD(groups, lr=0.1), batches[0])
     assert "optimizer.momentum_buffer.body.0.weight" not in traced.state_names
     state, _ = traced_steps(traced, batches)
-    ref_opt = torch.optim.SGD(ref_groups, lr=0.1)
-    eager_steps(reference, ref_opt, nn.functional.cross_entropy, batches)
-    assert_states_close(state, torch_state(reference, ref_opt), rtol=1e-5, atol=1e-6)
+    assert_as_exact_as_pytorch(state, exact, eager, rounded)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from harness import tolerance
 from torch import nn
 
 from salus import coverage, reference
@@ -88,9 +89,17 @@ def test_reference_final_state_follows_from_initial_state(mlp_reference):
     for batch in batches:
         state, loss = traced.run(state, *batch)
         losses.append(loss.item())
-    assert losses == pytest.approx(manifest["losses"], rel=1e-5)
-    assert manifest["graph_losses"] == pytest.approx(manifest["losses"], rel=1e-5)
-    for name, want in final.items():
-        torch.testing.assert_close(state[name], want, rtol=1e-5, atol=1e-6)
+    # Only PyTorch's float32 results and their distance from float64 (f32_error) are
+    # stored: the harness rule, measured against PyTorch's run.
+    for ours in (losses, manifest["graph_losses"]):
+        for k, (got, want, exact) in enumerate(zip(ours, manifest["losses"],
+                                                   manifest["losses_f64"], strict=True)):
+            assert abs(got - want) <= tolerance(abs(want - exact), abs(exact),
+                                                against="pytorch"), (k, ours, manifest)
     errors = {e["name"]: e["f32_error"] for e in manifest["final"]["tensors"]}
-    assert set(errors) == set(final) and max(errors.values()) < 1e-4
+    assert set(errors) == set(final)
+    for name, want in final.items():
+        error = (state[name].double() - want.double()).abs().max().item()
+        scale = want.double().abs().max().item()
+        assert 0 <= errors[name] < scale or scale == 0, (name, errors[name], scale)
+        assert error <= tolerance(errors[name], scale, against="pytorch"), (name, error)
