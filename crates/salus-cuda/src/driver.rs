@@ -318,37 +318,29 @@ pub(crate) fn gemm(h: Raw<cublas_sys::cublasHandle_t>, g: &Gemm) -> Result<(), S
         }
     };
     let (alpha, beta) = (g.alpha, g.beta);
+    // Plain f32 goes through sgemm; TF32 and half precision through gemmEx, storing the
+    // operands in `data` and accumulating in f32 (with TF32 tensor cores for TF32).
+    let ex = match g.ty {
+        GemmType::F32 if !g.tf32 => None,
+        GemmType::F32 => Some((
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        )),
+        GemmType::F16 => Some((
+            cublas_sys::cudaDataType::CUDA_R_16F,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )),
+        GemmType::Bf16 => Some((
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )),
+    };
     // SAFETY: the operands lie in the arena or the lane's scratch with the sizes the
     // lowering computed from the tensors' shapes; alpha and beta are host scalars that
     // live across the call (cuBLAS reads them before returning in host pointer mode).
     let r = unsafe {
-        match g.ty {
-            GemmType::F32 if g.tf32 => cublas::gemm_strided_batched_ex(
-                h.0,
-                op(g.trans_a),
-                op(g.trans_b),
-                g.m,
-                g.n,
-                g.k,
-                &alpha as *const f32 as *const c_void,
-                g.a as *const c_void,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                g.lda,
-                g.stride_a,
-                g.b as *const c_void,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                g.ldb,
-                g.stride_b,
-                &beta as *const f32 as *const c_void,
-                g.c as *mut c_void,
-                cublas_sys::cudaDataType::CUDA_R_32F,
-                g.ldc,
-                g.stride_c,
-                g.batch,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            ),
-            GemmType::F32 => cublas::sgemm_strided_batched(
+        match ex {
+            None => cublas::sgemm_strided_batched(
                 h.0,
                 op(g.trans_a),
                 op(g.trans_b),
@@ -368,38 +360,31 @@ pub(crate) fn gemm(h: Raw<cublas_sys::cublasHandle_t>, g: &Gemm) -> Result<(), S
                 g.stride_c,
                 g.batch,
             ),
-            GemmType::F16 | GemmType::Bf16 => {
-                let dt = if g.ty == GemmType::F16 {
-                    cublas_sys::cudaDataType::CUDA_R_16F
-                } else {
-                    cublas_sys::cudaDataType::CUDA_R_16BF
-                };
-                cublas::gemm_strided_batched_ex(
-                    h.0,
-                    op(g.trans_a),
-                    op(g.trans_b),
-                    g.m,
-                    g.n,
-                    g.k,
-                    &alpha as *const f32 as *const c_void,
-                    g.a as *const c_void,
-                    dt,
-                    g.lda,
-                    g.stride_a,
-                    g.b as *const c_void,
-                    dt,
-                    g.ldb,
-                    g.stride_b,
-                    &beta as *const f32 as *const c_void,
-                    g.c as *mut c_void,
-                    dt,
-                    g.ldc,
-                    g.stride_c,
-                    g.batch,
-                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
+            Some((data, compute)) => cublas::gemm_strided_batched_ex(
+                h.0,
+                op(g.trans_a),
+                op(g.trans_b),
+                g.m,
+                g.n,
+                g.k,
+                &alpha as *const f32 as *const c_void,
+                g.a as *const c_void,
+                data,
+                g.lda,
+                g.stride_a,
+                g.b as *const c_void,
+                data,
+                g.ldb,
+                g.stride_b,
+                &beta as *const f32 as *const c_void,
+                g.c as *mut c_void,
+                data,
+                g.ldc,
+                g.stride_c,
+                g.batch,
+                compute,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            ),
         }
     };
     r.map_err(|e| format!("cuBLAS gemm: {e:?}"))
