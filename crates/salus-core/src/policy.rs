@@ -160,6 +160,14 @@ fn priority_then_arrival(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
         .then_with(|| arrival(a, b))
 }
 
+fn priority_then_shortest_remaining(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
+    b.spec
+        .hints
+        .priority
+        .cmp(&a.spec.hints.priority)
+        .then_with(|| shortest_remaining(a, b))
+}
+
 /// Shortest remaining time first; sessions of unknown length after every known one.
 fn shortest_remaining(a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
     match (a.remaining_time(), b.remaining_time()) {
@@ -236,11 +244,7 @@ impl Policy for Srtf {
         true
     }
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
-        b.spec
-            .hints
-            .priority
-            .cmp(&a.spec.hints.priority)
-            .then_with(|| shortest_remaining(a, b))
+        priority_then_shortest_remaining(a, b)
     }
     fn run_key(&self, s: &SessionView<'_>) -> RunKey {
         let remaining = s.remaining_time().map_or(u64::MAX, nanos);
@@ -309,11 +313,7 @@ impl Policy for Share {
         true
     }
     fn admission_order(&self, a: &SessionView<'_>, b: &SessionView<'_>) -> Ordering {
-        b.spec
-            .hints
-            .priority
-            .cmp(&a.spec.hints.priority)
-            .then_with(|| shortest_remaining(a, b))
+        priority_then_shortest_remaining(a, b)
     }
     fn run_key(&self, s: &SessionView<'_>) -> RunKey {
         let slack = s
