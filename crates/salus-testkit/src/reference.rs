@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use salus_cpu::CpuDevice;
 use salus_exec::{Device, ExecError, Location, Placement, Program};
-use salus_graph::{Graph, Limits};
+use salus_graph::{Graph, Limits, Role};
 
 /// Named tensors as raw little-endian bytes.
 pub type Tensors = HashMap<String, Vec<u8>>;
@@ -133,9 +133,18 @@ impl ReferenceRun {
         Ok((device, at))
     }
 
-    /// Uploads the initial state.
+    /// Uploads the initial state and the graph's constants.
     pub fn upload(&self, device: &dyn Device, at: Placement) -> Result<(), String> {
-        for (name, bytes) in &self.initial {
+        // Constants carry their value in the graph (as salusd copies it into a session's
+        // image); the reference files hold the parameters and state.
+        let constants = self
+            .program
+            .graph()
+            .tensors
+            .iter()
+            .filter(|t| t.role == Role::Constant && !self.initial.contains_key(&t.name))
+            .map(|t| (&t.name, &t.data));
+        for (name, bytes) in self.initial.iter().chain(constants) {
             device
                 .write(self.offset_of(at, name)?, bytes)
                 .map_err(|e| e.to_string())?;
