@@ -310,8 +310,9 @@ def _one_minus_power(beta: float, t: torch.Tensor) -> torch.Tensor:
     series = torch.ones_like(y)
     for k in range(16 if y.dtype == torch.float64 else 8, 0, -1):
         series = series * (y / k) + 1 if k > 1 else series * y
-    # exp(y) - 1 written as -(1 - exp(y)): salus's CPU engine mis-executes sub.Tensor
-    # with a scalar operand (losses diverge from step 5 on when it is used here)
+    # exp(y) - 1 written as -(1 - exp(y)), the same bits: subtracting a Python number
+    # lifts it into a graph constant, and the step's persistent bytes stay the optimizer
+    # state's alone
     expm1 = torch.where(torch.gt(y, -0.5), series, torch.neg(torch.neg(torch.exp(y)) + 1))
     return torch.neg(expm1)
 
