@@ -220,6 +220,7 @@ async fn measure(
         session: 0,
         feeds: feeds(),
         tag: 0,
+        writes: vec![],
     };
     let session = open(&client, "rtt").await?;
     for _ in 0..200 {

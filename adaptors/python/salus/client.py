@@ -147,6 +147,20 @@ def chunks(tensor: int, data: bytes) -> Iterator[session_pb2.TensorChunk]:
                                       data=bytes(view[offset:offset + CHUNK_BYTES]))
 
 
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration to run: a byte string per FEED tensor (graph order) and the
+    persistent tensors to overwrite just before it runs (tensor id -> whole bytes)."""
+
+    feeds: list[bytes]
+    writes: Mapping[int, bytes] | None = None
+
+
+def _writes(writes: Mapping[int, bytes] | None) -> list[session_pb2.TensorChunk]:
+    return [session_pb2.TensorChunk(tensor=t, offset=0, data=d)
+            for t, d in (writes or {}).items()]
+
+
 class Client:
     """A connection to one salusd.
 
@@ -384,10 +398,12 @@ class Session:
                 return self.error
         return error
 
-    def run(self, feeds: list[bytes]) -> session_pb2.RunResponse:
+    def run(self, feeds: list[bytes], writes: Mapping[int, bytes] | None = None
+            ) -> session_pb2.RunResponse:
         """Runs one iteration: one byte string per FEED tensor, in graph order. Waits for
         admission and for the policy; returns the fetches (in graph order), the device
-        time and the wait.
+        time and the wait. ``writes`` (tensor id -> its whole bytes) overwrite persistent
+        tensors just before this iteration runs, after every earlier one.
 
         Iterations go through one ``RunStream`` per session, opened at the first call and
         kept: a message on an open stream costs a fraction of a unary call's setup."""
@@ -405,7 +421,8 @@ class Session:
                 call = self.client.sessions_stub.RunStream(feed(), metadata=self.client.metadata)
                 self._stream = (requests, call)
             requests, call = self._stream
-            requests.put(session_pb2.RunRequest(session=self.id, feeds=feeds))
+            requests.put(session_pb2.RunRequest(session=self.id, feeds=feeds,
+                                                writes=_writes(writes)))
             try:
                 response = next(call)
             except grpc.RpcError as e:
@@ -428,9 +445,9 @@ class Session:
                 call.cancel()
                 self._stream = None
 
-    def run_pipelined(self, feeds: Iterable[list[bytes]], depth: int = 4
+    def run_pipelined(self, iterations: Iterable[Iteration], depth: int = 4
                       ) -> Iterator[session_pb2.RunResponse]:
-        """Runs one iteration per element of ``feeds`` through ``RunStream``, keeping up
+        """Runs each of ``iterations`` through ``RunStream``, keeping up
         to ``depth`` submitted ahead of the one being answered, so the session always has
         work queued on the daemon; yields the responses in order. A failed iteration
         raises its error (the iterations before it are done, none after it runs)."""
@@ -447,13 +464,14 @@ class Session:
             # Runs on grpc's thread: an error of `feeds` (a bad batch) ends the stream and
             # is raised to the caller once the iterations before it are answered.
             try:
-                for tag, item in enumerate(feeds):
+                for tag, item in enumerate(iterations):
                     while not window.acquire(timeout=0.1):
                         if stop.is_set():
                             return
                     if stop.is_set():
                         return
-                    yield session_pb2.RunRequest(session=self.id, feeds=item, tag=tag)
+                    yield session_pb2.RunRequest(session=self.id, feeds=item.feeds, tag=tag,
+                                                 writes=_writes(item.writes))
             except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
                 failed.append(e)
 

@@ -165,8 +165,9 @@ def _persistent(model, optimizer, names: list[str], initial_step: torch.Tensor |
     """The model's and optimizer's tensors under the graph's names, in ``names`` order."""
     values = {n: p.detach() for n, p in model.named_parameters()}
     values.update({n: b.detach() for n, b in model.named_buffers()})
-    values.update(functional_optimizer(optimizer, dict(model.named_parameters()))
-                  .initial_state())
+    rule = functional_optimizer(optimizer, dict(model.named_parameters()))
+    values.update(rule.initial_state())
+    values.update(rule.hyperparameters())
     if isinstance(optimizer, torch.optim.SGD) and initial_step is not None:
         values[STEP] = initial_step + steps  # torch's SGD keeps no step counter
     return {n: values[n].cpu() for n in names}

@@ -18,9 +18,10 @@ Porting a training loop::
             loss = session.step(x, y)       # was: zero_grad, forward, backward, step
         session.update_model()              # the trained weights back in `model`
 
-Shapes, dtypes and hyperparameters are those of the example batch and the optimizer at
-construction (a learning-rate schedule is not followed); :class:`~salus.errors.BatchError`
-says when a batch does not match. Every failure of the daemon is a
+Shapes and dtypes are those of the example batch; :class:`~salus.errors.BatchError` says
+when a batch does not match. The optimizer's hyperparameters follow its ``param_groups``
+as in eager PyTorch: a ``torch.optim.lr_scheduler`` built on the same optimizer (or any
+change to ``lr``, ``momentum``, ``betas``...) takes effect at the next step. Every failure of the daemon is a
 :class:`~salus.errors.DaemonError` with the status code's name and salusd's message.
 """
 
@@ -34,11 +35,10 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from .client import Client, Session
+from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      SalusError, SessionClosedError)
 from .lower import DTYPES, constant_bytes
-from .optim import STEP, exp_avg_name, exp_avg_sq_name, momentum_buffer_name
 from .trace import TracedStep, trace_inference, trace_train_step
 from .v1 import graph_pb2 as pb
 
@@ -159,7 +159,8 @@ class _SalusSession:
     def state_names(self) -> list[str]:
         """Names of the session's persistent tensors: parameters and buffers as in
         ``model.named_parameters()``/``named_buffers()``, optimizer state as
-        ``optimizer.<buffer>.<param>`` and ``optimizer.step``."""
+        ``optimizer.<buffer>.<param>`` and ``optimizer.step``, hyperparameters as
+        ``optimizer.param_groups.<group>.<name>`` (see :mod:`salus.optim`)."""
         return list(self.layout.state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -195,6 +196,10 @@ class _SalusSession:
             writes[spec.id] = tensor_bytes(value)
         if writes:
             self._session().write(writes)
+        self._state_written()
+
+    def _state_written(self) -> None:
+        """Hook: the session's tensors were overwritten."""
 
     def update_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copies the parameters and buffers from salusd into ``model`` (default: the
@@ -244,8 +249,9 @@ class TrainSession(_SalusSession):
     """A training job on salusd.
 
     Traces one training step of ``model`` under ``loss_fn(model(*inputs), target)`` and
-    ``optimizer`` (SGD, Adam, AdamW) with ``example_batch = (inputs..., target)``, opens a
-    session on the daemon at ``address`` (or through ``client``; default: see
+    ``optimizer`` (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad or Adadelta:
+    :mod:`salus.optim`) with ``example_batch = (inputs..., target)``, opens a session on
+    the daemon at ``address`` (or through ``client``; default: see
     :class:`salus.client.Client`) and uploads the parameters, buffers and optimizer state.
     Hints for the scheduler: ``name`` (shown by ``salusctl``), ``priority``,
     ``total_iterations`` (SRTF ranks by remaining work), ``expected_iteration_ms``.
@@ -278,30 +284,53 @@ class TrainSession(_SalusSession):
 
     def step(self, *batch: torch.Tensor) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch = (inputs..., target)``;
-        returns the loss (a 0-dim tensor)."""
-        feeds = self.layout.feed_bytes(batch, "step()")
-        response = self._session().run(feeds)
+        returns the loss (a 0-dim tensor). Hyperparameters changed in the optimizer's
+        ``param_groups`` since the last step (a scheduler's ``step()``) travel with it."""
+        iteration = self._iteration(batch, "step()")
+        try:
+            response = self._session().run(iteration.feeds, iteration.writes)
+        except BaseException:
+            self.traced.rule.resend()
+            raise
+        return self._stepped(response)
+
+    def _iteration(self, batch: Sequence[Any], what: str) -> Iteration:
+        feeds = self.layout.feed_bytes(batch, what)
+        changed = self.traced.rule.changed_hyperparameters()
+        writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
+        return Iteration(feeds, writes)
+
+    def _stepped(self, response) -> torch.Tensor:
         self.iterations += 1
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
+        self.traced.rule.mark_stepped()
         return self.layout.fetch_tensors(response)[0]
+
+    def _state_written(self) -> None:
+        # The optimizer's param_groups stay the truth for hyperparameters: the next step
+        # writes them again.
+        self.traced.rule.resend()
 
     def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
               ) -> Iterator[torch.Tensor]:
         """Pipelined training: runs one iteration per batch of ``batches`` and yields each
         loss in order, keeping up to ``depth`` iterations submitted ahead so that the
         session always has work waiting on salusd (no round trip between iterations;
-        the policy always sees it ready). Batches are read as iterations are
-        submitted."""
-        def feeds():
+        the policy always sees it ready). Batches, and the optimizer's hyperparameters,
+        are read as iterations are submitted: a scheduler stepped once per loss yielded
+        reaches the iteration submitted next, ``depth`` iterations later than in an
+        unpipelined loop (use :meth:`step` where a schedule must act at once)."""
+        def iterations():
             for batch in batches:
-                yield self.layout.feed_bytes(tuple(batch), "steps()")
+                yield self._iteration(tuple(batch), "steps()")
 
-        for response in self._session().run_pipelined(feeds(), depth):
-            self.iterations += 1
-            self.last_device_ms = response.device_us / 1e3
-            self.last_wait_ms = response.wait_us / 1e3
-            yield self.layout.fetch_tensors(response)[0]
+        try:
+            for response in self._session().run_pipelined(iterations(), depth):
+                yield self._stepped(response)
+        except BaseException:
+            self.traced.rule.resend()
+            raise
 
     def update_model(self, model: torch.nn.Module | None = None, *,
                      optimizer: bool = True) -> torch.nn.Module:
@@ -321,20 +350,7 @@ class TrainSession(_SalusSession):
         return model
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
-        description = self.traced.optimizer or {}
-        kind = description.get("kind")
-        params = dict(self.model.named_parameters())
-        step = values.get(STEP)
-        for group in description.get("groups", []):
-            for name in group["params"]:
-                state = self.optimizer.state[params[name]]
-                if kind == "sgd" and momentum_buffer_name(name) in values:
-                    if step is not None and step.item() > 0:
-                        state["momentum_buffer"] = values[momentum_buffer_name(name)].clone()
-                elif kind in ("adam", "adamw") and step is not None:
-                    state["step"] = step.clone()
-                    state["exp_avg"] = values[exp_avg_name(name)].clone()
-                    state["exp_avg_sq"] = values[exp_avg_sq_name(name)].clone()
+        self.traced.rule.give_back(values, dict(self.model.named_parameters()))
 
     def __repr__(self) -> str:
         return (f"<salus.torch.TrainSession {type(self.model).__name__} session {self.id}, "

@@ -24,8 +24,9 @@ The result, :class:`TracedStep`, keeps the FX graph together with what each flat
 and output is (parameter, buffer, optimizer state, batch element; update, loss, model
 output) and the initial values of the persistent tensors. ``TracedStep.run`` executes the
 graph itself (for parity tests); ``TracedStep.to_graph`` lowers it with
-:mod:`salus.lower`. Shapes, dtypes and hyperparameters are those of the example batch
-and fixed in the graph.
+:mod:`salus.lower`. Shapes and dtypes are those of the example batch and fixed in the
+graph; the optimizer's hyperparameters are persistent tensors the graph reads (see
+:mod:`salus.optim`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import TraceError
 from .lower import MODULE_META, graph_ops, lower
-from .optim import functional_optimizer
+from .optim import FunctionalOptimizer, functional_optimizer
 
 aten = torch.ops.aten
 
@@ -60,13 +61,18 @@ FEED = "feed"
 #: iteration draws new values and a checkpoint captures the generator.
 GENERATOR = "salus.generator"
 
+#: The ``group`` of the optimizer's hyperparameter tensors: persistent, read by the step,
+#: never updated by it (the session writes them when the torch optimizer's change).
+HYPERPARAMETER = "hyperparameter"
+
 
 @dataclass(frozen=True)
 class InputSlot:
     """What one placeholder of the graph is.
 
     ``group`` says where the value lives on the PyTorch side: ``"param"``, ``"buffer"``,
-    ``"optimizer"`` or ``"batch"``; ``role`` is the IR role (parameter, state, feed).
+    ``"optimizer"`` (state), ``"hyperparameter"`` (a ``param_groups`` value) or
+    ``"batch"``; ``role`` is the IR role (parameter, state, feed).
     """
 
     name: str
@@ -108,6 +114,9 @@ class TracedStep:
     outputs: list[OutputSlot]
     initial_state: dict[str, torch.Tensor]
     optimizer: dict | None = None
+    # The optimizer's update rule (a training step): what the session asks for the
+    # hyperparameters before each step and how state goes back to the torch optimizer.
+    rule: FunctionalOptimizer | None = field(default=None, repr=False)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
     # Whether f32 convolutions and matrix products may use TF32, as PyTorch was set when
     # the step was traced (see :func:`float32_precision`).
@@ -421,22 +430,25 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     opt = functional_optimizer(optimizer, params)
-    opt_state = opt.initial_state()
+    opt_state = {**opt.initial_state(), **opt.hyperparameters()}
     opt_names = opt.state_names()
+    hyper_names = opt.hyper_names()
     frozen = {n: t for n, t in params.items() if n not in opt.params}
 
     inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
               + [InputSlot(n, STATE, "buffer") for n in buffers]
               + [InputSlot(n, STATE, "optimizer") for n in opt_names]
+              + [InputSlot(n, STATE, HYPERPARAMETER) for n in hyper_names]
               + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(batch))])
-    outputs = ([OutputSlot("update", s.name) for s in inputs if s.role != FEED]
+    outputs = ([OutputSlot("update", s.name) for s in inputs
+                if s.role != FEED and s.group != HYPERPARAMETER]
                + [OutputSlot("loss", "loss")])
-    counts = (len(params), len(buffers), len(opt_names))
+    counts = (len(params), len(buffers), len(opt_names) + len(hyper_names))
     loss_scope = Scope("loss", getattr(loss_fn, "__name__", type(loss_fn).__name__))
     optimizer_scope = Scope("optimizer", type(optimizer).__name__)
 
     def step(*flat):
-        p, b, o, data = _split(flat, counts, (params, buffers, opt_names))
+        p, b, o, data = _split(flat, counts, (params, buffers, opt_names + hyper_names))
         trained = {n: p[n] for n in opt.params}
         fixed = {n: p[n] for n in frozen}
         *xs, target = data
@@ -463,7 +475,8 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(batch)
     gm = _record(step, args, model, tracing_mode)
     _thread_generator(gm, inputs, outputs, initial)
-    return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe())
+    return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
+                      rule=opt)
 
 
 def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,

@@ -25,11 +25,18 @@ OPTIMIZERS: dict[str, Callable] = {
 }
 
 
-def traced_steps(traced, batches):
+def traced_steps(traced, batches, after_step: Callable | None = None):
+    """Runs the traced step once per batch, as a session does: before each step the
+    optimizer's changed hyperparameters join the state; ``after_step(loss)`` (e.g. a
+    learning-rate scheduler's step) runs after each."""
     state, losses = dict(traced.initial_state), []
     for batch in batches:
+        state.update(traced.rule.changed_hyperparameters())
         state, loss = traced.run(state, *batch)
+        traced.rule.mark_stepped()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(loss)
     return state, losses
 
 

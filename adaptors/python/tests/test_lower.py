@@ -58,8 +58,13 @@ def test_training_step_lowers_to_a_valid_graph(specs, name, optimizer):
         assert by_name[state_prefix + pname].role == pb.TENSOR_ROLE_STATE
     feeds = [t for t in graph.tensors if t.role == pb.TENSOR_ROLE_FEED]
     assert [t.name for t in feeds] == ["input.0", "input.1"]
+    hyper = [n for n in traced.state_names if n.startswith("optimizer.param_groups.")]
+    assert "optimizer.param_groups.0.lr" in hyper
+    for hname in hyper:
+        assert by_name[hname].role == pb.TENSOR_ROLE_STATE and list(by_name[hname].shape) == []
+    # Every persistent tensor but the hyperparameters (which the step only reads) updates.
     assert sorted(graph.tensors[u.target].name for u in graph.updates) == sorted(
-        traced.state_names)
+        set(traced.state_names) - set(hyper))
     assert {n.op for n in graph.nodes} == set(traced.ops())
     assert any(n.source for n in graph.nodes)
 

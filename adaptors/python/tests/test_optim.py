@@ -22,11 +22,8 @@ def _model():
 
 
 @pytest.mark.parametrize("make, option", [
-    (lambda p: torch.optim.Adam(p, amsgrad=True), "amsgrad"),
-    (lambda p: torch.optim.AdamW(p, amsgrad=True), "amsgrad"),
-    (lambda p: torch.optim.Adam(p, maximize=True), "maximize"),
-    (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), "maximize"),
     (lambda p: torch.optim.SGD(p, lr=0.1, fused=True), "fused"),
+    (lambda p: torch.optim.Adam(p, fused=True), "fused"),
 ])
 def test_unsupported_options_are_refused_by_name(make, option):
     model = _model()
@@ -35,10 +32,24 @@ def test_unsupported_options_are_refused_by_name(make, option):
                                vector_batch(4, 6, 3))
 
 
+def test_an_unknown_group_option_is_refused_by_name():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.param_groups[0]["trust_ratio"] = 0.02
+    with pytest.raises(salus.UnsupportedOptimizerError, match="trust_ratio"):
+        functional_optimizer(optimizer, dict(model.named_parameters()))
+
+
 def test_unsupported_optimizer_is_refused():
     model = _model()
-    with pytest.raises(salus.UnsupportedOptimizerError, match="RMSprop"):
-        functional_optimizer(torch.optim.RMSprop(model.parameters()),
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    with pytest.raises(salus.UnsupportedOptimizerError, match="MyAdam"):
+        functional_optimizer(MyAdam(model.parameters()), dict(model.named_parameters()))
+    with pytest.raises(salus.UnsupportedOptimizerError, match="LBFGS"):
+        functional_optimizer(torch.optim.LBFGS(model.parameters()),
                              dict(model.named_parameters()))
 
 
@@ -57,6 +68,9 @@ def test_state_names_follow_the_ir_conventions():
     assert adam.state_names() == [f"optimizer.{k}.{n}" for n in names
                                   for k in ("exp_avg", "exp_avg_sq")] + ["optimizer.step"]
     assert adam.describe()["kind"] == "adamw"
+    assert adam.hyper_names() == [f"optimizer.param_groups.0.{k}" for k in (
+        "lr", "one_minus_beta1", "beta2", "one_minus_beta2", "log_beta1", "log_beta2", "eps",
+        "decay_factor")]
 
 
 def test_sgd_first_step_takes_the_gradient_as_momentum_buffer():

@@ -343,6 +343,7 @@ impl Session {
                 session: self.id,
                 feeds,
                 tag: 0,
+                writes: vec![],
             }))
             .await?
             .into_inner())
@@ -360,6 +361,7 @@ impl Session {
                     session: id,
                     feeds,
                     tag: tag as u64,
+                    writes: vec![],
                 }
             }));
         Ok(self

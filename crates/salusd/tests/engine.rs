@@ -90,6 +90,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             principal: STRANGER,
             session: id,
             feeds: feeds(),
+            writes: vec![],
             reply,
         })
         .await;
@@ -102,6 +103,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             principal: DAEMON,
             session: id,
             feeds: feeds(),
+            writes: vec![],
             reply,
         })
         .await
@@ -173,6 +175,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             principal: DAEMON,
             session: id,
             feeds: feeds(),
+            writes: vec![],
             reply,
         })
         .await;
@@ -181,4 +184,89 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         "{gone:?}"
     );
     engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
+    let engine = start();
+    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
+    let p = program.plan().persistent_bytes;
+    let (tx, mut updates) = mpsc::unbounded_channel();
+    let id = engine.new_session_id();
+    engine
+        .send(Command::Open(Box::new(NewSession {
+            id,
+            owner: DAEMON,
+            image: salusd::engine::HostImage {
+                bytes: vec![0; p as usize],
+                held: engine.host_budget().reserve(p).unwrap(),
+            },
+            program,
+            kind: SessionKind::Training,
+            hints: Hints::default(),
+            updates: Box::new(move |update| drop(tx.send(update))),
+        })))
+        .unwrap();
+    assert!(matches!(
+        updates.recv().await.unwrap().unwrap(),
+        SessionUpdate::Opened { .. }
+    ));
+    let feeds = || vec![f32s(&[1.0, 0.0, 0.0, 1.0]), f32s(&[1.0, 2.0])];
+    let run = |writes: Vec<(u32, Vec<u8>)>| {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        engine
+            .send(Command::Run {
+                principal: DAEMON,
+                session: id,
+                feeds: feeds(),
+                writes,
+                reply,
+            })
+            .unwrap();
+        answer
+    };
+    // Both submitted before either runs: the write waits for the first iteration, then
+    // sets w = (1, 2), which fits y exactly: the second loss is 0.
+    let first = run(vec![]);
+    let second = run(vec![(0, f32s(&[1.0, 2.0]))]);
+    assert_eq!(floats(&first.await.unwrap().unwrap().fetches[0]), vec![2.5]);
+    assert_eq!(
+        floats(&second.await.unwrap().unwrap().fetches[0]),
+        vec![0.0]
+    );
+
+    // A bad write fails its iteration at once and changes nothing.
+    let read_w = || async {
+        let w = engine
+            .ask(|reply| Command::Read {
+                principal: DAEMON,
+                session: id,
+                tensors: vec![0],
+                reply,
+            })
+            .await
+            .unwrap();
+        floats(&w[0].1)
+    };
+    let before = read_w().await;
+    let short = run(vec![(0, f32s(&[5.0, 5.0])), (0, f32s(&[1.0]))])
+        .await
+        .unwrap();
+    assert!(
+        matches!(short, Err(EngineError::TensorSize { tensor: 0, .. })),
+        "{short:?}"
+    );
+    let twice = run(vec![(0, f32s(&[5.0, 5.0])), (0, f32s(&[6.0, 6.0]))])
+        .await
+        .unwrap();
+    assert!(
+        matches!(twice, Err(EngineError::RepeatedTensor { tensor: 0, .. })),
+        "{twice:?}"
+    );
+    let fetches = run(vec![(1 << 20, vec![])]).await.unwrap();
+    assert!(
+        matches!(fetches, Err(EngineError::UnknownTensor { .. })),
+        "{fetches:?}"
+    );
+    assert_eq!(read_w().await, before);
 }

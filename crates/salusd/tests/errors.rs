@@ -166,6 +166,7 @@ async fn malformed_requests_get_clear_statuses() {
             session: 999,
             feeds: vec![],
             tag: 0,
+            writes: vec![],
         })
         .await;
     expect(
@@ -265,6 +266,7 @@ async fn as_another_user() {
                 session: id,
                 feeds: vec![],
                 tag: 0,
+                writes: vec![],
             })
             .await
             .map(|r| r.map(|_| ())),

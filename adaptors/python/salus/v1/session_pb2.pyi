@@ -106,14 +106,16 @@ class SessionUpdate(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., admitted: _Optional[_Union[Admitted, _Mapping]] = ..., suspended: _Optional[_Union[Suspended, _Mapping]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("session", "feeds", "tag")
+    __slots__ = ("session", "feeds", "tag", "writes")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
     session: int
     feeds: _containers.RepeatedScalarFieldContainer[bytes]
     tag: int
-    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ...) -> None: ...
+    writes: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("code", "message")

@@ -233,6 +233,9 @@ impl State {
             let views: Vec<&[u8]> = pending.feeds.iter().map(Vec::as_slice).collect();
             // A kernel bug must fail this iteration, not leave its lane running forever.
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for (off, bytes) in &pending.writes {
+                    device.write(at.persistent + off, bytes)?;
+                }
                 device.run(&program, at, &views)
             }))
             .unwrap_or_else(|panic| {

@@ -61,6 +61,8 @@ pub enum Command {
         session: u64,
         /// One buffer per feed.
         feeds: Vec<Vec<u8>>,
+        /// Persistent tensors to overwrite just before the iteration: (id, whole bytes).
+        writes: Vec<(u32, Vec<u8>)>,
         /// Where the result goes.
         reply: Reply<RunResult>,
     },
@@ -159,8 +161,9 @@ impl State {
                 principal,
                 session,
                 feeds,
+                writes,
                 reply,
-            } => self.submit(principal, session, feeds, reply),
+            } => self.submit(principal, session, feeds, writes, reply),
             Command::Read {
                 principal,
                 session,
@@ -333,6 +336,7 @@ impl State {
         principal: Principal,
         session: u64,
         feeds: Vec<Vec<u8>>,
+        writes: Vec<(u32, Vec<u8>)>,
         reply: Reply<RunResult>,
     ) {
         let entry = match self.owned(principal, session) {
@@ -347,8 +351,16 @@ impl State {
             let _ = reply.send(Err(EngineError::Feeds { session, error }));
             return;
         }
+        let writes = match Self::placed_writes(&entry.program, writes) {
+            Ok(writes) => writes,
+            Err(error) => {
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
         entry.pending.push_back(Pending {
             feeds,
+            writes,
             reply,
             arrived: Instant::now(),
         });
@@ -399,6 +411,48 @@ impl State {
         }
     }
 
+    /// Where in the persistent block each whole-tensor write goes; refuses a tensor that
+    /// is not persistent, bytes of the wrong size, and a tensor written twice.
+    fn write_offsets(
+        program: &Program,
+        tensors: &[(u32, Vec<u8>)],
+    ) -> Result<Vec<u64>, EngineError> {
+        let mut offsets = Vec::with_capacity(tensors.len());
+        for (i, (tensor, bytes)) in tensors.iter().enumerate() {
+            let (off, len) = Self::persistent_range(program, *tensor)?;
+            let t = &program.graph().tensors[*tensor as usize];
+            if bytes.len() as u64 != len {
+                return Err(EngineError::TensorSize {
+                    tensor: *tensor,
+                    name: t.name.clone(),
+                    ty: t.ty.to_string(),
+                    expected: len,
+                    got: bytes.len(),
+                });
+            }
+            if tensors[..i].iter().any(|(other, _)| other == tensor) {
+                return Err(EngineError::RepeatedTensor {
+                    tensor: *tensor,
+                    name: t.name.clone(),
+                });
+            }
+            offsets.push(off);
+        }
+        Ok(offsets)
+    }
+
+    /// An iteration's writes, checked, with their offsets in the persistent block.
+    fn placed_writes(
+        program: &Program,
+        writes: Vec<(u32, Vec<u8>)>,
+    ) -> Result<Vec<(u64, Vec<u8>)>, EngineError> {
+        let offsets = Self::write_offsets(program, &writes)?;
+        Ok(offsets
+            .into_iter()
+            .zip(writes.into_iter().map(|(_, b)| b))
+            .collect())
+    }
+
     pub(super) fn read(
         &self,
         id: SessionId,
@@ -446,23 +500,8 @@ impl State {
             .sessions
             .get_mut(&id)
             .ok_or(EngineError::UnknownSession(id.0))?;
-        let program = entry.program.clone();
         // Check everything before changing anything: all or nothing.
-        let mut ranges = Vec::with_capacity(tensors.len());
-        for (tensor, bytes) in tensors {
-            let (off, len) = Self::persistent_range(&program, *tensor)?;
-            if bytes.len() as u64 != len {
-                let t = &program.graph().tensors[*tensor as usize];
-                return Err(EngineError::TensorSize {
-                    tensor: *tensor,
-                    name: t.name.clone(),
-                    ty: t.ty.to_string(),
-                    expected: len,
-                    got: bytes.len(),
-                });
-            }
-            ranges.push(off);
-        }
+        let ranges = Self::write_offsets(&entry.program, tensors)?;
         for ((_, bytes), off) in tensors.iter().zip(ranges) {
             match (&mut entry.image, entry.place) {
                 (Some(image), _) => {

@@ -89,6 +89,24 @@ pub enum EngineError {
         /// Bytes given.
         got: usize,
     },
+    /// A write of part of a tensor where only whole tensors may be written.
+    #[error(
+        "tensor {tensor}: a write before an iteration covers the whole tensor from offset 0, not from offset {offset}"
+    )]
+    PartialWrite {
+        /// Its id.
+        tensor: u32,
+        /// The offset given.
+        offset: u64,
+    },
+    /// One request writes a tensor twice.
+    #[error("tensor {tensor} '{name}' is written twice in one request")]
+    RepeatedTensor {
+        /// Its id.
+        tensor: u32,
+        /// Its name.
+        name: String,
+    },
     /// The session's persistent tensors are neither on the device nor on the host (a bug).
     #[error("session {0} has no copy of its tensors")]
     NoTensorCopy(u64),

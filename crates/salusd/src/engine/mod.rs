@@ -65,6 +65,8 @@ enum Place {
 
 struct Pending {
     feeds: Vec<Vec<u8>>,
+    /// Persistent tensors to overwrite first: (offset in the persistent block, bytes).
+    writes: Vec<(u64, Vec<u8>)>,
     reply: Reply<RunResult>,
     arrived: Instant,
 }

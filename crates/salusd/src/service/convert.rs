@@ -33,7 +33,9 @@ pub fn code(error: &EngineError) -> Code {
         EngineError::Feeds { .. }
         | EngineError::UnknownTensor { .. }
         | EngineError::NotPersistent { .. }
-        | EngineError::TensorSize { .. } => Code::InvalidArgument,
+        | EngineError::TensorSize { .. }
+        | EngineError::RepeatedTensor { .. }
+        | EngineError::PartialWrite { .. } => Code::InvalidArgument,
         EngineError::ClosedBeforeStart { .. } | EngineError::Closed(_) => Code::Cancelled,
         EngineError::NeverFits { .. } | EngineError::HostMemory { .. } => Code::ResourceExhausted,
         EngineError::Exec(ExecError::Feed { .. }) => Code::InvalidArgument,
@@ -253,4 +255,19 @@ pub fn session_kind(kind: i32) -> Result<SessionKind, Status> {
             "unknown session kind {kind}"
         ))),
     }
+}
+
+/// An iteration's writes as (tensor, bytes): each chunk one whole tensor from offset 0
+/// (the engine checks its size).
+pub fn whole_tensors(writes: Vec<pb::TensorChunk>) -> Result<Vec<(u32, Vec<u8>)>, EngineError> {
+    writes
+        .into_iter()
+        .map(|chunk| match chunk.offset {
+            0 => Ok((chunk.tensor, chunk.data)),
+            offset => Err(EngineError::PartialWrite {
+                tensor: chunk.tensor,
+                offset,
+            }),
+        })
+        .collect()
 }

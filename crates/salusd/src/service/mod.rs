@@ -19,8 +19,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
 use crate::engine::{Command, Engine, EngineError};
-use convert::run_response;
 pub use convert::{code, micros};
+use convert::{run_response, whole_tensors};
 
 /// Iterations one `RunStream` may have submitted and not yet answered.
 pub const PIPELINE: usize = 16;
@@ -140,13 +140,16 @@ impl pb::sessions_server::Sessions for Service {
             session,
             feeds,
             tag,
+            writes,
         } = request.into_inner();
+        let writes = whole_tensors(writes).map_err(Status::from)?;
         let result = self
             .engine
             .ask(|reply| Command::Run {
                 principal,
                 session,
                 feeds,
+                writes,
                 reply,
             })
             .await?;
@@ -171,12 +174,19 @@ impl pb::sessions_server::Sessions for Service {
             while let Some(request) = requests.next().await {
                 let Ok(request) = request else { break };
                 let (reply, answer) = tokio::sync::oneshot::channel();
-                let sent = engine.send(Command::Run {
-                    principal,
-                    session: request.session,
-                    feeds: request.feeds,
-                    reply,
-                });
+                let sent = match whole_tensors(request.writes) {
+                    Ok(writes) => engine.send(Command::Run {
+                        principal,
+                        session: request.session,
+                        feeds: request.feeds,
+                        writes,
+                        reply,
+                    }),
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                        Ok(())
+                    }
+                };
                 if sent.is_err() || order_tx.send((request.tag, answer)).await.is_err() {
                     break;
                 }

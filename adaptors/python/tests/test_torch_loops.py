@@ -1,0 +1,128 @@
+"""A user's training loop on real salusd processes: learning-rate schedules (stepped per
+iteration, and on the loss salusd returns), per-group hyperparameters, and checkpoints
+that keep the optimizer's ``param_groups`` the truth for hyperparameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from daemon import Daemon
+from harness import (assert_as_exact_as_pytorch, randomly_rounded, to_dtype, torch_state,
+                     twin)
+from torch.optim import lr_scheduler as sched
+
+import salus
+import salus.torch as st
+from salus.reference import eager_steps, reference_runs
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--policy", "pack", "--memory", "256MiB") as d:
+        yield d
+
+
+def _groups(model):
+    return [{"params": model.body.parameters(), "lr": 0.05},
+            {"params": model.head.parameters(), "lr": 0.01, "weight_decay": 1e-3}]
+
+
+LOOPS = {
+    "sgd_groups_steplr": (
+        lambda m: torch.optim.SGD(_groups(m), lr=0.1, momentum=0.9),
+        lambda o: sched.StepLR(o, step_size=2, gamma=0.5)),
+    "adamw_onecycle": (
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        lambda o: sched.OneCycleLR(o, max_lr=0.05, total_steps=STEPS)),
+    "rmsprop_plateau": (
+        lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.5),
+        lambda o: sched.ReduceLROnPlateau(o, factor=0.5, patience=0, threshold=0.5)),
+}
+
+
+def _schedule(scheduler, loss) -> None:
+    if isinstance(scheduler, sched.ReduceLROnPlateau):
+        scheduler.step(float(loss))
+    else:
+        scheduler.step()
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_a_loop_with_a_schedule_trains_on_salusd_as_in_eager(daemon, loop):
+    make, make_scheduler = LOOPS[loop]
+    spec = reference_runs()["mlp"].spec
+    batches = [spec.batch(k) for k in range(STEPS)]
+    model = spec.model(0)
+
+    def eager(dtype):
+        m = twin(model, dtype)
+        o = make(m)
+        s = make_scheduler(o)
+        losses = []
+        for batch in batches:
+            losses += eager_steps(m, o, spec.loss_fn, [to_dtype(batch, dtype)])
+            _schedule(s, losses[-1])
+        return losses, torch_state(m, o)
+
+    want, exact = eager(torch.float32), eager(torch.float64)
+    rounded = randomly_rounded(lambda: eager(torch.float64), seeds=(0,))
+    optimizer = make(model)
+    scheduler = make_scheduler(optimizer)
+    with st.TrainSession(model, spec.loss_fn, optimizer, batches[0],
+                         address=daemon.address, admission_timeout=10) as session:
+        losses, used = [], []
+        for batch in batches:  # the user's loop, unchanged but for session.step
+            used.append([group["lr"] for group in optimizer.param_groups])
+            loss = session.step(*batch)
+            _schedule(scheduler, loss)
+            losses.append(loss.item())
+        state = session.state_dict()
+    lrs = {n: v.item() for n, v in state.items() if n.endswith(".lr")}
+    assert lrs == pytest.approx({f"optimizer.param_groups.{g}.lr": lr
+                                 for g, lr in enumerate(used[-1])}), \
+        "the session holds the learning rates the last step used"
+    assert len({tuple(lr) for lr in used}) > 1, "the schedule changed the learning rate"
+    assert_as_exact_as_pytorch(losses, exact[0], want[0], [r[0] for r in rounded],
+                               label="losses ", dtype=torch.float32)
+    assert_as_exact_as_pytorch(state, exact[1], want[1], [r[1] for r in rounded],
+                               label=f"{loop}: ")
+
+
+def test_param_groups_stay_the_truth_after_a_checkpoint_is_loaded(daemon):
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = spec.batch(0)
+    with st.TrainSession(model, spec.loss_fn, optimizer, batch,
+                         address=daemon.address, admission_timeout=10) as session:
+        session.step(*batch)
+        checkpoint = session.state_dict()
+        optimizer.param_groups[0]["lr"] = 0.0
+        session.step(*batch)  # lr 0: nothing moves
+        after = session.state_dict()
+        for name, _ in model.named_parameters():
+            assert torch.equal(after[name], checkpoint[name]), name
+        # The checkpoint carries lr 0.1, but the optimizer says 0: the optimizer wins.
+        session.load_state_dict(checkpoint)
+        session.step(*batch)
+        assert session.state_dict()["optimizer.param_groups.0.lr"].item() == 0.0
+        for name, _ in model.named_parameters():
+            assert torch.equal(session.state_dict()[name], checkpoint[name]), name
+
+
+def test_a_change_the_session_cannot_follow_fails_the_step_and_names_it(daemon):
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = spec.batch(0)
+    with st.TrainSession(model, spec.loss_fn, optimizer, batch,
+                         address=daemon.address, admission_timeout=10) as session:
+        session.step(*batch)
+        optimizer.param_groups[0]["momentum"] = 0.9
+        with pytest.raises(salus.UnsupportedOptimizerError, match="momentum"):
+            session.step(*batch)
+        optimizer.param_groups[0]["momentum"] = 0
+        session.step(*batch)  # back to what was traced: it goes on
+        assert session.iterations == 2
