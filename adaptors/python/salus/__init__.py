@@ -19,7 +19,7 @@ stubs do not accept).
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      LoweringError, SalusError, SessionClosedError, TraceError,
                      UnsupportedOpError, UnsupportedOptimizerError)
-from .trace import TracedStep, trace_inference, trace_train_step
+from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 
 def __getattr__(name: str):
@@ -30,6 +30,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "GradientRecipe",
     "AdmissionTimeoutError",
     "BatchError",
     "Client",

@@ -39,7 +39,7 @@ from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      SalusError, SessionClosedError)
 from .lower import DTYPES, constant_bytes
-from .trace import TracedStep, trace_inference, trace_train_step
+from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 from .v1 import graph_pb2 as pb
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
@@ -255,7 +255,16 @@ class TrainSession(_SalusSession):
     :class:`salus.client.Client`) and uploads the parameters, buffers and optimizer state.
     Hints for the scheduler: ``name`` (shown by ``salusctl``), ``priority``,
     ``total_iterations`` (SRTF ranks by remaining work), ``expected_iteration_ms``.
-    ``admission_timeout`` (seconds): wait at most that long for admission, then raise
+    Instead of ``loss_fn``, ``loss_of(model, *batch)`` computes the loss of any batch
+    (tensors, or tuples, lists and dicts of them) however the model's outputs give it
+    (several outputs, auxiliary losses, a Hugging Face model's ``.loss``); pass
+    ``loss_fn=None`` then. Between backward and update, as a loop would:
+    ``accumulate=k`` splits each batch along its first dimension into k micro-batches
+    run in turn, accumulating the gradients of ``loss / k`` (memory for one
+    micro-batch's activations); ``clip_grad_norm`` (with ``norm_type``) or
+    ``clip_grad_value`` clip the gradients as ``torch.nn.utils.clip_grad_norm_`` /
+    ``clip_grad_value_`` do. ``admission_timeout`` (seconds): wait at most that long for
+    admission, then raise
     :class:`~salus.errors.AdmissionTimeoutError` naming why the session waits; ``None``
     does not wait (iterations queue until the session is admitted).
 
@@ -265,8 +274,12 @@ class TrainSession(_SalusSession):
 
     kind = "training"
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 optimizer: torch.optim.Optimizer, example_batch: Sequence[torch.Tensor], *,
+    def __init__(self, model: torch.nn.Module,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer, example_batch: Sequence[Any], *,
+                 loss_of: Callable[..., torch.Tensor] | None = None, accumulate: int = 1,
+                 clip_grad_norm: float | None = None, norm_type: float = 2.0,
+                 clip_grad_value: float | None = None,
                  address: str | None = None, client: Client | None = None,
                  name: str = "", priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
@@ -274,18 +287,21 @@ class TrainSession(_SalusSession):
         started = time.perf_counter()
         self.model = model
         self.optimizer = optimizer
-        traced = trace_train_step(model, loss_fn, optimizer, example_batch,
-                                  tracing_mode=tracing_mode)
+        gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
+        traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
+                                  gradients=gradients, tracing_mode=tracing_mode)
         self._open(traced, client=client, address=address,
                    name=name or type(model).__name__, priority=priority,
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started)
 
-    def step(self, *batch: torch.Tensor) -> torch.Tensor:
-        """Runs one training iteration on salusd with ``batch = (inputs..., target)``;
-        returns the loss (a 0-dim tensor). Hyperparameters changed in the optimizer's
-        ``param_groups`` since the last step (a scheduler's ``step()``) travel with it."""
+    def step(self, *batch: Any) -> torch.Tensor:
+        """Runs one training iteration on salusd with ``batch`` shaped as the example
+        batch (``(inputs..., target)`` with ``loss_fn``); returns the loss (a 0-dim
+        tensor; with ``accumulate``, the mean over the micro-batches). Hyperparameters
+        changed in the optimizer's ``param_groups`` since the last step (a scheduler's
+        ``step()``) travel with it."""
         iteration = self._iteration(batch, "step()")
         try:
             response = self._session().run(iteration.feeds, iteration.writes)
@@ -295,7 +311,11 @@ class TrainSession(_SalusSession):
         return self._stepped(response)
 
     def _iteration(self, batch: Sequence[Any], what: str) -> Iteration:
-        feeds = self.layout.feed_bytes(batch, what)
+        leaves, spec = pytree.tree_flatten(tuple(batch))
+        if spec != self.traced.batch_spec and len(leaves) == len(self.layout.feeds):
+            raise BatchError(f"{what}: the batch is structured as {spec}, but the session "
+                             f"was traced with {self.traced.batch_spec}")
+        feeds = self.layout.feed_bytes(leaves, what)
         changed = self.traced.rule.changed_hyperparameters()
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
         return Iteration(feeds, writes)

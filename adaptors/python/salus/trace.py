@@ -32,6 +32,7 @@ graph; the optimizer's hyperparameters are persistent tensors the graph reads (s
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -118,6 +119,8 @@ class TracedStep:
     # hyperparameters before each step and how state goes back to the torch optimizer.
     rule: FunctionalOptimizer | None = field(default=None, repr=False)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
+    # The structure of a batch (a training step): feeds are its leaves, in pytree order.
+    batch_spec: pytree.TreeSpec | None = field(default=None, repr=False)
     # Whether f32 convolutions and matrix products may use TF32, as PyTorch was set when
     # the step was traced (see :func:`float32_precision`).
     precision: dict[str, bool] = field(default_factory=lambda: float32_precision())
@@ -140,6 +143,8 @@ class TracedStep:
         ``(new_state, output)`` for a forward pass. ``state`` maps every name of
         :attr:`state_names` to a tensor; entries without an update carry over."""
         feeds = self.feed_names
+        if self.batch_spec is not None:
+            batch = tuple(pytree.tree_leaves(tuple(batch)))
         if len(batch) != len(feeds):
             raise ValueError(f"expected {len(feeds)} batch tensors, got {len(batch)}")
         given = dict(zip(feeds, batch))
@@ -413,20 +418,93 @@ def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
     initial[GENERATOR] = torch.randint(0, 2**52, (), dtype=torch.int64)
 
 
-def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                     optimizer: torch.optim.Optimizer, example_batch: Sequence[torch.Tensor],
-                     *, tracing_mode: str = "real") -> TracedStep:
-    """Traces one training iteration: forward, ``loss_fn(model(*inputs), target)``,
-    backward and ``optimizer``'s update.
+@dataclass(frozen=True)
+class GradientRecipe:
+    """What happens between the loss and the optimizer's update in one iteration.
 
-    ``example_batch`` is ``(inputs..., target)``; its shapes and dtypes are fixed in the
-    graph. The model is traced in its current train/eval mode. The model, the optimizer
-    and the batch are left unchanged. ``tracing_mode="fake"`` records with fake tensors
-    (shapes only: faster for large models; the graph is the same).
+    ``accumulate = k``: the batch is split along its first dimension into k micro-batches
+    run one after another, each contributing the gradient of ``loss / k`` (as
+    ``(loss / k).backward()`` per micro-batch in eager PyTorch); buffers (batch norm
+    statistics) update after each. The iteration's loss is the mean of the k losses.
+    ``clip_grad_norm``: then scale the gradients as
+    ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm, norm_type)`` does;
+    ``clip_grad_value``: clamp them as ``clip_grad_value_`` does (not both).
+    """
+
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+    norm_type: float = 2.0
+    clip_grad_value: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be a positive integer, not {self.accumulate!r}")
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise ValueError("give clip_grad_norm or clip_grad_value, not both: the order "
+                             "in which a loop applies them changes the result")
+        for name in ("clip_grad_norm", "clip_grad_value"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+
+    def micro_batches(self, batch: tuple, spec) -> list[tuple]:
+        """The batch's k micro-batches (slices of every leaf's first dimension)."""
+        k = self.accumulate
+        if k == 1:
+            return [batch]
+        leaves, _ = pytree.tree_flatten(batch)
+        for index, leaf in enumerate(leaves):
+            if leaf.dim() == 0 or leaf.shape[0] % k:
+                raise TraceError(
+                    f"accumulate={k}: batch element {index} has shape {list(leaf.shape)}, "
+                    f"whose first dimension does not split into {k} equal micro-batches")
+        return [pytree.tree_unflatten(
+                    [leaf[i * (leaf.shape[0] // k):(i + 1) * (leaf.shape[0] // k)]
+                     for leaf in leaves], spec)
+                for i in range(k)]
+
+    def treat(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gradients after clipping."""
+        if self.clip_grad_value is not None:
+            v = float(self.clip_grad_value)
+            return {n: torch.clamp(g, min=-v, max=v) for n, g in grads.items()}
+        if self.clip_grad_norm is not None and grads:
+            total = torch.nn.utils.get_total_norm(list(grads.values()), self.norm_type,
+                                                  foreach=False)
+            coef = torch.clamp(float(self.clip_grad_norm) / (total + 1e-6), max=1.0)
+            return {n: g * coef for n, g in grads.items()}
+        return grads
+
+
+def trace_train_step(model: torch.nn.Module,
+                     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                     optimizer: torch.optim.Optimizer, example_batch: Sequence[Any],
+                     *, loss_of: Callable[..., torch.Tensor] | None = None,
+                     gradients: GradientRecipe = GradientRecipe(),
+                     tracing_mode: str = "real") -> TracedStep:
+    """Traces one training iteration: forward and loss, backward, what ``gradients``
+    says (accumulation, clipping), and ``optimizer``'s update.
+
+    The loss is ``loss_fn(model(*inputs), target)`` with ``example_batch = (inputs...,
+    target)``; or, with ``loss_fn=None``, ``loss_of(model, *example_batch)`` for any
+    batch (tensors, or tuples, lists and dicts of them: a Hugging Face batch dict) and
+    any loss the model's outputs give (several heads, auxiliary losses, ``.loss``).
+    Shapes and dtypes of the batch are fixed in the graph. The model is traced in its
+    current train/eval mode. The model, the optimizer and the batch are left unchanged.
+    ``tracing_mode="fake"`` records with fake tensors (shapes only: faster for large
+    models; the graph is the same).
     """
     batch = tuple(example_batch)
-    if len(batch) < 2:
+    if (loss_fn is None) == (loss_of is None):
+        raise ValueError("give loss_fn (called as loss_fn(model(*inputs), target)) or "
+                         "loss_of (called as loss_of(model, *batch)), not both")
+    if loss_fn is not None and len(batch) < 2:
         raise ValueError("example_batch must be (inputs..., target): at least two tensors")
+    leaves, batch_spec = pytree.tree_flatten(batch)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TraceError(f"batch element {index} is a {type(leaf).__name__}, not a "
+                             "tensor: a batch holds tensors (in tuples, lists or dicts)")
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     opt = functional_optimizer(optimizer, params)
@@ -439,44 +517,72 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch
               + [InputSlot(n, STATE, "buffer") for n in buffers]
               + [InputSlot(n, STATE, "optimizer") for n in opt_names]
               + [InputSlot(n, STATE, HYPERPARAMETER) for n in hyper_names]
-              + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(batch))])
+              + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(leaves))])
     outputs = ([OutputSlot("update", s.name) for s in inputs
                 if s.role != FEED and s.group != HYPERPARAMETER]
                + [OutputSlot("loss", "loss")])
     counts = (len(params), len(buffers), len(opt_names) + len(hyper_names))
-    loss_scope = Scope("loss", getattr(loss_fn, "__name__", type(loss_fn).__name__))
+    loss_name = loss_fn if loss_fn is not None else loss_of
+    loss_scope = Scope("loss", getattr(loss_name, "__name__", type(loss_name).__name__))
     optimizer_scope = Scope("optimizer", type(optimizer).__name__)
+    k = gradients.accumulate
 
     def step(*flat):
         p, b, o, data = _split(flat, counts, (params, buffers, opt_names + hyper_names))
         trained = {n: p[n] for n in opt.params}
         fixed = {n: p[n] for n in frozen}
-        *xs, target = data
+        micro = gradients.micro_batches(pytree.tree_unflatten(list(data), batch_spec),
+                                        batch_spec)
+        total, losses, current = None, [], b
+        for part in micro:
+            def loss_and_buffers(trained_params, part=part, current=current):
+                new_buffers = {n: t.clone() for n, t in current.items()}
+                state = (trained_params, fixed, new_buffers)
+                if loss_fn is not None:
+                    *xs, target = part
+                    out = torch.func.functional_call(model, state, tuple(xs))
+                    _ModuleScopes.label(loss_scope)
+                    loss = loss_fn(out, target)
+                else:
+                    with _functional_model(model, state):
+                        loss = loss_of(model, *part)
+                    _ModuleScopes.label(loss_scope)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise TraceError(f"{'loss_fn' if loss_fn else 'loss_of'} must return a "
+                                     "scalar (0-dim) tensor")
+                return (loss / k if k > 1 else loss), (loss, new_buffers)
 
-        def loss_of(trained_params):
-            new_buffers = {n: t.clone() for n, t in b.items()}
-            out = torch.func.functional_call(model, (trained_params, fixed, new_buffers),
-                                             tuple(xs))
-            _ModuleScopes.label(loss_scope)
-            loss = loss_fn(out, target)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TraceError("loss_fn must return a scalar (0-dim) tensor")
-            return loss, new_buffers
-
-        grads, (loss, new_buffers) = torch.func.grad_and_value(loss_of, has_aux=True)(trained)
+            grads, (loss, current) = torch.func.grad(loss_and_buffers, has_aux=True)(trained)
+            total = grads if total is None else {n: total[n] + grads[n] for n in total}
+            losses.append(loss)
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
         _ModuleScopes.label(optimizer_scope)
-        new_trained, new_opt = opt.update(trained, grads, o)
+        new_trained, new_opt = opt.update(trained, gradients.treat(total), o)
         _ModuleScopes.label(OUTSIDE)  # tags the update's nodes
         return (*[new_trained.get(n, p[n]) for n in params],
-                *[new_buffers[n] for n in buffers],
+                *[current[n] for n in buffers],
                 *[new_opt[n] for n in opt_names], loss)
 
     initial = {**_detached(params), **_detached(buffers), **opt_state}
-    args = [initial[s.name] for s in inputs if s.role != FEED] + list(batch)
+    args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
-                      rule=opt)
+                      rule=opt, batch_spec=batch_spec)
+
+
+@contextlib.contextmanager
+def _functional_model(model: torch.nn.Module, state: tuple) -> Iterator[None]:
+    """Inside, calling ``model`` (or any of its submodules) runs with ``state``'s tensors
+    in place of its parameters and buffers, as ``torch.func.functional_call`` does for
+    one call: what lets a user's ``loss_of(model, ...)`` call the model as usual."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    merged: dict[str, torch.Tensor] = {}
+    for part in state:
+        merged.update(part)
+    with _reparametrize_module(model, merged, tie_weights=True):
+        yield
 
 
 def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,

@@ -1,0 +1,176 @@
+"""Training steps beyond ``loss_fn(model(x), y)``: a user's ``loss_of(model, *batch)``
+(several outputs, an auxiliary loss, a dict batch), gradient accumulation over
+micro-batches and gradient clipping, traced and checked against the eager loop that
+does the same; and on salusd, accumulation planned for one micro-batch's memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from daemon import Daemon
+from harness import (assert_as_exact_as_pytorch, randomly_rounded, to_dtype, torch_state,
+                     traced_steps, twin)
+from torch import nn
+from torch.nn import functional as F
+
+import salus
+import salus.torch as st
+from salus.models import MLP, vector_batch
+
+STEPS = 4
+
+
+class TwoHeads(nn.Module):
+    """A classifier and a regressor over one body, returned as a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.cls = nn.Linear(8, 3)
+        self.reg = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"logits": self.cls(h), "value": self.reg(h).squeeze(1), "hidden": h}
+
+
+def _two_heads():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return TwoHeads()
+
+
+def _mlp():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MLP(6, (5,), 3)
+
+
+def loss_of(model, batch):
+    """Cross-entropy plus a weighted regression loss plus an activity penalty."""
+    out = model(batch["x"])
+    return (F.cross_entropy(out["logits"], batch["label"])
+            + 0.5 * F.mse_loss(out["value"], batch["target"])
+            + 1e-3 * out["hidden"].pow(2).mean())
+
+
+def _dict_batch(seed, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 6, generator=g), "label": torch.randint(0, 3, (n,), generator=g),
+            "target": torch.randn(n, generator=g)}
+
+
+def _eager(model, optimizer, batches, compute, k=1, clip=None):
+    """The eager loop: k micro-batches per step, (loss / k).backward() each, then clip,
+    then step."""
+    for batch in batches:
+        optimizer.zero_grad()
+        for i in range(k):
+            part = {n: t.chunk(k)[i] for n, t in batch.items()}
+            (compute(model, part) / k).backward()
+        if clip is not None:
+            clip(model.parameters())
+        optimizer.step()
+    return torch_state(model, optimizer)
+
+
+def _dtype(batch, dtype):
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in batch.items()}
+
+
+CASES = {
+    "loss_of_dict_batch": dict(k=1, recipe={}, clip=None),
+    "accumulate_4": dict(k=4, recipe={"accumulate": 4}, clip=None),
+    "accumulate_2_clip_norm": dict(
+        k=2, recipe={"accumulate": 2, "clip_grad_norm": 0.1},
+        clip=lambda p: nn.utils.clip_grad_norm_(p, 0.1)),
+    "clip_norm_inf": dict(
+        k=1, recipe={"clip_grad_norm": 0.05, "norm_type": float("inf")},
+        clip=lambda p: nn.utils.clip_grad_norm_(p, 0.05, norm_type=float("inf"))),
+    "clip_value": dict(
+        k=1, recipe={"clip_grad_value": 0.02},
+        clip=lambda p: nn.utils.clip_grad_value_(p, 0.02)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_custom_step_matches_the_eager_loop(case):
+    k, recipe, clip = CASES[case]["k"], CASES[case]["recipe"], CASES[case]["clip"]
+    model = _two_heads()
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731
+    batches = [_dict_batch(s) for s in range(STEPS)]
+
+    def reference(dtype):
+        m = twin(model, dtype)
+        o = make(m.parameters())
+        return _eager(m, o, [_dtype(b, dtype) for b in batches], loss_of, k, clip)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
+    traced = salus.trace_train_step(model, None, make(model.parameters()), (batches[0],),
+                                    loss_of=loss_of, gradients=salus.GradientRecipe(**recipe))
+    state, _ = traced_steps(traced, [(b,) for b in batches])
+    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=f"{case}: ")
+
+
+def test_recipe_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="not both"):
+        salus.GradientRecipe(clip_grad_norm=1.0, clip_grad_value=1.0)
+    with pytest.raises(ValueError, match="accumulate"):
+        salus.GradientRecipe(accumulate=0)
+    model = _mlp()
+    with pytest.raises(salus.TraceError, match="3 equal micro-batches"):
+        salus.trace_train_step(model, F.cross_entropy,
+                               torch.optim.SGD(model.parameters(), lr=0.1),
+                               vector_batch(8, 6, 3), gradients=salus.GradientRecipe(3))
+    with pytest.raises(ValueError, match="not both"):
+        salus.trace_train_step(model, F.cross_entropy,
+                               torch.optim.SGD(model.parameters(), lr=0.1),
+                               vector_batch(8, 6, 3), loss_of=loss_of)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--policy", "pack", "--memory", "256MiB") as d:
+        yield d
+
+
+def test_accumulation_on_salusd_matches_eager_in_a_micro_batchs_memory(daemon):
+    model = MLP(64, (256, 256), 10)
+    x, y = vector_batch(2048, 64, 10)
+    make = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+
+    def reference(dtype):
+        m = twin(model, dtype)
+        o = make(m.parameters())
+        batch = {"x": x.to(dtype), "y": y}
+        return _eager(m, o, [batch] * 2,
+                      lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"]), k=8)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    sizes = {}
+    for k in (1, 8):
+        m = twin(model)
+        with st.TrainSession(m, F.cross_entropy, make(m.parameters()), (x, y),
+                             accumulate=k, address=daemon.address,
+                             admission_timeout=10) as session:
+            sizes[k] = session.session.ephemeral_bytes
+            if k == 8:
+                loss = session.step(x, y)
+                session.step(x, y)
+                state = session.state_dict()
+    assert sizes[8] < sizes[1] / 2, f"E with 8 micro-batches {sizes[8]} vs whole {sizes[1]}"
+    assert loss.shape == ()
+    assert_as_exact_as_pytorch(state, exact, eager, label="accumulate on salusd: ")
+
+
+def test_a_batch_of_another_structure_is_refused_by_name(daemon):
+    model = _two_heads()
+    with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (_dict_batch(0),), loss_of=loss_of, address=daemon.address,
+                         admission_timeout=10) as session:
+        session.step(_dict_batch(1))
+        wrong = _dict_batch(2)
+        wrong["weights"] = wrong.pop("target")
+        with pytest.raises(st.BatchError, match="structured as"):
+            session.step(wrong)
