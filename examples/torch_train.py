@@ -7,7 +7,8 @@ Start salusd first (`salusd`, or `salusd --socket /tmp/s.sock` and
 
 `--compare` also trains a copy of the model in plain PyTorch on the same batches and
 prints both losses and the largest parameter difference at the end: salus gives
-PyTorch's numbers.
+PyTorch's numbers. The loop is an ordinary one: a learning-rate schedule, gradient
+clipping, and a DataLoader whose last batch of each epoch is smaller.
 """
 
 import argparse
@@ -35,7 +36,7 @@ class Net(nn.Module):
         return self.head(self.conv(x))
 
 
-def data(n=2048, seed=0):
+def data(n=624, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 16, 16, generator=g)
     y = (x.mean(dim=(1, 2, 3)) * 40).long().clamp(-5, 4) + 5   # a learnable target
@@ -51,29 +52,38 @@ def main():
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    # Fixed batch shapes: salus traces the step once (drop_last keeps every batch full).
-    loader = DataLoader(data(), batch_size=32, shuffle=True, drop_last=True,
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3,
+                                                    total_steps=args.steps)
+    # 624 samples: 19 batches of 32 and a last one of 16 per epoch.
+    loader = DataLoader(data(), batch_size=32, shuffle=True,
                         generator=torch.Generator().manual_seed(1))
     reference = copy.deepcopy(model) if args.compare else None
-    ref_optimizer = (torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-                     if args.compare else None)
+    if reference is not None:
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+        ref_scheduler = torch.optim.lr_scheduler.OneCycleLR(ref_optimizer, max_lr=3e-3,
+                                                            total_steps=args.steps)
 
     x0, y0 = next(iter(loader))                                             # salus
     with salus.torch.TrainSession(model, F.cross_entropy, optimizer, (x0, y0),  # salus
+                                  clip_grad_norm=1.0,                       # salus
                                   name="torch_train", total_iterations=args.steps) as session:
         step = 0
         while step < args.steps:
             for x, y in loader:
-                # optimizer.zero_grad()                                    # salus: these four
+                # optimizer.zero_grad()                                    # salus: these five
                 # loss = F.cross_entropy(model(x), y)                      # lines run on
                 # loss.backward()                                          # salusd now,
-                # optimizer.step()                                         # as one step:
+                # nn.utils.clip_grad_norm_(model.parameters(), 1.0)        # as one step
+                # optimizer.step()                                         #
                 loss = session.step(x, y)                                  # salus
+                scheduler.step()
                 if reference is not None:
                     ref_optimizer.zero_grad()
                     ref_loss = F.cross_entropy(reference(x), y)
                     ref_loss.backward()
+                    nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
                     ref_optimizer.step()
+                    ref_scheduler.step()
                 step += 1
                 if step % 10 == 0 or step == args.steps:
                     line = f"step {step:4d}  loss {loss.item():.6f}"

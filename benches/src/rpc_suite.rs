@@ -221,6 +221,7 @@ async fn measure(
         feeds: feeds(),
         tag: 0,
         writes: vec![],
+        program: 0,
     };
     let session = open(&client, "rtt").await?;
     for _ in 0..200 {

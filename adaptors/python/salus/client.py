@@ -149,11 +149,13 @@ def chunks(tensor: int, data: bytes) -> Iterator[session_pb2.TensorChunk]:
 
 @dataclass(frozen=True)
 class Iteration:
-    """One iteration to run: a byte string per FEED tensor (graph order) and the
-    persistent tensors to overwrite just before it runs (tensor id -> whole bytes)."""
+    """One iteration to run: a byte string per FEED tensor (graph order), the persistent
+    tensors to overwrite just before it runs (tensor id -> whole bytes), and which of the
+    session's programs runs."""
 
     feeds: list[bytes]
     writes: Mapping[int, bytes] | None = None
+    program: int = 0
 
 
 def _writes(writes: Mapping[int, bytes] | None) -> list[session_pb2.TensorChunk]:
@@ -398,12 +400,14 @@ class Session:
                 return self.error
         return error
 
-    def run(self, feeds: list[bytes], writes: Mapping[int, bytes] | None = None
-            ) -> session_pb2.RunResponse:
-        """Runs one iteration: one byte string per FEED tensor, in graph order. Waits for
-        admission and for the policy; returns the fetches (in graph order), the device
-        time and the wait. ``writes`` (tensor id -> its whole bytes) overwrite persistent
-        tensors just before this iteration runs, after every earlier one.
+    def run(self, feeds: list[bytes], writes: Mapping[int, bytes] | None = None,
+            program: int = 0) -> session_pb2.RunResponse:
+        """Runs one iteration of ``program`` (0: the graph the session opened with; else
+        a number from :meth:`add_program`): one byte string per FEED tensor, in graph
+        order. Waits for admission and for the policy; returns the fetches (in graph
+        order), the device time and the wait. ``writes`` (tensor id -> its whole bytes)
+        overwrite persistent tensors just before this iteration runs, after every earlier
+        one.
 
         Iterations go through one ``RunStream`` per session, opened at the first call and
         kept: a message on an open stream costs a fraction of a unary call's setup."""
@@ -422,7 +426,7 @@ class Session:
                 self._stream = (requests, call)
             requests, call = self._stream
             requests.put(session_pb2.RunRequest(session=self.id, feeds=feeds,
-                                                writes=_writes(writes)))
+                                                writes=_writes(writes), program=program))
             try:
                 response = next(call)
             except grpc.RpcError as e:
@@ -471,7 +475,8 @@ class Session:
                     if stop.is_set():
                         return
                     yield session_pb2.RunRequest(session=self.id, feeds=item.feeds, tag=tag,
-                                                 writes=_writes(item.writes))
+                                                 writes=_writes(item.writes),
+                                                 program=item.program)
             except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
                 failed.append(e)
 
@@ -512,6 +517,14 @@ class Session:
 
         return self._rpc(f"write tensors of session {self.id}",
                          self.client.sessions_stub.WriteTensors, messages()).tensors_written
+
+    def add_program(self, graph: graph_pb2.Graph) -> session_pb2.AddProgramResponse:
+        """Adds ``graph`` as another program of the session (its step for other feed
+        shapes: the same persistent tensors, no more scratch); returns its number (for
+        :meth:`run`'s ``program``) and its E."""
+        return self._rpc(f"add a program to session {self.id}",
+                         self.client.sessions_stub.AddProgram,
+                         session_pb2.AddProgramRequest(session=self.id, graph=graph))
 
     def close(self) -> None:
         """Closes the session (a running iteration finishes) and ends the lease.

@@ -27,6 +27,7 @@ change to ``lr``, ``momentum``, ``betas``...) takes effect at the next step. Eve
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -121,9 +122,25 @@ class _Layout:
                 for spec, data in zip(self.fetches, response.fetches)]
 
 
+@dataclass(frozen=True)
+class _Program:
+    """One of a session's programs: its number on salusd, its traced step, its feeds and
+    fetches."""
+
+    number: int
+    traced: TracedStep
+    layout: _Layout
+
+
+def _shapes_key(leaves: Sequence[Any], spec) -> tuple:
+    return (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+                        for t in leaves))
+
+
 class _SalusSession:
     """What training and inference sessions share: the traced graph, the open session,
-    reading and writing its tensors, closing."""
+    its programs (one per distinct batch shape), reading and writing its tensors,
+    closing."""
 
     kind = ""
 
@@ -134,6 +151,7 @@ class _SalusSession:
         self.graph = traced.to_graph()
         self.trace_ms = (time.perf_counter() - started) * 1e3
         self.layout = _Layout(self.graph, traced)
+        self._programs: dict[tuple, _Program] = {}
         self.iterations = 0
         self._own_client = client is None
         self.client = client if client is not None else Client(address)
@@ -152,6 +170,58 @@ class _SalusSession:
             raise
         # Trace, lower and upload: what opening cost this process.
         self.open_ms = (time.perf_counter() - started) * 1e3
+
+    # -- programs -----------------------------------------------------------------------
+
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        """The step traced for a batch of other shapes (a subclass's own recipe)."""
+        raise NotImplementedError
+
+    def _program_for(self, batch: Sequence[Any], what: str) -> tuple[_Program, list[Any]]:
+        """The program for ``batch`` and its leaves: the first program when the shapes
+        are those it was traced with; else one traced for these shapes on first use and
+        added to the session (the same persistent tensors; salusd refuses one that needs
+        more scratch than the first)."""
+        leaves, spec = pytree.tree_flatten(tuple(batch))
+        first = _Program(0, self.traced, self.layout)
+        key = _shapes_key(leaves, spec)
+        if not self._programs:
+            example = self.traced.batch_spec
+            self._programs[_shapes_key(
+                [torch.empty(s.shape, dtype=s.torch_dtype) for s in self.layout.feeds],
+                example if example is not None else spec)] = first
+        program = self._programs.get(key)
+        if program is not None:
+            return program, leaves
+        if self.traced.batch_spec is not None and spec != self.traced.batch_spec \
+                and len(leaves) == len(self.layout.feeds):
+            raise BatchError(f"{what}: the batch is structured as {spec}, but the session "
+                             f"was traced with {self.traced.batch_spec}")
+        if len(leaves) != len(self.layout.feeds) or any(
+                not isinstance(v, torch.Tensor) or v.dtype != s.torch_dtype
+                for v, s in zip(leaves, self.layout.feeds)):
+            self.layout.feed_bytes(leaves, what)  # raises, naming what does not match
+        # Only shapes differ: the same step for these shapes.
+        try:
+            traced = self._trace_for(pytree.tree_unflatten(leaves, spec))
+        except Exception as error:  # noqa: BLE001  (reported with the batch that caused it)
+            index, value, s = next((i, v, s) for i, (v, s) in
+                                   enumerate(zip(leaves, self.layout.feeds))
+                                   if tuple(v.shape) != s.shape)
+            raise BatchError(
+                f"{what}: batch element {index} is {_dtype_name(value.dtype)}"
+                f"{list(value.shape)} but the session was traced with {s.describe()}, and "
+                f"the step does not trace for these shapes: {error}") from error
+        graph = traced.to_graph()
+        added = self._session().add_program(graph)
+        program = _Program(added.program, traced, _Layout(graph, traced))
+        self._programs[key] = program
+        return program, leaves
+
+    @property
+    def programs(self) -> int:
+        """How many programs the session holds (one per distinct batch shape used)."""
+        return max(1, len(self._programs))
 
     # -- state --------------------------------------------------------------------------
 
@@ -288,6 +358,8 @@ class TrainSession(_SalusSession):
         self.model = model
         self.optimizer = optimizer
         gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
+        self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
+        self._tracing_mode = tracing_mode
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode)
         self._open(traced, client=client, address=address,
@@ -304,28 +376,33 @@ class TrainSession(_SalusSession):
         ``step()``) travel with it."""
         iteration = self._iteration(batch, "step()")
         try:
-            response = self._session().run(iteration.feeds, iteration.writes)
+            response = self._session().run(iteration.feeds, iteration.writes,
+                                           iteration.program)
         except BaseException:
             self.traced.rule.resend()
             raise
-        return self._stepped(response)
+        return self._stepped(response, iteration.program)
+
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        return trace_train_step(self.model, self._loss_fn, self.optimizer, batch,
+                                loss_of=self._loss_of, gradients=self._gradients,
+                                tracing_mode=self._tracing_mode)
 
     def _iteration(self, batch: Sequence[Any], what: str) -> Iteration:
-        leaves, spec = pytree.tree_flatten(tuple(batch))
-        if spec != self.traced.batch_spec and len(leaves) == len(self.layout.feeds):
-            raise BatchError(f"{what}: the batch is structured as {spec}, but the session "
-                             f"was traced with {self.traced.batch_spec}")
-        feeds = self.layout.feed_bytes(leaves, what)
         changed = self.traced.rule.changed_hyperparameters()
+        program, leaves = self._program_for(batch, what)
+        feeds = program.layout.feed_bytes(leaves, what)
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
-        return Iteration(feeds, writes)
+        return Iteration(feeds, writes, program.number)
 
-    def _stepped(self, response) -> torch.Tensor:
+    def _stepped(self, response, program: int = 0) -> torch.Tensor:
         self.iterations += 1
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
         self.traced.rule.mark_stepped()
-        return self.layout.fetch_tensors(response)[0]
+        layout = self.layout if program == 0 else next(
+            p.layout for p in self._programs.values() if p.number == program)
+        return layout.fetch_tensors(response)[0]
 
     def _state_written(self) -> None:
         # The optimizer's param_groups stay the truth for hyperparameters: the next step
@@ -343,11 +420,14 @@ class TrainSession(_SalusSession):
         unpipelined loop (use :meth:`step` where a schedule must act at once)."""
         def iterations():
             for batch in batches:
-                yield self._iteration(tuple(batch), "steps()")
+                iteration = self._iteration(tuple(batch), "steps()")
+                programs.append(iteration.program)
+                yield iteration
 
+        programs: collections.deque[int] = collections.deque()
         try:
             for response in self._session().run_pipelined(iterations(), depth):
-                yield self._stepped(response)
+                yield self._stepped(response, programs.popleft())
         except BaseException:
             self.traced.rule.resend()
             raise
@@ -396,6 +476,7 @@ class InferenceSession(_SalusSession):
                  eval_mode: bool = True, tracing_mode: str = "real"):
         started = time.perf_counter()
         self.model = model
+        self._eval_mode, self._tracing_mode = eval_mode, tracing_mode
         traced = trace_inference(model, example_inputs, eval_mode=eval_mode,
                                  tracing_mode=tracing_mode)
         self._open(traced, client=client, address=address,
@@ -404,13 +485,21 @@ class InferenceSession(_SalusSession):
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started)
 
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        return trace_inference(self.model, batch, eval_mode=self._eval_mode,
+                               tracing_mode=self._tracing_mode)
+
     def __call__(self, *inputs: torch.Tensor):
-        """The model's output for ``inputs``, computed on salusd."""
-        feeds = self.layout.feed_bytes(inputs, "the inference session")
-        response = self._session().run(feeds)
+        """The model's output for ``inputs``, computed on salusd. Inputs of other shapes
+        than the example's (another batch size) run a program traced for them on first
+        use; salusd refuses one that needs more scratch than the example's."""
+        what = "the inference session"
+        program, leaves = self._program_for(inputs, what)
+        response = self._session().run(program.layout.feed_bytes(leaves, what),
+                                       program=program.number)
         self.iterations += 1
-        outputs = self.layout.fetch_tensors(response)
-        return pytree.tree_unflatten(outputs, self.traced.output_spec)
+        outputs = program.layout.fetch_tensors(response)
+        return pytree.tree_unflatten(outputs, program.traced.output_spec)
 
     def __repr__(self) -> str:
         return f"<salus.torch.InferenceSession {type(self.model).__name__} session {self.id}>"

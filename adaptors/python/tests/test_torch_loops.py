@@ -126,3 +126,64 @@ def test_a_change_the_session_cannot_follow_fails_the_step_and_names_it(daemon):
         optimizer.param_groups[0]["momentum"] = 0
         session.step(*batch)  # back to what was traced: it goes on
         assert session.iterations == 2
+
+
+def test_a_partial_last_batch_just_works(daemon):
+    """A DataLoader without drop_last: 3 batches of 8 and a last one of 4, twice over."""
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    x, y = (torch.cat(t) for t in zip(*(spec.batch(k) for k in range(7))))
+    n = 28
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:n], y[:n]),
+                                         batch_size=8)
+    batches = [b for _ in range(2) for b in loader]
+    assert [len(b[0]) for b in batches] == [8, 8, 8, 4] * 2
+    make = lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)  # noqa: E731
+
+    def eager(dtype):
+        m = twin(model, dtype)
+        o = make(m)
+        losses = eager_steps(m, o, spec.loss_fn, [to_dtype(b, dtype) for b in batches])
+        return losses, torch_state(m, o)
+
+    want, exact = eager(torch.float32), eager(torch.float64)
+    rounded = randomly_rounded(lambda: eager(torch.float64), seeds=(0,))
+    optimizer = make(model)
+    with st.TrainSession(model, spec.loss_fn, optimizer, batches[0],
+                         address=daemon.address, admission_timeout=10) as session:
+        losses = [session.step(*b).item() for b in batches[:4]]
+        losses += [loss.item() for loss in session.steps(batches[4:], depth=3)]
+        state = session.state_dict()
+        assert session.programs == 2
+    assert_as_exact_as_pytorch(losses, exact[0], want[0], [r[0] for r in rounded],
+                               label="losses ", dtype=torch.float32)
+    assert_as_exact_as_pytorch(state, exact[1], want[1], [r[1] for r in rounded],
+                               label="partial batches: ")
+
+
+def test_a_batch_larger_than_the_first_is_refused_with_the_remedy(daemon):
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    x, y = spec.batch(0)
+    with st.TrainSession(model, spec.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (x[:2], y[:2]), address=daemon.address,
+                         admission_timeout=10) as session:
+        with pytest.raises(salus.DaemonError, match="RESOURCE_EXHAUSTED.*largest batch"):
+            session.step(x.repeat(8, 1), y.repeat(8))
+        session.step(x[:2], y[:2])  # the session goes on
+        assert session.iterations == 1
+
+
+def test_inference_serves_other_batch_sizes(daemon):
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    x, _ = spec.batch(0)
+    with st.InferenceSession(model, x, address=daemon.address) as serve:
+        outputs = {n: serve(x[:n]) for n in (len(x), 1, 3, 1)}
+        assert serve.programs == 3
+    model.eval()
+    with torch.no_grad():
+        for n, out in outputs.items():
+            want = model.double()(x[:n].double())
+            assert out.shape == want.shape
+            assert_as_exact_as_pytorch({"out": out}, {"out": want}, label=f"batch {n}: ")

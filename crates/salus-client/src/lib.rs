@@ -344,6 +344,7 @@ impl Session {
                 feeds,
                 tag: 0,
                 writes: vec![],
+                program: 0,
             }))
             .await?
             .into_inner())
@@ -362,6 +363,7 @@ impl Session {
                     feeds,
                     tag: tag as u64,
                     writes: vec![],
+                    program: 0,
                 }
             }));
         Ok(self

@@ -89,6 +89,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         .ask(|reply| Command::Run {
             principal: STRANGER,
             session: id,
+            program: 0,
             feeds: feeds(),
             writes: vec![],
             reply,
@@ -102,6 +103,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         .ask(|reply| Command::Run {
             principal: DAEMON,
             session: id,
+            program: 0,
             feeds: feeds(),
             writes: vec![],
             reply,
@@ -174,6 +176,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         .ask(|reply| Command::Run {
             principal: DAEMON,
             session: id,
+            program: 0,
             feeds: feeds(),
             writes: vec![],
             reply,
@@ -218,6 +221,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
             .send(Command::Run {
                 principal: DAEMON,
                 session: id,
+                program: 0,
                 feeds: feeds(),
                 writes,
                 reply,
@@ -269,4 +273,87 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
         "{fetches:?}"
     );
     assert_eq!(read_w().await, before);
+}
+
+#[tokio::test]
+async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
+    let engine = start();
+    let program = Program::new(samples::regression(4, 2, 1, 0.1), engine.limits()).unwrap();
+    let p = program.plan().persistent_bytes;
+    let (tx, mut updates) = mpsc::unbounded_channel();
+    let id = engine.new_session_id();
+    engine
+        .send(Command::Open(Box::new(NewSession {
+            id,
+            owner: DAEMON,
+            image: salusd::engine::HostImage {
+                bytes: vec![0; p as usize],
+                held: engine.host_budget().reserve(p).unwrap(),
+            },
+            program,
+            kind: SessionKind::Training,
+            hints: Hints::default(),
+            updates: Box::new(move |update| drop(tx.send(update))),
+        })))
+        .unwrap();
+    assert!(matches!(
+        updates.recv().await.unwrap().unwrap(),
+        SessionUpdate::Opened { .. }
+    ));
+    let add = |graph| {
+        let program = Program::new(graph, engine.limits()).unwrap();
+        engine.ask(move |reply| Command::AddProgram {
+            principal: DAEMON,
+            session: id,
+            program,
+            reply,
+        })
+    };
+    // The same step for a batch of 2 rows instead of 4.
+    assert_eq!(add(samples::regression(2, 2, 1, 0.1)).await.unwrap(), 1);
+    let run = |program: u32, feeds: Vec<Vec<u8>>| {
+        engine.ask(move |reply| Command::Run {
+            principal: DAEMON,
+            session: id,
+            program,
+            feeds,
+            writes: vec![],
+            reply,
+        })
+    };
+    let small = run(1, vec![f32s(&[1.0, 0.0, 0.0, 1.0]), f32s(&[1.0, 2.0])]).await;
+    assert_eq!(floats(&small.unwrap().fetches[0]), vec![2.5]);
+    // Program 0 sees the weights program 1 trained: w = (0.1, 0.2) after one step.
+    let x = f32s(&[1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    let big = run(0, vec![x, f32s(&[0.0; 4])]).await.unwrap();
+    let w2 = 0.1f32 * 0.1 + 0.2 * 0.2;
+    assert!((floats(&big.fetches[0])[0] - w2 / 4.0).abs() < 1e-7);
+
+    // Refused: other persistent tensors, more scratch, a program that does not exist.
+    let other = add(samples::regression(2, 3, 1, 0.1)).await;
+    assert!(
+        matches!(&other, Err(EngineError::ProgramMismatch { why, .. }) if why.contains("'w'")),
+        "{other:?}"
+    );
+    let larger = add(samples::regression(64, 2, 1, 0.1)).await;
+    assert!(
+        matches!(larger, Err(EngineError::ProgramTooLarge { .. })),
+        "{larger:?}"
+    );
+    let missing = run(7, vec![]).await;
+    assert!(
+        matches!(missing, Err(EngineError::UnknownProgram { count: 2, .. })),
+        "{missing:?}"
+    );
+    // A stranger may not add programs to someone's session.
+    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
+    let denied = engine
+        .ask(move |reply| Command::AddProgram {
+            principal: STRANGER,
+            session: id,
+            program,
+            reply,
+        })
+        .await;
+    assert!(matches!(denied, Err(EngineError::Denied(_))), "{denied:?}");
 }

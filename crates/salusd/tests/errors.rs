@@ -167,6 +167,7 @@ async fn malformed_requests_get_clear_statuses() {
             feeds: vec![],
             tag: 0,
             writes: vec![],
+            program: 0,
         })
         .await;
     expect(
@@ -267,6 +268,7 @@ async fn as_another_user() {
                 feeds: vec![],
                 tag: 0,
                 writes: vec![],
+                program: 0,
             })
             .await
             .map(|r| r.map(|_| ())),

@@ -15,15 +15,15 @@ _sym_db = _symbol_database.Default()
 from salus.v1 import graph_pb2 as salus_dot_v1_dot_graph__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16salus/v1/session.proto\x12\x08salus.v1\x1a\x14salus/v1/graph.proto\"`\n\x05Hints\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10total_iterations\x18\x03 \x01(\x04\x12\x1d\n\x15\x65xpected_iteration_ms\x18\x04 \x01(\x01\"r\n\x0bOpenSession\x12\x1e\n\x05graph\x18\x01 \x01(\x0b\x32\x0f.salus.v1.Graph\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.salus.v1.SessionKind\x12\x1e\n\x05hints\x18\x03 \x01(\x0b\x32\x0f.salus.v1.Hints\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x08\n\x06\x43ommit\"\x88\x01\n\x0bOpenRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.salus.v1.OpenSessionH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x10.salus.v1.CommitH\x00\x42\x06\n\x04item\"L\n\x06Opened\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x18\n\x10persistent_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x65phemeral_bytes\x18\x03 \x01(\x04\"\x18\n\x06Queued\x12\x0e\n\x06reason\x18\x01 \x01(\t\"=\n\x08\x41\x64mitted\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07resumed\x18\x03 \x01(\x08\"\x0b\n\tSuspended\"\xb3\x01\n\rSessionUpdate\x12\"\n\x06opened\x18\x01 \x01(\x0b\x32\x10.salus.v1.OpenedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.salus.v1.QueuedH\x00\x12&\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x12.salus.v1.AdmittedH\x00\x12(\n\tsuspended\x18\x04 \x01(\x0b\x32\x13.salus.v1.SuspendedH\x00\x42\x08\n\x06update\"`\n\nRunRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0c\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x12%\n\x06writes\x18\x04 \x03(\x0b\x32\x15.salus.v1.TensorChunk\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"s\n\x0bRunResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x02 \x03(\x0c\x12\x11\n\tdevice_us\x18\x03 \x01(\x04\x12\x0f\n\x07wait_us\x18\x04 \x01(\x04\x12\"\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x11.salus.v1.Failure\"6\n\x12ReadTensorsRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x03(\r\"X\n\x13WriteTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\x04H\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x42\x06\n\x04item\"/\n\x14WriteTensorsResponse\x12\x17\n\x0ftensors_written\x18\x01 \x01(\r\"\x1f\n\x0c\x43loseRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\"\x0f\n\rCloseResponse*b\n\x0bSessionKind\x12\x1c\n\x18SESSION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_KIND_TRAINING\x10\x01\x12\x1a\n\x16SESSION_KIND_INFERENCE\x10\x02\x32\x89\x03\n\x08Sessions\x12:\n\x04Open\x12\x15.salus.v1.OpenRequest\x1a\x17.salus.v1.SessionUpdate(\x01\x30\x01\x12\x32\n\x03Run\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse\x12<\n\tRunStream\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse(\x01\x30\x01\x12\x44\n\x0bReadTensors\x12\x1c.salus.v1.ReadTensorsRequest\x1a\x15.salus.v1.TensorChunk0\x01\x12O\n\x0cWriteTensors\x12\x1d.salus.v1.WriteTensorsRequest\x1a\x1e.salus.v1.WriteTensorsResponse(\x01\x12\x38\n\x05\x43lose\x12\x16.salus.v1.CloseRequest\x1a\x17.salus.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16salus/v1/session.proto\x12\x08salus.v1\x1a\x14salus/v1/graph.proto\"`\n\x05Hints\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10total_iterations\x18\x03 \x01(\x04\x12\x1d\n\x15\x65xpected_iteration_ms\x18\x04 \x01(\x01\"r\n\x0bOpenSession\x12\x1e\n\x05graph\x18\x01 \x01(\x0b\x32\x0f.salus.v1.Graph\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.salus.v1.SessionKind\x12\x1e\n\x05hints\x18\x03 \x01(\x0b\x32\x0f.salus.v1.Hints\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x08\n\x06\x43ommit\"\x88\x01\n\x0bOpenRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.salus.v1.OpenSessionH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x10.salus.v1.CommitH\x00\x42\x06\n\x04item\"L\n\x06Opened\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x18\n\x10persistent_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x65phemeral_bytes\x18\x03 \x01(\x04\"\x18\n\x06Queued\x12\x0e\n\x06reason\x18\x01 \x01(\t\"=\n\x08\x41\x64mitted\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07resumed\x18\x03 \x01(\x08\"\x0b\n\tSuspended\"\xb3\x01\n\rSessionUpdate\x12\"\n\x06opened\x18\x01 \x01(\x0b\x32\x10.salus.v1.OpenedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.salus.v1.QueuedH\x00\x12&\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x12.salus.v1.AdmittedH\x00\x12(\n\tsuspended\x18\x04 \x01(\x0b\x32\x13.salus.v1.SuspendedH\x00\x42\x08\n\x06update\"q\n\nRunRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0c\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x12%\n\x06writes\x18\x04 \x03(\x0b\x32\x15.salus.v1.TensorChunk\x12\x0f\n\x07program\x18\x05 \x01(\r\"D\n\x11\x41\x64\x64ProgramRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x1e\n\x05graph\x18\x02 \x01(\x0b\x32\x0f.salus.v1.Graph\">\n\x12\x41\x64\x64ProgramResponse\x12\x0f\n\x07program\x18\x01 \x01(\r\x12\x17\n\x0f\x65phemeral_bytes\x18\x02 \x01(\x04\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"s\n\x0bRunResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x02 \x03(\x0c\x12\x11\n\tdevice_us\x18\x03 \x01(\x04\x12\x0f\n\x07wait_us\x18\x04 \x01(\x04\x12\"\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x11.salus.v1.Failure\"6\n\x12ReadTensorsRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x03(\r\"X\n\x13WriteTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\x04H\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x42\x06\n\x04item\"/\n\x14WriteTensorsResponse\x12\x17\n\x0ftensors_written\x18\x01 \x01(\r\"\x1f\n\x0c\x43loseRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\"\x0f\n\rCloseResponse*b\n\x0bSessionKind\x12\x1c\n\x18SESSION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_KIND_TRAINING\x10\x01\x12\x1a\n\x16SESSION_KIND_INFERENCE\x10\x02\x32\xd2\x03\n\x08Sessions\x12:\n\x04Open\x12\x15.salus.v1.OpenRequest\x1a\x17.salus.v1.SessionUpdate(\x01\x30\x01\x12\x32\n\x03Run\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse\x12<\n\tRunStream\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse(\x01\x30\x01\x12\x44\n\x0bReadTensors\x12\x1c.salus.v1.ReadTensorsRequest\x1a\x15.salus.v1.TensorChunk0\x01\x12O\n\x0cWriteTensors\x12\x1d.salus.v1.WriteTensorsRequest\x1a\x1e.salus.v1.WriteTensorsResponse(\x01\x12\x38\n\x05\x43lose\x12\x16.salus.v1.CloseRequest\x1a\x17.salus.v1.CloseResponse\x12G\n\nAddProgram\x12\x1b.salus.v1.AddProgramRequest\x1a\x1c.salus.v1.AddProgramResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'salus.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONKIND']._serialized_start=1346
-  _globals['_SESSIONKIND']._serialized_end=1444
+  _globals['_SESSIONKIND']._serialized_start=1497
+  _globals['_SESSIONKIND']._serialized_end=1595
   _globals['_HINTS']._serialized_start=58
   _globals['_HINTS']._serialized_end=154
   _globals['_OPENSESSION']._serialized_start=156
@@ -45,21 +45,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONUPDATE']._serialized_start=663
   _globals['_SESSIONUPDATE']._serialized_end=842
   _globals['_RUNREQUEST']._serialized_start=844
-  _globals['_RUNREQUEST']._serialized_end=940
-  _globals['_FAILURE']._serialized_start=942
-  _globals['_FAILURE']._serialized_end=982
-  _globals['_RUNRESPONSE']._serialized_start=984
-  _globals['_RUNRESPONSE']._serialized_end=1099
-  _globals['_READTENSORSREQUEST']._serialized_start=1101
-  _globals['_READTENSORSREQUEST']._serialized_end=1155
-  _globals['_WRITETENSORSREQUEST']._serialized_start=1157
-  _globals['_WRITETENSORSREQUEST']._serialized_end=1245
-  _globals['_WRITETENSORSRESPONSE']._serialized_start=1247
-  _globals['_WRITETENSORSRESPONSE']._serialized_end=1294
-  _globals['_CLOSEREQUEST']._serialized_start=1296
-  _globals['_CLOSEREQUEST']._serialized_end=1327
-  _globals['_CLOSERESPONSE']._serialized_start=1329
-  _globals['_CLOSERESPONSE']._serialized_end=1344
-  _globals['_SESSIONS']._serialized_start=1447
-  _globals['_SESSIONS']._serialized_end=1840
+  _globals['_RUNREQUEST']._serialized_end=957
+  _globals['_ADDPROGRAMREQUEST']._serialized_start=959
+  _globals['_ADDPROGRAMREQUEST']._serialized_end=1027
+  _globals['_ADDPROGRAMRESPONSE']._serialized_start=1029
+  _globals['_ADDPROGRAMRESPONSE']._serialized_end=1091
+  _globals['_FAILURE']._serialized_start=1093
+  _globals['_FAILURE']._serialized_end=1133
+  _globals['_RUNRESPONSE']._serialized_start=1135
+  _globals['_RUNRESPONSE']._serialized_end=1250
+  _globals['_READTENSORSREQUEST']._serialized_start=1252
+  _globals['_READTENSORSREQUEST']._serialized_end=1306
+  _globals['_WRITETENSORSREQUEST']._serialized_start=1308
+  _globals['_WRITETENSORSREQUEST']._serialized_end=1396
+  _globals['_WRITETENSORSRESPONSE']._serialized_start=1398
+  _globals['_WRITETENSORSRESPONSE']._serialized_end=1445
+  _globals['_CLOSEREQUEST']._serialized_start=1447
+  _globals['_CLOSEREQUEST']._serialized_end=1478
+  _globals['_CLOSERESPONSE']._serialized_start=1480
+  _globals['_CLOSERESPONSE']._serialized_end=1495
+  _globals['_SESSIONS']._serialized_start=1598
+  _globals['_SESSIONS']._serialized_end=2064
 # @@protoc_insertion_point(module_scope)

@@ -106,16 +106,34 @@ class SessionUpdate(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., admitted: _Optional[_Union[Admitted, _Mapping]] = ..., suspended: _Optional[_Union[Suspended, _Mapping]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("session", "feeds", "tag", "writes")
+    __slots__ = ("session", "feeds", "tag", "writes", "program")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     session: int
     feeds: _containers.RepeatedScalarFieldContainer[bytes]
     tag: int
     writes: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    program: int
+    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., program: _Optional[int] = ...) -> None: ...
+
+class AddProgramRequest(_message.Message):
+    __slots__ = ("session", "graph")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    graph: _graph_pb2.Graph
+    def __init__(self, session: _Optional[int] = ..., graph: _Optional[_Union[_graph_pb2.Graph, _Mapping]] = ...) -> None: ...
+
+class AddProgramResponse(_message.Message):
+    __slots__ = ("program", "ephemeral_bytes")
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    program: int
+    ephemeral_bytes: int
+    def __init__(self, program: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("code", "message")

@@ -44,6 +44,11 @@ class SessionsStub:
                 request_serializer=salus_dot_v1_dot_session__pb2.CloseRequest.SerializeToString,
                 response_deserializer=salus_dot_v1_dot_session__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.AddProgram = channel.unary_unary(
+                '/salus.v1.Sessions/AddProgram',
+                request_serializer=salus_dot_v1_dot_session__pb2.AddProgramRequest.SerializeToString,
+                response_deserializer=salus_dot_v1_dot_session__pb2.AddProgramResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -98,6 +103,16 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddProgram(self, request, context):
+        """Adds a program to an open session: the same step for other shapes of its feeds (the
+        last, smaller batch of an epoch; another batch size to serve). It must hold the
+        session's persistent tensors (names, roles, dtypes, shapes, constants' values) and
+        no others, and need no more scratch (E) than the program the session opened with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +145,11 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=salus_dot_v1_dot_session__pb2.CloseRequest.FromString,
                     response_serializer=salus_dot_v1_dot_session__pb2.CloseResponse.SerializeToString,
+            ),
+            'AddProgram': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddProgram,
+                    request_deserializer=salus_dot_v1_dot_session__pb2.AddProgramRequest.FromString,
+                    response_serializer=salus_dot_v1_dot_session__pb2.AddProgramResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -294,6 +314,33 @@ class Sessions:
             '/salus.v1.Sessions/Close',
             salus_dot_v1_dot_session__pb2.CloseRequest.SerializeToString,
             salus_dot_v1_dot_session__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddProgram(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salus.v1.Sessions/AddProgram',
+            salus_dot_v1_dot_session__pb2.AddProgramRequest.SerializeToString,
+            salus_dot_v1_dot_session__pb2.AddProgramResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -211,7 +211,7 @@ impl State {
                 switches.pop_front();
             }
         }
-        let program = entry.program.clone();
+        let program = entry.programs[pending.program].clone();
         let device = self.device.clone();
         let tx = self.tx.clone();
         let wait = started.saturating_duration_since(pending.arrived);

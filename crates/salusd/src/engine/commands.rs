@@ -59,12 +59,25 @@ pub enum Command {
         principal: Principal,
         /// Which session.
         session: u64,
+        /// Which of its programs (0: the one it opened with).
+        program: u32,
         /// One buffer per feed.
         feeds: Vec<Vec<u8>>,
         /// Persistent tensors to overwrite just before the iteration: (id, whole bytes).
         writes: Vec<(u32, Vec<u8>)>,
         /// Where the result goes.
         reply: Reply<RunResult>,
+    },
+    /// Add a program to a session: its step for other feed shapes.
+    AddProgram {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// The program, planned.
+        program: Program,
+        /// Its number in the session.
+        reply: Reply<u32>,
     },
     /// Read persistent tensors between iterations.
     Read {
@@ -160,10 +173,22 @@ impl State {
             Command::Run {
                 principal,
                 session,
+                program,
                 feeds,
                 writes,
                 reply,
-            } => self.submit(principal, session, feeds, writes, reply),
+            } => self.submit(principal, session, program, feeds, writes, reply),
+            Command::AddProgram {
+                principal,
+                session,
+                program,
+                reply,
+            } => {
+                let result = self
+                    .owned(principal, session)
+                    .and_then(|entry| entry.add_program(session, program));
+                let _ = reply.send(result);
+            }
             Command::Read {
                 principal,
                 session,
@@ -300,7 +325,7 @@ impl State {
         }
         let entry = Entry {
             owner: new.owner,
-            program: Arc::new(new.program),
+            programs: vec![Arc::new(new.program)],
             hints: new.hints,
             image: Some(new.image),
             place: Place::Queued,
@@ -335,6 +360,7 @@ impl State {
         &mut self,
         principal: Principal,
         session: u64,
+        program: u32,
         feeds: Vec<Vec<u8>>,
         writes: Vec<(u32, Vec<u8>)>,
         reply: Reply<RunResult>,
@@ -346,12 +372,20 @@ impl State {
                 return;
             }
         };
+        let Some(run) = entry.programs.get(program as usize) else {
+            let _ = reply.send(Err(EngineError::UnknownProgram {
+                session,
+                program,
+                count: entry.programs.len(),
+            }));
+            return;
+        };
         let views: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
-        if let Err(error) = entry.program.check_feeds(&views) {
+        if let Err(error) = run.check_feeds(&views) {
             let _ = reply.send(Err(EngineError::Feeds { session, error }));
             return;
         }
-        let writes = match Self::placed_writes(&entry.program, writes) {
+        let writes = match Self::placed_writes(entry.program(), writes) {
             Ok(writes) => writes,
             Err(error) => {
                 let _ = reply.send(Err(error));
@@ -359,6 +393,7 @@ impl State {
             }
         };
         entry.pending.push_back(Pending {
+            program: program as usize,
             feeds,
             writes,
             reply,
@@ -462,7 +497,7 @@ impl State {
             .sessions
             .get(&id)
             .ok_or(EngineError::UnknownSession(id.0))?;
-        let program = &entry.program;
+        let program = entry.program();
         let ids: Vec<u32> = if tensors.is_empty() {
             program
                 .graph()
@@ -501,7 +536,7 @@ impl State {
             .get_mut(&id)
             .ok_or(EngineError::UnknownSession(id.0))?;
         // Check everything before changing anything: all or nothing.
-        let ranges = Self::write_offsets(&entry.program, tensors)?;
+        let ranges = Self::write_offsets(entry.program(), tensors)?;
         for ((_, bytes), off) in tensors.iter().zip(ranges) {
             match (&mut entry.image, entry.place) {
                 (Some(image), _) => {

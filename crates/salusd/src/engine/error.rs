@@ -99,6 +99,38 @@ pub enum EngineError {
         /// The offset given.
         offset: u64,
     },
+    /// A program number the session does not have.
+    #[error("session {session} has {count} program(s); there is no program {program}")]
+    UnknownProgram {
+        /// Whose.
+        session: u64,
+        /// The number asked for.
+        program: u32,
+        /// How many it has.
+        count: usize,
+    },
+    /// A program that cannot join the session.
+    #[error("the program cannot join session {session}: {why}")]
+    ProgramMismatch {
+        /// Whose.
+        session: u64,
+        /// What differs.
+        why: String,
+    },
+    /// A program that needs more scratch than the session was planned with.
+    #[error(
+        "the program needs {need} bytes of scratch (E) but session {session} was planned \
+         with {have}, by the program it opened with: open the session with its largest \
+         batch"
+    )]
+    ProgramTooLarge {
+        /// Whose.
+        session: u64,
+        /// The program's E.
+        need: u64,
+        /// The session's E.
+        have: u64,
+    },
     /// One request writes a tensor twice.
     #[error("tensor {tensor} '{name}' is written twice in one request")]
     RepeatedTensor {

@@ -19,6 +19,7 @@ mod actions;
 mod commands;
 mod error;
 mod host_budget;
+mod programs;
 mod reports;
 
 use std::collections::{HashMap, VecDeque};
@@ -64,6 +65,8 @@ enum Place {
 }
 
 struct Pending {
+    /// Which of the session's programs runs.
+    program: usize,
     feeds: Vec<Vec<u8>>,
     /// Persistent tensors to overwrite first: (offset in the persistent block, bytes).
     writes: Vec<(u64, Vec<u8>)>,
@@ -78,7 +81,9 @@ enum Deferred {
 
 struct Entry {
     owner: Principal,
-    program: Arc<Program>,
+    /// Its programs: the one it opened with (which defines the persistent block and E),
+    /// then those added for other feed shapes, in the order they were added.
+    programs: Vec<Arc<Program>>,
     hints: Hints,
     /// The persistent block on the host: before admission and while suspended.
     image: Option<HostImage>,
@@ -96,6 +101,11 @@ struct Entry {
 }
 
 impl Entry {
+    /// The program the session opened with: its persistent tensors' layout and its E.
+    fn program(&self) -> &Arc<Program> {
+        &self.programs[0]
+    }
+
     fn send(&self, update: SessionUpdate) {
         (self.updates)(Ok(update));
     }

@@ -35,7 +35,10 @@ pub fn code(error: &EngineError) -> Code {
         | EngineError::NotPersistent { .. }
         | EngineError::TensorSize { .. }
         | EngineError::RepeatedTensor { .. }
-        | EngineError::PartialWrite { .. } => Code::InvalidArgument,
+        | EngineError::PartialWrite { .. }
+        | EngineError::UnknownProgram { .. }
+        | EngineError::ProgramMismatch { .. } => Code::InvalidArgument,
+        EngineError::ProgramTooLarge { .. } => Code::ResourceExhausted,
         EngineError::ClosedBeforeStart { .. } | EngineError::Closed(_) => Code::Cancelled,
         EngineError::NeverFits { .. } | EngineError::HostMemory { .. } => Code::ResourceExhausted,
         EngineError::Exec(ExecError::Feed { .. }) => Code::InvalidArgument,

@@ -141,6 +141,7 @@ impl pb::sessions_server::Sessions for Service {
             feeds,
             tag,
             writes,
+            program,
         } = request.into_inner();
         let writes = whole_tensors(writes).map_err(Status::from)?;
         let result = self
@@ -148,6 +149,7 @@ impl pb::sessions_server::Sessions for Service {
             .ask(|reply| Command::Run {
                 principal,
                 session,
+                program,
                 feeds,
                 writes,
                 reply,
@@ -178,6 +180,7 @@ impl pb::sessions_server::Sessions for Service {
                     Ok(writes) => engine.send(Command::Run {
                         principal,
                         session: request.session,
+                        program: request.program,
                         feeds: request.feeds,
                         writes,
                         reply,
@@ -303,6 +306,37 @@ impl pb::sessions_server::Sessions for Service {
             })
             .await?;
         Ok(Response::new(pb::CloseResponse {}))
+    }
+
+    async fn add_program(
+        &self,
+        request: Request<pb::AddProgramRequest>,
+    ) -> Result<Response<pb::AddProgramResponse>, Status> {
+        let principal = self.principal(&request)?;
+        let pb::AddProgramRequest { session, graph } = request.into_inner();
+        let graph = graph.ok_or_else(|| Status::invalid_argument("AddProgram has no graph"))?;
+        let graph = salus_graph::Graph::from_proto(&graph)
+            .map_err(|e| Status::invalid_argument(format!("graph rejected: {e}")))?;
+        // Planning a large graph takes a while: off the async workers.
+        let engine = self.engine.clone();
+        let program = tokio::task::spawn_blocking(move || engine.plan(graph))
+            .await
+            .map_err(|e| Status::internal(format!("planning stopped: {e}")))?
+            .map_err(|e| Status::invalid_argument(format!("graph rejected: {e}")))?;
+        let ephemeral_bytes = program.plan().ephemeral_bytes;
+        let number = self
+            .engine
+            .ask(|reply| Command::AddProgram {
+                principal,
+                session,
+                program,
+                reply,
+            })
+            .await?;
+        Ok(Response::new(pb::AddProgramResponse {
+            program: number,
+            ephemeral_bytes,
+        }))
     }
 }
 
