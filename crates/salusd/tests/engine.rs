@@ -301,7 +301,7 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
         SessionUpdate::Opened { .. }
     ));
     let add = |graph| {
-        let program = Program::new(graph, engine.limits()).unwrap();
+        let program = Box::new(Program::new(graph, engine.limits()).unwrap());
         engine.ask(move |reply| Command::AddProgram {
             principal: DAEMON,
             session: id,
@@ -346,7 +346,8 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
         "{missing:?}"
     );
     // A stranger may not add programs to someone's session.
-    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
+    let program =
+        Box::new(Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap());
     let denied = engine
         .ask(move |reply| Command::AddProgram {
             principal: STRANGER,

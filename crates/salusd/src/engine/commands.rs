@@ -75,7 +75,7 @@ pub enum Command {
         /// Which session.
         session: u64,
         /// The program, planned.
-        program: Program,
+        program: Box<Program>,
         /// Its number in the session.
         reply: Reply<u32>,
     },
@@ -186,7 +186,7 @@ impl State {
             } => {
                 let result = self
                     .owned(principal, session)
-                    .and_then(|entry| entry.add_program(session, program));
+                    .and_then(|entry| entry.add_program(session, *program));
                 let _ = reply.send(result);
             }
             Command::Read {

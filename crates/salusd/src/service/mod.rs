@@ -329,7 +329,7 @@ impl pb::sessions_server::Sessions for Service {
             .ask(|reply| Command::AddProgram {
                 principal,
                 session,
-                program,
+                program: Box::new(program),
                 reply,
             })
             .await?;
