@@ -163,6 +163,13 @@ impl pb::sessions_server::Sessions for Echo {
     ) -> Result<Response<pb::CloseResponse>, Status> {
         Err(Status::unimplemented("echo"))
     }
+
+    async fn add_program(
+        &self,
+        _: Request<pb::AddProgramRequest>,
+    ) -> Result<Response<pb::AddProgramResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
 }
 
 /// Serves [`Echo`] on `socket` from its own multi-threaded runtime (as the daemon is
