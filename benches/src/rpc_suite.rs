@@ -170,6 +170,13 @@ impl pb::sessions_server::Sessions for Echo {
     ) -> Result<Response<pb::AddProgramResponse>, Status> {
         Err(Status::unimplemented("echo"))
     }
+
+    async fn attach_buffer(
+        &self,
+        _: Request<pb::AttachBufferRequest>,
+    ) -> Result<Response<pb::AttachBufferResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
 }
 
 /// Serves [`Echo`] on `socket` from its own multi-threaded runtime (as the daemon is
@@ -227,8 +234,7 @@ async fn measure(
         session: 0,
         feeds: feeds(),
         tag: 0,
-        writes: vec![],
-        program: 0,
+        ..Default::default()
     };
     let session = open(&client, "rtt").await?;
     for _ in 0..200 {

@@ -343,8 +343,7 @@ impl Session {
                 session: self.id,
                 feeds,
                 tag: 0,
-                writes: vec![],
-                program: 0,
+                ..Default::default()
             }))
             .await?
             .into_inner())
@@ -362,8 +361,7 @@ impl Session {
                     session: id,
                     feeds,
                     tag: tag as u64,
-                    writes: vec![],
-                    program: 0,
+                    ..Default::default()
                 }
             }));
         Ok(self

@@ -92,6 +92,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             program: 0,
             feeds: feeds(),
             writes: vec![],
+            fetch_lengths: vec![],
             reply,
         })
         .await;
@@ -106,6 +107,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             program: 0,
             feeds: feeds(),
             writes: vec![],
+            fetch_lengths: vec![],
             reply,
         })
         .await
@@ -179,6 +181,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             program: 0,
             feeds: feeds(),
             writes: vec![],
+            fetch_lengths: vec![],
             reply,
         })
         .await;
@@ -224,6 +227,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
                 program: 0,
                 feeds: feeds(),
                 writes,
+                fetch_lengths: vec![],
                 reply,
             })
             .unwrap();
@@ -318,6 +322,7 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
             program,
             feeds,
             writes: vec![],
+            fetch_lengths: vec![],
             reply,
         })
     };

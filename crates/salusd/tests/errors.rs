@@ -166,8 +166,7 @@ async fn malformed_requests_get_clear_statuses() {
             session: 999,
             feeds: vec![],
             tag: 0,
-            writes: vec![],
-            program: 0,
+            ..Default::default()
         })
         .await;
     expect(
@@ -267,8 +266,7 @@ async fn as_another_user() {
                 session: id,
                 feeds: vec![],
                 tag: 0,
-                writes: vec![],
-                program: 0,
+                ..Default::default()
             })
             .await
             .map(|r| r.map(|_| ())),

@@ -38,6 +38,17 @@ pub struct NewSession {
     pub updates: UpdateSink,
 }
 
+/// Writes placed in the persistent block: (offset, bytes).
+type PlacedWrites = Vec<(u64, Vec<u8>)>;
+
+/// One iteration as a client asks for it.
+pub(super) struct Submission {
+    program: u32,
+    feeds: Vec<Vec<u8>>,
+    writes: Vec<(u32, Vec<u8>)>,
+    fetch_lengths: Vec<u64>,
+}
+
 /// What one iteration gave the client.
 #[derive(Debug)]
 pub struct RunResult {
@@ -65,6 +76,8 @@ pub enum Command {
         feeds: Vec<Vec<u8>>,
         /// Persistent tensors to overwrite just before the iteration: (id, whole bytes).
         writes: Vec<(u32, Vec<u8>)>,
+        /// The sizes the client expects its fetches to have (empty: no expectation).
+        fetch_lengths: Vec<u64>,
         /// Where the result goes.
         reply: Reply<RunResult>,
     },
@@ -78,6 +91,15 @@ pub enum Command {
         program: Box<Program>,
         /// Its number in the session.
         reply: Reply<u32>,
+    },
+    /// Whether the principal may use the session (it exists, is theirs, is not closing).
+    Owns {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// Yes, or why not.
+        reply: Reply<()>,
     },
     /// Read persistent tensors between iterations.
     Read {
@@ -176,8 +198,24 @@ impl State {
                 program,
                 feeds,
                 writes,
+                fetch_lengths,
                 reply,
-            } => self.submit(principal, session, program, feeds, writes, reply),
+            } => self.submit(
+                principal,
+                session,
+                Submission {
+                    program,
+                    feeds,
+                    writes,
+                    fetch_lengths,
+                },
+                reply,
+            ),
+            Command::Owns {
+                principal,
+                session,
+                reply,
+            } => drop(reply.send(self.owned(principal, session).map(|_| ()))),
             Command::AddProgram {
                 principal,
                 session,
@@ -360,9 +398,7 @@ impl State {
         &mut self,
         principal: Principal,
         session: u64,
-        program: u32,
-        feeds: Vec<Vec<u8>>,
-        writes: Vec<(u32, Vec<u8>)>,
+        work: Submission,
         reply: Reply<RunResult>,
     ) {
         let entry = match self.owned(principal, session) {
@@ -372,21 +408,9 @@ impl State {
                 return;
             }
         };
-        let Some(run) = entry.programs.get(program as usize) else {
-            let _ = reply.send(Err(EngineError::UnknownProgram {
-                session,
-                program,
-                count: entry.programs.len(),
-            }));
-            return;
-        };
-        let views: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
-        if let Err(error) = run.check_feeds(&views) {
-            let _ = reply.send(Err(EngineError::Feeds { session, error }));
-            return;
-        }
-        let writes = match Self::placed_writes(entry.program(), writes) {
-            Ok(writes) => writes,
+        let program = work.program;
+        let (feeds, writes) = match Self::checked(entry, session, work) {
+            Ok(checked) => checked,
             Err(error) => {
                 let _ = reply.send(Err(error));
                 return;
@@ -444,6 +468,44 @@ impl State {
                 role: t.role,
             }),
         }
+    }
+
+    /// An iteration's request checked against the session before it is queued: the
+    /// program exists, the feeds fit it, the writes are whole persistent tensors, the
+    /// fetch sizes (if given) are its. Returns the feeds and the placed writes.
+    fn checked(
+        entry: &Entry,
+        session: u64,
+        work: Submission,
+    ) -> Result<(Vec<Vec<u8>>, PlacedWrites), EngineError> {
+        let run = entry
+            .programs
+            .get(work.program as usize)
+            .ok_or(EngineError::UnknownProgram {
+                session,
+                program: work.program,
+                count: entry.programs.len(),
+            })?;
+        let views: Vec<&[u8]> = work.feeds.iter().map(Vec::as_slice).collect();
+        run.check_feeds(&views)
+            .map_err(|error| EngineError::Feeds { session, error })?;
+        if !work.fetch_lengths.is_empty() {
+            let sizes: Vec<u64> = run
+                .graph()
+                .fetches
+                .iter()
+                .map(|&t| run.bytes(t))
+                .collect();
+            if sizes != work.fetch_lengths {
+                return Err(EngineError::FetchSizes {
+                    session,
+                    expected: sizes,
+                    given: work.fetch_lengths,
+                });
+            }
+        }
+        let writes = Self::placed_writes(entry.program(), work.writes)?;
+        Ok((work.feeds, writes))
     }
 
     /// Where in the persistent block each whole-tensor write goes; refuses a tensor that

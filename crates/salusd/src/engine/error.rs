@@ -131,6 +131,18 @@ pub enum EngineError {
         /// The session's E.
         have: u64,
     },
+    /// Fetch places of other sizes than the program's fetches.
+    #[error(
+        "session {session}: the fetches have {expected:?} bytes, the request's places for them {given:?}"
+    )]
+    FetchSizes {
+        /// Whose.
+        session: u64,
+        /// The program's fetch sizes.
+        expected: Vec<u64>,
+        /// The sizes given.
+        given: Vec<u64>,
+    },
     /// One request writes a tensor twice.
     #[error("tensor {tensor} '{name}' is written twice in one request")]
     RepeatedTensor {

@@ -37,6 +37,7 @@ pub fn code(error: &EngineError) -> Code {
         | EngineError::RepeatedTensor { .. }
         | EngineError::PartialWrite { .. }
         | EngineError::UnknownProgram { .. }
+        | EngineError::FetchSizes { .. }
         | EngineError::ProgramMismatch { .. } => Code::InvalidArgument,
         EngineError::ProgramTooLarge { .. } => Code::ResourceExhausted,
         EngineError::ClosedBeforeStart { .. } | EngineError::Closed(_) => Code::Cancelled,

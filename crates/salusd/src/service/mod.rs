@@ -5,7 +5,9 @@
 //! (graphs, chunks, feeds; `open`) so the engine only ever sees well-formed work, and
 //! turns the engine's domain answers and errors into messages and statuses (`convert`).
 
+mod buffers;
 mod convert;
+mod iterations;
 mod open;
 
 use std::pin::Pin;
@@ -18,9 +20,10 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
-use crate::engine::{Command, Engine, EngineError};
+use crate::engine::{Command, Engine};
+use buffers::{Buffers, FeedBuffer};
+use convert::run_response;
 pub use convert::{code, micros};
-use convert::{run_response, whole_tensors};
 
 /// Iterations one `RunStream` may have submitted and not yet answered.
 pub const PIPELINE: usize = 16;
@@ -32,12 +35,17 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'stati
 pub struct Service {
     engine: Engine,
     access: Access,
+    buffers: Buffers,
 }
 
 impl Service {
     /// Services answering from `engine`, authenticating with `access`.
     pub fn new(engine: Engine, access: Access) -> Service {
-        Service { engine, access }
+        Service {
+            engine,
+            access,
+            buffers: Buffers::default(),
+        }
     }
 
     fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
@@ -48,6 +56,7 @@ impl Service {
 /// Ends a session's lease when its update stream is dropped (the client went away).
 struct Lease {
     engine: Engine,
+    buffers: Buffers,
     owner: Principal,
     session: Option<u64>,
     updates: UnboundedReceiverStream<Result<pb::SessionUpdate, Status>>,
@@ -71,7 +80,8 @@ impl Stream for Lease {
     }
 }
 
-fn end_lease(engine: &Engine, owner: Principal, session: u64) {
+fn end_lease(engine: &Engine, buffers: &Buffers, owner: Principal, session: u64) {
+    buffers.detach(session);
     let _ = engine.send(Command::Close {
         principal: owner,
         session,
@@ -82,7 +92,7 @@ fn end_lease(engine: &Engine, owner: Principal, session: u64) {
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(session) = self.session {
-            end_lease(&self.engine, self.owner, session);
+            end_lease(&self.engine, &self.buffers, self.owner, session);
         }
     }
 }
@@ -99,8 +109,10 @@ impl pb::sessions_server::Sessions for Service {
         let mut stream = request.into_inner();
         let (updates, rx) = mpsc::unbounded_channel();
         let engine = self.engine.clone();
+        let buffers = self.buffers.clone();
         let lease = Lease {
             engine: engine.clone(),
+            buffers: buffers.clone(),
             owner,
             session: None,
             updates: UnboundedReceiverStream::new(rx),
@@ -126,7 +138,7 @@ impl pb::sessions_server::Sessions for Service {
             drop(updates);
             // The lease holds until the client ends its side or the connection breaks.
             while let Some(Ok(_)) = stream.next().await {}
-            end_lease(&engine, owner, id);
+            end_lease(&engine, &buffers, owner, id);
         });
         Ok(Response::new(Box::pin(lease)))
     }
@@ -136,24 +148,10 @@ impl pb::sessions_server::Sessions for Service {
         request: Request<pb::RunRequest>,
     ) -> Result<Response<pb::RunResponse>, Status> {
         let principal = self.principal(&request)?;
-        let pb::RunRequest {
-            session,
-            feeds,
-            tag,
-            writes,
-            program,
-        } = request.into_inner();
-        let writes = whole_tensors(writes).map_err(Status::from)?;
-        let result = self
-            .engine
-            .ask(|reply| Command::Run {
-                principal,
-                session,
-                program,
-                feeds,
-                writes,
-                reply,
-            })
+        let request = request.into_inner();
+        let tag = request.tag;
+        let result = iterations::submit(&self.engine, &self.buffers, principal, request)
+            .await
             .await?;
         Ok(Response::new(run_response(tag, Ok(result))))
     }
@@ -167,6 +165,7 @@ impl pb::sessions_server::Sessions for Service {
         let principal = self.principal(&request)?;
         let mut requests = request.into_inner();
         let engine = self.engine.clone();
+        let buffers = self.buffers.clone();
         let (tx, rx) = mpsc::unbounded_channel();
         // At most PIPELINE iterations of one stream wait at a time: past that, the daemon
         // stops reading the stream and HTTP/2 flow control holds the client back.
@@ -175,32 +174,16 @@ impl pb::sessions_server::Sessions for Service {
         tokio::spawn(async move {
             while let Some(request) = requests.next().await {
                 let Ok(request) = request else { break };
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                let sent = match whole_tensors(request.writes) {
-                    Ok(writes) => engine.send(Command::Run {
-                        principal,
-                        session: request.session,
-                        program: request.program,
-                        feeds: request.feeds,
-                        writes,
-                        reply,
-                    }),
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                        Ok(())
-                    }
-                };
-                if sent.is_err() || order_tx.send((request.tag, answer)).await.is_err() {
+                let tag = request.tag;
+                let answer = iterations::submit(&engine, &buffers, principal, request).await;
+                if order_tx.send((tag, answer)).await.is_err() {
                     break;
                 }
             }
         });
         tokio::spawn(async move {
             while let Some((tag, answer)) = order_rx.recv().await {
-                let result = answer
-                    .await
-                    .unwrap_or(Err(EngineError::ShuttingDown))
-                    .map_err(Status::from);
+                let result = answer.await;
                 if tx.send(Ok(run_response(tag, result))).is_err() {
                     break;
                 }
@@ -337,6 +320,30 @@ impl pb::sessions_server::Sessions for Service {
             program: number,
             ephemeral_bytes,
         }))
+    }
+
+    async fn attach_buffer(
+        &self,
+        request: Request<pb::AttachBufferRequest>,
+    ) -> Result<Response<pb::AttachBufferResponse>, Status> {
+        let principal = self.principal(&request)?;
+        if !matches!(wire::peer(&request), wire::Peer::Unix { .. }) {
+            return Err(Status::failed_precondition(
+                "feed buffers are for clients on salusd's Unix socket (same host, known uid)",
+            ));
+        }
+        let pb::AttachBufferRequest { session, path } = request.into_inner();
+        self.engine
+            .ask(|reply| Command::Owns {
+                principal,
+                session,
+                reply,
+            })
+            .await?;
+        let buffer = FeedBuffer::open(&path, principal)?;
+        let size = buffer.size();
+        self.buffers.attach(session, buffer);
+        Ok(Response::new(pb::AttachBufferResponse { size }))
     }
 }
 
