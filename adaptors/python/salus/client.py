@@ -26,8 +26,11 @@ graph; :mod:`salus.torch` maps PyTorch tensors and names onto them.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import queue
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +38,7 @@ from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import grpc
 
-from .errors import (AdmissionTimeoutError, DaemonError, DaemonUnavailableError,
+from .errors import (AdmissionTimeoutError, DaemonError, DaemonUnavailableError, SalusError,
                      SessionClosedError)
 from .v1 import admin_pb2, admin_pb2_grpc, graph_pb2, session_pb2, session_pb2_grpc
 
@@ -156,11 +159,46 @@ class Iteration:
     feeds: list[bytes]
     writes: Mapping[int, bytes] | None = None
     program: int = 0
+    #: Instead of ``feeds``: (offset, length) of each feed in the session's feed buffer.
+    feed_ranges: list[tuple[int, int]] | None = None
+    #: Where each fetch goes in the feed buffer (the response then carries none).
+    fetch_ranges: list[tuple[int, int]] | None = None
+
+    def request(self, session: int, tag: int = 0) -> session_pb2.RunRequest:
+        ranges = lambda rs: [session_pb2.BufferRange(offset=o, length=n)  # noqa: E731
+                             for o, n in rs or ()]
+        return session_pb2.RunRequest(session=session, feeds=self.feeds, tag=tag,
+                                      writes=_writes(self.writes), program=self.program,
+                                      feed_ranges=ranges(self.feed_ranges),
+                                      fetch_ranges=ranges(self.fetch_ranges))
 
 
 def _writes(writes: Mapping[int, bytes] | None) -> list[session_pb2.TensorChunk]:
     return [session_pb2.TensorChunk(tensor=t, offset=0, data=d)
             for t, d in (writes or {}).items()]
+
+
+class FeedBuffer:
+    """A private file mapped into this process, whose ranges a session's iterations name
+    for their feeds and fetches (:meth:`Session.attach_buffer`): ``view`` is its bytes as
+    a writable ``memoryview``."""
+
+    def __init__(self, size: int):
+        directory = os.environ.get("SALUS_SHM_DIR") or (
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        fd, self.path = tempfile.mkstemp(prefix="salus-feeds-", dir=directory)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        self.size = size
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 class Client:
@@ -400,14 +438,14 @@ class Session:
                 return self.error
         return error
 
-    def run(self, feeds: list[bytes], writes: Mapping[int, bytes] | None = None,
+    def run(self, feeds: list[bytes] | Iteration, writes: Mapping[int, bytes] | None = None,
             program: int = 0) -> session_pb2.RunResponse:
         """Runs one iteration of ``program`` (0: the graph the session opened with; else
         a number from :meth:`add_program`): one byte string per FEED tensor, in graph
-        order. Waits for admission and for the policy; returns the fetches (in graph
-        order), the device time and the wait. ``writes`` (tensor id -> its whole bytes)
-        overwrite persistent tensors just before this iteration runs, after every earlier
-        one.
+        order (or an :class:`Iteration`, which may name feed buffer ranges instead).
+        Waits for admission and for the policy; returns the fetches (in graph order), the
+        device time and the wait. ``writes`` (tensor id -> its whole bytes) overwrite
+        persistent tensors just before this iteration runs, after every earlier one.
 
         Iterations go through one ``RunStream`` per session, opened at the first call and
         kept: a message on an open stream costs a fraction of a unary call's setup."""
@@ -425,8 +463,9 @@ class Session:
                 call = self.client.sessions_stub.RunStream(feed(), metadata=self.client.metadata)
                 self._stream = (requests, call)
             requests, call = self._stream
-            requests.put(session_pb2.RunRequest(session=self.id, feeds=feeds,
-                                                writes=_writes(writes), program=program))
+            iteration = (feeds if isinstance(feeds, Iteration)
+                         else Iteration(feeds, writes, program))
+            requests.put(iteration.request(self.id))
             try:
                 response = next(call)
             except grpc.RpcError as e:
@@ -474,9 +513,7 @@ class Session:
                             return
                     if stop.is_set():
                         return
-                    yield session_pb2.RunRequest(session=self.id, feeds=item.feeds, tag=tag,
-                                                 writes=_writes(item.writes),
-                                                 program=item.program)
+                    yield item.request(self.id, tag)
             except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
                 failed.append(e)
 
@@ -517,6 +554,21 @@ class Session:
 
         return self._rpc(f"write tensors of session {self.id}",
                          self.client.sessions_stub.WriteTensors, messages()).tensors_written
+
+    def attach_buffer(self, size: int) -> "FeedBuffer":
+        """A feed buffer of ``size`` bytes shared with salusd (Unix socket only): a
+        private file in ``SALUS_SHM_DIR`` (default ``/dev/shm``), attached to the session
+        and unlinked at once; it replaces any earlier one."""
+        if self.client.address.path is None:
+            raise SalusError("feed buffers need salusd's Unix socket (same host)")
+        buffer = FeedBuffer(size)
+        try:
+            self._rpc(f"attach a feed buffer to session {self.id}",
+                      self.client.sessions_stub.AttachBuffer,
+                      session_pb2.AttachBufferRequest(session=self.id, path=buffer.path))
+        finally:
+            buffer.unlink()
+        return buffer
 
     def add_program(self, graph: graph_pb2.Graph) -> session_pb2.AddProgramResponse:
         """Adds ``graph`` as another program of the session (its step for other feed

@@ -32,95 +32,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      SalusError, SessionClosedError)
-from .lower import DTYPES, constant_bytes
+from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
-from .v1 import graph_pb2 as pb
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
            "InferenceSession", "SalusError", "SessionClosedError", "TrainSession",
            "tensor_bytes", "tensor_from_bytes"]
-
-_TORCH_DTYPE = {code: dtype for dtype, code in DTYPES.items()}
-# How bytes of each IR dtype are read (bf16 as its raw 16 bits).
-_NUMPY = {pb.DTYPE_F32: "<f4", pb.DTYPE_F16: "<f2", pb.DTYPE_BF16: "<i2",
-          pb.DTYPE_I64: "<i8", pb.DTYPE_I32: "<i4", pb.DTYPE_BOOL: "|b1"}
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """A tensor's values as salus sends them: little-endian, row-major, no padding."""
-    return constant_bytes(tensor)
-
-
-def tensor_from_bytes(data: bytes, dtype: int, shape: Sequence[int]) -> torch.Tensor:
-    """The tensor of IR ``dtype`` (``salus.v1.DType``) and ``shape`` whose bytes are
-    ``data``."""
-    array = np.frombuffer(data, dtype=_NUMPY[dtype]).copy()
-    tensor = torch.from_numpy(array).reshape(tuple(shape))
-    return tensor.view(torch.bfloat16) if dtype == pb.DTYPE_BF16 else tensor
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    id: int
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPE[self.dtype]
-
-    def describe(self) -> str:
-        return f"{_dtype_name(self.torch_dtype)}{list(self.shape)}"
-
-
-class _Layout:
-    """Which tensor of the graph each name, feed and fetch is."""
-
-    def __init__(self, graph: pb.Graph, traced: TracedStep):
-        specs = {t.name: _TensorSpec(t.id, t.name, t.dtype, tuple(t.shape))
-                 for t in graph.tensors
-                 if t.role in (pb.TENSOR_ROLE_PARAMETER, pb.TENSOR_ROLE_STATE,
-                               pb.TENSOR_ROLE_FEED)}
-        self.state = {n: specs[n] for n in traced.state_names}
-        self.feeds = [specs[n] for n in traced.feed_names]
-        self.by_id = {s.id: s for s in self.state.values()}
-        self.fetches = [_TensorSpec(t, graph.tensors[t].name, graph.tensors[t].dtype,
-                                    tuple(graph.tensors[t].shape)) for t in graph.fetches]
-
-    def feed_bytes(self, batch: Sequence[Any], what: str) -> list[bytes]:
-        if len(batch) != len(self.feeds):
-            raise BatchError(f"{what} takes {len(self.feeds)} tensor(s), as the example it "
-                             f"was traced with, but got {len(batch)}")
-        out = []
-        for index, (spec, value) in enumerate(zip(self.feeds, batch)):
-            if not isinstance(value, torch.Tensor):
-                raise BatchError(f"{what}: batch element {index} is a "
-                                 f"{type(value).__name__}, not a tensor")
-            if tuple(value.shape) != spec.shape or value.dtype != spec.torch_dtype:
-                got = f"{_dtype_name(value.dtype)}{list(value.shape)}"
-                raise BatchError(
-                    f"{what}: batch element {index} is {got} but the session was traced "
-                    f"with {spec.describe()}; shapes and dtypes are fixed when the session "
-                    "opens (open another session for another batch shape)")
-            out.append(tensor_bytes(value))
-        return out
-
-    def fetch_tensors(self, response) -> list[torch.Tensor]:
-        return [tensor_from_bytes(data, spec.dtype, spec.shape)
-                for spec, data in zip(self.fetches, response.fetches)]
-
 
 @dataclass(frozen=True)
 class _Program:
@@ -129,7 +52,7 @@ class _Program:
 
     number: int
     traced: TracedStep
-    layout: _Layout
+    layout: Layout
 
 
 def _shapes_key(leaves: Sequence[Any], spec) -> tuple:
@@ -143,14 +66,19 @@ class _SalusSession:
     closing."""
 
     kind = ""
+    #: With ``feed_buffer=None``, batches of at least this many bytes travel through a
+    #: feed buffer on a Unix socket.
+    FEED_BUFFER_BYTES = 64 << 10
 
     def _open(self, traced: TracedStep, *, client: Client | None, address: str | None,
               name: str, priority: int, total_iterations: int, expected_iteration_ms: float,
-              admission_timeout: float | None, started: float) -> None:
+              admission_timeout: float | None, started: float,
+              feed_buffer: bool | None = None) -> None:
         self.traced = traced
+        self._slots: Slots | None = None
         self.graph = traced.to_graph()
         self.trace_ms = (time.perf_counter() - started) * 1e3
-        self.layout = _Layout(self.graph, traced)
+        self.layout = Layout(self.graph, traced)
         self._programs: dict[tuple, _Program] = {}
         self.iterations = 0
         self._own_client = client is None
@@ -165,6 +93,12 @@ class _SalusSession:
                                             expected_iteration_ms=expected_iteration_ms)
             if admission_timeout is not None:
                 self.session.wait_admitted(admission_timeout)
+            unix = self.client.address.path is not None
+            if feed_buffer and not unix:
+                raise SalusError("feed_buffer=True needs salusd's Unix socket; "
+                                 f"{self.client.address} is TCP")
+            self._feed_buffer = unix and (feed_buffer if feed_buffer is not None else
+                                          self.layout.feed_size() >= self.FEED_BUFFER_BYTES)
         except BaseException:
             self.close()
             raise
@@ -209,14 +143,46 @@ class _SalusSession:
                                    enumerate(zip(leaves, self.layout.feeds))
                                    if tuple(v.shape) != s.shape)
             raise BatchError(
-                f"{what}: batch element {index} is {_dtype_name(value.dtype)}"
+                f"{what}: batch element {index} is {dtype_name(value.dtype)}"
                 f"{list(value.shape)} but the session was traced with {s.describe()}, and "
                 f"the step does not trace for these shapes: {error}") from error
         graph = traced.to_graph()
         added = self._session().add_program(graph)
-        program = _Program(added.program, traced, _Layout(graph, traced))
+        program = _Program(added.program, traced, Layout(graph, traced))
         self._programs[key] = program
         return program, leaves
+
+    # -- feeds ----------------------------------------------------------------------------
+
+    @property
+    def feed_buffer(self) -> bool:
+        """Whether batches travel through a feed buffer shared with salusd (a file on
+        its host) rather than through the gRPC byte stream."""
+        return self._feed_buffer
+
+    def _ensure_slots(self, count: int) -> None:
+        """A feed buffer with at least ``count`` slots (none in use: call it between
+        iterations)."""
+        if self._feed_buffer and (self._slots is None or self._slots.count < count):
+            self._slots = Slots(self._session(), Slots.room(self.layout), count)
+
+    def _submission(self, program: _Program, leaves: list[Any], what: str,
+                    writes: Mapping[int, bytes] | None = None):
+        """The iteration for ``leaves`` (checked) and what reading its answer needs."""
+        layout = program.layout
+        layout.check(leaves, what)
+        if self._slots is not None and self._slots.fits(layout):
+            placed = self._slots.put(layout, leaves)
+            return (Iteration([], writes, program.number, placed.feed_ranges,
+                              placed.fetch_ranges), (layout, placed))
+        feeds = [tensor_bytes(value) for value in leaves]
+        return Iteration(feeds, writes, program.number), (layout, None)
+
+    def _outputs(self, response, answer) -> list[torch.Tensor]:
+        layout, placed = answer
+        if placed is None:
+            return layout.fetch_tensors(response)
+        return self._slots.fetch_tensors(layout, placed)
 
     @property
     def programs(self) -> int:
@@ -261,7 +227,7 @@ class _SalusSession:
             value = torch.as_tensor(value)
             if tuple(value.shape) != spec.shape or value.dtype != spec.torch_dtype:
                 raise SalusError(f"load_state_dict: {name} is "
-                                 f"{_dtype_name(value.dtype)}{list(value.shape)} but the "
+                                 f"{dtype_name(value.dtype)}{list(value.shape)} but the "
                                  f"session's is {spec.describe()}")
             writes[spec.id] = tensor_bytes(value)
         if writes:
@@ -338,6 +304,10 @@ class TrainSession(_SalusSession):
     :class:`~salus.errors.AdmissionTimeoutError` naming why the session waits; ``None``
     does not wait (iterations queue until the session is admitted).
 
+    ``feed_buffer``: batches travel through a file shared with salusd (one copy in, one
+    out) instead of the gRPC byte stream; by default on salusd's Unix socket for batches
+    of at least ``FEED_BUFFER_BYTES``.
+
     ``open_ms`` is what opening cost (trace, lower, upload); ``trace_ms`` the part spent
     tracing and lowering.
     """
@@ -353,7 +323,7 @@ class TrainSession(_SalusSession):
                  address: str | None = None, client: Client | None = None,
                  name: str = "", priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
-                 tracing_mode: str = "real"):
+                 tracing_mode: str = "real", feed_buffer: bool | None = None):
         started = time.perf_counter()
         self.model = model
         self.optimizer = optimizer
@@ -366,7 +336,8 @@ class TrainSession(_SalusSession):
                    name=name or type(model).__name__, priority=priority,
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
-                   admission_timeout=admission_timeout, started=started)
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer)
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -374,35 +345,32 @@ class TrainSession(_SalusSession):
         tensor; with ``accumulate``, the mean over the micro-batches). Hyperparameters
         changed in the optimizer's ``param_groups`` since the last step (a scheduler's
         ``step()``) travel with it."""
-        iteration = self._iteration(batch, "step()")
+        self._ensure_slots(2)
+        iteration, answer = self._iteration(batch, "step()")
         try:
-            response = self._session().run(iteration.feeds, iteration.writes,
-                                           iteration.program)
+            response = self._session().run(iteration)
         except BaseException:
             self.traced.rule.resend()
             raise
-        return self._stepped(response, iteration.program)
+        return self._stepped(response, answer)
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_train_step(self.model, self._loss_fn, self.optimizer, batch,
                                 loss_of=self._loss_of, gradients=self._gradients,
                                 tracing_mode=self._tracing_mode)
 
-    def _iteration(self, batch: Sequence[Any], what: str) -> Iteration:
+    def _iteration(self, batch: Sequence[Any], what: str):
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
-        feeds = program.layout.feed_bytes(leaves, what)
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
-        return Iteration(feeds, writes, program.number)
+        return self._submission(program, leaves, what, writes)
 
-    def _stepped(self, response, program: int = 0) -> torch.Tensor:
+    def _stepped(self, response, answer) -> torch.Tensor:
         self.iterations += 1
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
         self.traced.rule.mark_stepped()
-        layout = self.layout if program == 0 else next(
-            p.layout for p in self._programs.values() if p.number == program)
-        return layout.fetch_tensors(response)[0]
+        return self._outputs(response, answer)[0]
 
     def _state_written(self) -> None:
         # The optimizer's param_groups stay the truth for hyperparameters: the next step
@@ -420,14 +388,15 @@ class TrainSession(_SalusSession):
         unpipelined loop (use :meth:`step` where a schedule must act at once)."""
         def iterations():
             for batch in batches:
-                iteration = self._iteration(tuple(batch), "steps()")
-                programs.append(iteration.program)
+                iteration, answer = self._iteration(tuple(batch), "steps()")
+                answers.append(answer)
                 yield iteration
 
-        programs: collections.deque[int] = collections.deque()
+        answers: collections.deque = collections.deque()
+        self._ensure_slots(depth + 2)
         try:
             for response in self._session().run_pipelined(iterations(), depth):
-                yield self._stepped(response, programs.popleft())
+                yield self._stepped(response, answers.popleft())
         except BaseException:
             self.traced.rule.resend()
             raise
@@ -473,7 +442,8 @@ class InferenceSession(_SalusSession):
                  address: str | None = None, client: Client | None = None, name: str = "",
                  priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
-                 eval_mode: bool = True, tracing_mode: str = "real"):
+                 eval_mode: bool = True, tracing_mode: str = "real",
+                 feed_buffer: bool | None = None):
         started = time.perf_counter()
         self.model = model
         self._eval_mode, self._tracing_mode = eval_mode, tracing_mode
@@ -483,7 +453,8 @@ class InferenceSession(_SalusSession):
                    name=name or f"{type(model).__name__} (inference)", priority=priority,
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
-                   admission_timeout=admission_timeout, started=started)
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer)
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_inference(self.model, batch, eval_mode=self._eval_mode,
@@ -494,12 +465,13 @@ class InferenceSession(_SalusSession):
         than the example's (another batch size) run a program traced for them on first
         use; salusd refuses one that needs more scratch than the example's."""
         what = "the inference session"
+        self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
-        response = self._session().run(program.layout.feed_bytes(leaves, what),
-                                       program=program.number)
+        iteration, answer = self._submission(program, leaves, what)
+        response = self._session().run(iteration)
         self.iterations += 1
-        outputs = program.layout.fetch_tensors(response)
-        return pytree.tree_unflatten(outputs, program.traced.output_spec)
+        return pytree.tree_unflatten(self._outputs(response, answer),
+                                     program.traced.output_spec)
 
     def __repr__(self) -> str:
         return f"<salus.torch.InferenceSession {type(self.model).__name__} session {self.id}>"

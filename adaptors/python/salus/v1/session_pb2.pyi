@@ -106,18 +106,44 @@ class SessionUpdate(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., admitted: _Optional[_Union[Admitted, _Mapping]] = ..., suspended: _Optional[_Union[Suspended, _Mapping]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("session", "feeds", "tag", "writes", "program")
+    __slots__ = ("session", "feeds", "tag", "writes", "program", "feed_ranges", "fetch_ranges")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    FEED_RANGES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_RANGES_FIELD_NUMBER: _ClassVar[int]
     session: int
     feeds: _containers.RepeatedScalarFieldContainer[bytes]
     tag: int
     writes: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     program: int
-    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., program: _Optional[int] = ...) -> None: ...
+    feed_ranges: _containers.RepeatedCompositeFieldContainer[BufferRange]
+    fetch_ranges: _containers.RepeatedCompositeFieldContainer[BufferRange]
+    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., tag: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., program: _Optional[int] = ..., feed_ranges: _Optional[_Iterable[_Union[BufferRange, _Mapping]]] = ..., fetch_ranges: _Optional[_Iterable[_Union[BufferRange, _Mapping]]] = ...) -> None: ...
+
+class BufferRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AttachBufferRequest(_message.Message):
+    __slots__ = ("session", "path")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    path: str
+    def __init__(self, session: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AttachBufferResponse(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
 
 class AddProgramRequest(_message.Message):
     __slots__ = ("session", "graph")

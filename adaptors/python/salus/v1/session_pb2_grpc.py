@@ -49,6 +49,11 @@ class SessionsStub:
                 request_serializer=salus_dot_v1_dot_session__pb2.AddProgramRequest.SerializeToString,
                 response_deserializer=salus_dot_v1_dot_session__pb2.AddProgramResponse.FromString,
                 _registered_method=True)
+        self.AttachBuffer = channel.unary_unary(
+                '/salus.v1.Sessions/AttachBuffer',
+                request_serializer=salus_dot_v1_dot_session__pb2.AttachBufferRequest.SerializeToString,
+                response_deserializer=salus_dot_v1_dot_session__pb2.AttachBufferResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -113,6 +118,18 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachBuffer(self, request, context):
+        """Attaches a feed buffer to a session, over the Unix socket only: a file the client
+        created (e.g. in /dev/shm), a regular file it owns that no one else may read or
+        write, which salusd opens once (the client may unlink it then). Iterations may then
+        name where their feeds lie in it and where their fetches go instead of carrying the
+        bytes (RunRequest.feed_ranges, fetch_ranges): a batch costs one copy, not a trip
+        through the byte stream. Attaching again replaces the buffer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +167,11 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.AddProgram,
                     request_deserializer=salus_dot_v1_dot_session__pb2.AddProgramRequest.FromString,
                     response_serializer=salus_dot_v1_dot_session__pb2.AddProgramResponse.SerializeToString,
+            ),
+            'AttachBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachBuffer,
+                    request_deserializer=salus_dot_v1_dot_session__pb2.AttachBufferRequest.FromString,
+                    response_serializer=salus_dot_v1_dot_session__pb2.AttachBufferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -341,6 +363,33 @@ class Sessions:
             '/salus.v1.Sessions/AddProgram',
             salus_dot_v1_dot_session__pb2.AddProgramRequest.SerializeToString,
             salus_dot_v1_dot_session__pb2.AddProgramResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salus.v1.Sessions/AttachBuffer',
+            salus_dot_v1_dot_session__pb2.AttachBufferRequest.SerializeToString,
+            salus_dot_v1_dot_session__pb2.AttachBufferResponse.FromString,
             options,
             channel_credentials,
             insecure,
