@@ -15,12 +15,18 @@ with the optimizers of ``salus.reference``), measures
   the parameters and optimizer state (``trace_ms``: the trace and lowering part); the
   median of three opens.
 
+``--feeds`` measures instead what moving a batch costs: a step whose computation is
+small next to its input (the mean of each 224 px image, then a linear layer) at several
+batch sizes, through the gRPC byte stream and through a feed buffer, alternating in the
+same run: ``overhead_ms`` is a step's time minus its device time.
+
 Torch and salus steps alternate in rounds and each figure is the median over all rounds,
 so a machine that gets busier during the run slows both alike. salusd is started from
 ``target/release/salusd`` (built if missing) on a temporary socket, or ``--address``
 names a running one.
 
     python benches/torch_e2e.py [--json] [--models mlp,cnn,gpt] [--rounds 5] [--steps 10]
+    python benches/torch_e2e.py --feeds [--batches 1,8,32,64] [--json]
 """
 
 from __future__ import annotations
@@ -53,14 +59,15 @@ def bench_runs() -> dict:
     return {name: (specs[name], run.optimizer) for name, run in reference_runs().items()}
 
 
-def start_daemon(binary: Path, directory: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(binary: Path, directory: str, policy: str = "fifo"
+                 ) -> tuple[subprocess.Popen, str]:
     if not binary.exists():
         subprocess.run(["cargo", "build", "--release", "--locked", "-p", "salusd"], cwd=ROOT,
                        check=True)
     socket = os.path.join(directory, "salusd.sock")
     log = open(os.path.join(directory, "salusd.log"), "wb")
     process = subprocess.Popen([str(binary), "--socket", socket, "--memory", "2GiB",
-                                "--policy", "fifo"], stdout=subprocess.DEVNULL, stderr=log)
+                                "--policy", policy], stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 30
     while not os.path.exists(socket):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -139,6 +146,53 @@ def bench_model(name: str, address: str, rounds: int, steps: int) -> dict:
             "ephemeral_bytes": session.session.ephemeral_bytes}
 
 
+class FeedProbe(torch.nn.Module):
+    """Little computation per byte of input: each image's channel means, then a linear
+    layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3, 10)
+
+    def forward(self, x):
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def bench_feeds(address: str, batches: list[int], rounds: int, steps: int) -> dict:
+    out = {}
+    for n in batches:
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 3, 224, 224, generator=g)
+        y = torch.randint(0, 10, (n,), generator=g)
+        sessions, times, overheads = {}, {}, {}
+        for feed_buffer in (False, True):
+            model = FeedProbe()
+            sessions[feed_buffer] = st.TrainSession(
+                model, torch.nn.functional.cross_entropy,
+                torch.optim.SGD(model.parameters(), lr=0.01), (x, y), address=address,
+                name=f"feeds-{n}", feed_buffer=feed_buffer, admission_timeout=30)
+            salus_times(sessions[feed_buffer], (x, y), 3)
+            times[feed_buffer], overheads[feed_buffer] = [], []
+        try:
+            for _ in range(rounds):
+                for feed_buffer, session in sessions.items():
+                    device: list[float] = []
+                    step = salus_times(session, (x, y), steps, device)
+                    times[feed_buffer] += step
+                    overheads[feed_buffer] += [t - d for t, d in zip(step, device)]
+        finally:
+            for session in sessions.values():
+                session.close()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        over = {k: statistics.median(v) for k, v in overheads.items()}
+        out[str(n)] = {"batch_mb": round(x.numel() * 4 / 2**20, 2),
+                       "stream_ms": round(med[False], 3), "buffer_ms": round(med[True], 3),
+                       "stream_overhead_ms": round(over[False], 3),
+                       "buffer_overhead_ms": round(over[True], 3),
+                       "overhead_ratio": round(over[True] / over[False], 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -148,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per round and side")
     parser.add_argument("--address", help="a running salusd (default: start one)")
     parser.add_argument("--salusd", type=Path, default=ROOT / "target" / "release" / "salusd")
+    parser.add_argument("--feeds", action="store_true",
+                        help="measure batch transport (byte stream vs feed buffer) instead")
+    parser.add_argument("--batches", default="1,8,32,64",
+                        help="batch sizes of 224 px images for --feeds")
     args = parser.parse_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -157,9 +215,22 @@ def main(argv: list[str] | None = None) -> int:
         process = None
         address = args.address
         if address is None:
-            process, address = start_daemon(args.salusd, directory)
+            # Both transports' sessions stay open side by side under --feeds.
+            process, address = start_daemon(args.salusd, directory,
+                                            "pack" if args.feeds else "fifo")
         try:
-            for name in args.models.split(","):
+            if args.feeds:
+                result["feeds"] = bench_feeds(
+                    address, [int(b) for b in args.batches.split(",")], args.rounds,
+                    args.steps)
+                if not args.json:
+                    for n, m in result["feeds"].items():
+                        print(f"batch {n:>3} ({m['batch_mb']:6.2f} MB)  stream "
+                              f"{m['stream_ms']:8.3f} ms (overhead "
+                              f"{m['stream_overhead_ms']:7.3f})  buffer {m['buffer_ms']:8.3f}"
+                              f" ms (overhead {m['buffer_overhead_ms']:7.3f})  overhead "
+                              f"ratio {m['overhead_ratio']:5.2f}", flush=True)
+            for name in ([] if args.feeds else args.models.split(",")):
                 result["models"][name] = bench_model(name, address, args.rounds, args.steps)
                 if not args.json:
                     m = result["models"][name]
