@@ -270,7 +270,7 @@ def test_salus_address_and_a_tcp_token(daemon, monkeypatch, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = tmp_path / "token"
-    token.write_text("s3cret\n")
+    token.write_text("s3cret-s3cret-s3cret\n")  # salusd takes tokens of 16 bytes or more
     with Daemon("--listen", f"127.0.0.1:{port}", "--token-file", str(token)) as tcp:
         assert tcp
         monkeypatch.setenv("SALUS_ADDRESS", f"127.0.0.1:{port}")

@@ -13,7 +13,9 @@ use tokio::sync::oneshot;
 use super::reports::{
     EventKind, Metrics, NOT_YET_DECIDED, SessionReport, SessionUpdate, StatusReport, UpdateSink,
 };
-use super::{Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, State};
+use super::{
+    Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, SessionSlot, State,
+};
 use crate::auth::{Principal, Steering};
 
 /// Where the engine's answer to one command goes.
@@ -30,6 +32,8 @@ pub struct NewSession {
     pub program: Program,
     /// The persistent block's initial bytes (P of them).
     pub image: HostImage,
+    /// Its place among its owner's sessions ([`super::Quotas::open_session`]).
+    pub slot: SessionSlot,
     /// Training or inference.
     pub kind: SessionKind,
     /// The client's hints.
@@ -74,6 +78,16 @@ pub enum Command {
         tensors: Vec<u32>,
         /// (id, bytes) per tensor.
         reply: Reply<Vec<(u32, Vec<u8>)>>,
+    },
+    /// The program of a session the principal may use: what a write checks its chunks
+    /// against before keeping their bytes.
+    Program {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// Its program.
+        reply: Reply<Arc<Program>>,
     },
     /// Overwrite persistent tensors between iterations.
     Write {
@@ -137,6 +151,27 @@ pub enum Command {
     Shutdown(oneshot::Sender<()>),
 }
 
+/// Byte range (offset, length) of a persistent tensor within its session's block, checking
+/// the id: what reads and writes may touch.
+pub fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), EngineError> {
+    let t = program
+        .graph()
+        .tensors
+        .get(tensor as usize)
+        .ok_or_else(|| EngineError::UnknownTensor {
+            tensor,
+            count: program.graph().tensors.len(),
+        })?;
+    match program.location(tensor as usize) {
+        Some(Location::Persistent(off)) => Ok((off, program.bytes(tensor as usize))),
+        _ => Err(EngineError::NotPersistent {
+            tensor,
+            name: t.name.clone(),
+            role: t.role,
+        }),
+    }
+}
+
 impl State {
     /// Finds a session the principal may use: it exists, they own it (or are root), and
     /// it is not closing.
@@ -171,6 +206,14 @@ impl State {
                 Ok(entry) if entry.running => entry.deferred.push(Deferred::Read(tensors, reply)),
                 Ok(_) => drop(reply.send(self.read(SessionId(session), &tensors))),
             },
+            Command::Program {
+                principal,
+                session,
+                reply,
+            } => {
+                let program = self.owned(principal, session).map(|e| e.program.clone());
+                let _ = reply.send(program);
+            }
             Command::Write {
                 principal,
                 session,
@@ -297,6 +340,7 @@ impl State {
         }
         let entry = Entry {
             owner: new.owner,
+            _slot: new.slot,
             program: Arc::new(new.program),
             hints: new.hints,
             image: Some(new.image),
@@ -379,26 +423,6 @@ impl State {
         }
     }
 
-    /// Byte range of a persistent tensor within the session's block, checking the id.
-    fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), EngineError> {
-        let t = program
-            .graph()
-            .tensors
-            .get(tensor as usize)
-            .ok_or_else(|| EngineError::UnknownTensor {
-                tensor,
-                count: program.graph().tensors.len(),
-            })?;
-        match program.location(tensor as usize) {
-            Some(Location::Persistent(off)) => Ok((off, program.bytes(tensor as usize))),
-            _ => Err(EngineError::NotPersistent {
-                tensor,
-                name: t.name.clone(),
-                role: t.role,
-            }),
-        }
-    }
-
     pub(super) fn read(
         &self,
         id: SessionId,
@@ -419,11 +443,19 @@ impl State {
                 .map(|(i, _)| i as u32)
                 .collect()
         } else {
+            // Each tensor once: a read is at most the session's P bytes.
+            let mut seen = std::collections::HashSet::with_capacity(tensors.len());
+            if let Some(&tensor) = tensors.iter().find(|&&t| !seen.insert(t)) {
+                return Err(EngineError::DuplicateTensor {
+                    request: "ReadTensors",
+                    tensor,
+                });
+            }
             tensors.to_vec()
         };
         let mut out = Vec::with_capacity(ids.len());
         for tensor in ids {
-            let (off, len) = Self::persistent_range(program, tensor)?;
+            let (off, len) = persistent_range(program, tensor)?;
             let bytes = match (&entry.image, entry.place) {
                 (Some(image), _) => image.bytes[off as usize..(off + len) as usize].to_vec(),
                 (None, Place::Admitted { persistent }) => self
@@ -449,8 +481,15 @@ impl State {
         let program = entry.program.clone();
         // Check everything before changing anything: all or nothing.
         let mut ranges = Vec::with_capacity(tensors.len());
+        let mut seen = std::collections::HashSet::with_capacity(tensors.len());
         for (tensor, bytes) in tensors {
-            let (off, len) = Self::persistent_range(&program, *tensor)?;
+            if !seen.insert(*tensor) {
+                return Err(EngineError::DuplicateTensor {
+                    request: "WriteTensors",
+                    tensor: *tensor,
+                });
+            }
+            let (off, len) = persistent_range(&program, *tensor)?;
             if bytes.len() as u64 != len {
                 let t = &program.graph().tensors[*tensor as usize];
                 return Err(EngineError::TensorSize {

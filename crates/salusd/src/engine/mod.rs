@@ -12,13 +12,13 @@
 //! - `commands`: the command protocol and the answer to each request;
 //! - `actions`: carrying out the core's actions and finished iterations;
 //! - `reports`: session updates, the event stream, status, reports and metrics;
-//! - `host_budget`: host memory held by sessions that are not on the device;
+//! - `quota`: what sessions off the device may hold on the host, in all and per user;
 //! - `error`: [`EngineError`].
 
 mod actions;
 mod commands;
 mod error;
-mod host_budget;
+mod quota;
 mod reports;
 
 use std::collections::{HashMap, VecDeque};
@@ -32,9 +32,9 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::auth::Principal;
 
-pub use commands::{Command, NewSession, Reply, RunResult};
+pub use commands::{Command, NewSession, Reply, RunResult, persistent_range};
 pub use error::EngineError;
-pub use host_budget::{HostBudget, HostBytes, HostImage};
+pub use quota::{HostBytes, HostImage, QuotaConfig, QuotaReport, Quotas, SessionSlot, UserUsage};
 pub use reports::{
     EngineEvent, EventKind, Metrics, QueuedReport, SessionMetrics, SessionReport, SessionState,
     SessionUpdate, StatusReport, UpdateSink,
@@ -76,6 +76,8 @@ enum Deferred {
 
 struct Entry {
     owner: Principal,
+    /// Its place among its owner's sessions, given back when the entry goes.
+    _slot: SessionSlot,
     program: Arc<Program>,
     hints: Hints,
     /// The persistent block on the host: before admission and while suspended.
@@ -111,7 +113,8 @@ pub struct Engine {
     device: Arc<dyn Device>,
     next_session: Arc<AtomicU64>,
     stopping: Arc<watch::Sender<bool>>,
-    host: HostBudget,
+    quotas: Quotas,
+    open_timeout: Duration,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
@@ -133,8 +136,29 @@ pub struct EngineConfig {
     pub limits: salus_graph::Limits,
     /// The daemon's own user, who may steer it.
     pub daemon_uid: u32,
-    /// Bytes of host memory waiting and suspended sessions may hold.
+    /// Bytes of host memory opening, waiting and suspended sessions may hold in all.
     pub host_memory: u64,
+    /// The same, for one user's sessions.
+    pub user_host_memory: u64,
+    /// Sessions one user may have open or opening.
+    pub max_sessions_per_user: u64,
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub open_timeout: Duration,
+}
+
+/// The first session id of this engine: random, so that ids never repeat across restarts
+/// (a client holding an id from before cannot reach a new session that happens to get it)
+/// and below 2^53, so that they survive JSON readers that hold numbers as doubles.
+fn first_session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // std seeds every RandomState from the operating system's random source.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    // Leaves room for 2^51 sessions before 2^53.
+    (hasher.finish() >> 13).max(1)
 }
 
 impl Engine {
@@ -151,9 +175,15 @@ impl Engine {
             memory: config.memory,
             limits: config.limits,
             device: config.device.clone(),
-            next_session: Arc::new(AtomicU64::new(1)),
+            next_session: Arc::new(AtomicU64::new(first_session_id())),
             stopping: Arc::new(watch::channel(false).0),
-            host: HostBudget::new(config.host_memory),
+            quotas: Quotas::new(QuotaConfig {
+                host_memory: config.host_memory,
+                user_host_memory: config.user_host_memory,
+                max_sessions_per_user: config.max_sessions_per_user,
+                daemon_uid: config.daemon_uid,
+            }),
+            open_timeout: config.open_timeout,
             fatal: Arc::new(watch::channel(None).0),
         };
         let state = State {
@@ -166,7 +196,8 @@ impl Engine {
             tx,
             events,
             shared,
-            host: engine.host.clone(),
+            quotas: engine.quotas.clone(),
+            open_timeout: config.open_timeout,
             lane_last_end: HashMap::new(),
             shutdown: None,
         };
@@ -186,12 +217,18 @@ impl Engine {
         answer.await.map_err(|_| EngineError::ShuttingDown)?
     }
 
-    /// Host memory of waiting and suspended sessions.
-    pub fn host_budget(&self) -> &HostBudget {
-        &self.host
+    /// What sessions off the device hold on the host, in all and per user.
+    pub fn quotas(&self) -> &Quotas {
+        &self.quotas
     }
 
-    /// A fresh session id.
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub fn open_timeout(&self) -> Duration {
+        self.open_timeout
+    }
+
+    /// A fresh session id: unique for the engine's life and, with high probability,
+    /// across restarts.
     pub fn new_session_id(&self) -> u64 {
         self.next_session.fetch_add(1, Ordering::Relaxed)
     }
@@ -261,7 +298,8 @@ struct State {
     tx: mpsc::UnboundedSender<Command>,
     events: broadcast::Sender<EngineEvent>,
     shared: Arc<std::sync::Mutex<Shared>>,
-    host: HostBudget,
+    quotas: Quotas,
+    open_timeout: Duration,
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
