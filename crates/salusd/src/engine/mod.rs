@@ -201,7 +201,24 @@ impl Engine {
             lane_last_end: HashMap::new(),
             shutdown: None,
         };
-        tokio::spawn(state.run(rx));
+        let running = tokio::spawn(state.run(rx));
+        // A bug that panics the engine must not leave a daemon that answers UNAVAILABLE
+        // forever: it stops, as for a failed device, and its supervisor restarts it.
+        let fatal = engine.fatal.clone();
+        tokio::spawn(async move {
+            if let Err(error) = running.await
+                && error.is_panic()
+            {
+                let panic = error.into_panic();
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(%what, "the engine panicked; shutting down");
+                fatal.send_replace(Some(format!("the engine panicked (a bug): {what}")));
+            }
+        });
         Ok(engine)
     }
 

@@ -85,11 +85,27 @@ impl From<EngineError> for Status {
     }
 }
 
+/// Ends an `Open` stream with `INTERNAL` when the engine drops the session's sink while
+/// panicking: the client must not take that end for a close.
+struct PanicReport(mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>);
+
+impl Drop for PanicReport {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.0.send(Err(Status::internal(
+                "salusd's engine failed (a bug; please report it); the session is lost",
+            )));
+        }
+    }
+}
+
 /// The sink a session's updates go to: converted, then down its `Open` stream.
 pub fn update_sink(
     updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
 ) -> UpdateSink {
+    let report = PanicReport(updates.clone());
     Box::new(move |update| {
+        let _ = &report;
         let _ = updates.send(
             update
                 .map(|u| pb::SessionUpdate {
@@ -315,6 +331,23 @@ pub fn session_kind(kind: i32) -> Result<SessionKind, Status> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sink_dropped_while_the_engine_panics_ends_the_stream_with_internal() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink = update_sink(tx);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = sink;
+            panic!("an engine bug");
+        }));
+        assert!(panicked.is_err());
+        let end = rx.try_recv().expect("a status").expect_err("an error");
+        assert_eq!(end.code(), Code::Internal, "{}", end.message());
+        // Dropped in the normal course (the session closed): the stream just ends.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        drop(update_sink(tx));
+        assert!(rx.try_recv().is_err());
+    }
 
     #[test]
     fn long_messages_are_cut_at_a_character_with_their_length() {
