@@ -16,8 +16,9 @@ use tokio_stream::StreamExt;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The daemon: a Unix socket path or host:port [default: $SALUS_ADDRESS, else the
-    /// default socket path].
+    /// The daemon: a Unix socket path, host:port, or https://host:port (TLS, trusting the
+    /// CA certificate $SALUS_TLS_CA names) [default: $SALUS_ADDRESS, else the default
+    /// socket path]. Over TCP the token comes from the file $SALUS_TOKEN_FILE names.
     #[arg(long, global = true)]
     socket: Option<String>,
     /// Print JSON instead of text.

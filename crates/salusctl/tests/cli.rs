@@ -181,3 +181,67 @@ fn a_missing_daemon_is_explained() {
     );
     assert!(err.contains("is salusd running?"), "{err}");
 }
+
+/// salusctl reaches a daemon over TLS: `--socket https://host:port`, the CA from
+/// SALUS_TLS_CA and the token from SALUS_TOKEN_FILE.
+#[test]
+fn status_over_tls() {
+    let tls = concat!(env!("CARGO_MANIFEST_DIR"), "/../salusd/tests/tls");
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-token-of-twenty-bytes").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut config = Config::new(socket.clone());
+    config.memory = 64 << 20;
+    config.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    config.token_file = Some(token.clone());
+    config.tls_cert = Some(format!("{tls}/server.pem").into());
+    config.tls_key = Some(format!("{tls}/server.key").into());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime
+            .block_on(salusd::run(config, async {
+                let _ = stopped.await;
+            }))
+            .unwrap();
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let run = |ca: &str| {
+        Command::new(env!("CARGO_BIN_EXE_salusctl"))
+            .args(["--socket", &format!("https://localhost:{port}"), "policy"])
+            .env("SALUS_TLS_CA", ca)
+            .env("SALUS_TOKEN_FILE", &token)
+            .output()
+            .unwrap()
+    };
+    let mut out = run(&format!("{tls}/ca.pem"));
+    while !out.status.success() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        out = run(&format!("{tls}/ca.pem"));
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "policy share\n");
+    let out = run("/nonexistent/ca.pem");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("reading the CA certificate /nonexistent/ca.pem"),
+        "{err}"
+    );
+    let _ = stop.send(());
+    daemon.join().unwrap();
+}

@@ -75,6 +75,10 @@ pub struct Config {
     pub token_file: Option<PathBuf>,
     /// Accept TCP clients without a token.
     pub insecure_tcp: bool,
+    /// The certificate chain (PEM) TCP clients are served TLS with.
+    pub tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Default capacity of the cpu and sim devices.
@@ -109,6 +113,8 @@ impl Config {
             metrics: None,
             token_file: None,
             insecure_tcp: false,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -143,6 +149,10 @@ pub struct FileConfig {
     pub token_file: Option<PathBuf>,
     /// `--insecure-tcp`.
     pub insecure_tcp: Option<bool>,
+    /// `--tls-cert`.
+    pub tls_cert: Option<PathBuf>,
+    /// `--tls-key`.
+    pub tls_key: Option<PathBuf>,
     /// `--log-format`.
     pub log_format: Option<String>,
 }

@@ -23,7 +23,7 @@ use salus_exec::{CostModel, Device, SimDevice};
 use salus_proto::{v1 as pb, wire};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
-use tonic::transport::Server;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 pub use config::{Config, DeviceChoice};
 use engine::{Engine, EngineConfig};
@@ -155,16 +155,64 @@ fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
     Ok(listener)
 }
 
-fn router(engine: &Engine, access: &auth::Access) -> tonic::transport::server::Router {
+/// The TLS identity `--tls-cert` and `--tls-key` give, read and checked at start.
+fn tls_identity(config: &Config) -> Result<Option<ServerTlsConfig>, DaemonError> {
+    let settings = DaemonError::Settings;
+    let (cert, key) = match (&config.tls_cert, &config.tls_key) {
+        (None, None) => return Ok(None),
+        (Some(cert), Some(key)) => (cert, key),
+        _ => {
+            return Err(settings(
+                "--tls-cert and --tls-key go together: give both or neither".into(),
+            ));
+        }
+    };
+    if config.listen.is_none() {
+        return Err(settings(
+            "--tls-cert serves TCP clients: it needs --listen (the Unix socket stays plain)".into(),
+        ));
+    }
+    let read = |flag: &str, path: &Path| {
+        std::fs::read(path)
+            .map_err(|e| settings(format!("{flag}: reading {}: {e}", path.display())))
+    };
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        read("--tls-cert", cert)?,
+        read("--tls-key", key)?,
+    ));
+    // Builds the TLS acceptor now, so that a certificate or key that cannot be used stops
+    // salusd at start rather than failing every client.
+    Server::builder().tls_config(tls.clone()).map_err(|e| {
+        settings(format!(
+            "--tls-cert {} / --tls-key {}: {e} (expected a PEM certificate chain and its PEM \
+             private key)",
+            cert.display(),
+            key.display()
+        ))
+    })?;
+    Ok(Some(tls))
+}
+
+fn router(
+    engine: &Engine,
+    access: &auth::Access,
+    tls: Option<ServerTlsConfig>,
+) -> Result<tonic::transport::server::Router, DaemonError> {
     let service = service::Service::new(engine.clone(), access.clone());
-    Server::builder()
+    let mut server = Server::builder();
+    if let Some(tls) = tls {
+        server = server
+            .tls_config(tls)
+            .map_err(|e| DaemonError::Settings(format!("--tls-cert: {e}")))?;
+    }
+    Ok(server
         .tcp_nodelay(true)
         .add_service(
             pb::sessions_server::SessionsServer::new(service.clone())
                 .max_decoding_message_size(wire::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(wire::MAX_MESSAGE_BYTES),
         )
-        .add_service(pb::admin_server::AdminServer::new(service))
+        .add_service(pb::admin_server::AdminServer::new(service)))
 }
 
 /// A running daemon: its engine (for in-process benchmarks) and where it listens.
@@ -196,6 +244,7 @@ pub async fn run_with(
             "--listen needs --token-file (clients send that token) or --insecure-tcp".into(),
         ));
     }
+    let tls = tls_identity(&config)?;
     let device = open_device(&config).map_err(failure)?;
     let memory = salus_core::MemoryConfig::new(device.capacity(), core_reserve(&config, &*device));
     let host_memory = config.host_memory.unwrap_or(config.memory);
@@ -224,7 +273,7 @@ pub async fn run_with(
     };
     let mut servers = Vec::new();
     servers.push(tokio::spawn(
-        router(&engine, &access).serve_with_incoming_shutdown(
+        router(&engine, &access, None)?.serve_with_incoming_shutdown(
             UnixListenerStream::new(listener),
             stopped(stop_rx.clone()),
         ),
@@ -233,9 +282,9 @@ pub async fn run_with(
         let tcp = TcpListener::bind(addr)
             .await
             .map_err(|e| failure(format!("binding {addr}: {e}")))?;
-        tracing::info!(%addr, insecure = config.insecure_tcp, "listening on TCP");
+        tracing::info!(%addr, insecure = config.insecure_tcp, tls = tls.is_some(), "listening on TCP");
         servers.push(tokio::spawn(
-            router(&engine, &access).serve_with_incoming_shutdown(
+            router(&engine, &access, tls)?.serve_with_incoming_shutdown(
                 TcpListenerStream::new(tcp),
                 stopped(stop_rx.clone()),
             ),

@@ -65,6 +65,13 @@ struct Args {
     /// Accept TCP clients without a token; they act as the unprivileged user nobody.
     #[arg(long, env = "SALUS_INSECURE_TCP")]
     insecure_tcp: bool,
+    /// Serve TCP clients over TLS with this certificate chain (PEM); needs --tls-key and
+    /// --listen. The Unix socket stays plain.
+    #[arg(long, env = "SALUS_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "SALUS_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     /// Log format: human or json [default: human]. RUST_LOG filters (default info).
     #[arg(long, env = "SALUS_LOG_FORMAT")]
     log_format: Option<String>,
@@ -130,6 +137,8 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     config.token_file = args.token_file.or(file.token_file);
     config.insecure_tcp = args.insecure_tcp || file.insecure_tcp.unwrap_or(false);
+    config.tls_cert = args.tls_cert.or(file.tls_cert);
+    config.tls_key = args.tls_key.or(file.tls_key);
     let log_format = args
         .log_format
         .or(file.log_format)

@@ -401,6 +401,143 @@ async fn tcp_needs_the_token() {
     assert_eq!(j.on(&session, 2).await, j.alone(2));
 }
 
+/// A certificate and key for `localhost` and 127.0.0.1, and the CA that signed them
+/// (`tests/tls/`, made with openssl, valid until 2126).
+fn tls_file(name: &str) -> String {
+    format!("{}/tests/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `--tls-cert`/`--tls-key` serve TCP clients over TLS: a client that trusts the CA gets
+/// through with the token, one without the token is refused, and one speaking plain
+/// text does not get through at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_over_tls_needs_the_ca_and_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let listen = free_address();
+    let (cert, key, ca) = (
+        tls_file("server.pem"),
+        tls_file("server.key"),
+        tls_file("ca.pem"),
+    );
+    let daemon = Daemon::start(&[
+        "--listen",
+        &listen,
+        "--token-file",
+        token_file.to_str().unwrap(),
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+    ]);
+    let port = listen.rsplit(':').next().unwrap();
+    let ca = std::path::Path::new(&ca);
+    let connect = |address: String, token: Option<&str>| {
+        let token = token.map(str::to_string);
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                match Client::connect_with(&address, token.clone(), Some(ca)).await {
+                    Ok(client) => return client,
+                    Err(e) if std::time::Instant::now() > deadline => panic!("{e}"),
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                }
+            }
+        }
+    };
+    let trusted = connect(format!("https://localhost:{port}"), Some(TOKEN)).await;
+    let j = job();
+    let mut session = trusted.open(j.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    assert_eq!(j.on(&session, 2).await, j.alone(2));
+    let by_address = connect(format!("https://127.0.0.1:{port}"), Some(TOKEN)).await;
+    assert!(by_address.status().await.is_ok());
+    let anonymous = connect(format!("https://localhost:{port}"), None).await;
+    expect(
+        anonymous.status().await,
+        Code::Unauthenticated,
+        &["Bearer"],
+        "TLS without the token",
+    );
+    let plain = Client::connect_with_token(&listen, Some(TOKEN.into())).await;
+    // Refused when connecting or at the first call.
+    if let Ok(client) = plain {
+        assert!(client.status().await.is_err(), "plain text got through");
+    }
+    let untrusted = Client::connect_with(
+        &format!("https://localhost:{port}"),
+        Some(TOKEN.into()),
+        Some(std::path::Path::new(&cert)),
+    )
+    .await;
+    if let Ok(client) = untrusted {
+        assert!(client.status().await.is_err(), "an unknown CA was trusted");
+    }
+    // The Unix socket stays plain.
+    assert!(daemon.client().await.status().await.is_ok());
+}
+
+/// A TLS setting that cannot be used stops salusd at start (exit 2).
+#[test]
+fn unusable_tls_settings_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let listen = free_address();
+    let socket = dir.path().join("s.sock");
+    let (cert, key) = (tls_file("server.pem"), tls_file("server.key"));
+    let base = [
+        "--socket",
+        socket.to_str().unwrap(),
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ];
+    for (args, needle) in [
+        (
+            vec!["--listen", &listen, "--tls-cert", &cert],
+            "go together",
+        ),
+        (
+            vec!["--tls-cert", &cert, "--tls-key", &key],
+            "needs --listen",
+        ),
+        (
+            vec![
+                "--listen",
+                &listen,
+                "--tls-cert",
+                garbage.to_str().unwrap(),
+                "--tls-key",
+                &key,
+            ],
+            "--tls-cert",
+        ),
+        (
+            vec!["--listen", &listen, "--tls-cert", &cert, "--tls-key", &cert],
+            "--tls-key",
+        ),
+        (
+            vec![
+                "--listen",
+                &listen,
+                "--tls-cert",
+                &cert,
+                "--tls-key",
+                "/nonexistent.key",
+            ],
+            "--tls-key: reading /nonexistent.key",
+        ),
+    ] {
+        let (code, err) = refused_start(&[&base[..], &args].concat());
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!socket.exists(), "{args:?}: nothing listens");
+    }
+}
+
 /// A bad setting exits with code 2, as docs/operations.md says (`--listen` without a token
 /// exited with 1).
 #[test]
