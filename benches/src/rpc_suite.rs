@@ -345,15 +345,17 @@ pub fn run(iterations: usize, json: bool) -> Result<(), String> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let daemon = std::thread::spawn(move || {
         let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
-        runtime.block_on(salusd::run_with(
-            config,
-            async {
-                let _ = stopped.await;
-            },
-            |d| {
-                let _ = engine_tx.send(d.engine.clone());
-            },
-        ))
+        runtime
+            .block_on(salusd::run_with(
+                config,
+                async {
+                    let _ = stopped.await;
+                },
+                |d| {
+                    let _ = engine_tx.send(d.engine.clone());
+                },
+            ))
+            .map_err(|e| e.to_string())
     });
     let engine = engine_rx
         .recv()

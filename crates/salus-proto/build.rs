@@ -11,7 +11,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         "salus/v1/admin.proto",
     ];
     let descriptors = protox::compile(files, [proto_root])?;
-    tonic_prost_build::configure().compile_fds(descriptors)?;
+    // Undecodable requests are INVALID_ARGUMENT, not tonic's INTERNAL (`codec.rs`).
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::SalusCodec")
+        .compile_fds(descriptors)?;
     println!("cargo:rerun-if-changed={proto_root}");
     Ok(())
 }

@@ -6,9 +6,10 @@ the Rust client (``crates/salus-client``) speaks it:
 - **Finding the daemon**: an address argument, else ``SALUS_ADDRESS``, else the default
   socket ``salusd`` itself uses (``/run/salus/salusd.sock`` for root,
   ``$XDG_RUNTIME_DIR/salus/salusd.sock``, else ``/tmp/salus-$UID/salusd.sock``). An
-  address is a Unix socket path (anything with a ``/``, or ``unix:PATH``) or
-  ``host:port``. Over TCP the bearer token comes from the ``token`` argument or the file
-  named by ``SALUS_TOKEN_FILE``.
+  address is a Unix socket path (anything with a ``/``, or ``unix:PATH``), ``host:port``,
+  or ``https://host:port`` (TCP over TLS, trusting the CA certificate named by the
+  ``tls_ca`` argument or ``SALUS_TLS_CA``). Over TCP the bearer token comes from the
+  ``token`` argument or the file named by ``SALUS_TOKEN_FILE``.
 - **A session** (:class:`Session`): ``Sessions.Open`` is a bidirectional stream that is
   the session's lease. The request side sends ``open``, the initial tensors in 4 MiB
   chunks and ``commit``, then stays open until :meth:`Session.close`; a background thread
@@ -44,6 +45,7 @@ from .v1 import admin_pb2, admin_pb2_grpc, graph_pb2, session_pb2, session_pb2_g
 
 ADDRESS_ENV = "SALUS_ADDRESS"
 TOKEN_FILE_ENV = "SALUS_TOKEN_FILE"
+TLS_CA_ENV = "SALUS_TLS_CA"
 # Largest message either side accepts: an iteration's feeds and fetches travel whole.
 MAX_MESSAGE_BYTES = 1 << 30
 # Tensors at open, read and write travel in chunks of this size.
@@ -75,20 +77,24 @@ def address_from_env() -> str:
 
 @dataclass(frozen=True)
 class Address:
-    """Where a daemon listens: a Unix socket ``path`` or a TCP ``host`` (``host:port``)."""
+    """Where a daemon listens: a Unix socket ``path`` or a TCP ``host`` (``host:port``),
+    spoken over TLS when ``tls``."""
 
     path: str | None = None
     host: str | None = None
+    tls: bool = False
 
     @classmethod
     def parse(cls, address: str) -> "Address":
         """``unix:PATH``/``unix://PATH``, a path (anything with a ``/``),
-        ``http://host:port`` or ``host:port``."""
+        ``http://host:port`` or ``host:port``, or ``https://host:port`` (TLS)."""
         for prefix in ("unix://", "unix:"):
             if address.startswith(prefix):
                 return cls(path=address[len(prefix):])
         if address.startswith("http://"):
             return cls(host=address[len("http://"):].rstrip("/"))
+        if address.startswith("https://"):
+            return cls(host=address[len("https://"):].rstrip("/"), tls=True)
         if "/" in address:
             return cls(path=address)
         return cls(host=address)
@@ -99,7 +105,9 @@ class Address:
         return f"unix:{self.path}" if self.path is not None else str(self.host)
 
     def __str__(self) -> str:
-        return self.path if self.path is not None else str(self.host)
+        if self.path is not None:
+            return self.path
+        return f"https://{self.host}" if self.tls else str(self.host)
 
 
 def _read_token(token: str | None) -> str | None:
@@ -113,6 +121,19 @@ def _read_token(token: str | None) -> str | None:
     except OSError as e:
         raise DaemonError(f"cannot read the token file {path} (named by {TOKEN_FILE_ENV}): "
                           f"{e.strerror or e}", code="UNAUTHENTICATED") from None
+
+
+def _read_ca(path: str | None) -> bytes:
+    path = path or os.environ.get(TLS_CA_ENV)
+    if not path:
+        raise DaemonError(f"an https:// address needs {TLS_CA_ENV} (or tls_ca): the CA "
+                          "certificate (PEM) that signed salusd's --tls-cert",
+                          code="UNAVAILABLE")
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise DaemonError(f"cannot read the CA certificate {path}: {e.strerror or e}",
+                          code="UNAVAILABLE") from None
 
 
 def rpc_error(error: grpc.RpcError, operation: str, address: str) -> DaemonError:
@@ -204,14 +225,17 @@ class FeedBuffer:
 class Client:
     """A connection to one salusd.
 
-    ``address``: a socket path or ``host:port`` (default: ``SALUS_ADDRESS``, else the
-    default socket). ``token``: the bearer token for TCP (default: the contents of the file
-    named by ``SALUS_TOKEN_FILE``, if set). Raises
+    ``address``: a socket path, ``host:port`` or ``https://host:port`` (default:
+    ``SALUS_ADDRESS``, else the default socket). ``token``: the bearer token for TCP
+    (default: the contents of the file named by ``SALUS_TOKEN_FILE``, if set).
+    ``tls_ca``: for ``https://``, the file of the CA certificate (PEM) that signed salusd's
+    ``--tls-cert`` (default: ``SALUS_TLS_CA``). Raises
     :class:`~salus.errors.DaemonUnavailableError` at once when a Unix socket does not
     exist. Usable as a context manager (closes the channel).
     """
 
-    def __init__(self, address: str | None = None, *, token: str | None = None):
+    def __init__(self, address: str | None = None, *, token: str | None = None,
+                 tls_ca: str | None = None):
         self.address = Address.parse(address or address_from_env())
         if self.address.path is not None and not Path(self.address.path).exists():
             raise DaemonUnavailableError(
@@ -229,7 +253,12 @@ class Client:
             # Without it grpcio sends the socket path as :authority, which salusd's HTTP/2
             # server refuses (RST_STREAM).
             options.append(("grpc.default_authority", "localhost"))
-        self.channel = grpc.insecure_channel(self.address.target, options=options)
+        if self.address.tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=_read_ca(tls_ca))
+            self.channel = grpc.secure_channel(self.address.target, credentials,
+                                               options=options)
+        else:
+            self.channel = grpc.insecure_channel(self.address.target, options=options)
         self.sessions_stub = session_pb2_grpc.SessionsStub(self.channel)
         self.admin_stub = admin_pb2_grpc.AdminStub(self.channel)
 

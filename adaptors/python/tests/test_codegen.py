@@ -36,7 +36,8 @@ def test_service_stubs_import_inside_the_package():
     open_session = session_pb2.OpenSession(graph=graph_pb2.Graph(version=1))
     assert open_session.graph.version == 1
     assert set(session_pb2.DESCRIPTOR.services_by_name["Sessions"].methods_by_name) == {
-        "Open", "Run", "RunStream", "ReadTensors", "WriteTensors", "Close"}
+        "Open", "Run", "RunStream", "ReadTensors", "WriteTensors", "Close", "AddProgram",
+        "AttachBuffer"}
     assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {
         "Status", "ListSessions", "SetPolicy", "Drain", "Watch"}
     assert hasattr(session_pb2_grpc, "SessionsStub") and hasattr(admin_pb2_grpc, "AdminStub")

@@ -1,7 +1,8 @@
 //! The Rust client of `salusd`: what `salusctl`, the benchmarks and the tests use.
 //!
 //! Owns finding the daemon (an address argument, `SALUS_ADDRESS`, or the default socket
-//! path), authenticating over TCP (a bearer token), and the shape
+//! path), authenticating over TCP (a bearer token; TLS for `https://` addresses, trusting
+//! the CA certificate `SALUS_TLS_CA` names), and the shape
 //! of a session's life: [`Client::open`] uploads the graph and initial tensors in chunks
 //! and holds the session's lease (the `Open` stream) until [`Session::close`] or drop.
 //!
@@ -28,8 +29,8 @@ use tonic::transport::{Channel, Endpoint};
 pub use salus_proto::v1;
 
 pub use salus_proto::wire::{
-    ADDRESS_ENV, Address, CHUNK_BYTES, MAX_MESSAGE_BYTES, TOKEN_FILE_ENV, chunks, current_uid,
-    default_socket_path,
+    ADDRESS_ENV, Address, CHUNK_BYTES, MAX_MESSAGE_BYTES, TLS_CA_ENV, TOKEN_FILE_ENV, chunks,
+    current_uid, default_socket_path,
 };
 
 /// What went wrong talking to the daemon.
@@ -114,8 +115,20 @@ impl Client {
         Client::connect_with_token(address, token).await
     }
 
-    /// Connects to `address`, sending `token` as a bearer token with every call.
+    /// Connects to `address`, sending `token` as a bearer token with every call; an
+    /// `https://` address trusts the CA certificate `SALUS_TLS_CA` names.
     pub async fn connect_with_token(address: &str, token: Option<String>) -> Result<Client, Error> {
+        let tls_ca = std::env::var_os(TLS_CA_ENV).map(std::path::PathBuf::from);
+        Client::connect_with(address, token, tls_ca.as_deref()).await
+    }
+
+    /// Connects to `address`, sending `token` as a bearer token with every call; an
+    /// `https://` address trusts the CA certificate (PEM) in the file `tls_ca`.
+    pub async fn connect_with(
+        address: &str,
+        token: Option<String>,
+        tls_ca: Option<&std::path::Path>,
+    ) -> Result<Client, Error> {
         let fail = |message: String| Error::Connect {
             address: address.to_string(),
             message,
@@ -132,6 +145,21 @@ impl Client {
                 Endpoint::from_shared(format!("unix://{}", path.display()))
             }
             Address::Tcp(host) => Endpoint::from_shared(format!("http://{host}")),
+            Address::Tls(host) => {
+                let ca = tls_ca.ok_or_else(|| {
+                    fail(format!(
+                        "an https:// address needs {TLS_CA_ENV}: the CA certificate (PEM) that \
+                         signed salusd's --tls-cert"
+                    ))
+                })?;
+                let pem = std::fs::read(ca).map_err(|e| {
+                    fail(format!("reading the CA certificate {}: {e}", ca.display()))
+                })?;
+                let tls = tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(pem));
+                Endpoint::from_shared(format!("https://{host}"))
+                    .and_then(|endpoint| endpoint.tls_config(tls))
+            }
         }
         .map_err(|e| fail(e.to_string()))?;
         let channel = endpoint

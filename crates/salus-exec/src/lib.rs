@@ -42,6 +42,14 @@ pub enum ExecError {
     /// The device refused: memory out of range, overlapping use, allocation failure.
     #[error("device: {0}")]
     Device(String),
+    /// An iteration given the wrong number of feeds.
+    #[error("the graph takes {expected} feeds, {given} given")]
+    FeedCount {
+        /// Feeds the graph takes.
+        expected: usize,
+        /// Feeds given.
+        given: usize,
+    },
     /// A feed does not match the graph.
     #[error("feed {index} '{name}': {message}")]
     Feed {
@@ -179,11 +187,10 @@ impl Program {
     /// Checks that `feeds` has one buffer of the right size per feed tensor.
     pub fn check_feeds(&self, feeds: &[&[u8]]) -> Result<(), ExecError> {
         if feeds.len() != self.feeds.len() {
-            return Err(ExecError::Device(format!(
-                "the graph takes {} feeds, {} given",
-                self.feeds.len(),
-                feeds.len()
-            )));
+            return Err(ExecError::FeedCount {
+                expected: self.feeds.len(),
+                given: feeds.len(),
+            });
         }
         for (index, (&id, bytes)) in self.feeds.iter().zip(feeds).enumerate() {
             let t = &self.graph.tensors[id];

@@ -128,7 +128,10 @@ impl FromStr for Op {
             .copied()
             .find(|op| op.name() == name)
             .ok_or_else(|| {
-                format!("unknown op {s:?}: salus has no such operation (see docs/ops.md)")
+                format!(
+                    "unknown op {}: salus has no such operation (see docs/ops.md)",
+                    crate::error::preview_str(s)
+                )
             })
     }
 }

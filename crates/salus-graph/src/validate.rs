@@ -1,8 +1,10 @@
 //! Validation: structure, limits, and shape and dtype inference for every node.
 
+use std::collections::HashMap;
+
 use crate::error::GraphError;
 use crate::infer::infer;
-use crate::ir::{Graph, Role, TensorType};
+use crate::ir::{Attr, Graph, Role, TensorType};
 use crate::params::{Inputs, OpParams, extract};
 
 /// Bounds a graph must stay within, so no client can ask for absurd memory or counts.
@@ -18,6 +20,8 @@ pub struct Limits {
     pub max_tensor_bytes: u64,
     /// Largest sum of all tensors, in bytes.
     pub max_total_bytes: u64,
+    /// Most values in one list attribute (`dims`, `sizes`, ...).
+    pub max_attribute_values: usize,
 }
 
 impl Default for Limits {
@@ -30,6 +34,8 @@ impl Default for Limits {
             max_rank: 8,
             max_tensor_bytes: 64 << 30,
             max_total_bytes: 1 << 40,
+            // Lists name dimensions or split sizes: a few, or a few thousand at most.
+            max_attribute_values: 1 << 16,
         }
     }
 }
@@ -59,6 +65,17 @@ fn tensor_err(graph: &Graph, id: usize, message: String) -> GraphError {
             .map(|t| t.name.clone())
             .unwrap_or_default(),
         message,
+    }
+}
+
+/// How many values an attribute holds (a string counts its bytes).
+fn attribute_values(attr: &Attr) -> usize {
+    match attr {
+        Attr::Ints(v) => v.len(),
+        Attr::Floats(v) => v.len(),
+        Attr::Bools(v) => v.len(),
+        Attr::Str(s) => s.len(),
+        Attr::Int(_) | Attr::Float(_) | Attr::Bool(_) | Attr::DType(_) => 1,
     }
 }
 
@@ -154,6 +171,7 @@ pub(crate) fn validate_with_params(
         .collect();
     let mut inputs: Vec<Option<TensorType>> = Vec::new();
     let mut params = Vec::with_capacity(graph.nodes.len());
+    let mut names: HashMap<&str, usize> = HashMap::with_capacity(graph.nodes.len());
     for (index, node) in graph.nodes.iter().enumerate() {
         let fail = |message: String| GraphError::Node {
             index,
@@ -162,6 +180,22 @@ pub(crate) fn validate_with_params(
             origin: node.source.clone(),
             message,
         };
+        // Errors and profiles name nodes: two of one name would point at the wrong one.
+        if let Some(first) = names.insert(node.name.as_str(), index) {
+            return Err(fail(format!(
+                "node {first} has the same name; node names are unique within a graph"
+            )));
+        }
+        for (name, attr) in &node.attrs {
+            let values = attribute_values(attr);
+            if values > limits.max_attribute_values {
+                return Err(fail(format!(
+                    "attribute {} has {values} values, more than the limit of {}",
+                    crate::error::preview_str(name),
+                    limits.max_attribute_values
+                )));
+            }
+        }
         inputs.clear();
         for (i, input) in node.inputs.iter().enumerate() {
             match input {
@@ -192,7 +226,18 @@ pub(crate) fn validate_with_params(
             )));
         }
         for (o, (out, ty)) in node.outputs.iter().zip(&inferred).enumerate() {
-            let Some(id) = *out else { continue };
+            let Some(id) = *out else {
+                // Ops with several results fill only those a graph uses; an op's only
+                // result is what the node is for, and every backend writes it.
+                if inferred.len() == 1 {
+                    return Err(fail(
+                        "output 0 is -1 (unused), but it is the op's only result; name the \
+                         tensor it produces"
+                            .into(),
+                    ));
+                }
+                continue;
+            };
             let t = graph
                 .tensors
                 .get(id)
@@ -207,6 +252,13 @@ pub(crate) fn validate_with_params(
                 return Err(fail(format!(
                     "output {o} is tensor {id} '{}', which is already produced",
                     t.name
+                )));
+            }
+            if ty.rank() > limits.max_rank {
+                return Err(fail(format!(
+                    "output {o} would have {} dimensions, more than the limit of {}",
+                    ty.rank(),
+                    limits.max_rank
                 )));
             }
             if &t.ty != ty {

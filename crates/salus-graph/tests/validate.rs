@@ -194,6 +194,111 @@ fn nodes_produce_intermediates_once() {
     assert_mentions(&error(&g.graph), &["has 1 outputs, 2 declared"]);
 }
 
+/// An op's only result must be used: a node writing nowhere passed validation and then
+/// failed every iteration on every device ("output 0 is unused").
+#[test]
+fn an_ops_only_result_cannot_be_unused() {
+    let mut message = valid().graph.to_proto();
+    message.nodes[1].outputs[0] = -1; // relu's result
+    let graph = Graph::from_proto(&message).unwrap();
+    assert_mentions(
+        &error(&graph),
+        &[
+            "node 1 'n1' (relu",
+            "output 0 is -1 (unused)",
+            "only result",
+        ],
+    );
+    // Ids other than -1 and those past the tensors are refused when decoding.
+    for bad in [-2, -1 << 40, 11, 1 << 40] {
+        let mut message = valid().graph.to_proto();
+        message.nodes[1].outputs[0] = bad;
+        let err = Graph::from_proto(&message).unwrap_err().to_string();
+        assert_mentions(&err, &["node 1", &format!("refers to tensor {bad}")]);
+    }
+}
+
+/// Node names identify nodes in errors and profiles: two nodes may not share one.
+#[test]
+fn node_names_are_unique() {
+    let mut g = valid();
+    g.graph.nodes[3].name = "n1".into();
+    assert_mentions(
+        &error(&g.graph),
+        &["node 3 'n1'", "node 1 has the same name"],
+    );
+}
+
+/// permute follows PyTorch: negative dims within range wrap, and the dims must be a
+/// permutation of the input's dimensions once wrapped.
+#[test]
+fn permute_needs_a_true_permutation() {
+    let permute = |dims: Vec<i64>| {
+        let mut g = Builder::default();
+        let x = g.f32("x", &[2, 3, 4], Role::Feed);
+        let y = g.node(
+            Op::Permute,
+            &[Some(x)],
+            &[(DType::F32, &[4, 2, 3])],
+            &[("dims", Attr::Ints(dims))],
+        )[0];
+        g.graph.fetches = vec![y];
+        check(&g.graph, &Limits::default()).map(|_| ())
+    };
+    assert_eq!(permute(vec![2, 0, 1]), Ok(()));
+    assert_eq!(permute(vec![-1, -3, -2]), Ok(()), "negative dims wrap");
+    for (dims, needle) in [
+        (
+            vec![-4, 0, 1],
+            "dimension -4 out of range for a tensor of rank 3",
+        ),
+        (vec![3, 0, 1], "dimension 3 out of range"),
+        (vec![2, -1, 0], "dimension 2 appears twice in [2, -1, 0]"),
+        (vec![2, 0], "must name each of the 3 dimensions"),
+    ] {
+        let err = permute(dims.clone()).unwrap_err().to_string();
+        assert_mentions(&err, &[needle]);
+    }
+}
+
+/// An absurd input gets a short error: 100,000 permute dims made a 649 KB message, which
+/// no longer fit a gRPC status.
+#[test]
+fn errors_about_huge_input_stay_short() {
+    let mut g = valid();
+    g.graph.nodes[1].attrs.insert(
+        "dims".into(),
+        Attr::Ints((0..100_000).map(|d| d % 2).collect()),
+    );
+    let err = error(&g.graph);
+    assert_mentions(
+        &err,
+        &["node 1", "100000 values, more than the limit of 65536"],
+    );
+    assert!(err.len() < 300, "{} bytes: {err}", err.len());
+    let mut message = valid().graph.to_proto();
+    message.nodes[1].op = "x".repeat(10_000);
+    let err = Graph::from_proto(&message).unwrap_err().to_string();
+    assert_mentions(&err, &["unknown op \"xxxx", "(10000 characters)"]);
+    assert!(err.len() < 400, "{} bytes: {err}", err.len());
+    // Within the limit, a bad list is shown by its first entries.
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3], Role::Feed);
+    let y = g.node(
+        Op::Permute,
+        &[Some(x)],
+        &[(DType::F32, &[3, 2])],
+        &[("dims", Attr::Ints((0..60_000).map(|d| d % 2).collect()))],
+    )[0];
+    g.graph.fetches = vec![y];
+    let err = error(&g.graph);
+    assert_mentions(
+        &err,
+        &["appears twice in [0, 1, 0, 1, 0, 1, 0, 1, ... (60000 values)]"],
+    );
+    assert!(err.len() < 300, "{} bytes: {err}", err.len());
+}
+
 #[test]
 fn fetches_and_updates_are_checked() {
     let mut g = valid();

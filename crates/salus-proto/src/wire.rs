@@ -13,6 +13,9 @@ use crate::v1 as pb;
 pub const ADDRESS_ENV: &str = "SALUS_ADDRESS";
 /// The environment variable naming a file that holds the bearer token for TCP.
 pub const TOKEN_FILE_ENV: &str = "SALUS_TOKEN_FILE";
+/// The environment variable naming the CA certificate (PEM) a client trusts for `https://`
+/// addresses: the one that signed the daemon's `--tls-cert`.
+pub const TLS_CA_ENV: &str = "SALUS_TLS_CA";
 /// Largest message either side accepts: feeds and fetches of one iteration travel whole.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
 /// Size of the chunks tensors travel in.
@@ -47,10 +50,13 @@ pub enum Address {
     Unix(PathBuf),
     /// A TCP `host:port`.
     Tcp(String),
+    /// A TCP `host:port` spoken over TLS.
+    Tls(String),
 }
 
 impl Address {
-    /// Parses `unix:PATH`, a path (anything with a `/`), `http://host:port` or `host:port`.
+    /// Parses `unix:PATH`, a path (anything with a `/`), `http://host:port` or `host:port`
+    /// (plain TCP), or `https://host:port` (TCP over TLS).
     pub fn parse(address: &str) -> Address {
         if let Some(path) = address.strip_prefix("unix://") {
             Address::Unix(PathBuf::from(path))
@@ -58,6 +64,8 @@ impl Address {
             Address::Unix(PathBuf::from(path))
         } else if let Some(host) = address.strip_prefix("http://") {
             Address::Tcp(host.to_string())
+        } else if let Some(host) = address.strip_prefix("https://") {
+            Address::Tls(host.to_string())
         } else if address.contains('/') {
             Address::Unix(PathBuf::from(address))
         } else {
@@ -88,7 +96,7 @@ pub enum Peer {
         /// The peer's uid.
         uid: Option<u32>,
     },
-    /// A TCP connection (it proves itself with a bearer token).
+    /// A TCP connection, plain or over TLS (it proves itself with a bearer token).
     Tcp,
     /// Neither (an in-process transport).
     Unknown,
@@ -96,12 +104,15 @@ pub enum Peer {
 
 /// The peer of a request served by tonic's server.
 pub fn peer<T>(request: &tonic::Request<T>) -> Peer {
-    use tonic::transport::server::{TcpConnectInfo, UdsConnectInfo};
-    if let Some(info) = request.extensions().get::<UdsConnectInfo>() {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+    let extensions = request.extensions();
+    if let Some(info) = extensions.get::<UdsConnectInfo>() {
         Peer::Unix {
             uid: info.peer_cred.map(|cred| cred.uid()),
         }
-    } else if request.extensions().get::<TcpConnectInfo>().is_some() {
+    } else if extensions.get::<TcpConnectInfo>().is_some()
+        || extensions.get::<TlsConnectInfo<TcpConnectInfo>>().is_some()
+    {
         Peer::Tcp
     } else {
         Peer::Unknown
@@ -149,6 +160,10 @@ mod tests {
             Address::Tcp("h:50051".into())
         );
         assert_eq!(Address::parse("h:50051"), Address::Tcp("h:50051".into()));
+        assert_eq!(
+            Address::parse("https://h:50051"),
+            Address::Tls("h:50051".into())
+        );
     }
 
     #[test]

@@ -16,8 +16,9 @@ use tokio_stream::StreamExt;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The daemon: a Unix socket path or host:port [default: $SALUS_ADDRESS, else the
-    /// default socket path].
+    /// The daemon: a Unix socket path, host:port, or https://host:port (TLS, trusting the
+    /// CA certificate $SALUS_TLS_CA names) [default: $SALUS_ADDRESS, else the default
+    /// socket path]. Over TCP the token comes from the file $SALUS_TOKEN_FILE names.
     #[arg(long, global = true)]
     socket: Option<String>,
     /// Print JSON instead of text.
@@ -151,7 +152,53 @@ fn status_json(s: &pb::StatusResponse) -> Value {
         "queue": s.queue.iter().map(|q| json!({
             "session": q.session, "name": q.name, "reason": q.reason,
         })).collect::<Vec<_>>(),
+        "limits": s.limits.map(|l| json!({
+            "host_memory": l.host_memory, "user_host_memory": l.user_host_memory,
+            "max_sessions_per_user": l.max_sessions_per_user,
+            "open_timeout_ms": l.open_timeout_ms,
+        })),
+        "host_bytes": s.host_bytes,
+        "opening_sessions": s.opening_sessions,
+        "opening_bytes": s.opening_bytes,
+        "users": s.users.iter().map(|u| json!({
+            "uid": u.uid, "sessions": u.sessions, "opening": u.opening,
+            "opening_bytes": u.opening_bytes, "host_bytes": u.host_bytes, "limited": u.limited,
+        })).collect::<Vec<_>>(),
     })
+}
+
+/// Host memory, opening sessions and each user's share against the limits.
+fn limits_text(s: &pb::StatusResponse) -> String {
+    let limits = s.limits.unwrap_or_default();
+    let mut out = format!(
+        "host memory {} of {} held by sessions off the device; opening {} ({})\n",
+        bytes(s.host_bytes),
+        bytes(limits.host_memory),
+        s.opening_sessions,
+        bytes(s.opening_bytes),
+    );
+    out += &format!(
+        "per user: {} sessions, {} host memory; open timeout {}\n",
+        limits.max_sessions_per_user,
+        bytes(limits.user_host_memory),
+        duration_ms(limits.open_timeout_ms)
+    );
+    for u in &s.users {
+        let (sessions, host) = if u.limited {
+            (
+                format!("{}/{}", u.sessions, limits.max_sessions_per_user),
+                format!("{}/{}", bytes(u.host_bytes), bytes(limits.user_host_memory)),
+            )
+        } else {
+            (format!("{} (not limited)", u.sessions), bytes(u.host_bytes))
+        };
+        out += &format!("  uid {}: sessions {sessions}, host memory {host}", u.uid);
+        if u.opening > 0 {
+            out += &format!(", opening {} ({})", u.opening, bytes(u.opening_bytes));
+        }
+        out += "\n";
+    }
+    out
 }
 
 /// One character per 1/width of memory: P persistent, the lane's digit, . free, _ hole.
@@ -250,6 +297,7 @@ fn status_text(s: &pb::StatusResponse, sessions: &[pb::SessionInfo]) -> String {
         };
         out += &format!("  {:>12}  {:>12}  {what}\n", bytes(r.offset), bytes(r.size));
     }
+    out += &limits_text(s);
     if s.queue.is_empty() {
         out += "queue: empty\n";
     } else {
@@ -286,8 +334,15 @@ fn sessions_text(sessions: &[pb::SessionInfo]) -> String {
     if sessions.is_empty() {
         return "no sessions\n".into();
     }
+    // Ids are large (random per daemon start): the column fits the longest.
+    let width = sessions
+        .iter()
+        .map(|i| i.id.to_string().len())
+        .max()
+        .unwrap_or(0)
+        .max(4);
     let mut out = format!(
-        "{:>4}  {:<16} {:>6}  {:<9} {:>4}  {:>10} {:>10}  {:>7} {:>8} {:>8} {:>8} {:>9}\n",
+        "{:>width$}  {:<16} {:>6}  {:<9} {:>4}  {:>10} {:>10}  {:>7} {:>8} {:>8} {:>8} {:>9}\n",
         "ID",
         "NAME",
         "UID",
@@ -308,7 +363,7 @@ fn sessions_text(sessions: &[pb::SessionInfo]) -> String {
             i.iterations.to_string()
         };
         out += &format!(
-            "{:>4}  {:<16} {:>6}  {:<9} {:>4}  {:>10} {:>10}  {:>7} {:>8.2} {:>8.2} {:>8.2} {:>9.2}\n",
+            "{:>width$}  {:<16} {:>6}  {:<9} {:>4}  {:>10} {:>10}  {:>7} {:>8.2} {:>8.2} {:>8.2} {:>9.2}\n",
             i.id,
             i.name.chars().take(16).collect::<String>(),
             i.owner_uid,

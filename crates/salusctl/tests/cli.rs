@@ -62,7 +62,7 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     }
     let address = socket.display().to_string();
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let (_first, _second) = runtime.block_on(async {
+    let (first, second) = runtime.block_on(async {
         let client = Client::connect_with_token(&address, None).await.unwrap();
         let mut first = client.open(options("resnet-ish")).await.unwrap();
         first.admitted().await.unwrap();
@@ -77,17 +77,38 @@ fn status_sessions_policy_and_json_for_a_known_state() {
         text.contains("memory 64.0 MiB (reserve 0 B): persistent 64.0 KiB"),
         "{text}"
     );
+    let (a, b) = (first.id, second.id);
     assert!(
-        text.contains("persistent  session 1 (resnet-ish)"),
+        text.contains(&format!("persistent  session {a} (resnet-ish)")),
         "{text}"
     );
     assert!(
-        text.contains("lane 0      session 1 (resnet-ish)"),
+        text.contains(&format!("lane 0      session {a} (resnet-ish)")),
         "{text}"
     );
     assert!(text.contains("free"), "{text}");
     assert!(
-        text.contains("session 2 (waiting-job): policy fifo runs one session at a time and session 1 holds the device"),
+        text.contains(&format!(
+            "session {b} (waiting-job): policy fifo runs one session at a time and session {a} holds the device"
+        )),
+        "{text}"
+    );
+    // What sessions off the device hold, against the limits.
+    assert!(
+        text.contains(
+            "host memory 64.0 KiB of 64.0 MiB held by sessions off the device; opening 0 (0 B)"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("per user: 64 sessions, 32.0 MiB host memory; open timeout 5m00s"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "uid {}: sessions 2 (not limited), host memory 64.0 KiB",
+            salus_client::current_uid()
+        )),
         "{text}"
     );
     let bar = text.lines().nth(2).unwrap().trim();
@@ -102,8 +123,11 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     assert_eq!(status["policy"], "fifo");
     assert_eq!(status["memory"]["capacity"], 64 << 20);
     assert_eq!(status["memory"]["persistent_bytes"], 64 << 10);
-    assert_eq!(status["queue"][0]["session"], 2);
-    assert_eq!(status["lanes"][0]["sessions"][0], 1);
+    assert_eq!(status["queue"][0]["session"], b);
+    assert_eq!(status["lanes"][0]["sessions"][0], a);
+    assert_eq!(status["limits"]["max_sessions_per_user"], 64);
+    assert_eq!(status["users"][0]["sessions"], 2);
+    assert_eq!(status["host_bytes"], 64 << 10);
     let total: u64 = status["memory"]["regions"]
         .as_array()
         .unwrap()
@@ -114,7 +138,12 @@ fn status_sessions_policy_and_json_for_a_known_state() {
 
     let (ok, text, err) = salusctl(&address, &["sessions"]);
     assert!(ok, "{err}");
-    assert!(text.starts_with("  ID  NAME"), "{text}");
+    let id_width = a.to_string().len();
+    assert!(
+        text.starts_with(&format!("{:>id_width$}  NAME", "ID")),
+        "{text}"
+    );
+    assert!(text.contains(&format!("{a}  resnet-ish")), "{text}");
     assert!(text.contains("resnet-ish"), "{text}");
     assert!(text.contains("admitted"), "{text}");
     assert!(text.contains("0/100"), "{text}");
@@ -136,7 +165,7 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     assert_eq!(json.trim(), r#"{"draining":true}"#);
     assert_eq!(salusctl(&address, &["drain", "--resume"]).1, "admitting\n");
 
-    drop((_first, _second));
+    drop((first, second));
     let _ = stop.send(());
     daemon.join().unwrap();
     assert!(!socket.exists());
@@ -151,4 +180,68 @@ fn a_missing_daemon_is_explained() {
         "{err}"
     );
     assert!(err.contains("is salusd running?"), "{err}");
+}
+
+/// salusctl reaches a daemon over TLS: `--socket https://host:port`, the CA from
+/// SALUS_TLS_CA and the token from SALUS_TOKEN_FILE.
+#[test]
+fn status_over_tls() {
+    let tls = concat!(env!("CARGO_MANIFEST_DIR"), "/../salusd/tests/tls");
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-token-of-twenty-bytes").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut config = Config::new(socket.clone());
+    config.memory = 64 << 20;
+    config.listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    config.token_file = Some(token.clone());
+    config.tls_cert = Some(format!("{tls}/server.pem").into());
+    config.tls_key = Some(format!("{tls}/server.key").into());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime
+            .block_on(salusd::run(config, async {
+                let _ = stopped.await;
+            }))
+            .unwrap();
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let run = |ca: &str| {
+        Command::new(env!("CARGO_BIN_EXE_salusctl"))
+            .args(["--socket", &format!("https://localhost:{port}"), "policy"])
+            .env("SALUS_TLS_CA", ca)
+            .env("SALUS_TOKEN_FILE", &token)
+            .output()
+            .unwrap()
+    };
+    let mut out = run(&format!("{tls}/ca.pem"));
+    while !out.status.success() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        out = run(&format!("{tls}/ca.pem"));
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "policy share\n");
+    let out = run("/nonexistent/ca.pem");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("reading the CA certificate /nonexistent/ca.pem"),
+        "{err}"
+    );
+    let _ = stop.send(());
+    daemon.join().unwrap();
 }

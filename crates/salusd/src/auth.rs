@@ -118,7 +118,8 @@ impl Principal {
 pub struct Access {
     /// The daemon's own uid (TCP clients with the token act as it).
     pub daemon_uid: u32,
-    /// The bearer token TCP clients must send; `None` with `insecure_tcp`.
+    /// The bearer token TCP clients must send; `None` with `insecure_tcp`. Never empty:
+    /// salusd refuses to start with a short token (`config::read_token`).
     pub token: Option<String>,
     /// Accept TCP clients without a token (as `nobody`).
     pub insecure_tcp: bool,
@@ -136,7 +137,7 @@ impl Access {
         if peer == Peer::Tcp || self.token.is_some() {
             return match (&self.token, wire::bearer_token(request)) {
                 (Some(token), Some(sent))
-                    if constant_time_eq(token.as_bytes(), sent.as_bytes()) =>
+                    if !token.is_empty() && constant_time_eq(token.as_bytes(), sent.as_bytes()) =>
                 {
                     Ok(Principal {
                         uid: self.daemon_uid,
@@ -155,9 +156,17 @@ impl Access {
     }
 }
 
-/// Compares secrets without leaking where they differ through timing.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Compares the secret with what a client sent without leaking, through timing, where
+/// they differ or how long the secret is: the work depends only on the length of `sent`.
+fn constant_time_eq(secret: &[u8], sent: &[u8]) -> bool {
+    if secret.is_empty() {
+        return false;
+    }
+    let mut differ = u8::from(secret.len() != sent.len());
+    for (i, byte) in sent.iter().enumerate() {
+        differ |= byte ^ secret[i % secret.len()];
+    }
+    differ == 0
 }
 
 #[cfg(test)]
@@ -215,5 +224,14 @@ mod tests {
         assert!(constant_time_eq(b"secret", b"secret"));
         assert!(!constant_time_eq(b"secret", b"secreT"));
         assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(
+            !constant_time_eq(b"secret", b"secretsecret"),
+            "a repeat is not the secret"
+        );
+        assert!(!constant_time_eq(b"secret", b""));
+        assert!(
+            !constant_time_eq(b"", b""),
+            "an empty secret lets nobody in"
+        );
     }
 }

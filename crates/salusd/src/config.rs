@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
 
 use salus_core::PolicyKind;
 use serde::Deserialize;
@@ -57,8 +58,15 @@ pub struct Config {
     /// Bytes kept free: inside the arena for cpu and sim; for cuda, GPU memory left out of
     /// the arena (0: the cuda default, 1 GiB).
     pub reserve: u64,
-    /// Host memory waiting and suspended sessions may hold; `None` for the capacity.
+    /// Host memory opening, waiting and suspended sessions may hold in all; `None` for the
+    /// capacity.
     pub host_memory: Option<u64>,
+    /// The same for one user's sessions; `None` for half of `host_memory`.
+    pub user_host_memory: Option<u64>,
+    /// Sessions one user may have open or opening.
+    pub max_sessions_per_user: u64,
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub open_timeout: Duration,
     /// The policy at start.
     pub policy: PolicyKind,
     /// Where to serve Prometheus metrics.
@@ -67,10 +75,24 @@ pub struct Config {
     pub token_file: Option<PathBuf>,
     /// Accept TCP clients without a token.
     pub insecure_tcp: bool,
+    /// The certificate chain (PEM) TCP clients are served TLS with.
+    pub tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Default capacity of the cpu and sim devices.
 pub const DEFAULT_MEMORY: u64 = 4 << 30;
+
+/// Default of `--max-sessions-per-user`: room for a tuning sweep's trials, not for a
+/// flood.
+pub const DEFAULT_MAX_SESSIONS_PER_USER: u64 = 64;
+
+/// Default of `--open-timeout`: time to upload tens of GB over a slow link.
+pub const DEFAULT_OPEN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The shortest bearer token salusd accepts, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 16;
 
 impl Config {
     /// Defaults: the per-user socket, the cpu device with 4 GiB, no reserve, the sharing
@@ -84,10 +106,15 @@ impl Config {
             memory_given: false,
             reserve: 0,
             host_memory: None,
+            user_host_memory: None,
+            max_sessions_per_user: DEFAULT_MAX_SESSIONS_PER_USER,
+            open_timeout: DEFAULT_OPEN_TIMEOUT,
             policy: PolicyKind::DEFAULT,
             metrics: None,
             token_file: None,
             insecure_tcp: false,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -108,6 +135,12 @@ pub struct FileConfig {
     pub reserve: Option<String>,
     /// `--host-memory`.
     pub host_memory: Option<String>,
+    /// `--user-host-memory`.
+    pub user_host_memory: Option<String>,
+    /// `--max-sessions-per-user`.
+    pub max_sessions_per_user: Option<u64>,
+    /// `--open-timeout`.
+    pub open_timeout: Option<String>,
     /// `--policy`.
     pub policy: Option<String>,
     /// `--metrics`.
@@ -116,6 +149,10 @@ pub struct FileConfig {
     pub token_file: Option<PathBuf>,
     /// `--insecure-tcp`.
     pub insecure_tcp: Option<bool>,
+    /// `--tls-cert`.
+    pub tls_cert: Option<PathBuf>,
+    /// `--tls-key`.
+    pub tls_key: Option<PathBuf>,
     /// `--log-format`.
     pub log_format: Option<String>,
 }
@@ -159,6 +196,61 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Parses a duration: `300s`, `5m`, `1h`, `250ms`, or seconds (`300`, `1.5`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (examples: 300s, 5m, 1h)"))?;
+    let seconds = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1e3,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
+    };
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{s:?} is out of range (more than 0, less than centuries)"))
+}
+
+/// Reads the bearer token from `path`: the file's content without surrounding whitespace.
+/// Refuses a token a client could guess or could not send: empty, shorter than
+/// [`MIN_TOKEN_BYTES`], or with characters other than visible ASCII.
+pub fn read_token(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--token-file: reading {}: {e}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(format!(
+            "--token-file: {} holds no token (it is empty or only whitespace); put a random \
+             secret of at least {MIN_TOKEN_BYTES} bytes in it, e.g. `openssl rand -hex 32`",
+            path.display()
+        ));
+    }
+    if token.len() < MIN_TOKEN_BYTES {
+        return Err(format!(
+            "--token-file: the token in {} is {} bytes; it must be at least {MIN_TOKEN_BYTES} \
+             (e.g. `openssl rand -hex 32`)",
+            path.display(),
+            token.len()
+        ));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "--token-file: the token in {} has characters other than visible ASCII (spaces, \
+             control characters, non-ASCII); clients could not send it in a header",
+            path.display()
+        ));
+    }
+    Ok(token.to_string())
+}
+
 /// Rounds down to the core's 256-byte alignment.
 pub fn align_down(bytes: u64) -> u64 {
     bytes & !(salus_core::MemoryConfig::DEFAULT_ALIGNMENT - 1)
@@ -176,6 +268,41 @@ mod tests {
         assert_eq!(parse_bytes("100000"), Ok(100_000));
         assert!(parse_bytes("4 parsecs").is_err());
         assert!(parse_bytes("GiB").is_err());
+    }
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("300"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("1e30").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn tokens_must_be_long_visible_secrets() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let good = "0123456789abcdef";
+        assert_eq!(
+            read_token(&file("good", &format!("{good}\n"))),
+            Ok(good.into())
+        );
+        for (text, needle) in [
+            ("", "holds no token"),
+            (" \n\t\n", "holds no token"),
+            ("short", "is 5 bytes; it must be at least 16"),
+            ("0123456789 abcdef", "other than visible ASCII"),
+        ] {
+            let error = read_token(&file("bad", text)).unwrap_err();
+            assert!(error.contains(needle), "{text:?}: {error}");
+        }
     }
 
     #[test]

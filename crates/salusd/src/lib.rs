@@ -23,13 +23,35 @@ use salus_exec::{CostModel, Device, SimDevice};
 use salus_proto::{v1 as pb, wire};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
-use tonic::transport::Server;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 pub use config::{Config, DeviceChoice};
 use engine::{Engine, EngineConfig};
 
 /// How long shutdown waits for clients to let go after every session is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Why the daemon did not start, or stopped serving.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DaemonError {
+    /// A setting cannot be used: the message names it.
+    #[error("{0}")]
+    Settings(String),
+    /// Anything else: another daemon on the socket, a device that cannot be opened or
+    /// that failed.
+    #[error("{0}")]
+    Failure(String),
+}
+
+impl DaemonError {
+    /// The process's exit code: 2 for bad settings, 1 for failures (docs/operations.md).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            DaemonError::Settings(_) => 2,
+            DaemonError::Failure(_) => 1,
+        }
+    }
+}
 
 /// Builds the device `config` asks for. `Auto` takes GPU 0 when it is usable and the CPU
 /// otherwise, and logs which and why.
@@ -80,45 +102,117 @@ fn core_reserve(config: &Config, device: &dyn Device) -> u64 {
     }
 }
 
-/// Binds the Unix socket: refuses when another daemon answers on it, replaces a stale
-/// one, creates the directory, and makes the socket group-accessible (0660), not
+/// Binds the Unix socket: refuses a path that is something other than a socket (a file,
+/// a directory, a symbolic link), refuses when another daemon answers on it, replaces a
+/// stale socket, creates the directory, and makes the socket group-accessible (0660), not
 /// world-writable.
-fn bind_socket(path: &Path) -> Result<UnixListener, String> {
-    use std::os::unix::fs::PermissionsExt;
-    if path.exists() {
+fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let failure = DaemonError::Failure;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        let kind = meta.file_type();
+        if !kind.is_socket() {
+            let what = if kind.is_dir() {
+                "a directory"
+            } else if kind.is_symlink() {
+                "a symbolic link"
+            } else if kind.is_file() {
+                "a regular file"
+            } else {
+                "not a socket"
+            };
+            return Err(DaemonError::Settings(format!(
+                "--socket {}: the path exists and is {what}; salusd replaces only a stale \
+                 socket of its own: choose another path or remove it",
+                path.display()
+            )));
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(format!(
+            return Err(failure(format!(
                 "another salusd is listening on {}; stop it or choose --socket",
                 path.display()
-            ));
+            )));
         }
         std::fs::remove_file(path)
-            .map_err(|e| format!("removing the stale socket {}: {e}", path.display()))?;
+            .map_err(|e| failure(format!("removing the stale socket {}: {e}", path.display())))?;
     }
     if let Some(dir) = path.parent()
         && !dir.as_os_str().is_empty()
         && !dir.exists()
     {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| failure(format!("creating {}: {e}", dir.display())))?;
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
     }
-    let listener =
-        UnixListener::bind(path).map_err(|e| format!("binding {}: {e}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| format!("setting the permissions of {}: {e}", path.display()))?;
+    let listener = UnixListener::bind(path)
+        .map_err(|e| failure(format!("binding {}: {e}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|e| {
+        failure(format!(
+            "setting the permissions of {}: {e}",
+            path.display()
+        ))
+    })?;
     Ok(listener)
 }
 
-fn router(engine: &Engine, access: &auth::Access) -> tonic::transport::server::Router {
+/// The TLS identity `--tls-cert` and `--tls-key` give, read and checked at start.
+fn tls_identity(config: &Config) -> Result<Option<ServerTlsConfig>, DaemonError> {
+    let settings = DaemonError::Settings;
+    let (cert, key) = match (&config.tls_cert, &config.tls_key) {
+        (None, None) => return Ok(None),
+        (Some(cert), Some(key)) => (cert, key),
+        _ => {
+            return Err(settings(
+                "--tls-cert and --tls-key go together: give both or neither".into(),
+            ));
+        }
+    };
+    if config.listen.is_none() {
+        return Err(settings(
+            "--tls-cert serves TCP clients: it needs --listen (the Unix socket stays plain)".into(),
+        ));
+    }
+    let read = |flag: &str, path: &Path| {
+        std::fs::read(path)
+            .map_err(|e| settings(format!("{flag}: reading {}: {e}", path.display())))
+    };
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        read("--tls-cert", cert)?,
+        read("--tls-key", key)?,
+    ));
+    // Builds the TLS acceptor now, so that a certificate or key that cannot be used stops
+    // salusd at start rather than failing every client.
+    Server::builder().tls_config(tls.clone()).map_err(|e| {
+        settings(format!(
+            "--tls-cert {} / --tls-key {}: {e} (expected a PEM certificate chain and its PEM \
+             private key)",
+            cert.display(),
+            key.display()
+        ))
+    })?;
+    Ok(Some(tls))
+}
+
+fn router(
+    engine: &Engine,
+    access: &auth::Access,
+    tls: Option<ServerTlsConfig>,
+) -> Result<tonic::transport::server::Router, DaemonError> {
     let service = service::Service::new(engine.clone(), access.clone());
-    Server::builder()
+    let mut server = Server::builder();
+    if let Some(tls) = tls {
+        server = server
+            .tls_config(tls)
+            .map_err(|e| DaemonError::Settings(format!("--tls-cert: {e}")))?;
+    }
+    Ok(server
         .tcp_nodelay(true)
         .add_service(
             pb::sessions_server::SessionsServer::new(service.clone())
                 .max_decoding_message_size(wire::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(wire::MAX_MESSAGE_BYTES),
         )
-        .add_service(pb::admin_server::AdminServer::new(service))
+        .add_service(pb::admin_server::AdminServer::new(service)))
 }
 
 /// A running daemon: its engine (for in-process benchmarks) and where it listens.
@@ -129,7 +223,7 @@ pub struct Daemon {
 
 /// Runs the daemon until `shutdown` completes, then stops admitting, lets running
 /// iterations finish, closes every session and removes the socket.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), String> {
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), DaemonError> {
     run_with(config, shutdown, |_| {}).await
 }
 
@@ -138,9 +232,22 @@ pub async fn run_with(
     config: Config,
     shutdown: impl Future<Output = ()>,
     started: impl FnOnce(&Daemon),
-) -> Result<(), String> {
-    let device = open_device(&config)?;
+) -> Result<(), DaemonError> {
+    let failure = DaemonError::Failure;
+    // Settings first: a bad one stops salusd before it touches the device.
+    let token = match &config.token_file {
+        Some(path) => Some(config::read_token(path).map_err(DaemonError::Settings)?),
+        None => None,
+    };
+    if config.listen.is_some() && token.is_none() && !config.insecure_tcp {
+        return Err(DaemonError::Settings(
+            "--listen needs --token-file (clients send that token) or --insecure-tcp".into(),
+        ));
+    }
+    let tls = tls_identity(&config)?;
+    let device = open_device(&config).map_err(failure)?;
     let memory = salus_core::MemoryConfig::new(device.capacity(), core_reserve(&config, &*device));
+    let host_memory = config.host_memory.unwrap_or(config.memory);
     let daemon_uid = wire::current_uid();
     let engine = Engine::start(EngineConfig {
         device: device.clone(),
@@ -148,22 +255,12 @@ pub async fn run_with(
         policy: config.policy,
         limits: salus_graph::Limits::default(),
         daemon_uid,
-        host_memory: config.host_memory.unwrap_or(config.memory),
-    })?;
-    let token = match &config.token_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .map_err(|e| format!("reading the token file {}: {e}", path.display()))?
-                .trim()
-                .to_string(),
-        ),
-        None => None,
-    };
-    if config.listen.is_some() && token.is_none() && !config.insecure_tcp {
-        return Err(
-            "--listen needs --token-file (clients send that token) or --insecure-tcp".into(),
-        );
-    }
+        host_memory,
+        user_host_memory: config.user_host_memory.unwrap_or(host_memory / 2),
+        max_sessions_per_user: config.max_sessions_per_user,
+        open_timeout: config.open_timeout,
+    })
+    .map_err(failure)?;
     let access = auth::Access {
         daemon_uid,
         token,
@@ -176,7 +273,7 @@ pub async fn run_with(
     };
     let mut servers = Vec::new();
     servers.push(tokio::spawn(
-        router(&engine, &access).serve_with_incoming_shutdown(
+        router(&engine, &access, None)?.serve_with_incoming_shutdown(
             UnixListenerStream::new(listener),
             stopped(stop_rx.clone()),
         ),
@@ -184,10 +281,10 @@ pub async fn run_with(
     if let Some(addr) = config.listen {
         let tcp = TcpListener::bind(addr)
             .await
-            .map_err(|e| format!("binding {addr}: {e}"))?;
-        tracing::info!(%addr, insecure = config.insecure_tcp, "listening on TCP");
+            .map_err(|e| failure(format!("binding {addr}: {e}")))?;
+        tracing::info!(%addr, insecure = config.insecure_tcp, tls = tls.is_some(), "listening on TCP");
         servers.push(tokio::spawn(
-            router(&engine, &access).serve_with_incoming_shutdown(
+            router(&engine, &access, tls)?.serve_with_incoming_shutdown(
                 TcpListenerStream::new(tcp),
                 stopped(stop_rx.clone()),
             ),
@@ -197,7 +294,7 @@ pub async fn run_with(
         Some(addr) => {
             let listener = TcpListener::bind(addr)
                 .await
-                .map_err(|e| format!("binding the metrics address {addr}: {e}"))?;
+                .map_err(|e| failure(format!("binding the metrics address {addr}: {e}")))?;
             tracing::info!(%addr, "metrics at http://{addr}/metrics");
             Some(tokio::spawn(metrics::serve(listener, engine.clone())))
         }
@@ -235,9 +332,9 @@ pub async fn run_with(
     let _ = std::fs::remove_file(&config.socket);
     tracing::info!("salusd stopped");
     match failed {
-        Some(reason) => Err(format!(
+        Some(reason) => Err(failure(format!(
             "the device failed ({reason}); salusd stopped serving"
-        )),
+        ))),
         None => Ok(()),
     }
 }

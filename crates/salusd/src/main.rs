@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use salusd::config::{FileConfig, align_down, parse_bytes};
+use salusd::config::{FileConfig, align_down, parse_bytes, parse_duration};
 use salusd::{Config, DeviceChoice};
 
 /// The salus daemon: owns one device and runs many jobs' sessions on it, packed into
@@ -35,22 +35,43 @@ struct Args {
     /// out of the arena for the context, kernels and cuBLAS [default: 1GiB].
     #[arg(long, env = "SALUS_RESERVE")]
     reserve: Option<String>,
-    /// Host memory that sessions not on the device (waiting for admission, or suspended)
-    /// may hold in all [default: the device capacity].
+    /// Host memory that sessions not on the device (uploading, waiting for admission, or
+    /// suspended) may hold in all [default: the device capacity].
     #[arg(long, env = "SALUS_HOST_MEMORY")]
     host_memory: Option<String>,
+    /// The same for one user's sessions [default: half of --host-memory]; root and the
+    /// daemon's own user are not held to it.
+    #[arg(long, env = "SALUS_USER_HOST_MEMORY")]
+    user_host_memory: Option<String>,
+    /// Sessions one user may have open or opening [default: 64]; root and the daemon's own
+    /// user are not held to it.
+    #[arg(long, env = "SALUS_MAX_SESSIONS_PER_USER")]
+    max_sessions_per_user: Option<u64>,
+    /// How long a client may take from the start of its Open stream to `commit` (uploading
+    /// the initial tensors), e.g. 300s, 5m [default: 5m]; past it the open is dropped and
+    /// its host memory released.
+    #[arg(long, env = "SALUS_OPEN_TIMEOUT")]
+    open_timeout: Option<String>,
     /// Scheduling policy at start: share, pack, srtf, fair or fifo [default: share].
     #[arg(long, env = "SALUS_POLICY")]
     policy: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464).
     #[arg(long, env = "SALUS_METRICS")]
     metrics: Option<String>,
-    /// File holding the bearer token that TCP clients must send.
+    /// File holding the bearer token that TCP clients must send (at least 16 bytes of
+    /// visible ASCII; surrounding whitespace is ignored).
     #[arg(long, env = "SALUS_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Accept TCP clients without a token; they act as the unprivileged user nobody.
     #[arg(long, env = "SALUS_INSECURE_TCP")]
     insecure_tcp: bool,
+    /// Serve TCP clients over TLS with this certificate chain (PEM); needs --tls-key and
+    /// --listen. The Unix socket stays plain.
+    #[arg(long, env = "SALUS_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "SALUS_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     /// Log format: human or json [default: human]. RUST_LOG filters (default info).
     #[arg(long, env = "SALUS_LOG_FORMAT")]
     log_format: Option<String>,
@@ -90,6 +111,20 @@ fn config(args: Args) -> Result<(Config, String), String> {
     if let Some(host) = args.host_memory.or(file.host_memory) {
         config.host_memory = Some(parse_bytes(&host).map_err(|e| format!("--host-memory: {e}"))?);
     }
+    if let Some(user) = args.user_host_memory.or(file.user_host_memory) {
+        config.user_host_memory =
+            Some(parse_bytes(&user).map_err(|e| format!("--user-host-memory: {e}"))?);
+    }
+    if let Some(max) = args.max_sessions_per_user.or(file.max_sessions_per_user) {
+        if max == 0 {
+            return Err("--max-sessions-per-user 0: must be at least 1".into());
+        }
+        config.max_sessions_per_user = max;
+    }
+    if let Some(timeout) = args.open_timeout.or(file.open_timeout) {
+        config.open_timeout =
+            parse_duration(&timeout).map_err(|e| format!("--open-timeout: {e}"))?;
+    }
     if let Some(policy) = args.policy.or(file.policy) {
         config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;
     }
@@ -102,6 +137,8 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     config.token_file = args.token_file.or(file.token_file);
     config.insecure_tcp = args.insecure_tcp || file.insecure_tcp.unwrap_or(false);
+    config.tls_cert = args.tls_cert.or(file.tls_cert);
+    config.tls_key = args.tls_key.or(file.tls_key);
     let log_format = args
         .log_format
         .or(file.log_format)
@@ -163,7 +200,7 @@ fn main() -> ExitCode {
         Err(e) => {
             tracing::error!("{e}");
             eprintln!("salusd: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::engine::{Command, Engine, HISTOGRAM_BOUNDS, Metrics, SessionMetrics};
+use crate::engine::{Command, Engine, HISTOGRAM_BOUNDS, Metrics, SessionMetrics, UserUsage};
 
 /// A per-session family: name, type, help, and the sample's value.
 type SessionFamily = (
@@ -18,6 +18,9 @@ type SessionFamily = (
     fn(&SessionMetrics) -> String,
 );
 
+/// A per-user family: name, help, and the sample's value.
+type UserFamily = (&'static str, &'static str, fn(&UserUsage) -> u64);
+
 /// The exposition text for the engine's current numbers: each family's HELP and TYPE,
 /// then all its samples.
 pub fn render(engine: &Engine, metrics: Metrics) -> String {
@@ -25,7 +28,7 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         sessions,
         lane_bytes,
         persistent_bytes,
-        host_bytes,
+        quotas,
     } = metrics;
     let memory = engine.memory();
     let mut out = String::new();
@@ -72,9 +75,70 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
     family(
         "salus_host_image_bytes",
         "gauge",
-        "Host memory held by waiting and suspended sessions.",
-        &mut gauge("salus_host_image_bytes", host_bytes),
+        "Host memory held by opening, waiting and suspended sessions.",
+        &mut gauge("salus_host_image_bytes", quotas.host_bytes),
     );
+    family(
+        "salus_opening_sessions",
+        "gauge",
+        "Sessions whose Open stream has not committed yet.",
+        &mut gauge("salus_opening_sessions", quotas.opening),
+    );
+    family(
+        "salus_opening_bytes",
+        "gauge",
+        "Host memory reserved for opening sessions.",
+        &mut gauge("salus_opening_bytes", quotas.opening_bytes),
+    );
+    let config = quotas.config;
+    family(
+        "salus_limit_host_memory_bytes",
+        "gauge",
+        "--host-memory: host memory sessions off the device may hold in all.",
+        &mut gauge("salus_limit_host_memory_bytes", config.host_memory),
+    );
+    family(
+        "salus_limit_user_host_memory_bytes",
+        "gauge",
+        "--user-host-memory: host memory one user's sessions off the device may hold.",
+        &mut gauge(
+            "salus_limit_user_host_memory_bytes",
+            config.user_host_memory,
+        ),
+    );
+    family(
+        "salus_limit_sessions_per_user",
+        "gauge",
+        "--max-sessions-per-user: sessions one user may have open or opening.",
+        &mut gauge(
+            "salus_limit_sessions_per_user",
+            config.max_sessions_per_user,
+        ),
+    );
+    let per_user: [UserFamily; 3] = [
+        (
+            "salus_user_sessions",
+            "Sessions open or opening, per user.",
+            |u| u.sessions,
+        ),
+        (
+            "salus_user_opening_sessions",
+            "Sessions opening, per user.",
+            |u| u.opening,
+        ),
+        (
+            "salus_user_host_bytes",
+            "Host memory held by a user's sessions off the device.",
+            |u| u.host_bytes,
+        ),
+    ];
+    for (name, help, value) in per_user {
+        family(name, "gauge", help, &mut |out: &mut String| {
+            for (uid, usage) in &quotas.users {
+                let _ = writeln!(out, "{name}{{uid=\"{uid}\"}} {}", value(usage));
+            }
+        });
+    }
     family(
         "salus_sessions",
         "gauge",

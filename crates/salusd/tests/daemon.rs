@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Job, eventually};
+use common::{Daemon, Job, eventually, free_address};
 use salus_client::v1 as pb;
 use salus_client::{Client, OpenOptions};
 use tokio_stream::StreamExt;
@@ -505,4 +505,360 @@ async fn srtf_suspends_to_host_memory_and_resumes_exactly() {
     }
     let w = first.read(&[0]).await.unwrap().remove(0).1;
     assert_eq!((losses, w), long.alone(10));
+}
+
+/// Session ids restarted at 1 with the daemon, so a client holding an id from before a
+/// restart drove someone's new session. A restarted daemon hands out other ids, and the
+/// old one is unknown to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ids_do_not_repeat_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let job = Job::new("ids", 8, 4, 1, 1);
+    let old = {
+        let daemon = Daemon::start_at(&socket, &["--device", "cpu"]);
+        let client = daemon.client().await;
+        let first = client.open(job.options()).await.unwrap();
+        let second = client.open(job.options()).await.unwrap();
+        assert_eq!(second.id, first.id + 1);
+        first.id
+        // The daemon is killed here, as a crash would; its socket stays behind.
+    };
+    let daemon = Daemon::start_at(&socket, &["--device", "cpu"]);
+    let client = daemon.client().await;
+    let mut fresh = client.open(job.options()).await.unwrap();
+    fresh.admitted().await.unwrap();
+    assert!(
+        fresh.id != old && fresh.id != old + 1,
+        "{} was handed out before the restart",
+        fresh.id
+    );
+    let mut sessions = pb::sessions_client::SessionsClient::new(client.channel());
+    let stale = sessions
+        .run(pb::RunRequest {
+            session: old,
+            feeds: job.feeds(0),
+            tag: 0,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::NotFound, "{}", stale.message());
+    assert_eq!(job.on(&fresh, 1).await, job.alone(1), "untouched");
+}
+
+fn status_code(
+    result: Result<salus_client::Session, salus_client::Error>,
+) -> (tonic::Code, String) {
+    match result {
+        Err(salus_client::Error::Status(status)) => (status.code(), status.message().to_string()),
+        Err(other) => panic!("{other}"),
+        Ok(session) => panic!("session {} opened", session.id),
+    }
+}
+
+/// One uid held 31 sessions until the host memory was full, and then root could not open
+/// even a small session. Each user now has a number of sessions and a share of the host
+/// memory (root and the daemon's user are not held to them), and status and metrics show
+/// what each user holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_user_cannot_hold_every_session_or_the_host_memory() {
+    let listen = free_address();
+    let metrics = free_address();
+    let daemon = Daemon::start(&[
+        "--policy",
+        "fifo",
+        "--memory",
+        "16MiB",
+        "--host-memory",
+        "4MiB",
+        "--user-host-memory",
+        "768KiB",
+        "--max-sessions-per-user",
+        "2",
+        "--listen",
+        &listen,
+        "--insecure-tcp",
+        "--metrics",
+        &metrics,
+    ]);
+    let owner = daemon.client().await;
+    // TCP clients of an insecure daemon are the unprivileged user nobody (65534).
+    let nobody = daemon.tcp_client(&listen, None).await;
+    let big = |seed| Job::new("big", 4, 512, 256, seed); // P = 512 KiB
+    let small = |seed| Job::new("small", 8, 4, 4, seed);
+    let mut running = owner.open(small(1).options()).await.unwrap();
+    running.admitted().await.unwrap();
+    // Under FIFO the others wait, holding their tensors in host memory.
+    let waiting = nobody.open(big(2).options()).await.unwrap();
+    let (code, message) = status_code(nobody.open(big(3).options()).await);
+    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    assert!(
+        message.contains("uid 65534's sessions off the device")
+            && message.contains("524288 more would pass the per-user limit of 786432")
+            && message.contains("--user-host-memory"),
+        "{message}"
+    );
+    let _second = nobody.open(small(4).options()).await.unwrap();
+    let (code, message) = status_code(nobody.open(small(5).options()).await);
+    assert_eq!(code, tonic::Code::ResourceExhausted, "{message}");
+    assert!(
+        message.contains("uid 65534 has 2 sessions open or opening, the per-user limit of 2")
+            && message.contains("--max-sessions-per-user"),
+        "{message}"
+    );
+    // Others still open sessions, and the daemon's user is not held to the per-user limits.
+    let mut own = Vec::new();
+    for seed in 6..9 {
+        own.push(owner.open(big(seed).options()).await.unwrap());
+    }
+
+    let status = owner.status().await.unwrap();
+    let limits = status.limits.unwrap();
+    assert_eq!(
+        (
+            limits.host_memory,
+            limits.user_host_memory,
+            limits.max_sessions_per_user
+        ),
+        (4 << 20, 768 << 10, 2)
+    );
+    assert_eq!(limits.open_timeout_ms, 300_000, "the default");
+    let user = |uid: u32| status.users.iter().find(|u| u.uid == uid).cloned().unwrap();
+    let limited = user(65534);
+    assert_eq!(
+        (limited.sessions, limited.opening, limited.limited),
+        (2, 0, true)
+    );
+    assert!(limited.host_bytes >= 512 << 10, "{limited:?}");
+    let me = user(salus_client::current_uid());
+    assert_eq!((me.sessions, me.limited), (4, false));
+    assert_eq!(status.host_bytes, limited.host_bytes + me.host_bytes);
+
+    let body = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    })
+    .await
+    .unwrap();
+    for line in [
+        "salus_user_sessions{uid=\"65534\"} 2",
+        "salus_limit_sessions_per_user 2",
+        "salus_limit_user_host_memory_bytes 786432",
+        "salus_opening_sessions 0",
+    ] {
+        assert!(body.contains(line), "{line}: {body}");
+    }
+
+    // A session closed gives its place and its share back.
+    waiting.close().await.unwrap();
+    nobody.open(small(10).options()).await.unwrap();
+    assert_eq!(small(1).on(&running, 2).await, small(1).alone(2));
+}
+
+/// Streams that sent only `open` held their host memory with no end, and nothing showed
+/// them. Opening sessions are in the status now, and an open that does not commit within
+/// --open-timeout is dropped and its memory released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
+    let daemon = Daemon::start(&["--open-timeout", "1s"]);
+    let client = daemon.client().await;
+    let job = Job::new("slow", 4, 512, 256, 1); // P = 512 KiB
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(pb::OpenRequest {
+        item: Some(pb::open_request::Item::Open(pb::OpenSession {
+            graph: Some(job.graph().to_proto()),
+            kind: pb::SessionKind::Training as i32,
+            hints: None,
+        })),
+    })
+    .await
+    .unwrap();
+    let mut sessions = pb::sessions_client::SessionsClient::new(client.channel());
+    let started = Instant::now();
+    let mut updates = sessions
+        .open(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let opening = loop {
+        let status = client.status().await.unwrap();
+        if status.opening_sessions == 1 {
+            break status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(1), "{status:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(opening.opening_bytes, 512 << 10);
+    assert_eq!(opening.host_bytes, 512 << 10);
+    assert_eq!(opening.users.len(), 1);
+    assert_eq!(
+        (opening.users[0].opening, opening.users[0].opening_bytes),
+        (1, 512 << 10)
+    );
+    assert!(
+        client.list_sessions().await.unwrap().is_empty(),
+        "not a session yet"
+    );
+    // The client keeps its side open and never commits.
+    let end = tokio::time::timeout(Duration::from_secs(5), updates.message())
+        .await
+        .expect("the open was not dropped")
+        .unwrap_err();
+    assert_eq!(
+        end.code(),
+        tonic::Code::DeadlineExceeded,
+        "{}",
+        end.message()
+    );
+    assert!(
+        end.message().contains("--open-timeout"),
+        "{}",
+        end.message()
+    );
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    let status = client.status().await.unwrap();
+    assert_eq!(
+        (
+            status.opening_sessions,
+            status.opening_bytes,
+            status.host_bytes
+        ),
+        (0, 0, 0),
+        "released"
+    );
+    assert!(status.users.is_empty(), "{:?}", status.users);
+    drop(tx);
+}
+
+/// WriteTensors to a session that does not exist, or is someone else's, kept every chunk
+/// before checking. The session and the caller's right to it are checked on the first
+/// message now, before any bytes are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_refused_before_its_chunks_when_the_session_is_not_the_callers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listen = free_address();
+    let daemon = Daemon::start(&["--listen", &listen, "--insecure-tcp"]);
+    let owner = daemon.client().await;
+    let nobody = daemon.tcp_client(&listen, None).await;
+    let job = Job::new("w", 8, 4, 1, 1);
+    let session = owner.open(job.options()).await.unwrap();
+    for (client, id, code) in [
+        (&owner, session.id + 1000, tonic::Code::NotFound),
+        (&nobody, session.id, tonic::Code::PermissionDenied),
+    ] {
+        // 64 chunks of 4 MiB, made only as the client's transport takes them.
+        let pulled = Arc::new(AtomicUsize::new(0));
+        let counter = pulled.clone();
+        let chunks = (0..64u64).map(move |i| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            pb::WriteTensorsRequest {
+                item: Some(pb::write_tensors_request::Item::Chunk(pb::TensorChunk {
+                    tensor: 0,
+                    offset: i * (4 << 20),
+                    data: vec![0; 4 << 20],
+                })),
+            }
+        });
+        let first = pb::WriteTensorsRequest {
+            item: Some(pb::write_tensors_request::Item::Session(id)),
+        };
+        let messages = tokio_stream::iter(std::iter::once(first).chain(chunks));
+        let mut sessions = pb::sessions_client::SessionsClient::new(client.channel())
+            .max_encoding_message_size(1 << 30);
+        let refused = sessions
+            .write_tensors(client.request(messages))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), code, "{}", refused.message());
+        let pulled = pulled.load(Ordering::Relaxed);
+        assert!(
+            pulled < 16,
+            "{pulled} of 64 chunks were sent before the answer"
+        );
+    }
+    assert_eq!(job.on(&session, 1).await, job.alone(1));
+}
+
+/// A one-node graph: `y = ones * x` with `ones: f32[n]` constant and `x: f32[1]` fed, so a
+/// small request fetches n floats.
+fn broadcast_graph(n: u64) -> salus_graph::Graph {
+    use salus_graph::{DType, Graph, Node, Op, Role, Tensor, TensorType};
+    let tensor = |name: &str, shape: Vec<u64>, role, data| Tensor {
+        name: name.into(),
+        ty: TensorType::new(DType::F32, shape),
+        role,
+        data,
+    };
+    Graph {
+        tensors: vec![
+            tensor(
+                "ones",
+                vec![n],
+                Role::Constant,
+                common::bytes(&vec![1.0; n as usize]),
+            ),
+            tensor("x", vec![1], Role::Feed, vec![]),
+            tensor("y", vec![n], Role::Intermediate, vec![]),
+        ],
+        nodes: vec![Node {
+            name: "scale".into(),
+            op: Op::MulTensor,
+            inputs: vec![Some(0), Some(1)],
+            outputs: vec![Some(2)],
+            attrs: Default::default(),
+            source: String::new(),
+        }],
+        fetches: vec![2],
+        updates: vec![],
+        precision: Default::default(),
+    }
+}
+
+/// A RunStream whose answers were never read had them all kept (1,000 requests fetching
+/// 4 MiB each: 2.5 GB). The daemon stops taking a stream's requests while its answers are
+/// unread now, and goes on once they are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_stream_stops_taking_requests_while_answers_are_unread() {
+    let daemon = Daemon::start(&["--policy", "pack", "--memory", "64MiB"]);
+    let client = daemon.client().await;
+    let n = 256 << 10; // 1 MiB of fetch per request
+    let mut session = client
+        .open(OpenOptions::training(broadcast_graph(n).to_proto()))
+        .await
+        .unwrap();
+    session.admitted().await.unwrap();
+    let requests = 300u64;
+    let feeds: Vec<Vec<Vec<u8>>> = (0..requests)
+        .map(|i| vec![common::bytes(&[i as f32])])
+        .collect();
+    let mut responses = session.run_stream(feeds).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let done = |infos: &[pb::SessionInfo]| infos[0].iterations + infos[0].pending;
+    let taken = done(&client.list_sessions().await.unwrap());
+    let bound = 3 * salusd::service::PIPELINE as u64 + 8;
+    assert!(
+        (1..=bound).contains(&taken),
+        "{taken} of {requests} requests taken while no answer was read (bound {bound})"
+    );
+    for i in 0..requests {
+        let response = responses.next().await.unwrap().unwrap();
+        assert_eq!(response.tag, i);
+        assert!(response.failure.is_none(), "{:?}", response.failure);
+        let y = common::floats(&response.fetches[0]);
+        assert_eq!(
+            (y.len(), y[0], y[n as usize - 1]),
+            (n as usize, i as f32, i as f32)
+        );
+    }
+    assert!(
+        responses.next().await.is_none(),
+        "every request answered, then OK"
+    );
 }

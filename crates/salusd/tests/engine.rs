@@ -38,6 +38,9 @@ fn start() -> Engine {
         limits: salus_graph::Limits::default(),
         daemon_uid: DAEMON.uid,
         host_memory: 1 << 30,
+        user_host_memory: 1 << 29,
+        max_sessions_per_user: 4,
+        open_timeout: std::time::Duration::from_secs(60),
     })
     .unwrap()
 }
@@ -56,8 +59,9 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             owner: DAEMON,
             image: salusd::engine::HostImage {
                 bytes: vec![0; p as usize],
-                held: engine.host_budget().reserve(p).unwrap(),
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
             },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
             hints: Hints {
@@ -123,6 +127,25 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         .await
         .unwrap();
     let w = floats(&w[0].1);
+    // A read names each tensor once: it is at most the session's P bytes.
+    let repeated = engine
+        .ask(|reply| Command::Read {
+            principal: DAEMON,
+            session: id,
+            tensors: vec![0; 1024],
+            reply,
+        })
+        .await;
+    assert!(
+        matches!(
+            repeated,
+            Err(EngineError::DuplicateTensor {
+                request: "ReadTensors",
+                tensor: 0
+            })
+        ),
+        "{repeated:?}"
+    );
     assert!(
         (w[0] - 0.1).abs() < 1e-6 && (w[1] - 0.2).abs() < 1e-6,
         "{w:?}"
@@ -174,6 +197,11 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
     assert!(engine.ask(Command::Sessions).await.unwrap().is_empty());
     let status = engine.ask(Command::Status).await.unwrap();
     assert_eq!(status.map.persistent_bytes + status.map.lane_bytes, 0);
+    assert!(
+        status.quotas.users.is_empty() && status.quotas.host_bytes == 0,
+        "the session's place and host memory are given back: {:?}",
+        status.quotas
+    );
     let gone = engine
         .ask(|reply| Command::Run {
             principal: DAEMON,
@@ -205,8 +233,9 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
             owner: DAEMON,
             image: salusd::engine::HostImage {
                 bytes: vec![0; p as usize],
-                held: engine.host_budget().reserve(p).unwrap(),
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
             },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
             hints: Hints::default(),
@@ -268,7 +297,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
         .await
         .unwrap();
     assert!(
-        matches!(twice, Err(EngineError::RepeatedTensor { tensor: 0, .. })),
+        matches!(twice, Err(EngineError::DuplicateTensor { tensor: 0, .. })),
         "{twice:?}"
     );
     let fetches = run(vec![(1 << 20, vec![])]).await.unwrap();
@@ -292,8 +321,9 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
             owner: DAEMON,
             image: salusd::engine::HostImage {
                 bytes: vec![0; p as usize],
-                held: engine.host_budget().reserve(p).unwrap(),
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
             },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
             hints: Hints::default(),
@@ -362,4 +392,19 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
         })
         .await;
     assert!(matches!(denied, Err(EngineError::Denied(_))), "{denied:?}");
+}
+
+/// Session ids are never the small counter they were: each engine starts at a random
+/// point, so a daemon restarted does not hand an old client's id to someone else's
+/// session.
+#[tokio::test]
+async fn session_ids_start_anew_at_random_and_stay_json_safe() {
+    let (first, second) = (start(), start());
+    let (a, b) = (first.new_session_id(), second.new_session_id());
+    assert_ne!(a, b, "two engines, two series of ids");
+    assert_eq!(first.new_session_id(), a + 1, "unique within an engine");
+    for id in [a, b] {
+        assert!(id > 1 << 20, "{id}: not a small counter");
+        assert!(id < 1 << 53, "{id}: past what JSON doubles hold exactly");
+    }
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Daemon, Job, bytes, floats};
+use common::{Daemon, Job, bytes, floats, free_address, refused_start};
 use salus_client::v1 as pb;
 use salus_client::{Client, Error, OpenOptions};
 use tonic::Code;
@@ -123,9 +123,12 @@ async fn malformed_requests_get_clear_statuses() {
     expect(
         session.run(vec![feeds[0].clone()]).await,
         Code::InvalidArgument,
-        &["takes 2 feeds, 1 given"],
+        &["run request: the graph takes 2 feeds, 1 given"],
         "feed count",
     );
+    // A client's mistake, not a device fault.
+    let count = session.run(vec![]).await.unwrap_err().to_string();
+    assert!(!count.contains("device"), "{count}");
     expect(
         session
             .run(vec![feeds[0][..8].to_vec(), feeds[1].clone()])
@@ -347,17 +350,15 @@ async fn another_user_cannot_touch_a_session() {
     assert_eq!(client.policy(None).await.unwrap(), "pack");
 }
 
+/// The token of the TCP tests: 16 bytes or more, as salusd requires.
+const TOKEN: &str = "s3cret-s3cret-s3cret";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_needs_the_token() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
-    std::fs::write(&token_file, "s3cret\n").unwrap();
-    let listen = format!("127.0.0.1:{port}");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let listen = free_address();
     let daemon = Daemon::start(&[
         "--listen",
         &listen,
@@ -380,16 +381,19 @@ async fn tcp_needs_the_token() {
         &["Bearer"],
         "no token",
     );
-    let wrong = Client::connect_with_token(&listen, Some("guess".into()))
-        .await
-        .unwrap();
-    expect(
-        wrong.status().await,
-        Code::Unauthenticated,
-        &["wrong bearer token"],
-        "wrong token",
-    );
-    let right = Client::connect_with_token(&listen, Some("s3cret".into()))
+    // Wrong, empty (`authorization: Bearer `), a prefix, and the token twice.
+    for guess in ["guess", "", &TOKEN[..6], &TOKEN.repeat(2)] {
+        let wrong = Client::connect_with_token(&listen, Some(guess.into()))
+            .await
+            .unwrap();
+        expect(
+            wrong.status().await,
+            Code::Unauthenticated,
+            &["wrong bearer token"],
+            &format!("token {guess:?}"),
+        );
+    }
+    let right = Client::connect_with_token(&listen, Some(TOKEN.into()))
         .await
         .unwrap();
     assert_eq!(right.policy(Some("srtf")).await.unwrap(), "srtf");
@@ -399,14 +403,150 @@ async fn tcp_needs_the_token() {
     assert_eq!(j.on(&session, 2).await, j.alone(2));
 }
 
+/// A certificate and key for `localhost` and 127.0.0.1, and the CA that signed them
+/// (`tests/tls/`, made with openssl, valid until 2126).
+fn tls_file(name: &str) -> String {
+    format!("{}/tests/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `--tls-cert`/`--tls-key` serve TCP clients over TLS: a client that trusts the CA gets
+/// through with the token, one without the token is refused, and one speaking plain
+/// text does not get through at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_over_tls_needs_the_ca_and_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let listen = free_address();
+    let (cert, key, ca) = (
+        tls_file("server.pem"),
+        tls_file("server.key"),
+        tls_file("ca.pem"),
+    );
+    let daemon = Daemon::start(&[
+        "--listen",
+        &listen,
+        "--token-file",
+        token_file.to_str().unwrap(),
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+    ]);
+    let port = listen.rsplit(':').next().unwrap();
+    let ca = std::path::Path::new(&ca);
+    let connect = |address: String, token: Option<&str>| {
+        let token = token.map(str::to_string);
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                match Client::connect_with(&address, token.clone(), Some(ca)).await {
+                    Ok(client) => return client,
+                    Err(e) if std::time::Instant::now() > deadline => panic!("{e}"),
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                }
+            }
+        }
+    };
+    let trusted = connect(format!("https://localhost:{port}"), Some(TOKEN)).await;
+    let j = job();
+    let mut session = trusted.open(j.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    assert_eq!(j.on(&session, 2).await, j.alone(2));
+    let by_address = connect(format!("https://127.0.0.1:{port}"), Some(TOKEN)).await;
+    assert!(by_address.status().await.is_ok());
+    let anonymous = connect(format!("https://localhost:{port}"), None).await;
+    expect(
+        anonymous.status().await,
+        Code::Unauthenticated,
+        &["Bearer"],
+        "TLS without the token",
+    );
+    let plain = Client::connect_with_token(&listen, Some(TOKEN.into())).await;
+    // Refused when connecting or at the first call.
+    if let Ok(client) = plain {
+        assert!(client.status().await.is_err(), "plain text got through");
+    }
+    let untrusted = Client::connect_with(
+        &format!("https://localhost:{port}"),
+        Some(TOKEN.into()),
+        Some(std::path::Path::new(&cert)),
+    )
+    .await;
+    if let Ok(client) = untrusted {
+        assert!(client.status().await.is_err(), "an unknown CA was trusted");
+    }
+    // The Unix socket stays plain.
+    assert!(daemon.client().await.status().await.is_ok());
+}
+
+/// A TLS setting that cannot be used stops salusd at start (exit 2).
+#[test]
+fn unusable_tls_settings_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let listen = free_address();
+    let socket = dir.path().join("s.sock");
+    let (cert, key) = (tls_file("server.pem"), tls_file("server.key"));
+    let base = [
+        "--socket",
+        socket.to_str().unwrap(),
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ];
+    for (args, needle) in [
+        (
+            vec!["--listen", &listen, "--tls-cert", &cert],
+            "go together",
+        ),
+        (
+            vec!["--tls-cert", &cert, "--tls-key", &key],
+            "needs --listen",
+        ),
+        (
+            vec![
+                "--listen",
+                &listen,
+                "--tls-cert",
+                garbage.to_str().unwrap(),
+                "--tls-key",
+                &key,
+            ],
+            "--tls-cert",
+        ),
+        (
+            vec!["--listen", &listen, "--tls-cert", &cert, "--tls-key", &cert],
+            "--tls-key",
+        ),
+        (
+            vec![
+                "--listen",
+                &listen,
+                "--tls-cert",
+                &cert,
+                "--tls-key",
+                "/nonexistent.key",
+            ],
+            "--tls-key: reading /nonexistent.key",
+        ),
+    ] {
+        let (code, err) = refused_start(&[&base[..], &args].concat());
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!socket.exists(), "{args:?}: nothing listens");
+    }
+}
+
+/// A bad setting exits with code 2, as docs/operations.md says (`--listen` without a token
+/// exited with 1).
 #[test]
 fn tcp_without_a_token_is_refused_at_start() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
-        .args(["--socket", "/nonexistent/s.sock", "--listen", "127.0.0.1:0"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (code, err) =
+        refused_start(&["--socket", "/nonexistent/s.sock", "--listen", "127.0.0.1:0"]);
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--listen needs --token-file"), "{err}");
 }
 
@@ -416,16 +556,377 @@ fn bad_settings_are_named() {
         (&["--policy", "lottery"][..], "unknown policy"),
         (&["--memory", "lots"][..], "--memory"),
         (&["--device", "tpu"][..], "unknown device"),
+        (&["--open-timeout", "soon"][..], "--open-timeout"),
+        (
+            &["--max-sessions-per-user", "0"][..],
+            "--max-sessions-per-user",
+        ),
+        (&["--user-host-memory", "lots"][..], "--user-host-memory"),
     ] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_salusd"))
-            .args(["--socket", "/tmp/salus-test-never.sock"])
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let (code, err) =
+            refused_start(&[&["--socket", "/tmp/salus-test-never.sock"], args].concat());
+        assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+/// A token file with only whitespace was accepted, and a TCP client sending
+/// `authorization: Bearer ` then acted as the daemon's user. Empty and short tokens stop
+/// salusd at start now.
+#[test]
+fn weak_tokens_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = free_address();
+    for (text, needle) in [
+        ("", "holds no token"),
+        ("  \n\t \n", "holds no token"),
+        ("s3cret\n", "is 6 bytes; it must be at least 16"),
+        ("fifteen-bytes!!", "is 15 bytes; it must be at least 16"),
+    ] {
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, text).unwrap();
+        let socket = dir.path().join("s.sock");
+        let (code, err) = refused_start(&[
+            "--socket",
+            socket.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ]);
+        assert_eq!(code, Some(2), "{text:?}: {err}");
+        assert!(
+            err.contains("--token-file") && err.contains(needle),
+            "{text:?}: {err}"
+        );
+        assert!(!socket.exists(), "nothing listens");
+    }
+}
+
+/// `--socket` naming a regular file deleted the file and put the socket there; now salusd
+/// refuses (exit 2) and leaves the file as it was. A stale socket is still replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_path_that_is_not_a_socket_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("precious.txt");
+    std::fs::write(&file, "do not delete").unwrap();
+    let (code, err) = refused_start(&["--socket", file.to_str().unwrap(), "--device", "cpu"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("exists and is a regular file"), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "do not delete");
+    let (code, err) = refused_start(&["--socket", dir.path().to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is a directory"), "{err}");
+
+    // A socket nobody answers on (a daemon that was killed) is replaced.
+    let daemon = Daemon::start(&[]);
+    let socket = daemon.socket.clone();
+    let stale = dir.path().join("stale.sock");
+    std::fs::rename(&socket, &stale).unwrap();
+    drop(daemon);
+    let again = Daemon::start_at(&stale, &[]);
+    assert!(again.client().await.status().await.is_ok());
+}
+
+/// `hints.expected_iteration_ms = 1e23` panicked in the service and the Open stream ended
+/// with OK and no `opened`. Hints are checked now, and are INVALID_ARGUMENT naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_hints_are_refused_by_name() {
+    let daemon = Daemon::start(&["--device", "sim"]);
+    let client = daemon.client().await;
+    for ms in [1e23, f64::INFINITY, f64::NAN, -1.0, 86_400_001.0] {
+        let mut options = job().options();
+        options.hints.expected_iteration_ms = ms;
+        expect(
+            client.open(options).await.map(|s| s.id),
+            Code::InvalidArgument,
+            &[
+                "hints.expected_iteration_ms",
+                "from 0 (unknown) to 86400000",
+            ],
+            &format!("{ms} ms"),
+        );
+    }
+    let mut options = job().options();
+    options.hints.expected_iteration_ms = 86_400_000.0;
+    let session = client.open(options).await.unwrap();
+    session.close().await.unwrap();
+    assert!(!daemon.log().contains("panicked"), "{}", daemon.log());
+}
+
+/// Raw request bytes: for requests no client would send.
+mod raw {
+    use salus_client::v1 as pb;
+    use salus_proto::codec::SalusDecoder;
+    use tonic::Status;
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+    /// Sends each `Vec<u8>` as one message, as is; decodes `RunResponse`s.
+    #[derive(Clone, Default)]
+    pub struct RunCodec;
+
+    pub struct Raw;
+
+    impl Encoder for Raw {
+        type Item = Vec<u8>;
+        type Error = Status;
+
+        fn encode(&mut self, item: Vec<u8>, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+            bytes::BufMut::put_slice(buf, &item);
+            Ok(())
+        }
+    }
+
+    pub struct Responses(SalusDecoder<pb::RunResponse>);
+
+    impl Decoder for Responses {
+        type Item = pb::RunResponse;
+        type Error = Status;
+
+        fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Self::Item>, Status> {
+            self.0.decode(buf)
+        }
+    }
+
+    impl Codec for RunCodec {
+        type Encode = Vec<u8>;
+        type Decode = pb::RunResponse;
+        type Encoder = Raw;
+        type Decoder = Responses;
+
+        fn encoder(&mut self) -> Raw {
+            Raw
+        }
+
+        fn decoder(&mut self) -> Responses {
+            Responses(SalusDecoder::default())
+        }
+    }
+
+    pub fn grpc(
+        channel: tonic::transport::Channel,
+    ) -> tonic::client::Grpc<tonic::transport::Channel> {
+        tonic::client::Grpc::new(channel)
+    }
+
+    pub fn path(method: &str) -> tonic::codegen::http::uri::PathAndQuery {
+        tonic::codegen::http::uri::PathAndQuery::from_maybe_shared(format!(
+            "/salus.v1.Sessions/{method}"
+        ))
+        .unwrap()
+    }
+}
+
+/// A request that cannot be decoded is INVALID_ARGUMENT (it was INTERNAL), and a RunStream
+/// of [valid, truncated, valid] answers the first and then ends with INVALID_ARGUMENT naming
+/// the second (it ended with OK, the third lost without a word).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_requests_are_invalid_argument_and_end_a_run_stream() {
+    use prost::Message;
+    let daemon = Daemon::start(&["--policy", "pack"]);
+    let client = daemon.client().await;
+    let j = job();
+    let mut session = client.open(j.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    let request = |tag| pb::RunRequest {
+        session: session.id,
+        feeds: j.feeds(0),
+        tag,
+        ..Default::default()
+    };
+    let valid = request(7).encode_to_vec();
+    let truncated = valid[..valid.len() - 10].to_vec();
+
+    let mut grpc = raw::grpc(client.channel());
+    grpc.ready().await.unwrap();
+    let unary = grpc
+        .unary(
+            tonic::Request::new(truncated.clone()),
+            raw::path("Run"),
+            raw::RunCodec,
+        )
+        .await;
+    let status = unary.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{}", status.message());
+    assert!(
+        status
+            .message()
+            .contains("RunRequest message could not be decoded"),
+        "{}",
+        status.message()
+    );
+
+    grpc.ready().await.unwrap();
+    let messages = vec![valid.clone(), truncated, request(9).encode_to_vec()];
+    let mut responses = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::iter(messages)),
+            raw::path("RunStream"),
+            raw::RunCodec,
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    let first = responses.message().await.unwrap().unwrap();
+    assert_eq!(first.tag, 7);
+    assert!(first.failure.is_none(), "{:?}", first.failure);
+    let end = responses.message().await.unwrap_err();
+    assert_eq!(end.code(), Code::InvalidArgument, "{}", end.message());
+    assert!(
+        end.message()
+            .contains("RunStream request 2 (after the request tagged 7)"),
+        "{}",
+        end.message()
+    );
+    // The session is as it was after one iteration.
+    assert_eq!(j.on(&session, 0).await.1, j.alone(1).1);
+}
+
+/// Errors echoed unbounded input (a 10,000-character op name, 100,000 permute dims: a
+/// 649 KB message) and clients got the transport's RESOURCE_EXHAUSTED. Messages are cut
+/// to 1 KiB now and the status is the one the error deserves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_about_huge_input_are_short_and_keep_their_status() {
+    let daemon = Daemon::start(&["--policy", "pack"]);
+    let client = daemon.client().await;
+    let j = job();
+    let open = |graph: pb::Graph, initial: Vec<(u32, Vec<u8>)>| OpenOptions {
+        graph,
+        kind: pb::SessionKind::Training,
+        hints: pb::Hints::default(),
+        initial,
+    };
+    let mut long_op = j.graph().to_proto();
+    long_op.nodes[2].op = "x".repeat(10_000);
+    let mut long_dims = j.graph().to_proto();
+    long_dims.nodes[4].attributes.insert(
+        "dims".into(),
+        pb::Attribute {
+            value: Some(pb::attribute::Value::Ints(pb::IntList {
+                values: (0..100_000).map(|d| d % 2).collect(),
+            })),
+        },
+    );
+    let mut long_names = j.graph().to_proto();
+    for tensor in &mut long_names.tensors {
+        tensor.name = "n".repeat(100_000) + &tensor.id.to_string();
+    }
+    let cases = [
+        (
+            "op name",
+            open(long_op, vec![(0, j.initial())]),
+            "unknown op",
+        ),
+        (
+            "permute dims",
+            open(long_dims, vec![(0, j.initial())]),
+            "node 4",
+        ),
+        (
+            "tensor names",
+            open(long_names, vec![(0, vec![0; 8])]),
+            "tensor 0",
+        ),
+    ];
+    for (case, options, needle) in cases {
+        match client.open(options).await.map(|s| s.id) {
+            Err(Error::Status(status)) => {
+                assert_eq!(
+                    status.code(),
+                    Code::InvalidArgument,
+                    "{case}: {}",
+                    status.message()
+                );
+                assert!(
+                    status.message().contains(needle),
+                    "{case}: {}",
+                    status.message()
+                );
+                assert!(
+                    status.message().len() <= 1024,
+                    "{case}: {}",
+                    status.message().len()
+                );
+            }
+            other => panic!("{case}: {other:?}"),
+        }
+    }
+}
+
+/// A node whose op's only result is -1 (unused) passed the open and then failed every
+/// iteration; duplicate node names passed too. Both are refused at open now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graphs_that_could_never_run_are_refused_at_open() {
+    let daemon = Daemon::start(&["--policy", "pack"]);
+    let client = daemon.client().await;
+    let j = job();
+    let mut unused = j.graph().to_proto();
+    unused.nodes[1].outputs[0] = -1;
+    let mut twins = j.graph().to_proto();
+    twins.nodes[3].name = twins.nodes[1].name.clone();
+    let mut bad_permute = j.graph().to_proto();
+    bad_permute.nodes[4].attributes.insert(
+        "dims".into(),
+        pb::Attribute {
+            value: Some(pb::attribute::Value::Ints(pb::IntList {
+                values: vec![-3, 0],
+            })),
+        },
+    );
+    for (case, graph, needles) in [
+        (
+            "unused only result",
+            unused,
+            &["node 1", "output 0 is -1 (unused)"][..],
+        ),
+        (
+            "duplicate names",
+            twins,
+            &["node 3", "node 1 has the same name"][..],
+        ),
+        (
+            "permute",
+            bad_permute,
+            &["node 4", "dimension -3 out of range"][..],
+        ),
+    ] {
+        let options = OpenOptions {
+            graph,
+            kind: pb::SessionKind::Training,
+            hints: pb::Hints::default(),
+            initial: vec![(0, j.initial())],
+        };
+        expect(
+            client.open(options).await.map(|s| s.id),
+            Code::InvalidArgument,
+            needles,
+            case,
+        );
+    }
+}
+
+/// ReadTensors with one 4 MiB tensor listed 1,024 times copied it each time before
+/// streaming. A read names each tensor once now, so it is at most the session's P bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_names_each_tensor_once() {
+    let daemon = Daemon::start(&["--policy", "pack"]);
+    let client = daemon.client().await;
+    let j = job();
+    let mut session = client.open(j.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    expect(
+        session.read(&[0; 1024]).await,
+        Code::InvalidArgument,
+        &["ReadTensors names tensor 0 twice"],
+        "repeated read",
+    );
+    expect(
+        session.write(&[(0, j.initial()), (0, j.initial())]).await,
+        Code::InvalidArgument,
+        &["WriteTensors names tensor 0 twice"],
+        "repeated write",
+    );
+    assert_eq!(session.read(&[0]).await.unwrap(), vec![(0, j.initial())]);
 }
 
 /// Sessions waiting for admission hold their tensors in host memory, within a limit.
@@ -450,8 +951,8 @@ async fn waiting_sessions_cannot_exhaust_host_memory() {
         client.open(job(4).options()).await.map(|s| s.id),
         Code::ResourceExhausted,
         &[
-            "waiting sessions hold 1048576 bytes of host memory",
-            "--host-memory",
+            "hold 1048576 bytes of host memory",
+            "(salusd --host-memory)",
         ],
         "host memory",
     );

@@ -135,8 +135,36 @@ class QueuedSession(_message.Message):
     reason: str
     def __init__(self, session: _Optional[int] = ..., name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Limits(_message.Message):
+    __slots__ = ("host_memory", "user_host_memory", "max_sessions_per_user", "open_timeout_ms")
+    HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    USER_HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_PER_USER_FIELD_NUMBER: _ClassVar[int]
+    OPEN_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    host_memory: int
+    user_host_memory: int
+    max_sessions_per_user: int
+    open_timeout_ms: int
+    def __init__(self, host_memory: _Optional[int] = ..., user_host_memory: _Optional[int] = ..., max_sessions_per_user: _Optional[int] = ..., open_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class UserUsage(_message.Message):
+    __slots__ = ("uid", "sessions", "opening", "opening_bytes", "host_bytes", "limited")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OPENING_FIELD_NUMBER: _ClassVar[int]
+    OPENING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    sessions: int
+    opening: int
+    opening_bytes: int
+    host_bytes: int
+    limited: bool
+    def __init__(self, uid: _Optional[int] = ..., sessions: _Optional[int] = ..., opening: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., limited: _Optional[bool] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("device", "policy", "draining", "memory", "lanes", "queue", "uptime_ms", "version")
+    __slots__ = ("device", "policy", "draining", "memory", "lanes", "queue", "uptime_ms", "version", "limits", "host_bytes", "opening_sessions", "opening_bytes", "users")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +173,11 @@ class StatusResponse(_message.Message):
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPENING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OPENING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
     device: Device
     policy: str
     draining: bool
@@ -153,7 +186,12 @@ class StatusResponse(_message.Message):
     queue: _containers.RepeatedCompositeFieldContainer[QueuedSession]
     uptime_ms: int
     version: str
-    def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    limits: Limits
+    host_bytes: int
+    opening_sessions: int
+    opening_bytes: int
+    users: _containers.RepeatedCompositeFieldContainer[UserUsage]
+    def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., host_bytes: _Optional[int] = ..., opening_sessions: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., users: _Optional[_Iterable[_Union[UserUsage, _Mapping]]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()

@@ -143,7 +143,8 @@ fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
 
 fn node(op: Op, inputs: &[usize], outputs: &[usize], attrs: &[(&str, Attr)]) -> Node {
     Node {
-        name: format!("{op}"),
+        // Unique within a graph: named for the tensors it produces.
+        name: format!("{op}{outputs:?}"),
         op,
         inputs: inputs.iter().map(|&i| Some(i)).collect(),
         outputs: outputs.iter().map(|&i| Some(i)).collect(),

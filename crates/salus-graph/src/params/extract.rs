@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use super::geometry::{self, ConvAttrs, PoolAttrs};
 use super::{GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
+use crate::error::{preview, preview_str};
 use crate::ir::{Attr, DType, TensorType};
 use crate::op::Op;
 
@@ -44,6 +45,17 @@ impl<'a> Inputs<'a> {
     }
 }
 
+/// An attribute's value as an error shows it: its kind and a preview of its content.
+fn describe(attr: &Attr) -> String {
+    match attr {
+        Attr::Str(v) => format!("Str({})", preview_str(v)),
+        Attr::Ints(v) => format!("Ints({})", preview(v)),
+        Attr::Floats(v) => format!("Floats({})", preview(v)),
+        Attr::Bools(v) => format!("Bools({})", preview(v)),
+        other => format!("{other:?}"),
+    }
+}
+
 /// A node's attributes, read by schema name with the type each must have.
 struct Attrs<'a>(&'a BTreeMap<String, Attr>);
 
@@ -55,7 +67,10 @@ impl<'a> Attrs<'a> {
     fn int(&self, name: &str) -> Result<i64> {
         match self.get(name) {
             Some(Attr::Int(v)) => Ok(*v),
-            Some(other) => Err(format!("attribute {name:?} must be an int, got {other:?}")),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be an int, got {}",
+                describe(other)
+            )),
             None => Err(format!("attribute {name:?} is missing")),
         }
     }
@@ -71,7 +86,8 @@ impl<'a> Attrs<'a> {
         match self.get(name) {
             Some(Attr::Ints(v)) => Ok(v),
             Some(other) => Err(format!(
-                "attribute {name:?} must be a list of ints, got {other:?}"
+                "attribute {name:?} must be a list of ints, got {}",
+                describe(other)
             )),
             None => Err(format!("attribute {name:?} is missing")),
         }
@@ -96,7 +112,10 @@ impl<'a> Attrs<'a> {
         match self.get(name) {
             None => Ok(default),
             Some(Attr::Bool(v)) => Ok(*v),
-            Some(other) => Err(format!("attribute {name:?} must be a bool, got {other:?}")),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be a bool, got {}",
+                describe(other)
+            )),
         }
     }
 
@@ -104,7 +123,8 @@ impl<'a> Attrs<'a> {
         match self.get(name) {
             Some(Attr::Bools(v)) => Ok(v),
             Some(other) => Err(format!(
-                "attribute {name:?} must be a list of bools, got {other:?}"
+                "attribute {name:?} must be a list of bools, got {}",
+                describe(other)
             )),
             None => Err(format!("attribute {name:?} is missing")),
         }
@@ -117,7 +137,8 @@ impl<'a> Attrs<'a> {
             Some(Attr::Float(v)) => Ok(Scalar::Float(*v)),
             Some(Attr::Bool(v)) => Ok(Scalar::Bool(*v)),
             Some(other) => Err(format!(
-                "attribute {name:?} must be a number, got {other:?}"
+                "attribute {name:?} must be a number, got {}",
+                describe(other)
             )),
             None => Err(format!("attribute {name:?} is missing")),
         }
@@ -139,7 +160,10 @@ impl<'a> Attrs<'a> {
         match self.get(name) {
             None => Ok(None),
             Some(Attr::DType(d)) => Ok(Some(*d)),
-            Some(other) => Err(format!("attribute {name:?} must be a dtype, got {other:?}")),
+            Some(other) => Err(format!(
+                "attribute {name:?} must be a dtype, got {}",
+                describe(other)
+            )),
         }
     }
 
@@ -148,7 +172,10 @@ impl<'a> Attrs<'a> {
         let key = format!("{name}.len");
         match self.get(&key) {
             Some(Attr::Int(n)) if *n >= 0 => Ok(*n as usize),
-            Some(other) => Err(format!("attribute {key:?} must be a count, got {other:?}")),
+            Some(other) => Err(format!(
+                "attribute {key:?} must be a count, got {}",
+                describe(other)
+            )),
             None => Err(format!(
                 "attribute {key:?} (length of tensor list {name}) is missing"
             )),
@@ -228,7 +255,7 @@ fn view_shape(input: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
     for (i, &s) in size.iter().enumerate() {
         if s == -1 {
             if inferred.replace(i).is_some() {
-                return Err(format!("size {size:?} has more than one -1"));
+                return Err(format!("size {} has more than one -1", preview(size)));
             }
             out.push(0);
         } else {
@@ -239,12 +266,13 @@ fn view_shape(input: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
     }
     if let Some(i) = inferred {
         if known == 0 || !numel.is_multiple_of(known) {
-            return Err(format!("cannot view {input} as {size:?}"));
+            return Err(format!("cannot view {input} as {}", preview(size)));
         }
         out[i] = numel / known;
     } else if known != numel {
         return Err(format!(
-            "cannot view {input} ({numel} elements) as {size:?}"
+            "cannot view {input} ({numel} elements) as {}",
+            preview(size)
         ));
     }
     Ok(out)
@@ -253,7 +281,10 @@ fn view_shape(input: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
 /// The shape `size` (-1 keeps a dimension; new leading dimensions allowed) `t` expands to.
 fn expand_shape(t: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
     if size.len() < t.rank() {
-        return Err(format!("cannot expand {t} to fewer dimensions {size:?}"));
+        return Err(format!(
+            "cannot expand {t} to fewer dimensions {}",
+            preview(size)
+        ));
     }
     let lead = size.len() - t.rank();
     let mut shape = Vec::with_capacity(size.len());
@@ -261,7 +292,12 @@ fn expand_shape(t: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
         let current = (i >= lead).then(|| t.shape[i - lead]);
         let target = match (s, current) {
             (-1, Some(c)) => c,
-            (-1, None) => return Err(format!("-1 in a new leading dimension of {size:?}")),
+            (-1, None) => {
+                return Err(format!(
+                    "-1 in a new leading dimension of {}",
+                    preview(size)
+                ));
+            }
             (s, _) => nonneg(s, "an expanded dimension")?,
         };
         if let Some(c) = current
@@ -269,7 +305,8 @@ fn expand_shape(t: &TensorType, size: &[i64]) -> Result<Vec<u64>> {
             && c != 1
         {
             return Err(format!(
-                "cannot expand {t} to {size:?}: dimension {i} is {c}"
+                "cannot expand {t} to {}: dimension {i} is {c}",
+                preview(size)
             ));
         }
         shape.push(target);
@@ -289,14 +326,16 @@ fn layer_norm(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
     let normalized = a.ints("normalized_shape")?;
     if normalized.is_empty() || normalized.len() > t.rank() {
         return Err(format!(
-            "normalized_shape {normalized:?} does not fit input {t}"
+            "normalized_shape {} does not fit input {t}",
+            preview(normalized)
         ));
     }
     let axis = t.rank() - normalized.len();
     let tail: Vec<i64> = t.shape[axis..].iter().map(|&d| d as i64).collect();
     if tail != normalized {
         return Err(format!(
-            "normalized_shape {normalized:?} must equal the last dimensions of input {t}"
+            "normalized_shape {} must equal the last dimensions of input {t}",
+            preview(normalized)
         ));
     }
     Ok(OpParams::LayerNorm {
@@ -389,7 +428,8 @@ pub(crate) fn extract(
                 Some(Attr::Str(s)) if s == "tanh" => GeluApproximate::Tanh,
                 Some(other) => {
                     return Err(format!(
-                        "attribute \"approximate\" must be \"none\" or \"tanh\", got {other:?}"
+                        "attribute \"approximate\" must be \"none\" or \"tanh\", got {}",
+                        describe(other)
                     ));
                 }
             },
@@ -477,7 +517,7 @@ pub(crate) fn extract(
             let mut conv = geometry::conv(&conv_attrs(a, [true; 3])?, input, weight)?;
             let mask = a.bools("output_mask")?;
             conv.output_mask = <[bool; 3]>::try_from(mask)
-                .map_err(|_| format!("output_mask must have 3 entries, got {mask:?}"))?;
+                .map_err(|_| format!("output_mask must have 3 entries, got {}", preview(mask)))?;
             OpParams::Conv(conv)
         }
         View => {
@@ -531,7 +571,8 @@ pub(crate) fn extract(
             let total: u64 = sizes.iter().sum();
             if total != t.shape[dim] {
                 return Err(format!(
-                    "split sizes {given:?} add up to {total}, but dimension {dim} of {t} is {}",
+                    "split sizes {} add up to {total}, but dimension {dim} of {t} is {}",
+                    preview(given),
                     t.shape[dim]
                 ));
             }

@@ -361,7 +361,10 @@ pub fn wrap_dims(ds: &[i64], rank: usize) -> Result<Vec<usize>, String> {
     for &d in ds {
         let d = wrap_dim(d, rank)?;
         if out.contains(&d) {
-            return Err(format!("dimension {d} appears twice in {ds:?}"));
+            return Err(format!(
+                "dimension {d} appears twice in {}",
+                crate::error::preview(ds)
+            ));
         }
         out.push(d);
     }

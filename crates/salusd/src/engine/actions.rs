@@ -76,7 +76,7 @@ impl State {
                 };
                 match self.device.read(persistent.offset, persistent.size) {
                     Ok(bytes) => {
-                        let held = self.host.force(bytes.len() as u64);
+                        let held = self.quotas.force(entry.owner, bytes.len() as u64);
                         entry.image = Some(HostImage { bytes, held });
                     }
                     Err(e) => {

@@ -13,7 +13,9 @@ use tokio::sync::oneshot;
 use super::reports::{
     EventKind, Metrics, NOT_YET_DECIDED, SessionReport, SessionUpdate, StatusReport, UpdateSink,
 };
-use super::{Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, State};
+use super::{
+    Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, SessionSlot, State,
+};
 use crate::auth::{Principal, Steering};
 
 /// Where the engine's answer to one command goes.
@@ -30,6 +32,8 @@ pub struct NewSession {
     pub program: Program,
     /// The persistent block's initial bytes (P of them).
     pub image: HostImage,
+    /// Its place among its owner's sessions ([`super::Quotas::open_session`]).
+    pub slot: SessionSlot,
     /// Training or inference.
     pub kind: SessionKind,
     /// The client's hints.
@@ -112,6 +116,16 @@ pub enum Command {
         /// (id, bytes) per tensor.
         reply: Reply<Vec<(u32, Vec<u8>)>>,
     },
+    /// The program of a session the principal may use: what a write checks its chunks
+    /// against before keeping their bytes.
+    Program {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// Its program.
+        reply: Reply<Arc<Program>>,
+    },
     /// Overwrite persistent tensors between iterations.
     Write {
         /// Who asks.
@@ -172,6 +186,27 @@ pub enum Command {
     /// Shut down: drain, let running iterations finish, close every session. Answered
     /// once nothing runs.
     Shutdown(oneshot::Sender<()>),
+}
+
+/// Byte range (offset, length) of a persistent tensor within its session's block, checking
+/// the id: what reads and writes may touch.
+pub fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), EngineError> {
+    let t = program
+        .graph()
+        .tensors
+        .get(tensor as usize)
+        .ok_or_else(|| EngineError::UnknownTensor {
+            tensor,
+            count: program.graph().tensors.len(),
+        })?;
+    match program.location(tensor as usize) {
+        Some(Location::Persistent(off)) => Ok((off, program.bytes(tensor as usize))),
+        _ => Err(EngineError::NotPersistent {
+            tensor,
+            name: t.name.clone(),
+            role: t.role,
+        }),
+    }
 }
 
 impl State {
@@ -237,6 +272,14 @@ impl State {
                 Ok(entry) if entry.running => entry.deferred.push(Deferred::Read(tensors, reply)),
                 Ok(_) => drop(reply.send(self.read(SessionId(session), &tensors))),
             },
+            Command::Program {
+                principal,
+                session,
+                reply,
+            } => {
+                let program = self.owned(principal, session).map(|e| e.program().clone());
+                let _ = reply.send(program);
+            }
             Command::Write {
                 principal,
                 session,
@@ -363,6 +406,7 @@ impl State {
         }
         let entry = Entry {
             owner: new.owner,
+            _slot: new.slot,
             programs: vec![Arc::new(new.program)],
             hints: new.hints,
             image: Some(new.image),
@@ -450,26 +494,6 @@ impl State {
         }
     }
 
-    /// Byte range of a persistent tensor within the session's block, checking the id.
-    fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), EngineError> {
-        let t = program
-            .graph()
-            .tensors
-            .get(tensor as usize)
-            .ok_or_else(|| EngineError::UnknownTensor {
-                tensor,
-                count: program.graph().tensors.len(),
-            })?;
-        match program.location(tensor as usize) {
-            Some(Location::Persistent(off)) => Ok((off, program.bytes(tensor as usize))),
-            _ => Err(EngineError::NotPersistent {
-                tensor,
-                name: t.name.clone(),
-                role: t.role,
-            }),
-        }
-    }
-
     /// An iteration's request checked against the session before it is queued: the
     /// program exists, the feeds fit it, the writes are whole persistent tensors, the
     /// fetch sizes (if given) are its. Returns the feeds and the placed writes.
@@ -490,12 +514,7 @@ impl State {
         run.check_feeds(&views)
             .map_err(|error| EngineError::Feeds { session, error })?;
         if !work.fetch_lengths.is_empty() {
-            let sizes: Vec<u64> = run
-                .graph()
-                .fetches
-                .iter()
-                .map(|&t| run.bytes(t))
-                .collect();
+            let sizes: Vec<u64> = run.graph().fetches.iter().map(|&t| run.bytes(t)).collect();
             if sizes != work.fetch_lengths {
                 return Err(EngineError::FetchSizes {
                     session,
@@ -513,10 +532,11 @@ impl State {
     fn write_offsets(
         program: &Program,
         tensors: &[(u32, Vec<u8>)],
+        request: &'static str,
     ) -> Result<Vec<u64>, EngineError> {
         let mut offsets = Vec::with_capacity(tensors.len());
         for (i, (tensor, bytes)) in tensors.iter().enumerate() {
-            let (off, len) = Self::persistent_range(program, *tensor)?;
+            let (off, len) = persistent_range(program, *tensor)?;
             let t = &program.graph().tensors[*tensor as usize];
             if bytes.len() as u64 != len {
                 return Err(EngineError::TensorSize {
@@ -528,9 +548,9 @@ impl State {
                 });
             }
             if tensors[..i].iter().any(|(other, _)| other == tensor) {
-                return Err(EngineError::RepeatedTensor {
+                return Err(EngineError::DuplicateTensor {
+                    request,
                     tensor: *tensor,
-                    name: t.name.clone(),
                 });
             }
             offsets.push(off);
@@ -543,7 +563,7 @@ impl State {
         program: &Program,
         writes: Vec<(u32, Vec<u8>)>,
     ) -> Result<Vec<(u64, Vec<u8>)>, EngineError> {
-        let offsets = Self::write_offsets(program, &writes)?;
+        let offsets = Self::write_offsets(program, &writes, "RunRequest.writes")?;
         Ok(offsets
             .into_iter()
             .zip(writes.into_iter().map(|(_, b)| b))
@@ -570,11 +590,19 @@ impl State {
                 .map(|(i, _)| i as u32)
                 .collect()
         } else {
+            // Each tensor once: a read is at most the session's P bytes.
+            let mut seen = std::collections::HashSet::with_capacity(tensors.len());
+            if let Some(&tensor) = tensors.iter().find(|&&t| !seen.insert(t)) {
+                return Err(EngineError::DuplicateTensor {
+                    request: "ReadTensors",
+                    tensor,
+                });
+            }
             tensors.to_vec()
         };
         let mut out = Vec::with_capacity(ids.len());
         for tensor in ids {
-            let (off, len) = Self::persistent_range(program, tensor)?;
+            let (off, len) = persistent_range(program, tensor)?;
             let bytes = match (&entry.image, entry.place) {
                 (Some(image), _) => image.bytes[off as usize..(off + len) as usize].to_vec(),
                 (None, Place::Admitted { persistent }) => self
@@ -598,7 +626,7 @@ impl State {
             .get_mut(&id)
             .ok_or(EngineError::UnknownSession(id.0))?;
         // Check everything before changing anything: all or nothing.
-        let ranges = Self::write_offsets(entry.program(), tensors)?;
+        let ranges = Self::write_offsets(entry.program(), tensors, "WriteTensors")?;
         for ((_, bytes), off) in tensors.iter().zip(ranges) {
             match (&mut entry.image, entry.place) {
                 (Some(image), _) => {

@@ -12,6 +12,44 @@ use crate::auth::Denied;
 /// A request the engine refused, or an iteration that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// Holding this session's tensors on the host would pass the owner's share,
+    /// `--user-host-memory`.
+    #[error(
+        "uid {uid}'s sessions off the device (opening, waiting or suspended) hold {used} bytes \
+         of host memory; {bytes} more would pass the per-user limit of {limit} (salusd \
+         --user-host-memory)"
+    )]
+    UserHostMemory {
+        /// Whose.
+        uid: u32,
+        /// Bytes the user holds now.
+        used: u64,
+        /// Bytes asked for.
+        bytes: u64,
+        /// The per-user limit.
+        limit: u64,
+    },
+    /// The owner already has as many sessions as one user may, `--max-sessions-per-user`.
+    #[error(
+        "uid {uid} has {sessions} sessions open or opening, the per-user limit of {limit} \
+         (salusd --max-sessions-per-user)"
+    )]
+    UserSessions {
+        /// Whose.
+        uid: u32,
+        /// Sessions the user has now.
+        sessions: u64,
+        /// The per-user limit.
+        limit: u64,
+    },
+    /// A request names one tensor twice.
+    #[error("{request} names tensor {tensor} twice")]
+    DuplicateTensor {
+        /// Which request.
+        request: &'static str,
+        /// The tensor.
+        tensor: u32,
+    },
     /// The engine has stopped: the daemon is shutting down.
     #[error("salusd is shutting down")]
     ShuttingDown,
@@ -25,7 +63,7 @@ pub enum EngineError {
     #[error("session {0} is closing")]
     Closing(u64),
     /// The feeds of an iteration do not match the session's graph.
-    #[error("session {session}: {error}")]
+    #[error("session {session}: run request: {error}")]
     Feeds {
         /// Whose iteration.
         session: u64,
@@ -143,21 +181,13 @@ pub enum EngineError {
         /// The sizes given.
         given: Vec<u64>,
     },
-    /// One request writes a tensor twice.
-    #[error("tensor {tensor} '{name}' is written twice in one request")]
-    RepeatedTensor {
-        /// Its id.
-        tensor: u32,
-        /// Its name.
-        name: String,
-    },
     /// The session's persistent tensors are neither on the device nor on the host (a bug).
     #[error("session {0} has no copy of its tensors")]
     NoTensorCopy(u64),
     /// Holding this session's tensors on the host would pass `--host-memory`.
     #[error(
-        "waiting sessions hold {used} bytes of host memory; {bytes} more would pass the limit \
-         of {limit} (salusd --host-memory)"
+        "sessions off the device (opening, waiting or suspended) hold {used} bytes of host \
+         memory; {bytes} more would pass the limit of {limit} (salusd --host-memory)"
     )]
     HostMemory {
         /// Bytes held now.

@@ -12,14 +12,14 @@
 //! - `commands`: the command protocol and the answer to each request;
 //! - `actions`: carrying out the core's actions and finished iterations;
 //! - `reports`: session updates, the event stream, status, reports and metrics;
-//! - `host_budget`: host memory held by sessions that are not on the device;
+//! - `quota`: what sessions off the device may hold on the host, in all and per user;
 //! - `error`: [`EngineError`].
 
 mod actions;
 mod commands;
 mod error;
-mod host_budget;
 mod programs;
+mod quota;
 mod reports;
 
 use std::collections::{HashMap, VecDeque};
@@ -33,9 +33,9 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::auth::Principal;
 
-pub use commands::{Command, NewSession, Reply, RunResult};
+pub use commands::{Command, NewSession, Reply, RunResult, persistent_range};
 pub use error::EngineError;
-pub use host_budget::{HostBudget, HostBytes, HostImage};
+pub use quota::{HostBytes, HostImage, QuotaConfig, QuotaReport, Quotas, SessionSlot, UserUsage};
 pub use reports::{
     EngineEvent, EventKind, Metrics, QueuedReport, SessionMetrics, SessionReport, SessionState,
     SessionUpdate, StatusReport, UpdateSink,
@@ -81,6 +81,8 @@ enum Deferred {
 
 struct Entry {
     owner: Principal,
+    /// Its place among its owner's sessions, given back when the entry goes.
+    _slot: SessionSlot,
     /// Its programs: the one it opened with (which defines the persistent block and E),
     /// then those added for other feed shapes, in the order they were added.
     programs: Vec<Arc<Program>>,
@@ -123,7 +125,8 @@ pub struct Engine {
     device: Arc<dyn Device>,
     next_session: Arc<AtomicU64>,
     stopping: Arc<watch::Sender<bool>>,
-    host: HostBudget,
+    quotas: Quotas,
+    open_timeout: Duration,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
@@ -145,8 +148,29 @@ pub struct EngineConfig {
     pub limits: salus_graph::Limits,
     /// The daemon's own user, who may steer it.
     pub daemon_uid: u32,
-    /// Bytes of host memory waiting and suspended sessions may hold.
+    /// Bytes of host memory opening, waiting and suspended sessions may hold in all.
     pub host_memory: u64,
+    /// The same, for one user's sessions.
+    pub user_host_memory: u64,
+    /// Sessions one user may have open or opening.
+    pub max_sessions_per_user: u64,
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub open_timeout: Duration,
+}
+
+/// The first session id of this engine: random, so that ids never repeat across restarts
+/// (a client holding an id from before cannot reach a new session that happens to get it)
+/// and below 2^53, so that they survive JSON readers that hold numbers as doubles.
+fn first_session_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // std seeds every RandomState from the operating system's random source.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    // Leaves room for 2^51 sessions before 2^53.
+    (hasher.finish() >> 13).max(1)
 }
 
 impl Engine {
@@ -163,9 +187,15 @@ impl Engine {
             memory: config.memory,
             limits: config.limits,
             device: config.device.clone(),
-            next_session: Arc::new(AtomicU64::new(1)),
+            next_session: Arc::new(AtomicU64::new(first_session_id())),
             stopping: Arc::new(watch::channel(false).0),
-            host: HostBudget::new(config.host_memory),
+            quotas: Quotas::new(QuotaConfig {
+                host_memory: config.host_memory,
+                user_host_memory: config.user_host_memory,
+                max_sessions_per_user: config.max_sessions_per_user,
+                daemon_uid: config.daemon_uid,
+            }),
+            open_timeout: config.open_timeout,
             fatal: Arc::new(watch::channel(None).0),
         };
         let state = State {
@@ -178,11 +208,29 @@ impl Engine {
             tx,
             events,
             shared,
-            host: engine.host.clone(),
+            quotas: engine.quotas.clone(),
+            open_timeout: config.open_timeout,
             lane_last_end: HashMap::new(),
             shutdown: None,
         };
-        tokio::spawn(state.run(rx));
+        let running = tokio::spawn(state.run(rx));
+        // A bug that panics the engine must not leave a daemon that answers UNAVAILABLE
+        // forever: it stops, as for a failed device, and its supervisor restarts it.
+        let fatal = engine.fatal.clone();
+        tokio::spawn(async move {
+            if let Err(error) = running.await
+                && error.is_panic()
+            {
+                let panic = error.into_panic();
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!(%what, "the engine panicked; shutting down");
+                fatal.send_replace(Some(format!("the engine panicked (a bug): {what}")));
+            }
+        });
         Ok(engine)
     }
 
@@ -198,12 +246,18 @@ impl Engine {
         answer.await.map_err(|_| EngineError::ShuttingDown)?
     }
 
-    /// Host memory of waiting and suspended sessions.
-    pub fn host_budget(&self) -> &HostBudget {
-        &self.host
+    /// What sessions off the device hold on the host, in all and per user.
+    pub fn quotas(&self) -> &Quotas {
+        &self.quotas
     }
 
-    /// A fresh session id.
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub fn open_timeout(&self) -> Duration {
+        self.open_timeout
+    }
+
+    /// A fresh session id: unique for the engine's life and, with high probability,
+    /// across restarts.
     pub fn new_session_id(&self) -> u64 {
         self.next_session.fetch_add(1, Ordering::Relaxed)
     }
@@ -273,7 +327,8 @@ struct State {
     tx: mpsc::UnboundedSender<Command>,
     events: broadcast::Sender<EngineEvent>,
     shared: Arc<std::sync::Mutex<Shared>>,
-    host: HostBudget,
+    quotas: Quotas,
+    open_timeout: Duration,
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,

@@ -8,7 +8,7 @@ use salus_core::{
     LaneId, LaneInfo, MemoryConfig, MemoryMap, PolicyKind, SessionId, SessionKind, SessionView,
 };
 
-use super::{Entry, Place, State};
+use super::{Entry, Place, QuotaReport, State};
 
 /// What a session's owner hears about it, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,6 +178,10 @@ pub struct StatusReport {
     pub queue: Vec<QueuedReport>,
     /// Since the engine started.
     pub uptime: Duration,
+    /// What sessions off the device hold on the host, in all and per user, and the limits.
+    pub quotas: QuotaReport,
+    /// How long an `Open` stream may take from its start to `commit`.
+    pub open_timeout: Duration,
 }
 
 /// Per-session numbers the metrics endpoint exports.
@@ -202,7 +206,7 @@ pub struct SessionMetrics {
 }
 
 /// What the metrics endpoint exports.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Metrics {
     /// Per-session numbers.
     pub sessions: Vec<SessionMetrics>,
@@ -210,8 +214,9 @@ pub struct Metrics {
     pub lane_bytes: u64,
     /// Sum of P over admitted sessions.
     pub persistent_bytes: u64,
-    /// Host memory held by waiting and suspended sessions.
-    pub host_bytes: u64,
+    /// Host memory held by opening, waiting and suspended sessions, in all and per user,
+    /// and the limits.
+    pub quotas: QuotaReport,
 }
 
 /// The reason a session waits before the core has said anything about it.
@@ -305,6 +310,8 @@ impl State {
                 })
                 .collect(),
             uptime: self.started.elapsed(),
+            quotas: self.quotas.report(),
+            open_timeout: self.open_timeout,
         }
     }
 
@@ -333,7 +340,7 @@ impl State {
             sessions,
             lane_bytes: map.lane_bytes,
             persistent_bytes: map.persistent_bytes,
-            host_bytes: self.host.used(),
+            quotas: self.quotas.report(),
         }
     }
 }

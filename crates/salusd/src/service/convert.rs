@@ -9,10 +9,39 @@ use salus_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tonic::{Code, Status};
 
+use crate::auth::Principal;
 use crate::engine::{
     EngineError, EngineEvent, EventKind, RunResult, SessionReport, SessionState, SessionUpdate,
     StatusReport, UpdateSink,
 };
+
+/// The longest status message salusd sends. Errors echo what clients sent (names, lists,
+/// ops); cut to this, a message always fits the transport's metadata limit, so the client
+/// gets the status the error deserves and not the transport's `RESOURCE_EXHAUSTED`.
+pub const MAX_STATUS_MESSAGE: usize = 1024;
+
+/// `message`, cut to at most [`MAX_STATUS_MESSAGE`] bytes with an ellipsis that says how
+/// long it was.
+pub fn bounded_message(message: &str) -> String {
+    if message.len() <= MAX_STATUS_MESSAGE {
+        return message.to_string();
+    }
+    let suffix = format!("... ({} bytes in all)", message.len());
+    let mut end = MAX_STATUS_MESSAGE - suffix.len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{suffix}", &message[..end])
+}
+
+/// `status` with its message cut by [`bounded_message`]: every status leaves the service
+/// through this.
+pub fn bounded(status: Status) -> Status {
+    if status.message().len() <= MAX_STATUS_MESSAGE {
+        return status;
+    }
+    Status::new(status.code(), bounded_message(status.message()))
+}
 
 /// Microseconds in a u64, saturating.
 pub fn micros(d: Duration) -> u64 {
@@ -31,18 +60,23 @@ pub fn code(error: &EngineError) -> Code {
         EngineError::Denied(_) => Code::PermissionDenied,
         EngineError::Closing(_) => Code::FailedPrecondition,
         EngineError::Feeds { .. }
+        | EngineError::DuplicateTensor { .. }
         | EngineError::UnknownTensor { .. }
         | EngineError::NotPersistent { .. }
         | EngineError::TensorSize { .. }
-        | EngineError::RepeatedTensor { .. }
         | EngineError::PartialWrite { .. }
         | EngineError::UnknownProgram { .. }
         | EngineError::FetchSizes { .. }
         | EngineError::ProgramMismatch { .. } => Code::InvalidArgument,
         EngineError::ProgramTooLarge { .. } => Code::ResourceExhausted,
         EngineError::ClosedBeforeStart { .. } | EngineError::Closed(_) => Code::Cancelled,
-        EngineError::NeverFits { .. } | EngineError::HostMemory { .. } => Code::ResourceExhausted,
-        EngineError::Exec(ExecError::Feed { .. }) => Code::InvalidArgument,
+        EngineError::NeverFits { .. }
+        | EngineError::HostMemory { .. }
+        | EngineError::UserHostMemory { .. }
+        | EngineError::UserSessions { .. } => Code::ResourceExhausted,
+        EngineError::Exec(ExecError::Feed { .. } | ExecError::FeedCount { .. }) => {
+            Code::InvalidArgument
+        }
         EngineError::Exec(ExecError::Node { .. }) => Code::FailedPrecondition,
         EngineError::Exec(ExecError::Device(_))
         | EngineError::Scheduler(_)
@@ -52,7 +86,21 @@ pub fn code(error: &EngineError) -> Code {
 
 impl From<EngineError> for Status {
     fn from(error: EngineError) -> Status {
-        Status::new(code(&error), error.to_string())
+        Status::new(code(&error), bounded_message(&error.to_string()))
+    }
+}
+
+/// Ends an `Open` stream with `INTERNAL` when the engine drops the session's sink while
+/// panicking: the client must not take that end for a close.
+struct PanicReport(mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>);
+
+impl Drop for PanicReport {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.0.send(Err(Status::internal(
+                "salusd's engine failed (a bug; please report it); the session is lost",
+            )));
+        }
     }
 }
 
@@ -60,7 +108,9 @@ impl From<EngineError> for Status {
 pub fn update_sink(
     updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
 ) -> UpdateSink {
+    let report = PanicReport(updates.clone());
     Box::new(move |update| {
+        let _ = &report;
         let _ = updates.send(
             update
                 .map(|u| pb::SessionUpdate {
@@ -111,7 +161,7 @@ pub fn run_response(tag: u64, result: Result<RunResult, Status>) -> pb::RunRespo
             tag,
             failure: Some(pb::Failure {
                 code: status.code() as i32,
-                message: status.message().to_string(),
+                message: bounded_message(status.message()),
             }),
             ..Default::default()
         },
@@ -181,6 +231,7 @@ pub fn session_info(r: SessionReport) -> pb::SessionInfo {
 /// The status report as a `StatusResponse`.
 pub fn status(r: StatusReport) -> pb::StatusResponse {
     let map = r.map;
+    let quotas = r.quotas;
     pb::StatusResponse {
         device: Some(pb::Device {
             name: r.device,
@@ -245,6 +296,27 @@ pub fn status(r: StatusReport) -> pb::StatusResponse {
             .collect(),
         uptime_ms: r.uptime.as_millis() as u64,
         version: env!("CARGO_PKG_VERSION").to_string(),
+        limits: Some(pb::Limits {
+            host_memory: quotas.config.host_memory,
+            user_host_memory: quotas.config.user_host_memory,
+            max_sessions_per_user: quotas.config.max_sessions_per_user,
+            open_timeout_ms: u64::try_from(r.open_timeout.as_millis()).unwrap_or(u64::MAX),
+        }),
+        host_bytes: quotas.host_bytes,
+        opening_sessions: quotas.opening,
+        opening_bytes: quotas.opening_bytes,
+        users: quotas
+            .users
+            .iter()
+            .map(|&(uid, u)| pb::UserUsage {
+                uid,
+                sessions: u.sessions,
+                opening: u.opening,
+                opening_bytes: u.opening_bytes,
+                host_bytes: u.host_bytes,
+                limited: quotas.config.limits(Principal { uid }),
+            })
+            .collect(),
     }
 }
 
@@ -274,4 +346,38 @@ pub fn whole_tensors(writes: Vec<pb::TensorChunk>) -> Result<Vec<(u32, Vec<u8>)>
             }),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sink_dropped_while_the_engine_panics_ends_the_stream_with_internal() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink = update_sink(tx);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = sink;
+            panic!("an engine bug");
+        }));
+        assert!(panicked.is_err());
+        let end = rx.try_recv().expect("a status").expect_err("an error");
+        assert_eq!(end.code(), Code::Internal, "{}", end.message());
+        // Dropped in the normal course (the session closed): the stream just ends.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        drop(update_sink(tx));
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn long_messages_are_cut_at_a_character_with_their_length() {
+        assert_eq!(bounded_message("short"), "short");
+        let long = "é".repeat(5000);
+        let cut = bounded_message(&long);
+        assert!(cut.len() <= MAX_STATUS_MESSAGE, "{}", cut.len());
+        assert!(cut.ends_with("... (10000 bytes in all)"), "{cut}");
+        let status = bounded(Status::invalid_argument("x".repeat(100_000)));
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().len() <= MAX_STATUS_MESSAGE);
+    }
 }

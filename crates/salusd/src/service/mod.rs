@@ -9,11 +9,13 @@ mod buffers;
 mod convert;
 mod iterations;
 mod open;
+mod pipeline;
+mod transfer;
 
 use std::pin::Pin;
 
 use salus_core::PolicyKind;
-use salus_proto::{v1 as pb, wire};
+use salus_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -23,9 +25,10 @@ use crate::auth::{Access, Principal};
 use crate::engine::{Command, Engine};
 use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
-pub use convert::{code, micros};
+pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
 
-/// Iterations one `RunStream` may have submitted and not yet answered.
+/// Iterations one `RunStream` may have submitted and not yet answered, and answers it may
+/// hold that the client has not read yet.
 pub const PIPELINE: usize = 16;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -49,8 +52,26 @@ impl Service {
     }
 
     fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
-        self.access.principal(request)
+        self.access.principal(request).map_err(bounded)
     }
+}
+
+/// The status a stream ends with when the task serving it panicked (a bug): never the OK
+/// a client would take for success. `None` when the task was only cancelled.
+fn panicked(error: tokio::task::JoinError) -> Option<Status> {
+    if !error.is_panic() {
+        return None;
+    }
+    let panic = error.into_panic();
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!(%what, "a task serving a stream panicked");
+    Some(Status::internal(bounded_message(&format!(
+        "salusd failed serving this stream (a bug; please report it): {what}"
+    ))))
 }
 
 /// Ends a session's lease when its update stream is dropped (the client went away).
@@ -76,7 +97,7 @@ impl Stream for Lease {
         {
             self.session = Some(opened.session);
         }
-        next
+        next.map(|item| item.map(|update| update.map_err(bounded)))
     }
 }
 
@@ -97,6 +118,65 @@ impl Drop for Lease {
     }
 }
 
+type UpdateSender = mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>;
+
+/// Receives a session from its `Open` stream (within `--open-timeout`), hands it to the
+/// engine, and holds its lease until the client ends its side or goes away.
+async fn hold_lease(
+    engine: Engine,
+    buffers: Buffers,
+    owner: Principal,
+    stream: Streaming<pb::OpenRequest>,
+    updates: UpdateSender,
+) {
+    let timeout = engine.open_timeout();
+    // On its own task, so that a panic answers the stream rather than ending it with OK.
+    let receiving = tokio::spawn({
+        let (engine, updates) = (engine.clone(), updates.clone());
+        async move {
+            let mut stream = stream;
+            let receive = open::receive_session(&engine, owner, &mut stream, updates);
+            (tokio::time::timeout(timeout, receive).await, stream)
+        }
+    });
+    let (received, mut stream) = match receiving.await {
+        Ok(done) => done,
+        Err(error) => {
+            if let Some(status) = panicked(error) {
+                let _ = updates.send(Err(status));
+            }
+            return;
+        }
+    };
+    let session = match received {
+        Ok(Ok(session)) => session,
+        Ok(Err(status)) => {
+            tracing::info!(%status, "open refused");
+            let _ = updates.send(Err(status));
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(uid = owner.uid, ?timeout, "open dropped: no commit in time");
+            let _ = updates.send(Err(Status::deadline_exceeded(format!(
+                "the Open stream did not reach `commit` within {timeout:?} of its start \
+                 (salusd --open-timeout); the session was dropped and its host memory released"
+            ))));
+            return;
+        }
+    };
+    let id = session.id;
+    if let Err(error) = engine.send(Command::Open(Box::new(session))) {
+        let _ = updates.send(Err(error.into()));
+        return;
+    }
+    // The engine holds the session's update sender from here on: the stream ends when the
+    // session is closed.
+    drop(updates);
+    // The lease holds until the client ends its side or the connection breaks.
+    while let Some(Ok(_)) = stream.next().await {}
+    end_lease(&engine, &buffers, owner, id);
+}
+
 #[tonic::async_trait]
 impl pb::sessions_server::Sessions for Service {
     type OpenStream = BoxStream<pb::SessionUpdate>;
@@ -106,40 +186,21 @@ impl pb::sessions_server::Sessions for Service {
         request: Request<Streaming<pb::OpenRequest>>,
     ) -> Result<Response<Self::OpenStream>, Status> {
         let owner = self.principal(&request)?;
-        let mut stream = request.into_inner();
         let (updates, rx) = mpsc::unbounded_channel();
-        let engine = self.engine.clone();
-        let buffers = self.buffers.clone();
         let lease = Lease {
-            engine: engine.clone(),
-            buffers: buffers.clone(),
+            engine: self.engine.clone(),
+            buffers: self.buffers.clone(),
             owner,
             session: None,
             updates: UnboundedReceiverStream::new(rx),
         };
-        tokio::spawn(async move {
-            let id = match open::receive_session(&engine, owner, &mut stream, updates.clone()).await
-            {
-                Ok(session) => {
-                    let id = session.id;
-                    if engine.send(Command::Open(Box::new(session))).is_err() {
-                        return;
-                    }
-                    id
-                }
-                Err(status) => {
-                    tracing::info!(%status, "open refused");
-                    let _ = updates.send(Err(status));
-                    return;
-                }
-            };
-            // The engine holds the session's update sender from here on: the stream ends
-            // when the session is closed.
-            drop(updates);
-            // The lease holds until the client ends its side or the connection breaks.
-            while let Some(Ok(_)) = stream.next().await {}
-            end_lease(&engine, &buffers, owner, id);
-        });
+        tokio::spawn(hold_lease(
+            self.engine.clone(),
+            self.buffers.clone(),
+            owner,
+            request.into_inner(),
+            updates,
+        ));
         Ok(Response::new(Box::pin(lease)))
     }
 
@@ -163,33 +224,12 @@ impl pb::sessions_server::Sessions for Service {
         request: Request<Streaming<pb::RunRequest>>,
     ) -> Result<Response<Self::RunStreamStream>, Status> {
         let principal = self.principal(&request)?;
-        let mut requests = request.into_inner();
-        let engine = self.engine.clone();
-        let buffers = self.buffers.clone();
-        let (tx, rx) = mpsc::unbounded_channel();
-        // At most PIPELINE iterations of one stream wait at a time: past that, the daemon
-        // stops reading the stream and HTTP/2 flow control holds the client back.
-        let (order_tx, mut order_rx) = mpsc::channel(PIPELINE);
-        // Submit as requests arrive; answer in request order.
-        tokio::spawn(async move {
-            while let Some(request) = requests.next().await {
-                let Ok(request) = request else { break };
-                let tag = request.tag;
-                let answer = iterations::submit(&engine, &buffers, principal, request).await;
-                if order_tx.send((tag, answer)).await.is_err() {
-                    break;
-                }
-            }
-        });
-        tokio::spawn(async move {
-            while let Some((tag, answer)) = order_rx.recv().await {
-                let result = answer.await;
-                if tx.send(Ok(run_response(tag, result))).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(pipeline::run_stream(
+            self.engine.clone(),
+            self.buffers.clone(),
+            principal,
+            request.into_inner(),
+        )))
     }
 
     type ReadTensorsStream = BoxStream<pb::TensorChunk>;
@@ -209,10 +249,7 @@ impl pb::sessions_server::Sessions for Service {
                 reply,
             })
             .await?;
-        let chunks = values
-            .into_iter()
-            .flat_map(|(id, bytes)| wire::chunks(id, &bytes))
-            .map(Ok);
+        let chunks = transfer::ReadChunks::new(values).map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
@@ -226,47 +263,40 @@ impl pb::sessions_server::Sessions for Service {
             Some(Ok(pb::WriteTensorsRequest {
                 item: Some(pb::write_tensors_request::Item::Session(id)),
             })) => id,
-            Some(Err(status)) => return Err(status),
+            Some(Err(status)) => return Err(bounded(status)),
             _ => {
                 return Err(Status::invalid_argument(
                     "the first WriteTensors message must name the session",
                 ));
             }
         };
-        let mut tensors: Vec<(u32, Vec<u8>)> = Vec::new();
+        // The session and the caller's right to it are checked before any bytes are kept;
+        // its program bounds what the write may hold.
+        let program = self
+            .engine
+            .ask(|reply| Command::Program {
+                principal,
+                session,
+                reply,
+            })
+            .await?;
+        let mut assembly = transfer::WriteAssembly::new(program);
         while let Some(message) = stream.next().await {
-            let Some(pb::write_tensors_request::Item::Chunk(chunk)) = message?.item else {
+            let Some(pb::write_tensors_request::Item::Chunk(chunk)) =
+                message.map_err(bounded)?.item
+            else {
                 return Err(Status::invalid_argument(
                     "after the session, WriteTensors takes only chunks",
                 ));
             };
-            match tensors.last_mut() {
-                Some((id, bytes)) if *id == chunk.tensor && chunk.offset > 0 => {
-                    if chunk.offset != bytes.len() as u64 {
-                        return Err(Status::invalid_argument(format!(
-                            "tensor {}: chunk at byte {} after {} bytes (chunks go in order)",
-                            chunk.tensor,
-                            chunk.offset,
-                            bytes.len()
-                        )));
-                    }
-                    bytes.extend_from_slice(&chunk.data);
-                }
-                _ if chunk.offset == 0 => tensors.push((chunk.tensor, chunk.data)),
-                _ => {
-                    return Err(Status::invalid_argument(format!(
-                        "tensor {}: first chunk at byte {} (chunks go in order)",
-                        chunk.tensor, chunk.offset
-                    )));
-                }
-            }
+            assembly.add(chunk).map_err(bounded)?;
         }
         let written = self
             .engine
             .ask(|reply| Command::Write {
                 principal,
                 session,
-                tensors,
+                tensors: assembly.finish(),
                 reply,
             })
             .await?;
@@ -327,7 +357,10 @@ impl pb::sessions_server::Sessions for Service {
         request: Request<pb::AttachBufferRequest>,
     ) -> Result<Response<pb::AttachBufferResponse>, Status> {
         let principal = self.principal(&request)?;
-        if !matches!(wire::peer(&request), wire::Peer::Unix { .. }) {
+        if !matches!(
+            salus_proto::wire::peer(&request),
+            salus_proto::wire::Peer::Unix { .. }
+        ) {
             return Err(Status::failed_precondition(
                 "feed buffers are for clients on salusd's Unix socket (same host, known uid)",
             ));
@@ -384,7 +417,7 @@ impl pb::admin_server::Admin for Service {
         } else {
             Some(
                 name.parse::<PolicyKind>()
-                    .map_err(Status::invalid_argument)?,
+                    .map_err(|e| Status::invalid_argument(bounded_message(&e)))?,
             )
         };
         let policy = self
@@ -427,8 +460,9 @@ impl pb::admin_server::Admin for Service {
         let mut events = self.engine.subscribe();
         let mut stopping = self.engine.stopping();
         let (tx, rx) = mpsc::unbounded_channel();
+        let failed = tx.clone();
         // Forward events until the client goes or the daemon stops.
-        tokio::spawn(async move {
+        let forwarding = tokio::spawn(async move {
             loop {
                 let event = tokio::select! {
                     event = events.recv() => event,
@@ -445,6 +479,13 @@ impl pb::admin_server::Admin for Service {
                 if tx.send(Ok(event)).is_err() {
                     break;
                 }
+            }
+        });
+        tokio::spawn(async move {
+            if let Err(error) = forwarding.await
+                && let Some(status) = panicked(error)
+            {
+                let _ = failed.send(Err(status));
             }
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))

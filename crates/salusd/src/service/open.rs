@@ -11,13 +11,17 @@ use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tonic::{Status, Streaming};
 
-use super::convert::{session_kind, update_sink};
+use super::convert::{bounded, bounded_message, session_kind, update_sink};
 use crate::auth::Principal;
 use crate::engine::{Engine, HostImage, NewSession};
 
 fn graph_status(e: &GraphError) -> Status {
-    Status::invalid_argument(format!("graph rejected: {e}"))
+    Status::invalid_argument(bounded_message(&format!("graph rejected: {e}")))
 }
+
+/// The longest iteration a client may announce in `hints.expected_iteration_ms`: a day.
+/// Longer is a mistake, and a duration past what `Duration` holds would not convert.
+pub const MAX_EXPECTED_ITERATION_MS: f64 = 86_400_000.0;
 
 /// Rejects, before any tensor bytes are held, a session that can never fit.
 fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
@@ -38,12 +42,18 @@ fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
 
 fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
     let h = h.unwrap_or_default();
-    if !h.expected_iteration_ms.is_finite() || h.expected_iteration_ms < 0.0 {
+    let ms = h.expected_iteration_ms;
+    let expected_iteration = if (0.0..=MAX_EXPECTED_ITERATION_MS).contains(&ms) {
+        std::time::Duration::try_from_secs_f64(ms / 1e3).ok()
+    } else {
+        None
+    };
+    let Some(expected_iteration) = expected_iteration else {
         return Err(Status::invalid_argument(format!(
-            "hints.expected_iteration_ms must be a finite number >= 0, got {}",
-            h.expected_iteration_ms
+            "hints.expected_iteration_ms must be a number from 0 (unknown) to \
+             {MAX_EXPECTED_ITERATION_MS} (a day), got {ms}"
         )));
-    }
+    };
     if h.name.len() > 256 {
         return Err(Status::invalid_argument(
             "hints.name is longer than 256 bytes",
@@ -53,8 +63,7 @@ fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
         name: h.name,
         priority: h.priority,
         total_iterations: (h.total_iterations > 0).then_some(h.total_iterations),
-        expected_iteration: (h.expected_iteration_ms > 0.0)
-            .then(|| std::time::Duration::from_secs_f64(h.expected_iteration_ms / 1e3)),
+        expected_iteration: (!expected_iteration.is_zero()).then_some(expected_iteration),
     })
 }
 
@@ -140,7 +149,8 @@ pub(super) async fn receive_session(
     let first = stream
         .next()
         .await
-        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))??;
+        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))?
+        .map_err(bounded)?;
     let Some(pb::open_request::Item::Open(open)) = first.item else {
         return Err(Status::invalid_argument(
             "the first Open message must be `open`",
@@ -151,6 +161,9 @@ pub(super) async fn receive_session(
         .ok_or_else(|| Status::invalid_argument("`open` has no graph"))?;
     let kind = session_kind(open.kind)?;
     let hints = hints(open.hints)?;
+    // Counted from here, while it opens and until it is gone: a user at the limit has
+    // nothing planned or held.
+    let mut slot = engine.quotas().open_session(owner)?;
     let graph = Graph::from_proto(&graph_message).map_err(|e| graph_status(&e))?;
     let program = engine
         .plan(graph)
@@ -158,7 +171,8 @@ pub(super) async fn receive_session(
         .with_expected_iteration(hints.expected_iteration);
     let plan = program.plan();
     check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
-    let held = engine.host_budget().reserve(plan.persistent_bytes)?;
+    let held = engine.quotas().reserve(owner, plan.persistent_bytes)?;
+    slot.uploading(plan.persistent_bytes);
     // Zeroed pages are not touched until written: a big image costs what is uploaded.
     let mut image = vec![0u8; plan.persistent_bytes as usize];
     for (id, t) in program.graph().tensors.iter().enumerate() {
@@ -175,7 +189,8 @@ pub(super) async fn receive_session(
         let message = stream
             .next()
             .await
-            .ok_or_else(|| Status::invalid_argument("the Open stream ended before `commit`"))??;
+            .ok_or_else(|| Status::invalid_argument("the Open stream ended before `commit`"))?
+            .map_err(bounded)?;
         match message.item {
             Some(pb::open_request::Item::Chunk(chunk)) => {
                 let at = assembly.place(&program, &chunk)?;
@@ -189,11 +204,13 @@ pub(super) async fn receive_session(
         }
     }
     assembly.check_complete(&program)?;
+    slot.committed();
     Ok(NewSession {
         id: engine.new_session_id(),
         owner,
         program,
         image: HostImage { bytes: image, held },
+        slot,
         kind,
         hints,
         updates: update_sink(updates),

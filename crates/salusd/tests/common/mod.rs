@@ -22,6 +22,15 @@ impl Daemon {
     pub fn start(args: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("salusd.sock");
+        Daemon::start_in(dir, socket, args)
+    }
+
+    /// Starts `salusd --socket <socket> <args>` and waits until it answers.
+    pub fn start_at(socket: &std::path::Path, args: &[&str]) -> Daemon {
+        Daemon::start_in(tempfile::tempdir().unwrap(), socket.to_path_buf(), args)
+    }
+
+    fn start_in(dir: tempfile::TempDir, socket: PathBuf, args: &[&str]) -> Daemon {
         let log = std::fs::File::create(dir.path().join("salusd.log")).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_salusd"))
             .arg("--socket")
@@ -32,17 +41,30 @@ impl Daemon {
             .stderr(log)
             .spawn()
             .unwrap();
-        let daemon = Daemon { child, dir, socket };
+        let mut daemon = Daemon { child, dir, socket };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !daemon.socket.exists() {
+        while std::os::unix::net::UnixStream::connect(&daemon.socket).is_err() {
+            let exited = daemon.child.try_wait().unwrap();
             assert!(
-                Instant::now() < deadline,
-                "salusd did not start: {}",
+                exited.is_none() && Instant::now() < deadline,
+                "salusd did not start ({exited:?}): {}",
                 daemon.log()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
         daemon
+    }
+
+    /// A client over TCP at `address` (`host:port`), once the daemon answers there.
+    pub async fn tcp_client(&self, address: &str, token: Option<&str>) -> Client {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Client::connect_with_token(address, token.map(str::to_string)).await {
+                Ok(client) => return client,
+                Err(e) => assert!(Instant::now() < deadline, "{e}: {}", self.log()),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn address(&self) -> String {
@@ -75,6 +97,25 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A free TCP address on the loopback interface.
+pub fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+/// Runs salusd with `args` expecting it to refuse to start: its exit code and stderr.
+pub fn refused_start(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_salusd"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "salusd {args:?} started");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
 }
 
 /// Deterministic pseudo-random f32s in [-1, 1).
