@@ -5,9 +5,9 @@ Start salusd first (`salusd`, or `salusd --socket /tmp/s.sock` and
 
     python examples/torch_train.py [--steps 100] [--compare]
 
-`--compare` also trains a copy of the model in plain PyTorch on the same batches and
-prints both losses and the largest parameter difference at the end: salus gives
-PyTorch's numbers. The loop is an ordinary one: a learning-rate schedule, gradient
+`--compare` also trains copies of the model in plain PyTorch, in float32 and float64, on
+the same batches, and prints how far salus and PyTorch's float32 run each end up from
+float64: salus gives PyTorch's numbers, as exactly as PyTorch does. The loop is an ordinary one: a learning-rate schedule, gradient
 clipping, and a DataLoader whose last batch of each epoch is smaller.
 """
 
@@ -43,6 +43,40 @@ def data(n=624, seed=0):
     return TensorDataset(x, y)
 
 
+def eager(initial, batches, steps, dtype):
+    """The same loop in plain PyTorch, in ``dtype``: (model, losses)."""
+    model = copy.deepcopy(initial).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3,
+                                                    total_steps=steps)
+    losses = []
+    for x, y, _ in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x.to(dtype)), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def compare(model, initial, batches, steps):
+    """Prints how far salus and PyTorch's float32 run each are from float64."""
+    torch32, losses32 = eager(initial, batches, steps, torch.float32)
+    exact, losses64 = eager(initial, batches, steps, torch.float64)
+
+    def error(m):
+        return max((p.double() - q).abs().max().item()
+                   for p, q in zip(m.parameters(), exact.parameters()))
+
+    scale = max(p.abs().max().item() for p in exact.parameters())
+    print(f"final loss: salus {batches[-1][2]:.6f}, pytorch {losses32[-1]:.6f}, "
+          f"float64 {losses64[-1]:.6f}")
+    print(f"largest parameter error against float64: salus {error(model):.2e}, "
+          f"pytorch float32 {error(torch32):.2e} (largest parameter {scale:.2e})")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -57,11 +91,8 @@ def main():
     # 624 samples: 19 batches of 32 and a last one of 16 per epoch.
     loader = DataLoader(data(), batch_size=32, shuffle=True,
                         generator=torch.Generator().manual_seed(1))
-    reference = copy.deepcopy(model) if args.compare else None
-    if reference is not None:
-        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-        ref_scheduler = torch.optim.lr_scheduler.OneCycleLR(ref_optimizer, max_lr=3e-3,
-                                                            total_steps=args.steps)
+    initial = copy.deepcopy(model) if args.compare else None
+    seen = []                       # the batches, for --compare
 
     x0, y0 = next(iter(loader))                                             # salus
     with salus.torch.TrainSession(model, F.cross_entropy, optimizer, (x0, y0),  # salus
@@ -77,26 +108,16 @@ def main():
                 # optimizer.step()                                         #
                 loss = session.step(x, y)                                  # salus
                 scheduler.step()
-                if reference is not None:
-                    ref_optimizer.zero_grad()
-                    ref_loss = F.cross_entropy(reference(x), y)
-                    ref_loss.backward()
-                    nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-                    ref_optimizer.step()
-                    ref_scheduler.step()
                 step += 1
+                if initial is not None:
+                    seen.append((x, y, loss.item()))
                 if step % 10 == 0 or step == args.steps:
-                    line = f"step {step:4d}  loss {loss.item():.6f}"
-                    if reference is not None:
-                        line += f"  pytorch {ref_loss.item():.6f}"
-                    print(line, flush=True)
+                    print(f"step {step:4d}  loss {loss.item():.6f}", flush=True)
                 if step == args.steps:
                     break
         session.update_model()      # salus: the trained weights back into `model`
-    if reference is not None:
-        diff = max((p - q).abs().max().item()
-                   for p, q in zip(model.parameters(), reference.parameters()))
-        print(f"largest parameter difference from PyTorch: {diff:.2e}")
+    if initial is not None:
+        compare(model, initial, seen, args.steps)
     torch.save(model.state_dict(), "/tmp/torch_train.pt")
     print("saved /tmp/torch_train.pt")
 
