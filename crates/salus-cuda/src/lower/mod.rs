@@ -436,9 +436,12 @@ impl<'a> Lowering<'a> {
                     ..
                 },
             ) => self.embedding_backward(node, padding_idx, scale_grad_by_freq, &o),
-            (IndexPut, &OpParams::IndexPut { count, accumulate }) => {
-                self.index_put(node, count, accumulate, &o)
-            }
+            (
+                IndexPut,
+                &OpParams::IndexPut {
+                    count, accumulate, ..
+                },
+            ) => self.index_put(node, count, accumulate, &o),
             (op, _) => Err(format!("the CUDA device has no kernel for {op} yet")),
         }
     }
