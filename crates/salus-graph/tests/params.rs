@@ -421,6 +421,8 @@ fn convolution_geometry_matches_pytorch() {
     assert!(c.transposed);
     assert_eq!((c.in_channels, c.out_channels), (16, 8));
     assert_eq!(c.output, [20, 20]);
+    // Its kernels unfold nothing: no scratch is planned for it.
+    assert_eq!(c.unfold_2d(), None);
 
     // Conv3d(2, 4, (3, 3, 3), stride (1, 2, 2), padding 1) on 8x16x16 -> 8x8x8.
     let c = conv(
