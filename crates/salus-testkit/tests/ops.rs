@@ -3071,6 +3071,9 @@ fn selection(self_shape: &[u64], indices: &[Option<&Value>]) -> (Vec<u64>, Vec<u
     (shape, picks)
 }
 
+/// An `indices` list: index tensors, `None` for dimensions taken whole.
+type Indices<'a> = Vec<Option<&'a Value>>;
+
 /// A case of `op` over `x` with `indices` (absent where `None`).
 fn indexed(op: Op, x: &Value, indices: &[Option<&Value>]) -> Case {
     let mut case = Case::new(op).input(x.clone());
@@ -3093,7 +3096,7 @@ fn index_tensor_selects_as_pytorch_does() {
     let grid = val(I32, &[2, 3], vec![0.0, 1.0, 2.0, 2.0, 1.0, 0.0]);
     let halves = val(I32, &[2, 3], vec![0.0, 1.0, 1.0, 0.0, 1.0, 0.0]);
     let scalar = i64v(&[], &[1]);
-    let cases: Vec<(&str, Vec<Option<&Value>>, Vec<u64>)> = vec![
+    let cases: Vec<(&str, Indices<'_>, Vec<u64>)> = vec![
         // Nearest upsampling's form: the last two dims picked by a column and a row.
         (
             "rows and columns",
@@ -3164,7 +3167,7 @@ fn index_put_accumulates_into_a_selection() {
     let x = f32v(&[2, 3, 3, 2], vec![0.0; 36]);
     let rows = i64v(&[6, 1], &[0, 0, 1, 1, 2, 2]);
     let cols = i64v(&[4], &[0, 0, 1, -1]);
-    let cases: Vec<(Vec<Option<&Value>>, Vec<u64>)> = vec![
+    let cases: Vec<(Indices<'_>, Vec<u64>)> = vec![
         (vec![None, None, Some(&rows), Some(&cols)], vec![2, 3, 6, 4]),
         (vec![None, None, Some(&rows), Some(&cols)], vec![6, 1]),
         (vec![Some(&cols), None, Some(&cols)], vec![4, 3, 2]),
