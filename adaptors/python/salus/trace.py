@@ -201,11 +201,22 @@ _BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_batch_norm_no_update")
 
 
+# Ops the IR has kernels for, whose Core ATen decompositions would replace them with
+# gathers: reflection padding becomes ``index.Tensor`` with reflected indices, and its
+# backward nine masked gathers of the whole gradient.
+_KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward")
+
+
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
-    stays within aten, and ``empty``/``empty_permuted`` as zero-filled ``full``."""
+    stays within aten, and ``empty``/``empty_permuted`` as zero-filled ``full``; without
+    the decompositions of the ops of ``_KEPT_WHOLE``, which stay whole."""
     table = dict(core_aten_decompositions().items())
+    for name in _KEPT_WHOLE:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            table.pop(getattr(packet, overload), None)
     for name in _BATCH_NORM_OPS:
         packet = getattr(aten, name)
         for overload in packet.overloads():

@@ -147,6 +147,14 @@ device_codes! {
         /// s0 + s1 * index.
         Arange = 36 => OP_ARANGE,
         Reciprocal = 37 => OP_RECIPROCAL,
+        /// NaN when a or b is, else the larger (a on a tie).
+        Maximum = 38 => OP_MAX,
+        /// NaN when a or b is, else the smaller (a on a tie).
+        Minimum = 39 => OP_MIN,
+        /// a == b, a < b, a > b.
+        EqTensor = 40 => OP_EQ_T,
+        LtTensor = 41 => OP_LT_T,
+        GtTensor = 42 => OP_GT_T,
     }
 }
 
@@ -358,7 +366,7 @@ device_struct! {
 
 device_struct! {
     /// `softmax_fwd` (x in, y out) and `softmax_bwd` (y and grad g in, x out): `rows`
-    /// rows of `len` elements `inner` apart.
+    /// rows of `len` elements `inner` apart. `cumsum` (x in, y out) walks the same rows.
     #[derive(Default)]
     struct SoftmaxArgs {
         rows: i64,
@@ -502,7 +510,7 @@ device_struct! {
 
 device_struct! {
     /// The pooling kernels over `[planes, h, w]`: window `k`, stride `s`, padding `p`,
-    /// dilation `d`, each (h, w).
+    /// dilation `d`, each (h, w). The reflection padding kernels read `p` as (top, left).
     #[derive(Default)]
     struct PoolArgs {
         planes: i64,
@@ -596,25 +604,61 @@ device_struct! {
 }
 
 device_struct! {
-    /// `index_put`: up to 4 leading integer indices of one shape.
-    #[derive(Default)]
-    struct IndexPutArgs {
-        count: i64,
-        inner: i64,
-        nidx: i64,
+    /// `index_gather` (`index.Tensor`) and `index_put`: the selection an advanced index
+    /// makes of `x` (`srank` dims of sizes `size`, strides `xst`), `n` elements over
+    /// `shape` (`rank` dims). Dim d of x is walked by the selection's dim `whole[d]`, or,
+    /// where that is -1, by index tensor `idx[d]` (dtype `idt[d]`, strides
+    /// `ist[d * MAXR + e]` over the selection's dims e). `index_gather` copies the
+    /// selected elements to `out`; `index_put` writes (or with `accumulate` adds) `values`
+    /// (strides `vst` over the selection) at them in `out`, already a copy of x. Both
+    /// dtype `dt`; a bad index is reported as `code` ([`IndexErrorKind`]).
+    struct AdvancedIndexArgs {
+        n: i64,
+        rank: i64,
+        srank: i64,
         accumulate: i64,
-        vs0: i64,
-        vs1: i64,
-        idx: [u64; 4],
-        idt: [i64; 4],
-        size: [i64; 4],
-        stride: [i64; 4],
+        code: i64,
+        shape: [i64; MAX_RANK],
+        size: [i64; MAX_RANK],
+        xst: [i64; MAX_RANK],
+        whole: [i64; MAX_RANK],
+        idx: [u64; MAX_RANK],
+        idt: [i64; MAX_RANK],
+        ist: [i64; MAX_RANK * MAX_RANK],
+        vst: [i64; MAX_RANK],
+        x: u64,
+        dt: i64,
         values: u64,
-        vdt: i64,
         out: u64,
-        odt: i64,
         err: u64,
         node: i64,
+    }
+}
+
+impl Default for AdvancedIndexArgs {
+    /// No operands, every dim of x indexed (`whole` -1); `[T; 64]` has no derived default.
+    fn default() -> Self {
+        AdvancedIndexArgs {
+            n: 0,
+            rank: 0,
+            srank: 0,
+            accumulate: 0,
+            code: 0,
+            shape: [0; MAX_RANK],
+            size: [0; MAX_RANK],
+            xst: [0; MAX_RANK],
+            whole: [-1; MAX_RANK],
+            idx: [0; MAX_RANK],
+            idt: [0; MAX_RANK],
+            ist: [0; MAX_RANK * MAX_RANK],
+            vst: [0; MAX_RANK],
+            x: 0,
+            dt: 0,
+            values: 0,
+            out: 0,
+            err: 0,
+            node: 0,
+        }
     }
 }
 
@@ -693,7 +737,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         AlongDimArgs::layout(),
         TakeRowsArgs::layout(),
         EmbeddingBackwardArgs::layout(),
-        IndexPutArgs::layout(),
+        AdvancedIndexArgs::layout(),
         BernoulliArgs::layout(),
         FusedArgs::layout(),
     ]
@@ -715,7 +759,7 @@ impl KernelArgs for PoolArgs {}
 impl KernelArgs for AlongDimArgs {}
 impl KernelArgs for TakeRowsArgs {}
 impl KernelArgs for EmbeddingBackwardArgs {}
-impl KernelArgs for IndexPutArgs {}
+impl KernelArgs for AdvancedIndexArgs {}
 impl KernelArgs for BernoulliArgs {}
 
 /// A kernel's argument struct behind a pointer, as a command list keeps it: the driver
@@ -804,7 +848,16 @@ kernels! {
     AlongDim = "along_dim" (AlongDimArgs),
     TakeRows = "take_rows" (TakeRowsArgs),
     EmbeddingBackward = "embedding_bwd" (EmbeddingBackwardArgs),
-    IndexPut = "index_put" (IndexPutArgs),
+    /// `index.Tensor`: the elements an advanced index selects.
+    IndexGather = "index_gather" (AdvancedIndexArgs),
+    /// `index_put` over an advanced index's selection.
+    IndexPut = "index_put" (AdvancedIndexArgs),
+    /// `cumsum` along the middle dim of `[rows / inner, len, inner]`, a thread per line.
+    Cumsum = "cumsum" (SoftmaxArgs),
+    /// `reflection_pad2d` over `[planes, h, w]`, padding `p` = (top, left).
+    ReflectionPadForward = "reflection_pad_fwd" (PoolArgs),
+    /// Its backward, gathering each input element's reflections: no atomics.
+    ReflectionPadBackward = "reflection_pad_bwd" (PoolArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
     // The row kernels (`rows.cu`): a warp or a block per contiguous row.
     /// Reduced elements contiguous per output.

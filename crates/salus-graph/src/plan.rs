@@ -134,6 +134,8 @@ fn elementwise(op: Op) -> bool {
             | Gelu
             | Sigmoid
             | Tanh
+            | Maximum
+            | Minimum
             | LogicalNot
             | BitwiseNot
             | WhereSelf

@@ -421,6 +421,8 @@ fn convolution_geometry_matches_pytorch() {
     assert!(c.transposed);
     assert_eq!((c.in_channels, c.out_channels), (16, 8));
     assert_eq!(c.output, [20, 20]);
+    // Its kernels unfold nothing: no scratch is planned for it.
+    assert_eq!(c.unfold_2d(), None);
 
     // Conv3d(2, 4, (3, 3, 3), stride (1, 2, 2), padding 1) on 8x16x16 -> 8x8x8.
     let c = conv(
@@ -503,4 +505,148 @@ fn pooling_geometry_matches_pytorch() {
     assert_eq!(pool.output, [4, 4]);
     assert!(!pool.count_include_pad);
     assert_eq!(pool.divisor_override, None);
+}
+
+#[test]
+fn padding_group_norm_and_cumsum_parameters() {
+    // F.pad(x, (1, 2, -1, 0), value=0.5) on [2, 3, 4]: the last dimension first.
+    let p = params_of(
+        Op::ConstantPadNd,
+        &[&[2, 3, 4]],
+        &[(DType::F32, &[2, 2, 7])],
+        &[
+            ("pad", Attr::Ints(vec![1, 2, -1, 0])),
+            ("value", Attr::Float(0.5)),
+        ],
+    );
+    let OpParams::ConstantPad {
+        before,
+        after,
+        value,
+    } = p
+    else {
+        panic!("{p:?}")
+    };
+    assert_eq!((before, after), (vec![0, -1, 1], vec![0, 0, 2]));
+    assert_eq!(value.as_f64(), 0.5);
+
+    // F.pad(x, (1, 2, 3, 0), mode="reflect") on [2, 3, 5, 6] -> [2, 3, 8, 9].
+    let p = params_of(
+        Op::ReflectionPad2d,
+        &[&[2, 3, 5, 6]],
+        &[(DType::F32, &[2, 3, 8, 9])],
+        &[("padding", Attr::Ints(vec![1, 2, 3, 0]))],
+    );
+    assert_eq!(
+        p,
+        OpParams::ReflectionPad {
+            padding: [1, 2, 3, 0],
+            planes: 6,
+            input: [5, 6],
+            output: [8, 9],
+        }
+    );
+    let err = error_of(
+        Op::ReflectionPad2d,
+        &[&[2, 3, 5, 6]],
+        &[(DType::F32, &[2, 3, 5, 12])],
+        &[("padding", Attr::Ints(vec![6, 0, 0, 0]))],
+    );
+    assert_mentions(&err, &["reflection_pad2d", "must be less than"]);
+
+    // GroupNorm(3, 6) on [2, 6, 4, 5]: mean and rstd per (image, group).
+    let p = params_of(
+        Op::NativeGroupNorm,
+        &[&[2, 6, 4, 5], ABSENT, ABSENT],
+        &[
+            (DType::F32, &[2, 6, 4, 5]),
+            (DType::F32, &[2, 3]),
+            (DType::F32, &[2, 3]),
+        ],
+        &[
+            ("N", Attr::Int(2)),
+            ("C", Attr::Int(6)),
+            ("HxW", Attr::Int(20)),
+            ("group", Attr::Int(3)),
+            ("eps", Attr::Float(1e-5)),
+        ],
+    );
+    assert!(matches!(
+        p,
+        OpParams::GroupNorm {
+            batch: 2,
+            channels: 6,
+            inner: 20,
+            groups: 3,
+            ..
+        }
+    ));
+    let err = error_of(
+        Op::NativeGroupNorm,
+        &[&[2, 6, 4, 5], ABSENT, ABSENT],
+        &[
+            (DType::F32, &[2, 6, 4, 5]),
+            (DType::F32, &[2, 3]),
+            (DType::F32, &[2, 3]),
+        ],
+        &[
+            ("N", Attr::Int(2)),
+            ("C", Attr::Int(6)),
+            ("HxW", Attr::Int(21)),
+            ("group", Attr::Int(3)),
+            ("eps", Attr::Float(1e-5)),
+        ],
+    );
+    assert_mentions(&err, &["native_group_norm", "N * C * HxW"]);
+
+    // cumsum(x, -1) of f32 stays f32.
+    let p = params_of(
+        Op::Cumsum,
+        &[&[2, 3]],
+        &[(DType::F32, &[2, 3])],
+        &[("dim", Attr::Int(-1))],
+    );
+    assert_eq!(
+        p,
+        OpParams::Cumsum {
+            dim: 1,
+            dtype: DType::F32
+        }
+    );
+}
+
+#[test]
+fn advanced_indices_select_as_pytorch_does() {
+    // x[:, :, rows, cols] with rows [H, 1] and cols [W] on [N, C, h, w]: the index shape
+    // [H, W] replaces the two adjacent indexed dims; x[i, :, j] puts it in front.
+    let mut g = Builder::default();
+    let x = g.f32("x", &[2, 3, 4, 5], Role::Feed);
+    let rows = g.tensor("rows", DType::I64, &[6, 1], Role::Feed);
+    let cols = g.tensor("cols", DType::I32, &[7], Role::Feed);
+    let pair = g.tensor("pair", DType::I64, &[2], Role::Feed);
+    g.node(
+        Op::IndexTensor,
+        &[Some(x), None, None, Some(rows), Some(cols)],
+        &[(DType::F32, &[2, 3, 6, 7])],
+        &[("indices.len", Attr::Int(4))],
+    );
+    g.node(
+        Op::IndexTensor,
+        &[Some(x), Some(pair), None, Some(pair)],
+        &[(DType::F32, &[2, 3, 5])],
+        &[("indices.len", Attr::Int(3))],
+    );
+    let checked = check(&g.graph, &Limits::default()).unwrap();
+    let OpParams::AdvancedIndex(upsample) = checked.params(0) else {
+        panic!("{:?}", checked.params(0))
+    };
+    assert_eq!(upsample.dims, [None, None, Some(2), Some(3)]);
+    assert_eq!(upsample.index_shape, [6, 7]);
+    assert_eq!(upsample.index_at, 2);
+    assert_eq!(upsample.whole_dims(), [Some(0), Some(1), None, None]);
+    let OpParams::AdvancedIndex(apart) = checked.params(1) else {
+        panic!("{:?}", checked.params(1))
+    };
+    assert_eq!((apart.index_at, apart.shape.clone()), (0, vec![2, 3, 5]));
+    assert_eq!(apart.whole_dims(), [None, Some(1), None, Some(2)]);
 }

@@ -756,7 +756,113 @@ fn cases() -> Vec<Case> {
             .input(idx.clone())
             .output(DType::F32, &[4, 5]),
     ];
+    let mut cases = cases;
+    cases.extend(unet_cases(&mut rng));
     cases
+}
+
+/// The ops a U-Net's training step adds (group norm, transposed convolutions, upsampling
+/// by indexing, padding) and cumsum, flip, maximum and the tensor comparisons.
+fn unet_cases(rng: &mut Rng) -> Vec<Case> {
+    let img = rng.f32s(&[2, 6, 5, 7], -1.0, 1.0);
+    let small = rng.f32s(&[2, 4, 3, 3], -1.0, 1.0);
+    let wt = rng.f32s(&[4, 3, 3, 3], -1.0, 1.0);
+    let up = rng.f32s(&[2, 3, 6, 6], -1.0, 1.0);
+    let x = rng.f32s(&[4, 6, 5], -2.0, 2.0);
+    let y = rng.f32s(&[6, 1], -2.0, 2.0);
+    let rows = i64v(&[10, 1], &[0, 0, 1, 1, 2, 2, 3, 3, 4, -1]);
+    let cols = i64v(&[14], &[0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, -1]);
+    let transposed = |op: Op| {
+        Case::new(op)
+            .ints("stride", &[2, 2])
+            .ints("padding", &[1, 1])
+            .ints("dilation", &[1, 1])
+            .flag("transposed", true)
+            .ints("output_padding", &[1, 1])
+            .int("groups", 1)
+    };
+    vec![
+        Case::new(Op::Maximum)
+            .input(x.clone())
+            .input(y.clone())
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Minimum)
+            .input(x.clone())
+            .input(y.clone())
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::GtTensor)
+            .input(x.clone())
+            .input(y.clone())
+            .output(DType::Bool, &[4, 6, 5]),
+        Case::new(Op::Cumsum)
+            .input(x.clone())
+            .int("dim", 1)
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::Flip)
+            .input(x.clone())
+            .ints("dims", &[0, 2])
+            .output(DType::F32, &[4, 6, 5]),
+        Case::new(Op::ConstantPadNd)
+            .input(img.clone())
+            .ints("pad", &[1, 2, -1, 3])
+            .float("value", 0.25)
+            .output(DType::F32, &[2, 6, 7, 10]),
+        Case::new(Op::ReflectionPad2d)
+            .input(img.clone())
+            .ints("padding", &[2, 1, 3, 4])
+            .output(DType::F32, &[2, 6, 12, 10]),
+        Case::new(Op::ReflectionPad2dBackward)
+            .input(rng.f32s(&[2, 6, 12, 10], -1.0, 1.0))
+            .input(img.clone())
+            .ints("padding", &[2, 1, 3, 4])
+            .output(DType::F32, &[2, 6, 5, 7]),
+        Case::new(Op::NativeGroupNorm)
+            .input(img.clone())
+            .input(rng.f32s(&[6], 0.5, 1.5))
+            .input(rng.f32s(&[6], -1.0, 1.0))
+            .int("N", 2)
+            .int("C", 6)
+            .int("HxW", 35)
+            .int("group", 3)
+            .float("eps", 1e-5)
+            .output(DType::F32, &[2, 6, 5, 7])
+            .output(DType::F32, &[2, 3])
+            .output(DType::F32, &[2, 3]),
+        // Nearest upsampling x2 as PyTorch decomposes it, forward and backward.
+        Case::new(Op::IndexTensor)
+            .input(img.clone())
+            .absent()
+            .absent()
+            .input(rows.clone())
+            .input(cols.clone())
+            .int("indices.len", 4)
+            .output(DType::F32, &[2, 6, 10, 14]),
+        Case::new(Op::IndexPut)
+            .input(f32v(&[2, 6, 5, 7], vec![0.0; 420]))
+            .absent()
+            .absent()
+            .input(rows)
+            .input(cols)
+            .input(rng.f32s(&[2, 6, 10, 14], -1.0, 1.0))
+            .int("indices.len", 4)
+            .flag("accumulate", true)
+            .output(DType::F32, &[2, 6, 5, 7]),
+        // ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1): 3x3 -> 6x6.
+        transposed(Op::Convolution)
+            .input(small.clone())
+            .input(wt.clone())
+            .input(rng.f32s(&[3], -1.0, 1.0))
+            .output(DType::F32, &[2, 3, 6, 6]),
+        transposed(Op::ConvolutionBackward)
+            .input(up)
+            .input(small)
+            .input(wt)
+            .ints("bias_sizes", &[3])
+            .attr("output_mask", Attr::Bools(vec![true, true, true]))
+            .output(DType::F32, &[2, 4, 3, 3])
+            .output(DType::F32, &[4, 3, 3, 3])
+            .output(DType::F32, &[3]),
+    ]
 }
 
 #[test]

@@ -1612,8 +1612,29 @@ fn conv_specs() -> Vec<ConvSpec> {
             1,
             false,
         ),
-        // Transposed 1-d and 2-d, with output padding and groups.
+        // Transposed 1-d and 2-d, with output padding and groups; the last two as U-Nets
+        // upsample (ConvTranspose2d with kernel 2 or 3, stride 2).
         spec(&[2, 3, 5], &[3, 2, 3], &[2], &[1], &[1], &[1], 1, true),
+        spec(
+            &[2, 4, 3, 3],
+            &[4, 2, 3, 3],
+            &[2, 2],
+            &[1, 1],
+            &[1, 1],
+            &[1, 1],
+            1,
+            true,
+        ),
+        spec(
+            &[1, 2, 4, 4],
+            &[2, 3, 2, 2],
+            &[2, 2],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            true,
+        ),
         spec(
             &[1, 4, 3, 4],
             &[4, 3, 3, 2],
@@ -2561,6 +2582,633 @@ fn bernoulli_needs_the_generator() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Maxima, comparisons of two tensors, cumulative sums, flips and padding
+
+/// f32's machine epsilon: tolerances below are multiples of it, from how many roundings
+/// a correct f32 computation makes.
+const EPS32: f64 = f32::EPSILON as f64;
+
+/// PyTorch's `maximum`: NaN if either is NaN, else the larger.
+fn maximum_ref(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+fn minimum_ref(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.min(b)
+    }
+}
+
+#[test]
+fn maximum_minimum_and_tensor_comparisons() {
+    let r = (-3.0, 3.0);
+    let ff = (Fp32, Fp32, Fp32);
+    binary(Op::Maximum, &[], ff, r, EXACT, maximum_ref);
+    binary(Op::Minimum, &[], ff, r, EXACT, minimum_ref);
+    let fb = (Fp32, Fp32, Bool);
+    let flag = |b: bool| f64::from(u8::from(b));
+    binary(Op::EqTensor, &[], fb, r, EXACT, |a, b| flag(a == b));
+    binary(Op::LtTensor, &[], fb, r, EXACT, |a, b| flag(a < b));
+    binary(Op::GtTensor, &[], fb, r, EXACT, |a, b| flag(a > b));
+    // Integers: many ties, and promotion to the wider type.
+    let ints = (-4.0, 4.0);
+    binary(Op::Maximum, &[], (I64, I64, I64), ints, EXACT, maximum_ref);
+    binary(Op::Minimum, &[], (I64, I32, I64), ints, EXACT, minimum_ref);
+    binary(Op::EqTensor, &[], (I64, I64, Bool), ints, EXACT, |a, b| {
+        flag(a == b)
+    });
+    binary(Op::LtTensor, &[], (I64, Fp32, Bool), ints, EXACT, |a, b| {
+        flag(a < b)
+    });
+    binary(
+        Op::Maximum,
+        &[],
+        (I64, Fp32, Fp32),
+        ints,
+        EXACT,
+        maximum_ref,
+    );
+    // NaN wins both ways; comparisons with NaN are false; ties and infinities.
+    let a = f32v(&[6], vec![NAN, 1.0, 2.0, -INF, 0.0, NAN]);
+    let b = f32v(&[6], vec![1.0, NAN, 2.0, 5.0, INF, NAN]);
+    let run = |op: Op, out: DType| {
+        Case::new(op)
+            .input(a.clone())
+            .input(b.clone())
+            .output(out, &[6])
+            .run1()
+    };
+    let pairs = || a.data.iter().zip(&b.data);
+    let want_max: Vec<f64> = pairs().map(|(&x, &y)| maximum_ref(x, y)).collect();
+    let want_min: Vec<f64> = pairs().map(|(&x, &y)| minimum_ref(x, y)).collect();
+    assert_close(&run(Op::Maximum, Fp32), &want_max, EXACT, "maximum, NaN");
+    assert_close(&run(Op::Minimum, Fp32), &want_min, EXACT, "minimum, NaN");
+    let cmp =
+        |f: fn(&f64, &f64) -> bool| -> Vec<f64> { pairs().map(|(x, y)| flag(f(x, y))).collect() };
+    assert_close(&run(Op::EqTensor, Bool), &cmp(f64::eq), EXACT, "eq, NaN");
+    assert_close(&run(Op::LtTensor, Bool), &cmp(f64::lt), EXACT, "lt, NaN");
+    assert_close(&run(Op::GtTensor, Bool), &cmp(f64::gt), EXACT, "gt, NaN");
+}
+
+/// Asserts `got[i]` is within `bound[i]` of `want[i]`.
+#[track_caller]
+fn assert_within(got: &[f64], want: &[f64], bound: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
+        assert!(
+            (g - w).abs() <= *b || (g.is_nan() && w.is_nan()),
+            "{what}: element {i} is {g}, expected {w} within {b}"
+        );
+    }
+}
+
+#[test]
+fn cumsum_along_each_dimension() {
+    let mut rng = Rng::new(83);
+    let shape = [3u64, 5, 7];
+    let x = rng.f32s(&shape, -2.0, 2.0);
+    for dim in [0i64, 1, 2, -1, -3] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let got = Case::new(Op::Cumsum)
+            .input(x.clone())
+            .int("dim", dim)
+            .output(Fp32, &shape)
+            .run1();
+        // The exact prefix sums, and what a correct f32 evaluation may be off by: each of
+        // the k additions of a prefix of k terms rounds once (at most eps/2 of the running
+        // sum, itself at most the sum of |terms|), plus the final rounding.
+        let (mut want, mut bound) = (vec![0.0; x.data.len()], vec![0.0; x.data.len()]);
+        for i in 0..x.data.len() {
+            let mut idx = unravel(i, &shape);
+            let (mut sum, mut magnitude) = (0.0, 0.0);
+            for j in 0..=idx[d] {
+                idx[d] = j;
+                let v = x.data[ravel(&idx, &shape)];
+                sum += v;
+                magnitude += v.abs();
+            }
+            want[i] = sum;
+            bound[i] = (idx[d] + 1) as f64 * EPS32 / 2.0 * magnitude + EPS32 / 2.0 * sum.abs();
+        }
+        assert_within(&got, &want, &bound, &format!("cumsum dim {dim}"));
+    }
+    // Integers and bools sum exactly into i64 (PyTorch's default), or into a given dtype.
+    let i = i64v(&[2, 3], &[1, -2, 3, 4, 5, 6]);
+    let got = Case::new(Op::Cumsum)
+        .input(i.clone())
+        .int("dim", 1)
+        .output(I64, &[2, 3])
+        .run1();
+    assert_close(&got, &[1.0, -1.0, 2.0, 4.0, 9.0, 15.0], EXACT, "cumsum i64");
+    let b = val(Bool, &[4], vec![1.0, 0.0, 1.0, 1.0]);
+    let got = Case::new(Op::Cumsum)
+        .input(b)
+        .int("dim", 0)
+        .output(I64, &[4])
+        .run1();
+    assert_close(&got, &[1.0, 1.0, 2.0, 3.0], EXACT, "cumsum bool");
+    let got = Case::new(Op::Cumsum)
+        .input(i)
+        .int("dim", 0)
+        .dtype("dtype", Fp32)
+        .output(Fp32, &[2, 3])
+        .run1();
+    assert_close(
+        &got,
+        &[1.0, -2.0, 3.0, 5.0, 3.0, 9.0],
+        EXACT,
+        "cumsum to f32",
+    );
+    // A 0-dim tensor is its own sum; a zero-size one stays empty.
+    let got = Case::new(Op::Cumsum)
+        .input(f32v(&[], vec![2.5]))
+        .int("dim", -1)
+        .output(Fp32, &[])
+        .run1();
+    assert_close(&got, &[2.5], EXACT, "cumsum 0-dim");
+    let got = Case::new(Op::Cumsum)
+        .input(f32v(&[0, 3], vec![]))
+        .int("dim", 0)
+        .output(Fp32, &[0, 3])
+        .run1();
+    assert!(got.is_empty());
+}
+
+#[test]
+fn flip_reverses_the_named_dimensions() {
+    let mut rng = Rng::new(89);
+    let shape = [2u64, 3, 4];
+    let x = rng.f32s(&shape, -1.0, 1.0);
+    for dims in [vec![0i64, 2], vec![-1], vec![], vec![1, 0, 2]] {
+        let flipped: Vec<usize> = dims
+            .iter()
+            .map(|&d| (if d < 0 { d + 3 } else { d }) as usize)
+            .collect();
+        let got = Case::new(Op::Flip)
+            .input(x.clone())
+            .ints("dims", &dims)
+            .output(Fp32, &shape)
+            .run1();
+        let want = remap(&x, &shape, |o| {
+            let mut src = o.to_vec();
+            for &d in &flipped {
+                src[d] = shape[d] as usize - 1 - o[d];
+            }
+            src
+        });
+        assert_close(&got, &want, EXACT, &format!("flip {dims:?}"));
+    }
+    let i = i64v(&[5], &[1, 2, 3, 4, 1 << 60]);
+    let got = Case::new(Op::Flip)
+        .input(i)
+        .ints("dims", &[0])
+        .output(I64, &[5])
+        .run1();
+    assert_close(
+        &got,
+        &[(1i64 << 60) as f64, 4.0, 3.0, 2.0, 1.0],
+        EXACT,
+        "flip i64",
+    );
+    let err = Case::new(Op::Flip)
+        .input(x)
+        .ints("dims", &[0, -3])
+        .output(Fp32, &shape)
+        .fails();
+    assert_mentions(&err, &["flip", "appears twice"]);
+}
+
+#[test]
+fn constant_pad_nd_pads_and_crops() {
+    let mut rng = Rng::new(97);
+    let shape = [2u64, 3, 4];
+    let x = rng.f32s(&shape, -1.0, 1.0);
+    // (pad, output shape): the last dimension first; negative amounts crop.
+    let cases: &[(&[i64], &[u64])] = &[
+        (&[1, 2], &[2, 3, 7]),
+        (&[1, -1, 0, 2], &[2, 5, 4]),
+        (&[0, 0, 2, 1, 1, 1], &[4, 6, 4]),
+        (&[-2, -2], &[2, 3, 0]),
+        (&[], &[2, 3, 4]),
+    ];
+    for &(pad, out) in cases {
+        let got = Case::new(Op::ConstantPadNd)
+            .input(x.clone())
+            .ints("pad", pad)
+            .float("value", 0.5)
+            .output(Fp32, out)
+            .run1();
+        let mut before = [0i64; 3];
+        for (k, pair) in pad.chunks(2).enumerate() {
+            before[2 - k] = pair[0];
+        }
+        let want: Vec<f64> = (0..numel(out))
+            .map(|i| {
+                let o = unravel(i, out);
+                let src: Vec<i64> = (0..3).map(|d| o[d] as i64 - before[d]).collect();
+                let inside = (0..3).all(|d| (0..shape[d] as i64).contains(&src[d]));
+                if inside {
+                    let src: Vec<usize> = src.iter().map(|&v| v as usize).collect();
+                    x.data[ravel(&src, &shape)]
+                } else {
+                    0.5
+                }
+            })
+            .collect();
+        assert_close(&got, &want, EXACT, &format!("constant_pad_nd {pad:?}"));
+    }
+    // Integers, and the value's default 0.
+    let got = Case::new(Op::ConstantPadNd)
+        .input(i64v(&[2], &[7, 1 << 60]))
+        .ints("pad", &[1, 1])
+        .output(I64, &[4])
+        .run1();
+    assert_close(
+        &got,
+        &[0.0, 7.0, (1i64 << 60) as f64, 0.0],
+        EXACT,
+        "pad i64",
+    );
+    let err = Case::new(Op::ConstantPadNd)
+        .input(x.clone())
+        .ints("pad", &[-3, -2])
+        .output(Fp32, &shape)
+        .fails();
+    assert_mentions(
+        &err,
+        &["constant_pad_nd", "leaves dimension 2", "-1 elements"],
+    );
+    let err = Case::new(Op::ConstantPadNd)
+        .input(x)
+        .ints("pad", &[1, 1, 1])
+        .output(Fp32, &shape)
+        .fails();
+    assert_mentions(&err, &["constant_pad_nd", "(before, after) pairs"]);
+}
+
+/// The reflection of output position `j` of a dimension of `n` padded by `before`: the
+/// padded dimension spelled out as PyTorch documents it (`[before..1]`, `[0..n)`, then
+/// `[n-2..]`), indexed.
+fn reflected(j: usize, before: usize, n: usize) -> usize {
+    let mut padded: Vec<usize> = (1..=before).rev().collect();
+    padded.extend(0..n);
+    padded.extend((0..n - 1).rev());
+    padded[j]
+}
+
+#[test]
+fn reflection_pad2d_and_its_backward() {
+    let mut rng = Rng::new(101);
+    for (shape, padding) in [
+        (&[2u64, 3, 5, 6][..], [2i64, 1, 3, 4]),
+        (&[2, 4, 3], [2, 2, 1, 0]),
+        (&[1, 1, 1, 2], [1, 0, 0, 0]),
+    ] {
+        let rank = shape.len();
+        let (h, w) = (shape[rank - 2] as usize, shape[rank - 1] as usize);
+        let [left, right, top, bottom] = padding.map(|p| p as usize);
+        let mut out = shape.to_vec();
+        out[rank - 2] += (top + bottom) as u64;
+        out[rank - 1] += (left + right) as u64;
+        let x = rng.f32s(shape, -1.0, 1.0);
+        let what = format!("reflection_pad2d {shape:?} by {padding:?}");
+        let got = Case::new(Op::ReflectionPad2d)
+            .input(x.clone())
+            .ints("padding", &padding)
+            .output(Fp32, &out)
+            .run1();
+        let source = |o: &[usize]| {
+            let mut src = o.to_vec();
+            src[rank - 2] = reflected(o[rank - 2], top, h);
+            src[rank - 1] = reflected(o[rank - 1], left, w);
+            src
+        };
+        assert_close(&got, &remap(&x, &out, source), EXACT, &what);
+        // The backward sums the gradient of every position that reflects an element (at
+        // most 3 per dimension): in f32, each addition rounds once, by at most eps/2 of
+        // the running sum.
+        let g = rng.f32s(&out, -1.0, 1.0);
+        let got = Case::new(Op::ReflectionPad2dBackward)
+            .input(g.clone())
+            .input(x.clone())
+            .ints("padding", &padding)
+            .output(Fp32, shape)
+            .run1();
+        let mut want = vec![0.0; x.data.len()];
+        let mut bound = vec![0.0; x.data.len()];
+        for (i, gv) in g.data.iter().enumerate() {
+            let at = ravel(&source(&unravel(i, &out)), shape);
+            want[at] += gv;
+            bound[at] += 9.0 * EPS32 / 2.0 * gv.abs();
+        }
+        assert_within(&got, &want, &bound, &format!("{what}: backward"));
+    }
+    let x = rng.f32s(&[2, 3, 4], -1.0, 1.0);
+    let err = Case::new(Op::ReflectionPad2d)
+        .input(x.clone())
+        .ints("padding", &[4, 0, 0, 0])
+        .output(Fp32, &[2, 3, 8])
+        .fails();
+    assert_mentions(
+        &err,
+        &["reflection_pad2d", "must be less than the dimensions"],
+    );
+    let err = Case::new(Op::ReflectionPad2dBackward)
+        .input(rng.f32s(&[2, 3, 5], -1.0, 1.0))
+        .input(x)
+        .ints("padding", &[2, 0, 0, 0])
+        .output(Fp32, &[2, 3, 4])
+        .fails();
+    assert_mentions(
+        &err,
+        &["reflection_pad2d_backward", "grad_output f32[2, 3, 5]"],
+    );
+}
+
+#[test]
+fn group_norm_normalizes_each_group() {
+    let mut rng = Rng::new(103);
+    for (shape, groups, affine) in [
+        (&[2u64, 6, 3, 4][..], 3i64, true),
+        (&[3, 4, 5], 2, false),
+        (&[2, 4], 4, true),
+        (&[2, 8, 2, 2, 3], 1, true),
+    ] {
+        let (n, c) = (shape[0] as usize, shape[1] as usize);
+        let inner = numel(&shape[2..]);
+        let g = groups as usize;
+        let x = rng.f32s(shape, -2.0, 2.0);
+        let w = rng.f32s(&[c as u64], 0.5, 1.5);
+        let b = rng.f32s(&[c as u64], -1.0, 1.0);
+        let stats = [n as u64, g as u64];
+        let mut case = Case::new(Op::NativeGroupNorm).input(x.clone());
+        case = if affine {
+            case.input(w.clone()).input(b.clone())
+        } else {
+            case.absent().absent()
+        };
+        let got = case
+            .int("N", n as i64)
+            .int("C", c as i64)
+            .int("HxW", inner as i64)
+            .int("group", groups)
+            .float("eps", 1e-5)
+            .output(Fp32, shape)
+            .output(Fp32, &stats)
+            .output(Fp32, &stats)
+            .run();
+        let count = c / g * inner;
+        let (mut y, mut scale, mut means, mut rstds) = (vec![], vec![], vec![], vec![]);
+        for r in 0..n * g {
+            let row = &x.data[r * count..(r + 1) * count];
+            let m = mean(row);
+            let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / count as f64;
+            let rstd = 1.0 / (var + 1e-5).sqrt();
+            for (j, v) in row.iter().enumerate() {
+                let ch = (r % g) * (c / g) + j / inner;
+                let (wv, bv) = if affine {
+                    (w.data[ch], b.data[ch])
+                } else {
+                    (1.0, 0.0)
+                };
+                let xhat = (v - m) * rstd;
+                y.push(xhat * wv + bv);
+                scale.push(xhat.abs() * wv + bv.abs());
+            }
+            means.push(m);
+            rstds.push(rstd);
+        }
+        // An f32 evaluation rounds the statistics (a sum of `count` terms: up to `count`
+        // roundings of the running sum), then a few more times per element (subtract,
+        // scale, shift): bounded by (count + 8) eps of the magnitudes involved.
+        let what = format!("native_group_norm of {shape:?} in {groups} groups");
+        let slack = (count as f64 + 8.0) * EPS32;
+        let bound: Vec<f64> = scale.iter().map(|s| slack * s).collect();
+        assert_within(&got[0], &y, &bound, &what);
+        let magnitude = x.data.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        assert_close(&got[1], &means, tol(0.0, slack * magnitude), &what);
+        assert_close(&got[2], &rstds, tol(slack, 0.0), &what);
+    }
+    // Only the output used; channels that do not split into the groups are refused.
+    let x = rng.f32s(&[2, 6, 3], -1.0, 1.0);
+    let case = |groups: i64| {
+        Case::new(Op::NativeGroupNorm)
+            .input(x.clone())
+            .absent()
+            .absent()
+            .int("N", 2)
+            .int("C", 6)
+            .int("HxW", 3)
+            .int("group", groups)
+            .float("eps", 1e-5)
+            .output(Fp32, &[2, 6, 3])
+            .unused()
+            .unused()
+    };
+    assert_eq!(case(2).run()[0].len(), 36);
+    let err = case(4).fails();
+    assert_mentions(
+        &err,
+        &["native_group_norm", "6 channels do not split into 4 groups"],
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Advanced indexing
+
+/// `self[indices]` by PyTorch's rules, for the reference: index tensors (`None` for a
+/// dimension taken whole) broadcast together; the selection is the whole dimensions in
+/// order with the broadcast index shape where the first indexed dimension was when the
+/// indexed dimensions are adjacent, else in front. Returns the selection's shape and, per
+/// element, the element of self it selects.
+fn selection(self_shape: &[u64], indices: &[Option<&Value>]) -> (Vec<u64>, Vec<usize>) {
+    let rank = self_shape.len();
+    let given: Vec<usize> = (0..indices.len())
+        .filter(|&d| indices[d].is_some())
+        .collect();
+    let mut bshape: Vec<u64> = vec![];
+    for &d in &given {
+        let s = &indices[d].unwrap().ty.shape;
+        let r = bshape.len().max(s.len());
+        let at = |v: &[u64], i: usize| {
+            if i + v.len() >= r {
+                v[i + v.len() - r]
+            } else {
+                1
+            }
+        };
+        bshape = (0..r).map(|i| at(&bshape, i).max(at(s, i))).collect();
+    }
+    let adjacent = given.windows(2).all(|w| w[1] == w[0] + 1);
+    let whole: Vec<usize> = (0..rank).filter(|d| !given.contains(d)).collect();
+    let front = if adjacent { given[0] } else { 0 };
+    let mut shape: Vec<u64> = whole[..front].iter().map(|&d| self_shape[d]).collect();
+    shape.extend(&bshape);
+    shape.extend(whole[front..].iter().map(|&d| self_shape[d]));
+    let picks = (0..numel(&shape))
+        .map(|i| {
+            let c = unravel(i, &shape);
+            let bc = &c[front..front + bshape.len()];
+            let mut src = vec![0usize; rank];
+            for (k, &d) in whole.iter().enumerate() {
+                src[d] = c[if k < front { k } else { k + bshape.len() }];
+            }
+            for &d in &given {
+                let v = indices[d].unwrap();
+                let p = v.data[broadcast_at(bc, &v.ty.shape)] as i64;
+                let n = self_shape[d] as i64;
+                src[d] = (if p < 0 { p + n } else { p }) as usize;
+            }
+            ravel(&src, self_shape)
+        })
+        .collect();
+    (shape, picks)
+}
+
+/// An `indices` list: index tensors, `None` for dimensions taken whole.
+type Indices<'a> = Vec<Option<&'a Value>>;
+
+/// A case of `op` over `x` with `indices` (absent where `None`).
+fn indexed(op: Op, x: &Value, indices: &[Option<&Value>]) -> Case {
+    let mut case = Case::new(op).input(x.clone());
+    for index in indices {
+        case = match index {
+            Some(v) => case.input((*v).clone()),
+            None => case.absent(),
+        };
+    }
+    case.int("indices.len", indices.len() as i64)
+}
+
+#[test]
+fn index_tensor_selects_as_pytorch_does() {
+    let mut rng = Rng::new(107);
+    let x = rng.f32s(&[2, 3, 4, 5], -1.0, 1.0);
+    let rows = i64v(&[3, 1], &[3, 0, -1]);
+    let cols = i64v(&[4], &[4, 0, 2, -5]);
+    let pair = i64v(&[2], &[1, -2]);
+    let grid = val(I32, &[2, 3], vec![0.0, 1.0, 2.0, 2.0, 1.0, 0.0]);
+    let halves = val(I32, &[2, 3], vec![0.0, 1.0, 1.0, 0.0, 1.0, 0.0]);
+    let scalar = i64v(&[], &[1]);
+    let cases: Vec<(&str, Indices<'_>, Vec<u64>)> = vec![
+        // Nearest upsampling's form: the last two dims picked by a column and a row.
+        (
+            "rows and columns",
+            vec![None, None, Some(&rows), Some(&cols)],
+            vec![2, 3, 3, 4],
+        ),
+        ("a leading index", vec![Some(&halves)], vec![2, 3, 3, 4, 5]),
+        (
+            "apart: in front",
+            vec![Some(&pair), None, Some(&pair)],
+            vec![2, 3, 5],
+        ),
+        (
+            "one inner dim",
+            vec![None, Some(&grid)],
+            vec![2, 2, 3, 4, 5],
+        ),
+        (
+            "a 0-dim index",
+            vec![None, Some(&scalar), Some(&rows)],
+            vec![2, 3, 1, 5],
+        ),
+    ];
+    for (what, indices, shape) in cases {
+        let (want_shape, picks) = selection(&x.ty.shape, &indices);
+        assert_eq!(want_shape, shape, "{what}");
+        let got = indexed(Op::IndexTensor, &x, &indices)
+            .output(Fp32, &shape)
+            .run1();
+        let want: Vec<f64> = picks.iter().map(|&p| x.data[p]).collect();
+        assert_close(&got, &want, EXACT, &format!("index.Tensor: {what}"));
+    }
+    // i64 values are copied whole.
+    let big = i64v(&[3], &[1, 1 << 60, 3]);
+    let got = indexed(Op::IndexTensor, &big, &[Some(&pair)])
+        .output(I64, &[2])
+        .run1();
+    assert_close(
+        &got,
+        &[(1i64 << 60) as f64, (1i64 << 60) as f64],
+        EXACT,
+        "i64",
+    );
+    let bad = i64v(&[2], &[0, 4]);
+    let err = indexed(Op::IndexTensor, &x, &[None, None, Some(&bad)])
+        .output(Fp32, &[2, 3, 2, 5])
+        .fails();
+    assert_mentions(&err, &["index.Tensor", "index 4 is out of range", "size 4"]);
+    let mask = val(Bool, &[2], vec![1.0, 0.0]);
+    let err = indexed(Op::IndexTensor, &x, &[Some(&mask)])
+        .output(Fp32, &[1, 3, 4, 5])
+        .fails();
+    assert_mentions(
+        &err,
+        &["index.Tensor", "bool (mask) indices are not supported"],
+    );
+    let err = indexed(Op::IndexTensor, &x, &[None, None])
+        .output(Fp32, &[2, 3, 4, 5])
+        .fails();
+    assert_mentions(&err, &["index.Tensor", "at least one index tensor"]);
+}
+
+#[test]
+fn index_put_accumulates_into_a_selection() {
+    let mut rng = Rng::new(109);
+    // Nearest upsampling's backward: the gradient of [2, 3, 6, 4] summed into [2, 3, 3, 2]
+    // through repeated rows and columns.
+    let x = f32v(&[2, 3, 3, 2], vec![0.0; 36]);
+    let rows = i64v(&[6, 1], &[0, 0, 1, 1, 2, 2]);
+    let cols = i64v(&[4], &[0, 0, 1, -1]);
+    let cases: Vec<(Indices<'_>, Vec<u64>)> = vec![
+        (vec![None, None, Some(&rows), Some(&cols)], vec![2, 3, 6, 4]),
+        (vec![None, None, Some(&rows), Some(&cols)], vec![6, 1]),
+        (vec![Some(&cols), None, Some(&cols)], vec![4, 3, 2]),
+    ];
+    for (indices, values_shape) in cases {
+        let (shape, picks) = selection(&x.ty.shape, &indices);
+        let values = rng.f32s(&values_shape, -1.0, 1.0);
+        let what = format!("index_put of {values_shape:?} into the selection {shape:?}");
+        let got = indexed(Op::IndexPut, &x, &indices)
+            .input(values.clone())
+            .flag("accumulate", true)
+            .output(Fp32, &x.ty.shape)
+            .run1();
+        let mut want = x.data.clone();
+        let (mut terms, mut magnitude) = (vec![0.0; want.len()], vec![0.0; want.len()]);
+        for (i, &p) in picks.iter().enumerate() {
+            let v = values.data[broadcast_at(&unravel(i, &shape), &values_shape)];
+            want[p] += v;
+            terms[p] += 1.0;
+            magnitude[p] += v.abs();
+        }
+        // Each place adds its values one at a time, in f32: each addition rounds by at
+        // most eps/2 of the running sum, itself at most the sum of |values|.
+        let bound: Vec<f64> = terms
+            .iter()
+            .zip(&magnitude)
+            .map(|(t, m)| t * EPS32 / 2.0 * m)
+            .collect();
+        assert_within(&got, &want, &bound, &what);
+    }
+    // Values that do not broadcast to the selection are refused.
+    let values = rng.f32s(&[5], -1.0, 1.0);
+    let err = indexed(Op::IndexPut, &x, &[None, None, Some(&rows), Some(&cols)])
+        .input(values)
+        .flag("accumulate", true)
+        .output(Fp32, &x.ty.shape)
+        .fails();
+    assert_mentions(&err, &["index_put", "do not broadcast"]);
+}
+
+// ---------------------------------------------------------------------------------------
 // Coverage
 
 /// Every test of this file above, to run again under the op recorder.
@@ -2603,6 +3251,35 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ("embedding_and_its_backward", embedding_and_its_backward),
     ("gather_and_scatters", gather_and_scatters),
     ("index_select_and_index_put", index_select_and_index_put),
+    (
+        "maximum_minimum_and_tensor_comparisons",
+        maximum_minimum_and_tensor_comparisons,
+    ),
+    ("cumsum_along_each_dimension", cumsum_along_each_dimension),
+    (
+        "flip_reverses_the_named_dimensions",
+        flip_reverses_the_named_dimensions,
+    ),
+    (
+        "constant_pad_nd_pads_and_crops",
+        constant_pad_nd_pads_and_crops,
+    ),
+    (
+        "reflection_pad2d_and_its_backward",
+        reflection_pad2d_and_its_backward,
+    ),
+    (
+        "group_norm_normalizes_each_group",
+        group_norm_normalizes_each_group,
+    ),
+    (
+        "index_tensor_selects_as_pytorch_does",
+        index_tensor_selects_as_pytorch_does,
+    ),
+    (
+        "index_put_accumulates_into_a_selection",
+        index_put_accumulates_into_a_selection,
+    ),
     ("creation_ops", creation_ops),
     (
         "bernoulli_draws_ones_with_probability_p_from_the_session_generator",

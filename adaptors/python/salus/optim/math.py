@@ -15,8 +15,8 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor, small: bo
 
 
 def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.maximum(a, b)`` (NaN wins) for same-shaped tensors."""
-    return torch.amax(torch.stack([a, b]), 0)
+    """``torch.maximum(a, b)`` (NaN wins), as the optimizers call it."""
+    return torch.maximum(a, b)
 
 
 def one_minus_power(log_beta: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -517,6 +517,27 @@ pub(crate) fn run(
             unary(args, o, 1, |x: u8| u8::from(x == 0))
         }
         (LogicalAnd, _) => binary(args, o, 1, |x: u8, y: u8| u8::from(x != 0 && y != 0)),
+        (Maximum, _) => binary(args, o, 1, |x: f32, y: f32| {
+            if x.is_nan() || y.is_nan() {
+                x + y
+            } else if x < y {
+                y
+            } else {
+                x
+            }
+        }),
+        (Minimum, _) => binary(args, o, 1, |x: f32, y: f32| {
+            if x.is_nan() || y.is_nan() {
+                x + y
+            } else if y < x {
+                y
+            } else {
+                x
+            }
+        }),
+        (EqTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x == y)),
+        (LtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x < y)),
+        (GtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x > y)),
         (WhereSelf, _) => select(args, o),
         (ToCopy | Clone, _) => match args.first()? {
             Arg::Tensor(ty, _) if ty.dtype == o.ty.dtype && ty.shape == o.ty.shape => {

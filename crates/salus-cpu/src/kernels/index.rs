@@ -1,10 +1,13 @@
 //! Slicing and indexing kernels: `slice.Tensor`, `select.int`, `index_select`, `gather`,
-//! `scatter.value`, `scatter_add`, `index_put`, `embedding` and `embedding_dense_backward`. Every index read from a tensor is checked
-//! before it is used; a bad one fails the node with the index and the bound it broke.
+//! `scatter.value`, `scatter_add`, `index.Tensor`, `index_put`, `embedding` and
+//! `embedding_dense_backward`. Every index read from a tensor is checked before it is
+//! used; a bad one fails the node with the index and the bound it broke.
 
-use salus_graph::TensorType;
+use salus_graph::{AdvancedIndex, TensorType};
 
-use super::{Arg, Out, Result, contiguous_strides, index_at, load, numel, store, tensor};
+use super::{
+    Arg, Out, Result, broadcast_strides, contiguous_strides, index_at, load, numel, store, tensor,
+};
 
 /// The tensor as `(outer, len, inner)` around dimension `d`: elements of the dims before
 /// `d`, the size of `d`, elements of the dims after it.
@@ -254,62 +257,102 @@ pub(super) fn embedding(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     Ok(())
 }
 
-/// `index_put(self, indices, values)`: a copy of `self` with `values` written (or added,
-/// when `accumulate`) at the places the leading integer index tensors name.
-pub(super) fn index_put(accumulate: bool, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// Calls `f(position, coordinates, offset)` for every element of the selection `index`
+/// makes of a tensor of `self_shape` (`position` in the selection, `offset` the element
+/// of self it selects); the index tensors are `args[1 + k]`. A bad index fails with
+/// `what`.
+fn for_each_selected(
+    index: &AdvancedIndex,
+    self_shape: &[u64],
+    args: &[Arg<'_>],
+    what: &str,
+    mut f: impl FnMut(usize, &[usize], usize),
+) -> Result<()> {
+    let strides = contiguous_strides(self_shape);
+    let selection = &index.shape;
+    let whole = index.whole_dims();
+    let mut indexed = Vec::new();
+    for (d, k) in index.dims.iter().enumerate() {
+        let Some(k) = *k else { continue };
+        let (ity, bytes) = tensor(args, 1 + k)?;
+        // The index tensor's strides over the selection's dims.
+        let mut st = vec![0; selection.len()];
+        let own = broadcast_strides(&ity.shape, &index.index_shape);
+        st[index.index_at..index.index_at + own.len()].copy_from_slice(&own);
+        indexed.push((d, ity.dtype, bytes, st));
+    }
+    let mut coord = vec![0usize; selection.len()];
+    for p in 0..numel(selection) {
+        let mut rest = p;
+        for r in (0..selection.len()).rev() {
+            let n = selection[r] as usize;
+            coord[r] = rest % n;
+            rest /= n;
+        }
+        let mut offset = 0;
+        for (d, r) in whole.iter().enumerate() {
+            if let Some(r) = r {
+                offset += coord[*r] * strides[d];
+            }
+        }
+        for (d, dtype, bytes, st) in &indexed {
+            let j = coord.iter().zip(st).map(|(c, s)| c * s).sum();
+            offset += index_at(bytes, *dtype, j, self_shape[*d], what)? * strides[*d];
+        }
+        f(p, &coord, offset);
+    }
+    Ok(())
+}
+
+/// `index.Tensor(self, indices)`: the elements of `self` the index tensors select, in the
+/// selection's shape.
+pub(super) fn index(index: &AdvancedIndex, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    if ty.dtype != o.ty.dtype || o.ty.shape != index.shape {
+        return Err(format!("output {} must be {:?} of {ty}", o.ty, index.shape));
+    }
+    let size = ty.dtype.size() as usize;
+    let out = &mut *o.bytes;
+    for_each_selected(index, &ty.shape, args, "index", |p, _, at| {
+        out[p * size..(p + 1) * size].copy_from_slice(&bytes[at * size..(at + 1) * size]);
+    })
+}
+
+/// `index_put(self, indices, values)`: a copy of `self` with `values` (broadcast to the
+/// selection) written at the selected places, or added to them when `accumulate`
+/// (repeated places add up). Bool mask indices are refused.
+pub(super) fn index_put(
+    accumulate: bool,
+    index: Option<&AdvancedIndex>,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
+    let Some(index) = index else {
+        return Err("index_put with a bool (mask) index is not supported".into());
+    };
     let (ty, bytes) = tensor(args, 0)?;
     let n = args.len() - 2;
     let (vty, vbytes) = tensor(args, n + 1)?;
+    if vty.dtype != o.ty.dtype || ty != o.ty {
+        return Err(format!("values {vty} and output {} must be {ty}", o.ty));
+    }
     o.bytes.copy_from_slice(bytes);
-    // Supported form: leading integer indices of one shape, the rest of the dims sliced.
-    let mut index_shape: Option<&[u64]> = None;
-    for k in 0..n {
-        match &args[1 + k] {
-            Arg::Tensor(ity, _) if ity.dtype.is_int() => match index_shape {
-                None => index_shape = Some(&ity.shape),
-                Some(s) if s == ity.shape.as_slice() => {}
-                Some(_) => {
-                    return Err(
-                        "index_put with indices of different shapes is not supported yet".into(),
-                    );
-                }
-            },
-            _ => return Err("index_put supports leading integer indices only so far".into()),
-        }
-    }
-    let count = index_shape.map_or(1, numel);
-    let inner: usize = ty.shape[n..].iter().product::<u64>() as usize;
-    let strides = contiguous_strides(&ty.shape);
-    // Values are either one per indexed element, one row shared by all, or a scalar.
-    let value_strides = match numel(&vty.shape) {
-        n if n == count * inner => [inner, 1],
-        n if n == inner => [0, 1],
-        1 => [0, 0],
-        _ => {
-            return Err(format!(
-                "values {vty} do not fit {count} indexed rows of {inner}"
-            ));
-        }
-    };
-    for i in 0..count {
-        let mut base = 0;
-        for (k, (&size, &stride)) in ty.shape.iter().zip(&strides).take(n).enumerate() {
-            let (ity, ib) = tensor(args, 1 + k)?;
-            base += index_at(ib, ity.dtype, i, size, "index_put index")? * stride;
-        }
-        for j in 0..inner {
-            let v = load(
-                vbytes,
-                vty.dtype,
-                i * value_strides[0] + j * value_strides[1],
+    let selection = &index.shape;
+    let value_strides = broadcast_strides(&vty.shape, selection);
+    let size = ty.dtype.size() as usize;
+    let dtype = o.ty.dtype;
+    let out = &mut *o.bytes;
+    for_each_selected(index, &ty.shape, args, "index_put index", |_, coord, at| {
+        let v: usize = coord.iter().zip(&value_strides).map(|(c, s)| c * s).sum();
+        if accumulate {
+            store(
+                out,
+                dtype,
+                at,
+                load(out, dtype, at) + load(vbytes, dtype, v),
             );
-            let cur = if accumulate {
-                load(o.bytes, o.ty.dtype, base + j)
-            } else {
-                0.0
-            };
-            store(o.bytes, o.ty.dtype, base + j, cur + v);
+        } else {
+            out[at * size..(at + 1) * size].copy_from_slice(&vbytes[v * size..(v + 1) * size]);
         }
-    }
-    Ok(())
+    })
 }

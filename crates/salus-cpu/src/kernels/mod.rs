@@ -4,9 +4,10 @@
 //! inner loops, the bounded thread pool, planned scratch) run the hot ops of the target
 //! models' training steps; the generic paths go through `f64` for every dtype and cover
 //! the rest, by family: `elementwise` (the broadcasting engine), `reduce` (sums, means,
-//! maxima, variance, `any`, softmax), `matmul`, `conv`, `pool`, `norm` (layer norm and the
-//! softmax backwards), `shape` (views, permutes, expands, concatenation, splits), `index`
-//! (slicing, gathers, scatters, embeddings, `index_put`) and `random`. f16 and bf16 are
+//! maxima, variance, `any`, softmax, `cumsum`), `matmul`, `conv`, `pool`, `pad` (constant
+//! and reflection padding), `norm` (layer and group norm, the softmax backwards), `shape`
+//! (views, permutes, expands, flips, concatenation, splits), `index` (slicing, gathers,
+//! scatters, embeddings, advanced indexing, `index_put`) and `random`. f16 and bf16 are
 //! loaded and stored through f32.
 //!
 //! Kernels read a node's typed parameters ([`OpParams`], from `Program::params`), which
@@ -21,6 +22,7 @@ mod fast;
 mod index;
 mod matmul;
 mod norm;
+mod pad;
 mod pool;
 mod random;
 mod reduce;
@@ -168,6 +170,29 @@ fn index_at(bytes: &[u8], dtype: DType, i: usize, size: u64, what: &str) -> Resu
     Ok(wrapped as usize)
 }
 
+/// `maximum` as PyTorch computes it: NaN when either is NaN, else the larger (`a` on a
+/// tie, as `std::max`).
+fn maximum(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        a + b
+    } else if a < b {
+        b
+    } else {
+        a
+    }
+}
+
+/// `minimum`: NaN when either is NaN, else the smaller (`a` on a tie).
+fn minimum(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        a + b
+    } else if b < a {
+        b
+    } else {
+        a
+    }
+}
+
 /// A number parameter's value, or `default` when the op's parameters leave it out.
 fn number_or(value: Option<Scalar>, default: f64) -> f64 {
     value.map_or(default, Scalar::as_f64)
@@ -214,6 +239,25 @@ pub(crate) fn run(
         }
         (SplitWithSizes, OpParams::Split { dim, sizes }) => {
             return shape::split(*dim, sizes, args, outs);
+        }
+        (
+            NativeGroupNorm,
+            &OpParams::GroupNorm {
+                batch,
+                channels,
+                inner,
+                groups,
+                eps,
+            },
+        ) => {
+            let geometry = norm::GroupNorm {
+                batch: batch as usize,
+                channels: channels as usize,
+                inner: inner as usize,
+                groups: groups as usize,
+                eps,
+            };
+            return norm::group_norm(&geometry, args, outs);
         }
         _ => {}
     }
@@ -323,6 +367,18 @@ pub(crate) fn run(
                 }))
             })
         }
+        (EqTensor | LtTensor | GtTensor, _) => {
+            let op = node.op;
+            elementwise(args, o, move |v| {
+                f64::from(u8::from(match op {
+                    EqTensor => v[0] == v[1],
+                    LtTensor => v[0] < v[1],
+                    _ => v[0] > v[1],
+                }))
+            })
+        }
+        (Maximum, _) => elementwise(args, o, |v| maximum(v[0], v[1])),
+        (Minimum, _) => elementwise(args, o, |v| minimum(v[0], v[1])),
         (LogicalAnd, _) => {
             elementwise(args, o, |v| f64::from(u8::from(v[0] != 0.0 && v[1] != 0.0)))
         }
@@ -366,6 +422,33 @@ pub(crate) fn run(
         (Softmax | LogSoftmax, &OpParams::Softmax { dim, .. }) => {
             reduce::softmax(dim, node.op == LogSoftmax, args, o)
         }
+        (Cumsum, &OpParams::Cumsum { dim, .. }) => reduce::cumsum(dim, args, o),
+        (Flip, OpParams::Flip { dims }) => shape::flip(dims, args, o),
+        (ConstantPadNd, OpParams::ConstantPad { before, value, .. }) => {
+            pad::constant(before, *value, args, o)
+        }
+        (
+            ReflectionPad2d | ReflectionPad2dBackward,
+            &OpParams::ReflectionPad {
+                padding,
+                planes,
+                input,
+                output,
+            },
+        ) => {
+            let geometry = pad::Reflection {
+                planes: planes as usize,
+                input,
+                output,
+                left: padding[0],
+                top: padding[2],
+            };
+            if node.op == ReflectionPad2d {
+                pad::reflection(&geometry, args, o)
+            } else {
+                pad::reflection_backward(&geometry, args, o)
+            }
+        }
         (Mm, _) => matmul::matmul(None, 1.0, args, o),
         (Addmm, &OpParams::Addmm { beta, alpha }) => matmul::matmul(Some(beta), alpha, args, o),
         (Bmm, _) => matmul::bmm(args, o),
@@ -397,7 +480,15 @@ pub(crate) fn run(
         (ScatterValue, &OpParams::Scatter { dim, value }) => {
             index::scatter_value(dim, value.as_f64(), args, o)
         }
-        (IndexPut, &OpParams::IndexPut { accumulate, .. }) => index::index_put(accumulate, args, o),
+        (IndexTensor, OpParams::AdvancedIndex(selection)) => index::index(selection, args, o),
+        (
+            IndexPut,
+            OpParams::IndexPut {
+                accumulate,
+                index: selection,
+                ..
+            },
+        ) => index::index_put(*accumulate, selection.as_ref(), args, o),
         (Embedding, _) => index::embedding(args, o),
         (
             EmbeddingDenseBackward,

@@ -1,4 +1,5 @@
-//! Layer norm, forward and backward, and the backwards of softmax and log-softmax.
+//! Layer norm, forward and backward, group norm, and the backwards of softmax and
+//! log-softmax.
 
 use super::{Arg, Out, Result, load, numel, store, tensor};
 
@@ -162,6 +163,81 @@ pub(super) fn layer_norm(
     }
     for (k, data) in [y, means, rstds].into_iter().enumerate() {
         if let Some(Some(out)) = outs.get_mut(k) {
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The geometry of `native_group_norm`: `batch` images of `channels` channels of `inner`
+/// elements, the channels in `groups` groups.
+pub(super) struct GroupNorm {
+    pub batch: usize,
+    pub channels: usize,
+    pub inner: usize,
+    pub groups: usize,
+    pub eps: f64,
+}
+
+/// `native_group_norm(input, weight?, bias?)`: (output, mean, rstd), whichever are used.
+/// Each (image, group) is normalised over its contiguous `channels / groups * inner`
+/// elements (biased variance); weight and bias scale and shift each channel.
+pub(super) fn group_norm(
+    g: &GroupNorm,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    let per_group = g.channels / g.groups.max(1);
+    let count = per_group * g.inner;
+    if numel(&ty.shape) != g.batch * g.channels * g.inner {
+        return Err(format!(
+            "input {ty} must hold {} x {} x {} elements",
+            g.batch, g.channels, g.inner
+        ));
+    }
+    let param = |k: usize| match args.get(k) {
+        Some(Arg::Tensor(pty, pb)) => Some((*pty, *pb)),
+        _ => None,
+    };
+    let (weight, bias) = (param(1), param(2));
+    let mut y = vec![0.0; numel(&ty.shape)];
+    let rows = g.batch * g.groups;
+    let mut means = vec![0.0; rows];
+    let mut rstds = vec![0.0; rows];
+    for r in 0..rows {
+        let base = r * count;
+        let row: Vec<f64> = (0..count)
+            .map(|j| load(bytes, ty.dtype, base + j))
+            .collect();
+        let mean = row.iter().sum::<f64>() / count as f64;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / count as f64;
+        let rstd = 1.0 / (var + g.eps).sqrt();
+        for (j, x) in row.iter().enumerate() {
+            let c = (r % g.groups) * per_group + j / g.inner.max(1);
+            let mut v = (x - mean) * rstd;
+            if let Some((wty, wb)) = weight {
+                v *= load(wb, wty.dtype, c);
+            }
+            if let Some((bty, bb)) = bias {
+                v += load(bb, bty.dtype, c);
+            }
+            y[base + j] = v;
+        }
+        means[r] = mean;
+        rstds[r] = rstd;
+    }
+    for (k, data) in [y, means, rstds].into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            if numel(&out.ty.shape) != data.len() {
+                return Err(format!(
+                    "output {k} {} must have {} elements",
+                    out.ty,
+                    data.len()
+                ));
+            }
             for (i, v) in data.into_iter().enumerate() {
                 store(out.bytes, out.ty.dtype, i, v);
             }

@@ -1,6 +1,6 @@
 //! Reductions in `f64` for every dtype: `sum.dim_IntList`, `mean`, `mean.dim`, `amax`,
-//! `var.correction` and `any.dim` over the dimensions a [`Reduction`] names, and softmax
-//! and log-softmax along one dimension.
+//! `var.correction` and `any.dim` over the dimensions a [`Reduction`] names, and softmax,
+//! log-softmax and `cumsum` along one dimension.
 
 use salus_graph::{Op, Reduction, TensorType};
 
@@ -108,6 +108,29 @@ pub(super) fn softmax(d: usize, log: bool, args: &[Arg<'_>], o: &mut Out<'_>) ->
                 let x = load(bytes, ty.dtype, idx(j)) - max;
                 let v = if log { x - sum.ln() } else { x.exp() / sum };
                 store(o.bytes, o.ty.dtype, idx(j), v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `cumsum` along `d`: each element the sum of those before it and itself, accumulated in
+/// `f64` and rounded once to the output's dtype.
+pub(super) fn cumsum(d: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    if ty.shape != o.ty.shape {
+        return Err(format!("output {} must have the shape of input {ty}", o.ty));
+    }
+    let len = ty.shape.get(d).copied().unwrap_or(1) as usize;
+    let inner = numel(ty.shape.get(d + 1..).unwrap_or(&[]));
+    let outer = numel(&ty.shape) / (len * inner).max(1);
+    for a in 0..outer {
+        for b in 0..inner {
+            let mut sum = 0.0;
+            for j in 0..len {
+                let at = (a * len + j) * inner + b;
+                sum += load(bytes, ty.dtype, at);
+                store(o.bytes, o.ty.dtype, at, sum);
             }
         }
     }

@@ -1,5 +1,5 @@
 //! Shape ops in the generic path, for any dtype: views (`view`, `unsqueeze`,
-//! `squeeze.dims`: the bytes as they are), `permute`, `expand`, `cat` and
+//! `squeeze.dims`: the bytes as they are), `permute`, `expand`, `flip`, `cat` and
 //! `split_with_sizes`.
 
 use super::{
@@ -27,6 +27,26 @@ pub(super) fn expand(args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
     let strides = broadcast_strides(&ty.shape, &o.ty.shape);
     copy_strided(ty.dtype.size() as usize, bytes, strides, o);
+    Ok(())
+}
+
+/// `flip`: the elements in reverse order along each of `dims` (sorted).
+pub(super) fn flip(dims: &[usize], args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+    let (ty, bytes) = tensor(args, 0)?;
+    if ty != o.ty {
+        return Err(format!("output {} must be input {ty}", o.ty));
+    }
+    let size = ty.dtype.size() as usize;
+    let strides = contiguous_strides(&ty.shape);
+    for i in 0..o.bytes.len() / size.max(1) {
+        let mut src = i;
+        for &d in dims {
+            let n = ty.shape[d] as usize;
+            let c = i / strides[d] % n;
+            src = src + (n - 1 - c) * strides[d] - c * strides[d];
+        }
+        o.bytes[i * size..(i + 1) * size].copy_from_slice(&bytes[src * size..(src + 1) * size]);
+    }
     Ok(())
 }
 

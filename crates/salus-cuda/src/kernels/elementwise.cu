@@ -42,6 +42,11 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_FILL: return s0;
         case OP_ARANGE: return s0 + s1 * (double)i;
         case OP_RECIPROCAL: return 1.0 / a;
+        case OP_MAX: return (isnan(a) || isnan(b)) ? a + b : (a < b ? b : a);
+        case OP_MIN: return (isnan(a) || isnan(b)) ? a + b : (b < a ? b : a);
+        case OP_EQ_T: return a == b ? 1.0 : 0.0;
+        case OP_LT_T: return a < b ? 1.0 : 0.0;
+        case OP_GT_T: return a > b ? 1.0 : 0.0;
         default: return 0.0;
     }
 }

@@ -52,22 +52,52 @@ extern "C" __global__ void embedding_bwd(const EmbeddingBackwardArgs a) {
     }
 }
 
-// index_put with up to 4 leading integer indices (of one shape, `count` elements each):
-// out (a copy of self) at the indexed rows of `inner` elements takes (or adds) values.
-extern "C" __global__ void index_put(const IndexPutArgs a) {
-    GRID_LOOP(t, a.count * a.inner) {
-        i64 j = t % a.inner, i = t / a.inner;
-        i64 base = 0;
-        bool ok = true;
-        for (int k = 0; k < (int)a.nidx; ++k) {
-            i64 at = index_at(a.idx[k], a.idt[k], i, a.size[k], a.err, a.node, ERR_INDEX_PUT_INDEX);
-            if (at < 0) ok = false;
-            else base += at * a.stride[k];
+// ------------------------------------------------------------------------------------
+// Advanced indexing (index.Tensor, index_put): each thread one element of the selection.
+
+// The element of x that selection element t picks; -1 (reported) for a bad index.
+__device__ i64 selected(const AdvancedIndexArgs& a, i64 t) {
+    i64 c[MAXR];
+    i64 r = t;
+    for (int e = (int)a.rank - 1; e >= 0; --e) {
+        c[e] = r % a.shape[e];
+        r /= a.shape[e];
+    }
+    i64 off = 0;
+    for (int d = 0; d < (int)a.srank; ++d) {
+        i64 at;
+        if (a.whole[d] >= 0) {
+            at = c[a.whole[d]];
+        } else {
+            i64 j = 0;
+            for (int e = 0; e < (int)a.rank; ++e) j += c[e] * a.ist[d * MAXR + e];
+            at = index_at(a.idx[d], a.idt[d], j, a.size[d], a.err, a.node, a.code);
+            if (at < 0) return -1;
         }
-        if (!ok) continue;
-        double v = ld(a.values, a.vdt, i * a.vs0 + j * a.vs1);
-        if (a.accumulate) atomic_addv(a.out, a.odt, base + j, v);
-        else st(a.out, a.odt, base + j, v);
+        off += at * a.xst[d];
+    }
+    return off;
+}
+
+extern "C" __global__ void index_gather(const AdvancedIndexArgs a) {
+    GRID_LOOP(t, a.n) {
+        i64 at = selected(a, t);
+        if (at >= 0) raw(a.out, t, a.x, at, a.dt);
     }
 }
 
+// out (already a copy of x) at each selected element takes the value broadcast to that
+// selection element, or adds it (atomically: repeated places add up).
+extern "C" __global__ void index_put(const AdvancedIndexArgs a) {
+    GRID_LOOP(t, a.n) {
+        i64 at = selected(a, t);
+        if (at < 0) continue;
+        i64 v = 0, r = t;
+        for (int e = (int)a.rank - 1; e >= 0; --e) {
+            v += (r % a.shape[e]) * a.vst[e];
+            r /= a.shape[e];
+        }
+        if (a.accumulate) atomic_addv(a.out, a.dt, at, ld(a.values, a.dt, v));
+        else raw(a.out, at, a.values, v, a.dt);
+    }
+}

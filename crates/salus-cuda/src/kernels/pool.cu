@@ -101,3 +101,48 @@ extern "C" __global__ void adaptive_pool_bwd(const PoolArgs a) {
     }
 }
 
+
+// ------------------------------------------------------------------------------------
+// Reflection padding of the last two dims of [planes, h, w] (p = (top, left); every pad
+// below the dim it reflects, as validation checked).
+
+// The input position output position j reflects, along a dim of n padded by `before`.
+__device__ i64 reflect_at(i64 j, i64 before, i64 n) {
+    i64 i = j - before;
+    if (i < 0) return -i;
+    if (i > n - 1) return 2 * (n - 1) - i;
+    return i;
+}
+
+// The output positions (of `out`) that reflect input position i: itself shifted, its
+// mirror in the leading pad, its mirror in the trailing pad; how many there are.
+__device__ int reflections(i64 i, i64 before, i64 n, i64 out, i64* at) {
+    int k = 0;
+    at[k++] = i + before;
+    if (i > 0 && i <= before) at[k++] = before - i;
+    i64 r = 2 * (n - 1) - i + before;
+    if (i < n - 1 && r >= n + before && r < out) at[k++] = r;
+    return k;
+}
+
+extern "C" __global__ void reflection_pad_fwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.oh * a.ow) {
+        i64 ox = t % a.ow, oy = (t / a.ow) % a.oh, pl = t / (a.ow * a.oh);
+        i64 src = (pl * a.h + reflect_at(oy, a.p[0], a.h)) * a.w + reflect_at(ox, a.p[1], a.w);
+        raw(a.y, t, a.x, src, a.ydt);
+    }
+}
+
+// grad_input x: each input element sums the gradient g of its reflections.
+extern "C" __global__ void reflection_pad_bwd(const PoolArgs a) {
+    GRID_LOOP(t, a.planes * a.h * a.w) {
+        i64 ix = t % a.w, iy = (t / a.w) % a.h, pl = t / (a.w * a.h);
+        i64 ys[3], xs[3];
+        int ny = reflections(iy, a.p[0], a.h, a.oh, ys);
+        int nx = reflections(ix, a.p[1], a.w, a.ow, xs);
+        double s = 0.0;
+        for (int u = 0; u < ny; ++u)
+            for (int v = 0; v < nx; ++v) s += ld(a.g, a.gdt, (pl * a.oh + ys[u]) * a.ow + xs[v]);
+        st(a.x, a.xdt, t, s);
+    }
+}

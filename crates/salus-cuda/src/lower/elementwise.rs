@@ -1,5 +1,5 @@
 //! Pointwise ops, strided copies and the view ops that copy (permute, expand, slice,
-//! select, cat, split): one kernel, `ew`, over operands with their own strides, except
+//! select, cat, split, flip, constant padding): one kernel, `ew`, over operands with their own strides, except
 //! same-dtype copies whose coalesced dims allow a faster one ([`route_copy`]): contiguous
 //! rows (`copy_rows`) or a batched 2-D transpose (`copy_transpose`).
 
@@ -432,6 +432,67 @@ impl Lowering<'_> {
         let offset = index * st[dim] as u64;
         st.remove(dim);
         self.copy_strided(o, &a, st, offset)
+    }
+
+    /// `flip`: the input read backwards along `dims`, from the last element of each.
+    pub(super) fn flip(&mut self, node: &Node, dims: &[usize], o: &Operand) -> Lowered {
+        let a = self.need(node, 0)?;
+        if a.numel() == 0 {
+            return Ok(());
+        }
+        let mut st = contiguous(a.shape());
+        let mut offset = 0u64;
+        for &d in dims {
+            offset += (a.shape()[d] - 1) * st[d] as u64;
+            st[d] = -st[d];
+        }
+        self.copy_strided(o, &a, st, offset)
+    }
+
+    /// `constant_pad_nd`: `value` where the output is padding, then the part of the input
+    /// that stays (negative amounts crop it) copied into its place.
+    pub(super) fn constant_pad(
+        &mut self,
+        node: &Node,
+        before: &[i64],
+        value: f64,
+        o: &Operand,
+    ) -> Lowered {
+        let a = self.need(node, 0)?;
+        if before.len() != a.ty.rank() || o.ty.rank() != a.ty.rank() {
+            return Err(format!("output {} does not pad input {}", o.ty, a.ty));
+        }
+        let (ist, ost) = (contiguous(a.shape()), contiguous(o.shape()));
+        let (mut kept, mut src, mut dst) = (Vec::with_capacity(ist.len()), 0u64, 0u64);
+        let mut whole = true;
+        for (d, &b) in before.iter().enumerate() {
+            // Input elements cropped at the start, and where the rest starts in the output.
+            let (skip, at) = ((-b).max(0) as u64, b.max(0) as u64);
+            let n = a.shape()[d]
+                .saturating_sub(skip)
+                .min(o.shape()[d].saturating_sub(at));
+            whole &= at == 0 && n == o.shape()[d];
+            kept.push(n);
+            src += skip * ist[d] as u64;
+            dst += at * ost[d] as u64;
+        }
+        if !whole {
+            self.ew(ElementwiseOp::Fill, o, &[], [value, 0.0, 0.0])?;
+        }
+        if numel(&kept) == 0 {
+            return Ok(());
+        }
+        let out = StridedView {
+            ptr: o.ptr + dst * o.elem_size(),
+            dt: o.dt(),
+            st: ost,
+        };
+        let input = StridedView {
+            ptr: a.ptr + src * a.elem_size(),
+            dt: a.dt(),
+            st: ist,
+        };
+        self.strided(ElementwiseOp::Copy, &kept, out, vec![input], [0.0; 3])
     }
 
     pub(super) fn cat(&mut self, node: &Node, dim: usize, o: &Operand) -> Lowered {

@@ -70,6 +70,11 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (MulTensor, _) => p(E::Mul, 2, [0.0; 2]),
         (DivTensor, _) => p(E::Div, 2, [0.0; 2]),
         (LogicalAnd, _) => p(E::LogicalAnd, 2, [0.0; 2]),
+        (Maximum, _) => p(E::Maximum, 2, [0.0; 2]),
+        (Minimum, _) => p(E::Minimum, 2, [0.0; 2]),
+        (EqTensor, _) => p(E::EqTensor, 2, [0.0; 2]),
+        (LtTensor, _) => p(E::LtTensor, 2, [0.0; 2]),
+        (GtTensor, _) => p(E::GtTensor, 2, [0.0; 2]),
         (BitwiseAndTensor, _) => p(E::BitwiseAnd, 2, [0.0; 2]),
         (
             AddScalar | MulScalar | DivScalar | PowTensorScalar | PowScalar | EqScalar | NeScalar

@@ -1,17 +1,15 @@
-//! Indexing (embedding, index_select, gather, scatter, index_put and the embedding
-//! gradient), whose kernels check every index and report a bad one in the lane's error
-//! block, and the random draws of `bernoulli.p`.
+//! Indexing (embedding, index_select, gather, scatter, advanced indexing with
+//! `index.Tensor` and `index_put`, and the embedding gradient), whose kernels check every
+//! index and report a bad one in the lane's error block, and the random draws of
+//! `bernoulli.p`.
 
-use salus_graph::{DType, Node, OpParams};
+use salus_graph::{AdvancedIndex, DType, Node, OpParams};
 
-use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
+use super::{Lowered, Lowering, Operand, address, broadcast, contiguous, numel, padded, signed};
 use crate::abi::{
-    AlongDimArgs, AlongDimMode, BernoulliArgs, EmbeddingBackwardArgs, IndexErrorKind, IndexPutArgs,
-    Kernel, MAX_RANK, TakeRowsArgs,
+    AdvancedIndexArgs, AlongDimArgs, AlongDimMode, BernoulliArgs, EmbeddingBackwardArgs,
+    IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs,
 };
-
-/// Most index tensors `index_put` takes on this device.
-const MAX_INDICES: usize = 4;
 
 impl Lowering<'_> {
     /// Rows of `x` viewed as `[outer, len, inner]` picked by `idx` along the middle dim
@@ -227,82 +225,100 @@ impl Lowering<'_> {
         Ok(())
     }
 
-    /// `index_put` with `count` leading integer indices (inputs 1..=count; values next).
+    /// The kernels' description of the selection `index` makes of `x`, the index tensors
+    /// inputs `1 + k` of `node`; a bad index is reported as `kind`.
+    fn selection(
+        &self,
+        node: &Node,
+        index: &AdvancedIndex,
+        x: &Operand,
+        kind: IndexErrorKind,
+    ) -> Result<AdvancedIndexArgs, String> {
+        if x.ty.rank() > MAX_RANK || index.shape.len() > MAX_RANK {
+            return Err(format!(
+                "the CUDA device indexes tensors of at most {MAX_RANK} dims"
+            ));
+        }
+        let mut args = AdvancedIndexArgs {
+            n: numel(&index.shape) as i64,
+            rank: index.shape.len() as i64,
+            srank: x.ty.rank() as i64,
+            code: kind.code(),
+            shape: padded(&signed(&index.shape)),
+            size: padded(&signed(x.shape())),
+            xst: padded(&contiguous(x.shape())),
+            x: x.ptr,
+            dt: x.dt(),
+            err: self.err,
+            node: self.index as i64,
+            ..AdvancedIndexArgs::default()
+        };
+        for (d, (whole, k)) in index.whole_dims().iter().zip(&index.dims).enumerate() {
+            match (whole, k) {
+                (Some(r), _) => args.whole[d] = *r as i64,
+                (None, Some(k)) => {
+                    let t = self.need(node, 1 + k)?;
+                    if !t.ty.dtype.is_int() {
+                        return Err(format!("{} must be an integer tensor", kind.what()));
+                    }
+                    (args.idx[d], args.idt[d]) = (t.ptr, t.dt());
+                    let own = broadcast(t.shape(), &index.index_shape);
+                    let at = d * MAX_RANK + index.index_at;
+                    args.ist[at..at + own.len()].copy_from_slice(&own);
+                }
+                (None, None) => return Err(format!("dimension {d} is neither indexed nor whole")),
+            }
+        }
+        Ok(args)
+    }
+
+    /// `index.Tensor`: the selected elements, copied.
+    pub(super) fn index_gather(
+        &mut self,
+        node: &Node,
+        index: &AdvancedIndex,
+        o: &Operand,
+    ) -> Lowered {
+        let a = self.need(node, 0)?;
+        if a.ty.dtype != o.ty.dtype || o.shape() != index.shape {
+            return Err(format!(
+                "output {} must be {:?} of {}",
+                o.ty, index.shape, a.ty
+            ));
+        }
+        let mut args = self.selection(node, index, &a, IndexErrorKind::Index)?;
+        args.out = o.ptr;
+        self.launch(Kernel::IndexGather, o.numel(), args);
+        Ok(())
+    }
+
+    /// `index_put`: a copy of self, then the values (broadcast to the selection) written
+    /// or added at the selected elements.
     pub(super) fn index_put(
         &mut self,
         node: &Node,
         count: usize,
         accumulate: bool,
+        index: Option<&AdvancedIndex>,
         o: &Operand,
     ) -> Lowered {
-        if node.inputs.len() != count + 2 {
-            return Err(format!(
-                "index_put with {count} indices takes {} inputs, got {}",
-                count + 2,
-                node.inputs.len()
-            ));
-        }
+        let Some(index) = index else {
+            return Err("index_put with a bool (mask) index is not supported".into());
+        };
         let a = self.need(node, 0)?;
         let values = self.need(node, count + 1)?;
-        let mut indices: Vec<Operand> = Vec::new();
-        for k in 0..count {
-            match self.input(node, 1 + k) {
-                Some(t) if t.ty.dtype.is_int() => {
-                    if let Some(first) = indices.first()
-                        && first.shape() != t.shape()
-                    {
-                        return Err(
-                            "index_put with indices of different shapes is not supported yet"
-                                .into(),
-                        );
-                    }
-                    indices.push(t);
-                }
-                _ => return Err("index_put supports leading integer indices only so far".into()),
-            }
-        }
-        if count > MAX_INDICES {
+        if values.ty.dtype != o.ty.dtype || a.ty != o.ty {
             return Err(format!(
-                "the CUDA device's index_put takes at most {MAX_INDICES} index tensors"
+                "values {} and output {} must be {}",
+                values.ty, o.ty, a.ty
             ));
         }
-        let rows = indices.first().map_or(1, |t| t.numel());
-        let inner = numel(&a.shape()[count.min(a.ty.rank())..]);
-        let vs = match values.numel() {
-            v if v == rows * inner => [inner, 1],
-            v if v == inner => [0, 1],
-            1 => [0, 0],
-            _ => {
-                return Err(format!(
-                    "values {} do not fit {rows} indexed rows of {inner}",
-                    values.ty
-                ));
-            }
-        };
+        let mut args = self.selection(node, index, &a, IndexErrorKind::IndexPut)?;
+        args.accumulate = i64::from(accumulate);
+        args.vst = padded(&broadcast(values.shape(), &index.shape));
+        (args.values, args.out) = (values.ptr, o.ptr);
         self.copy_flat(o, &a)?;
-        let strides = contiguous(a.shape());
-        let mut args = IndexPutArgs {
-            count: rows as i64,
-            inner: inner as i64,
-            nidx: count as i64,
-            accumulate: i64::from(accumulate),
-            vs0: vs[0] as i64,
-            vs1: vs[1] as i64,
-            values: values.ptr,
-            vdt: values.dt(),
-            out: o.ptr,
-            odt: o.dt(),
-            err: self.err,
-            node: self.index as i64,
-            ..IndexPutArgs::default()
-        };
-        for (k, t) in indices.iter().enumerate() {
-            args.idx[k] = t.ptr;
-            args.idt[k] = t.dt();
-            args.size[k] = a.shape().get(k).map_or(0, |&d| d as i64);
-            args.stride[k] = strides.get(k).copied().unwrap_or(0);
-        }
-        self.launch(Kernel::IndexPut, rows * inner, args);
+        self.launch(Kernel::IndexPut, numel(&index.shape), args);
         Ok(())
     }
 }

@@ -5,9 +5,10 @@
 //!
 //! Each node's non-tensor arguments come from its typed parameters
 //! ([`Program::params`]); the kernels' argument structs and codes from [`crate::abi`].
-//! One file per op family: `elementwise` (pointwise ops, copies and views), `reduce`
-//! (reductions, softmax, layer norm), `matmul`, `conv`, `pool`, `index` (indexing and
-//! random draws).
+//! One file per op family: `elementwise` (pointwise ops, copies, views, flips and
+//! constant padding), `reduce` (reductions, cumulative sums, softmax, layer and group
+//! norm), `matmul`, `conv`, `pool` (pooling and reflection padding), `index` (indexing
+//! and random draws).
 
 mod conv;
 mod elementwise;
@@ -264,6 +265,7 @@ impl<'a> Lowering<'a> {
             MaxPool2dWithIndices => return self.max_pool(node),
             NativeLayerNorm => return self.layer_norm(node),
             NativeLayerNormBackward => return self.layer_norm_backward(node),
+            NativeGroupNorm => return self.group_norm(node),
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
             _ => {}
@@ -280,6 +282,11 @@ impl<'a> Lowering<'a> {
             (MulTensor, _) => self.binary(ElementwiseOp::Mul, node, &o),
             (DivTensor, _) => self.binary(ElementwiseOp::Div, node, &o),
             (LogicalAnd, _) => self.binary(ElementwiseOp::LogicalAnd, node, &o),
+            (Maximum, _) => self.binary(ElementwiseOp::Maximum, node, &o),
+            (Minimum, _) => self.binary(ElementwiseOp::Minimum, node, &o),
+            (EqTensor, _) => self.binary(ElementwiseOp::EqTensor, node, &o),
+            (LtTensor, _) => self.binary(ElementwiseOp::LtTensor, node, &o),
+            (GtTensor, _) => self.binary(ElementwiseOp::GtTensor, node, &o),
             (BitwiseAndTensor, _) => self.binary(ElementwiseOp::BitwiseAnd, node, &o),
             (
                 AddScalar | MulScalar | DivScalar | PowTensorScalar | PowScalar | EqScalar
@@ -374,6 +381,14 @@ impl<'a> Lowering<'a> {
             ) => self.slice(node, dim, start, step, &o),
             (SelectInt, &OpParams::Select { dim, index }) => self.select(node, dim, index, &o),
             (Cat, &OpParams::Cat { dim, .. }) => self.cat(node, dim, &o),
+            (Flip, OpParams::Flip { dims }) => self.flip(node, dims, &o),
+            (ConstantPadNd, OpParams::ConstantPad { before, value, .. }) => {
+                self.constant_pad(node, before, value.as_f64(), &o)
+            }
+            (Cumsum, &OpParams::Cumsum { dim, .. }) => {
+                let a = self.need(node, 0)?;
+                self.cumsum(dim, &a, &o)
+            }
             (SumDimIntList | MeanDim | Amax | Mean | AnyDim, OpParams::Reduce(r)) => {
                 let a = self.need(node, 0)?;
                 let op = match node.op {
@@ -422,6 +437,15 @@ impl<'a> Lowering<'a> {
                 self.avg_pool(node, Some(pool), &o)
             }
             (AdaptiveAvgPool2d | AdaptiveAvgPool2dBackward, _) => self.avg_pool(node, None, &o),
+            (
+                ReflectionPad2d | ReflectionPad2dBackward,
+                &OpParams::ReflectionPad {
+                    padding,
+                    planes,
+                    input,
+                    output,
+                },
+            ) => self.reflection_pad(node, padding, planes, input, output, &o),
             (Embedding, _) => self.embedding(node, &o),
             (IndexSelect, &OpParams::Index { dim }) => self.index_select(node, dim, &o),
             (Gather | ScatterAdd, &OpParams::Index { dim }) => self.along(node, dim, None, &o),
@@ -436,9 +460,15 @@ impl<'a> Lowering<'a> {
                     ..
                 },
             ) => self.embedding_backward(node, padding_idx, scale_grad_by_freq, &o),
-            (IndexPut, &OpParams::IndexPut { count, accumulate }) => {
-                self.index_put(node, count, accumulate, &o)
-            }
+            (IndexTensor, OpParams::AdvancedIndex(index)) => self.index_gather(node, index, &o),
+            (
+                IndexPut,
+                OpParams::IndexPut {
+                    count,
+                    accumulate,
+                    index,
+                },
+            ) => self.index_put(node, *count, *accumulate, index.as_ref(), &o),
             (op, _) => Err(format!("the CUDA device has no kernel for {op} yet")),
         }
     }

@@ -1,5 +1,5 @@
 //! 2-d pooling over the last two dims: max (with indices) and average from
-//! [`PoolParams`], adaptive average from the shapes.
+//! [`PoolParams`], adaptive average from the shapes; reflection padding of the same dims.
 
 use salus_graph::{Node, Op, PoolParams};
 
@@ -164,6 +164,45 @@ impl Lowering<'_> {
             _ => Kernel::AdaptivePoolBackward,
         };
         self.launch(kernel, geometry.outputs(), args);
+        Ok(())
+    }
+
+    /// `reflection_pad2d` (into `o`) and its backward (`o` the input's gradient), with
+    /// `padding` (left, right, top, bottom) of `planes` planes `input` -> `output`.
+    pub(super) fn reflection_pad(
+        &mut self,
+        node: &Node,
+        padding: [u64; 4],
+        planes: u64,
+        input: [u64; 2],
+        output: [u64; 2],
+        o: &Operand,
+    ) -> Lowered {
+        let geometry = Geometry {
+            planes,
+            input,
+            output,
+        };
+        let mut args = geometry.args(self.err, self.index);
+        args.p = [padding[2] as i64, padding[0] as i64];
+        if node.op == Op::ReflectionPad2d {
+            let x = self.need(node, 0)?;
+            if x.ty.dtype != o.ty.dtype {
+                return Err(format!(
+                    "input {} and output {} differ in dtype",
+                    x.ty, o.ty
+                ));
+            }
+            (args.x, args.xdt) = (x.ptr, x.dt());
+            (args.y, args.ydt) = (o.ptr, o.dt());
+            self.launch(Kernel::ReflectionPadForward, geometry.outputs(), args);
+        } else {
+            let g = self.need(node, 0)?;
+            (args.g, args.gdt) = (g.ptr, g.dt());
+            (args.x, args.xdt) = (o.ptr, o.dt());
+            let inputs = planes * input[0] * input[1];
+            self.launch(Kernel::ReflectionPadBackward, inputs, args);
+        }
         Ok(())
     }
 }

@@ -1,9 +1,11 @@
-//! Reductions over any set of dims, softmax along one dim, and layer norm.
+//! Reductions over any set of dims, softmax and cumulative sums along one dim, and layer
+//! and group norm.
 
 use salus_graph::{Graph, Node, Op, OpParams};
 
 use super::elementwise::{StridedView, coalesce};
 use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
+use crate::abi::ElementwiseOp;
 use crate::abi::{
     BLOCK, Kernel, LayerNormArgs, LayerNormBackwardArgs, MAX_RANK, ROW_WARP_MAX, ReduceArgs,
     ReduceOp, SoftmaxArgs,
@@ -419,6 +421,89 @@ impl Lowering<'_> {
         (args.mean, args.mdt) = address(mean.as_ref());
         (args.rstd, args.rdt) = address(rstd.as_ref());
         self.launch_blocks(Kernel::LayerNormForwardRows, row_blocks(rows, inner), args);
+        Ok(())
+    }
+
+    /// `cumsum` along `dim`: a thread per line, summed in order.
+    pub(super) fn cumsum(&mut self, dim: usize, a: &Operand, o: &Operand) -> Lowered {
+        if a.shape() != o.shape() {
+            return Err(format!(
+                "output {} must have the shape of input {}",
+                o.ty, a.ty
+            ));
+        }
+        let len = a.shape().get(dim).copied().unwrap_or(1);
+        let inner = numel(a.shape().get(dim + 1..).unwrap_or(&[]));
+        let lines = a.numel() / len.max(1);
+        let args = SoftmaxArgs {
+            rows: lines as i64,
+            len: len as i64,
+            inner: inner as i64,
+            x: a.ptr,
+            xdt: a.dt(),
+            y: o.ptr,
+            ydt: o.dt(),
+            ..SoftmaxArgs::default()
+        };
+        if a.numel() > 0 {
+            self.launch(Kernel::Cumsum, lines, args);
+        }
+        Ok(())
+    }
+
+    /// `native_group_norm`: each (image, group)'s elements are one contiguous row, so
+    /// layer norm's row kernel gives the normalised values and the statistics; the
+    /// per-channel weight and bias follow as broadcast elementwise ops.
+    pub(super) fn group_norm(&mut self, node: &Node) -> Lowered {
+        let &OpParams::GroupNorm {
+            batch,
+            channels,
+            inner,
+            groups,
+            eps,
+        } = self.params()
+        else {
+            return Err("native_group_norm without its parameters".into());
+        };
+        let a = self.need(node, 0)?;
+        let (rows, count) = (batch * groups, channels / groups.max(1) * inner);
+        if a.numel() != rows * count {
+            return Err(format!(
+                "input {} must hold {batch} x {channels} x {inner} elements",
+                a.ty
+            ));
+        }
+        let (w, b) = (self.input(node, 1), self.input(node, 2));
+        let (y, mean, rstd) = (
+            self.output(node, 0),
+            self.output(node, 1),
+            self.output(node, 2),
+        );
+        let mut args = LayerNormArgs {
+            rows: rows as i64,
+            inner: count as i64,
+            eps,
+            x: a.ptr,
+            xdt: a.dt(),
+            ..LayerNormArgs::default()
+        };
+        (args.y, args.ydt) = address(y.as_ref());
+        (args.mean, args.mdt) = address(mean.as_ref());
+        (args.rstd, args.rdt) = address(rstd.as_ref());
+        self.launch_blocks(Kernel::LayerNormForwardRows, row_blocks(rows, count), args);
+        if let Some(y) = &y {
+            // Weight and bias as [1, C, 1, ...], broadcast over images and positions.
+            let mut per_channel = vec![1u64; y.ty.rank()];
+            per_channel[1] = channels;
+            if let Some(w) = &w {
+                let w = w.viewed_as(w.ty.dtype, per_channel.clone());
+                self.ew(ElementwiseOp::Mul, y, &[y, &w], [0.0; 3])?;
+            }
+            if let Some(b) = &b {
+                let b = b.viewed_as(b.ty.dtype, per_channel);
+                self.ew(ElementwiseOp::Add, y, &[y, &b], [1.0, 0.0, 0.0])?;
+            }
+        }
         Ok(())
     }
 

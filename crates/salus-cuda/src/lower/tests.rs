@@ -799,3 +799,143 @@ fn permute_and_dtype_changing_copies_launch_their_kernels() {
     let kernels: Vec<Kernel> = launches(&commands).iter().map(|l| l.kernel).collect();
     assert_eq!(kernels, vec![Kernel::CopyTranspose, Kernel::Elementwise]);
 }
+
+/// A U-Net's new ops and cumsum, flip and maximum over `x` [2, 4, 3, 5].
+fn unet_ops() -> Graph {
+    let t = |n: &str, d: DType, s: &[u64], r: Role| tensor(n, d, s, r);
+    let ints = |v: &[i64]| Attr::Ints(v.to_vec());
+    let f32i = |n: &str, s: &[u64]| t(n, DType::F32, s, Role::Intermediate);
+    Graph {
+        tensors: vec![
+            t("x", DType::F32, &[2, 4, 3, 5], Role::Feed),
+            t("rows", DType::I64, &[6, 1], Role::Feed),
+            t("cols", DType::I32, &[10], Role::Feed),
+            f32i("flipped", &[2, 4, 3, 5]),
+            f32i("padded", &[2, 4, 4, 3]),
+            f32i("reflected", &[2, 4, 6, 8]),
+            f32i("reflected_grad", &[2, 4, 3, 5]),
+            f32i("normed", &[2, 4, 3, 5]),
+            f32i("mean", &[2, 2]),
+            f32i("up", &[2, 4, 6, 10]),
+            f32i("down", &[2, 4, 3, 5]),
+            f32i("sums", &[2, 4, 3, 5]),
+            f32i("larger", &[2, 4, 3, 5]),
+        ],
+        nodes: vec![
+            node(Op::Flip, &[0], &[3], &[("dims", ints(&[1, 3]))]),
+            node(
+                Op::ConstantPadNd,
+                &[0],
+                &[4],
+                &[("pad", ints(&[-1, -1, 1, 0])), ("value", Attr::Float(2.0))],
+            ),
+            node(
+                Op::ReflectionPad2d,
+                &[0],
+                &[5],
+                &[("padding", ints(&[1, 2, 2, 1]))],
+            ),
+            node(
+                Op::ReflectionPad2dBackward,
+                &[5, 0],
+                &[6],
+                &[("padding", ints(&[1, 2, 2, 1]))],
+            ),
+            Node {
+                inputs: vec![Some(0), None, None],
+                outputs: vec![Some(7), Some(8), None],
+                ..node(
+                    Op::NativeGroupNorm,
+                    &[],
+                    &[],
+                    &[
+                        ("N", Attr::Int(2)),
+                        ("C", Attr::Int(4)),
+                        ("HxW", Attr::Int(15)),
+                        ("group", Attr::Int(2)),
+                        ("eps", Attr::Float(1e-5)),
+                    ],
+                )
+            },
+            Node {
+                inputs: vec![Some(0), None, None, Some(1), Some(2)],
+                ..node(Op::IndexTensor, &[], &[9], &[("indices.len", Attr::Int(4))])
+            },
+            Node {
+                inputs: vec![Some(0), None, None, Some(1), Some(2), Some(9)],
+                ..node(
+                    Op::IndexPut,
+                    &[],
+                    &[10],
+                    &[
+                        ("indices.len", Attr::Int(4)),
+                        ("accumulate", Attr::Bool(true)),
+                    ],
+                )
+            },
+            node(Op::Cumsum, &[0], &[11], &[("dim", Attr::Int(2))]),
+            node(Op::Maximum, &[0], &[12], &[]),
+        ],
+        fetches: vec![3, 4, 6, 7, 8, 10, 11, 12],
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[test]
+fn unet_ops_lower_to_their_kernels() {
+    let mut graph = unet_ops();
+    // maximum(x, x): both inputs the feed.
+    graph.nodes[8].inputs = vec![Some(0), Some(0)];
+    let commands = lower(graph);
+    let launches = launches(&commands);
+    let kernels: Vec<Kernel> = launches.iter().map(|l| l.kernel).collect();
+    assert_eq!(
+        kernels,
+        vec![
+            // flip: a copy reading backwards; constant_pad_nd: a fill, then the kept part
+            // (rows contiguous in both).
+            Kernel::Elementwise,
+            Kernel::Elementwise,
+            Kernel::CopyRows,
+            Kernel::ReflectionPadForward,
+            Kernel::ReflectionPadBackward,
+            // group norm without weight and bias: the layer norm rows alone.
+            Kernel::LayerNormForwardRows,
+            Kernel::IndexGather,
+            // index_put: a copy of self, then the accumulation.
+            Kernel::CopyRows,
+            Kernel::IndexPut,
+            Kernel::Cumsum,
+            Kernel::Elementwise,
+        ]
+    );
+    for l in &launches {
+        assert_eq!(l.args.struct_name(), l.kernel.args_struct(), "{l:?}");
+    }
+    let flip: &ElementwiseArgs = launches[0].args.as_any().downcast_ref().unwrap();
+    let walked: Vec<i64> = flip.inputs[0].st[..flip.rank as usize].to_vec();
+    // [2, 4, 3, 5] flipped along dims 1 and 3: nothing coalesces.
+    assert_eq!(walked, vec![60, -15, 5, -1]);
+    // Read from the last element of dims 1 and 3 (x's address as reflection padding has it).
+    let reflect: &PoolArgs = launches[3].args.as_any().downcast_ref().unwrap();
+    assert_eq!(flip.inputs[0].ptr, reflect.x + 4 * (3 * 15 + 4));
+    let gather: &crate::abi::AdvancedIndexArgs = launches[6].args.as_any().downcast_ref().unwrap();
+    assert_eq!(
+        (gather.n, gather.rank, gather.srank),
+        (2 * 4 * 6 * 10, 4, 4)
+    );
+    assert_eq!(gather.whole[..4], [0, 1, -1, -1]);
+    // rows [6, 1] walks selection dim 2; cols [10] selection dim 3.
+    assert_eq!(
+        gather.ist[2 * crate::abi::MAX_RANK..2 * crate::abi::MAX_RANK + 4],
+        [0, 0, 1, 0]
+    );
+    assert_eq!(
+        gather.ist[3 * crate::abi::MAX_RANK..3 * crate::abi::MAX_RANK + 4],
+        [0, 0, 0, 1]
+    );
+    assert_eq!(gather.xst[..4], [60, 15, 5, 1]);
+    assert_eq!(reflect.p, [2, 1]);
+    assert_eq!((reflect.oh, reflect.ow), (6, 8));
+}

@@ -76,7 +76,7 @@ fn float_of(d: DType) -> DType {
     if d.is_float() { d } else { DType::F32 }
 }
 
-fn broadcast(a: &[u64], b: &[u64]) -> Result<Vec<u64>> {
+pub(crate) fn broadcast(a: &[u64], b: &[u64]) -> Result<Vec<u64>> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
@@ -213,10 +213,15 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
                 .fold(t.dtype, result_type_scalar);
             Ok(vec![TensorType::new(dtype, t.shape.clone())])
         }
-        (LogicalAnd, _) => {
+        (LogicalAnd | EqTensor | LtTensor | GtTensor, _) => {
             let mut out = binary(ins)?;
             out[0].dtype = DType::Bool;
             Ok(out)
+        }
+        (Maximum | Minimum, _) => binary(ins),
+        (Cumsum, &OpParams::Cumsum { dtype, .. }) => {
+            ins.count(1)?;
+            Ok(vec![TensorType::new(dtype, ins.input(0)?.shape.clone())])
         }
         (LogicalNot, _) => {
             ins.count(1)?;

@@ -193,6 +193,55 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             let param = TensorType::new(t.dtype, normalized_shape.clone());
             Ok(vec![t.clone(), param.clone(), param])
         }
+        (
+            NativeGroupNorm,
+            &OpParams::GroupNorm {
+                channels, groups, ..
+            },
+        ) => {
+            let t = ins.input(0)?;
+            require_float(t, "input")?;
+            for (i, what) in [(1, "weight"), (2, "bias")] {
+                if let Some(p) = ins.optional(i)
+                    && p.shape != [channels]
+                {
+                    return Err(format!("{what} {p} must be [{channels}]"));
+                }
+            }
+            let stats = TensorType::new(t.dtype, vec![t.shape[0], groups]);
+            Ok(vec![t.clone(), stats.clone(), stats])
+        }
+        (Flip, OpParams::Flip { .. }) => Ok(same(ins.input(0)?)),
+        (ConstantPadNd, OpParams::ConstantPad { before, after, .. }) => {
+            let t = ins.input(0)?;
+            let shape = t
+                .shape
+                .iter()
+                .zip(before.iter().zip(after))
+                .map(|(&n, (b, a))| (n as i64 + b + a) as u64)
+                .collect();
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (ReflectionPad2d, OpParams::ReflectionPad { output, .. }) => {
+            let t = ins.input(0)?;
+            let mut shape = t.shape.clone();
+            let rank = shape.len();
+            shape[rank - 2..].copy_from_slice(output);
+            Ok(vec![TensorType::new(t.dtype, shape)])
+        }
+        (ReflectionPad2dBackward, OpParams::ReflectionPad { output, .. }) => {
+            let (grad, t) = (ins.input(0)?, ins.input(1)?);
+            let mut shape = t.shape.clone();
+            let rank = shape.len();
+            shape[rank - 2..].copy_from_slice(output);
+            if grad.shape != shape || grad.dtype != t.dtype {
+                return Err(format!(
+                    "grad_output {grad} must be the padded {} of {t}",
+                    TensorType::new(t.dtype, shape)
+                ));
+            }
+            Ok(same(t))
+        }
         (MaxPool2dWithIndices | AvgPool2d, OpParams::Pool(pool)) => {
             let t = ins.input(0)?;
             let mut shape = t.shape.clone();
@@ -288,30 +337,28 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             }
             Ok(same(t))
         }
-        (IndexPut, &OpParams::IndexPut { count: n, .. }) => {
-            ins.count(n + 2)?;
+        (IndexTensor, OpParams::AdvancedIndex(index)) => Ok(vec![TensorType::new(
+            ins.input(0)?.dtype,
+            index.shape.clone(),
+        )]),
+        (
+            IndexPut,
+            OpParams::IndexPut {
+                count: n, index, ..
+            },
+        ) => {
             let t = ins.input(0)?;
-            let mut index_shape: Option<Vec<u64>> = None;
-            for i in 1..=n {
-                if let Some(index) = ins.optional(i) {
-                    if !(index.dtype.is_int() || index.dtype == DType::Bool) {
-                        return Err(format!(
-                            "index {} must be integer or bool, got {index}",
-                            i - 1
-                        ));
-                    }
-                    index_shape = Some(match index_shape {
-                        None => index.shape.clone(),
-                        Some(s) => broadcast(&s, &index.shape)?,
-                    });
-                }
-            }
-            if n > t.rank() {
-                return Err(format!("{n} indices for a tensor of rank {}", t.rank()));
-            }
             let values = ins.input(n + 1)?;
             if values.dtype != t.dtype {
                 return Err(format!("values {values} must have the dtype of {t}"));
+            }
+            if let Some(index) = index
+                && broadcast(&values.shape, &index.shape)? != index.shape
+            {
+                return Err(format!(
+                    "values {values} do not broadcast to the indexed shape {:?}",
+                    index.shape
+                ));
             }
             Ok(same(t))
         }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::geometry::{self, ConvAttrs, PoolAttrs};
+use super::indexing::advanced_index;
 use super::{GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
 use crate::error::{preview, preview_str};
 use crate::ir::{Attr, DType, TensorType};
@@ -345,6 +346,95 @@ fn layer_norm(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
     })
 }
 
+/// `constant_pad_nd`'s `pad` pairs (last dimension first) as per-dimension amounts.
+fn constant_pad(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
+    let pad = a.ints("pad")?;
+    if pad.len() % 2 != 0 || pad.len() / 2 > t.rank() {
+        return Err(format!(
+            "pad {pad:?} must hold (before, after) pairs for at most the {} dimensions of {t}",
+            t.rank()
+        ));
+    }
+    let rank = t.rank();
+    let (mut before, mut after) = (vec![0; rank], vec![0; rank]);
+    for (k, pair) in pad.chunks_exact(2).enumerate() {
+        let d = rank - 1 - k;
+        (before[d], after[d]) = (pair[0], pair[1]);
+        let size = t.shape[d] as i64 + pair[0] + pair[1];
+        if size < 0 {
+            return Err(format!(
+                "padding {pair:?} leaves dimension {d} of {t} with {size} elements"
+            ));
+        }
+    }
+    Ok(OpParams::ConstantPad {
+        before,
+        after,
+        value: a.scalar_opt("value")?.unwrap_or(Scalar::Int(0)),
+    })
+}
+
+/// `reflection_pad2d`'s (left, right, top, bottom) over the last two dimensions of `t`.
+fn reflection_pad(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
+    let rank = t.rank();
+    if rank != 3 && rank != 4 {
+        return Err(format!("input must be 3-d or 4-d, got {t}"));
+    }
+    let (h, w) = (t.shape[rank - 2], t.shape[rank - 1]);
+    if h == 0 || w == 0 {
+        return Err(format!("input {t} must have non-empty last two dimensions"));
+    }
+    let given = a.ints("padding")?;
+    let padding: [u64; 4] = given
+        .iter()
+        .map(|&p| nonneg(p, "padding"))
+        .collect::<Result<Vec<u64>>>()?
+        .try_into()
+        .map_err(|_| format!("padding must have 4 values, got {given:?}"))?;
+    let [left, right, top, bottom] = padding;
+    if left >= w || right >= w || top >= h || bottom >= h {
+        return Err(format!(
+            "padding {given:?} must be less than the dimensions it reflects ({h}, {w}) of {t}"
+        ));
+    }
+    Ok(OpParams::ReflectionPad {
+        padding,
+        planes: t.shape[..rank - 2].iter().product(),
+        input: [h, w],
+        output: [h + top + bottom, w + left + right],
+    })
+}
+
+/// `native_group_norm`'s N, C, HxW and group, checked against the input `t`.
+fn group_norm(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
+    let batch = nonneg(a.int("N")?, "N")?;
+    let channels = nonneg(a.int("C")?, "C")?;
+    let inner = nonneg(a.int("HxW")?, "HxW")?;
+    let groups = nonneg(a.int("group")?, "group")?;
+    if t.rank() < 2 || t.shape[0] != batch || t.shape[1] != channels {
+        return Err(format!(
+            "input {t} must be [N, C, ...] with N = {batch} and C = {channels}"
+        ));
+    }
+    if t.numel() != Some(batch * channels * inner) {
+        return Err(format!(
+            "input {t} must hold N * C * HxW = {batch} * {channels} * {inner} elements"
+        ));
+    }
+    if groups == 0 || !channels.is_multiple_of(groups) {
+        return Err(format!(
+            "{channels} channels do not split into {groups} groups"
+        ));
+    }
+    Ok(OpParams::GroupNorm {
+        batch,
+        channels,
+        inner,
+        groups,
+        eps: a.number_or("eps", 1e-5)?,
+    })
+}
+
 fn embedding(a: &Attrs<'_>, num_weights: u64) -> Result<OpParams> {
     let padding_idx = a.int_or("padding_idx", -1)?;
     Ok(OpParams::Embedding {
@@ -384,6 +474,11 @@ pub(crate) fn extract(
         | BitwiseAndTensor
         | BitwiseNot
         | WhereSelf
+        | EqTensor
+        | LtTensor
+        | GtTensor
+        | Maximum
+        | Minimum
         | Clone
         | Mm
         | Bmm
@@ -500,6 +595,19 @@ pub(crate) fn extract(
             OpParams::SoftmaxBackward {
                 dim: wrap_dim(a.int("dim")?, grad.rank())?,
                 input_dtype: a.dtype_opt("input_dtype")?.unwrap_or(grad.dtype),
+            }
+        }
+        Cumsum => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let default = if t.dtype.is_float() {
+                t.dtype
+            } else {
+                DType::I64
+            };
+            OpParams::Cumsum {
+                dim: wrap_dim(a.int("dim")?, t.rank())?.min(t.rank().saturating_sub(1)),
+                dtype: a.dtype_opt("dtype")?.unwrap_or(default),
             }
         }
         Addmm => OpParams::Addmm {
@@ -629,6 +737,46 @@ pub(crate) fn extract(
                 index: if index < 0 { index + n } else { index } as u64,
             }
         }
+        Flip => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let mut dims = wrap_dims(a.ints("dims")?, t.rank())?;
+            dims.retain(|&d| d < t.rank());
+            dims.sort_unstable();
+            OpParams::Flip { dims }
+        }
+        ConstantPadNd => {
+            ins.count(1)?;
+            constant_pad(a, ins.input(0)?)?
+        }
+        NativeGroupNorm => {
+            ins.count(3)?;
+            group_norm(a, ins.input(0)?)?
+        }
+        ReflectionPad2d => {
+            ins.count(1)?;
+            reflection_pad(a, ins.input(0)?)?
+        }
+        ReflectionPad2dBackward => {
+            ins.count(2)?;
+            reflection_pad(a, ins.input(1)?)?
+        }
+        IndexTensor => {
+            let count = a.list_len("indices")?;
+            ins.count(count + 1)?;
+            let t = ins.input(0)?;
+            let indices: Vec<_> = (1..=count).map(|i| ins.optional(i)).collect();
+            match advanced_index(t, &indices)? {
+                Some(index) => OpParams::AdvancedIndex(index),
+                None => {
+                    return Err(
+                        "bool (mask) indices are not supported: what a mask selects \
+                         depends on its values, so the result has no static shape"
+                            .into(),
+                    );
+                }
+            }
+        }
         NativeLayerNorm => {
             ins.count(3)?;
             layer_norm(a, ins.input(0)?)?
@@ -685,10 +833,17 @@ pub(crate) fn extract(
                 value: a.scalar("value")?,
             }
         }
-        IndexPut => OpParams::IndexPut {
-            count: a.list_len("indices")?,
-            accumulate: a.bool_or("accumulate", false)?,
-        },
+        IndexPut => {
+            let count = a.list_len("indices")?;
+            ins.count(count + 2)?;
+            let t = ins.input(0)?;
+            let indices: Vec<_> = (1..=count).map(|i| ins.optional(i)).collect();
+            OpParams::IndexPut {
+                count,
+                accumulate: a.bool_or("accumulate", false)?,
+                index: advanced_index(t, &indices)?,
+            }
+        }
         Full => {
             ins.count(0)?;
             let shape = a

@@ -72,12 +72,13 @@ impl ConvParams {
             && self.padding.iter().all(|&p| p == 0)
     }
 
-    /// For 2 spatial dimensions, `(k, l, direct)`: the unfolded input of one image and
-    /// group is `k x l` (`k = C_in/groups * kh * kw`, `l = oh * ow`) and `direct`
-    /// convolutions ([`ConvParams::is_pointwise`]) use the input as it is. `None` for other
-    /// ranks. What the planner's scratch and the CPU kernels agree on.
+    /// For 2 spatial dimensions, not transposed, `(k, l, direct)`: the unfolded input of
+    /// one image and group is `k x l` (`k = C_in/groups * kh * kw`, `l = oh * ow`) and
+    /// `direct` convolutions ([`ConvParams::is_pointwise`]) use the input as it is. `None`
+    /// for other ranks and for transposed convolutions (their kernels unfold nothing).
+    /// What the planner's scratch and the kernels agree on.
     pub fn unfold_2d(&self) -> Option<(u64, u64, bool)> {
-        if self.spatial_dims() != 2 {
+        if self.spatial_dims() != 2 || self.transposed {
             return None;
         }
         let k = self.in_per_group() * self.kernel[0] * self.kernel[1];

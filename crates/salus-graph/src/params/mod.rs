@@ -38,9 +38,11 @@
 
 mod extract;
 mod geometry;
+mod indexing;
 
 pub(crate) use extract::{Inputs, extract};
 pub use geometry::{ConvParams, PoolParams};
+pub use indexing::AdvancedIndex;
 
 use crate::ir::DType;
 
@@ -106,7 +108,8 @@ pub enum OpParams {
     /// Ops without attributes: `mul.Tensor`, `div.Tensor`, `neg`, `abs`, `sign`, `exp`,
     /// `log`, `sqrt`, `rsqrt`, `reciprocal`, `erf`, `relu`, `sigmoid`, `tanh`,
     /// `logical_and`, `logical_not`, `bitwise_and.Tensor`, `bitwise_not`, `where.self`,
-    /// `clone`, `mm`, `bmm`, `_adaptive_avg_pool2d_backward`.
+    /// `eq/lt/gt.Tensor`, `maximum`, `minimum`, `clone`, `mm`, `bmm`,
+    /// `_adaptive_avg_pool2d_backward`.
     None,
     /// `add.Tensor`, `sub.Tensor`: `self ± alpha * other`.
     Binary {
@@ -166,6 +169,13 @@ pub enum OpParams {
         dim: usize,
         /// `input_dtype` (default: grad_output's): the result's dtype.
         input_dtype: DType,
+    },
+    /// `cumsum`.
+    Cumsum {
+        /// `dim`, normalised (0 for a 0-dim input).
+        dim: usize,
+        /// `dtype` (default: i64 for integer and bool inputs, else the input's).
+        dtype: DType,
     },
     /// `addmm`: `beta * self + alpha * mat1 @ mat2`.
     Addmm {
@@ -232,6 +242,21 @@ pub enum OpParams {
         /// `index`, normalised (negative counts from the end) and in range.
         index: u64,
     },
+    /// `flip`.
+    Flip {
+        /// `dims`, normalised and sorted (none for a 0-dim input).
+        dims: Vec<usize>,
+    },
+    /// `constant_pad_nd`: per dimension of the input, elements added before and after
+    /// (negative: removed), from `pad`'s pairs (the last dimension first).
+    ConstantPad {
+        /// Elements added before each dimension's first (0 where `pad` says nothing).
+        before: Vec<i64>,
+        /// Elements added after each dimension's last.
+        after: Vec<i64>,
+        /// `value` (Scalar, default 0): what the added elements hold.
+        value: Scalar,
+    },
     /// `native_layer_norm`, `native_layer_norm_backward`.
     LayerNorm {
         /// `normalized_shape`: the input's last dimensions.
@@ -241,12 +266,39 @@ pub enum OpParams {
         /// `eps` (float, default 1e-5).
         eps: f64,
     },
+    /// `native_group_norm`: each image's channels in `groups` groups of
+    /// `channels / groups` channels, normalised over each group's elements.
+    GroupNorm {
+        /// `N`: the input's first dimension.
+        batch: u64,
+        /// `C`: its second.
+        channels: u64,
+        /// `HxW`: elements of one channel of one image (the product of the other dims).
+        inner: u64,
+        /// `group` (> 0, dividing C).
+        groups: u64,
+        /// `eps` (float).
+        eps: f64,
+    },
     /// `max_pool2d_with_indices(_backward)`, `avg_pool2d(_backward)`.
     Pool(PoolParams),
     /// `_adaptive_avg_pool2d`.
     AdaptivePool {
         /// `output_size` (one value for both, or two), each >= 0.
         output_size: [u64; 2],
+    },
+    /// `reflection_pad2d`, `reflection_pad2d_backward`: the last two dimensions padded by
+    /// their own reflection (the edge element not repeated).
+    ReflectionPad {
+        /// `padding`: (left, right, top, bottom), each >= 0 and less than the dimension it
+        /// reflects.
+        padding: [u64; 4],
+        /// Planes: the product of the input's leading dimensions.
+        planes: u64,
+        /// The input's last two dimensions.
+        input: [u64; 2],
+        /// The output's: `input + (top + bottom, left + right)`.
+        output: [u64; 2],
     },
     /// `embedding`, `embedding_dense_backward`.
     Embedding {
@@ -269,12 +321,17 @@ pub enum OpParams {
         /// `value` (Scalar).
         value: Scalar,
     },
+    /// `index.Tensor`: what the index tensors (inputs 1.. with absent entries) select.
+    AdvancedIndex(AdvancedIndex),
     /// `index_put`.
     IndexPut {
         /// `indices.len`: the index tensors are inputs 1..=count.
         count: usize,
         /// `accumulate` (default false).
         accumulate: bool,
+        /// What the indices select; `None` when one is a bool mask (devices refuse those:
+        /// what a mask selects depends on its values).
+        index: Option<AdvancedIndex>,
     },
     /// `full`, `full_like`, `scalar_tensor`.
     Fill {
