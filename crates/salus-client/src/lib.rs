@@ -202,7 +202,7 @@ impl Client {
     pub async fn open(&self, options: OpenOptions) -> Result<Session, Error> {
         let (tx, rx) = mpsc::channel::<pb::OpenRequest>(4);
         let item = |item| pb::OpenRequest { item: Some(item) };
-        let mut updates = self
+        let updates = self
             .sessions()
             .open(self.request(ReceiverStream::new(rx)))
             .await?
@@ -231,6 +231,35 @@ impl Client {
             )
             .await;
         }
+        self.lease(tx, updates).await
+    }
+
+    /// Takes back a session that salusd restored after a restart (`--state-dir`), with
+    /// the token `opened` gave; the stream becomes its lease again.
+    pub async fn reattach(&self, session: u64, token: Vec<u8>) -> Result<Session, Error> {
+        let (tx, rx) = mpsc::channel::<pb::OpenRequest>(1);
+        let updates = self
+            .sessions()
+            .open(self.request(ReceiverStream::new(rx)))
+            .await?
+            .into_inner();
+        let _ = tx
+            .send(pb::OpenRequest {
+                item: Some(pb::open_request::Item::Reattach(pb::Reattach {
+                    session,
+                    token,
+                })),
+            })
+            .await;
+        self.lease(tx, updates).await
+    }
+
+    /// The session an `Open` stream's `opened` names; the stream is its lease.
+    async fn lease(
+        &self,
+        tx: mpsc::Sender<pb::OpenRequest>,
+        mut updates: tonic::Streaming<pb::SessionUpdate>,
+    ) -> Result<Session, Error> {
         let opened = match updates.next().await {
             Some(Ok(pb::SessionUpdate {
                 update: Some(pb::session_update::Update::Opened(opened)),
@@ -249,6 +278,8 @@ impl Client {
             id: opened.session,
             persistent_bytes: opened.persistent_bytes,
             ephemeral_bytes: opened.ephemeral_bytes,
+            token: opened.token,
+            iterations: opened.iterations,
             client: self.clone(),
             lease: Some(tx),
             updates,
@@ -325,6 +356,10 @@ pub struct Session {
     pub persistent_bytes: u64,
     /// E, in bytes.
     pub ephemeral_bytes: u64,
+    /// The secret that reattaches it after a restart of salusd.
+    pub token: Vec<u8>,
+    /// Iterations it had done when `opened` came (0, or where a restored one resumes).
+    pub iterations: u64,
     client: Client,
     lease: Option<mpsc::Sender<pb::OpenRequest>>,
     updates: tonic::Streaming<pb::SessionUpdate>,

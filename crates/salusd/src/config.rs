@@ -79,6 +79,12 @@ pub struct Config {
     pub tls_cert: Option<PathBuf>,
     /// Its private key (PEM).
     pub tls_key: Option<PathBuf>,
+    /// Where sessions' snapshots are kept across restarts; `None`: nowhere.
+    pub state_dir: Option<PathBuf>,
+    /// How often running sessions are snapshotted besides at shutdown (zero: only then).
+    pub snapshot_every: Duration,
+    /// How long a session restored at start waits for its client to reattach.
+    pub reattach_timeout: Duration,
 }
 
 /// Default capacity of the cpu and sim devices.
@@ -90,6 +96,12 @@ pub const DEFAULT_MAX_SESSIONS_PER_USER: u64 = 64;
 
 /// Default of `--open-timeout`: time to upload tens of GB over a slow link.
 pub const DEFAULT_OPEN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Default of `--snapshot-every`.
+pub const DEFAULT_SNAPSHOT_EVERY: Duration = Duration::from_secs(300);
+
+/// Default of `--reattach-timeout`.
+pub const DEFAULT_REATTACH_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The shortest bearer token salusd accepts, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 16;
@@ -115,6 +127,9 @@ impl Config {
             insecure_tcp: false,
             tls_cert: None,
             tls_key: None,
+            state_dir: None,
+            snapshot_every: DEFAULT_SNAPSHOT_EVERY,
+            reattach_timeout: DEFAULT_REATTACH_TIMEOUT,
         }
     }
 }
@@ -153,6 +168,12 @@ pub struct FileConfig {
     pub tls_cert: Option<PathBuf>,
     /// `--tls-key`.
     pub tls_key: Option<PathBuf>,
+    /// `--state-dir`.
+    pub state_dir: Option<PathBuf>,
+    /// `--snapshot-every`.
+    pub snapshot_every: Option<String>,
+    /// `--reattach-timeout`.
+    pub reattach_timeout: Option<String>,
     /// `--log-format`.
     pub log_format: Option<String>,
 }

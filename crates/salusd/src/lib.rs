@@ -9,8 +9,10 @@
 pub mod auth;
 pub mod config;
 pub mod engine;
+pub mod keeper;
 pub mod metrics;
 pub mod service;
+pub mod state;
 
 use std::future::Future;
 use std::path::Path;
@@ -106,6 +108,32 @@ fn core_reserve(config: &Config, device: &dyn Device) -> u64 {
 /// a directory, a symbolic link), refuses when another daemon answers on it, replaces a
 /// stale socket, creates the directory, and makes the socket group-accessible (0660), not
 /// world-writable.
+/// Makes (or checks) the state directory: a directory only the daemon's user may enter,
+/// since snapshots hold every session's tensors and reattach tokens.
+fn state_dir(path: &Path) -> Result<(), DaemonError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let settings =
+        |what: String| DaemonError::Settings(format!("--state-dir {}: {what}", path.display()));
+    if !path.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+            .map_err(|e| settings(e.to_string()))?;
+    }
+    let meta = std::fs::symlink_metadata(path).map_err(|e| settings(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(settings("not a directory".into()));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(settings(format!(
+            "mode {:o}: others may read the sessions' tensors (make it 0700)",
+            meta.permissions().mode() & 0o777
+        )));
+    }
+    Ok(())
+}
+
 fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let failure = DaemonError::Failure;
@@ -308,6 +336,18 @@ pub async fn run_with(
         policy = %config.policy,
         "salusd ready"
     );
+    let keeper = match &config.state_dir {
+        Some(dir) => {
+            state_dir(dir)?;
+            keeper::restore(&engine, dir, config.reattach_timeout).await;
+            Some(tokio::spawn(keeper::keep(
+                engine.clone(),
+                dir.clone(),
+                config.snapshot_every,
+            )))
+        }
+        None => None,
+    };
     started(&Daemon {
         engine: engine.clone(),
     });
@@ -316,7 +356,14 @@ pub async fn run_with(
         reason = engine.device_failed() => Some(reason),
     };
     tracing::info!("shutting down: admitting nothing, finishing running iterations");
-    engine.shutdown().await;
+    if let Some(keeper) = keeper {
+        keeper.abort();
+    }
+    let kept = engine.shutdown(config.state_dir.is_some()).await;
+    if let Some(dir) = &config.state_dir {
+        tracing::info!(sessions = kept.len(), dir = %dir.display(), "sessions kept for the restart");
+        keeper::write(dir, kept).await;
+    }
     stop_tx.send_replace(true);
     for server in servers {
         match tokio::time::timeout(SHUTDOWN_GRACE, server).await {

@@ -72,6 +72,19 @@ struct Args {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "SALUS_TLS_KEY")]
     tls_key: Option<PathBuf>,
+    /// Keep sessions across restarts: each session's snapshot (persistent tensors,
+    /// programs, iterations done) is written here at shutdown and every --snapshot-every,
+    /// and sessions found here at start wait for their clients to reattach.
+    #[arg(long, env = "SALUS_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// How often to snapshot sessions besides at shutdown, e.g. 300s, 10m; 0 for only at
+    /// shutdown [default: 5m]. A SIGKILL loses at most the work since the last snapshot.
+    #[arg(long, env = "SALUS_SNAPSHOT_EVERY")]
+    snapshot_every: Option<String>,
+    /// How long a session restored at start waits for its client to reattach before it
+    /// is closed [default: 10m].
+    #[arg(long, env = "SALUS_REATTACH_TIMEOUT")]
+    reattach_timeout: Option<String>,
     /// Log format: human or json [default: human]. RUST_LOG filters (default info).
     #[arg(long, env = "SALUS_LOG_FORMAT")]
     log_format: Option<String>,
@@ -124,6 +137,15 @@ fn config(args: Args) -> Result<(Config, String), String> {
     if let Some(timeout) = args.open_timeout.or(file.open_timeout) {
         config.open_timeout =
             parse_duration(&timeout).map_err(|e| format!("--open-timeout: {e}"))?;
+    }
+    config.state_dir = args.state_dir.or(file.state_dir);
+    if let Some(every) = args.snapshot_every.or(file.snapshot_every) {
+        config.snapshot_every =
+            parse_duration(&every).map_err(|e| format!("--snapshot-every: {e}"))?;
+    }
+    if let Some(timeout) = args.reattach_timeout.or(file.reattach_timeout) {
+        config.reattach_timeout =
+            parse_duration(&timeout).map_err(|e| format!("--reattach-timeout: {e}"))?;
     }
     if let Some(policy) = args.policy.or(file.policy) {
         config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Job, eventually, free_address};
+use common::{Daemon, Job, eventually, floats, free_address};
 use salus_client::v1 as pb;
 use salus_client::{Client, OpenOptions};
 use tokio_stream::StreamExt;
@@ -861,4 +861,160 @@ async fn run_stream_stops_taking_requests_while_answers_are_unread() {
         responses.next().await.is_none(),
         "every request answered, then OK"
     );
+}
+
+/// With --state-dir, a SIGTERM keeps every session: the restarted daemon brings them
+/// back, the client reattaches with its token and goes on bit for bit; a wrong token, a
+/// stranger's reattach and a damaged snapshot are refused without harm to the rest.
+#[tokio::test]
+async fn sessions_survive_a_restart_and_their_clients_reattach() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = ["--device", "cpu", "--state-dir", state_arg.as_str()];
+    let job = Job::new("restart", 8, 4, 1, 3);
+    let (id, token, before) = {
+        let daemon = Daemon::start_at(&socket, &args);
+        let client = daemon.client().await;
+        let mut session = client.open(job.options()).await.unwrap();
+        assert_eq!(session.token.len(), 16);
+        assert_eq!(session.iterations, 0);
+        session.admitted().await.unwrap();
+        for i in 0..3 {
+            session.run(job.feeds(i)).await.unwrap();
+        }
+        let before = session.read(&[0]).await.unwrap().remove(0).1;
+        // A second session, closed by its client: nothing of it is kept.
+        let closed = client.open(job.options()).await.unwrap();
+        let closed_id = closed.id;
+        closed.close().await.unwrap();
+        daemon.signal("TERM");
+        let mut daemon = daemon;
+        assert!(daemon.child.wait().unwrap().success(), "{}", daemon.log());
+        let kept: Vec<_> = std::fs::read_dir(&state).unwrap().flatten().collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert!(!state.join(format!("session-{closed_id}.snap")).exists());
+        (session.id, session.token.clone(), before)
+    };
+    // Damage a copy of the snapshot under another name: it is set aside, not restored.
+    let bad = state.join("session-1.snap");
+    let mut bytes = std::fs::read(state.join(format!("session-{id}.snap"))).unwrap();
+    let last = bytes.len() - 20;
+    bytes[last] ^= 0xff;
+    std::fs::write(&bad, bytes).unwrap();
+
+    let daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    assert!(
+        state.join("session-1.rejected").exists(),
+        "{}",
+        daemon.log()
+    );
+    let wrong = client.reattach(id, vec![0; 16]).await;
+    assert!(
+        matches!(&wrong, Err(salus_client::Error::Status(s)) if s.code() == tonic::Code::PermissionDenied),
+        "{:?}",
+        wrong.map(|s| s.id)
+    );
+    let mut session = client.reattach(id, token.clone()).await.unwrap();
+    assert_eq!((session.id, session.iterations), (id, 3));
+    session.admitted().await.unwrap();
+    assert_eq!(session.read(&[0]).await.unwrap().remove(0).1, before);
+    // A second reattach while the first holds the lease is refused.
+    let twice = client.reattach(id, token).await;
+    assert!(
+        matches!(&twice, Err(salus_client::Error::Status(s)) if s.code() == tonic::Code::FailedPrecondition),
+        "{:?}",
+        twice.map(|s| s.id)
+    );
+    // It goes on exactly as a session that never stopped.
+    let mut losses = Vec::new();
+    for i in 3..5 {
+        let out = session.run(job.feeds(i)).await.unwrap();
+        losses.push(floats(&out.fetches[0])[0]);
+    }
+    let w = session.read(&[0]).await.unwrap().remove(0).1;
+    let (alone_losses, alone_w) = job.alone(5);
+    assert_eq!(losses, alone_losses[3..].to_vec());
+    assert_eq!(w, alone_w);
+}
+
+/// A restored session whose client never comes back is closed after --reattach-timeout.
+#[tokio::test]
+async fn a_restored_session_nobody_reattaches_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let job = Job::new("orphan", 8, 4, 1, 4);
+    {
+        let daemon = Daemon::start_at(&socket, &["--device", "cpu", "--state-dir", &state_arg]);
+        let client = daemon.client().await;
+        let session = client.open(job.options()).await.unwrap();
+        daemon.signal("TERM");
+        let mut daemon = daemon;
+        assert!(daemon.child.wait().unwrap().success());
+        drop(session);
+    }
+    let daemon = Daemon::start_at(
+        &socket,
+        &[
+            "--device",
+            "cpu",
+            "--state-dir",
+            &state_arg,
+            "--reattach-timeout",
+            "300ms",
+        ],
+    );
+    let client = daemon.client().await;
+    assert_eq!(client.list_sessions().await.unwrap().len(), 1);
+    eventually(&client, "the orphan closed", |sessions| sessions.is_empty()).await;
+    assert_eq!(
+        std::fs::read_dir(&state).unwrap().count(),
+        0,
+        "{}",
+        daemon.log()
+    );
+}
+
+/// With --snapshot-every, a SIGKILL loses at most the work since the last snapshot, and
+/// the reattached client learns exactly which iteration its session resumes from.
+#[tokio::test]
+async fn after_a_kill_a_session_resumes_from_its_last_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = [
+        "--device",
+        "cpu",
+        "--state-dir",
+        state_arg.as_str(),
+        "--snapshot-every",
+        "100ms",
+    ];
+    let job = Job::new("killed", 8, 4, 1, 5);
+    let (id, token) = {
+        let daemon = Daemon::start_at(&socket, &args);
+        let client = daemon.client().await;
+        let mut session = client.open(job.options()).await.unwrap();
+        session.admitted().await.unwrap();
+        for i in 0..3 {
+            session.run(job.feeds(i)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await; // a snapshot or more
+        session.run(job.feeds(3)).await.unwrap();
+        (session.id, session.token.clone())
+        // The daemon is killed here (SIGKILL), with no chance to snapshot again.
+    };
+    let daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    let session = client.reattach(id, token).await.unwrap();
+    let resumed = session.iterations;
+    assert!((3..=4).contains(&resumed), "resumed from {resumed}");
+    let w = session.read(&[0]).await.unwrap().remove(0).1;
+    let (_, alone_w) = job.alone(resumed);
+    assert_eq!(w, alone_w, "the state after exactly {resumed} iterations");
 }

@@ -69,6 +69,8 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
                 ..Hints::default()
             },
             updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
         })))
         .unwrap();
 
@@ -217,7 +219,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
         matches!(gone, Err(EngineError::UnknownSession(s)) if s == id),
         "{gone:?}"
     );
-    engine.shutdown().await;
+    engine.shutdown(false).await;
 }
 
 #[tokio::test]
@@ -240,6 +242,8 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
             kind: SessionKind::Training,
             hints: Hints::default(),
             updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
         })))
         .unwrap();
     assert!(matches!(
@@ -328,6 +332,8 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
             kind: SessionKind::Training,
             hints: Hints::default(),
             updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
         })))
         .unwrap();
     assert!(matches!(

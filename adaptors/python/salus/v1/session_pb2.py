@@ -15,15 +15,15 @@ _sym_db = _symbol_database.Default()
 from salus.v1 import graph_pb2 as salus_dot_v1_dot_graph__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16salus/v1/session.proto\x12\x08salus.v1\x1a\x14salus/v1/graph.proto\"`\n\x05Hints\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10total_iterations\x18\x03 \x01(\x04\x12\x1d\n\x15\x65xpected_iteration_ms\x18\x04 \x01(\x01\"r\n\x0bOpenSession\x12\x1e\n\x05graph\x18\x01 \x01(\x0b\x32\x0f.salus.v1.Graph\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.salus.v1.SessionKind\x12\x1e\n\x05hints\x18\x03 \x01(\x0b\x32\x0f.salus.v1.Hints\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x08\n\x06\x43ommit\"\x88\x01\n\x0bOpenRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.salus.v1.OpenSessionH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x10.salus.v1.CommitH\x00\x42\x06\n\x04item\"L\n\x06Opened\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x18\n\x10persistent_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x65phemeral_bytes\x18\x03 \x01(\x04\"\x18\n\x06Queued\x12\x0e\n\x06reason\x18\x01 \x01(\t\"=\n\x08\x41\x64mitted\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07resumed\x18\x03 \x01(\x08\"\x0b\n\tSuspended\"\xb3\x01\n\rSessionUpdate\x12\"\n\x06opened\x18\x01 \x01(\x0b\x32\x10.salus.v1.OpenedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.salus.v1.QueuedH\x00\x12&\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x12.salus.v1.AdmittedH\x00\x12(\n\tsuspended\x18\x04 \x01(\x0b\x32\x13.salus.v1.SuspendedH\x00\x42\x08\n\x06update\"\xca\x01\n\nRunRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0c\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x12%\n\x06writes\x18\x04 \x03(\x0b\x32\x15.salus.v1.TensorChunk\x12\x0f\n\x07program\x18\x05 \x01(\r\x12*\n\x0b\x66\x65\x65\x64_ranges\x18\x06 \x03(\x0b\x32\x15.salus.v1.BufferRange\x12+\n\x0c\x66\x65tch_ranges\x18\x07 \x03(\x0b\x32\x15.salus.v1.BufferRange\"-\n\x0b\x42ufferRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"4\n\x13\x41ttachBufferRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14\x41ttachBufferResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"D\n\x11\x41\x64\x64ProgramRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x1e\n\x05graph\x18\x02 \x01(\x0b\x32\x0f.salus.v1.Graph\">\n\x12\x41\x64\x64ProgramResponse\x12\x0f\n\x07program\x18\x01 \x01(\r\x12\x17\n\x0f\x65phemeral_bytes\x18\x02 \x01(\x04\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"s\n\x0bRunResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x02 \x03(\x0c\x12\x11\n\tdevice_us\x18\x03 \x01(\x04\x12\x0f\n\x07wait_us\x18\x04 \x01(\x04\x12\"\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x11.salus.v1.Failure\"6\n\x12ReadTensorsRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x03(\r\"X\n\x13WriteTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\x04H\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x42\x06\n\x04item\"/\n\x14WriteTensorsResponse\x12\x17\n\x0ftensors_written\x18\x01 \x01(\r\"\x1f\n\x0c\x43loseRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\"\x0f\n\rCloseResponse*b\n\x0bSessionKind\x12\x1c\n\x18SESSION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_KIND_TRAINING\x10\x01\x12\x1a\n\x16SESSION_KIND_INFERENCE\x10\x02\x32\xa1\x04\n\x08Sessions\x12:\n\x04Open\x12\x15.salus.v1.OpenRequest\x1a\x17.salus.v1.SessionUpdate(\x01\x30\x01\x12\x32\n\x03Run\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse\x12<\n\tRunStream\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse(\x01\x30\x01\x12\x44\n\x0bReadTensors\x12\x1c.salus.v1.ReadTensorsRequest\x1a\x15.salus.v1.TensorChunk0\x01\x12O\n\x0cWriteTensors\x12\x1d.salus.v1.WriteTensorsRequest\x1a\x1e.salus.v1.WriteTensorsResponse(\x01\x12\x38\n\x05\x43lose\x12\x16.salus.v1.CloseRequest\x1a\x17.salus.v1.CloseResponse\x12G\n\nAddProgram\x12\x1b.salus.v1.AddProgramRequest\x1a\x1c.salus.v1.AddProgramResponse\x12M\n\x0c\x41ttachBuffer\x12\x1d.salus.v1.AttachBufferRequest\x1a\x1e.salus.v1.AttachBufferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16salus/v1/session.proto\x12\x08salus.v1\x1a\x14salus/v1/graph.proto\"`\n\x05Hints\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x18\n\x10total_iterations\x18\x03 \x01(\x04\x12\x1d\n\x15\x65xpected_iteration_ms\x18\x04 \x01(\x01\"r\n\x0bOpenSession\x12\x1e\n\x05graph\x18\x01 \x01(\x0b\x32\x0f.salus.v1.Graph\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.salus.v1.SessionKind\x12\x1e\n\x05hints\x18\x03 \x01(\x0b\x32\x0f.salus.v1.Hints\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x08\n\x06\x43ommit\"*\n\x08Reattach\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\r\n\x05token\x18\x02 \x01(\x0c\"\xb0\x01\n\x0bOpenRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.salus.v1.OpenSessionH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x10.salus.v1.CommitH\x00\x12&\n\x08reattach\x18\x04 \x01(\x0b\x32\x12.salus.v1.ReattachH\x00\x42\x06\n\x04item\"o\n\x06Opened\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x18\n\x10persistent_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x65phemeral_bytes\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x12\n\niterations\x18\x05 \x01(\x04\"\xc0\x01\n\x0fSessionSnapshot\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x11\n\towner_uid\x18\x02 \x01(\r\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.salus.v1.SessionKind\x12\x1e\n\x05hints\x18\x04 \x01(\x0b\x32\x0f.salus.v1.Hints\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x12\n\niterations\x18\x06 \x01(\x04\x12!\n\x08programs\x18\x07 \x03(\x0b\x32\x0f.salus.v1.Graph\"\x18\n\x06Queued\x12\x0e\n\x06reason\x18\x01 \x01(\t\"=\n\x08\x41\x64mitted\x12\x0c\n\x04lane\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07resumed\x18\x03 \x01(\x08\"\x0b\n\tSuspended\"\xb3\x01\n\rSessionUpdate\x12\"\n\x06opened\x18\x01 \x01(\x0b\x32\x10.salus.v1.OpenedH\x00\x12\"\n\x06queued\x18\x02 \x01(\x0b\x32\x10.salus.v1.QueuedH\x00\x12&\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x12.salus.v1.AdmittedH\x00\x12(\n\tsuspended\x18\x04 \x01(\x0b\x32\x13.salus.v1.SuspendedH\x00\x42\x08\n\x06update\"\xca\x01\n\nRunRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0c\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x12%\n\x06writes\x18\x04 \x03(\x0b\x32\x15.salus.v1.TensorChunk\x12\x0f\n\x07program\x18\x05 \x01(\r\x12*\n\x0b\x66\x65\x65\x64_ranges\x18\x06 \x03(\x0b\x32\x15.salus.v1.BufferRange\x12+\n\x0c\x66\x65tch_ranges\x18\x07 \x03(\x0b\x32\x15.salus.v1.BufferRange\"-\n\x0b\x42ufferRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"4\n\x13\x41ttachBufferRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14\x41ttachBufferResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"D\n\x11\x41\x64\x64ProgramRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x1e\n\x05graph\x18\x02 \x01(\x0b\x32\x0f.salus.v1.Graph\">\n\x12\x41\x64\x64ProgramResponse\x12\x0f\n\x07program\x18\x01 \x01(\r\x12\x17\n\x0f\x65phemeral_bytes\x18\x02 \x01(\x04\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"s\n\x0bRunResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x02 \x03(\x0c\x12\x11\n\tdevice_us\x18\x03 \x01(\x04\x12\x0f\n\x07wait_us\x18\x04 \x01(\x04\x12\"\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x11.salus.v1.Failure\"6\n\x12ReadTensorsRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x03(\r\"X\n\x13WriteTensorsRequest\x12\x11\n\x07session\x18\x01 \x01(\x04H\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.salus.v1.TensorChunkH\x00\x42\x06\n\x04item\"/\n\x14WriteTensorsResponse\x12\x17\n\x0ftensors_written\x18\x01 \x01(\r\"\x1f\n\x0c\x43loseRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\"\x0f\n\rCloseResponse*b\n\x0bSessionKind\x12\x1c\n\x18SESSION_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15SESSION_KIND_TRAINING\x10\x01\x12\x1a\n\x16SESSION_KIND_INFERENCE\x10\x02\x32\xa1\x04\n\x08Sessions\x12:\n\x04Open\x12\x15.salus.v1.OpenRequest\x1a\x17.salus.v1.SessionUpdate(\x01\x30\x01\x12\x32\n\x03Run\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse\x12<\n\tRunStream\x12\x14.salus.v1.RunRequest\x1a\x15.salus.v1.RunResponse(\x01\x30\x01\x12\x44\n\x0bReadTensors\x12\x1c.salus.v1.ReadTensorsRequest\x1a\x15.salus.v1.TensorChunk0\x01\x12O\n\x0cWriteTensors\x12\x1d.salus.v1.WriteTensorsRequest\x1a\x1e.salus.v1.WriteTensorsResponse(\x01\x12\x38\n\x05\x43lose\x12\x16.salus.v1.CloseRequest\x1a\x17.salus.v1.CloseResponse\x12G\n\nAddProgram\x12\x1b.salus.v1.AddProgramRequest\x1a\x1c.salus.v1.AddProgramResponse\x12M\n\x0c\x41ttachBuffer\x12\x1d.salus.v1.AttachBufferRequest\x1a\x1e.salus.v1.AttachBufferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'salus.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONKIND']._serialized_start=1726
-  _globals['_SESSIONKIND']._serialized_end=1824
+  _globals['_SESSIONKIND']._serialized_start=2040
+  _globals['_SESSIONKIND']._serialized_end=2138
   _globals['_HINTS']._serialized_start=58
   _globals['_HINTS']._serialized_end=154
   _globals['_OPENSESSION']._serialized_start=156
@@ -32,44 +32,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORCHUNK']._serialized_end=331
   _globals['_COMMIT']._serialized_start=333
   _globals['_COMMIT']._serialized_end=341
-  _globals['_OPENREQUEST']._serialized_start=344
-  _globals['_OPENREQUEST']._serialized_end=480
-  _globals['_OPENED']._serialized_start=482
-  _globals['_OPENED']._serialized_end=558
-  _globals['_QUEUED']._serialized_start=560
-  _globals['_QUEUED']._serialized_end=584
-  _globals['_ADMITTED']._serialized_start=586
-  _globals['_ADMITTED']._serialized_end=647
-  _globals['_SUSPENDED']._serialized_start=649
-  _globals['_SUSPENDED']._serialized_end=660
-  _globals['_SESSIONUPDATE']._serialized_start=663
-  _globals['_SESSIONUPDATE']._serialized_end=842
-  _globals['_RUNREQUEST']._serialized_start=845
-  _globals['_RUNREQUEST']._serialized_end=1047
-  _globals['_BUFFERRANGE']._serialized_start=1049
-  _globals['_BUFFERRANGE']._serialized_end=1094
-  _globals['_ATTACHBUFFERREQUEST']._serialized_start=1096
-  _globals['_ATTACHBUFFERREQUEST']._serialized_end=1148
-  _globals['_ATTACHBUFFERRESPONSE']._serialized_start=1150
-  _globals['_ATTACHBUFFERRESPONSE']._serialized_end=1186
-  _globals['_ADDPROGRAMREQUEST']._serialized_start=1188
-  _globals['_ADDPROGRAMREQUEST']._serialized_end=1256
-  _globals['_ADDPROGRAMRESPONSE']._serialized_start=1258
-  _globals['_ADDPROGRAMRESPONSE']._serialized_end=1320
-  _globals['_FAILURE']._serialized_start=1322
-  _globals['_FAILURE']._serialized_end=1362
-  _globals['_RUNRESPONSE']._serialized_start=1364
-  _globals['_RUNRESPONSE']._serialized_end=1479
-  _globals['_READTENSORSREQUEST']._serialized_start=1481
-  _globals['_READTENSORSREQUEST']._serialized_end=1535
-  _globals['_WRITETENSORSREQUEST']._serialized_start=1537
-  _globals['_WRITETENSORSREQUEST']._serialized_end=1625
-  _globals['_WRITETENSORSRESPONSE']._serialized_start=1627
-  _globals['_WRITETENSORSRESPONSE']._serialized_end=1674
-  _globals['_CLOSEREQUEST']._serialized_start=1676
-  _globals['_CLOSEREQUEST']._serialized_end=1707
-  _globals['_CLOSERESPONSE']._serialized_start=1709
-  _globals['_CLOSERESPONSE']._serialized_end=1724
-  _globals['_SESSIONS']._serialized_start=1827
-  _globals['_SESSIONS']._serialized_end=2372
+  _globals['_REATTACH']._serialized_start=343
+  _globals['_REATTACH']._serialized_end=385
+  _globals['_OPENREQUEST']._serialized_start=388
+  _globals['_OPENREQUEST']._serialized_end=564
+  _globals['_OPENED']._serialized_start=566
+  _globals['_OPENED']._serialized_end=677
+  _globals['_SESSIONSNAPSHOT']._serialized_start=680
+  _globals['_SESSIONSNAPSHOT']._serialized_end=872
+  _globals['_QUEUED']._serialized_start=874
+  _globals['_QUEUED']._serialized_end=898
+  _globals['_ADMITTED']._serialized_start=900
+  _globals['_ADMITTED']._serialized_end=961
+  _globals['_SUSPENDED']._serialized_start=963
+  _globals['_SUSPENDED']._serialized_end=974
+  _globals['_SESSIONUPDATE']._serialized_start=977
+  _globals['_SESSIONUPDATE']._serialized_end=1156
+  _globals['_RUNREQUEST']._serialized_start=1159
+  _globals['_RUNREQUEST']._serialized_end=1361
+  _globals['_BUFFERRANGE']._serialized_start=1363
+  _globals['_BUFFERRANGE']._serialized_end=1408
+  _globals['_ATTACHBUFFERREQUEST']._serialized_start=1410
+  _globals['_ATTACHBUFFERREQUEST']._serialized_end=1462
+  _globals['_ATTACHBUFFERRESPONSE']._serialized_start=1464
+  _globals['_ATTACHBUFFERRESPONSE']._serialized_end=1500
+  _globals['_ADDPROGRAMREQUEST']._serialized_start=1502
+  _globals['_ADDPROGRAMREQUEST']._serialized_end=1570
+  _globals['_ADDPROGRAMRESPONSE']._serialized_start=1572
+  _globals['_ADDPROGRAMRESPONSE']._serialized_end=1634
+  _globals['_FAILURE']._serialized_start=1636
+  _globals['_FAILURE']._serialized_end=1676
+  _globals['_RUNRESPONSE']._serialized_start=1678
+  _globals['_RUNRESPONSE']._serialized_end=1793
+  _globals['_READTENSORSREQUEST']._serialized_start=1795
+  _globals['_READTENSORSREQUEST']._serialized_end=1849
+  _globals['_WRITETENSORSREQUEST']._serialized_start=1851
+  _globals['_WRITETENSORSREQUEST']._serialized_end=1939
+  _globals['_WRITETENSORSRESPONSE']._serialized_start=1941
+  _globals['_WRITETENSORSRESPONSE']._serialized_end=1988
+  _globals['_CLOSEREQUEST']._serialized_start=1990
+  _globals['_CLOSEREQUEST']._serialized_end=2021
+  _globals['_CLOSERESPONSE']._serialized_start=2023
+  _globals['_CLOSERESPONSE']._serialized_end=2038
+  _globals['_SESSIONS']._serialized_start=2141
+  _globals['_SESSIONS']._serialized_end=2686
 # @@protoc_insertion_point(module_scope)

@@ -53,25 +53,57 @@ class Commit(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Reattach(_message.Message):
+    __slots__ = ("session", "token")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    token: bytes
+    def __init__(self, session: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
 class OpenRequest(_message.Message):
-    __slots__ = ("open", "chunk", "commit")
+    __slots__ = ("open", "chunk", "commit", "reattach")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     chunk: TensorChunk
     commit: Commit
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+    reattach: Reattach
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., reattach: _Optional[_Union[Reattach, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session", "persistent_bytes", "ephemeral_bytes")
+    __slots__ = ("session", "persistent_bytes", "ephemeral_bytes", "token", "iterations")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     session: int
     persistent_bytes: int
     ephemeral_bytes: int
-    def __init__(self, session: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ...) -> None: ...
+    token: bytes
+    iterations: int
+    def __init__(self, session: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., iterations: _Optional[int] = ...) -> None: ...
+
+class SessionSnapshot(_message.Message):
+    __slots__ = ("session", "owner_uid", "kind", "hints", "token", "iterations", "programs")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    owner_uid: int
+    kind: SessionKind
+    hints: Hints
+    token: bytes
+    iterations: int
+    programs: _containers.RepeatedCompositeFieldContainer[_graph_pb2.Graph]
+    def __init__(self, session: _Optional[int] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., hints: _Optional[_Union[Hints, _Mapping]] = ..., token: _Optional[bytes] = ..., iterations: _Optional[int] = ..., programs: _Optional[_Iterable[_Union[_graph_pb2.Graph, _Mapping]]] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("reason",)

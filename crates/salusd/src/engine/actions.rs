@@ -158,6 +158,7 @@ impl State {
                         match d {
                             Deferred::Read(_, reply) => drop(reply.send(Err(closed))),
                             Deferred::Write(_, reply) => drop(reply.send(Err(closed))),
+                            Deferred::Snapshot(reply) => drop(reply.send(Err(closed))),
                         }
                     }
                     tracing::info!(session = session.0, "closed");
@@ -334,6 +335,9 @@ impl State {
                     }
                     Deferred::Write(tensors, reply) => {
                         let _ = reply.send(self.write(id, &tensors));
+                    }
+                    Deferred::Snapshot(reply) => {
+                        let _ = reply.send(self.snapshot(id));
                     }
                 }
             }

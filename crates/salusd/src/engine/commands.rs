@@ -17,6 +17,7 @@ use super::{
     Deferred, EngineError, Entry, HISTOGRAM_BOUNDS, HostImage, Pending, Place, SessionSlot, State,
 };
 use crate::auth::{Principal, Steering};
+use crate::state::Snapshot;
 
 /// Where the engine's answer to one command goes.
 pub type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
@@ -40,6 +41,18 @@ pub struct NewSession {
     pub hints: Hints,
     /// Where its updates go.
     pub updates: UpdateSink,
+    /// The secret that reattaches it after a restart.
+    pub token: [u8; 16],
+    /// Present when it comes back from a snapshot, waiting for its client.
+    pub restored: Option<Restored>,
+}
+
+/// What a session restored from a snapshot brings besides its first program and block.
+pub struct Restored {
+    /// The iterations it had done.
+    pub iterations: u64,
+    /// Its further programs, in their order.
+    pub programs: Vec<Program>,
 }
 
 /// Writes placed in the persistent block: (offset, bytes).
@@ -96,6 +109,28 @@ pub enum Command {
         /// Its number in the session.
         reply: Reply<u32>,
     },
+    /// A snapshot of a session, taken between its iterations.
+    Snapshot {
+        /// Which session.
+        session: u64,
+        /// Its state.
+        reply: Reply<Snapshot>,
+    },
+    /// A client takes back a session restored after a restart.
+    Reattach {
+        /// Who asks.
+        principal: Principal,
+        /// Which session.
+        session: u64,
+        /// The token `opened` gave.
+        token: Vec<u8>,
+        /// Where its updates go from now on.
+        updates: UpdateSink,
+        /// Done, or why not.
+        reply: Reply<()>,
+    },
+    /// Close a restored session if its client has not reattached.
+    ExpireOrphan(u64),
     /// Whether the principal may use the session (it exists, is theirs, is not closing).
     Owns {
         /// Who asks.
@@ -185,7 +220,12 @@ pub enum Command {
     },
     /// Shut down: drain, let running iterations finish, close every session. Answered
     /// once nothing runs.
-    Shutdown(oneshot::Sender<()>),
+    Shutdown {
+        /// Answered when every session is closed.
+        done: oneshot::Sender<()>,
+        /// Where every session's snapshot goes first, when they are kept.
+        keep: Option<oneshot::Sender<Vec<Snapshot>>>,
+    },
 }
 
 /// Byte range (offset, length) of a persistent tensor within its session's block, checking
@@ -251,6 +291,21 @@ impl State {
                 session,
                 reply,
             } => drop(reply.send(self.owned(principal, session).map(|_| ()))),
+            Command::Snapshot { session, reply } => {
+                match self.sessions.get_mut(&SessionId(session)) {
+                    None => drop(reply.send(Err(EngineError::UnknownSession(session)))),
+                    Some(entry) if entry.running => entry.deferred.push(Deferred::Snapshot(reply)),
+                    Some(_) => drop(reply.send(self.snapshot(SessionId(session)))),
+                }
+            }
+            Command::Reattach {
+                principal,
+                session,
+                token,
+                updates,
+                reply,
+            } => drop(reply.send(self.reattach(principal, session, &token, updates))),
+            Command::ExpireOrphan(session) => self.expire_orphan(session),
             Command::AddProgram {
                 principal,
                 session,
@@ -346,11 +401,12 @@ impl State {
                     .and_then(|()| self.set_draining(drain).map(|()| drain));
                 let _ = reply.send(result);
             }
-            Command::Shutdown(done) => {
+            Command::Shutdown { done, keep } => {
                 if let Err(error) = self.set_draining(true) {
                     tracing::error!(%error, "drain refused by the scheduler");
                 }
                 self.shutdown = Some(done);
+                self.keep = keep;
             }
         }
     }
@@ -407,7 +463,13 @@ impl State {
         let entry = Entry {
             owner: new.owner,
             _slot: new.slot,
-            programs: vec![Arc::new(new.program)],
+            token: new.token,
+            iterations_before: new.restored.as_ref().map_or(0, |r| r.iterations),
+            orphan: new.restored.is_some(),
+            programs: std::iter::once(new.program)
+                .chain(new.restored.into_iter().flat_map(|r| r.programs))
+                .map(Arc::new)
+                .collect(),
             hints: new.hints,
             image: Some(new.image),
             place: Place::Queued,
@@ -426,6 +488,8 @@ impl State {
             session: id,
             persistent_bytes: p,
             ephemeral_bytes: planned_e,
+            token: entry.token,
+            iterations: entry.iterations_before,
         });
         tracing::info!(session = id.0, name = %entry.hints.name, owner = entry.owner.uid, p, e, "opened");
         self.event(

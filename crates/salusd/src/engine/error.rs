@@ -137,6 +137,12 @@ pub enum EngineError {
         /// The offset given.
         offset: u64,
     },
+    /// A reattach with a token that is not the session's.
+    #[error("the token does not reattach session {0}")]
+    WrongToken(u64),
+    /// A reattach to a session whose client never went away.
+    #[error("session {0} has its client: only a session restored after a restart is reattached")]
+    Attached(u64),
     /// A program number the session does not have.
     #[error("session {session} has {count} program(s); there is no program {program}")]
     UnknownProgram {

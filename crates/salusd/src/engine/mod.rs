@@ -21,6 +21,7 @@ mod error;
 mod programs;
 mod quota;
 mod reports;
+mod restart;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -32,8 +33,9 @@ use salus_exec::{Device, Program};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
 use crate::auth::Principal;
+use crate::state::Snapshot;
 
-pub use commands::{Command, NewSession, Reply, RunResult, persistent_range};
+pub use commands::{Command, NewSession, Reply, Restored, RunResult, persistent_range};
 pub use error::EngineError;
 pub use quota::{HostBytes, HostImage, QuotaConfig, QuotaReport, Quotas, SessionSlot, UserUsage};
 pub use reports::{
@@ -77,10 +79,17 @@ struct Pending {
 enum Deferred {
     Read(Vec<u32>, Reply<Vec<(u32, Vec<u8>)>>),
     Write(Vec<(u32, Vec<u8>)>, Reply<u32>),
+    Snapshot(Reply<Snapshot>),
 }
 
 struct Entry {
     owner: Principal,
+    /// The secret that reattaches it after a restart.
+    token: [u8; 16],
+    /// Iterations done before this daemon started (restored from a snapshot).
+    iterations_before: u64,
+    /// Restored from a snapshot and not yet reattached by its client.
+    orphan: bool,
     /// Its place among its owner's sessions, given back when the entry goes.
     _slot: SessionSlot,
     /// Its programs: the one it opened with (which defines the persistent block and E),
@@ -158,6 +167,19 @@ pub struct EngineConfig {
     pub open_timeout: Duration,
 }
 
+/// A secret of 16 random bytes (a session's reattach token).
+fn random_token() -> [u8; 16] {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = [0u8; 16];
+    for (i, half) in out.chunks_exact_mut(8).enumerate() {
+        // std seeds every RandomState from the operating system's random source.
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_usize(i);
+        half.copy_from_slice(&hasher.finish().to_le_bytes());
+    }
+    out
+}
+
 /// The first session id of this engine: random, so that ids never repeat across restarts
 /// (a client holding an id from before cannot reach a new session that happens to get it)
 /// and below 2^53, so that they survive JSON readers that hold numbers as doubles.
@@ -212,6 +234,7 @@ impl Engine {
             open_timeout: config.open_timeout,
             lane_last_end: HashMap::new(),
             shutdown: None,
+            keep: None,
         };
         let running = tokio::spawn(state.run(rx));
         // A bug that panics the engine must not leave a daemon that answers UNAVAILABLE
@@ -262,6 +285,11 @@ impl Engine {
         self.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// A new session's reattach token: 16 random bytes.
+    pub fn new_token(&self) -> [u8; 16] {
+        random_token()
+    }
+
     /// Changes to true when the daemon starts shutting down.
     pub fn stopping(&self) -> watch::Receiver<bool> {
         self.stopping.subscribe()
@@ -308,11 +336,23 @@ impl Engine {
     }
 
     /// Shuts down: no admission, running iterations finish, every session is closed.
-    pub async fn shutdown(&self) {
+    /// With `keep`, returns each session's snapshot, taken once nothing runs, just before
+    /// the sessions close (for the state directory).
+    pub async fn shutdown(&self, keep: bool) -> Vec<Snapshot> {
         self.stopping.send_replace(true);
         let (done, wait) = oneshot::channel();
-        if self.send(Command::Shutdown(done)).is_ok() {
+        let (keep, kept) = if keep {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        if self.send(Command::Shutdown { done, keep }).is_ok() {
             let _ = wait.await;
+        }
+        match kept {
+            Some(kept) => kept.await.unwrap_or_default(),
+            None => Vec::new(),
         }
     }
 }
@@ -332,6 +372,8 @@ struct State {
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
+    /// Where the sessions' snapshots go at shutdown, when they are kept.
+    keep: Option<oneshot::Sender<Vec<Snapshot>>>,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
@@ -345,6 +387,9 @@ impl State {
             }
             self.drive();
             if self.shutdown.is_some() && self.sessions.values().all(|e| !e.running) {
+                if let Some(keep) = self.keep.take() {
+                    let _ = keep.send(self.snapshot_all());
+                }
                 let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
                 for id in ids {
                     self.close(id, "salusd is shutting down");

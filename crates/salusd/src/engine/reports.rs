@@ -21,6 +21,10 @@ pub enum SessionUpdate {
         persistent_bytes: u64,
         /// E, as planned.
         ephemeral_bytes: u64,
+        /// The secret that reattaches it after a restart.
+        token: [u8; 16],
+        /// Iterations it has done (more than 0 only when it comes back from a snapshot).
+        iterations: u64,
     },
     /// It waits for admission, for this reason.
     Queued {

@@ -57,7 +57,8 @@ pub fn code(error: &EngineError) -> Code {
     match error {
         EngineError::ShuttingDown => Code::Unavailable,
         EngineError::UnknownSession(_) => Code::NotFound,
-        EngineError::Denied(_) => Code::PermissionDenied,
+        EngineError::Denied(_) | EngineError::WrongToken(_) => Code::PermissionDenied,
+        EngineError::Attached(_) => Code::FailedPrecondition,
         EngineError::Closing(_) => Code::FailedPrecondition,
         EngineError::Feeds { .. }
         | EngineError::DuplicateTensor { .. }
@@ -128,10 +129,14 @@ fn session_update(update: SessionUpdate) -> pb::session_update::Update {
             session,
             persistent_bytes,
             ephemeral_bytes,
+            token,
+            iterations,
         } => Update::Opened(pb::Opened {
             session: session.0,
             persistent_bytes,
             ephemeral_bytes,
+            token: token.to_vec(),
+            iterations,
         }),
         SessionUpdate::Queued { reason } => Update::Queued(pb::Queued { reason }),
         SessionUpdate::Admitted {

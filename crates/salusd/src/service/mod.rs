@@ -22,7 +22,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
-use crate::engine::{Command, Engine};
+use crate::engine::{Command, Engine, NewSession};
 use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
 pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
@@ -120,8 +120,60 @@ impl Drop for Lease {
 
 type UpdateSender = mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>;
 
+/// What an `Open` stream brought: a new session, or a client back for a restored one.
+enum Received {
+    Session(Box<NewSession>),
+    Reattached(u64),
+}
+
+/// The first message of an `Open` stream.
+async fn first_message(
+    stream: &mut Streaming<pb::OpenRequest>,
+) -> Result<pb::open_request::Item, Status> {
+    stream
+        .next()
+        .await
+        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))?
+        .map_err(bounded)?
+        .item
+        .ok_or_else(|| Status::invalid_argument("an empty Open message"))
+}
+
+/// Reads an `Open` stream's session (or its `reattach`).
+async fn receive(
+    engine: &Engine,
+    owner: Principal,
+    stream: &mut Streaming<pb::OpenRequest>,
+    updates: UpdateSender,
+) -> Result<Received, Status> {
+    match first_message(stream).await? {
+        pb::open_request::Item::Open(open) => {
+            open::receive_session(engine, owner, open, stream, updates)
+                .await
+                .map(|session| Received::Session(Box::new(session)))
+        }
+        pb::open_request::Item::Reattach(reattach) => {
+            let sink = convert::update_sink(updates);
+            engine
+                .ask(|reply| Command::Reattach {
+                    principal: owner,
+                    session: reattach.session,
+                    token: reattach.token,
+                    updates: sink,
+                    reply,
+                })
+                .await?;
+            Ok(Received::Reattached(reattach.session))
+        }
+        _ => Err(Status::invalid_argument(
+            "the first Open message must be `open` or `reattach`",
+        )),
+    }
+}
+
 /// Receives a session from its `Open` stream (within `--open-timeout`), hands it to the
-/// engine, and holds its lease until the client ends its side or goes away.
+/// engine (or reattaches the client to a restored one), and holds its lease until the
+/// client ends its side or goes away.
 async fn hold_lease(
     engine: Engine,
     buffers: Buffers,
@@ -135,8 +187,8 @@ async fn hold_lease(
         let (engine, updates) = (engine.clone(), updates.clone());
         async move {
             let mut stream = stream;
-            let receive = open::receive_session(&engine, owner, &mut stream, updates);
-            (tokio::time::timeout(timeout, receive).await, stream)
+            let received = receive(&engine, owner, &mut stream, updates);
+            (tokio::time::timeout(timeout, received).await, stream)
         }
     });
     let (received, mut stream) = match receiving.await {
@@ -148,8 +200,16 @@ async fn hold_lease(
             return;
         }
     };
-    let session = match received {
-        Ok(Ok(session)) => session,
+    let id = match received {
+        Ok(Ok(Received::Session(session))) => {
+            let id = session.id;
+            if let Err(error) = engine.send(Command::Open(session)) {
+                let _ = updates.send(Err(error.into()));
+                return;
+            }
+            id
+        }
+        Ok(Ok(Received::Reattached(id))) => id,
         Ok(Err(status)) => {
             tracing::info!(%status, "open refused");
             let _ = updates.send(Err(status));
@@ -164,11 +224,6 @@ async fn hold_lease(
             return;
         }
     };
-    let id = session.id;
-    if let Err(error) = engine.send(Command::Open(Box::new(session))) {
-        let _ = updates.send(Err(error.into()));
-        return;
-    }
     // The engine holds the session's update sender from here on: the stream ends when the
     // session is closed.
     drop(updates);

@@ -139,23 +139,15 @@ impl Assembly {
     }
 }
 
-/// Reads the `Open` stream up to `commit`; returns the session to hand to the engine.
+/// Reads the rest of an `Open` stream whose first message was `open`, up to `commit`;
+/// returns the session to hand to the engine.
 pub(super) async fn receive_session(
     engine: &Engine,
     owner: Principal,
+    open: pb::OpenSession,
     stream: &mut Streaming<pb::OpenRequest>,
     updates: mpsc::UnboundedSender<Result<pb::SessionUpdate, Status>>,
 ) -> Result<NewSession, Status> {
-    let first = stream
-        .next()
-        .await
-        .ok_or_else(|| Status::invalid_argument("the Open stream ended before `open`"))?
-        .map_err(bounded)?;
-    let Some(pb::open_request::Item::Open(open)) = first.item else {
-        return Err(Status::invalid_argument(
-            "the first Open message must be `open`",
-        ));
-    };
     let graph_message = open
         .graph
         .ok_or_else(|| Status::invalid_argument("`open` has no graph"))?;
@@ -197,8 +189,10 @@ pub(super) async fn receive_session(
                 image[at..at + chunk.data.len()].copy_from_slice(&chunk.data);
             }
             Some(pb::open_request::Item::Commit(_)) => break,
-            Some(pb::open_request::Item::Open(_)) => {
-                return Err(Status::invalid_argument("`open` sent twice"));
+            Some(pb::open_request::Item::Open(_) | pb::open_request::Item::Reattach(_)) => {
+                return Err(Status::invalid_argument(
+                    "`open` or `reattach` after `open`",
+                ));
             }
             None => return Err(Status::invalid_argument("an empty Open message")),
         }
@@ -214,5 +208,7 @@ pub(super) async fn receive_session(
         kind,
         hints,
         updates: update_sink(updates),
+        token: engine.new_token(),
+        restored: None,
     })
 }

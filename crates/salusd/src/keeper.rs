@@ -1,0 +1,159 @@
+//! Keeping sessions across restarts (`--state-dir`): restoring the snapshots found at
+//! start as sessions that wait for their clients to reattach, taking snapshots while the
+//! daemon runs, and forgetting those of sessions that close.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::auth::Principal;
+use crate::engine::{Command, Engine, EventKind, HostImage, NewSession, Restored};
+use crate::state::{self, Snapshot};
+
+/// Brings back every session snapshotted in `dir`; a session nobody reattaches to within
+/// `reattach_timeout` is closed. Returns how many came back.
+pub async fn restore(engine: &Engine, dir: &Path, reattach_timeout: Duration) -> usize {
+    let found = {
+        let dir = dir.to_path_buf();
+        tokio::task::spawn_blocking(move || state::read_all(&dir))
+            .await
+            .unwrap_or_default()
+    };
+    let mut restored = 0;
+    for snapshot in found {
+        let id = snapshot.id;
+        match bring_back(engine, snapshot) {
+            Ok(session) => {
+                if engine.send(Command::Open(Box::new(session))).is_err() {
+                    break;
+                }
+                restored += 1;
+                let engine = engine.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(reattach_timeout).await;
+                    let _ = engine.send(Command::ExpireOrphan(id));
+                });
+            }
+            Err(why) => {
+                tracing::error!(session = id, %why, "session snapshot not restored");
+                state::set_aside(dir, id);
+            }
+        }
+    }
+    if restored > 0 {
+        tracing::info!(
+            restored,
+            ?reattach_timeout,
+            "sessions restored; waiting for their clients"
+        );
+    }
+    restored
+}
+
+/// A snapshot as a session for the engine: its programs planned again for this device,
+/// its block held in host memory until it is admitted.
+fn bring_back(engine: &Engine, snapshot: Snapshot) -> Result<NewSession, String> {
+    let owner = Principal {
+        uid: snapshot.owner,
+    };
+    let mut programs = snapshot
+        .programs
+        .into_iter()
+        .map(|graph| {
+            engine
+                .plan(graph)
+                .map_err(|e| format!("planning a program: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let first = programs.remove(0);
+    let p = first.plan().persistent_bytes;
+    if snapshot.block.len() as u64 != p {
+        return Err(format!(
+            "its block has {} bytes; its program plans {p} on this device",
+            snapshot.block.len()
+        ));
+    }
+    let mut slot = engine
+        .quotas()
+        .open_session(owner)
+        .map_err(|e| e.to_string())?;
+    slot.committed();
+    let held = engine
+        .quotas()
+        .reserve(owner, p)
+        .map_err(|e| e.to_string())?;
+    Ok(NewSession {
+        id: snapshot.id,
+        owner,
+        program: first.with_expected_iteration(snapshot.hints.expected_iteration),
+        image: HostImage {
+            bytes: snapshot.block,
+            held,
+        },
+        slot,
+        kind: snapshot.kind,
+        hints: snapshot.hints,
+        // Nobody listens until its client reattaches.
+        updates: Box::new(|_| {}),
+        token: snapshot.token,
+        restored: Some(Restored {
+            iterations: snapshot.iterations,
+            programs,
+        }),
+    })
+}
+
+/// Keeps `dir` up to date while the daemon runs: a snapshot of every session each
+/// `every` (never, if zero), and a closed session's snapshot removed at once.
+pub async fn keep(engine: Engine, dir: PathBuf, every: Duration) {
+    let mut events = engine.subscribe();
+    let mut ticks = (!every.is_zero()).then(|| {
+        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval
+    });
+    loop {
+        tokio::select! {
+            event = events.recv() => match event {
+                Ok(event) if event.kind == EventKind::Closed => {
+                    if let Some(session) = event.session {
+                        state::remove(&dir, session.0);
+                    }
+                }
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            },
+            _ = async { ticks.as_mut().expect("only polled when set").tick().await },
+                if ticks.is_some() => snapshot_all(&engine, &dir).await,
+        }
+    }
+}
+
+/// Snapshots every session now (each between two of its iterations).
+pub async fn snapshot_all(engine: &Engine, dir: &Path) {
+    let Ok(sessions) = engine.ask(Command::Sessions).await else {
+        return;
+    };
+    for report in sessions {
+        let session = report.id.0;
+        let Ok(snapshot) = engine
+            .ask(|reply| Command::Snapshot { session, reply })
+            .await
+        else {
+            continue;
+        };
+        write(dir, vec![snapshot]).await;
+    }
+}
+
+/// Writes snapshots into `dir`, off the async workers.
+pub async fn write(dir: &Path, snapshots: Vec<Snapshot>) {
+    let dir = dir.to_path_buf();
+    let _ = tokio::task::spawn_blocking(move || {
+        for snapshot in snapshots {
+            if let Err(error) = state::write(&dir, &snapshot) {
+                tracing::error!(session = snapshot.id, %error, "writing a session snapshot");
+            }
+        }
+    })
+    .await;
+}
