@@ -17,8 +17,8 @@ stubs do not accept).
 """
 
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
-                     LoweringError, SalusError, SessionClosedError, TraceError,
-                     UnsupportedOpError, UnsupportedOptimizerError)
+                     LoweringError, SalusError, SessionClosedError, SessionResumedError,
+                     TraceError, UnsupportedOpError, UnsupportedOptimizerError)
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 
@@ -30,15 +30,16 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "GradientRecipe",
     "AdmissionTimeoutError",
     "BatchError",
     "Client",
     "DaemonError",
     "DaemonUnavailableError",
+    "GradientRecipe",
     "LoweringError",
     "SalusError",
     "SessionClosedError",
+    "SessionResumedError",
     "TraceError",
     "TracedStep",
     "UnsupportedOpError",

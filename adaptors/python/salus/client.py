@@ -284,8 +284,17 @@ class Client:
         hints = session_pb2.Hints(name=name, priority=priority,
                                   total_iterations=total_iterations,
                                   expected_iteration_ms=expected_iteration_ms)
-        return Session(self, session_pb2.OpenSession(graph=graph, kind=KINDS[kind],
-                                                     hints=hints), initial)
+        first = session_pb2.OpenRequest(open=session_pb2.OpenSession(
+            graph=graph, kind=KINDS[kind], hints=hints))
+        return Session(self, first, initial, f"open a session{f' ({name})' if name else ''}")
+
+    def reattach(self, session: int, token: bytes) -> "Session":
+        """Takes back a session that salusd restored after a restart (``--state-dir``),
+        with the ``token`` its ``opened`` gave; ``iterations`` of the result says which
+        iteration it resumes from."""
+        first = session_pb2.OpenRequest(reattach=session_pb2.Reattach(session=session,
+                                                                      token=token))
+        return Session(self, first, (), f"reattach session {session}")
 
     # -- admin --------------------------------------------------------------------------
 
@@ -331,19 +340,23 @@ OPENING, QUEUED, ADMITTED, SUSPENDED, CLOSED = ("opening", "queued", "admitted",
 class Session:
     """An open session and its lease (the ``Open`` stream); see :meth:`Client.open`.
 
-    ``id``, ``persistent_bytes`` (P) and ``ephemeral_bytes`` (E) come from ``opened``.
+    ``id``, ``persistent_bytes`` (P), ``ephemeral_bytes`` (E), ``token`` (what reattaches
+    it after a restart of salusd) and ``iterations`` (done when ``opened`` came: 0, or where
+    a restored session resumes) come from ``opened``.
     ``state`` is ``"queued"``, ``"admitted"``, ``"suspended"`` or ``"closed"``;
     ``reason`` is the daemon's last word on why it waits. Closing (or leaving the ``with``
     block) ends the lease and the daemon frees the session's memory; so does the end of
     the process.
     """
 
-    def __init__(self, client: Client, open_message: session_pb2.OpenSession,
-                 initial: Iterable[tuple[int, bytes]]):
+    def __init__(self, client: Client, first: session_pb2.OpenRequest,
+                 initial: Iterable[tuple[int, bytes]], what: str):
         self.client = client
         self.id: int | None = None
         self.persistent_bytes = 0
         self.ephemeral_bytes = 0
+        self.token = b""
+        self.iterations = 0
         self.state = OPENING
         self.reason = ""
         self.lane: int | None = None
@@ -353,9 +366,8 @@ class Session:
         self._stream: tuple[queue.SimpleQueue, grpc.Future] | None = None
         self._release = threading.Event()
         self._changed = threading.Condition()
-        name = open_message.hints.name
-        self._what = f"open a session{f' ({name})' if name else ''}"
-        self._call = client.sessions_stub.Open(self._requests(open_message, initial),
+        self._what = what
+        self._call = client.sessions_stub.Open(self._requests(first, initial),
                                                metadata=client.metadata)
         self._reader = threading.Thread(target=self._read_updates, daemon=True,
                                         name="salus-session-lease")
@@ -370,14 +382,15 @@ class Session:
 
     # -- the lease ----------------------------------------------------------------------
 
-    def _requests(self, open_message, initial) -> Iterator[session_pb2.OpenRequest]:
-        yield session_pb2.OpenRequest(open=open_message)
-        for tensor, data in initial:
-            for chunk in chunks(tensor, data):
-                if self._release.is_set():
-                    return
-                yield session_pb2.OpenRequest(chunk=chunk)
-        yield session_pb2.OpenRequest(commit=session_pb2.Commit())
+    def _requests(self, first, initial) -> Iterator[session_pb2.OpenRequest]:
+        yield first
+        if first.HasField("open"):
+            for tensor, data in initial:
+                for chunk in chunks(tensor, data):
+                    if self._release.is_set():
+                        return
+                    yield session_pb2.OpenRequest(chunk=chunk)
+            yield session_pb2.OpenRequest(commit=session_pb2.Commit())
         # The request side stays open while the session is held: ending it ends the lease.
         self._release.wait()
 
@@ -403,6 +416,8 @@ class Session:
                 self.id = update.opened.session
                 self.persistent_bytes = update.opened.persistent_bytes
                 self.ephemeral_bytes = update.opened.ephemeral_bytes
+                self.token = update.opened.token
+                self.iterations = update.opened.iterations
                 self.state = QUEUED
             elif which == "queued":
                 self.state, self.reason = QUEUED, update.queued.reason

@@ -113,3 +113,14 @@ class AdmissionTimeoutError(DaemonError):
 
 class BatchError(SalusError, ValueError):
     """A batch does not match the traced example: count, shape or dtype of a tensor."""
+
+
+class SessionResumedError(SalusError):
+    """salusd restarted and the session came back from a snapshot older than the client's
+    last step (a daemon killed between snapshots), or pipelined iterations were lost with
+    the daemon: the session is usable and holds the state after iteration
+    ``resumed_from``; the iterations after it must be run again."""
+
+    def __init__(self, message: str, *, resumed_from: int):
+        super().__init__(message)
+        self.resumed_from = resumed_from

@@ -28,6 +28,7 @@ change to ``lr``, ``momentum``, ``betas``...) takes effect at the next step. Eve
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,12 +38,13 @@ import torch.utils._pytree as pytree
 
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
-                     SalusError, SessionClosedError)
+                     SalusError, SessionClosedError, SessionResumedError)
 from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
-           "InferenceSession", "SalusError", "SessionClosedError", "TrainSession",
+           "InferenceSession", "SalusError", "SessionClosedError", "SessionResumedError",
+           "TrainSession",
            "tensor_bytes", "tensor_from_bytes"]
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ class _SalusSession:
     def _open(self, traced: TracedStep, *, client: Client | None, address: str | None,
               name: str, priority: int, total_iterations: int, expected_iteration_ms: float,
               admission_timeout: float | None, started: float,
-              feed_buffer: bool | None = None) -> None:
+              feed_buffer: bool | None = None, reattach_timeout: float = 60.0) -> None:
         self.traced = traced
+        self.reattach_timeout = reattach_timeout
         self._slots: Slots | None = None
         self.graph = traced.to_graph()
         self.trace_ms = (time.perf_counter() - started) * 1e3
@@ -104,6 +107,47 @@ class _SalusSession:
             raise
         # Trace, lower and upload: what opening cost this process.
         self.open_ms = (time.perf_counter() - started) * 1e3
+
+    # -- surviving a restart of salusd ----------------------------------------------------
+
+    def _resumed(self, error: BaseException) -> bool:
+        """After an iteration failed because salusd went away (or closed the session as
+        it shut down): waits up to ``reattach_timeout`` seconds for salusd to come back
+        with the session (``salusd --state-dir``) and takes it back. True when it resumes
+        where this client left it (the failed iteration did not run: run it again);
+        raises :class:`SessionResumedError` when it resumes from an earlier snapshot;
+        False when there is nothing to take back (re-raise ``error``)."""
+        session = self.session
+        if (self.reattach_timeout <= 0 or session is None or not session.token
+                or session._closing
+                or not isinstance(error, (SessionClosedError, DaemonUnavailableError))):
+            return False
+        deadline = time.monotonic() + self.reattach_timeout
+        while True:
+            try:
+                taken = self.client.reattach(session.id, session.token)
+                break
+            except DaemonError as e:
+                if e.code not in ("UNAVAILABLE", "NOT_FOUND") or time.monotonic() > deadline:
+                    error.args = (f"{error.args[0] if error.args else error} (salusd did not "
+                                  f"give session {session.id} back within "
+                                  f"{self.reattach_timeout:g} s; it keeps sessions across "
+                                  "restarts only with --state-dir)",)
+                    return False
+                time.sleep(0.2)
+        with contextlib.suppress(SalusError):
+            session.close()
+        self.session = taken
+        self._slots = None  # a feed buffer is attached anew
+        self._state_written()
+        if taken.iterations == self.iterations:
+            return True
+        ran, self.iterations = self.iterations, taken.iterations
+        raise SessionResumedError(
+            f"salusd restarted and session {taken.id} resumes from its snapshot after "
+            f"iteration {taken.iterations}; this client had run {ran}: iterations "
+            f"{taken.iterations + 1}..{ran} are lost and must be run again",
+            resumed_from=taken.iterations)
 
     # -- programs -----------------------------------------------------------------------
 
@@ -308,6 +352,12 @@ class TrainSession(_SalusSession):
     out) instead of the gRPC byte stream; by default on salusd's Unix socket for batches
     of at least ``FEED_BUFFER_BYTES``.
 
+    When salusd goes away under the session (a restart), a step waits up to
+    ``reattach_timeout`` seconds (0: not at all) for it to come back with the session
+    (``salusd --state-dir``), takes it back and runs the step there; if the daemon's
+    snapshot is older than the last step, :class:`SessionResumedError` says which
+    iteration the session resumes from.
+
     ``open_ms`` is what opening cost (trace, lower, upload); ``trace_ms`` the part spent
     tracing and lowering.
     """
@@ -323,7 +373,8 @@ class TrainSession(_SalusSession):
                  address: str | None = None, client: Client | None = None,
                  name: str = "", priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
-                 tracing_mode: str = "real", feed_buffer: bool | None = None):
+                 tracing_mode: str = "real", feed_buffer: bool | None = None,
+                 reattach_timeout: float = 60.0):
         started = time.perf_counter()
         self.model = model
         self.optimizer = optimizer
@@ -337,7 +388,7 @@ class TrainSession(_SalusSession):
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,
-                   feed_buffer=feed_buffer)
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout)
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -349,8 +400,10 @@ class TrainSession(_SalusSession):
         iteration, answer = self._iteration(batch, "step()")
         try:
             response = self._session().run(iteration)
-        except BaseException:
+        except BaseException as error:
             self.traced.rule.resend()
+            if self._resumed(error):
+                return self.step(*batch)  # the iteration did not run: on the session back
             raise
         return self._stepped(response, answer)
 
@@ -397,8 +450,14 @@ class TrainSession(_SalusSession):
         try:
             for response in self._session().run_pipelined(iterations(), depth):
                 yield self._stepped(response, answers.popleft())
-        except BaseException:
+        except BaseException as error:
             self.traced.rule.resend()
+            if self._resumed(error):
+                raise SessionResumedError(
+                    f"salusd restarted; session {self.id} resumes after iteration "
+                    f"{self.iterations}, the last one this loop received; the batches "
+                    "submitted after it did not run: call steps() again with them",
+                    resumed_from=self.iterations) from error
             raise
 
     def update_model(self, model: torch.nn.Module | None = None, *,
@@ -443,7 +502,7 @@ class InferenceSession(_SalusSession):
                  priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
                  eval_mode: bool = True, tracing_mode: str = "real",
-                 feed_buffer: bool | None = None):
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0):
         started = time.perf_counter()
         self.model = model
         self._eval_mode, self._tracing_mode = eval_mode, tracing_mode
@@ -454,7 +513,7 @@ class InferenceSession(_SalusSession):
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,
-                   feed_buffer=feed_buffer)
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout)
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_inference(self.model, batch, eval_mode=self._eval_mode,
@@ -468,7 +527,12 @@ class InferenceSession(_SalusSession):
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
         iteration, answer = self._submission(program, leaves, what)
-        response = self._session().run(iteration)
+        try:
+            response = self._session().run(iteration)
+        except BaseException as error:
+            if self._resumed(error):
+                return self(*inputs)
+            raise
         self.iterations += 1
         return pytree.tree_unflatten(self._outputs(response, answer),
                                      program.traced.output_spec)

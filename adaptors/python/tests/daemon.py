@@ -36,16 +36,18 @@ def binaries() -> tuple[Path, Path]:
 
 
 class Daemon:
-    """``salusd --socket <tmp> *args`` (``--memory 256MiB`` unless given); stopped
-    (SIGKILL) by :meth:`stop` or on exit of a ``with`` block."""
+    """``salusd --socket <tmp> *args`` (``--memory 256MiB`` unless given; ``socket``: at
+    that path instead); stopped (SIGKILL) by :meth:`stop` or on exit of a ``with``
+    block."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 socket: str | None = None):
         salusd, self.salusctl = binaries()
         if "--memory" not in args:
             # Small daemons: the tests need little memory.
             args = (*args, "--memory", "256MiB")
         self.dir = tempfile.TemporaryDirectory(prefix="salusd-")
-        self.socket = str(Path(self.dir.name) / "salusd.sock")
+        self.socket = socket or str(Path(self.dir.name) / "salusd.sock")
         self.log_path = Path(self.dir.name) / "salusd.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(

@@ -153,7 +153,7 @@ def test_no_daemon_at_the_address(tmp_path):
 def test_a_daemon_that_stops_under_a_session():
     daemon = Daemon("--policy", "pack")
     with daemon:
-        session = _mlp_session(daemon.address)
+        session = _mlp_session(daemon.address, reattach_timeout=0)
         session.step(*SPEC.batch(0))
         daemon.process.send_signal(signal.SIGTERM)  # salusd closes its sessions, then exits
         for _ in range(200):
@@ -165,10 +165,11 @@ def test_a_daemon_that_stops_under_a_session():
         assert "salusd closed the session (it is shutting down" in str(info.value)
         session.close()  # nothing left to close: not an error; the connection ends
         assert daemon.process.wait(10) == 0
-    # Killed outright, mid-session.
+    # Killed outright, mid-session; it does not come back within the second the session
+    # waits for it.
     daemon = Daemon("--policy", "pack")
     with daemon:
-        session = _mlp_session(daemon.address)
+        session = _mlp_session(daemon.address, reattach_timeout=1)
         daemon.stop()
         with pytest.raises((SessionClosedError, DaemonUnavailableError)) as info:
             session.step(*SPEC.batch(1))
