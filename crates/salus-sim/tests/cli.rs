@@ -99,7 +99,10 @@ fn fluid_json_has_the_documented_shape() {
     for algorithm in ["grid", "hyperband", "sync_bohb", "asha", "bohb", "pbt"] {
         for system in ["fifo", "pack", "static_fluid", "fluid"] {
             let a = &v["algorithms"][algorithm];
-            assert!(a["makespan_s"][system].as_f64().unwrap() > 0.0, "{algorithm} {system}");
+            assert!(
+                a["makespan_s"][system].as_f64().unwrap() > 0.0,
+                "{algorithm} {system}"
+            );
             let u = a["utilization"][system].as_f64().unwrap();
             assert!((0.0..=1.0).contains(&u), "{algorithm} {system}: {u}");
         }
