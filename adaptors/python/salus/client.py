@@ -314,6 +314,12 @@ class Client:
                          self.admin_stub.SetPolicy,
                          admin_pb2.SetPolicyRequest(policy=policy or "")).policy
 
+    def watch(self) -> "EventWatch":
+        """The daemon's events from now on (sessions opened, admitted, iterations started and
+        finished, closed, policy changes): iterate it; :meth:`EventWatch.cancel` ends it."""
+        return EventWatch(self.call("watch events", self.admin_stub.Watch,
+                                    admin_pb2.WatchRequest()), str(self.address))
+
     def drain(self, drain: bool = True) -> bool:
         """Stops (``True``) or resumes admission; returns whether salusd drains now."""
         return self.call("drain" if drain else "end draining", self.admin_stub.Drain,
@@ -330,6 +336,27 @@ class Client:
 
     def __repr__(self) -> str:
         return f"salus.Client({str(self.address)!r})"
+
+
+class EventWatch:
+    """A stream of ``salus.v1.Event`` from :meth:`Client.watch`. Iterating ends quietly
+    once :meth:`cancel` is called or the daemon ends the stream."""
+
+    def __init__(self, call, address: str):
+        self._call, self._address = call, address
+        self._cancelled = False
+
+    def __iter__(self) -> Iterator[admin_pb2.Event]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            if self._cancelled or e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise rpc_error(e, "watch events", self._address) from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
 
 
 # What a session's state can be, from the updates of its Open stream.

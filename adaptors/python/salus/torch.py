@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,6 +56,15 @@ class _Program:
     number: int
     traced: TracedStep
     layout: Layout
+
+
+#: A session opened without ``name=`` takes this variable's value (``salus.tune`` sets it to
+#: the trial's name in each trial), else the model's class name.
+SESSION_NAME_ENV = "SALUS_SESSION_NAME"
+
+
+def _default_name(fallback: str) -> str:
+    return os.environ.get(SESSION_NAME_ENV) or fallback
 
 
 def _shapes_key(leaves: Sequence[Any], spec) -> tuple:
@@ -384,7 +394,7 @@ class TrainSession(_SalusSession):
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode)
         self._open(traced, client=client, address=address,
-                   name=name or type(model).__name__, priority=priority,
+                   name=name or _default_name(type(model).__name__), priority=priority,
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,
@@ -509,7 +519,8 @@ class InferenceSession(_SalusSession):
         traced = trace_inference(model, example_inputs, eval_mode=eval_mode,
                                  tracing_mode=tracing_mode)
         self._open(traced, client=client, address=address,
-                   name=name or f"{type(model).__name__} (inference)", priority=priority,
+                   name=name or _default_name(f"{type(model).__name__} (inference)"),
+                   priority=priority,
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,

@@ -4,10 +4,12 @@
 //! model of concurrent lanes, the driver that replays a trace through `salus-core` in
 //! virtual time, and the paper experiments. It must not contain scheduling or memory
 //! decisions: those belong to `salus-core`, which this crate only drives, exactly as the
-//! daemon does.
+//! daemon does. Fluid's cluster experiment (`fluid`) drives `salus-fluid`'s planner across
+//! devices the same way.
 
 pub mod catalog;
 pub mod experiments;
+pub mod fluid;
 pub mod rng;
 pub mod sim;
 pub mod trace;

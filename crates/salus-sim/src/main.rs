@@ -102,6 +102,17 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// Fluid (dissertation ch. 3, Fig. 3.7 and 3.8): grid, Hyperband, SyncBOHB, ASHA, BOHB
+    /// and PBT on 8 devices under FIFO (a trial per device), plain PACK, StaticFluid and
+    /// StaticFluid + DynamicFluid; makespan and utilization.
+    Fluid {
+        /// Seed of the algorithms' sampling and the accuracy noise.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Three inception3_50 jobs under FAIR starting at 0, 15 and 30 s (Fig. 2.9).
     FairShare {
         /// Seed of the job lengths.
@@ -162,6 +173,14 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_policies(&result);
+                }
+            }
+            Experiment::Fluid { seed, json } => {
+                let result = salus_sim::fluid::fluid(seed).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_fluid(&result);
                 }
             }
             Experiment::FairShare { seed, json } => {
@@ -407,6 +426,48 @@ fn print_tuning(result: &TuningResult) {
             set.pack_makespan_s / 60.0,
             set.speedup,
             paper
+        );
+    }
+}
+
+fn print_fluid(result: &salus_sim::fluid::FluidResult) {
+    println!(
+        "Fluid: tuning algorithms on {} devices (seed {}); makespan in minutes, utilization, \
+         improvement over FIFO",
+        result.devices, result.seed
+    );
+    println!(
+        "{:<10} {:>3} {:>3} {:>16} {:>16} {:>16} {:>16} {:>10}",
+        "algorithm", "c", "d", "fifo", "pack", "static_fluid", "fluid", "chapter"
+    );
+    for (name, r) in &result.algorithms {
+        print!("{:<10} {:>3} {:>3}", name, r.c, r.d);
+        for system in salus_sim::fluid::SYSTEMS {
+            let cell = format!(
+                "{:.1} {:>3.0}% {:>+4.0}%",
+                r.makespan_s[system] / 60.0,
+                100.0 * r.utilization[system],
+                100.0 * r.speedup_vs_fifo[system]
+            );
+            print!(" {cell:>16}");
+        }
+        let chapter = r.chapter_speedup.map_or("-".to_string(), |(lo, hi)| {
+            format!("+{:.0}-{:.0}%", lo * 100.0, hi * 100.0)
+        });
+        println!(" {chapter:>10}");
+        print!("{:<18}", "  best accuracy");
+        for system in salus_sim::fluid::SYSTEMS {
+            print!(" {:>16.3}", r.best_accuracy[system]);
+        }
+        println!();
+    }
+    for check in salus_sim::fluid::fluid_targets(result) {
+        println!(
+            "[{}] {}: {:.3} (goal {})",
+            if check.met { "met" } else { "MISSED" },
+            check.name,
+            check.value,
+            check.goal
         );
     }
 }

@@ -90,3 +90,21 @@ fn a_bad_trace_names_the_line_and_field() {
     assert!(err.contains("/nonexistent/trace.jsonl"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn fluid_json_has_the_documented_shape() {
+    let (ok, out, err) = sim(&["experiment", "fluid", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for algorithm in ["grid", "hyperband", "sync_bohb", "asha", "bohb", "pbt"] {
+        for system in ["fifo", "pack", "static_fluid", "fluid"] {
+            let a = &v["algorithms"][algorithm];
+            assert!(
+                a["makespan_s"][system].as_f64().unwrap() > 0.0,
+                "{algorithm} {system}"
+            );
+            let u = a["utilization"][system].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&u), "{algorithm} {system}: {u}");
+        }
+    }
+}

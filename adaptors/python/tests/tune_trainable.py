@@ -1,0 +1,69 @@
+"""The Ray Tune trainable of ``test_tune.py``: a small MLP on a fixed synthetic data set,
+trained eagerly or through ``salus.torch.TrainSession`` (``config["salus"]``). It lives in
+its own module so that Ray's worker processes can import it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from ray import tune
+
+BATCH = 16
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * BATCH, 12, generator=g)
+    y = (x[:, :3].sum(dim=1) > 0).long()
+    return x, y
+
+
+def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
+    """Waits until the daemon has ``sessions`` sessions open (or ``timeout`` passed), so
+    that trials Ray runs together also train together, however long each took to start."""
+    if sessions < 2:
+        return
+    from salus.client import Client
+    deadline = time.monotonic() + timeout
+    with Client() as client:
+        while len(client.list_sessions()) < sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def train_mlp(config: dict) -> None:
+    """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each."""
+    torch.set_num_threads(1)
+    torch.manual_seed(config["seed"])
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    x, y = data()
+    batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    session = None
+    if config["salus"]:
+        import salus.torch
+        session = salus.torch.TrainSession(model, F.cross_entropy, optimizer, batches[0],
+                                           total_iterations=config["iterations"] * config["steps"])
+        _rendezvous(config.get("rendezvous", 0))
+
+    def step(xb, yb):
+        if session is not None:
+            return session.step(xb, yb)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    k = 0
+    try:
+        for _ in range(config["iterations"]):
+            losses = []
+            for _ in range(config["steps"]):
+                losses.append(float(step(*batches[k % len(batches)])))
+                k += 1
+            tune.report({"loss": sum(losses) / len(losses), "steps": k})
+    finally:
+        if session is not None:
+            session.close()
