@@ -7,6 +7,7 @@
 //! sleeps for the session's expected iteration time when its client gave one
 //! ([`Program::with_expected_iteration`]), otherwise for the [`CostModel`]'s estimate.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use salus_graph::{ConvParams, Node, Op, OpParams};
@@ -111,6 +112,11 @@ fn conv_products(conv: &ConvParams) -> f64 {
 pub struct SimDevice {
     model: CostModel,
     claims: Claims,
+    /// Iterations that succeed before an injected fault poisons the device (tests of
+    /// recovery from a device fault); `None`: never.
+    fault_after: Option<u64>,
+    runs: AtomicU64,
+    poisoned: AtomicBool,
 }
 
 impl SimDevice {
@@ -119,9 +125,29 @@ impl SimDevice {
         SimDevice {
             model,
             claims: Claims::new(usize::try_from(capacity).unwrap_or(usize::MAX)),
+            fault_after: None,
+            runs: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+        }
+    }
+
+    /// The same device, poisoned by an injected fault in the iteration after the first
+    /// `runs` (as a GPU context is by a faulting kernel): that iteration and every later
+    /// call fail, and [`Device::health`] reports it.
+    pub fn with_fault_after(mut self, runs: u64) -> SimDevice {
+        self.fault_after = Some(runs);
+        self
+    }
+
+    fn check_healthy(&self) -> Result<(), ExecError> {
+        match self.poisoned.load(Ordering::SeqCst) {
+            true => Err(ExecError::Device(POISONED.into())),
+            false => Ok(()),
         }
     }
 }
+
+const POISONED: &str = "the sim device is poisoned by an injected fault";
 
 impl Device for SimDevice {
     fn name(&self) -> String {
@@ -133,16 +159,28 @@ impl Device for SimDevice {
     }
 
     fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        self.check_healthy()?;
         self.claims.claim(offset, bytes.len() as u64).map(drop)
     }
 
     fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        self.check_healthy()?;
         let _region = self.claims.claim(offset, len)?;
         Ok(vec![0; len as usize])
     }
 
+    fn health(&self) -> Result<(), String> {
+        self.check_healthy().map_err(|e| e.to_string())
+    }
+
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
         let start = Instant::now();
+        self.check_healthy()?;
+        let run = self.runs.fetch_add(1, Ordering::SeqCst);
+        if self.fault_after.is_some_and(|after| run >= after) {
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(ExecError::Device(POISONED.into()));
+        }
         program.check_feeds(feeds)?;
         let plan = program.plan();
         let _persistent = self.claims.claim(at.persistent, plan.persistent_bytes)?;

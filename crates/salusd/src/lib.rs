@@ -62,10 +62,16 @@ pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
         DeviceChoice::Cpu => Ok(Arc::new(
             CpuDevice::new(config.memory).map_err(|e| format!("cpu device: {e}"))?,
         )),
-        DeviceChoice::Sim => Ok(Arc::new(SimDevice::new(
-            config.memory,
-            CostModel::default(),
-        ))),
+        DeviceChoice::Sim => {
+            let device = SimDevice::new(config.memory, CostModel::default());
+            // Fault injection for tests of recovery from a device fault.
+            Ok(Arc::new(match std::env::var("SALUS_SIM_FAULT_AFTER") {
+                Ok(runs) => device.with_fault_after(runs.trim().parse().map_err(|_| {
+                    format!("SALUS_SIM_FAULT_AFTER={runs:?}: not a number of iterations")
+                })?),
+                Err(_) => device,
+            }))
+        }
         DeviceChoice::Cuda(n) => Ok(Arc::new(
             CudaDevice::new(&cuda_options(config, n))
                 .map_err(|e| format!("--device cuda:{n}: {e}"))?,

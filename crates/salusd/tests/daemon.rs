@@ -1018,3 +1018,51 @@ async fn after_a_kill_a_session_resumes_from_its_last_snapshot() {
     let (_, alone_w) = job.alone(resumed);
     assert_eq!(w, alone_w, "the state after exactly {resumed} iterations");
 }
+
+/// A device fault (a poisoned context; injected on the sim device) fails the iteration in
+/// flight and stops salusd with a failure, keeping the last snapshots: restarted (as its
+/// supervisor does), salusd brings the sessions back and their clients go on from the
+/// iteration they are told.
+#[tokio::test]
+async fn after_a_device_fault_sessions_come_back_from_their_snapshots() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = [
+        "--device",
+        "sim",
+        "--state-dir",
+        state_arg.as_str(),
+        "--snapshot-every",
+        "100ms",
+    ];
+    let job = Job::new("fault", 8, 4, 1, 6);
+    let (id, token) = {
+        let mut daemon = Daemon::start_with_env(&socket, &args, &[("SALUS_SIM_FAULT_AFTER", "3")]);
+        let client = daemon.client().await;
+        let mut session = client.open(job.options()).await.unwrap();
+        session.admitted().await.unwrap();
+        for i in 0..3 {
+            session.run(job.feeds(i)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await; // a snapshot after three
+        let fault = session.run(job.feeds(3)).await;
+        assert!(fault.is_err(), "the iteration in flight fails");
+        let status = tokio::task::spawn_blocking(move || {
+            let status = daemon.child.wait().unwrap();
+            (status, daemon)
+        })
+        .await
+        .unwrap();
+        assert_eq!(status.0.code(), Some(1), "{}", status.1.log());
+        assert!(status.1.log().contains("poisoned"), "{}", status.1.log());
+        (session.id, session.token.clone())
+    };
+    let daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    let mut session = client.reattach(id, token).await.unwrap();
+    assert_eq!(session.iterations, 3, "{}", daemon.log());
+    session.admitted().await.unwrap();
+    session.run(job.feeds(3)).await.unwrap();
+}

@@ -30,12 +30,32 @@ impl Daemon {
         Daemon::start_in(tempfile::tempdir().unwrap(), socket.to_path_buf(), args)
     }
 
+    /// `start_at` with `env` set for salusd.
+    pub fn start_with_env(socket: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        Daemon::start_in_env(
+            tempfile::tempdir().unwrap(),
+            socket.to_path_buf(),
+            args,
+            env,
+        )
+    }
+
     fn start_in(dir: tempfile::TempDir, socket: PathBuf, args: &[&str]) -> Daemon {
+        Daemon::start_in_env(dir, socket, args, &[])
+    }
+
+    fn start_in_env(
+        dir: tempfile::TempDir,
+        socket: PathBuf,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let log = std::fs::File::create(dir.path().join("salusd.log")).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_salusd"))
             .arg("--socket")
             .arg(&socket)
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log)
