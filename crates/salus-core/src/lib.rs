@@ -37,6 +37,7 @@ mod heap;
 pub mod memory;
 pub mod policy;
 mod scheduler;
+pub mod serving;
 pub mod session;
 
 pub use memory::{
