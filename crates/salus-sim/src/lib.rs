@@ -2,13 +2,16 @@
 //!
 //! Owns: the workload catalog of the Salus papers, job traces (JSON Lines), the contention
 //! model of concurrent lanes, the driver that replays a trace through `salus-core` in
-//! virtual time, and the paper experiments. It must not contain scheduling or memory
-//! decisions: those belong to `salus-core`, which this crate only drives, exactly as the
-//! daemon does.
+//! virtual time, the driver that replays inference requests through its request
+//! schedulers on one worker, and the paper experiments (Salus ch. 2, ORLOJ ch. 4). It
+//! must not contain scheduling or memory decisions: those belong to `salus-core`, which
+//! this crate only drives, exactly as the daemon does.
 
 pub mod catalog;
 pub mod experiments;
+pub mod orloj;
 pub mod rng;
+pub mod serving;
 pub mod sim;
 pub mod trace;
 
