@@ -10,6 +10,7 @@
 pub mod catalog;
 pub mod experiments;
 pub mod orloj;
+pub mod queue_timing;
 pub mod rng;
 pub mod serving;
 pub mod sim;

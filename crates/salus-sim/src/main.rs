@@ -121,6 +121,16 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// ORLOJ's priority queue timed on this machine (Fig. 4.12): insertion and query with
+    /// 10 to 10,000 requests pending (wall-clock time; build with --release).
+    OrlojQueue {
+        /// Seed of the random points.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Three inception3_50 jobs under FAIR starting at 0, 15 and 30 s (Fig. 2.9).
     FairShare {
         /// Seed of the job lengths.
@@ -219,6 +229,33 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_orloj(&result, &chosen);
+                }
+            }
+            Experiment::OrlojQueue { seed, json } => {
+                let timings = salus_sim::queue_timing::queue_timing(seed);
+                if json {
+                    println!("{}", to_json(&timings)?);
+                } else {
+                    println!(
+                        "ORLOJ's priority queue (dynamic convex hull), microseconds per operation"
+                    );
+                    println!(
+                        "{:>8} {:>10} {:>10} {:>10} {:>16} {:>16}",
+                        "pending", "insert", "replace", "query", "replace (hull)", "query (hull)"
+                    );
+                    for t in &timings {
+                        println!(
+                            "{:>8} {:>10.3} {:>10.3} {:>10.3} {:>16.3} {:>16.3}",
+                            t.pending,
+                            t.insert_us,
+                            t.replace_us,
+                            t.query_us,
+                            t.replace_all_on_hull_us,
+                            t.query_all_on_hull_us
+                        );
+                    }
+                    println!("(hull): every point on the hull");
+                    print_targets(&salus_sim::queue_timing::queue_targets(&timings));
                 }
             }
             Experiment::FairShare { seed, json } => {

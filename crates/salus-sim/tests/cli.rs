@@ -132,3 +132,21 @@ fn orloj_json_has_the_documented_shape() {
         "{err}"
     );
 }
+
+#[test]
+fn orloj_queue_json_has_a_row_per_size() {
+    let (ok, out, err) = sim(&["experiment", "orloj-queue", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    let sizes: Vec<u64> = rows
+        .iter()
+        .map(|r| r["pending"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [10, 100, 1_000, 10_000]);
+    for row in rows {
+        for field in ["insert_us", "replace_us", "query_us"] {
+            assert!(row[field].as_f64().unwrap() > 0.0, "{field}");
+        }
+    }
+}
