@@ -150,6 +150,38 @@ impl Clockwork {
     }
 }
 
+impl Clockwork {
+    /// Plans the batch to follow one of `batch_size` started at `started`, once it is
+    /// expected to end within `schedule_ahead`.
+    fn plan_ahead(
+        &mut self,
+        now: Duration,
+        started: Duration,
+        batch_size: usize,
+        view: &View<'_>,
+        drops: &mut Vec<(RequestId, DropReason)>,
+    ) {
+        if self.plan.is_some() || self.held.is_empty() {
+            return;
+        }
+        let expected_end = started + self.estimate(self.index(batch_size), view);
+        if now + self.params.schedule_ahead < expected_end {
+            self.wake = Some(expected_end - self.params.schedule_ahead);
+            return;
+        }
+        let free_at = expected_end.max(now);
+        if let Some((batch_size, requests)) = self.form_batch(free_at, view, drops) {
+            let latest =
+                (now + FUTURE + self.params.latest_delta).max(free_at + self.params.latest_delta);
+            self.plan = Some(Planned {
+                batch_size,
+                requests,
+                latest,
+            });
+        }
+    }
+}
+
 impl Policy for Clockwork {
     fn kind(&self) -> RequestSchedulerKind {
         RequestSchedulerKind::Clockwork
@@ -181,41 +213,25 @@ impl Policy for Clockwork {
         self.wake = None;
         match worker {
             Worker::Idle => {
-                if let Some(plan) = self.plan.take() {
-                    if now <= plan.latest {
-                        out.batch = Some((plan.batch_size, plan.requests));
-                        return;
+                let planned = match self.plan.take() {
+                    Some(plan) if now <= plan.latest => Some((plan.batch_size, plan.requests)),
+                    Some(plan) => {
+                        for id in plan.requests {
+                            out.drops.push((id, DropReason::MissedStartWindow));
+                        }
+                        None
                     }
-                    for id in plan.requests {
-                        out.drops.push((id, DropReason::MissedStartWindow));
-                    }
+                    None => None,
+                };
+                out.batch = planned.or_else(|| self.form_batch(now, view, &mut out.drops));
+                if let Some((batch_size, _)) = &out.batch {
+                    self.plan_ahead(now, now, *batch_size, view, &mut out.drops);
                 }
-                out.batch = self.form_batch(now, view, &mut out.drops);
             }
             Worker::Busy {
                 started,
                 batch_size,
-            } => {
-                if self.plan.is_some() || self.held.is_empty() {
-                    return;
-                }
-                let expected_end = started + self.estimate(self.index(batch_size), view);
-                if now + self.params.schedule_ahead < expected_end {
-                    self.wake = Some(expected_end - self.params.schedule_ahead);
-                    return;
-                }
-                let free_at = expected_end.max(now);
-                if let Some((batch_size, requests)) = self.form_batch(free_at, view, &mut out.drops)
-                {
-                    let latest = (now + FUTURE + self.params.latest_delta)
-                        .max(free_at + self.params.latest_delta);
-                    self.plan = Some(Planned {
-                        batch_size,
-                        requests,
-                        latest,
-                    });
-                }
-            }
+            } => self.plan_ahead(now, started, batch_size, view, &mut out.drops),
         }
     }
 

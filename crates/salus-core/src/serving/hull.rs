@@ -8,7 +8,7 @@
 //! `O(log n)`.
 //!
 //! The structure is Overmars and van Leeuwen's, in the form that stores only bridges: a
-//! leaf-oriented AVL tree over the points in `(A, B, key)` order, where every internal
+//! leaf-oriented AVL tree over the distinct points in `(A, B)` order, where every internal
 //! node keeps the *bridge* of its subtree's upper hull, the edge that joins the part of
 //! the left child's hull that survives to the part of the right child's hull that
 //! survives. A subtree's hull is therefore never stored: it is the left child's hull up
@@ -20,7 +20,7 @@
 //! bounds; bridges alone need no second tree.
 
 use std::cmp::Ordering;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::Hash;
 
 #[cfg(test)]
@@ -50,16 +50,15 @@ impl HullPoint {
 }
 
 #[derive(Debug, Clone)]
-struct Node<K> {
+struct Node {
     /// Children; `NIL` for a leaf.
     left: u32,
     right: u32,
     /// 1 for a leaf.
     height: u32,
-    /// A leaf's own point and key; an internal node's largest point and key, in tree
-    /// order (what routing compares against).
+    /// A leaf's point; an internal node's largest point in tree order (what routing
+    /// compares against).
     point: HullPoint,
-    key: K,
     /// An internal node's bridge: a leaf of the left subtree and a leaf of the right
     /// subtree, adjacent on this subtree's upper hull.
     bridge: (u32, u32),
@@ -87,12 +86,23 @@ enum Candidates {
 
 /// A set of keyed points that answers "which point maximizes `x·a + b`" in `O(log n)`,
 /// with insertion and removal in `O(log² n)`: ORLOJ's priority queue.
+///
+/// Keys with the same point share one leaf, so the tree holds distinct points and its
+/// answers depend only on the set of points, never on the order they came in: among
+/// points of equal value the one with the smaller `a` wins, and among keys of one point
+/// the smallest key.
 #[derive(Debug, Clone)]
 pub struct HullQueue<K> {
-    nodes: Vec<Node<K>>,
+    nodes: Vec<Node>,
     free: Vec<u32>,
     root: u32,
     points: HashMap<K, HullPoint>,
+    /// The keys of each distinct point, by the point's bits.
+    keys: HashMap<(u64, u64), BTreeSet<K>>,
+}
+
+fn bits(p: HullPoint) -> (u64, u64) {
+    (p.a.to_bits(), p.b.to_bits())
 }
 
 impl<K: Copy + Ord + Hash> Default for HullQueue<K> {
@@ -109,6 +119,7 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
             free: Vec::new(),
             root: NIL,
             points: HashMap::new(),
+            keys: HashMap::new(),
         }
     }
 
@@ -129,15 +140,21 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
 
     /// Puts `point` under `key`, replacing the key's previous point.
     pub fn insert(&mut self, key: K, point: HullPoint) {
+        // One zero: -0.0 and 0.0 are the same point.
+        let point = HullPoint::new(point.a + 0.0, point.b + 0.0);
         if let Some(old) = self.points.insert(key, point) {
-            self.root = self.remove_at(self.root, key, old);
+            self.forget(key, old);
+        }
+        let keys = self.keys.entry(bits(point)).or_default();
+        keys.insert(key);
+        if keys.len() > 1 {
+            return;
         }
         let leaf = self.alloc(Node {
             left: NIL,
             right: NIL,
             height: 1,
             point,
-            key,
             bridge: (NIL, NIL),
         });
         self.root = if self.root == NIL {
@@ -152,8 +169,20 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         let Some(point) = self.points.remove(key) else {
             return false;
         };
-        self.root = self.remove_at(self.root, *key, point);
+        self.forget(*key, point);
         true
+    }
+
+    /// Takes `key` off `point`'s keys, and the point out of the tree when it was the last.
+    fn forget(&mut self, key: K, point: HullPoint) {
+        let Some(keys) = self.keys.get_mut(&bits(point)) else {
+            return;
+        };
+        keys.remove(&key);
+        if keys.is_empty() {
+            self.keys.remove(&bits(point));
+            self.root = self.remove_at(self.root, point);
+        }
     }
 
     /// Removes every point.
@@ -161,11 +190,11 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         self.nodes.clear();
         self.free.clear();
         self.points.clear();
+        self.keys.clear();
         self.root = NIL;
     }
 
-    /// The key whose point maximizes `x·a + b` (ties go to the smaller point in
-    /// `(a, b, key)` order); `None` when empty.
+    /// The key whose point maximizes `x·a + b`; `None` when empty.
     pub fn best(&self, x: f64) -> Option<K> {
         self.extreme(x, 1.0)
     }
@@ -179,7 +208,7 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         let mut cursor = self.cursor(self.root);
         loop {
             match self.settle(&mut cursor) {
-                Candidates::Vertex(v) => return Some(self.nodes[v as usize].key),
+                Candidates::Vertex(v) => return self.key_of(v),
                 Candidates::Edge(p, q) => {
                     if self.at(q).dot(dx, dy) > self.at(p).dot(dx, dy) {
                         self.go_right(&mut cursor, q);
@@ -201,12 +230,19 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         out
     }
 
+    /// The smallest key of a leaf's point.
+    fn key_of(&self, leaf: u32) -> Option<K> {
+        let keys = self.keys.get(&bits(self.at(leaf)))?;
+        keys.first().copied()
+    }
+
     fn walk(&self, cursor: Cursor, out: &mut Vec<(K, HullPoint)>) {
         let mut c = cursor;
         match self.settle(&mut c) {
             Candidates::Vertex(v) => {
-                let node = &self.nodes[v as usize];
-                out.push((node.key, node.point));
+                if let Some(key) = self.key_of(v) {
+                    out.push((key, self.at(v)));
+                }
             }
             Candidates::Edge(p, q) => {
                 let (mut left, mut right) = (c, c);
@@ -218,7 +254,7 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         }
     }
 
-    fn alloc(&mut self, node: Node<K>) -> u32 {
+    fn alloc(&mut self, node: Node) -> u32 {
         if let Some(i) = self.free.pop() {
             self.nodes[i as usize] = node;
             i
@@ -244,20 +280,18 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         self.nodes[i as usize].height
     }
 
-    /// Tree order of a `(point, key)` against node `j`'s (a leaf's own, an internal
-    /// node's largest).
-    fn order_of(&self, point: HullPoint, key: &K, j: u32) -> Ordering {
-        let other = &self.nodes[j as usize];
+    /// Tree order of a point against node `j`'s (a leaf's own, an internal node's
+    /// largest).
+    fn order_of(&self, point: HullPoint, j: u32) -> Ordering {
+        let other = self.at(j);
         point
             .a
-            .total_cmp(&other.point.a)
-            .then(point.b.total_cmp(&other.point.b))
-            .then(key.cmp(&other.key))
+            .total_cmp(&other.a)
+            .then(point.b.total_cmp(&other.b))
     }
 
     fn order(&self, i: u32, j: u32) -> Ordering {
-        let node = &self.nodes[i as usize];
-        self.order_of(node.point, &node.key, j)
+        self.order_of(self.at(i), j)
     }
 
     fn insert_at(&mut self, node: u32, leaf: u32) -> u32 {
@@ -267,13 +301,11 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
             } else {
                 (node, leaf)
             };
-            let (point, key) = (self.at(right), self.nodes[right as usize].key);
             let parent = self.alloc(Node {
                 left,
                 right,
                 height: 2,
-                point,
-                key,
+                point: self.at(right),
                 bridge: (NIL, NIL),
             });
             self.update(parent);
@@ -291,23 +323,23 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
         self.rebalance(node)
     }
 
-    fn remove_at(&mut self, node: u32, key: K, point: HullPoint) -> u32 {
+    fn remove_at(&mut self, node: u32, point: HullPoint) -> u32 {
         if self.is_leaf(node) {
             debug_assert!(
-                self.nodes[node as usize].key == key,
+                bits(self.at(node)) == bits(point),
                 "routed to the wrong leaf"
             );
             self.release(node);
             return NIL;
         }
         let Node { left, right, .. } = self.nodes[node as usize];
-        let go_left = self.order_of(point, &key, left) != Ordering::Greater;
+        let go_left = self.order_of(point, left) != Ordering::Greater;
         let (child, sibling) = if go_left {
             (left, right)
         } else {
             (right, left)
         };
-        let rest = self.remove_at(child, key, point);
+        let rest = self.remove_at(child, point);
         if rest == NIL {
             self.release(node);
             return sibling;
@@ -373,12 +405,11 @@ impl<K: Copy + Ord + Hash> HullQueue<K> {
     fn update(&mut self, node: u32) {
         let Node { left, right, .. } = self.nodes[node as usize];
         let height = 1 + self.height(left).max(self.height(right));
-        let (point, key) = (self.at(right), self.nodes[right as usize].key);
+        let point = self.at(right);
         let bridge = self.find_bridge(left, right);
         let n = &mut self.nodes[node as usize];
         n.height = height;
         n.point = point;
-        n.key = key;
         n.bridge = bridge;
     }
 

@@ -194,7 +194,8 @@ pub(crate) struct Orloj {
     cost: BatchCost,
     tables: Tables,
     queues: Vec<SizeQueue>,
-    pending: HashMap<RequestId, Entry>,
+    /// Ordered, so that rebuilding and rebasing visit requests in one order.
+    pending: BTreeMap<RequestId, Entry>,
     milestones: BTreeSet<(Duration, RequestId, usize)>,
     base: Duration,
     /// Requests found hopeless outside a scheduling round, dropped at the next decision.
@@ -213,7 +214,7 @@ impl Orloj {
                 .iter()
                 .map(|_| SizeQueue::default())
                 .collect(),
-            pending: HashMap::new(),
+            pending: BTreeMap::new(),
             milestones: BTreeSet::new(),
             base: Duration::ZERO,
             hopeless: Vec::new(),

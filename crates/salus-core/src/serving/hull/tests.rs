@@ -159,6 +159,34 @@ fn points_on_a_parabola_are_all_on_the_hull() {
     assert_eq!(q.best(60.0), Some(30));
 }
 
+#[test]
+fn answers_depend_on_the_points_not_the_order_they_came_in() {
+    // Many keys share points, and some values tie: any order of insertions and removals
+    // that leaves the same set answers the same.
+    let points: Vec<(u32, HullPoint)> = (0..300u32)
+        .map(|k| (k, HullPoint::new((k % 7) as f64 - 3.0, (k % 5) as f64)))
+        .collect();
+    let mut forward = HullQueue::new();
+    for &(k, p) in &points {
+        forward.insert(k, p);
+    }
+    let mut backward = HullQueue::new();
+    for &(k, p) in points.iter().rev() {
+        backward.insert(k, HullPoint::new(9.0, 9.0));
+        backward.insert(k, p);
+    }
+    for extra in 300..340u32 {
+        backward.insert(extra, HullPoint::new(1.0, 1.0));
+    }
+    for extra in 300..340u32 {
+        backward.remove(&extra);
+    }
+    for x in [-5.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 5.0] {
+        assert_eq!(forward.best(x), backward.best(x), "x = {x}");
+    }
+    assert_eq!(forward.hull(), backward.hull());
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Insert(u32, i8, i8),
