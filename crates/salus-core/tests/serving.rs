@@ -343,10 +343,10 @@ fn orloj_decides_the_same_across_a_rebase() {
         for id in 0..400u64 {
             at += 7 + id % 5;
             d.arrive(at, id, (id % 3 == 0) as u32, at + 150 + (id % 7) * 20);
-            if let Some((b, started)) = &d.running {
-                if ms(at) >= *started + ms(12 * b.batch_size as u64) {
-                    d.finish(at);
-                }
+            if let Some((b, started)) = &d.running
+                && ms(at) >= *started + ms(12 * b.batch_size as u64)
+            {
+                d.finish(at);
             }
         }
         (d.batches, d.drops)

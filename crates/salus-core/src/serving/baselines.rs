@@ -176,6 +176,16 @@ impl Nexus {
         }
     }
 
+    /// Keeps the arrivals of the last `rate_window` only.
+    fn forget_arrivals_before(&mut self, now: Duration) {
+        while let Some(&(at, _)) = self.arrivals.front() {
+            if at + self.params.rate_window >= now {
+                break;
+            }
+            self.arrivals.pop_front();
+        }
+    }
+
     /// The batch size, the duty cycle and the batch latency it plans with.
     fn plan(&self, view: &View<'_>) -> (usize, Duration, Duration) {
         let mean = view.profile.mean_ms();
@@ -209,12 +219,7 @@ impl Policy for Nexus {
     fn arrived(&mut self, now: Duration, request: &Request, _view: &View<'_>) {
         self.queue.insert((request.deadline, request.id));
         self.arrivals.push_back((now, request.slo()));
-        while let Some(&(at, _)) = self.arrivals.front() {
-            if at + self.params.rate_window >= now {
-                break;
-            }
-            self.arrivals.pop_front();
-        }
+        self.forget_arrivals_before(now);
     }
 
     fn decide(&mut self, now: Duration, worker: Worker, view: &View<'_>, out: &mut Decision) {
@@ -222,6 +227,7 @@ impl Policy for Nexus {
         if worker != Worker::Idle || self.queue.is_empty() {
             return;
         }
+        self.forget_arrivals_before(now);
         let (size, cycle, latency) = self.plan(view);
         if self.queue.len() < size && now < self.next_cycle {
             self.wake = Some(self.next_cycle);

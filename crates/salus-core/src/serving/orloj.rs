@@ -345,12 +345,9 @@ impl Orloj {
             let apps: Vec<AppId> = self.queues[i].deadlines.keys().copied().collect();
             for app in apps {
                 let estimate = self.tables.get(app, i).estimate;
-                loop {
-                    let Some(&(deadline, id)) =
-                        self.queues[i].deadlines.get(&app).and_then(|s| s.first())
-                    else {
-                        break;
-                    };
+                while let Some(&(deadline, id)) =
+                    self.queues[i].deadlines.get(&app).and_then(|s| s.first())
+                {
                     if now + estimate <= deadline {
                         break;
                     }
@@ -387,6 +384,9 @@ impl Orloj {
             for j in 0..self.sizes.len() {
                 self.leave(id, j);
             }
+            // Already out of the queue; this only guards against looping forever should
+            // the hull ever hold a request that is not pending.
+            self.queues[i].hull.remove(&id);
             self.pending.remove(&id);
             batch.push(id);
         }
