@@ -5,7 +5,8 @@
 //! (Salus Algorithm 2.1, reference counting, auto-defragmentation), the admission queue
 //! with a reason for every wait, per-lane run queues, and the FIFO, PACK, SRTF and FAIR
 //! policies, and SHARE (PACK's lanes with SRTF's order and a bounded wait; the daemon's
-//! default).
+//! default). Its [`serving`] module decides, for a served model, which inference requests
+//! form each batch (ORLOJ and the schedulers it is compared with).
 //!
 //! It is sans-IO, like `quinn-proto`: no threads, sockets, clocks or sleeping. Time comes
 //! in as an argument; decisions come out as [`Action`] values. The daemon, the simulator
@@ -37,6 +38,7 @@ mod heap;
 pub mod memory;
 pub mod policy;
 mod scheduler;
+pub mod serving;
 pub mod session;
 
 pub use memory::{

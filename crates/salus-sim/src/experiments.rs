@@ -435,7 +435,8 @@ pub struct TargetCheck {
 }
 
 impl TargetCheck {
-    fn new(name: &'static str, value: f64, goal: &'static str, met: bool) -> Self {
+    /// A checked target.
+    pub fn new(name: &'static str, value: f64, goal: &'static str, met: bool) -> Self {
         TargetCheck {
             name,
             value,

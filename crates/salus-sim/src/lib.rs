@@ -2,15 +2,20 @@
 //!
 //! Owns: the workload catalog of the Salus papers, job traces (JSON Lines), the contention
 //! model of concurrent lanes, the driver that replays a trace through `salus-core` in
-//! virtual time, and the paper experiments. It must not contain scheduling or memory
-//! decisions: those belong to `salus-core`, which this crate only drives, exactly as the
-//! daemon does. Fluid's cluster experiment (`fluid`) drives `salus-fluid`'s planner across
-//! devices the same way.
+//! virtual time, the driver that replays inference requests through its request
+//! schedulers on one worker, and the paper experiments (Salus ch. 2, Fluid ch. 3, ORLOJ
+//! ch. 4). It must not contain scheduling or memory decisions: those belong to
+//! `salus-core`, which this crate only drives, exactly as the daemon does. Fluid's
+//! cluster experiment (`fluid`) drives `salus-fluid`'s planner across devices the same
+//! way.
 
 pub mod catalog;
 pub mod experiments;
 pub mod fluid;
+pub mod orloj;
+pub mod queue_timing;
 pub mod rng;
+pub mod serving;
 pub mod sim;
 pub mod trace;
 

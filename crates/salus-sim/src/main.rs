@@ -102,6 +102,35 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// Inference requests with deadlines: ORLOJ, Clockwork, Nexus, Clipper, EDF and FIFO
+    /// on the execution time distributions of appendix C (Tables C.1-C.3), SLO 1.5-5x P99.
+    Orloj {
+        /// First seed of the generated traces.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Seeds averaged (seed, seed + 1, ...).
+        #[arg(long, default_value_t = salus_sim::orloj::DEFAULT_SEEDS)]
+        seeds: u64,
+        /// Only these cases (repeatable), e.g. std-1, eight-modal, resnet-imagenet.
+        #[arg(long = "case")]
+        cases: Vec<String>,
+        /// Mean arrival rate over what the worker serves in full batches of 16.
+        #[arg(long, default_value_t = salus_sim::orloj::LOAD)]
+        load: f64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// ORLOJ's priority queue timed on this machine (Fig. 4.12): insertion and query with
+    /// 10 to 10,000 requests pending (wall-clock time; build with --release).
+    OrlojQueue {
+        /// Seed of the random points.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Fluid (dissertation ch. 3, Fig. 3.7 and 3.8): grid, Hyperband, SyncBOHB, ASHA, BOHB
     /// and PBT on 8 devices under FIFO (a trial per device), plain PACK, StaticFluid and
     /// StaticFluid + DynamicFluid; makespan and utilization.
@@ -173,6 +202,71 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_policies(&result);
+                }
+            }
+            Experiment::Orloj {
+                seed,
+                seeds,
+                cases,
+                load,
+                json,
+            } => {
+                if !(load > 0.0 && load.is_finite()) {
+                    return Err(format!("--load must be positive, got {load}"));
+                }
+                let all = salus_sim::orloj::cases();
+                let chosen: Vec<_> = if cases.is_empty() {
+                    all
+                } else {
+                    let mut chosen = Vec::new();
+                    for name in &cases {
+                        let case =
+                            all.iter()
+                                .find(|c| c.name == name.as_str())
+                                .ok_or_else(|| {
+                                    let names: Vec<&str> = all.iter().map(|c| c.name).collect();
+                                    format!(
+                                        "unknown case {name:?}; expected one of {}",
+                                        names.join(", ")
+                                    )
+                                })?;
+                        chosen.push(case.clone());
+                    }
+                    chosen
+                };
+                let result = salus_sim::orloj::orloj_cases(&chosen, seed, seeds, load)
+                    .map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_orloj(&result, &chosen);
+                }
+            }
+            Experiment::OrlojQueue { seed, json } => {
+                let timings = salus_sim::queue_timing::queue_timing(seed);
+                if json {
+                    println!("{}", to_json(&timings)?);
+                } else {
+                    println!(
+                        "ORLOJ's priority queue (dynamic convex hull), microseconds per operation"
+                    );
+                    println!(
+                        "{:>8} {:>10} {:>10} {:>10} {:>16} {:>16}",
+                        "pending", "insert", "replace", "query", "replace (hull)", "query (hull)"
+                    );
+                    for t in &timings {
+                        println!(
+                            "{:>8} {:>10.3} {:>10.3} {:>10.3} {:>16.3} {:>16.3}",
+                            t.pending,
+                            t.insert_us,
+                            t.replace_us,
+                            t.query_us,
+                            t.replace_all_on_hull_us,
+                            t.query_all_on_hull_us
+                        );
+                    }
+                    println!("(hull): every point on the hull");
+                    print_targets(&salus_sim::queue_timing::queue_targets(&timings));
                 }
             }
             Experiment::Fluid { seed, json } => {
@@ -501,6 +595,58 @@ fn print_fair_share(result: &FairShareResult) {
         result.window_s,
         result.max_share_deviation_10s * 100.0
     );
+}
+
+fn print_orloj(result: &salus_sim::orloj::OrlojResult, cases: &[salus_sim::orloj::Case]) {
+    use salus_core::serving::RequestSchedulerKind;
+    println!(
+        "Finish rate by SLO (x P99 solo time); load {:.2}, mean of seeds {}..={}; \
+         paper: appendix C (Clipper, Nexus, Clockwork, ORLOJ)",
+        result.load,
+        result.seed,
+        result.seed + result.seeds - 1
+    );
+    let names: Vec<&str> = RequestSchedulerKind::ALL.iter().map(|k| k.name()).collect();
+    print!("{:<19} {:>4}", "case", "SLO");
+    for name in &names {
+        print!(" {name:>9}");
+    }
+    println!("   paper: clip  nexus  clock  orloj");
+    for case in cases {
+        let Some(r) = result.cases.get(case.name) else {
+            continue;
+        };
+        let paper = salus_sim::orloj::appendix_c(case.name);
+        for (j, slo) in r.slo.iter().enumerate() {
+            let label = if j == 0 {
+                format!("{} ({:.0} ms)", case.name, r.p99_ms)
+            } else {
+                String::new()
+            };
+            print!("{label:<19} {slo:>4}");
+            for name in &names {
+                print!(
+                    " {:>9.2}",
+                    r.finish_rate.get(*name).map_or(f64::NAN, |v| v[j])
+                );
+            }
+            if let Some(p) = &paper {
+                print!("         ");
+                for name in ["clipper", "nexus", "clockwork", "orloj"] {
+                    print!(" {:>5.2} ", p[name][j]);
+                }
+            }
+            println!();
+        }
+    }
+    let (checks, misses) = salus_sim::orloj::orloj_targets(result);
+    print_targets(&checks);
+    for miss in misses {
+        println!(
+            "  {} at {}x P99: ORLOJ {:+.3} against {}",
+            miss.case, miss.slo, miss.margin, miss.against
+        );
+    }
 }
 
 fn print_targets(checks: &[experiments::TargetCheck]) {

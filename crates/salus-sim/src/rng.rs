@@ -40,6 +40,13 @@ impl Rng {
         -mean * (1.0 - self.unit()).ln()
     }
 
+    /// Normal with the given mean and standard deviation (Box-Muller).
+    pub fn normal(&mut self, mean: f64, std: f64) -> f64 {
+        let u1 = 1.0 - self.unit();
+        let u2 = self.unit();
+        mean + std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
     /// Shuffles `items` uniformly (Fisher-Yates).
     pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
@@ -93,7 +100,11 @@ mod tests {
         let n = 200_000;
         let mut sum_exp = 0.0;
         let mut sum_unit = 0.0;
+        let (mut sum_normal, mut sum_sq) = (0.0, 0.0);
         for _ in 0..n {
+            let x = rng.normal(2.0, 3.0);
+            sum_normal += x;
+            sum_sq += (x - 2.0) * (x - 2.0);
             let u = rng.unit();
             assert!((0.0..1.0).contains(&u));
             sum_unit += u;
@@ -102,5 +113,7 @@ mod tests {
         }
         assert!((sum_unit / n as f64 - 0.5).abs() < 0.01);
         assert!((sum_exp / n as f64 - 3.0).abs() < 0.05);
+        assert!((sum_normal / n as f64 - 2.0).abs() < 0.05);
+        assert!(((sum_sq / n as f64).sqrt() - 3.0).abs() < 0.05);
     }
 }

@@ -92,6 +92,66 @@ fn a_bad_trace_names_the_line_and_field() {
 }
 
 #[test]
+fn orloj_json_has_the_documented_shape() {
+    let (ok, out, err) = sim(&[
+        "experiment",
+        "orloj",
+        "--seeds",
+        "1",
+        "--case",
+        "std-1",
+        "--case",
+        "resnet-imagenet",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for case in ["std-1", "resnet-imagenet"] {
+        let c = &v["cases"][case];
+        let slo: Vec<f64> = c["slo"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(slo, [1.5, 2.0, 3.0, 4.0, 5.0]);
+        for scheduler in ["orloj", "clockwork", "nexus", "clipper", "edf", "fifo"] {
+            let rates = c["finish_rate"][scheduler].as_array().unwrap();
+            assert_eq!(rates.len(), 5, "{case} {scheduler}");
+            assert!(
+                rates
+                    .iter()
+                    .all(|r| (0.0..=1.0).contains(&r.as_f64().unwrap()))
+            );
+        }
+    }
+    let (ok, _, err) = sim(&["experiment", "orloj", "--case", "nine-modal"]);
+    assert!(!ok);
+    assert!(
+        err.contains("nine-modal") && err.contains("eight-modal"),
+        "{err}"
+    );
+}
+
+#[test]
+fn orloj_queue_json_has_a_row_per_size() {
+    let (ok, out, err) = sim(&["experiment", "orloj-queue", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    let sizes: Vec<u64> = rows
+        .iter()
+        .map(|r| r["pending"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [10, 100, 1_000, 10_000]);
+    for row in rows {
+        for field in ["insert_us", "replace_us", "query_us"] {
+            assert!(row[field].as_f64().unwrap() > 0.0, "{field}");
+        }
+    }
+}
+
+#[test]
 fn fluid_json_has_the_documented_shape() {
     let (ok, out, err) = sim(&["experiment", "fluid", "--json"]);
     assert!(ok, "{err}");

@@ -70,3 +70,27 @@ fn experiments_are_deterministic_per_seed() {
     let b = serde_json::to_string(&experiments::training(9).unwrap()).unwrap();
     assert_eq!(a, b);
 }
+
+#[test]
+fn orloj_experiment_meets_its_targets() {
+    let result = salus_sim::orloj::orloj(1, salus_sim::orloj::DEFAULT_SEEDS).expect("runs");
+    assert_eq!(result.cases.len(), salus_sim::orloj::cases().len());
+    let (checks, misses) = salus_sim::orloj::orloj_targets(&result);
+    assert!(misses.is_empty(), "{misses:?}");
+    assert_all_met("orloj", 1, &checks);
+}
+
+#[test]
+fn orloj_experiment_is_deterministic_per_seed() {
+    let cases: Vec<_> = salus_sim::orloj::cases()
+        .into_iter()
+        .filter(|c| c.name == "std-2/0.5")
+        .collect();
+    let run = || {
+        serde_json::to_string(
+            &salus_sim::orloj::orloj_cases(&cases, 5, 2, salus_sim::orloj::LOAD).unwrap(),
+        )
+        .unwrap()
+    };
+    assert_eq!(run(), run());
+}
