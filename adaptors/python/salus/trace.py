@@ -207,10 +207,28 @@ _BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
 _KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward")
 
 
+def _adaptive_avg_pool2d(x, output_size):
+    # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
+    # would leave view mutations in the graph: the IR has the pooling op itself.
+    return aten._adaptive_avg_pool2d.default(x, output_size)
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    return aten.clamp.default(x, min_val, max_val)
+
+
+def _hardtanh_backward(grad, x, min_val, max_val):
+    # PyTorch's: the gradient where min_val < x < max_val, else 0.
+    inside = aten.logical_and.default(aten.gt.Scalar(x, min_val), aten.lt.Scalar(x, max_val))
+    return aten.where.self(inside, grad, aten.full_like.default(grad, 0))
+
+
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
-    stays within aten, and ``empty``/``empty_permuted`` as zero-filled ``full``; without
+    stays within aten, ``empty``/``empty_permuted`` as zero-filled ``full``,
+    ``adaptive_avg_pool2d`` as the pooling op (not a mean and a strided view) and
+    ``hardtanh`` (ReLU6) as a clamp with its masked gradient; without
     the decompositions of the ops of ``_KEPT_WHOLE``, which stay whole."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
@@ -226,6 +244,9 @@ def decomposition_table() -> dict:
             if op in _all_decompositions:
                 table[op] = _all_decompositions[op]
     table[aten.var_mean.correction] = _var_mean
+    table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    table[aten.hardtanh.default] = _hardtanh
+    table[aten.hardtanh_backward.default] = _hardtanh_backward
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
     return table
@@ -372,10 +393,79 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
     with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
           sdpa_kernel(SDPBackend.MATH)):
         gm = traced(*args)
+    _drop_layouts(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+def _dense_in_order(shape, stride) -> bool:
+    """Whether a strided view of ``shape`` with ``stride`` (offset 0) reads its elements
+    in row-major order from a dense block: strides of dimensions longer than 1 are the
+    contiguous ones. Such a view only relabels memory layout, which the IR has not."""
+    expected = 1
+    for size, step in reversed(list(zip(shape, stride))):
+        if size > 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _drop_layouts(gm: torch.fx.GraphModule) -> None:
+    """Rewrites the layout-only ops functionalization leaves (a composite that restrides
+    its result for channels-last memory, and that view's update in the backward) into
+    what they compute on row-major tensors: ``as_strided`` and ``as_strided_scatter`` of
+    a whole tensor in row-major order become a ``view``, ``copy`` the source cast and
+    expanded to the destination, ``alias`` its input. Anything else stays, and the
+    lowering names it."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        target = node.target
+        if target is aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            continue
+        if target is aten.as_strided.default:
+            source, size, stride = node.args[:3]
+            offset = node.args[3] if len(node.args) > 3 else 0
+            whole = source.meta["val"].numel() == val.numel()
+            if offset or not whole or not _dense_in_order(size, stride):
+                continue
+            replacement = (source, size)
+        elif target is aten.as_strided_scatter.default:
+            base, src, size, stride = node.args[:4]
+            offset = node.args[4] if len(node.args) > 4 else 0
+            if offset or base.meta["val"].numel() != src.meta["val"].numel() \
+                    or not _dense_in_order(size, stride):
+                continue
+            replacement = (src, list(val.shape))
+        elif target is aten.copy.default:
+            dst, src = node.args[:2]
+            with graph.inserting_before(node):
+                value = src
+                if src.meta["val"].dtype != val.dtype:
+                    value = graph.call_function(aten._to_copy.default, (src,),
+                                                {"dtype": val.dtype})
+                    value.meta["val"] = src.meta["val"].to(val.dtype)
+                if tuple(src.meta["val"].shape) != tuple(val.shape):
+                    value = graph.call_function(aten.expand.default,
+                                                (value, list(val.shape)))
+                    value.meta["val"] = val
+            node.replace_all_uses_with(value)
+            continue
+        else:
+            continue
+        source, shape = replacement
+        if tuple(source.meta["val"].shape) == tuple(shape):
+            node.replace_all_uses_with(source)
+            continue
+        with graph.inserting_before(node):
+            view = graph.call_function(aten.view.default, (source, list(shape)))
+        view.meta["val"] = val
+        node.replace_all_uses_with(view)
 
 
 def _check_no_mutation(gm: torch.fx.GraphModule) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -288,3 +290,39 @@ def test_graphs_carry_pytorchs_tf32_flags():
     finally:
         torch.backends.cudnn.allow_tf32 = conv
         torch.set_float32_matmul_precision(precision)
+
+
+class _ChannelsLastHead(nn.Module):
+    """A convnext-like head: a layer norm over channels (through permutes), then a 1x1
+    adaptive pool of what is then a channels-last tensor, whose composite restrides it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+        self.norm = nn.LayerNorm(8)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(x).permute(0, 2, 3, 1)
+        h = self.norm(h).permute(0, 3, 1, 2)
+        return self.head(self.pool(h).flatten(1))
+
+
+def test_layout_only_views_lower_to_what_they_compute():
+    model = _ChannelsLastHead()
+    x, y = torch.randn(2, 3, 4, 4), torch.tensor([0, 2])
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy,
+                                    torch.optim.SGD(model.parameters(), lr=0.1), (x, y))
+    assert not {"as_strided", "as_strided_scatter", "copy"} & set(traced.ops())
+    check_graph_structure(_roundtrip(traced.to_graph()), supported_ops(), kind="train")
+    def eager(m, dtype):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        nn.functional.cross_entropy(m(x.to(dtype)), y).backward()
+        opt.step()
+        return {n: p.detach() for n, p in m.named_parameters()}
+
+    exact = eager(f64_twin(model), torch.float64)
+    pytorch = eager(copy.deepcopy(model), torch.float32)
+    state, _ = traced.run(dict(traced.initial_state), x, y)
+    assert_as_exact_as_pytorch({n: state[n] for n in exact}, exact, pytorch)
