@@ -223,6 +223,24 @@ def _hardtanh_backward(grad, x, min_val, max_val):
     return aten.where.self(inside, grad, aten.full_like.default(grad, 0))
 
 
+def _slice_backward(grad, input_sizes, dim, start, end, step):
+    """A slice's gradient: ``grad`` placed at the slice in zeros. With step 1 that is
+    constant padding; with a larger step, an ``index_put`` of ``grad`` at the slice's
+    indices along ``dim`` (both IR ops, where PyTorch writes ``slice_scatter``)."""
+    rank = len(input_sizes)
+    dim = dim % rank
+    size = input_sizes[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    length = grad.shape[dim]
+    if step == 1:
+        pad = [0, 0] * (rank - 1 - dim) + [start, size - start - length]
+        return aten.constant_pad_nd.default(grad, pad, 0.0)
+    zeros = aten.full.default(list(input_sizes), 0, dtype=grad.dtype, device=grad.device)
+    where = aten.arange.start_step(start, start + length * step, step, dtype=torch.int64,
+                                   device=grad.device)
+    return aten.index_put.default(zeros, [None] * dim + [where], grad, False)
+
+
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
@@ -247,6 +265,7 @@ def decomposition_table() -> dict:
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.hardtanh.default] = _hardtanh
     table[aten.hardtanh_backward.default] = _hardtanh_backward
+    table[aten.slice_backward.default] = _slice_backward
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
     return table
@@ -395,9 +414,85 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
         gm = traced(*args)
     _drop_layouts(gm)
     gm.graph.eliminate_dead_code()
+    _fold_constants(gm)
+    gm.graph.eliminate_dead_code()
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+#: The largest result (elements) a constant computation is folded into a constant of.
+_FOLD_LIMIT = 1 << 20
+
+
+def _fold_constants(gm: torch.fx.GraphModule) -> None:
+    """Evaluates once, at trace time, the computations that depend on no input and use an
+    op the IR lacks (masks and index tables built from shapes alone, e.g. shifted-window
+    attention's), and makes their results constants of the graph. They are the same at
+    every iteration, so nothing is lost; computations that depend on an input, draw
+    random numbers, or give more than ``_FOLD_LIMIT`` elements stay, and the lowering
+    names an op the IR lacks."""
+    from .lower import LoweringError, _ir_op, _unsupported_reason
+
+    def unsupported(node: torch.fx.Node) -> bool:
+        try:
+            name, overload = _ir_op(node)
+        except LoweringError:
+            return True
+        return _unsupported_reason(name, overload or node.target) is not None
+
+    graph = gm.graph
+    constant: dict[torch.fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            constant[node] = True
+        elif node.op == "call_function":
+            inputs = node.all_input_nodes
+            constant[node] = (all(constant.get(n, False) for n in inputs)
+                              and not node.target._schema.is_mutable
+                              if isinstance(node.target, torch._ops.OpOverload)
+                              else all(constant.get(n, False) for n in inputs))
+            if node.target is aten.bernoulli.p or "rand" in str(node.target):
+                constant[node] = False
+        else:
+            constant[node] = False
+    roots = [n for n in graph.nodes if constant.get(n) and n.op == "call_function"
+             and any(not constant.get(u, False) for u in n.users)]
+    values: dict[torch.fx.Node, object] = {}
+
+    def evaluate(node: torch.fx.Node):
+        if node in values:
+            return values[node]
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), evaluate)
+            value = node.target(*args, **kwargs)
+        values[node] = value
+        return value
+
+    for index, root in enumerate(roots):
+        ancestors, stack = set(), [root]
+        while stack:
+            n = stack.pop()
+            if n not in ancestors and n.op == "call_function":
+                ancestors.add(n)
+                stack.extend(n.all_input_nodes)
+        if not any(unsupported(n) for n in ancestors):
+            continue
+        try:
+            with torch.no_grad():
+                value = evaluate(root)
+        except Exception:  # noqa: BLE001  (left for the lowering to name)
+            continue
+        if not isinstance(value, torch.Tensor) or value.numel() > _FOLD_LIMIT:
+            continue
+        name = f"_folded_{index}"
+        gm.register_buffer(name, value.detach().clone())
+        with graph.inserting_before(root):
+            folded = graph.get_attr(name)
+        folded.meta["val"] = root.meta.get("val")
+        root.replace_all_uses_with(folded)
 
 
 def _dense_in_order(shape, stride) -> bool:
