@@ -940,6 +940,36 @@ async fn sessions_survive_a_restart_and_their_clients_reattach() {
     assert_eq!(w, alone_w);
 }
 
+/// `--snapshot-every 0` snapshots only at shutdown, as documented (salusd refused to start
+/// with it: "out of range"; found by the soak benchmark).
+#[tokio::test]
+async fn snapshot_every_zero_snapshots_only_at_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = [
+        "--device",
+        "cpu",
+        "--state-dir",
+        &state_arg,
+        "--snapshot-every",
+        "0",
+    ];
+    let mut daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    let job = Job::new("only-at-shutdown", 8, 4, 1, 7);
+    let mut session = client.open(job.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    session.run(job.feeds(0)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(std::fs::read_dir(&state).unwrap().count(), 0);
+    daemon.signal("TERM");
+    assert!(daemon.child.wait().unwrap().success(), "{}", daemon.log());
+    assert_eq!(std::fs::read_dir(&state).unwrap().count(), 1);
+    drop(session);
+}
+
 /// A restored session whose client never comes back is closed after --reattach-timeout.
 #[tokio::test]
 async fn a_restored_session_nobody_reattaches_is_closed() {
