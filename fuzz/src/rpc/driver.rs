@@ -31,6 +31,8 @@ const SETTLE: Duration = Duration::from_secs(600);
 const MAX_STEPS: usize = 24;
 /// `--open-timeout` of the engine (paused clock).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// `--reattach-timeout` after a restart (paused clock).
+const REATTACH_TIMEOUT: Duration = Duration::from_secs(60);
 
 const OPEN: &str = "/salus.v1.Sessions/Open";
 const RUN: &str = "/salus.v1.Sessions/Run";
@@ -85,9 +87,9 @@ pub fn run(script: &Script) {
             patch: super::Patch::default(),
             auth: 2,
         });
-        harness.step(&first).await;
+        harness.step(&first, &script.setup).await;
         for step in script.steps.iter().take(MAX_STEPS) {
-            if !harness.step(step).await {
+            if !harness.step(step, &script.setup).await {
                 break;
             }
         }
@@ -185,6 +187,8 @@ struct Known {
     programs: Vec<GraphInfo>,
     lease: Option<mpsc::Sender<Vec<u8>>>,
     updates: Option<JoinHandle<()>>,
+    /// Held by this script's client (false after a restart, until it reattaches).
+    attached: bool,
 }
 
 /// An `Open` stream not (yet) answered with `opened`.
@@ -207,36 +211,7 @@ struct Harness {
 
 impl Harness {
     fn start(setup: &Setup) -> Harness {
-        let capacity = match setup.memory {
-            Memory::Small => 64 << 10,
-            Memory::Medium => 1 << 20,
-            Memory::Large => 16 << 20,
-        };
-        let device = Arc::new(salus_cpu::CpuDevice::new(capacity).expect("a cpu device"));
-        let host_memory = setup
-            .host_memory_kib
-            .map_or(capacity, |kib| u64::from(kib) << 10);
-        let policy: PolicyKind = POLICIES[usize::from(setup.policy) % POLICIES.len()]
-            .parse()
-            .expect("a policy");
-        let engine = Engine::start(EngineConfig {
-            device,
-            memory: MemoryConfig::new(capacity, 0),
-            policy,
-            limits: salus_graph::Limits::default(),
-            daemon_uid: DAEMON_UID,
-            host_memory,
-            user_host_memory: host_memory / 2,
-            max_sessions_per_user: 1 + u64::from(setup.max_sessions % 8),
-            open_timeout: OPEN_TIMEOUT,
-        })
-        .expect("the engine starts");
-        let access = Access {
-            daemon_uid: DAEMON_UID,
-            token: (!setup.insecure).then(|| TOKEN.to_string()),
-            insecure_tcp: setup.insecure,
-        };
-        let (sessions, admin) = salusd::services(&engine, &access);
+        let (engine, sessions, admin) = daemon(setup);
         Harness {
             engine,
             sessions,
@@ -246,6 +221,30 @@ impl Harness {
             gone: Vec::new(),
             opening: Vec::new(),
             pending: Vec::new(),
+        }
+    }
+
+    /// salusd restarts with its state directory: the engine shuts down keeping every
+    /// session's snapshot, a new one brings them back, and the clients' streams to the old
+    /// one end (their sessions wait for a reattach).
+    async fn restart(&mut self, setup: &Setup) {
+        let kept = tokio::time::timeout(SETTLE, self.engine.shutdown(true))
+            .await
+            .expect("shutdown finishes");
+        let (engine, sessions, admin) = daemon(setup);
+        let (_, refused) = salusd::keeper::restore_snapshots(&engine, kept, REATTACH_TIMEOUT);
+        assert!(
+            refused.is_empty(),
+            "snapshots that did not come back: {refused:?}"
+        );
+        (self.engine, self.sessions, self.admin) = (engine, sessions, admin);
+        for known in &mut self.known {
+            known.lease = None;
+            known.attached = false;
+            self.pending.extend(known.updates.take());
+        }
+        for opening in std::mem::take(&mut self.opening) {
+            self.pending.push(opening.updates);
         }
     }
 
@@ -354,7 +353,7 @@ impl Harness {
     }
 
     /// Carries out one step; false once the daemon has shut down.
-    async fn step(&mut self, step: &Step) -> bool {
+    async fn step(&mut self, step: &Step, setup: &Setup) -> bool {
         match step {
             Step::Open(spec) => {
                 let info = GraphInfo::of(&spec.graph);
@@ -640,6 +639,7 @@ impl Harness {
             Step::Wait(seconds) => {
                 tokio::time::sleep(Duration::from_secs(u64::from(seconds % 64))).await;
             }
+            Step::Restart => self.restart(setup).await,
             Step::Shutdown { keep } => {
                 let shutdown = self.engine.shutdown(*keep);
                 tokio::time::timeout(SETTLE, shutdown)
@@ -671,18 +671,28 @@ impl Harness {
                     panic!("an Open stream's first update is {update:?}, not `opened`");
                 };
                 trace(format_args!("opened"));
-                assert!(
-                    self.known.iter().all(|k| k.id != opened.session),
-                    "session {} opened twice: two leases",
-                    opened.session
-                );
-                self.known.push(Known {
-                    id: opened.session,
-                    token: opened.token,
-                    programs: vec![info],
-                    lease,
-                    updates: Some(tokio::spawn(read_updates(updates))),
-                });
+                let reader = Some(tokio::spawn(read_updates(updates)));
+                match self.known.iter_mut().find(|k| k.id == opened.session) {
+                    Some(known) => {
+                        assert!(
+                            !known.attached,
+                            "session {} opened twice: two leases",
+                            opened.session
+                        );
+                        trace(format_args!("reattached"));
+                        known.attached = true;
+                        known.lease = lease;
+                        known.updates = reader;
+                    }
+                    None => self.known.push(Known {
+                        id: opened.session,
+                        token: opened.token,
+                        programs: vec![info],
+                        lease,
+                        updates: reader,
+                        attached: true,
+                    }),
+                }
             }
             Ok(Ok(None)) => panic!("an Open stream ended with OK before `opened`"),
             Ok(Err(status)) => check(&status),
@@ -740,6 +750,8 @@ impl Harness {
             panic!("the engine stopped: {reason}");
         }
         let deadline = tokio::time::Instant::now() + SETTLE;
+        // Paused time costs nothing, but every look does: look less often as time goes.
+        let mut wait = Duration::from_millis(10);
         loop {
             let sessions = self.list_sessions().await;
             let status = self.status().await;
@@ -758,12 +770,54 @@ impl Harness {
                 tokio::time::Instant::now() < deadline,
                 "left behind after every client had gone: {sessions:?} {status:?}"
             );
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(10));
         }
         tokio::time::timeout(SETTLE, self.engine.shutdown(false))
             .await
             .expect("shutdown finishes");
     }
+}
+
+/// An engine as `setup` says and salusd's services on it.
+fn daemon(
+    setup: &Setup,
+) -> (
+    Engine,
+    AnswerMissingMessage<pb::sessions_server::SessionsServer<Service>>,
+    AnswerMissingMessage<pb::admin_server::AdminServer<Service>>,
+) {
+    let capacity = match setup.memory {
+        Memory::Small => 64 << 10,
+        Memory::Medium => 1 << 20,
+        Memory::Large => 16 << 20,
+    };
+    let device = Arc::new(salus_cpu::CpuDevice::new(capacity).expect("a cpu device"));
+    let host_memory = setup
+        .host_memory_kib
+        .map_or(capacity, |kib| u64::from(kib) << 10);
+    let policy: PolicyKind = POLICIES[usize::from(setup.policy) % POLICIES.len()]
+        .parse()
+        .expect("a policy");
+    let engine = Engine::start(EngineConfig {
+        device,
+        memory: MemoryConfig::new(capacity, 0),
+        policy,
+        limits: salus_graph::Limits::default(),
+        daemon_uid: DAEMON_UID,
+        host_memory,
+        user_host_memory: host_memory / 2,
+        max_sessions_per_user: 1 + u64::from(setup.max_sessions % 8),
+        open_timeout: OPEN_TIMEOUT,
+    })
+    .expect("the engine starts");
+    let access = Access {
+        daemon_uid: DAEMON_UID,
+        token: (!setup.insecure).then(|| TOKEN.to_string()),
+        insecure_tcp: setup.insecure,
+    };
+    let (sessions, admin) = salusd::services(&engine, &access);
+    (engine, sessions, admin)
 }
 
 /// Reads a session's updates until its stream ends.

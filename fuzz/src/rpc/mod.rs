@@ -120,6 +120,9 @@ pub enum Step {
     },
     /// Time passes (tokio's paused clock), in seconds.
     Wait(u8),
+    /// salusd restarts with a state directory: its sessions come back and wait for their
+    /// clients to reattach.
+    Restart,
     /// salusd shuts down (SIGTERM), keeping snapshots or not; the script ends there.
     Shutdown {
         keep: bool,
