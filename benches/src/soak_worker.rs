@@ -360,3 +360,35 @@ pub fn run(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_feeds_its_graph_and_its_solo_run_repeats_bit_for_bit() {
+        let job = Job::new(42);
+        let graph = job.graph();
+        let feeds: Vec<u64> = graph
+            .tensors
+            .iter()
+            .filter(|t| t.role == salus_graph::Role::Feed)
+            .map(|t| t.ty.bytes().unwrap_or(0))
+            .collect();
+        let sizes: Vec<u64> = job.feeds(3).iter().map(|f| f.len() as u64).collect();
+        assert_eq!(sizes, feeds);
+        let (losses, weights) = job.alone(5).expect("runs");
+        assert_eq!(losses.len(), 5);
+        assert_eq!(job.alone(5).expect("runs"), (losses, weights));
+        assert_ne!(job.feeds(0), Job::new(43).feeds(0), "jobs differ by seed");
+    }
+
+    #[test]
+    fn only_a_daemon_going_away_sends_a_session_back_for_its_token() {
+        let status = |code| salus_client::Error::Status(tonic::Status::new(code, ""));
+        assert!(daemon_gone(&status(tonic::Code::Unavailable)));
+        assert!(daemon_gone(&status(tonic::Code::Unknown)));
+        assert!(!daemon_gone(&status(tonic::Code::NotFound)));
+        assert!(!daemon_gone(&status(tonic::Code::InvalidArgument)));
+    }
+}
