@@ -7,6 +7,7 @@
 //! cargo run --release -p salus-bench -- rpc --json
 //! cargo run --release -p salus-bench -- cuda --json     # on a host with a GPU
 //! cargo run --release -p salus-bench -- profile --model resnet50   # where the GPU time goes
+//! cargo build --release -p salusd && cargo run --release -p salus-bench -- soak --json
 //! ```
 
 mod core_suite;
@@ -15,6 +16,8 @@ mod engine_suite;
 mod plan_suite;
 mod profile_suite;
 mod rpc_suite;
+mod soak_suite;
+mod soak_worker;
 
 use std::process::ExitCode;
 
@@ -112,6 +115,65 @@ enum Suite {
         #[arg(long)]
         json: bool,
     },
+    /// Load and soak: a real salusd (with --state-dir), many sessions from many client
+    /// processes, clients killed and connections dropped mid-iteration, salusd restarted
+    /// (SIGTERM) while they run; what is left behind (sessions, snapshots, the daemon's
+    /// resident memory and file descriptors) and a victim session against its solo run.
+    Soak {
+        /// Sessions per round, over all client processes (each on its own connection).
+        #[arg(long, default_value_t = 200)]
+        sessions: u64,
+        /// Client processes per round.
+        #[arg(long, default_value_t = 8)]
+        clients: u64,
+        /// Rounds.
+        #[arg(long, default_value_t = 12)]
+        rounds: u64,
+        /// Iterations of each session.
+        #[arg(long, default_value_t = 200)]
+        iterations: u64,
+        /// Fraction of client processes killed (SIGKILL) at a random moment of each round.
+        #[arg(long, default_value_t = 0.25)]
+        kill: f64,
+        /// Fraction of sessions that drop their connection in the middle of an iteration.
+        #[arg(long, default_value_t = 0.05)]
+        drop: f64,
+        /// Restarts of salusd (SIGTERM, then a new process on the same state directory),
+        /// one in each of rounds 1, 2, ...
+        #[arg(long, default_value_t = 3)]
+        restarts: u64,
+        /// The device: cpu or sim.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// The salusd binary (default: the one beside this binary).
+        #[arg(long)]
+        salusd: Option<std::path::PathBuf>,
+        /// Seed of the kills, drops and restart moments.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One client process of `soak` (started by it).
+    #[command(hide = true)]
+    SoakWorker {
+        /// salusd's address.
+        #[arg(long)]
+        address: String,
+        /// Sessions of this process, each on its own connection.
+        #[arg(long)]
+        sessions: u64,
+        /// Iterations of each session.
+        #[arg(long)]
+        iterations: u64,
+        /// Where its sessions' jobs and drops come from.
+        #[arg(long)]
+        seed: u64,
+        /// Fraction of its sessions that drop their connection mid-iteration.
+        #[arg(long)]
+        drop: f64,
+    },
     /// The graph planner: validate and plan serialized graphs (`salus.v1.Graph` files,
     /// e.g. from `python -m salus.reference`); P, E, the lower bound and their ratio.
     Plan {
@@ -124,6 +186,12 @@ enum Suite {
     },
 }
 
+/// The salusd binary beside this one (cargo puts both in the same target folder).
+fn beside_this_binary() -> Result<std::path::PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    Ok(exe.with_file_name("salusd"))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.suite {
@@ -134,6 +202,44 @@ fn main() -> ExitCode {
         } => core_suite::run(sessions, events, json),
         Suite::Plan { graphs, json } => plan_suite::run(&graphs, json),
         Suite::Rpc { iterations, json } => rpc_suite::run(iterations, json),
+        Suite::Soak {
+            sessions,
+            clients,
+            rounds,
+            iterations,
+            kill,
+            drop,
+            restarts,
+            device,
+            salusd,
+            seed,
+            json,
+        } => salusd
+            .map_or_else(beside_this_binary, Ok)
+            .and_then(|salusd| {
+                soak_suite::run(
+                    &soak_suite::Options {
+                        sessions,
+                        clients,
+                        rounds,
+                        iterations,
+                        kill,
+                        drop,
+                        restarts,
+                        device,
+                        salusd,
+                        seed,
+                    },
+                    json,
+                )
+            }),
+        Suite::SoakWorker {
+            address,
+            sessions,
+            iterations,
+            seed,
+            drop,
+        } => soak_worker::run(&address, sessions, iterations, seed, drop),
         Suite::Engine {
             dir,
             iterations,

@@ -219,6 +219,20 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// Parses a duration: `300s`, `5m`, `1h`, `250ms`, or seconds (`300`, `1.5`).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    parse_interval(s)?
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{s:?} is out of range (more than 0, less than centuries)"))
+}
+
+/// Parses how often something recurs, where `0` (in any unit) means never, as
+/// `--snapshot-every` takes it.
+pub fn parse_period(s: &str) -> Result<Duration, String> {
+    parse_interval(s)?
+        .ok_or_else(|| format!("{s:?} is out of range (0 for never, or less than centuries)"))
+}
+
+/// A duration's value, zero included; `Ok(None)` when it does not fit a `Duration`.
+fn parse_interval(s: &str) -> Result<Option<Duration>, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -234,10 +248,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => value * 3600.0,
         other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
     };
-    Duration::try_from_secs_f64(seconds)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| format!("{s:?} is out of range (more than 0, less than centuries)"))
+    Ok(Duration::try_from_secs_f64(seconds).ok())
 }
 
 /// Reads the bearer token from `path`: the file's content without surrounding whitespace.
@@ -300,6 +311,17 @@ mod tests {
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("1e30").is_err());
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn periods_may_be_zero_for_never() {
+        assert_eq!(parse_period("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_period("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_period("0ms"), Ok(Duration::ZERO));
+        assert_eq!(parse_period("5m"), Ok(Duration::from_secs(300)));
+        assert!(parse_period("-1").is_err());
+        assert!(parse_period("1e30").is_err());
+        assert!(parse_period("often").is_err());
     }
 
     #[test]

@@ -10,7 +10,8 @@ use crate::engine::{Command, Engine, EventKind, HostImage, NewSession, Restored}
 use crate::state::{self, Snapshot};
 
 /// Brings back every session snapshotted in `dir`; a session nobody reattaches to within
-/// `reattach_timeout` is closed. Returns how many came back.
+/// `reattach_timeout` is closed. A snapshot that cannot come back is set aside. Returns
+/// how many came back.
 pub async fn restore(engine: &Engine, dir: &Path, reattach_timeout: Duration) -> usize {
     let found = {
         let dir = dir.to_path_buf();
@@ -18,8 +19,32 @@ pub async fn restore(engine: &Engine, dir: &Path, reattach_timeout: Duration) ->
             .await
             .unwrap_or_default()
     };
-    let mut restored = 0;
-    for snapshot in found {
+    let (restored, refused) = restore_snapshots(engine, found, reattach_timeout);
+    for (id, why) in &refused {
+        tracing::error!(session = id, %why, "session snapshot not restored");
+        state::set_aside(dir, *id);
+    }
+    if restored > 0 {
+        tracing::info!(
+            restored,
+            ?reattach_timeout,
+            "sessions restored; waiting for their clients"
+        );
+    }
+    restored
+}
+
+/// Brings back `snapshots` as sessions waiting for their clients (each closed if nobody
+/// reattaches within `reattach_timeout`); returns how many came back, and those that
+/// cannot, with why (the rest, if the engine stopped, are left as they were). Runs on the
+/// engine's runtime.
+pub fn restore_snapshots(
+    engine: &Engine,
+    snapshots: Vec<Snapshot>,
+    reattach_timeout: Duration,
+) -> (usize, Vec<(u64, String)>) {
+    let (mut restored, mut refused) = (0, Vec::new());
+    for snapshot in snapshots {
         let id = snapshot.id;
         match bring_back(engine, snapshot) {
             Ok(session) => {
@@ -33,20 +58,10 @@ pub async fn restore(engine: &Engine, dir: &Path, reattach_timeout: Duration) ->
                     let _ = engine.send(Command::ExpireOrphan(id));
                 });
             }
-            Err(why) => {
-                tracing::error!(session = id, %why, "session snapshot not restored");
-                state::set_aside(dir, id);
-            }
+            Err(why) => refused.push((id, why)),
         }
     }
-    if restored > 0 {
-        tracing::info!(
-            restored,
-            ?reattach_timeout,
-            "sessions restored; waiting for their clients"
-        );
-    }
-    restored
+    (restored, refused)
 }
 
 /// A snapshot as a session for the engine: its programs planned again for this device,
@@ -64,6 +79,9 @@ fn bring_back(engine: &Engine, snapshot: Snapshot) -> Result<NewSession, String>
                 .map_err(|e| format!("planning a program: {e}"))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if programs.is_empty() {
+        return Err("it holds no program".into());
+    }
     let first = programs.remove(0);
     let p = first.plan().persistent_bytes;
     if snapshot.block.len() as u64 != p {

@@ -29,6 +29,7 @@ use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 pub use config::{Config, DeviceChoice};
 use engine::{Engine, EngineConfig};
+use service::AnswerMissingMessage;
 
 /// How long shutdown waits for clients to let go after every session is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -227,26 +228,43 @@ fn tls_identity(config: &Config) -> Result<Option<ServerTlsConfig>, DaemonError>
     Ok(Some(tls))
 }
 
+/// The two gRPC services as salusd serves them (message sizes included), answering from
+/// `engine` and authenticating with `access`: what every listener routes to, and what the
+/// fuzz targets drive in process.
+pub fn services(
+    engine: &Engine,
+    access: &auth::Access,
+) -> (
+    AnswerMissingMessage<pb::sessions_server::SessionsServer<service::Service>>,
+    AnswerMissingMessage<pb::admin_server::AdminServer<service::Service>>,
+) {
+    let service = service::Service::new(engine.clone(), access.clone());
+    (
+        AnswerMissingMessage::new(
+            pb::sessions_server::SessionsServer::new(service.clone())
+                .max_decoding_message_size(wire::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(wire::MAX_MESSAGE_BYTES),
+        ),
+        AnswerMissingMessage::new(pb::admin_server::AdminServer::new(service)),
+    )
+}
+
 fn router(
     engine: &Engine,
     access: &auth::Access,
     tls: Option<ServerTlsConfig>,
 ) -> Result<tonic::transport::server::Router, DaemonError> {
-    let service = service::Service::new(engine.clone(), access.clone());
     let mut server = Server::builder();
     if let Some(tls) = tls {
         server = server
             .tls_config(tls)
             .map_err(|e| DaemonError::Settings(format!("--tls-cert: {e}")))?;
     }
+    let (sessions, admin) = services(engine, access);
     Ok(server
         .tcp_nodelay(true)
-        .add_service(
-            pb::sessions_server::SessionsServer::new(service.clone())
-                .max_decoding_message_size(wire::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(wire::MAX_MESSAGE_BYTES),
-        )
-        .add_service(pb::admin_server::AdminServer::new(service)))
+        .add_service(sessions)
+        .add_service(admin))
 }
 
 /// A running daemon: its engine (for in-process benchmarks) and where it listens.

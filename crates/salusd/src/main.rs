@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use salusd::config::{FileConfig, align_down, parse_bytes, parse_duration};
+use salusd::config::{FileConfig, align_down, parse_bytes, parse_duration, parse_period};
 use salusd::{Config, DeviceChoice};
 
 /// The salus daemon: owns one device and runs many jobs' sessions on it, packed into
@@ -141,7 +141,7 @@ fn config(args: Args) -> Result<(Config, String), String> {
     config.state_dir = args.state_dir.or(file.state_dir);
     if let Some(every) = args.snapshot_every.or(file.snapshot_every) {
         config.snapshot_every =
-            parse_duration(&every).map_err(|e| format!("--snapshot-every: {e}"))?;
+            parse_period(&every).map_err(|e| format!("--snapshot-every: {e}"))?;
     }
     if let Some(timeout) = args.reattach_timeout.or(file.reattach_timeout) {
         config.reattach_timeout =

@@ -940,6 +940,81 @@ async fn sessions_survive_a_restart_and_their_clients_reattach() {
     assert_eq!(w, alone_w);
 }
 
+/// A restored session works only for the client that took it back: a client whose
+/// connection came back by itself after the restart (tonic's and grpcio's channels
+/// reconnect) is told to reattach (UNAVAILABLE) rather than run on a session with no lease,
+/// which --reattach-timeout would close under it (found by the soak benchmark).
+#[tokio::test]
+async fn a_restored_session_works_only_once_its_client_reattaches() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = ["--device", "cpu", "--state-dir", state_arg.as_str()];
+    let job = Job::new("lease", 8, 4, 1, 8);
+    let mut daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    let mut session = client.open(job.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    session.run(job.feeds(0)).await.unwrap();
+    daemon.signal("TERM");
+    assert!(daemon.child.wait().unwrap().success(), "{}", daemon.log());
+    let _daemon = Daemon::start_at(&socket, &args);
+    // The old handles, on a channel that reconnects to the new daemon by itself (its
+    // first call may see the old connection broken).
+    let first = session.run(job.feeds(1)).await;
+    assert!(first.is_err(), "ran on a session with no lease");
+    for attempt in [
+        session.run(job.feeds(1)).await.map(|_| ()),
+        session.read(&[0]).await.map(|_| ()),
+        session.write(&[(0, job.initial())]).await.map(|_| ()),
+    ] {
+        let Err(salus_client::Error::Status(status)) = attempt else {
+            panic!("{attempt:?}");
+        };
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("reattach"), "{status:?}");
+    }
+    let back = client
+        .reattach(session.id, session.token.clone())
+        .await
+        .unwrap();
+    assert_eq!(back.iterations, 1);
+    let out = back.run(job.feeds(1)).await.unwrap();
+    let (alone, _) = job.alone(2);
+    assert_eq!(floats(&out.fetches[0])[0], alone[1]);
+}
+
+/// `--snapshot-every 0` snapshots only at shutdown, as documented (salusd refused to start
+/// with it: "out of range"; found by the soak benchmark).
+#[tokio::test]
+async fn snapshot_every_zero_snapshots_only_at_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("salusd.sock");
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let args = [
+        "--device",
+        "cpu",
+        "--state-dir",
+        &state_arg,
+        "--snapshot-every",
+        "0",
+    ];
+    let mut daemon = Daemon::start_at(&socket, &args);
+    let client = daemon.client().await;
+    let job = Job::new("only-at-shutdown", 8, 4, 1, 7);
+    let mut session = client.open(job.options()).await.unwrap();
+    session.admitted().await.unwrap();
+    session.run(job.feeds(0)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(std::fs::read_dir(&state).unwrap().count(), 0);
+    daemon.signal("TERM");
+    assert!(daemon.child.wait().unwrap().success(), "{}", daemon.log());
+    assert_eq!(std::fs::read_dir(&state).unwrap().count(), 1);
+    drop(session);
+}
+
 /// A restored session whose client never comes back is closed after --reattach-timeout.
 #[tokio::test]
 async fn a_restored_session_nobody_reattaches_is_closed() {

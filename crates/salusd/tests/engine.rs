@@ -414,3 +414,56 @@ async fn session_ids_start_anew_at_random_and_stay_json_safe() {
         assert!(id < 1 << 53, "{id}: past what JSON doubles hold exactly");
     }
 }
+
+/// Once salusd shuts down, a request naming a session the shutdown closed is told salusd
+/// is shutting down (UNAVAILABLE: come back after the restart), not that the session does
+/// not exist (NOT_FOUND, which it said; found by the soak benchmark: a client whose
+/// iteration arrived in that moment gave its session up).
+#[tokio::test]
+async fn sessions_closed_by_the_shutdown_answer_shutting_down() {
+    let engine = start();
+    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
+    let p = program.plan().persistent_bytes;
+    let (tx, mut updates) = mpsc::unbounded_channel();
+    let id = engine.new_session_id();
+    engine
+        .send(Command::Open(Box::new(NewSession {
+            id,
+            owner: DAEMON,
+            image: salusd::engine::HostImage {
+                bytes: vec![0; p as usize],
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
+            },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
+            program,
+            kind: SessionKind::Training,
+            hints: Hints::default(),
+            updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
+        })))
+        .unwrap();
+    assert!(matches!(
+        updates.recv().await.unwrap().unwrap(),
+        SessionUpdate::Opened { .. }
+    ));
+    let unknown = id + 1000;
+    engine.shutdown(false).await;
+    for session in [id, unknown] {
+        let run = engine
+            .ask(|reply| Command::Run {
+                principal: DAEMON,
+                session,
+                program: 0,
+                feeds: vec![f32s(&[1.0, 0.0, 0.0, 1.0]), f32s(&[1.0, 2.0])],
+                writes: vec![],
+                fetch_lengths: vec![],
+                reply,
+            })
+            .await;
+        assert!(
+            matches!(run, Err(EngineError::ShuttingDown)),
+            "{session}: {run:?}"
+        );
+    }
+}

@@ -251,15 +251,33 @@ pub fn persistent_range(program: &Program, tensor: u32) -> Result<(u64, u64), En
 
 impl State {
     /// Finds a session the principal may use: it exists, they own it (or are root), and
-    /// it is not closing.
+    /// it is not closing. Once shutting down, a session that is gone was closed by the
+    /// shutdown (its client comes back after the restart): that is `ShuttingDown`.
     fn owned(&mut self, principal: Principal, session: u64) -> Result<&mut Entry, EngineError> {
+        let stopping = self.stopping;
         let entry = self
             .sessions
             .get_mut(&SessionId(session))
-            .ok_or(EngineError::UnknownSession(session))?;
+            .ok_or(if stopping {
+                EngineError::ShuttingDown
+            } else {
+                EngineError::UnknownSession(session)
+            })?;
         principal.check_session(session, entry.owner)?;
         if entry.closing {
             return Err(EngineError::Closing(session));
+        }
+        Ok(entry)
+    }
+
+    /// [`State::owned`], and held by its client: a session restored after a restart
+    /// works only once its client has taken it back (its lease). Else a client whose
+    /// connection came back by itself would go on using a session with no lease, to see it
+    /// closed at `--reattach-timeout`.
+    fn attached(&mut self, principal: Principal, session: u64) -> Result<&mut Entry, EngineError> {
+        let entry = self.owned(principal, session)?;
+        if entry.orphan {
+            return Err(EngineError::AwaitingReattach(session));
         }
         Ok(entry)
     }
@@ -290,7 +308,7 @@ impl State {
                 principal,
                 session,
                 reply,
-            } => drop(reply.send(self.owned(principal, session).map(|_| ()))),
+            } => drop(reply.send(self.attached(principal, session).map(|_| ()))),
             Command::Snapshot { session, reply } => {
                 match self.sessions.get_mut(&SessionId(session)) {
                     None => drop(reply.send(Err(EngineError::UnknownSession(session)))),
@@ -313,7 +331,7 @@ impl State {
                 reply,
             } => {
                 let result = self
-                    .owned(principal, session)
+                    .attached(principal, session)
                     .and_then(|entry| entry.add_program(session, *program));
                 let _ = reply.send(result);
             }
@@ -322,7 +340,7 @@ impl State {
                 session,
                 tensors,
                 reply,
-            } => match self.owned(principal, session) {
+            } => match self.attached(principal, session) {
                 Err(error) => drop(reply.send(Err(error))),
                 Ok(entry) if entry.running => entry.deferred.push(Deferred::Read(tensors, reply)),
                 Ok(_) => drop(reply.send(self.read(SessionId(session), &tensors))),
@@ -332,7 +350,9 @@ impl State {
                 session,
                 reply,
             } => {
-                let program = self.owned(principal, session).map(|e| e.program().clone());
+                let program = self
+                    .attached(principal, session)
+                    .map(|e| e.program().clone());
                 let _ = reply.send(program);
             }
             Command::Write {
@@ -340,7 +360,7 @@ impl State {
                 session,
                 tensors,
                 reply,
-            } => match self.owned(principal, session) {
+            } => match self.attached(principal, session) {
                 Err(error) => drop(reply.send(Err(error))),
                 Ok(entry) if entry.running => entry.deferred.push(Deferred::Write(tensors, reply)),
                 Ok(_) => drop(reply.send(self.write(SessionId(session), &tensors))),
@@ -402,6 +422,7 @@ impl State {
                 let _ = reply.send(result);
             }
             Command::Shutdown { done, keep } => {
+                self.stopping = true;
                 if let Err(error) = self.set_draining(true) {
                     tracing::error!(%error, "drain refused by the scheduler");
                 }
@@ -509,7 +530,7 @@ impl State {
         work: Submission,
         reply: Reply<RunResult>,
     ) {
-        let entry = match self.owned(principal, session) {
+        let entry = match self.attached(principal, session) {
             Ok(entry) => entry,
             Err(error) => {
                 let _ = reply.send(Err(error));

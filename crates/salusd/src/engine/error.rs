@@ -56,6 +56,12 @@ pub enum EngineError {
     /// No open session has this id.
     #[error("session {0} does not exist")]
     UnknownSession(u64),
+    /// A session restored after a restart, asked to work before its client took it back.
+    #[error(
+        "session {0} was restored after a restart of salusd and waits for its client: take it \
+         back with its token (an Open stream whose first message is `reattach`), then go on"
+    )]
+    AwaitingReattach(u64),
     /// The asker may not do this.
     #[error(transparent)]
     Denied(#[from] Denied),

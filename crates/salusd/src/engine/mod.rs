@@ -234,6 +234,7 @@ impl Engine {
             open_timeout: config.open_timeout,
             lane_last_end: HashMap::new(),
             shutdown: None,
+            stopping: false,
             keep: None,
         };
         let running = tokio::spawn(state.run(rx));
@@ -372,6 +373,8 @@ struct State {
     /// When the last iteration on each lane ended, and whose it was.
     lane_last_end: HashMap<LaneId, (SessionId, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
+    /// Shutting down (or shut down): sessions gone since were closed by it.
+    stopping: bool,
     /// Where the sessions' snapshots go at shutdown, when they are kept.
     keep: Option<oneshot::Sender<Vec<Snapshot>>>,
     fatal: Arc<watch::Sender<Option<String>>>,

@@ -67,10 +67,12 @@ impl State {
         updates: UpdateSink,
     ) -> Result<(), EngineError> {
         let id = SessionId(session);
-        let entry = self
-            .sessions
-            .get_mut(&id)
-            .ok_or(EngineError::UnknownSession(session))?;
+        let stopping = self.stopping;
+        let entry = self.sessions.get_mut(&id).ok_or(if stopping {
+            EngineError::ShuttingDown
+        } else {
+            EngineError::UnknownSession(session)
+        })?;
         principal.check_session(session, entry.owner)?;
         if !same_secret(&entry.token, token) {
             return Err(EngineError::WrongToken(session));

@@ -55,7 +55,7 @@ fn millis(d: Duration) -> f64 {
 /// The gRPC code each engine error travels as.
 pub fn code(error: &EngineError) -> Code {
     match error {
-        EngineError::ShuttingDown => Code::Unavailable,
+        EngineError::ShuttingDown | EngineError::AwaitingReattach(_) => Code::Unavailable,
         EngineError::UnknownSession(_) => Code::NotFound,
         EngineError::Denied(_) | EngineError::WrongToken(_) => Code::PermissionDenied,
         EngineError::Attached(_) => Code::FailedPrecondition,

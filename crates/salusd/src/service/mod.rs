@@ -8,6 +8,7 @@
 mod buffers;
 mod convert;
 mod iterations;
+mod missing;
 mod open;
 mod pipeline;
 mod transfer;
@@ -26,6 +27,7 @@ use crate::engine::{Command, Engine, NewSession};
 use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
 pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
+pub use missing::AnswerMissingMessage;
 
 /// Iterations one `RunStream` may have submitted and not yet answered, and answers it may
 /// hold that the client has not read yet.
