@@ -141,7 +141,7 @@ pub async fn keep(engine: Engine, dir: PathBuf, every: Duration) {
                 // Closed events may be among those missed: forget every snapshot of a
                 // session that is gone, or the next start would bring it back.
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
-                    tracing::warn!(missed, "the state keeper fell behind the events; pruning");
+                    tracing::debug!(missed, "the state keeper fell behind the events; pruning");
                     if let Ok(sessions) = engine.ask(Command::Sessions).await {
                         let open: Vec<u64> = sessions.iter().map(|s| s.id.0).collect();
                         prune(&dir, &open).await;
