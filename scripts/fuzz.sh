@@ -27,11 +27,18 @@ for target in "${targets[@]}"; do
     [[ -d fuzz/seeds/$target ]] && corpus+=(fuzz/seeds/"$target")
     log=$(mktemp)
     status=0
+    start=$(date +%s)
     cargo +nightly fuzz run "${flags[@]}" "$target" "${corpus[@]}" -- \
         -max_total_time="$seconds" -print_final_stats=1 -timeout=20 >"$log" 2>&1 || status=$?
+    took=$(($(date +%s) - start))
     runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
     rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
-    echo "$target: ${runs:-?} executions in ${seconds} s (${rate:-?} exec/s), exit $status"
+    echo "$target: ${runs:-?} executions in ${took} s (${rate:-?} exec/s), exit $status"
+    if [[ $status -eq 72 ]]; then
+        echo "$target: interrupted (a signal from outside), no crash"
+        rm -f "$log"
+        exit "$status"
+    fi
     if [[ $status -ne 0 ]]; then
         grep -m1 -A3 'panicked' "$log" || tail -n 20 "$log"
         rm -f "$log"

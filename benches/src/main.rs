@@ -151,6 +151,10 @@ enum Suite {
         /// Seed of the kills, drops and restart moments.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Leave salusd's logs and state directory in the temporary folder (a failed soak
+        /// always does).
+        #[arg(long)]
+        keep_logs: bool,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -213,6 +217,7 @@ fn main() -> ExitCode {
             device,
             salusd,
             seed,
+            keep_logs,
             json,
         } => salusd
             .map_or_else(beside_this_binary, Ok)
@@ -229,6 +234,7 @@ fn main() -> ExitCode {
                         device,
                         salusd,
                         seed,
+                        keep_logs,
                     },
                     json,
                 )

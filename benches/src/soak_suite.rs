@@ -58,6 +58,8 @@ pub struct Options {
     pub salusd: PathBuf,
     /// Seed of the kills, drops and restart moments.
     pub seed: u64,
+    /// Leave salusd's logs and state directory in the temporary folder.
+    pub keep_logs: bool,
 }
 
 /// One quiet moment: every client of the round gone, only the victim open.
@@ -576,7 +578,11 @@ pub fn run(options: &Options, json: bool) -> Result<(), String> {
         leaks,
     };
     drop(soak);
-    let _ = std::fs::remove_dir_all(&dir);
+    if options.keep_logs {
+        eprintln!("salusd's logs and state directory: {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     if json {
         println!("{}", serde_json::to_string(&report).map_err(err)?);
     } else {

@@ -385,8 +385,8 @@ pub async fn run_with(
     }
     let kept = engine.shutdown(config.state_dir.is_some()).await;
     if let Some(dir) = &config.state_dir {
-        tracing::info!(sessions = kept.len(), dir = %dir.display(), "sessions kept for the restart");
-        keeper::write(dir, kept).await;
+        tracing::info!(sessions = kept.snapshots.len(), dir = %dir.display(), "sessions kept for the restart");
+        keeper::keep_only(dir, kept).await;
     }
     stop_tx.send_replace(true);
     for server in servers {

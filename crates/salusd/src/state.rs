@@ -168,6 +168,24 @@ pub fn remove(dir: &Path, id: u64) {
     let _ = fs::remove_file(path_of(dir, id));
 }
 
+/// The sessions `dir` holds a snapshot of, by their files' names.
+pub fn ids(dir: &Path) -> Vec<u64> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            name.to_str()?
+                .strip_prefix("session-")?
+                .strip_suffix(".snap")?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
 /// Every snapshot in `dir`; a file that cannot be read back is renamed `.rejected` and
 /// reported.
 pub fn read_all(dir: &Path) -> Vec<Snapshot> {

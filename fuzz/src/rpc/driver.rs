@@ -232,7 +232,8 @@ impl Harness {
             .await
             .expect("shutdown finishes");
         let (engine, sessions, admin) = daemon(setup);
-        let (_, refused) = salusd::keeper::restore_snapshots(&engine, kept, REATTACH_TIMEOUT);
+        let (_, refused) =
+            salusd::keeper::restore_snapshots(&engine, kept.snapshots, REATTACH_TIMEOUT);
         assert!(
             refused.is_empty(),
             "snapshots that did not come back: {refused:?}"

@@ -149,6 +149,10 @@ impl State {
                 switched_from,
             } => self.start(session, lane, lane_offset, switched_from),
             Action::Closed { session } => {
+                // The lanes whose last iteration was the closed session's are forgotten
+                // with it (a switch from a session that is gone is no switch), so the map
+                // stays as small as the sessions open.
+                self.lane_last_end.retain(|_, (last, _)| *last != session);
                 if let Some(entry) = self.sessions.remove(&session) {
                     for pending in entry.pending {
                         let _ = pending.reply.send(Err(EngineError::Closed(session.0)));

@@ -224,7 +224,7 @@ pub enum Command {
         /// Answered when every session is closed.
         done: oneshot::Sender<()>,
         /// Where every session's snapshot goes first, when they are kept.
-        keep: Option<oneshot::Sender<Vec<Snapshot>>>,
+        keep: Option<oneshot::Sender<super::Kept>>,
     },
 }
 

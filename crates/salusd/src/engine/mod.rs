@@ -339,7 +339,7 @@ impl Engine {
     /// Shuts down: no admission, running iterations finish, every session is closed.
     /// With `keep`, returns each session's snapshot, taken once nothing runs, just before
     /// the sessions close (for the state directory).
-    pub async fn shutdown(&self, keep: bool) -> Vec<Snapshot> {
+    pub async fn shutdown(&self, keep: bool) -> Kept {
         self.stopping.send_replace(true);
         let (done, wait) = oneshot::channel();
         let (keep, kept) = if keep {
@@ -353,9 +353,19 @@ impl Engine {
         }
         match kept {
             Some(kept) => kept.await.unwrap_or_default(),
-            None => Vec::new(),
+            None => Kept::default(),
         }
     }
+}
+
+/// What a shutdown keeps for the state directory.
+#[derive(Debug, Default)]
+pub struct Kept {
+    /// A snapshot of each session that could be taken.
+    pub snapshots: Vec<Snapshot>,
+    /// Every session open when they were taken, with a snapshot or not (one on a failed
+    /// device has none: its last periodic one stands).
+    pub open: Vec<u64>,
 }
 
 /// The engine task's state: the core and what the daemon knows beside it.
@@ -376,7 +386,7 @@ struct State {
     /// Shutting down (or shut down): sessions gone since were closed by it.
     stopping: bool,
     /// Where the sessions' snapshots go at shutdown, when they are kept.
-    keep: Option<oneshot::Sender<Vec<Snapshot>>>,
+    keep: Option<oneshot::Sender<Kept>>,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
@@ -391,7 +401,10 @@ impl State {
             self.drive();
             if self.shutdown.is_some() && self.sessions.values().all(|e| !e.running) {
                 if let Some(keep) = self.keep.take() {
-                    let _ = keep.send(self.snapshot_all());
+                    let _ = keep.send(Kept {
+                        snapshots: self.snapshot_all(),
+                        open: self.sessions.keys().map(|id| id.0).collect(),
+                    });
                 }
                 let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
                 for id in ids {
