@@ -109,6 +109,7 @@ fn bring_back(engine: &Engine, snapshot: Snapshot) -> Result<NewSession, String>
         },
         slot,
         kind: snapshot.kind,
+        class: snapshot.class,
         hints: snapshot.hints,
         // Nobody listens until its client reattaches.
         updates: Box::new(|_| {}),

@@ -128,6 +128,7 @@ async fn thousands_of_sessions_leave_nothing_behind() {
         memory: MemoryConfig::new(device.capacity(), 0),
         device: Arc::clone(&device),
         policy: PolicyKind::Share,
+        protection: salus_core::ProtectionConfig::default(),
         limits: salus_graph::Limits::default(),
         daemon_uid: OWNER.uid,
         host_memory: 1 << 30,

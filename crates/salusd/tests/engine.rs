@@ -35,6 +35,7 @@ fn start() -> Engine {
         memory: MemoryConfig::new(device.capacity(), 0),
         device: Arc::clone(&device),
         policy: PolicyKind::Pack,
+        protection: salus_core::ProtectionConfig::default(),
         limits: salus_graph::Limits::default(),
         daemon_uid: DAEMON.uid,
         host_memory: 1 << 30,

@@ -804,6 +804,7 @@ fn daemon(
         device,
         memory: MemoryConfig::new(capacity, 0),
         policy,
+        protection: salus_core::ProtectionConfig::default(),
         limits: salus_graph::Limits::default(),
         daemon_uid: DAEMON_UID,
         host_memory,

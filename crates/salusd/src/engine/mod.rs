@@ -153,6 +153,8 @@ pub struct EngineConfig {
     pub memory: MemoryConfig,
     /// The policy at start.
     pub policy: PolicyKind,
+    /// How online sessions are protected from offline ones.
+    pub protection: salus_core::ProtectionConfig,
     /// Bounds on graphs.
     pub limits: salus_graph::Limits,
     /// The daemon's own user, who may steer it.
@@ -198,7 +200,8 @@ fn first_session_id() -> u64 {
 impl Engine {
     /// Starts the engine task on the current tokio runtime.
     pub fn start(config: EngineConfig) -> Result<Engine, String> {
-        let core = Scheduler::new(config.memory, config.policy).map_err(|e| e.to_string())?;
+        let core = Scheduler::with_protection(config.memory, config.policy, config.protection)
+            .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(std::sync::Mutex::new(Shared::default()));
@@ -236,6 +239,7 @@ impl Engine {
             shutdown: None,
             stopping: false,
             keep: None,
+            health: salus_core::HealthState::Init,
         };
         let running = tokio::spawn(state.run(rx));
         // A bug that panics the engine must not leave a daemon that answers UNAVAILABLE
@@ -387,12 +391,35 @@ struct State {
     stopping: bool,
     /// Where the sessions' snapshots go at shutdown, when they are kept.
     keep: Option<oneshot::Sender<Kept>>,
+    /// Protection's health as last reported.
+    health: salus_core::HealthState,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
 impl State {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
-        while let Some(command) = rx.recv().await {
+        loop {
+            // Decisions that wait on time alone (offline iterations held by protection)
+            // are made when the core says.
+            let command = match self.core.next_wakeup() {
+                Some(at) => {
+                    let deadline = tokio::time::Instant::from_std(self.started + at);
+                    tokio::select! {
+                        command = rx.recv() => command,
+                        () = tokio::time::sleep_until(deadline) => {
+                            if let Err(error) = self.core(Event::Tick) {
+                                tracing::error!(%error, "the core refused a tick");
+                            }
+                            self.drive();
+                            continue;
+                        }
+                    }
+                }
+                None => rx.recv().await,
+            };
+            let Some(command) = command else {
+                break;
+            };
             self.handle(command);
             // Take what else is queued before polling: one poll per burst.
             while let Ok(command) = rx.try_recv() {
