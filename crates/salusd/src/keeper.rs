@@ -221,6 +221,7 @@ mod tests {
             id,
             owner: 1000,
             kind: salus_core::SessionKind::Training,
+            class: salus_core::SessionClass::Offline,
             hints: salus_core::Hints::default(),
             token: [1; 16],
             iterations: 3,

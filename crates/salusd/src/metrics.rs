@@ -90,7 +90,10 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         "salus_offline_evictions_total",
         "counter",
         "Offline sessions suspended to host memory to protect online ones.",
-        &mut gauge("salus_offline_evictions_total", protection.offline_evictions),
+        &mut gauge(
+            "salus_offline_evictions_total",
+            protection.offline_evictions,
+        ),
     );
     let duty = protection.offline_duty;
     family(

@@ -78,6 +78,7 @@ async fn one_session(engine: &Engine) {
             slot: engine.quotas().open_session(OWNER).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints {
                 name: format!("churn-{id}"),
                 ..Hints::default()

@@ -65,6 +65,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
             slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints {
                 name: "regression".into(),
                 ..Hints::default()
@@ -241,6 +242,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
             slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints::default(),
             updates: Box::new(move |update| drop(tx.send(update))),
             token: [7; 16],
@@ -331,6 +333,7 @@ async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
             slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints::default(),
             updates: Box::new(move |update| drop(tx.send(update))),
             token: [7; 16],
@@ -438,6 +441,7 @@ async fn sessions_closed_by_the_shutdown_answer_shutting_down() {
             slot: engine.quotas().open_session(DAEMON).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints::default(),
             updates: Box::new(move |update| drop(tx.send(update))),
             token: [7; 16],

@@ -198,6 +198,7 @@ impl Scheduler {
     /// The operator's switch for offline work.
     pub(super) fn set_offline_enabled(&mut self, enabled: bool) {
         self.protect.health.set_enabled(enabled);
+        self.admission_due = true;
         self.evaluate_health();
     }
 

@@ -475,7 +475,11 @@ impl State {
 
     fn set_offline(&mut self, enable: bool) -> Result<(), EngineError> {
         self.core(Event::OfflineEnabled(enable))?;
-        tracing::info!(enable, "offline sessions {}", if enable { "enabled" } else { "disabled" });
+        tracing::info!(
+            enable,
+            "offline sessions {}",
+            if enable { "enabled" } else { "disabled" }
+        );
         self.event(
             EventKind::Protection,
             None,

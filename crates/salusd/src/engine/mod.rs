@@ -129,6 +129,7 @@ pub struct Engine {
     events: broadcast::Sender<EngineEvent>,
     shared: Arc<std::sync::Mutex<Shared>>,
     memory: MemoryConfig,
+    protection: salus_core::ProtectionConfig,
     limits: salus_graph::Limits,
     /// The device, for planning programs (the engine task runs iterations on it).
     device: Arc<dyn Device>,
@@ -200,8 +201,9 @@ fn first_session_id() -> u64 {
 impl Engine {
     /// Starts the engine task on the current tokio runtime.
     pub fn start(config: EngineConfig) -> Result<Engine, String> {
-        let core = Scheduler::with_protection(config.memory, config.policy, config.protection)
-            .map_err(|e| e.to_string())?;
+        let core =
+            Scheduler::with_protection(config.memory, config.policy, config.protection.clone())
+                .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(std::sync::Mutex::new(Shared::default()));
@@ -210,6 +212,7 @@ impl Engine {
             events: events.clone(),
             shared: shared.clone(),
             memory: config.memory,
+            protection: config.protection,
             limits: config.limits,
             device: config.device.clone(),
             next_session: Arc::new(AtomicU64::new(first_session_id())),
@@ -308,6 +311,11 @@ impl Engine {
     /// Capacity and reserve.
     pub fn memory(&self) -> MemoryConfig {
         self.memory
+    }
+
+    /// How online sessions are protected from offline ones.
+    pub fn protection(&self) -> &salus_core::ProtectionConfig {
+        &self.protection
     }
 
     /// Bounds on graphs.

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use salus_core::{
-    ProtectionStatus, SessionClass,
-    LaneId, LaneInfo, MemoryConfig, MemoryMap, PolicyKind, SessionId, SessionKind, SessionView,
+    LaneId, LaneInfo, MemoryConfig, MemoryMap, PolicyKind, ProtectionStatus, SessionClass,
+    SessionId, SessionKind, SessionView,
 };
 
 use super::{Entry, Place, QuotaReport, State};

@@ -27,8 +27,8 @@ use crate::engine::{Command, Engine, NewSession};
 use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
 pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
-pub use open::{hints_from_proto, hints_to_proto};
 pub use missing::AnswerMissingMessage;
+pub use open::{hints_from_proto, hints_to_proto};
 
 /// Iterations one `RunStream` may have submitted and not yet answered, and answers it may
 /// hold that the client has not read yet.

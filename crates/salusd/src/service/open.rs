@@ -24,11 +24,21 @@ fn graph_status(e: &GraphError) -> Status {
 pub const MAX_EXPECTED_ITERATION_MS: f64 = 86_400_000.0;
 
 /// Rejects, before any tensor bytes are held, a session that can never fit.
-fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
+fn check_fits(engine: &Engine, p: u64, e: u64, class: SessionClass) -> Result<(), Status> {
     let memory = engine.memory();
+    let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
+    let need = aligned(p).saturating_add(aligned(e.max(1)));
+    let protection = engine.protection();
+    let limit = protection.offline_limit(memory.usable());
+    if class == SessionClass::Offline && protection.enabled && need > limit {
+        return Err(Status::resource_exhausted(format!(
+            "the offline session needs {need} bytes (P {p} + E {e}, aligned) but offline \
+             sessions may hold at most {limit} bytes together (--offline-share {}); it can \
+             never run here",
+            protection.offline_memory_share
+        )));
+    }
     if !memory.fits_empty(p, e.max(1)) {
-        let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
-        let need = aligned(p).saturating_add(aligned(e.max(1)));
         return Err(Status::resource_exhausted(format!(
             "the session needs {need} bytes (P {p} + E {e}, aligned) but the device has only {} \
              usable ({} capacity, {} reserved); it can never run here",
@@ -208,7 +218,7 @@ pub(super) async fn receive_session(
         .map_err(|e| graph_status(&e))?
         .with_expected_iteration(hints.expected_iteration);
     let plan = program.plan();
-    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
+    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes, class)?;
     let held = engine.quotas().reserve(owner, plan.persistent_bytes)?;
     slot.uploading(plan.persistent_bytes);
     // Zeroed pages are not touched until written: a big image costs what is uploaded.
