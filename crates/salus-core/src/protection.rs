@@ -509,10 +509,19 @@ impl Controller {
     }
 }
 
-/// Samples over a sliding window of time, for percentiles.
-#[derive(Debug, Clone, Default)]
+/// Samples over a sliding window of time, for percentiles. Its memory is taken once: a
+/// daemon's live bytes do not grow with the iterations it has run.
+#[derive(Debug, Clone)]
 pub(crate) struct Window {
     samples: VecDeque<(Duration, f64)>,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Window {
+            samples: VecDeque::with_capacity(Self::MAX),
+        }
+    }
 }
 
 impl Window {

@@ -406,6 +406,11 @@ struct State {
 
 impl State {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        // The device is up: protection leaves its Init state.
+        if let Err(error) = self.core(Event::Tick) {
+            tracing::error!(%error, "the core refused its first tick");
+        }
+        self.drive();
         loop {
             // Decisions that wait on time alone (offline iterations held by protection)
             // are made when the core says.
