@@ -80,6 +80,8 @@ pub fn run(script: &Script) {
             priority: 0,
             total_iterations: 0,
             expected_iteration_ms: 0.0,
+            class: 0,
+            slo_ms: 0.0,
             initial: super::Initial::Exact(7),
             extra: Vec::new(),
             commit: true,
