@@ -8,7 +8,8 @@
 //! and reflection padding), `norm` (layer and group norm, the softmax backwards), `shape`
 //! (views, permutes, expands, flips, concatenation, splits), `index` (slicing, gathers,
 //! scatters, embeddings, advanced indexing, `index_put`) and `random`. f16 and bf16 are
-//! loaded and stored through f32.
+//! loaded and stored through f32: a result is rounded to f32, then to the half type
+//! (round to nearest even), as PyTorch's CPU kernels round what they compute in f32.
 //!
 //! Kernels read a node's typed parameters ([`OpParams`], from `Program::params`), which
 //! validation checked and normalised once: dimensions are in range, defaults filled in,
@@ -73,10 +74,13 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::I64 => bytes[i * 8..(i + 1) * 8].copy_from_slice(&(v as i64).to_le_bytes()),
         DType::I32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as i32).to_le_bytes()),
         DType::Bool => bytes[i] = u8::from(v != 0.0),
+        // PyTorch computes half-precision ops in f32 and rounds that f32 result to
+        // nearest even; rounding the f64 value directly would differ where the f32
+        // result lands exactly halfway between two half-precision values.
         DType::F16 => bytes[i * 2..(i + 1) * 2]
-            .copy_from_slice(&half::f16::from_f64(v).to_bits().to_le_bytes()),
+            .copy_from_slice(&half::f16::from_f32(v as f32).to_bits().to_le_bytes()),
         DType::Bf16 => bytes[i * 2..(i + 1) * 2]
-            .copy_from_slice(&half::bf16::from_f64(v).to_bits().to_le_bytes()),
+            .copy_from_slice(&half::bf16::from_f32(v as f32).to_bits().to_le_bytes()),
     }
 }
 
