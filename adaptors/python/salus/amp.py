@@ -18,7 +18,9 @@ autocast computes on the CPU; parameters, gradients and optimizer state stay f32
 
 A step that is already inside an enabled ``torch.autocast`` block when tracing starts is
 refused: the optimizer's update would be traced under it too, which eager PyTorch never
-does (pass ``autocast=`` instead).
+does (pass ``autocast=`` instead). So is a ``loss_of`` that calls ``GradScaler.scale``
+itself: the scale would be frozen into the graph and the gradients never unscaled (pass
+``scaler=`` instead).
 
 **GradScaler.** :class:`FunctionalScaler` is ``torch.amp.GradScaler``'s dynamic loss
 scaling as tensor math the tracer records into the step: the loss is multiplied by the
@@ -287,9 +289,23 @@ class FunctionalScaler:
         return {SCALE: new_scale, GROWTH_TRACKER: new_tracker}
 
 
+def _scale_in_step(self, outputs):
+    raise UnsupportedMixedPrecisionError(
+        "the step calls GradScaler.scale: the traced step would multiply the loss by the "
+        "scale as a constant and never unscale the gradients. Return the unscaled loss "
+        "and pass the scaler to the session instead (TrainSession(..., scaler=scaler))")
+
+
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
-    """What recording a step needs for autocast (see :class:`AutocastTracing`)."""
+    """What recording a step needs for mixed precision: no enclosing autocast,
+    :class:`AutocastTracing`, and ``GradScaler.scale`` refused inside the step (a loop's
+    own scaling cannot be followed from inside a traced step)."""
     check_no_autocast_outside()
-    with AutocastTracing():
-        yield
+    original = torch.amp.GradScaler.scale
+    torch.amp.GradScaler.scale = _scale_in_step  # type: ignore[method-assign]
+    try:
+        with AutocastTracing():
+            yield
+    finally:
+        torch.amp.GradScaler.scale = original  # type: ignore[method-assign]

@@ -15,7 +15,10 @@ removed and every op decomposed to Core ATen, as an FX graph:
   decomposition gives wrong gradients);
 - every module's ``inplace`` flag is off while tracing, and dead code is removed after;
 - forward hooks (and autograd pre-hooks for the backward) record which module each node
-  comes from, for error messages and ``Node.source``.
+  comes from, for error messages and ``Node.source``;
+- under CPU autocast (``autocast=``, or the user's own block in ``loss_of``) the casts
+  autocast inserts are recorded like any op, and a ``torch.amp.GradScaler``'s loss scaling
+  becomes part of the step (:mod:`salus.amp`).
 
 A forward pass (:func:`trace_inference`) is recorded the same way, under ``vjp`` so that
 modules updating buffers are functionalized as in a training step.

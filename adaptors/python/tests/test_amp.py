@@ -312,6 +312,18 @@ def test_a_session_created_inside_autocast_is_refused():
             trace_train_step(model, spec.loss_fn, optimizer, spec.batch(0))
 
 
+def test_a_step_that_scales_its_own_loss_is_refused():
+    spec, model, optimizer = _mlp()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def loss_of(m, x, y):
+        return scaler.scale(F.cross_entropy(m(x), y))
+
+    with pytest.raises(UnsupportedMixedPrecisionError, match="scaler=scaler"):
+        trace_train_step(model, None, optimizer, spec.batch(0), loss_of=loss_of)
+    assert scaler.scale(torch.ones(())).item() == 2.0**16, "GradScaler.scale is back"
+
+
 def test_scalers_salus_cannot_follow_are_refused_naming_why():
     spec, model, optimizer = _mlp()
 
