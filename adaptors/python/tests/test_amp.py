@@ -239,6 +239,56 @@ def test_grad_scaler_skips_an_overflowing_step_and_backs_off_as_torch(daemon):
     assert user_scaler.state_dict()["_growth_tracker"] == eager[2][-1][1]
 
 
+def test_a_scaler_with_accumulation_and_clipping_follows_the_eager_recipe(daemon):
+    """PyTorch's recipe: each micro-batch's ``scaler.scale(loss / k).backward()``, then
+    ``scaler.unscale_`` before clipping, ``scaler.step``, ``scaler.update``."""
+    spec = models.target_models()["mlp"]
+    batches = [spec.batch(k) for k in range(STEPS)]
+    model = spec.model(0)
+
+    def scaler():
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+    def loop(dtype, exact=False):
+        m = copy.deepcopy(model).double() if exact else copy.deepcopy(model)
+        optimizer, s = _sgd(m), scaler()
+        losses, decisions = [], []
+        for batch in batches:
+            x, y = to_dtype(batch, torch.float64) if exact else batch
+            optimizer.zero_grad()
+            parts = []
+            for xs, ys in zip(x.chunk(2), y.chunk(2)):
+                with torch.autocast("cpu", dtype=dtype or torch.float16,
+                                    enabled=dtype is not None):
+                    loss = spec.loss_fn(m(xs), ys)
+                (s.scale(loss / 2) if dtype else loss / 2).backward()
+                parts.append(loss.item())
+            if dtype:
+                s.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            if dtype:
+                s.step(optimizer)
+                s.update()
+                decisions.append((s.get_scale(), s._get_growth_tracker()))
+            else:
+                optimizer.step()
+            losses.append(sum(parts) / 2)
+        return losses, torch_state(m, optimizer), decisions
+
+    eager, exact = loop(torch.float16), loop(None, exact=True)
+    with st.TrainSession(model, spec.loss_fn, _sgd(model), batches[0],
+                         autocast=torch.float16, scaler=scaler(), accumulate=2,
+                         clip_grad_norm=0.5, address=daemon.address) as session:
+        losses, decisions = [], []
+        for batch in batches:
+            losses.append(session.step(*batch).item())
+            now = session.state_dict()
+            decisions.append((now[SCALE].item(), now[GROWTH_TRACKER].item()))
+        state = session.state_dict()
+    assert decisions == eager[2]
+    _assert_like_eager_autocast(losses, state, eager, exact, "mlp f16 accumulate clip")
+
+
 def test_inference_under_autocast_serves_as_eager_autocast(daemon):
     spec = models.target_models()["cnn"]
     model = spec.model(0).eval()
