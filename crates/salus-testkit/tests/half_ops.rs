@@ -485,6 +485,28 @@ fn products_in_half() {
                 .map(|(i, v)| bias.data[i % m as usize] + v),
         );
         assert_close(&got, &want, t, &format!("addmm {dtype}"));
+        // Batched: attention's products when they run in 16 bits.
+        let (b, n, k, m) = (3usize, 4usize, 9usize, 5usize);
+        let x = val(dtype, &[3, 4, 9], rng.vec(b * n * k, -1.0, 1.0));
+        let y = val(dtype, &[3, 9, 5], rng.vec(b * k * m, -1.0, 1.0));
+        let got = Case::new(Op::Bmm)
+            .input(x.clone())
+            .input(y.clone())
+            .output(dtype, &[3, 4, 5])
+            .run1();
+        let want: Vec<f64> = (0..b)
+            .flat_map(|i| {
+                matmul_ref(
+                    &x.data[i * n * k..(i + 1) * n * k],
+                    &y.data[i * k * m..(i + 1) * k * m],
+                    n,
+                    k,
+                    m,
+                )
+            })
+            .map(|v| pytorch(dtype, v))
+            .collect();
+        assert_close(&got, &want, t, &format!("bmm {dtype}"));
     }
 }
 
