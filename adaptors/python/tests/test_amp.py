@@ -164,17 +164,22 @@ def test_bf16_autocast_trains_on_salusd_as_eager_autocast(daemon, name):
 
 @pytest.mark.parametrize("name", ["cnn", "gpt"])
 def test_fp16_autocast_with_a_grad_scaler_trains_as_eager(daemon, name):
+    """The default scale (2**16), growing every clean step: the gpt's grows at each of
+    them, the cnn's gradients overflow f16 at 2**17 in the second step, which is skipped
+    (on salus as in eager: the scale and growth tracker after every step are PyTorch's),
+    so its float64 reference skips that step too."""
     spec = models.target_models()[name]
     batches = [spec.batch(k) for k in range(STEPS)]
     model = spec.model(0)
 
     def scaler():
-        return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        return torch.amp.GradScaler("cpu", growth_interval=1)
 
     eager = _eager(model, _sgd, spec.loss_fn, batches, dtype=torch.float16,
                    scaler=scaler())
-    assert eager[2][-1][0] == 2.0**11, "no step overflowed; the scale grew once"
-    exact = _eager(model, _sgd, spec.loss_fn, batches, exact=True)
+    scales = [2.0**16] + [scale for scale, _ in eager[2]]
+    skipped = {k for k in range(STEPS) if scales[k + 1] < scales[k]}
+    exact = _eager(model, _sgd, spec.loss_fn, batches, exact=True, skip=skipped)
     with st.TrainSession(model, spec.loss_fn, _sgd(model), batches[0],
                          autocast=torch.float16, scaler=scaler(),
                          address=daemon.address) as session:
