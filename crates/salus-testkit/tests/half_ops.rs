@@ -18,7 +18,7 @@
 mod common;
 
 use common::*;
-use salus_graph::{Attr, DType, Op};
+use salus_graph::{Attr, DType, Graph, Op, OpParams, ScratchSizer};
 
 use DType::{Bf16, Bool, F16, F32 as Fp32, I64};
 
@@ -590,6 +590,15 @@ fn itertools(
     })
 }
 
+/// A device's planning that gives no node any scratch.
+struct NoScratch;
+
+impl ScratchSizer for NoScratch {
+    fn scratch_bytes(&self, _: &Graph, _: usize, _: &OpParams) -> u64 {
+        0
+    }
+}
+
 #[test]
 fn convolution_and_its_backward_in_half() {
     let mut rng = Rng::new(131);
@@ -627,7 +636,7 @@ fn convolution_and_its_backward_in_half() {
                 .absent()
                 .output(dtype, &os)
                 .run1();
-            assert_close(&got, &all_pytorch(dtype, out), t, &what);
+            assert_close(&got, &all_pytorch(dtype, out.iter().copied()), t, &what);
             let grads = conv
                 .case(Op::ConvolutionBackward)
                 .input(g.clone())
@@ -640,12 +649,44 @@ fn convolution_and_its_backward_in_half() {
                 .run();
             assert_close(
                 &grads[0],
-                &all_pytorch(dtype, gx),
+                &all_pytorch(dtype, gx.iter().copied()),
                 t,
                 &format!("{what}: grad_input"),
             );
             let gw = all_pytorch(dtype, gw);
             assert_close(&grads[1], &gw, t, &format!("{what}: grad_weight"));
+            // Planned without the widened scratch (as for another device), the node runs
+            // the generic loops, to the same values.
+            let generic = conv
+                .case(Op::ConvolutionBackward)
+                .input(g.clone())
+                .input(x.clone())
+                .input(w.clone())
+                .attr("output_mask", Attr::Bools(vec![true, true, false]))
+                .output(dtype, &xs)
+                .output(dtype, &ws)
+                .unused()
+                .run_planned_with(&NoScratch);
+            assert_close(
+                &generic[0],
+                &all_pytorch(dtype, gx.iter().copied()),
+                t,
+                &format!("{what}: generic grad_input"),
+            );
+            assert_close(&generic[1], &gw, t, &format!("{what}: generic grad_weight"));
+            let generic = conv
+                .case(Op::Convolution)
+                .input(x.clone())
+                .input(w.clone())
+                .absent()
+                .output(dtype, &os)
+                .run_planned_with(&NoScratch);
+            assert_close(
+                &generic[0],
+                &all_pytorch(dtype, out.iter().copied()),
+                t,
+                &format!("{what}: generic"),
+            );
             // The first layer's backward: only the weight's gradient.
             let only = conv
                 .case(Op::ConvolutionBackward)

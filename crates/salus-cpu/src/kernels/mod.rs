@@ -7,7 +7,8 @@
 //! maxima, variance, `any`, softmax, `cumsum`), `matmul`, `conv`, `pool`, `pad` (constant
 //! and reflection padding), `norm` (layer and group norm, the softmax backwards), `shape`
 //! (views, permutes, expands, flips, concatenation, splits), `index` (slicing, gathers,
-//! scatters, embeddings, advanced indexing, `index_put`) and `random`. f16 and bf16 are
+//! scatters, embeddings, advanced indexing, `index_put`) and `random`; 16-bit 2-d
+//! convolutions go through the f32 kernel (`widened`). f16 and bf16 are
 //! loaded and stored through f32: a result is rounded to f32, then to the half type
 //! (round to nearest even), as PyTorch's CPU kernels round what they compute in f32.
 //!
@@ -28,6 +29,7 @@ mod pool;
 mod random;
 mod reduce;
 mod shape;
+mod widened;
 
 use elementwise::{elementwise, erf};
 
@@ -213,8 +215,14 @@ pub(crate) fn run(
     scratch: &mut [u8],
 ) -> Result<()> {
     use Op::*;
-    // Typed f32 kernels first; the generic paths below cover every other case.
+    // Typed f32 kernels first (16-bit convolutions widened to f32 for them); the generic
+    // paths below cover every other case.
     if let Some(done) = fast::run(node.op, params, args, outs, scratch) {
+        return done;
+    }
+    if matches!(node.op, Convolution | ConvolutionBackward)
+        && let Some(done) = widened::run(node.op, params, args, outs, scratch)
+    {
         return done;
     }
     // Ops with several results fill whichever of them are used.
