@@ -87,8 +87,8 @@ fn half_rounding_is_pytorchs() {
     // is the tie: 2**-30 is below f32's precision at 1), `[1, 2**-8, 2**-22]` gives
     // 1.0078125 (the f32 sum is above the tie). Rounding the f64 sum directly gets the
     // first wrong; rounding it as `half::bf16::from_f64` does (which drops the f64
-    // mantissa's last 32 bits first) gets the second wrong. Products and means add the
-    // same way.
+    // mantissa's last 32 bits first) gets the second wrong. Products accumulate the same
+    // way (checked with PyTorch 2.15 on the CPU, `sum()` and `@`).
     let unit = |dtype: DType| {
         if dtype == Bf16 {
             2f64.powi(-7)
