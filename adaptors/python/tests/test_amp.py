@@ -297,6 +297,33 @@ def test_a_scaler_with_accumulation_and_clipping_follows_the_eager_recipe(daemon
     _assert_like_eager_autocast(losses, state, eager, exact, "mlp f16 accumulate clip")
 
 
+def test_a_checkpoint_carries_the_scaler_and_continues_bit_for_bit(daemon):
+    spec = models.target_models()["mlp"]
+    batches = [spec.batch(k) for k in range(4)]
+
+    def session():
+        model = spec.model(0)
+        return st.TrainSession(model, spec.loss_fn, torch.optim.Adam(model.parameters()),
+                               batches[0], autocast=torch.float16,
+                               scaler=torch.amp.GradScaler("cpu", growth_interval=1),
+                               address=daemon.address)
+
+    with session() as first:
+        for batch in batches[:2]:
+            first.step(*batch)
+        checkpoint = first.state_dict()
+        assert checkpoint[SCALE].item() == 2.0**18 and checkpoint[GROWTH_TRACKER].item() == 0
+        want = [first.step(*batch).item() for batch in batches[2:]]
+        final = first.state_dict()
+    with session() as second:
+        second.load_state_dict(checkpoint)
+        got = [second.step(*batch).item() for batch in batches[2:]]
+        resumed = second.state_dict()
+    assert got == want
+    for name, value in final.items():
+        assert torch.equal(resumed[name], value), name
+
+
 def test_inference_under_autocast_serves_as_eager_autocast(daemon):
     spec = models.target_models()["cnn"]
     model = spec.model(0).eval()
