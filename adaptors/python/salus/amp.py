@@ -8,9 +8,9 @@ convolution, back to f32 where an op promotes), so the graph computes what eager
 autocast computes on the CPU; parameters, gradients and optimizer state stay f32.
 :class:`AutocastTracing` is active while a step is recorded. It
 
-- refuses autocast enabled for another device type (``torch.autocast("cuda")``): salus
-  traces with CPU tensors, which such a block does not cast, so the graph would silently
-  run in f32 where the user asked for 16 bits;
+- refuses autocast enabled for another device type (``torch.autocast("cuda")``) around
+  ops on CPU tensors (what salus traces a CPU-resident model with): such a block does not
+  cast them, so the graph would silently run in f32 where the user asked for 16 bits;
 - runs ``scaled_dot_product_attention`` as autocast runs it (its floating inputs cast to
   the autocast dtype, then the op with autocast off). Under ``torch.func.grad`` PyTorch
   leaves autocast on inside the op's math fallback, whose backward then fails on mixed
@@ -116,7 +116,9 @@ class AutocastTracing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         elsewhere = _enabled_elsewhere()
-        if elsewhere:
+        if elsewhere and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                             and t.is_floating_point()
+                             for t in pytree.tree_leaves((args, kwargs))):
             raise UnsupportedMixedPrecisionError(
                 f"the step enables torch.autocast({elsewhere[0]!r}), but salus traces the "
                 "step with CPU tensors, which that autocast does not cast: the graph would "
