@@ -12,6 +12,7 @@
 pub mod catalog;
 pub mod experiments;
 pub mod fluid;
+pub mod muxflow;
 pub mod orloj;
 pub mod queue_timing;
 pub mod rng;

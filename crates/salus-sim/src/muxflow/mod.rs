@@ -1,0 +1,5 @@
+//! MuxFlow (Zhao et al., "MuxFlow: Efficient and Safe GPU Sharing in Large-Scale
+//! Production Deep Learning Clusters") in the simulator: online services and offline
+//! training sharing GPUs.
+
+pub mod km;
