@@ -2,4 +2,6 @@
 //! Production Deep Learning Clusters") in the simulator: online services and offline
 //! training sharing GPUs.
 
+pub mod gpu;
 pub mod km;
+pub mod workload;
