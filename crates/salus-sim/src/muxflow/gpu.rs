@@ -40,8 +40,6 @@ pub const WARMUP_REQUESTS: usize = 32;
 pub const PB_KERNEL_S: f64 = 0.001;
 /// xCUDA's GPU-load threshold: SM activity it lets the offline job fill up to.
 pub const XCUDA_LOAD_THRESHOLD: f64 = 0.9;
-/// salus' protection: the mean stretch of online requests it allows.
-pub const SALUS_STRETCH_BUDGET: f64 = 0.05;
 
 /// How a GPU is shared between its online service and an offline job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -67,8 +65,9 @@ pub struct Share {
     pub sm: f64,
 }
 
-/// What a system decides for an offline job of compute share `c` beside `kind` at `qps`.
-pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64) -> Share {
+/// What a system decides for an offline job of compute share `c` beside `kind` at `qps`;
+/// under salus the duty is its protection controller's, `salus_duty`.
+pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus_duty: f64) -> Share {
     let rho = qps * kind.request_s;
     let a = kind.busy_share;
     match sharing {
@@ -84,15 +83,10 @@ pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64) -> Share {
             };
             Share { duty, sm }
         }
-        Sharing::Salus => {
-            let over = a + c - 1.0;
-            let duty = if over <= 0.0 {
-                1.0
-            } else {
-                (SALUS_STRETCH_BUDGET / over).min(1.0)
-            };
-            Share { duty, sm: c }
-        }
+        Sharing::Salus => Share {
+            duty: salus_duty.clamp(0.0, 1.0),
+            sm: c,
+        },
     }
 }
 
@@ -111,12 +105,14 @@ pub struct StepModel {
     pub share: Share,
 }
 
-/// The step model of `kind` at `qps` with an offline job of share `offline` (if any).
+/// The step model of `kind` at `qps` with an offline job of share `offline` (if any);
+/// `salus_duty` is salus' controller's duty (ignored by the other systems).
 pub fn step_model(
     sharing: Sharing,
     kind: &ServiceKind,
     qps: f64,
     offline: Option<f64>,
+    salus_duty: f64,
 ) -> StepModel {
     let rho = qps * kind.request_s;
     let a = kind.busy_share;
@@ -129,7 +125,7 @@ pub fn step_model(
             share: Share { duty: 0.0, sm: 0.0 },
         };
     };
-    let s = share(sharing, kind, qps, c);
+    let s = share(sharing, kind, qps, c, salus_duty);
     match sharing {
         Sharing::TimeSharing => StepModel {
             online_busy: 2.0 * rho,
@@ -219,8 +215,9 @@ impl Latencies {
     }
 }
 
-/// Samples the step's requests into `out`. `rng` must be the same for every system at
-/// this GPU and step (common random numbers: systems differ only by how they share).
+/// Samples the step's requests into `out` and returns their latencies. `rng` must be the
+/// same for every system at this GPU and step (common random numbers: systems differ
+/// only by how they share).
 pub fn sample_requests(
     sharing: Sharing,
     kind: &ServiceKind,
@@ -229,7 +226,8 @@ pub fn sample_requests(
     offline_placed: bool,
     rng: &mut Rng,
     out: &mut Latencies,
-) {
+) -> Vec<f64> {
+    let mut sampled = Vec::with_capacity(SAMPLED_REQUESTS);
     let sigma2 = (1.0 + kind.request_cv * kind.request_cv).ln();
     let mu = kind.request_s.ln() - sigma2 / 2.0;
     let sigma = sigma2.sqrt();
@@ -261,9 +259,11 @@ pub fn sample_requests(
         };
         if i >= WARMUP_REQUESTS {
             out.add(wait + service, weight);
+            sampled.push(wait + service);
         }
         wait = (wait + service - gap).max(0.0);
     }
+    sampled
 }
 
 #[cfg(test)]
@@ -284,17 +284,17 @@ mod tests {
     #[test]
     fn protection_and_partitioning_bound_contention() {
         let kind = SERVICES[2];
-        let m = step_model(Sharing::MuxFlow, &kind, 100.0, Some(0.9));
+        let m = step_model(Sharing::MuxFlow, &kind, 100.0, Some(0.9), 0.0);
         assert!(m.share.sm <= 1.0 - 100.0 * kind.request_s * kind.busy_share + 1e-12);
-        let s = step_model(Sharing::Salus, &kind, 100.0, Some(0.9));
-        let stretch = 1.0 + s.share.duty * (kind.busy_share + 0.9 - 1.0);
-        assert!(stretch <= 1.0 + SALUS_STRETCH_BUDGET + 1e-12);
         // A small job beside a service that leaves room runs at full speed, all the time.
-        let small = step_model(Sharing::Salus, &SERVICES[0], 100.0, Some(0.2));
+        let small = step_model(Sharing::Salus, &SERVICES[0], 100.0, Some(0.2), 1.0);
         assert_eq!(small.share.duty, 1.0);
         assert!((small.offline_speed - 1.0).abs() < 1e-12);
+        // Held back half the time, it runs at half speed.
+        let half = step_model(Sharing::Salus, &SERVICES[0], 100.0, Some(0.2), 0.5);
+        assert!((half.offline_speed - 0.5).abs() < 1e-12);
         // Time-sharing gives the offline job what the service leaves.
-        let ts = step_model(Sharing::TimeSharing, &kind, 100.0, Some(0.9));
+        let ts = step_model(Sharing::TimeSharing, &kind, 100.0, Some(0.9), 0.0);
         assert!((ts.offline_speed - (1.0 - 100.0 * kind.request_s)).abs() < 1e-12);
     }
 
@@ -304,8 +304,8 @@ mod tests {
         let mut alone = Latencies::default();
         let mut ts = Latencies::default();
         for step in 0..50 {
-            let m0 = step_model(Sharing::OnlineOnly, &kind, 30.0, None);
-            let m1 = step_model(Sharing::TimeSharing, &kind, 30.0, Some(0.5));
+            let m0 = step_model(Sharing::OnlineOnly, &kind, 30.0, None, 0.0);
+            let m1 = step_model(Sharing::TimeSharing, &kind, 30.0, Some(0.5), 0.0);
             sample_requests(
                 Sharing::OnlineOnly,
                 &kind,
