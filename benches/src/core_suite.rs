@@ -42,6 +42,7 @@ fn spec(id: u64, seed: u64) -> SessionSpec {
     SessionSpec {
         id: SessionId(id),
         kind: SessionKind::Training,
+        class: salus_core::SessionClass::Online,
         persistent_bytes: (16 + (seed * 13) % 240) * MIB,
         ephemeral_bytes: e,
         hints: Hints {

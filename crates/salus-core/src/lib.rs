@@ -5,7 +5,9 @@
 //! (Salus Algorithm 2.1, reference counting, auto-defragmentation), the admission queue
 //! with a reason for every wait, per-lane run queues, and the FIFO, PACK, SRTF and FAIR
 //! policies, and SHARE (PACK's lanes with SRTF's order and a bounded wait; the daemon's
-//! default). Its [`serving`] module decides, for a served model, which inference requests
+//! default). Its [`protection`] module keeps offline (best-effort) sessions from hurting
+//! online ones, as MuxFlow does: a memory share, a PID controller and a health state
+//! machine. Its [`serving`] module decides, for a served model, which inference requests
 //! form each batch (ORLOJ and the schedulers it is compared with).
 //!
 //! It is sans-IO, like `quinn-proto`: no threads, sockets, clocks or sleeping. Time comes
@@ -16,13 +18,14 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use salus_core::{Action, Event, Hints, MemoryConfig, PolicyKind, Scheduler, SessionId,
-//!                  SessionKind, SessionSpec};
+//! use salus_core::{Action, Event, Hints, MemoryConfig, PolicyKind, Scheduler, SessionClass,
+//!                  SessionId, SessionKind, SessionSpec};
 //!
 //! let mut core = Scheduler::new(MemoryConfig::new(1 << 30, 0), PolicyKind::Pack).unwrap();
 //! let spec = SessionSpec {
 //!     id: SessionId(1),
 //!     kind: SessionKind::Training,
+//!     class: SessionClass::Online,
 //!     persistent_bytes: 100 << 20,
 //!     ephemeral_bytes: 300 << 20,
 //!     hints: Hints::default(),
@@ -37,6 +40,7 @@
 mod heap;
 pub mod memory;
 pub mod policy;
+pub mod protection;
 mod scheduler;
 pub mod serving;
 pub mod session;
@@ -45,5 +49,8 @@ pub use memory::{
     Extent, LaneId, MemoryConfig, MemoryMap, Region, RegionKind, RejectReason, WaitReason,
 };
 pub use policy::{Policy, PolicyKind, RunKey};
+pub use protection::{DeviceSample, HealthState, ProtectionConfig, ProtectionStatus};
 pub use scheduler::{Action, CoreError, Event, LaneChoice, LaneInfo, Scheduler};
-pub use session::{Hints, SessionId, SessionKind, SessionSpec, SessionStats, SessionView};
+pub use session::{
+    Hints, SessionClass, SessionId, SessionKind, SessionSpec, SessionStats, SessionView,
+};

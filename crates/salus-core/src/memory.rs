@@ -10,6 +10,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::PolicyKind;
+use crate::protection::HealthState;
 use crate::session::SessionId;
 
 /// Memory of one device as the core manages it.
@@ -206,6 +207,25 @@ pub enum WaitReason {
         /// Bytes admission can still use.
         available: u64,
     },
+    /// An offline session waits while an online session waits for admission.
+    OnlineFirst {
+        /// The first waiting online session.
+        first: SessionId,
+    },
+    /// An offline session waits until the device is healthy again.
+    OfflineHealth {
+        /// The health state that keeps offline sessions out.
+        health: HealthState,
+    },
+    /// Admitting the offline session would take offline sessions past their share.
+    OfflineShare {
+        /// Bytes its admission would add to the offline sessions' total.
+        needed: u64,
+        /// Bytes offline sessions hold now.
+        held: u64,
+        /// The most offline sessions may hold together.
+        limit: u64,
+    },
 }
 
 impl fmt::Display for WaitReason {
@@ -231,6 +251,24 @@ impl fmt::Display for WaitReason {
                 "waiting for memory: needs {needed} bytes (persistent + ephemeral), \
                  {available} of {usable} usable bytes are free"
             ),
+            WaitReason::OnlineFirst { first } => write!(
+                f,
+                "offline sessions wait while online {first} waits for admission"
+            ),
+            WaitReason::OfflineHealth { health } => write!(
+                f,
+                "offline sessions are not admitted while the device is {health} (protection of \
+                 online sessions)"
+            ),
+            WaitReason::OfflineShare {
+                needed,
+                held,
+                limit,
+            } => write!(
+                f,
+                "waiting for the offline share: needs {needed} more bytes, offline sessions \
+                 hold {held} of the {limit} they may hold together"
+            ),
             WaitReason::Fragmented { needed, available } => write!(
                 f,
                 "waiting for memory to defragment: needs {needed} bytes and {available} are \
@@ -251,10 +289,25 @@ pub struct RejectReason {
     pub capacity: u64,
     /// The reserve.
     pub reserve: u64,
+    /// For an offline session: the most offline sessions may hold together, which it
+    /// exceeds alone.
+    #[serde(default)]
+    pub offline_limit: Option<u64>,
 }
 
 impl fmt::Display for RejectReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(limit) = self.offline_limit {
+            return write!(
+                f,
+                "offline session can never fit: it needs {} persistent + {} ephemeral = {} \
+                 bytes, but offline sessions may hold at most {limit} bytes together (their \
+                 share of the device)",
+                self.persistent_bytes,
+                self.ephemeral_bytes,
+                self.persistent_bytes.saturating_add(self.ephemeral_bytes),
+            );
+        }
         write!(
             f,
             "session can never fit: it needs {} persistent + {} ephemeral = {} bytes, but the \

@@ -27,6 +27,37 @@ pub enum SessionKind {
     Inference,
 }
 
+/// Whether a session's latency matters (see [`crate::protection`]).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionClass {
+    /// Latency matters (serving, or any job that did not say otherwise): never queued
+    /// behind offline work, and protected from it.
+    #[default]
+    Online,
+    /// Best effort (e.g. training that may use what online sessions leave): runs only in
+    /// the capacity online sessions leave, and is suspended when they need its memory.
+    Offline,
+}
+
+impl SessionClass {
+    /// Its name in status output.
+    pub fn name(self) -> &'static str {
+        match self {
+            SessionClass::Online => "online",
+            SessionClass::Offline => "offline",
+        }
+    }
+}
+
+impl fmt::Display for SessionClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Hints a client gives about its job. Policies use them until measurements replace them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Hints {
@@ -38,6 +69,10 @@ pub struct Hints {
     pub total_iterations: Option<u64>,
     /// Expected duration of one iteration, until one has been measured.
     pub expected_iteration: Option<Duration>,
+    /// For an online session: the latency (submission to result) its iterations should
+    /// stay under. Protection watches it.
+    #[serde(default)]
+    pub slo: Option<Duration>,
 }
 
 /// A request to open a session.
@@ -47,6 +82,9 @@ pub struct SessionSpec {
     pub id: SessionId,
     /// Training or inference.
     pub kind: SessionKind,
+    /// Online or offline.
+    #[serde(default)]
+    pub class: SessionClass,
     /// P: bytes of persistent tensors, resident from admission to close.
     pub persistent_bytes: u64,
     /// E: peak bytes of ephemeral tensors during one iteration.

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use common::{MB, timed};
 use proptest::prelude::*;
-use salus_core::{Action, Event, LaneId, MemoryConfig, PolicyKind, Scheduler, SessionId};
+use salus_core::{
+    Action, DeviceSample, Event, LaneId, MemoryConfig, PolicyKind, Scheduler, SessionClass,
+    SessionId,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -18,6 +21,7 @@ enum Op {
         e: u64,
         iterations: u64,
         ms: u64,
+        offline: bool,
     },
     Submit(usize),
     Finish(usize, u64),
@@ -25,6 +29,8 @@ enum Op {
     Tick(u64),
     Policy(PolicyKind),
     Drain(bool),
+    Offline(bool),
+    Sample(u8, u16),
 }
 
 fn policy() -> impl Strategy<Value = PolicyKind> {
@@ -39,14 +45,18 @@ fn policy() -> impl Strategy<Value = PolicyKind> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u64..400, 1u64..600, 1u64..50, 1u64..200)
-            .prop_map(|(p, e, iterations, ms)| Op::Open { p: p * MB, e: e * MB, iterations, ms }),
+        4 => (0u64..400, 1u64..600, 1u64..50, 1u64..200, any::<bool>())
+            .prop_map(|(p, e, iterations, ms, offline)| {
+                Op::Open { p: p * MB, e: e * MB, iterations, ms, offline }
+            }),
         6 => any::<usize>().prop_map(Op::Submit),
         6 => (any::<usize>(), 1u64..300).prop_map(|(i, ms)| Op::Finish(i, ms)),
         2 => any::<usize>().prop_map(Op::Close),
         1 => (0u64..100).prop_map(Op::Tick),
         1 => policy().prop_map(Op::Policy),
         1 => any::<bool>().prop_map(Op::Drain),
+        1 => any::<bool>().prop_map(Op::Offline),
+        1 => (0u8..=100, 0u16..=1500).prop_map(|(a, c)| Op::Sample(a, c)),
     ]
 }
 
@@ -161,11 +171,18 @@ impl Checked {
                 e,
                 iterations,
                 ms,
+                offline,
             } => {
                 let id = self.next_id;
                 self.next_id += 1;
                 self.open.insert(SessionId(id));
-                self.feed(Event::SessionOpened(timed(id, p, e, iterations, ms)));
+                let mut spec = timed(id, p, e, iterations, ms);
+                if offline {
+                    spec.class = SessionClass::Offline;
+                } else {
+                    spec.hints.slo = Some(Duration::from_millis(ms * 3));
+                }
+                self.feed(Event::SessionOpened(spec));
             }
             Op::Submit(i) => {
                 if let Some(id) = Self::pick(&self.open, i) {
@@ -211,6 +228,15 @@ impl Checked {
             Op::Drain(d) => {
                 self.feed(Event::DrainingChanged(d));
             }
+            Op::Offline(on) => {
+                self.feed(Event::OfflineEnabled(on));
+            }
+            Op::Sample(activity, clock) => {
+                self.feed(Event::DeviceSampled(DeviceSample {
+                    sm_activity: Some(f64::from(activity) / 100.0),
+                    sm_clock: Some((f64::from(clock), 1500.0)),
+                }));
+            }
         }
     }
 
@@ -219,6 +245,8 @@ impl Checked {
     /// the core stops making progress.
     fn run_to_completion(&mut self, quota: u64) {
         self.feed(Event::DrainingChanged(false));
+        self.feed(Event::OfflineEnabled(true));
+        self.feed(Event::DeviceSampled(DeviceSample::default()));
         let mut left: BTreeMap<SessionId, u64> = BTreeMap::new();
         for id in self.open.clone() {
             if self.core.session(id).is_none() {
@@ -238,6 +266,15 @@ impl Checked {
             steps += 1;
             assert!(steps < 100_000, "no progress");
             let running = self.running_sessions();
+            if running.is_empty()
+                && let Some(wakeup) = self.core.next_wakeup()
+            {
+                // Offline work held back by protection goes on at the time it says.
+                assert!(wakeup > self.now);
+                self.now = wakeup;
+                self.feed(Event::Tick);
+                continue;
+            }
             assert!(
                 !running.is_empty(),
                 "stuck: open {:?}, waiting {:?}, lanes {:?}",

@@ -319,6 +319,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                 Event::SessionOpened(SessionSpec {
                     id,
                     kind: SessionKind::Training,
+                    class: salus_core::SessionClass::Online,
                     persistent_bytes: job.persistent_bytes,
                     ephemeral_bytes: job.ephemeral_bytes,
                     hints: Hints {

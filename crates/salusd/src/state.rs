@@ -125,6 +125,7 @@ impl Snapshot {
                 total_iterations: (hints.total_iterations > 0).then_some(hints.total_iterations),
                 expected_iteration: (hints.expected_iteration_ms > 0.0)
                     .then(|| std::time::Duration::from_secs_f64(hints.expected_iteration_ms / 1e3)),
+                slo: None,
             },
             token: meta
                 .token

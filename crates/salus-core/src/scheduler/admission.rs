@@ -11,7 +11,7 @@ use super::{Action, Lane, Scheduler, State};
 use crate::heap::{Block, Placement};
 use crate::memory::{Extent, LaneId, WaitReason};
 use crate::policy::RunKey;
-use crate::session::SessionId;
+use crate::session::{SessionClass, SessionId};
 
 /// Where a session would go, per Salus Algorithm 2.1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,8 +27,9 @@ pub enum LaneChoice {
 
 impl Scheduler {
     /// Where a session of `persistent` + `ephemeral` bytes would be admitted now under the
-    /// current policy's lane limit (Salus Algorithm 2.1), without admitting it; or why it
-    /// would wait. Ignores the policy's admission order and the queue.
+    /// current policy's lane limit (Salus Algorithm 2.1), as an online session, without
+    /// admitting it; or why it would wait. Ignores the policy's admission order and the
+    /// queue.
     pub fn plan_admission(
         &self,
         persistent: u64,
@@ -52,7 +53,7 @@ impl Scheduler {
                 usable,
             });
         }
-        self.find_lane(p, e, self.policy.policy().max_lanes())
+        self.find_lane(p, e, self.policy.policy().max_lanes(), SessionClass::Online)
             .map(|(choice, _)| choice)
     }
 
@@ -63,10 +64,17 @@ impl Scheduler {
         }
         let policy = self.policy.policy();
         let mut order = self.queue.clone();
+        let protecting = self.protecting();
         order.sort_by(|a, b| match (self.sessions.get(a), self.sessions.get(b)) {
+            (Some(a), Some(b)) if protecting => a
+                .spec
+                .class
+                .cmp(&b.spec.class)
+                .then_with(|| policy.admission_order(&a.view(), &b.view())),
             (Some(a), Some(b)) => policy.admission_order(&a.view(), &b.view()),
             _ => a.cmp(b),
         });
+        self.protect.online_starved = false;
         if self.draining {
             for id in order {
                 self.set_wait_reason(id, WaitReason::Draining);
@@ -98,7 +106,18 @@ impl Scheduler {
             return;
         }
         let mut first_waiting = None;
+        let mut online_waiting = None;
+        let health = self.protect.health.state();
         for id in order {
+            let offline = protecting && self.class_of(id) == SessionClass::Offline;
+            if offline && let Some(first) = online_waiting {
+                self.set_wait_reason(id, WaitReason::OnlineFirst { first });
+                continue;
+            }
+            if offline && !health.admits_offline() {
+                self.set_wait_reason(id, WaitReason::OfflineHealth { health });
+                continue;
+            }
             match first_waiting {
                 Some(first) if !policy.backfill() => self.set_wait_reason(
                     id,
@@ -108,12 +127,20 @@ impl Scheduler {
                     },
                 ),
                 _ => {
+                    let online = protecting && !offline;
                     let admitted = self.try_admit(id, policy.max_lanes())
+                        || (online && self.admit_by_evicting_offline(id, policy.max_lanes()))
                         || (first_waiting.is_none()
                             && policy.suspends()
                             && self.admit_by_suspending(id, policy.max_lanes()));
                     if !admitted {
                         first_waiting = Some(id);
+                        if online {
+                            online_waiting = Some(id);
+                            // Offline sessions that hold memory stop at their boundaries
+                            // so that they can give it up.
+                            self.protect.online_starved |= self.offline_holds_memory();
+                        }
                     }
                 }
             }
@@ -139,7 +166,7 @@ impl Scheduler {
             return false;
         };
         let (p, e) = (session.spec.persistent_bytes, session.spec.ephemeral_bytes);
-        match self.find_lane(p, e, max_lanes) {
+        match self.find_lane(p, e, max_lanes, session.spec.class) {
             Ok((choice, placement)) => {
                 self.admit(id, choice, placement);
                 true
@@ -154,12 +181,27 @@ impl Scheduler {
     /// Salus Algorithm 2.1: open a new lane if it fits; else the best-fitting existing lane
     /// with L >= E; else grow the smallest lane whose growth keeps the safety condition.
     /// Each choice must also be placeable: the persistent block must fit below the lanes.
+    /// Under protection a session only joins or grows lanes of its class, and an offline
+    /// session only takes what keeps the offline sessions within their share.
     pub(super) fn find_lane(
         &self,
         p: u64,
         e: u64,
         max_lanes: usize,
+        class: SessionClass,
     ) -> Result<(LaneChoice, Placement), WaitReason> {
+        let protecting = self.protecting();
+        let same_class =
+            |id: &LaneId| !protecting || self.lanes.get(id).is_some_and(|l| l.class == class);
+        // What an offline admission may add to the offline sessions' bytes.
+        let (offline_held, offline_room) = if protecting && class == SessionClass::Offline {
+            let held = self.offline_bytes();
+            (held, self.offline_limit().saturating_sub(held))
+        } else {
+            (0, u64::MAX)
+        };
+        let within_share = |lane_growth: u64| p.saturating_add(lane_growth) <= offline_room;
+        let mut over_share = false;
         let usable = self.memory.usable();
         let used = self.persistent_total + self.lane_total;
         let placement = self.heap.place(p);
@@ -170,19 +212,36 @@ impl Scheduler {
         let mut safe_somewhere = false;
 
         // 1. A new lane.
-        if self.stack.len() < max_lanes && used.saturating_add(p).saturating_add(e) <= usable {
-            safe_somewhere = true;
-            if placeable(self.lane_total + e) {
-                return Ok((LaneChoice::Open, placement));
+        // Under protection each class has the policy's lane limit.
+        let lanes = if protecting {
+            self.lanes.values().filter(|l| l.class == class).count()
+        } else {
+            self.stack.len()
+        };
+        if lanes < max_lanes && used.saturating_add(p).saturating_add(e) <= usable {
+            if !within_share(e) {
+                over_share = true;
+            } else {
+                safe_somewhere = true;
+                if placeable(self.lane_total + e) {
+                    return Ok((LaneChoice::Open, placement));
+                }
             }
         }
         // 2. The best-fitting lane with L >= E.
         if used.saturating_add(p) <= usable
-            && let Some(&(_, id)) = self.lanes_by_size.range((e, LaneId(0))..).next()
+            && let Some(&(_, id)) = self
+                .lanes_by_size
+                .range((e, LaneId(0))..)
+                .find(|(_, id)| same_class(id))
         {
-            safe_somewhere = true;
-            if placeable(self.lane_total) {
-                return Ok((LaneChoice::Join(id), placement));
+            if !within_share(0) {
+                over_share = true;
+            } else {
+                safe_somewhere = true;
+                if placeable(self.lane_total) {
+                    return Ok((LaneChoice::Join(id), placement));
+                }
             }
         }
         // 3. Grow the smallest lane that keeps safety. Growing lane r from L_r to E keeps
@@ -190,27 +249,46 @@ impl Scheduler {
         // placeable when the lowest target stays above the heap, i.e. L_r >= place_min.
         // Both bounds only rise with L_r, so the smallest lane above both is the answer.
         let safe_min = (self.persistent_total + p + self.lane_total + e).saturating_sub(usable);
+        // Under the offline share, a lane of size L grows by E - L: it must be at least
+        // share_min.
+        let share_min = if offline_room == u64::MAX {
+            0
+        } else {
+            (p + e).saturating_sub(offline_room)
+        };
         let smallest_from = |min: u64| {
             (min < e)
                 .then(|| {
                     self.lanes_by_size
                         .range((min, LaneId(0))..(e, LaneId(0)))
-                        .next()
+                        .find(|(_, id)| same_class(id))
                 })
                 .flatten()
                 .copied()
         };
         if smallest_from(safe_min).is_some() {
-            safe_somewhere = true;
-            let place_min = (heap_top + self.lane_total + e).saturating_sub(self.memory.capacity);
-            if let Some((size, id)) = smallest_from(safe_min.max(place_min))
-                && placeable(self.lane_total - size + e)
-            {
-                return Ok((LaneChoice::Grow(id), placement));
+            if smallest_from(safe_min.max(share_min)).is_none() {
+                over_share = true;
+            } else {
+                safe_somewhere = true;
+                let place_min =
+                    (heap_top + self.lane_total + e).saturating_sub(self.memory.capacity);
+                if let Some((size, id)) = smallest_from(safe_min.max(place_min).max(share_min))
+                    && placeable(self.lane_total - size + e)
+                {
+                    return Ok((LaneChoice::Grow(id), placement));
+                }
             }
         }
         let needed = p + e;
         let available = usable - used;
+        if over_share && !safe_somewhere {
+            return Err(WaitReason::OfflineShare {
+                needed,
+                held: offline_held,
+                limit: self.offline_limit(),
+            });
+        }
         Err(if safe_somewhere {
             WaitReason::Fragmented { needed, available }
         } else {
@@ -227,6 +305,7 @@ impl Scheduler {
             return;
         };
         let (p, e) = (session.spec.persistent_bytes, session.spec.ephemeral_bytes);
+        let class = session.spec.class;
         let lane_id = match choice {
             LaneChoice::Open => {
                 let lane_id = LaneId(self.next_lane);
@@ -234,6 +313,7 @@ impl Scheduler {
                 self.lanes.insert(
                     lane_id,
                     Lane {
+                        class,
                         size: e,
                         target: 0,
                         placed: None,
@@ -311,9 +391,13 @@ impl Scheduler {
             return false;
         };
         let head_key = (policy.suspension_key(&head_session.view()), head);
+        // Under protection an offline session never takes an online one's memory.
+        let head_class = head_session.spec.class;
+        let protecting = self.protecting();
         let mut behind: Vec<((RunKey, SessionId), SessionId)> = self
             .sessions
             .values()
+            .filter(|s| !protecting || s.spec.class >= head_class)
             .filter(|s| {
                 matches!(
                     s.state,

@@ -6,7 +6,7 @@ use std::mem;
 
 use super::{Action, Scheduler, State};
 use crate::memory::{Extent, LaneId};
-use crate::session::SessionId;
+use crate::session::{SessionClass, SessionId};
 
 impl Scheduler {
     /// Moves idle lanes that are out of place to their targets. Nothing is copied:
@@ -80,6 +80,11 @@ impl Scheduler {
             let Some(&(_, id)) = lane.ready.first() else {
                 continue;
             };
+            if lane.class == SessionClass::Offline && self.protecting() && !self.offline_gate_open()
+            {
+                self.protect.held.insert(lane_id);
+                continue;
+            }
             let lane_offset = lane.target;
             let switched_from = lane.last_session.filter(|&last| last != id);
             if let Some(last) = switched_from
@@ -103,6 +108,7 @@ impl Scheduler {
                 lane.fair_clock = lane.fair_clock.max(service);
             }
             self.unqueue(id);
+            self.on_start(id);
             self.actions.push(Action::StartIteration {
                 session: id,
                 lane: lane_id,

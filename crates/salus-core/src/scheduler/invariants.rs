@@ -136,6 +136,26 @@ impl Scheduler {
                 "{running} sessions running but {lanes_running} lanes busy: two iterations on one lane"
             ));
         }
+        if self.protecting() {
+            for (id, lane) in &self.lanes {
+                if let Some(other) = lane.sessions.iter().find(|s| {
+                    self.sessions
+                        .get(s)
+                        .is_some_and(|s| s.spec.class != lane.class)
+                }) {
+                    return Err(format!(
+                        "{id} is a {} lane but holds {other}, of the other class",
+                        lane.class
+                    ));
+                }
+            }
+            let (held, limit) = (self.offline_bytes(), self.offline_limit());
+            if held > limit {
+                return Err(format!(
+                    "offline sessions hold {held} bytes, past their share of {limit}"
+                ));
+            }
+        }
         Ok(())
     }
 }

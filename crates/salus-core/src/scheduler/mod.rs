@@ -11,11 +11,13 @@
 //! - `admission`: the waiting queue, Salus Algorithm 2.1 (lane finding), suspension;
 //! - `dispatch`: lane placement and moves, run queues, starting iterations;
 //! - `views`: read-only views and the memory map;
+//! - `protect`: online sessions protected from offline ones (`crate::protection`);
 //! - `invariants`: the checks tests run after every event.
 
 mod admission;
 mod dispatch;
 mod invariants;
+mod protect;
 mod views;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -27,7 +29,8 @@ use serde::{Deserialize, Serialize};
 use crate::heap::{Block, PersistentHeap};
 use crate::memory::{Extent, LaneId, MemoryConfig, RejectReason, WaitReason};
 use crate::policy::{PolicyKind, RunKey};
-use crate::session::{SessionId, SessionSpec, SessionStats, SessionView};
+use crate::protection::{DeviceSample, ProtectionConfig};
+use crate::session::{SessionClass, SessionId, SessionSpec, SessionStats, SessionView};
 
 pub use admission::LaneChoice;
 pub use views::LaneInfo;
@@ -55,7 +58,13 @@ pub enum Event {
     /// The operator started (`true`) or ended draining. While draining, running sessions
     /// go on but nothing new is admitted: waiting sessions are queued as `Draining`.
     DrainingChanged(bool),
-    /// Nothing but the passing of time.
+    /// What the device reports about itself (a GPU's SM activity and clock), for the
+    /// protection of online sessions.
+    DeviceSampled(DeviceSample),
+    /// The operator enabled (`true`) or disabled offline work: while disabled, offline
+    /// sessions are evicted to host memory and none runs.
+    OfflineEnabled(bool),
+    /// Nothing but the passing of time (send one at [`Scheduler::next_wakeup`]).
     Tick,
 }
 
@@ -186,6 +195,8 @@ struct Session {
     suspended: bool,
     /// Where it sits in its lane's run queue, while it is ready.
     queued: Option<(LaneId, RunKey)>,
+    /// What protection follows of its iterations.
+    track: protect::Track,
 }
 
 impl Session {
@@ -218,6 +229,8 @@ impl Session {
 /// A lane: a contiguous stretch of ephemeral memory, time-shared by its sessions.
 #[derive(Debug, Clone)]
 struct Lane {
+    /// The class of its sessions: under protection a lane never mixes classes.
+    class: SessionClass,
     /// L: the largest E among its sessions.
     size: u64,
     /// Where the lane belongs when the stack is compact.
@@ -277,13 +290,25 @@ pub struct Scheduler {
     /// target offset. Rebuilt whenever targets change.
     unplaced: BTreeMap<u64, LaneId>,
     lanes_due: BTreeSet<LaneId>,
+    protect: protect::Protect,
     actions: Vec<Action>,
 }
 
 impl Scheduler {
-    /// A scheduler for a device with `memory`, starting under `policy`.
+    /// A scheduler for a device with `memory`, starting under `policy`, protecting online
+    /// sessions with the default [`ProtectionConfig`].
     pub fn new(memory: MemoryConfig, policy: PolicyKind) -> Result<Self, CoreError> {
+        Self::with_protection(memory, policy, ProtectionConfig::default())
+    }
+
+    /// A scheduler that protects online sessions from offline ones as `protection` says.
+    pub fn with_protection(
+        memory: MemoryConfig,
+        policy: PolicyKind,
+        protection: ProtectionConfig,
+    ) -> Result<Self, CoreError> {
         memory.validate().map_err(CoreError::InvalidConfig)?;
+        protection.validate().map_err(CoreError::InvalidConfig)?;
         Ok(Scheduler {
             memory,
             policy,
@@ -303,6 +328,7 @@ impl Scheduler {
             move_candidates: BTreeSet::new(),
             unplaced: BTreeMap::new(),
             lanes_due: BTreeSet::new(),
+            protect: protect::Protect::new(protection),
             actions: Vec::new(),
         })
     }
@@ -336,6 +362,7 @@ impl Scheduler {
             });
         }
         self.now = now;
+        self.start_protection();
         match event {
             Event::SessionOpened(spec) => self.open(spec),
             Event::IterationSubmitted(id) => self.submit(id),
@@ -350,7 +377,18 @@ impl Scheduler {
                 self.admission_due = true;
                 Ok(())
             }
-            Event::Tick => Ok(()),
+            Event::DeviceSampled(sample) => {
+                self.on_device_sample(sample);
+                Ok(())
+            }
+            Event::OfflineEnabled(enabled) => {
+                self.set_offline_enabled(enabled);
+                Ok(())
+            }
+            Event::Tick => {
+                self.evaluate_health();
+                Ok(())
+            }
         }
     }
 
@@ -359,9 +397,11 @@ impl Scheduler {
         self.move_lanes();
         if self.admission_due {
             self.admission_due = false;
+            self.evict_offline();
             self.admit_waiting();
             self.move_lanes();
         }
+        self.release_held();
         self.start_iterations();
         mem::take(&mut self.actions)
     }
@@ -380,9 +420,17 @@ impl Scheduler {
         }
         let persistent = self.memory.align_up(spec.persistent_bytes);
         let ephemeral = self.memory.align_up(spec.ephemeral_bytes);
-        if !self
-            .memory
-            .fits_empty(spec.persistent_bytes, spec.ephemeral_bytes)
+        let offline_limit = (self.protecting() && spec.class == SessionClass::Offline)
+            .then(|| self.offline_limit());
+        let over_share = offline_limit.is_some_and(|limit| {
+            persistent
+                .zip(ephemeral)
+                .is_none_or(|(p, e)| p.saturating_add(e) > limit)
+        });
+        if over_share
+            || !self
+                .memory
+                .fits_empty(spec.persistent_bytes, spec.ephemeral_bytes)
         {
             self.actions.push(Action::Reject {
                 session: id,
@@ -391,6 +439,7 @@ impl Scheduler {
                     ephemeral_bytes: ephemeral.unwrap_or(u64::MAX),
                     capacity: self.memory.capacity,
                     reserve: self.memory.reserve,
+                    offline_limit: offline_limit.filter(|_| over_share),
                 },
             });
             return Ok(());
@@ -409,6 +458,7 @@ impl Scheduler {
                 state: State::Waiting(None),
                 suspended: false,
                 queued: None,
+                track: protect::Track::default(),
             },
         );
         self.queue.push(id);
@@ -444,6 +494,7 @@ impl Scheduler {
             .get_mut(&id)
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations += 1;
+        self.on_submit(id);
         self.sync_run_queue(id);
         Ok(())
     }
@@ -478,6 +529,7 @@ impl Scheduler {
             // An iteration boundary makes this session suspendable for a waiting one.
             self.admission_due = true;
         }
+        self.on_finish(id, duration);
         if closing {
             self.release(id);
         } else {
@@ -492,6 +544,8 @@ impl Scheduler {
             .get_mut(&id)
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations = 0;
+        session.track = protect::Track::default();
+        self.protect.online_running.remove(&id);
         match &mut session.state {
             State::Waiting(_) => {
                 self.sessions.remove(&id);

@@ -14,6 +14,7 @@ pub fn spec(id: u64, p: u64, e: u64) -> SessionSpec {
     SessionSpec {
         id: SessionId(id),
         kind: SessionKind::Training,
+        class: salus_core::SessionClass::Online,
         persistent_bytes: p,
         ephemeral_bytes: e,
         hints: Hints::default(),

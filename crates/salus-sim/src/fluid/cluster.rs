@@ -242,6 +242,7 @@ impl Cluster<'_> {
                 CoreEvent::SessionOpened(SessionSpec {
                     id,
                     kind: SessionKind::Training,
+                    class: salus_core::SessionClass::Online,
                     persistent_bytes: s.config.persistent_bytes(),
                     ephemeral_bytes: s.config.ephemeral_bytes(),
                     hints: Hints {

@@ -473,6 +473,7 @@ impl State {
         let spec = SessionSpec {
             id,
             kind: new.kind,
+            class: salus_core::SessionClass::Online,
             persistent_bytes: p,
             ephemeral_bytes: e,
             hints: new.hints.clone(),

@@ -64,6 +64,7 @@ fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
         priority: h.priority,
         total_iterations: (h.total_iterations > 0).then_some(h.total_iterations),
         expected_iteration: (!expected_iteration.is_zero()).then_some(expected_iteration),
+        slo: None,
     })
 }
 

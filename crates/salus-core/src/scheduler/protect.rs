@@ -1,0 +1,405 @@
+//! Protection of online sessions in the scheduler (see [`crate::protection`]): the offline
+//! memory share, lanes that never mix classes, online sessions first in admission and
+//! taking offline memory, the controller's hold on offline iterations, and the health
+//! state machine's admission and eviction of offline sessions.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::time::Duration;
+
+use super::{Scheduler, State};
+use crate::memory::LaneId;
+use crate::protection::{
+    Controller, DeviceSample, Health, HealthMetrics, HealthState, ProtectionConfig,
+    ProtectionStatus, Window,
+};
+use crate::session::{SessionClass, SessionId};
+
+/// The scheduler's protection state.
+#[derive(Debug, Clone)]
+pub(super) struct Protect {
+    pub(super) config: ProtectionConfig,
+    pub(super) health: Health,
+    controller: Controller,
+    slowdowns: Window,
+    slo_use: Window,
+    device: Option<DeviceSample>,
+    /// Offline iterations do not start before this time.
+    hold_until: Duration,
+    /// Offline lanes with a ready session that the gate held back.
+    pub(super) held: BTreeSet<LaneId>,
+    offline_running: usize,
+    pub(super) online_running: BTreeSet<SessionId>,
+    /// An online session waits for memory offline sessions hold: no offline iteration
+    /// starts, so that they reach their boundaries and can be suspended.
+    pub(super) online_starved: bool,
+    evictions: u64,
+    last_online: Option<Duration>,
+    started: bool,
+}
+
+impl Protect {
+    pub(super) fn new(config: ProtectionConfig) -> Self {
+        Protect {
+            controller: Controller::new(&config),
+            config,
+            health: Health::default(),
+            slowdowns: Window::default(),
+            slo_use: Window::default(),
+            device: None,
+            hold_until: Duration::ZERO,
+            held: BTreeSet::new(),
+            offline_running: 0,
+            online_running: BTreeSet::new(),
+            online_starved: false,
+            evictions: 0,
+            last_online: None,
+            started: false,
+        }
+    }
+}
+
+/// What the core follows of one online session's iterations.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Track {
+    /// Submission times of its iterations not yet started.
+    submitted: VecDeque<Duration>,
+    /// Submission time of the iteration running now.
+    running_submitted: Option<Duration>,
+    /// An offline iteration ran at some moment of the iteration running now.
+    overlapped: bool,
+    /// Its iterations' duration with no offline iteration beside them (moving average), in
+    /// seconds: the reference its slowdown is measured against.
+    clean: Option<f64>,
+}
+
+impl Scheduler {
+    /// True when classes change scheduling.
+    pub(super) fn protecting(&self) -> bool {
+        self.protect.config.enabled
+    }
+
+    pub(super) fn class_of(&self, id: SessionId) -> SessionClass {
+        self.sessions
+            .get(&id)
+            .map_or(SessionClass::Online, |s| s.spec.class)
+    }
+
+    /// Bytes offline sessions hold: their persistent blocks and their lanes.
+    pub(super) fn offline_bytes(&self) -> u64 {
+        let persistent: u64 = self
+            .sessions
+            .values()
+            .filter(|s| s.spec.class == SessionClass::Offline)
+            .filter_map(|s| match s.state {
+                State::Admitted { block, .. } => Some(block.size),
+                State::Waiting(_) => None,
+            })
+            .sum();
+        let lanes: u64 = self
+            .lanes
+            .values()
+            .filter(|l| l.class == SessionClass::Offline)
+            .map(|l| l.size)
+            .sum();
+        persistent + lanes
+    }
+
+    /// The most offline sessions may hold.
+    pub(super) fn offline_limit(&self) -> u64 {
+        self.protect.config.offline_limit(self.memory.usable())
+    }
+
+    pub(super) fn on_submit(&mut self, id: SessionId) {
+        let now = self.now;
+        if let Some(s) = self.sessions.get_mut(&id)
+            && s.spec.class == SessionClass::Online
+        {
+            s.track.submitted.push_back(now);
+            self.protect.last_online = Some(now);
+        }
+    }
+
+    pub(super) fn on_start(&mut self, id: SessionId) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        match session.spec.class {
+            SessionClass::Offline => {
+                self.protect.offline_running += 1;
+                for online in &self.protect.online_running {
+                    if let Some(s) = self.sessions.get_mut(online) {
+                        s.track.overlapped = true;
+                    }
+                }
+            }
+            SessionClass::Online => {
+                session.track.running_submitted = session.track.submitted.pop_front();
+                session.track.overlapped = self.protect.offline_running > 0;
+                self.protect.online_running.insert(id);
+            }
+        }
+    }
+
+    pub(super) fn on_finish(&mut self, id: SessionId, duration: Duration) {
+        let now = self.now;
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        match session.spec.class {
+            SessionClass::Offline => {
+                self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
+                if self.online_active() {
+                    let hold = self.protect.controller.hold_after(duration);
+                    self.protect.hold_until = self.protect.hold_until.max(now + hold);
+                }
+                if self.protect.online_starved || !self.protect.health.state().runs_offline() {
+                    // At its boundary it can be suspended for the online session.
+                    self.admission_due = true;
+                }
+            }
+            SessionClass::Online => {
+                self.protect.online_running.remove(&id);
+                self.protect.last_online = Some(now);
+                let track = &mut session.track;
+                let secs = duration.as_secs_f64();
+                if !track.overlapped {
+                    track.clean = Some(match track.clean {
+                        Some(c) => 0.8 * c + 0.2 * secs,
+                        None => secs,
+                    });
+                }
+                let slowdown = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
+                let submitted = track.running_submitted.take();
+                let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
+                if let (Some(submitted), Some(slo)) = (submitted, slo) {
+                    let latency = now.saturating_sub(submitted);
+                    self.protect
+                        .slo_use
+                        .push(now, latency.as_secs_f64() / slo.as_secs_f64());
+                }
+                if let Some(slowdown) = slowdown {
+                    self.protect.slowdowns.push(now, slowdown);
+                    // Equation 1 with the online slowdown in place of SM activity: the
+                    // load the controller steers.
+                    let load = slowdown * self.clock_factor().unwrap_or(1.0);
+                    self.protect.controller.step(load, &self.protect.config);
+                }
+                self.evaluate_health();
+            }
+        }
+    }
+
+    /// A new device sample.
+    pub(super) fn on_device_sample(&mut self, sample: DeviceSample) {
+        self.protect.device = Some(sample);
+        self.evaluate_health();
+    }
+
+    /// The operator's switch for offline work.
+    pub(super) fn set_offline_enabled(&mut self, enabled: bool) {
+        self.protect.health.set_enabled(enabled);
+        self.evaluate_health();
+    }
+
+    fn clock_factor(&self) -> Option<f64> {
+        let (clock, highest) = self.protect.device?.sm_clock?;
+        Some(self.protect.config.clock_factor(clock, highest))
+    }
+
+    /// True while an online session has had iterations within the window: offline work
+    /// is then held to the controller's duty.
+    fn online_active(&self) -> bool {
+        !self.protect.online_running.is_empty()
+            || self
+                .protect
+                .last_online
+                .is_some_and(|t| self.now.saturating_sub(t) <= self.protect.config.window)
+    }
+
+    /// Moves the health state machine for the metrics now; a change makes admission look
+    /// again (to admit or to evict offline sessions).
+    pub(super) fn evaluate_health(&mut self) {
+        if !self.protecting() {
+            return;
+        }
+        self.protect.started = true;
+        let window = self.protect.config.window;
+        self.protect.slowdowns.expire(self.now, window);
+        self.protect.slo_use.expire(self.now, window);
+        let metrics = self.health_metrics();
+        let before = self.protect.health.state();
+        // Each state's exits are looked at once; a state left now may be left again at
+        // once (Overlimit, calm for its period, to Unhealthy, to Healthy).
+        let mut state = before;
+        for _ in 0..4 {
+            let next = self
+                .protect
+                .health
+                .update(self.now, &metrics, &self.protect.config);
+            if next == state {
+                break;
+            }
+            state = next;
+        }
+        if before != state {
+            self.admission_due = true;
+        }
+    }
+
+    fn health_metrics(&self) -> HealthMetrics {
+        HealthMetrics {
+            online_slowdown: self.protect.slowdowns.p99(),
+            slo_use: self.protect.slo_use.p99(),
+            sm_activity: self.protect.device.and_then(|d| d.sm_activity),
+            clock_factor: self.clock_factor(),
+        }
+    }
+
+    /// True when an offline iteration may start now.
+    pub(super) fn offline_gate_open(&self) -> bool {
+        if !self.protecting() {
+            return true;
+        }
+        let probing = self.protect.online_running.iter().any(|id| {
+            self.sessions
+                .get(id)
+                .is_some_and(|s| s.track.clean.is_none())
+        });
+        self.protect.health.state().runs_offline()
+            && !self.protect.online_starved
+            && self.now >= self.protect.hold_until
+            && !probing
+    }
+
+    /// Gives held offline lanes back to dispatch once the gate is open.
+    pub(super) fn release_held(&mut self) {
+        if !self.protect.held.is_empty() && self.offline_gate_open() {
+            let held = std::mem::take(&mut self.protect.held);
+            self.lanes_due.extend(held);
+        }
+    }
+
+    /// Under `Overlimit` or `Disabled`: suspends every idle offline session (running ones
+    /// follow at their boundary).
+    pub(super) fn evict_offline(&mut self) {
+        if !self.protecting() || self.protect.health.state().runs_offline() {
+            return;
+        }
+        let idle: Vec<SessionId> = self
+            .sessions
+            .values()
+            .filter(|s| s.spec.class == SessionClass::Offline)
+            .filter(|s| {
+                matches!(
+                    s.state,
+                    State::Admitted {
+                        running: false,
+                        closing: false,
+                        ..
+                    }
+                )
+            })
+            .map(|s| s.spec.id)
+            .collect();
+        for id in idle {
+            self.suspend(id);
+            self.protect.evictions += 1;
+        }
+    }
+
+    /// For an online session that does not fit: suspends idle offline sessions, those
+    /// holding most first, if that makes it fit. True when it was admitted.
+    pub(super) fn admit_by_evicting_offline(&mut self, head: SessionId, max_lanes: usize) -> bool {
+        let mut victims: Vec<(u64, SessionId)> = self
+            .sessions
+            .values()
+            .filter(|s| s.spec.class == SessionClass::Offline)
+            .filter_map(|s| match s.state {
+                State::Admitted {
+                    running: false,
+                    closing: false,
+                    block,
+                    ..
+                } => Some((block.size + s.spec.ephemeral_bytes, s.spec.id)),
+                State::Admitted { .. } | State::Waiting(_) => None,
+            })
+            .collect();
+        if victims.is_empty() {
+            return false;
+        }
+        victims.sort_by_key(|&(bytes, id)| (std::cmp::Reverse(bytes), id));
+        let victims: Vec<SessionId> = victims.into_iter().map(|(_, id)| id).collect();
+        if !self.fits_without(head, &victims) {
+            return false;
+        }
+        let mut trial = self.clone();
+        for victim in victims {
+            trial.suspend(victim);
+            trial.protect.evictions += 1;
+            if trial.try_admit(head, max_lanes) {
+                *self = trial;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// True when an admitted offline session holds memory (and could give it up).
+    pub(super) fn offline_holds_memory(&self) -> bool {
+        self.sessions.values().any(|s| {
+            s.spec.class == SessionClass::Offline && matches!(s.state, State::Admitted { .. })
+        })
+    }
+
+    /// When the driver must send `Event::Tick` for a decision that depends on time alone:
+    /// held offline iterations may start, `Overlimit` may end, or old metrics leave the
+    /// window. `None` when nothing waits on time.
+    pub fn next_wakeup(&self) -> Option<Duration> {
+        if !self.protecting() {
+            return None;
+        }
+        let p = &self.protect;
+        let mut times = Vec::new();
+        if !p.held.is_empty() && p.hold_until > self.now {
+            times.push(p.hold_until);
+        }
+        if let Some(t) = p.health.leaves_overlimit_at(&p.config) {
+            times.push(t.max(self.now));
+        }
+        if !matches!(p.health.state(), HealthState::Healthy | HealthState::Init) {
+            times.extend(p.slowdowns.next_expiry(p.config.window));
+            times.extend(p.slo_use.next_expiry(p.config.window));
+        }
+        times.into_iter().filter(|&t| t > self.now).min()
+    }
+
+    /// The protection as status output shows it.
+    pub fn protection_status(&self) -> ProtectionStatus {
+        let p = &self.protect;
+        ProtectionStatus {
+            enabled: p.config.enabled,
+            health: p.health.state(),
+            metrics: self.health_metrics(),
+            offline_duty: p.controller.duty(),
+            offline_held_until: (!p.held.is_empty() && p.hold_until > self.now)
+                .then_some(p.hold_until),
+            offline_bytes: self.offline_bytes(),
+            offline_limit: self.offline_limit(),
+            offline_evictions: p.evictions,
+            overlimit_entries: p.health.overlimit_entries(),
+        }
+    }
+
+    /// The protection's configuration.
+    pub fn protection_config(&self) -> &ProtectionConfig {
+        &self.protect.config
+    }
+
+    /// Starts the state machine at the first event (MuxFlow's Init ends once the device is
+    /// up; the core's device is up once it is told anything).
+    pub(super) fn start_protection(&mut self) {
+        if !self.protect.started {
+            self.evaluate_health();
+        }
+    }
+}

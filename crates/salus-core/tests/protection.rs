@@ -1,0 +1,251 @@
+//! Online sessions protected from offline ones: the memory share, lanes by class, online
+//! first, the controller's hold and the health state machine.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+
+use common::{Driver, MB, admitted, spec, started, suspended};
+use salus_core::protection::HealthState;
+use salus_core::{
+    Action, DeviceSample, Event, MemoryConfig, PolicyKind, ProtectionConfig, Scheduler,
+    SessionClass, SessionId, SessionSpec, WaitReason,
+};
+
+fn offline(id: u64, p: u64, e: u64) -> SessionSpec {
+    SessionSpec {
+        class: SessionClass::Offline,
+        ..spec(id, p, e)
+    }
+}
+
+fn driver(policy: PolicyKind, config: ProtectionConfig) -> Driver {
+    let mut d = Driver::new(1000 * MB, 0, policy);
+    d.core = Scheduler::with_protection(MemoryConfig::new(1000 * MB, 0), policy, config).unwrap();
+    d
+}
+
+fn queued(actions: &[Action], id: u64) -> Option<WaitReason> {
+    actions.iter().rev().find_map(|a| match a {
+        Action::Queue { session, reason } if session.0 == id => Some(reason.clone()),
+        _ => None,
+    })
+}
+
+/// Runs `id`'s iteration for `ms` and returns the actions.
+fn run(d: &mut Driver, id: u64, ms: u64) -> Vec<Action> {
+    d.finish(id, ms)
+}
+
+#[test]
+fn offline_sessions_keep_to_their_share() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    // 40% of 1000 MB = 400 MB.
+    let a = d.open(offline(1, 100 * MB, 200 * MB));
+    assert_eq!(admitted(&a).len(), 1);
+    // A lane of its own would take 150 MB past 300; joining session 1's lane, 150 MB.
+    let a = d.open(offline(2, 150 * MB, 100 * MB));
+    match queued(&a, 2) {
+        Some(WaitReason::OfflineShare { held, limit, .. }) => {
+            assert_eq!(held, 300 * MB);
+            assert_eq!(limit, 400 * MB);
+        }
+        other => panic!("expected the offline share, got {other:?}"),
+    }
+    // An online session of the same size is admitted: the share binds offline ones only.
+    let a = d.open(spec(3, 50 * MB, 100 * MB));
+    assert_eq!(admitted(&a).len(), 1);
+    // An offline session bigger than the share alone is rejected at once, saying so.
+    let a = d.open(offline(4, 300 * MB, 200 * MB));
+    let Some(Action::Reject { reason, .. }) = a.first() else {
+        panic!("expected a rejection, got {a:?}");
+    };
+    assert_eq!(reason.offline_limit, Some(400 * MB));
+    assert!(
+        reason
+            .to_string()
+            .contains("offline sessions may hold at most")
+    );
+    // It fits beside session 1 once the lane is shared: joining costs no lane bytes.
+    let a = d.open(offline(5, 50 * MB, 150 * MB));
+    assert_eq!(admitted(&a).len(), 1);
+    assert_eq!(d.core.protection_status().offline_bytes, 350 * MB);
+}
+
+#[test]
+fn lanes_never_mix_classes() {
+    let mut d = driver(PolicyKind::Fair, ProtectionConfig::default());
+    let a = d.open(spec(1, 10 * MB, 100 * MB));
+    let b = d.open(offline(2, 10 * MB, 100 * MB));
+    let c = d.open(spec(3, 10 * MB, 50 * MB));
+    // FAIR keeps one lane; under protection, one per class.
+    let (la, lb, lc) = (admitted(&a)[0].1, admitted(&b)[0].1, admitted(&c)[0].1);
+    assert_ne!(la, lb);
+    assert_eq!(la, lc);
+    // Without protection the offline session shares the lane.
+    let mut d = driver(PolicyKind::Fair, ProtectionConfig::disabled());
+    let a = d.open(spec(1, 10 * MB, 100 * MB));
+    let b = d.open(offline(2, 10 * MB, 100 * MB));
+    assert_eq!(admitted(&a)[0].1, admitted(&b)[0].1);
+}
+
+#[test]
+fn an_online_session_takes_memory_offline_sessions_hold() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(1, 150 * MB, 200 * MB)); // 350 MB
+    d.open(spec(2, 200 * MB, 300 * MB)); // 500 MB; 850 in all
+    d.submit(1);
+    assert_eq!(started(&d.log), vec![1]);
+    // Needs 100 MB and a lane of 400 (200 more by growing session 2's): only 150 are free.
+    // Session 1 runs, so it is stopped at its boundary.
+    let a = d.open(spec(3, 100 * MB, 400 * MB));
+    assert!(
+        matches!(queued(&a, 3), Some(WaitReason::Memory { .. })),
+        "{a:?}"
+    );
+    d.submit(1);
+    let a = run(&mut d, 1, 50);
+    assert_eq!(suspended(&a), vec![1], "{a:?}");
+    assert_eq!(admitted(&a), vec![(3, admitted(&a)[0].1)]);
+    // Session 1 waits behind the online one... and comes back when there is room.
+    let a = d.open(offline(4, 10 * MB, 10 * MB));
+    assert!(admitted(&a).is_empty() || admitted(&a)[0].0 == 4);
+    let a = d.close(3);
+    let back = a.iter().find_map(|x| match x {
+        Action::Admit {
+            session, resumed, ..
+        } if session.0 == 1 => Some(*resumed),
+        _ => None,
+    });
+    assert_eq!(back, Some(true), "{a:?}");
+    assert_eq!(d.core.protection_status().offline_evictions, 1);
+}
+
+#[test]
+fn offline_sessions_wait_while_an_online_one_waits() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(spec(1, 300 * MB, 400 * MB));
+    d.open(offline(2, 100 * MB, 100 * MB));
+    d.submit(1);
+    // The online session does not fit (needs 400, 100 free beside offline 200)...
+    // ...offline 2 is idle, so it is suspended for it.
+    let a = d.open(spec(3, 200 * MB, 200 * MB));
+    assert_eq!(suspended(&a), vec![2]);
+    assert_eq!(admitted(&a)[0].0, 3);
+    // Now an online session that cannot fit at all for now, and an offline one that would.
+    let a = d.open(spec(4, 200 * MB, 200 * MB));
+    assert!(matches!(queued(&a, 4), Some(WaitReason::Memory { .. })));
+    let a = d.open(offline(5, MB, MB));
+    assert_eq!(
+        queued(&a, 5),
+        Some(WaitReason::OnlineFirst {
+            first: SessionId(4)
+        })
+    );
+}
+
+#[test]
+fn the_controller_holds_offline_iterations_while_online_ones_suffer() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.open(offline(2, 10 * MB, 10 * MB));
+    // A clean online iteration gives the reference: 10 ms.
+    d.submit(1);
+    run(&mut d, 1, 10);
+    // Offline work beside it slows it 1.6x, again and again: the duty goes down.
+    for _ in 0..6 {
+        d.submit(2);
+        d.submit(1);
+        run(&mut d, 1, 16);
+        if d.core
+            .session(SessionId(2))
+            .unwrap()
+            .stats
+            .pending_iterations
+            == 0
+        {
+            run(&mut d, 2, 100);
+        }
+    }
+    let status = d.core.protection_status();
+    assert!(status.offline_duty < 0.5, "{status:?}");
+    // An offline iteration just finished: the next waits (1 - duty) / duty of its length.
+    d.log.clear();
+    d.submit(2);
+    if started(&d.log).contains(&2) {
+        run(&mut d, 2, 100);
+        d.submit(2);
+    }
+    let wake = d.core.next_wakeup().expect("offline work is held");
+    assert!(wake > d.now);
+    assert!(!started(&d.log).contains(&2));
+    d.now = wake;
+    let a = d.feed(Event::Tick);
+    assert_eq!(started(&a), vec![2]);
+}
+
+#[test]
+fn overlimit_evicts_offline_work_until_calm_and_backs_off() {
+    let config = ProtectionConfig::default();
+    let mut d = driver(PolicyKind::Pack, config.clone());
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.submit(1);
+    run(&mut d, 1, 10);
+    assert_eq!(d.core.protection_status().health, HealthState::Healthy);
+    // The online session's iteration takes 3x its clean time: overlimit.
+    d.submit(2);
+    d.submit(1);
+    let a = run(&mut d, 1, 30);
+    assert_eq!(d.core.protection_status().health, HealthState::Overlimit);
+    assert!(suspended(&a).is_empty(), "session 2 still runs");
+    let a = run(&mut d, 2, 50);
+    assert_eq!(suspended(&a), vec![2], "evicted at its boundary");
+    assert!(matches!(
+        d.core.waiting()[0].1,
+        Some(WaitReason::OfflineHealth {
+            health: HealthState::Overlimit
+        })
+    ));
+    // Once the slow sample has left the window and the hold has passed, it comes back.
+    let mut back = false;
+    for _ in 0..10 {
+        let Some(wake) = d.core.next_wakeup() else {
+            break;
+        };
+        d.now = wake;
+        if !admitted(&d.feed(Event::Tick)).is_empty() {
+            back = true;
+            break;
+        }
+    }
+    assert!(back, "{:?}", d.core.protection_status());
+    assert_eq!(d.core.protection_status().health, HealthState::Healthy);
+    assert_eq!(d.core.protection_status().overlimit_entries, 1);
+}
+
+#[test]
+fn device_samples_and_the_operator_switch() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(1, 10 * MB, 10 * MB));
+    // A clock at half the highest: Equation 2 gives 1 + 4 * (1350 - 750) / 1350 = 2.78.
+    d.feed(Event::DeviceSampled(DeviceSample {
+        sm_activity: Some(0.5),
+        sm_clock: Some((750.0, 1500.0)),
+    }));
+    let status = d.core.protection_status();
+    assert_eq!(status.health, HealthState::Overlimit);
+    let expected = 1.0 + 4.0 * (1350.0 - 750.0) / 1350.0;
+    assert!((status.metrics.clock_factor.unwrap() - expected).abs() < 1e-12);
+    assert_eq!(d.core.waiting().len(), 1, "evicted");
+    // The operator disables offline work; enabling it again goes through unhealthy.
+    let a = d.feed(Event::OfflineEnabled(false));
+    assert!(admitted(&a).is_empty());
+    assert_eq!(d.core.protection_status().health, HealthState::Disabled);
+    d.feed(Event::DeviceSampled(DeviceSample::default()));
+    assert_eq!(d.core.protection_status().health, HealthState::Disabled);
+    let a = d.feed(Event::OfflineEnabled(true));
+    assert_eq!(d.core.protection_status().health, HealthState::Healthy);
+    assert_eq!(admitted(&a).len(), 1);
+}
