@@ -327,6 +327,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                         priority: 0,
                         total_iterations: Some(job.iterations),
                         expected_iteration: Some(at(job.iteration_s)),
+                        slo: None,
                     },
                 }),
             )?;

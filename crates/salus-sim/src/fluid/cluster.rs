@@ -250,6 +250,7 @@ impl Cluster<'_> {
                         priority: 0,
                         total_iterations: Some(s.iterations_left),
                         expected_iteration: Some(at(s.config.iteration_s())),
+                        slo: None,
                     },
                 }),
             )?;
