@@ -121,6 +121,18 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// MuxFlow (issue 15): online services and offline training sharing GPUs. One GPU
+    /// through the core (salus with and without protection, time-sharing, online-only)
+    /// and a 16-GPU cluster (MuxFlow's matching, online-only, time-sharing, PB-time-sharing,
+    /// salus' protection with matching).
+    Muxflow {
+        /// Seed of the requests, loads and offline jobs.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// ORLOJ's priority queue timed on this machine (Fig. 4.12): insertion and query with
     /// 10 to 10,000 requests pending (wall-clock time; build with --release).
     OrlojQueue {
@@ -240,6 +252,15 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_orloj(&result, &chosen);
+                }
+            }
+            Experiment::Muxflow { seed, json } => {
+                let result = salus_sim::muxflow::experiment(seed).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_muxflow(&result);
+                    print_targets(&salus_sim::muxflow::targets(&result));
                 }
             }
             Experiment::OrlojQueue { seed, json } => {
@@ -647,6 +668,120 @@ fn print_orloj(result: &salus_sim::orloj::OrlojResult, cases: &[salus_sim::orloj
             miss.case, miss.slo, miss.margin, miss.against
         );
     }
+}
+
+fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
+    let single = &result.single_gpu;
+    println!(
+        "One GPU through the core (seed {}): a {} service, 20-190 requests/s over {:.0} s, \
+         SLO {:.2} ms; offline jobs one after another: {}",
+        result.seed,
+        single.service,
+        salus_sim::muxflow::single::SPAN_S,
+        single.slo_ms,
+        single.offline_jobs.join(", ")
+    );
+    println!(
+        "{:<21} {:>9} {:>9} {:>7} {:>7} {:>8} {:>8} {:>5} {:>7} {:>6} {:>6} {:>6}",
+        "system",
+        "mean ms",
+        "p99 ms",
+        "mean/x",
+        "p99/x",
+        "offline",
+        "/idle",
+        "jobs",
+        "JCT/x",
+        "util",
+        "gain",
+        "duty"
+    );
+    for name in salus_sim::muxflow::single::SYSTEMS {
+        let Some(s) = single.systems.get(name) else {
+            continue;
+        };
+        println!(
+            "{:<21} {:>9.2} {:>9.2} {:>7.3} {:>7.3} {:>8.3} {:>8.3} {:>5} {:>7.2} {:>6.3} {:>5.2}x {:>6.2}",
+            name,
+            s.online_mean_ms,
+            s.online_p99_ms,
+            s.online_mean_slowdown,
+            s.online_p99_slowdown,
+            s.offline_throughput_fraction,
+            s.offline_idle_capacity_fraction,
+            s.offline_finished,
+            s.offline_jct_slowdown,
+            s.utilization,
+            s.utilization_gain,
+            s.mean_duty
+        );
+    }
+    if let Some(s) = single.systems.get("salus_protection") {
+        let health: Vec<String> = s
+            .health
+            .iter()
+            .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v))
+            .collect();
+        println!("salus_protection health: {}", health.join(", "));
+    }
+    let c = &result.cluster;
+    println!();
+    println!(
+        "Cluster: {} GPUs, one online service each (mean load alone {:.1}%), {} offline jobs \
+         ({:.0} solo GPU-hours); latency and utilization over one day",
+        c.gpus,
+        100.0 * c.online_load,
+        c.offline_jobs,
+        c.offline_solo_h
+    );
+    println!(
+        "{:<18} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6} {:>7} {:>7} {:>8} {:>6} {:>6} {:>5} {:>4}",
+        "system",
+        "mean ms",
+        "p99 ms",
+        "mean/x",
+        "p99/x",
+        "offline",
+        "/idle",
+        "JCT h",
+        "JCT/mf",
+        "span h",
+        "util",
+        "gain",
+        "moves",
+        "evic"
+    );
+    let mf_jct = c
+        .systems
+        .get("muxflow")
+        .map_or(f64::NAN, |m| m.offline_avg_jct_h);
+    for system in salus_sim::muxflow::cluster::SYSTEMS {
+        let Some(s) = c.systems.get(system.name) else {
+            continue;
+        };
+        println!(
+            "{:<18} {:>8.2} {:>8.2} {:>7.3} {:>7.3} {:>8.3} {:>6.3} {:>7.2} {:>7.2} {:>8.1} {:>6.3} {:>5.2}x {:>5} {:>4}",
+            system.name,
+            s.online_mean_ms,
+            s.online_p99_ms,
+            s.online_mean_slowdown,
+            s.online_p99_slowdown,
+            s.offline_throughput_fraction,
+            s.offline_idle_capacity_fraction,
+            s.offline_avg_jct_h,
+            s.offline_avg_jct_h / mf_jct,
+            s.offline_makespan_h,
+            s.utilization,
+            s.utilization_gain,
+            s.migrations,
+            s.evictions
+        );
+    }
+    println!(
+        "x: online-only's; offline: work done over the same jobs alone on idle GPUs \
+         (Eq. 3); /idle: over what the compute the service leaves idle allows; JCT/mf: over \
+         MuxFlow's"
+    );
 }
 
 fn print_targets(checks: &[experiments::TargetCheck]) {

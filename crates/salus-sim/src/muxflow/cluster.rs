@@ -324,7 +324,8 @@ fn run_system(
             }
             Placement::Matching => {
                 let all: Vec<usize> = (0..gpus).collect();
-                let (rows, cols): (Vec<usize>, Vec<usize>) = if step % interval_steps == 0 {
+                let (rows, cols): (Vec<usize>, Vec<usize>) = if step.is_multiple_of(interval_steps)
+                {
                     (all, active.clone())
                 } else {
                     (
