@@ -682,7 +682,7 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
         single.offline_jobs.join(", ")
     );
     println!(
-        "{:<21} {:>9} {:>9} {:>7} {:>7} {:>8} {:>8} {:>5} {:>7} {:>6} {:>6} {:>6}",
+        "{:<21} {:>9} {:>9} {:>7} {:>7} {:>8} {:>8} {:>5} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6}",
         "system",
         "mean ms",
         "p99 ms",
@@ -694,6 +694,8 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
         "JCT/x",
         "util",
         "gain",
+        "admit",
+        "runs",
         "duty"
     );
     for name in salus_sim::muxflow::single::SYSTEMS {
@@ -701,7 +703,7 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
             continue;
         };
         println!(
-            "{:<21} {:>9.2} {:>9.2} {:>7.3} {:>7.3} {:>8.3} {:>8.3} {:>5} {:>7.2} {:>6.3} {:>5.2}x {:>6.2}",
+            "{:<21} {:>9.2} {:>9.2} {:>7.3} {:>7.3} {:>8.3} {:>8.3} {:>5} {:>7.2} {:>6.3} {:>5.2}x {:>6.2} {:>6.2} {:>6.2}",
             name,
             s.online_mean_ms,
             s.online_p99_ms,
@@ -713,17 +715,27 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
             s.offline_jct_slowdown,
             s.utilization,
             s.utilization_gain,
+            s.offline_admitted_fraction,
+            s.offline_running_fraction,
             s.mean_duty
         );
     }
-    if let Some(s) = single.systems.get("salus_protection") {
-        let health: Vec<String> = s
-            .health
-            .iter()
-            .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v))
-            .collect();
-        println!("salus_protection health: {}", health.join(", "));
+    for name in ["salus_protection", "salus_protection_slo"] {
+        if let Some(s) = single.systems.get(name) {
+            let health: Vec<String> = s
+                .health
+                .iter()
+                .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v))
+                .collect();
+            println!("{name} health: {}", health.join(", "));
+        }
     }
+    println!(
+        "x: online-only's; offline: work done over an offline job alone on the device all \
+         along; /idle: over what the compute the service leaves idle allows; JCT/x: over \
+         solo time; admit: fraction of the run an offline session was admitted; runs: an \
+         offline iteration ran; duty: the controller's, sampled each second while admitted"
+    );
     let c = &result.cluster;
     println!();
     println!(

@@ -107,7 +107,13 @@ pub struct SingleResult {
     pub offline_suspensions: u64,
     /// Fraction of the run in each health state (salus with protection).
     pub health: BTreeMap<String, f64>,
-    /// The controller's mean offline duty, sampled every second.
+    /// Fraction of the run an offline iteration was running.
+    pub offline_running_fraction: f64,
+    /// Fraction of the run an offline session was admitted (not waiting, not evicted),
+    /// sampled every second.
+    pub offline_admitted_fraction: f64,
+    /// The controller's offline duty, sampled every second while an offline session was
+    /// admitted (salus with protection; 0 elsewhere).
     pub mean_duty: f64,
 }
 
@@ -236,6 +242,9 @@ fn run(
     let mut suspensions = 0u64;
     let mut health: BTreeMap<String, f64> = BTreeMap::new();
     let (mut duty_sum, mut duty_n) = (0.0f64, 0u64);
+    let mut admitted = false;
+    let mut admitted_s = 0.0f64;
+    let mut offline_running_s = 0.0f64;
     let mut next_sample = 0.0f64;
     let mut now = 0.0f64;
     let a = kind.busy_share;
@@ -318,6 +327,9 @@ fn run(
                 Action::Admit {
                     session, resumed, ..
                 } => {
+                    if session != online {
+                        admitted = true;
+                    }
                     if resumed && session != online {
                         let p = offline
                             .as_ref()
@@ -328,11 +340,13 @@ fn run(
                 Action::Suspend { session, .. } => {
                     if session != online {
                         suspensions += 1;
+                        admitted = false;
                     }
                 }
                 Action::Closed { session } => {
                     if offline.as_ref().is_some_and(|(id, _)| *id == session) {
                         offline = None;
+                        admitted = false;
                     }
                 }
                 Action::Reject { reason, .. } => {
@@ -378,10 +392,15 @@ fn run(
                 busy += width;
             }
             sm += width * demand.min(1.0);
+            let mut any_offline = false;
             for r in &running {
                 if r.session != online {
                     done_work += width * rate;
+                    any_offline = true;
                 }
+            }
+            if any_offline {
+                offline_running_s += width;
             }
             if let Some((_, o)) = &offline {
                 let u_on = (rate_at(from) * kind.request_s * a).min(1.0);
@@ -393,11 +412,16 @@ fn run(
         }
         now = t;
         if now >= next_sample {
+            if next_sample < end && admitted {
+                admitted_s += 1.0;
+            }
             if next_sample < end && with_offline && core.protection_config().enabled {
                 let status = core.protection_status();
                 *health.entry(status.health.name().to_string()).or_default() += 1.0;
-                duty_sum += status.offline_duty;
-                duty_n += 1;
+                if admitted {
+                    duty_sum += status.offline_duty;
+                    duty_n += 1;
+                }
             }
             next_sample += 1.0;
         }
@@ -488,6 +512,8 @@ fn run(
                 .map(|(k, v)| (k, v / total.max(1.0)))
                 .collect()
         },
+        offline_running_fraction: offline_running_s / SPAN_S,
+        offline_admitted_fraction: admitted_s / SPAN_S,
         mean_duty: if duty_n > 0 {
             duty_sum / duty_n as f64
         } else {
