@@ -720,14 +720,18 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
             s.mean_duty
         );
     }
-    for name in ["salus_protection", "salus_protection_slo"] {
+    for name in ["online_only", "salus_protection", "salus_protection_slo"] {
         if let Some(s) = single.systems.get(name) {
             let health: Vec<String> = s
                 .health
                 .iter()
                 .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v))
                 .collect();
-            println!("{name} health: {}", health.join(", "));
+            println!(
+                "{name}: health {}; online slowdown metric (p99, median sample) {:.2}",
+                health.join(", "),
+                s.online_slowdown_metric
+            );
         }
     }
     println!(

@@ -105,8 +105,13 @@ pub struct SingleResult {
     pub sm_activity: f64,
     /// Offline sessions suspended (protection's evictions and memory).
     pub offline_suspensions: u64,
-    /// Fraction of the run in each health state (salus with protection).
+    /// Fraction of the run in each health state (where protection is enabled, online-only
+    /// included).
     pub health: BTreeMap<String, f64>,
+    /// The protection's `online_slowdown` health metric (p99 over its window of online
+    /// iterations' duration against clean ones), sampled every second: the median sample
+    /// (0 without protection).
+    pub online_slowdown_metric: f64,
     /// Fraction of the run an offline iteration was running.
     pub offline_running_fraction: f64,
     /// Fraction of the run an offline session was admitted (not waiting, not evicted),
@@ -245,6 +250,7 @@ fn run(
     let mut admitted = false;
     let mut admitted_s = 0.0f64;
     let mut offline_running_s = 0.0f64;
+    let mut slowdown_metric: Vec<f64> = Vec::new();
     let mut next_sample = 0.0f64;
     let mut now = 0.0f64;
     let a = kind.busy_share;
@@ -415,8 +421,11 @@ fn run(
             if next_sample < end && admitted {
                 admitted_s += 1.0;
             }
-            if next_sample < end && with_offline && core.protection_config().enabled {
+            if next_sample < end && core.protection_config().enabled {
                 let status = core.protection_status();
+                if let Some(x) = status.metrics.online_slowdown {
+                    slowdown_metric.push(x);
+                }
                 *health.entry(status.health.name().to_string()).or_default() += 1.0;
                 if admitted {
                     duty_sum += status.offline_duty;
@@ -513,6 +522,13 @@ fn run(
                 .collect()
         },
         offline_running_fraction: offline_running_s / SPAN_S,
+        online_slowdown_metric: {
+            slowdown_metric.sort_by(f64::total_cmp);
+            slowdown_metric
+                .get(slowdown_metric.len() / 2)
+                .copied()
+                .unwrap_or(0.0)
+        },
         offline_admitted_fraction: admitted_s / SPAN_S,
         mean_duty: if duty_n > 0 {
             duty_sum / duty_n as f64
