@@ -670,6 +670,15 @@ fn print_orloj(result: &salus_sim::orloj::OrlojResult, cases: &[salus_sim::orloj
     }
 }
 
+/// `x` with `digits` decimals, or "-" when there is nothing (0).
+fn or_dash(x: f64, digits: usize) -> String {
+    if x > 0.0 && x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "-".to_string()
+    }
+}
+
 fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
     let single = &result.single_gpu;
     println!(
@@ -776,7 +785,7 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
             continue;
         };
         println!(
-            "{:<18} {:>8.2} {:>8.2} {:>7.3} {:>7.3} {:>8.3} {:>6.3} {:>7.2} {:>7.2} {:>8.1} {:>6.3} {:>5.2}x {:>5} {:>4}",
+            "{:<18} {:>8.2} {:>8.2} {:>7.3} {:>7.3} {:>8.3} {:>6.3} {:>7} {:>7} {:>8} {:>6.3} {:>5.2}x {:>5} {:>4}",
             system.name,
             s.online_mean_ms,
             s.online_p99_ms,
@@ -784,9 +793,9 @@ fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
             s.online_p99_slowdown,
             s.offline_throughput_fraction,
             s.offline_idle_capacity_fraction,
-            s.offline_avg_jct_h,
-            s.offline_avg_jct_h / mf_jct,
-            s.offline_makespan_h,
+            or_dash(s.offline_avg_jct_h, 2),
+            or_dash(s.offline_avg_jct_h / mf_jct, 2),
+            or_dash(s.offline_makespan_h, 1),
             s.utilization,
             s.utilization_gain,
             s.migrations,
