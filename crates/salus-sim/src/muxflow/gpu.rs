@@ -12,7 +12,7 @@
 //! | time-sharing | its share `c` | always | the driver alternates time slices: twice its time |
 //! | PB-time-sharing | `c` | while no request runs | waits for the running offline kernel (up to 1 ms) when it finds the service idle |
 //! | MuxFlow | `min(c, 1 - U_on)`: dynamic SM allocation by the service's SM activity `U_on = ρ·a` at its load (MPS limit) | xCUDA: as long as `U_on + d·m <= 0.9` | processor sharing |
-//! | salus | `c` (no partition) | the protection controller: the mean stretch of requests `<= 1.05` | processor sharing |
+//! | salus | `c` (no partition) | its protection controller's duty (`cluster.rs`: steered by the p99 against the SLO) | processor sharing |
 //!
 //! The offline job's speed (normalized throughput, 1 = alone on an idle GPU) is then:
 //! time-sharing `1 - ρ`; PB-time-sharing `1 - ρ'` (`ρ'` the service's busy fraction

@@ -58,8 +58,8 @@ fn the_experiment_runs_and_orders_the_systems_as_expected() {
 
 #[test]
 fn runs_are_deterministic() {
-    let a = cluster::cluster(3);
-    let b = cluster::cluster(3);
+    let a = single::single(3).expect("runs");
+    let b = single::single(3).expect("runs");
     assert_eq!(
         serde_json::to_string(&a).expect("json"),
         serde_json::to_string(&b).expect("json")
