@@ -50,6 +50,7 @@ fn spec(id: u64, seed: u64) -> SessionSpec {
             priority: 0,
             total_iterations: Some(1_000 + seed % 5_000),
             expected_iteration: Some(Duration::from_millis(5 + seed % 200)),
+            slo: None,
         },
     }
 }

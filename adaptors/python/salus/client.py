@@ -273,17 +273,25 @@ class Client:
 
     def open(self, graph: graph_pb2.Graph, initial: Iterable[tuple[int, bytes]] = (), *,
              kind: str = "training", name: str = "", priority: int = 0,
-             total_iterations: int = 0, expected_iteration_ms: float = 0.0) -> "Session":
+             total_iterations: int = 0, expected_iteration_ms: float = 0.0,
+             offline: bool = False, slo_ms: float = 0.0) -> "Session":
         """Opens a session of ``graph`` with the initial value of every PARAMETER and STATE
         tensor (``(tensor id, bytes)``); returns once salusd has accepted it (queued or
         admitted). Hints: ``name`` (shown by ``salusctl``), ``priority`` (higher first),
         ``total_iterations`` (SRTF), ``expected_iteration_ms`` (until measured; the time of
-        an iteration on the ``sim`` device)."""
+        an iteration on the ``sim`` device). ``offline=True`` makes it best effort: it runs
+        only in what online sessions leave and gives its memory up to them (suspended to
+        host memory, resumed exactly). ``slo_ms``: an online session's latency target."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        if offline and slo_ms:
+            raise ValueError("slo_ms is for online sessions; an offline session has none")
         hints = session_pb2.Hints(name=name, priority=priority,
                                   total_iterations=total_iterations,
-                                  expected_iteration_ms=expected_iteration_ms)
+                                  expected_iteration_ms=expected_iteration_ms,
+                                  slo_ms=slo_ms,
+                                  **{"class": session_pb2.SESSION_CLASS_OFFLINE if offline
+                                     else session_pb2.SESSION_CLASS_ONLINE})
         first = session_pb2.OpenRequest(open=session_pb2.OpenSession(
             graph=graph, kind=KINDS[kind], hints=hints))
         return Session(self, first, initial, f"open a session{f' ({name})' if name else ''}")
@@ -319,6 +327,16 @@ class Client:
         finished, closed, policy changes): iterate it; :meth:`EventWatch.cancel` ends it."""
         return EventWatch(self.call("watch events", self.admin_stub.Watch,
                                     admin_pb2.WatchRequest()), str(self.address))
+
+    def offline(self, enable: bool | None = None) -> str:
+        """Enables (``True``) or disables offline sessions, or only reads; returns the
+        protection's health state (``disabled`` while disabled)."""
+        request = admin_pb2.SetOfflineRequest()
+        if enable is not None:
+            request.enable = enable
+        what = "read the offline switch" if enable is None else (
+            "enable offline sessions" if enable else "disable offline sessions")
+        return self.call(what, self.admin_stub.SetOffline, request).health
 
     def drain(self, drain: bool = True) -> bool:
         """Stops (``True``) or resumes admission; returns whether salusd drains now."""

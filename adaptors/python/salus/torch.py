@@ -85,7 +85,8 @@ class _SalusSession:
     def _open(self, traced: TracedStep, *, client: Client | None, address: str | None,
               name: str, priority: int, total_iterations: int, expected_iteration_ms: float,
               admission_timeout: float | None, started: float,
-              feed_buffer: bool | None = None, reattach_timeout: float = 60.0) -> None:
+              feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+              offline: bool = False, slo_ms: float = 0.0) -> None:
         self.traced = traced
         self.reattach_timeout = reattach_timeout
         self._slots: Slots | None = None
@@ -103,7 +104,8 @@ class _SalusSession:
             self.session = self.client.open(self.graph, initial, kind=self.kind, name=name,
                                             priority=priority,
                                             total_iterations=total_iterations,
-                                            expected_iteration_ms=expected_iteration_ms)
+                                            expected_iteration_ms=expected_iteration_ms,
+                                            offline=offline, slo_ms=slo_ms)
             if admission_timeout is not None:
                 self.session.wait_admitted(admission_timeout)
             unix = self.client.address.path is not None
@@ -345,6 +347,11 @@ class TrainSession(_SalusSession):
     :class:`salus.client.Client`) and uploads the parameters, buffers and optimizer state.
     Hints for the scheduler: ``name`` (shown by ``salusctl``), ``priority``,
     ``total_iterations`` (SRTF ranks by remaining work), ``expected_iteration_ms``.
+    ``offline=True``: best effort, beside online sessions (serving): it runs only in what
+    they leave, at most a share of the device's memory, and is suspended to host memory
+    when they need its memory (its results are unchanged); ``slo_ms``: an online
+    session's latency target, which salusd's protection watches
+    (``docs/scheduling.md``, "Online and offline sessions").
     Instead of ``loss_fn``, ``loss_of(model, *batch)`` computes the loss of any batch
     (tensors, or tuples, lists and dicts of them) however the model's outputs give it
     (several outputs, auxiliary losses, a Hugging Face model's ``.loss``); pass
@@ -384,7 +391,7 @@ class TrainSession(_SalusSession):
                  name: str = "", priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
                  tracing_mode: str = "real", feed_buffer: bool | None = None,
-                 reattach_timeout: float = 60.0):
+                 reattach_timeout: float = 60.0, offline: bool = False, slo_ms: float = 0.0):
         started = time.perf_counter()
         self.model = model
         self.optimizer = optimizer
@@ -398,7 +405,8 @@ class TrainSession(_SalusSession):
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,
-                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout)
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -512,7 +520,8 @@ class InferenceSession(_SalusSession):
                  priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
                  eval_mode: bool = True, tracing_mode: str = "real",
-                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0):
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+                 offline: bool = False, slo_ms: float = 0.0):
         started = time.perf_counter()
         self.model = model
         self._eval_mode, self._tracing_mode = eval_mode, tracing_mode
@@ -524,7 +533,8 @@ class InferenceSession(_SalusSession):
                    total_iterations=total_iterations,
                    expected_iteration_ms=expected_iteration_ms,
                    admission_timeout=admission_timeout, started=started,
-                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout)
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_inference(self.model, batch, eval_mode=self._eval_mode,

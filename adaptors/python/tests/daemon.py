@@ -42,7 +42,7 @@ class Daemon:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
                  socket: str | None = None):
-        salusd, self.salusctl = binaries()
+        salusd, self.salusctl_path = binaries()
         if "--memory" not in args:
             # Small daemons: the tests need little memory.
             args = (*args, "--memory", "256MiB")
@@ -77,7 +77,7 @@ class Daemon:
             self.process.wait()
 
     def salusctl(self, *args: str) -> str:
-        out = subprocess.run([str(self.salusctl), *args],
+        out = subprocess.run([str(self.salusctl_path), *args],
                              env={**os.environ, "SALUS_ADDRESS": self.socket},
                              capture_output=True, text=True, check=False)
         assert out.returncode == 0, out.stderr

@@ -15,7 +15,7 @@ def run_example(daemon: Daemon, *args: str) -> str:
     env = {**os.environ, "SALUS_ADDRESS": daemon.address,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "adaptors" / "python"),
                                                        os.environ.get("PYTHONPATH")])),
-           "PATH": os.pathsep.join([str(daemon.salusctl.parent), os.environ["PATH"]])}
+           "PATH": os.pathsep.join([str(daemon.salusctl_path.parent), os.environ["PATH"]])}
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=False, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

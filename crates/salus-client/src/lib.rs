@@ -328,6 +328,17 @@ impl Client {
             .draining)
     }
 
+    /// Enables or disables offline sessions (`None` only reads); returns the protection's
+    /// health state after the change.
+    pub async fn offline(&self, enable: Option<bool>) -> Result<String, Error> {
+        Ok(self
+            .admin()
+            .set_offline(self.request(pb::SetOfflineRequest { enable }))
+            .await?
+            .into_inner()
+            .health)
+    }
+
     /// Live events from now on.
     pub async fn watch(&self) -> Result<tonic::Streaming<pb::Event>, Error> {
         Ok(self

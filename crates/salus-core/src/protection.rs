@@ -214,8 +214,9 @@ impl Thresholds {
 /// The health state machine's thresholds, per metric ([`HealthMetrics`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct HealthThresholds {
-    /// 99th percentile of online iterations' slowdown (duration against the same session's
-    /// iterations with no offline iteration beside them).
+    /// 99th percentile of the slowdown of online iterations that ran beside offline ones
+    /// (duration against the same session's iterations with no offline iteration beside
+    /// them).
     pub online_slowdown: Thresholds,
     /// 99th percentile of online latency (submission to finish) over the session's SLO.
     pub slo_use: Thresholds,
@@ -509,10 +510,19 @@ impl Controller {
     }
 }
 
-/// Samples over a sliding window of time, for percentiles.
-#[derive(Debug, Clone, Default)]
+/// Samples over a sliding window of time, for percentiles. Its memory is taken once: a
+/// daemon's live bytes do not grow with the iterations it has run.
+#[derive(Debug, Clone)]
 pub(crate) struct Window {
     samples: VecDeque<(Duration, f64)>,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Window {
+            samples: VecDeque::with_capacity(Self::MAX),
+        }
+    }
 }
 
 impl Window {

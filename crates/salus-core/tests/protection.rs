@@ -5,7 +5,6 @@
 
 mod common;
 
-
 use common::{Driver, MB, admitted, spec, started, suspended};
 use salus_core::protection::HealthState;
 use salus_core::{

@@ -1,7 +1,7 @@
 //! `salusctl`: see and steer a running salusd.
 //!
-//! `status` (device, memory map, lanes, queue), `sessions`, `policy [NAME]`, `drain`,
-//! `watch`; `--json` on each for machines. The daemon is found from `--socket`, else
+//! `status` (device, memory map, lanes, queue, protection of online sessions),
+//! `sessions`, `policy [NAME]`, `drain`, `offline [on|off]`, `watch`; `--json` on each for machines. The daemon is found from `--socket`, else
 //! `SALUS_ADDRESS`, else the default socket path.
 
 use std::process::ExitCode;
@@ -44,6 +44,13 @@ enum Command {
         /// Admit again.
         #[arg(long)]
         resume: bool,
+    },
+    /// Show whether offline sessions may run, or enable (on) or disable (off) them;
+    /// disabled, they are suspended to host memory.
+    Offline {
+        /// on or off.
+        #[arg(value_parser = ["on", "off"])]
+        switch: Option<String>,
     },
     /// Print events as they happen, until interrupted.
     Watch,
@@ -164,7 +171,42 @@ fn status_json(s: &pb::StatusResponse) -> Value {
             "uid": u.uid, "sessions": u.sessions, "opening": u.opening,
             "opening_bytes": u.opening_bytes, "host_bytes": u.host_bytes, "limited": u.limited,
         })).collect::<Vec<_>>(),
+        "protection": s.protection.as_ref().map(|p| json!({
+            "enabled": p.enabled, "health": p.health, "offline_duty": p.offline_duty,
+            "offline_bytes": p.offline_bytes, "offline_limit": p.offline_limit,
+            "offline_evictions": p.offline_evictions, "overlimit_entries": p.overlimit_entries,
+            "online_slowdown_p99": p.online_slowdown_p99, "slo_use_p99": p.slo_use_p99,
+            "offline_held_ms": p.offline_held_ms,
+        })),
     })
+}
+
+/// The protection of online sessions, in a line or two.
+fn protection_text(s: &pb::StatusResponse) -> String {
+    let Some(p) = &s.protection else {
+        return String::new();
+    };
+    if !p.enabled {
+        return "protection off: offline sessions are scheduled like online ones\n".into();
+    }
+    let mut out = format!(
+        "protection {}: offline duty {:.2}, offline sessions hold {} of {}, {} evicted",
+        p.health,
+        p.offline_duty,
+        bytes(p.offline_bytes),
+        bytes(p.offline_limit),
+        p.offline_evictions
+    );
+    if p.online_slowdown_p99 > 0.0 {
+        out += &format!("; online slowdown p99 {:.2}", p.online_slowdown_p99);
+    }
+    if p.slo_use_p99 > 0.0 {
+        out += &format!(", SLO use p99 {:.2}", p.slo_use_p99);
+    }
+    if p.offline_held_ms > 0.0 {
+        out += &format!("; offline held {:.1} ms", p.offline_held_ms);
+    }
+    out + "\n"
 }
 
 /// Host memory, opening sessions and each user's share against the limits.
@@ -297,6 +339,7 @@ fn status_text(s: &pb::StatusResponse, sessions: &[pb::SessionInfo]) -> String {
         };
         out += &format!("  {:>12}  {:>12}  {what}\n", bytes(r.offset), bytes(r.size));
     }
+    out += &protection_text(s);
     out += &limits_text(s);
     if s.queue.is_empty() {
         out += "queue: empty\n";
@@ -449,6 +492,18 @@ async fn run(args: Args) -> Result<(), salus_client::Error> {
                 println!("draining: running sessions go on, new sessions wait");
             } else {
                 println!("admitting");
+            }
+        }
+        Command::Offline { switch } => {
+            // clap accepts only on and off.
+            let enable = switch.as_deref().map(|s| s == "on");
+            let health = client.offline(enable).await?;
+            if args.json {
+                println!("{}", json!({"health": health}));
+            } else if health == "disabled" {
+                println!("offline sessions disabled: they wait in host memory");
+            } else {
+                println!("offline sessions enabled; protection {health}");
             }
         }
         Command::Watch => {

@@ -39,6 +39,8 @@ pub enum Steering {
     Policy,
     /// Start or stop draining.
     Drain,
+    /// Enable or disable offline sessions.
+    Offline,
 }
 
 impl fmt::Display for Steering {
@@ -46,6 +48,7 @@ impl fmt::Display for Steering {
         f.write_str(match self {
             Steering::Policy => "changing the policy",
             Steering::Drain => "draining",
+            Steering::Offline => "enabling or disabling offline sessions",
         })
     }
 }

@@ -69,6 +69,8 @@ pub struct Config {
     pub open_timeout: Duration,
     /// The policy at start.
     pub policy: PolicyKind,
+    /// How online sessions are protected from offline ones.
+    pub protection: salus_core::ProtectionConfig,
     /// Where to serve Prometheus metrics.
     pub metrics: Option<SocketAddr>,
     /// The file holding the bearer token TCP clients must send.
@@ -122,6 +124,7 @@ impl Config {
             max_sessions_per_user: DEFAULT_MAX_SESSIONS_PER_USER,
             open_timeout: DEFAULT_OPEN_TIMEOUT,
             policy: PolicyKind::DEFAULT,
+            protection: salus_core::ProtectionConfig::default(),
             metrics: None,
             token_file: None,
             insecure_tcp: false,
@@ -158,6 +161,10 @@ pub struct FileConfig {
     pub open_timeout: Option<String>,
     /// `--policy`.
     pub policy: Option<String>,
+    /// `--offline-share`.
+    pub offline_share: Option<f64>,
+    /// `--protection`.
+    pub protection: Option<String>,
     /// `--metrics`.
     pub metrics: Option<String>,
     /// `--token-file`.
@@ -281,6 +288,15 @@ pub fn read_token(path: &Path) -> Result<String, String> {
         ));
     }
     Ok(token.to_string())
+}
+
+/// Parses `--protection`: `on` or `off`.
+pub fn parse_switch(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("{other:?} is neither on nor off")),
+    }
 }
 
 /// Rounds down to the core's 256-byte alignment.

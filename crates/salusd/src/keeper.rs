@@ -109,6 +109,7 @@ fn bring_back(engine: &Engine, snapshot: Snapshot) -> Result<NewSession, String>
         },
         slot,
         kind: snapshot.kind,
+        class: snapshot.class,
         hints: snapshot.hints,
         // Nobody listens until its client reattaches.
         updates: Box::new(|_| {}),
@@ -220,6 +221,7 @@ mod tests {
             id,
             owner: 1000,
             kind: salus_core::SessionKind::Training,
+            class: salus_core::SessionClass::Offline,
             hints: salus_core::Hints::default(),
             token: [1; 16],
             iterations: 3,

@@ -305,6 +305,7 @@ pub async fn run_with(
         device: device.clone(),
         memory,
         policy: config.policy,
+        protection: config.protection.clone(),
         limits: salus_graph::Limits::default(),
         daemon_uid,
         host_memory,

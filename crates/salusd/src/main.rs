@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use salusd::config::{FileConfig, align_down, parse_bytes, parse_duration, parse_period};
+use salusd::config::{
+    FileConfig, align_down, parse_bytes, parse_duration, parse_period, parse_switch,
+};
 use salusd::{Config, DeviceChoice};
 
 /// The salus daemon: owns one device and runs many jobs' sessions on it, packed into
@@ -55,6 +57,14 @@ struct Args {
     /// Scheduling policy at start: share, pack, srtf, fair or fifo [default: share].
     #[arg(long, env = "SALUS_POLICY")]
     policy: Option<String>,
+    /// The most of the device offline sessions may hold together, as a fraction of usable
+    /// memory [default: 0.4].
+    #[arg(long, env = "SALUS_OFFLINE_SHARE")]
+    offline_share: Option<f64>,
+    /// Protection of online sessions from offline ones: on or off (offline sessions are
+    /// then scheduled like online ones) [default: on].
+    #[arg(long, env = "SALUS_PROTECTION")]
+    protection: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464).
     #[arg(long, env = "SALUS_METRICS")]
     metrics: Option<String>,
@@ -147,6 +157,16 @@ fn config(args: Args) -> Result<(Config, String), String> {
         config.reattach_timeout =
             parse_duration(&timeout).map_err(|e| format!("--reattach-timeout: {e}"))?;
     }
+    if let Some(share) = args.offline_share.or(file.offline_share) {
+        config.protection.offline_memory_share = share;
+    }
+    if let Some(on) = args.protection.or(file.protection) {
+        config.protection.enabled = parse_switch(&on).map_err(|e| format!("--protection: {e}"))?;
+    }
+    config
+        .protection
+        .validate()
+        .map_err(|e| format!("--offline-share: {e}"))?;
     if let Some(policy) = args.policy.or(file.policy) {
         config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;
     }

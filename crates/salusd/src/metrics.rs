@@ -5,6 +5,7 @@
 
 use std::fmt::Write as _;
 
+use salus_core::HealthState;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -29,6 +30,7 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         lane_bytes,
         persistent_bytes,
         quotas,
+        protection,
     } = metrics;
     let memory = engine.memory();
     let mut out = String::new();
@@ -71,6 +73,54 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
         "gauge",
         "Persistent plus lane bytes.",
         &mut gauge("salus_memory_in_use_bytes", persistent_bytes + lane_bytes),
+    );
+    family(
+        "salus_offline_bytes",
+        "gauge",
+        "Bytes offline sessions hold (persistent and their lanes).",
+        &mut gauge("salus_offline_bytes", protection.offline_bytes),
+    );
+    family(
+        "salus_offline_limit_bytes",
+        "gauge",
+        "The most offline sessions may hold together (--offline-share).",
+        &mut gauge("salus_offline_limit_bytes", protection.offline_limit),
+    );
+    family(
+        "salus_offline_evictions_total",
+        "counter",
+        "Offline sessions suspended to host memory to protect online ones.",
+        &mut gauge(
+            "salus_offline_evictions_total",
+            protection.offline_evictions,
+        ),
+    );
+    let duty = protection.offline_duty;
+    family(
+        "salus_offline_duty",
+        "gauge",
+        "The fraction of time offline iterations may run while online sessions are active.",
+        &mut |out: &mut String| {
+            let _ = writeln!(out, "salus_offline_duty {duty}");
+        },
+    );
+    let health = protection.health;
+    family(
+        "salus_protection_health",
+        "gauge",
+        "1 for the protection's health state now (init, healthy, unhealthy, overlimit, disabled).",
+        &mut |out: &mut String| {
+            for state in [
+                HealthState::Init,
+                HealthState::Healthy,
+                HealthState::Unhealthy,
+                HealthState::Overlimit,
+                HealthState::Disabled,
+            ] {
+                let on = u8::from(state == health);
+                let _ = writeln!(out, "salus_protection_health{{state=\"{state}\"}} {on}");
+            }
+        },
     );
     family(
         "salus_host_image_bytes",

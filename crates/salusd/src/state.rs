@@ -14,7 +14,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use prost::Message;
-use salus_core::{Hints, SessionKind};
+use salus_core::{Hints, SessionClass, SessionKind};
 use salus_proto::v1 as pb;
 
 const MAGIC: &[u8; 8] = b"SALUSSN1";
@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub owner: u32,
     /// Training or inference.
     pub kind: SessionKind,
+    /// Online or offline.
+    pub class: SessionClass,
     /// The client's hints.
     pub hints: Hints,
     /// The secret a client reattaches with.
@@ -59,15 +61,7 @@ impl Snapshot {
                 SessionKind::Training => pb::SessionKind::Training,
                 SessionKind::Inference => pb::SessionKind::Inference,
             } as i32,
-            hints: Some(pb::Hints {
-                name: self.hints.name.clone(),
-                priority: self.hints.priority,
-                total_iterations: self.hints.total_iterations.unwrap_or(0),
-                expected_iteration_ms: self
-                    .hints
-                    .expected_iteration
-                    .map_or(0.0, |d| d.as_secs_f64() * 1e3),
-            }),
+            hints: Some(crate::service::hints_to_proto(&self.hints, self.class)),
             token: self.token.to_vec(),
             iterations: self.iterations,
             programs: self.programs.iter().map(|g| g.to_proto()).collect(),
@@ -102,7 +96,8 @@ impl Snapshot {
             return Err("bytes after the persistent block".into());
         }
         let meta = pb::SessionSnapshot::decode(meta).map_err(|e| e.to_string())?;
-        let hints = meta.hints.unwrap_or_default();
+        let (hints, class) = crate::service::hints_from_proto(meta.hints)
+            .map_err(|status| format!("its hints: {}", status.message()))?;
         let programs = meta
             .programs
             .iter()
@@ -119,14 +114,8 @@ impl Snapshot {
                 Ok(pb::SessionKind::Inference) => SessionKind::Inference,
                 _ => SessionKind::Training,
             },
-            hints: Hints {
-                name: hints.name,
-                priority: hints.priority,
-                total_iterations: (hints.total_iterations > 0).then_some(hints.total_iterations),
-                expected_iteration: (hints.expected_iteration_ms > 0.0)
-                    .then(|| std::time::Duration::from_secs_f64(hints.expected_iteration_ms / 1e3)),
-                slo: None,
-            },
+            class,
+            hints,
             token: meta
                 .token
                 .as_slice()

@@ -78,6 +78,7 @@ async fn one_session(engine: &Engine) {
             slot: engine.quotas().open_session(OWNER).unwrap(),
             program,
             kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
             hints: Hints {
                 name: format!("churn-{id}"),
                 ..Hints::default()
@@ -128,6 +129,7 @@ async fn thousands_of_sessions_leave_nothing_behind() {
         memory: MemoryConfig::new(device.capacity(), 0),
         device: Arc::clone(&device),
         policy: PolicyKind::Share,
+        protection: salus_core::ProtectionConfig::default(),
         limits: salus_graph::Limits::default(),
         daemon_uid: OWNER.uid,
         host_memory: 1 << 30,

@@ -209,6 +209,12 @@ pub fn open_stream(spec: &OpenSpec, info: &GraphInfo) -> Vec<Vec<u8>> {
             priority: spec.priority,
             total_iterations: spec.total_iterations,
             expected_iteration_ms: spec.expected_iteration_ms,
+            class: if spec.class.rem_euclid(8) < 7 {
+                spec.class.rem_euclid(2)
+            } else {
+                spec.class
+            },
+            slo_ms: spec.slo_ms,
         }),
     };
     let mut messages = vec![encode(&open_request(Item::Open(open)), &spec.patch)];

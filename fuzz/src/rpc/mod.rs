@@ -138,6 +138,9 @@ pub struct OpenSpec {
     pub priority: i32,
     pub total_iterations: u64,
     pub expected_iteration_ms: f64,
+    /// `hints.class`: mostly online (0) or offline (1), sometimes anything.
+    pub class: i32,
+    pub slo_ms: f64,
     pub initial: Initial,
     /// Messages after the initial values, before `commit`.
     pub extra: Vec<Extra>,

@@ -39,6 +39,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_CLOSED: _ClassVar[EventKind]
     EVENT_KIND_POLICY_CHANGED: _ClassVar[EventKind]
     EVENT_KIND_DRAINING: _ClassVar[EventKind]
+    EVENT_KIND_PROTECTION: _ClassVar[EventKind]
 REGION_KIND_UNSPECIFIED: RegionKind
 REGION_KIND_PERSISTENT: RegionKind
 REGION_KIND_HOLE: RegionKind
@@ -62,6 +63,7 @@ EVENT_KIND_LANE_MOVED: EventKind
 EVENT_KIND_CLOSED: EventKind
 EVENT_KIND_POLICY_CHANGED: EventKind
 EVENT_KIND_DRAINING: EventKind
+EVENT_KIND_PROTECTION: EventKind
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -164,7 +166,7 @@ class UserUsage(_message.Message):
     def __init__(self, uid: _Optional[int] = ..., sessions: _Optional[int] = ..., opening: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., limited: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("device", "policy", "draining", "memory", "lanes", "queue", "uptime_ms", "version", "limits", "host_bytes", "opening_sessions", "opening_bytes", "users")
+    __slots__ = ("device", "policy", "draining", "memory", "lanes", "queue", "uptime_ms", "version", "limits", "host_bytes", "opening_sessions", "opening_bytes", "users", "protection")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class StatusResponse(_message.Message):
     OPENING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     OPENING_BYTES_FIELD_NUMBER: _ClassVar[int]
     USERS_FIELD_NUMBER: _ClassVar[int]
+    PROTECTION_FIELD_NUMBER: _ClassVar[int]
     device: Device
     policy: str
     draining: bool
@@ -191,14 +194,51 @@ class StatusResponse(_message.Message):
     opening_sessions: int
     opening_bytes: int
     users: _containers.RepeatedCompositeFieldContainer[UserUsage]
-    def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., host_bytes: _Optional[int] = ..., opening_sessions: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., users: _Optional[_Iterable[_Union[UserUsage, _Mapping]]] = ...) -> None: ...
+    protection: Protection
+    def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., host_bytes: _Optional[int] = ..., opening_sessions: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., users: _Optional[_Iterable[_Union[UserUsage, _Mapping]]] = ..., protection: _Optional[_Union[Protection, _Mapping]] = ...) -> None: ...
+
+class Protection(_message.Message):
+    __slots__ = ("enabled", "health", "offline_duty", "offline_bytes", "offline_limit", "offline_evictions", "overlimit_entries", "online_slowdown_p99", "slo_use_p99", "offline_held_ms")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_DUTY_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERLIMIT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_SLOWDOWN_P99_FIELD_NUMBER: _ClassVar[int]
+    SLO_USE_P99_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_HELD_MS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    health: str
+    offline_duty: float
+    offline_bytes: int
+    offline_limit: int
+    offline_evictions: int
+    overlimit_entries: int
+    online_slowdown_p99: float
+    slo_use_p99: float
+    offline_held_ms: float
+    def __init__(self, enabled: _Optional[bool] = ..., health: _Optional[str] = ..., offline_duty: _Optional[float] = ..., offline_bytes: _Optional[int] = ..., offline_limit: _Optional[int] = ..., offline_evictions: _Optional[int] = ..., overlimit_entries: _Optional[int] = ..., online_slowdown_p99: _Optional[float] = ..., slo_use_p99: _Optional[float] = ..., offline_held_ms: _Optional[float] = ...) -> None: ...
+
+class SetOfflineRequest(_message.Message):
+    __slots__ = ("enable",)
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    enable: bool
+    def __init__(self, enable: _Optional[bool] = ...) -> None: ...
+
+class SetOfflineResponse(_message.Message):
+    __slots__ = ("health",)
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    health: str
+    def __init__(self, health: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("id", "name", "owner_uid", "kind", "state", "reason", "lane", "persistent_bytes", "ephemeral_bytes", "priority", "total_iterations", "iterations", "pending", "mean_iteration_ms", "p99_iteration_ms", "queue_wait_ms", "attained_service_ms", "preemptions", "suspensions", "age_ms")
+    __slots__ = ("id", "name", "owner_uid", "kind", "state", "reason", "lane", "persistent_bytes", "ephemeral_bytes", "priority", "total_iterations", "iterations", "pending", "mean_iteration_ms", "p99_iteration_ms", "queue_wait_ms", "attained_service_ms", "preemptions", "suspensions", "age_ms", "slo_ms")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_UID_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +259,8 @@ class SessionInfo(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     SUSPENSIONS_FIELD_NUMBER: _ClassVar[int]
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_FIELD_NUMBER: _ClassVar[int]
+    SLO_MS_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     owner_uid: int
@@ -239,7 +281,8 @@ class SessionInfo(_message.Message):
     preemptions: int
     suspensions: int
     age_ms: float
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ...) -> None: ...
+    slo_ms: float
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ..., slo_ms: _Optional[float] = ..., **kwargs) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)

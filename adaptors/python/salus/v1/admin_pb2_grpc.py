@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=salus_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
                 response_deserializer=salus_dot_v1_dot_admin__pb2.Event.FromString,
                 _registered_method=True)
+        self.SetOffline = channel.unary_unary(
+                '/salus.v1.Admin/SetOffline',
+                request_serializer=salus_dot_v1_dot_admin__pb2.SetOfflineRequest.SerializeToString,
+                response_deserializer=salus_dot_v1_dot_admin__pb2.SetOfflineResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -79,6 +84,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetOffline(self, request, context):
+        """Enables or disables offline sessions (protection's Disabled state); reads it when
+        `enable` is unset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=salus_dot_v1_dot_admin__pb2.WatchRequest.FromString,
                     response_serializer=salus_dot_v1_dot_admin__pb2.Event.SerializeToString,
+            ),
+            'SetOffline': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetOffline,
+                    request_deserializer=salus_dot_v1_dot_admin__pb2.SetOfflineRequest.FromString,
+                    response_serializer=salus_dot_v1_dot_admin__pb2.SetOfflineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -243,6 +261,33 @@ class Admin:
             '/salus.v1.Admin/Watch',
             salus_dot_v1_dot_admin__pb2.WatchRequest.SerializeToString,
             salus_dot_v1_dot_admin__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetOffline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salus.v1.Admin/SetOffline',
+            salus_dot_v1_dot_admin__pb2.SetOfflineRequest.SerializeToString,
+            salus_dot_v1_dot_admin__pb2.SetOfflineResponse.FromString,
             options,
             channel_credentials,
             insecure,

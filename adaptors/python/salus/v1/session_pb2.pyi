@@ -13,21 +13,31 @@ class SessionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_KIND_UNSPECIFIED: _ClassVar[SessionKind]
     SESSION_KIND_TRAINING: _ClassVar[SessionKind]
     SESSION_KIND_INFERENCE: _ClassVar[SessionKind]
+
+class SessionClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_CLASS_ONLINE: _ClassVar[SessionClass]
+    SESSION_CLASS_OFFLINE: _ClassVar[SessionClass]
 SESSION_KIND_UNSPECIFIED: SessionKind
 SESSION_KIND_TRAINING: SessionKind
 SESSION_KIND_INFERENCE: SessionKind
+SESSION_CLASS_ONLINE: SessionClass
+SESSION_CLASS_OFFLINE: SessionClass
 
 class Hints(_message.Message):
-    __slots__ = ("name", "priority", "total_iterations", "expected_iteration_ms")
+    __slots__ = ("name", "priority", "total_iterations", "expected_iteration_ms", "slo_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ITERATION_MS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_FIELD_NUMBER: _ClassVar[int]
+    SLO_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     priority: int
     total_iterations: int
     expected_iteration_ms: float
-    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., expected_iteration_ms: _Optional[float] = ...) -> None: ...
+    slo_ms: float
+    def __init__(self, name: _Optional[str] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., expected_iteration_ms: _Optional[float] = ..., slo_ms: _Optional[float] = ..., **kwargs) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("graph", "kind", "hints")

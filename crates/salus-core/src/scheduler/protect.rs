@@ -162,13 +162,20 @@ impl Scheduler {
                 self.protect.last_online = Some(now);
                 let track = &mut session.track;
                 let secs = duration.as_secs_f64();
-                if !track.overlapped {
+                // An iteration with no offline iteration beside it measures no
+                // interference: it updates the reference and tells the controller all is
+                // well; only one beside offline work is a slowdown sample (so that noise
+                // of a busy host alone never evicts offline work).
+                let slowdown = if track.overlapped {
+                    track.clean.filter(|&c| c > 0.0).map(|c| secs / c)
+                } else {
                     track.clean = Some(match track.clean {
                         Some(c) => 0.8 * c + 0.2 * secs,
                         None => secs,
                     });
-                }
-                let slowdown = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
+                    None
+                };
+                let clean = !track.overlapped;
                 let submitted = track.running_submitted.take();
                 let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
                 if let (Some(submitted), Some(slo)) = (submitted, slo) {
@@ -179,6 +186,8 @@ impl Scheduler {
                 }
                 if let Some(slowdown) = slowdown {
                     self.protect.slowdowns.push(now, slowdown);
+                }
+                if let Some(slowdown) = slowdown.or(clean.then_some(1.0)) {
                     // Equation 1 with the online slowdown in place of SM activity: the
                     // load the controller steers.
                     let load = slowdown * self.clock_factor().unwrap_or(1.0);
@@ -198,6 +207,7 @@ impl Scheduler {
     /// The operator's switch for offline work.
     pub(super) fn set_offline_enabled(&mut self, enabled: bool) {
         self.protect.health.set_enabled(enabled);
+        self.admission_due = true;
         self.evaluate_health();
     }
 

@@ -18,11 +18,23 @@ impl State {
         loop {
             let actions = self.core.poll();
             if actions.is_empty() {
-                return;
+                break;
             }
             for action in actions {
                 self.apply(action);
             }
+        }
+        let health = self.core.protection_status().health;
+        if health != self.health {
+            tracing::info!(from = %self.health, to = %health, "protection health changed");
+            self.event(
+                EventKind::Protection,
+                None,
+                None,
+                format!("health {} -> {health}", self.health),
+                Duration::ZERO,
+            );
+            self.health = health;
         }
     }
 

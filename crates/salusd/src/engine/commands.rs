@@ -37,6 +37,8 @@ pub struct NewSession {
     pub slot: SessionSlot,
     /// Training or inference.
     pub kind: SessionKind,
+    /// Online or offline.
+    pub class: salus_core::SessionClass,
     /// The client's hints.
     pub hints: Hints,
     /// Where its updates go.
@@ -208,6 +210,15 @@ pub enum Command {
         policy: Option<PolicyKind>,
         /// The policy in force.
         reply: Reply<PolicyKind>,
+    },
+    /// Enable or disable offline sessions, or read whether they are (`enable: None`).
+    Offline {
+        /// Who asks.
+        principal: Principal,
+        /// The new setting.
+        enable: Option<bool>,
+        /// The health state after the change.
+        reply: Reply<salus_core::HealthState>,
     },
     /// Start or stop draining.
     Drain {
@@ -410,6 +421,21 @@ impl State {
                 };
                 let _ = reply.send(result);
             }
+            Command::Offline {
+                principal,
+                enable,
+                reply,
+            } => {
+                let result = match enable {
+                    None => Ok(()),
+                    Some(enable) => principal
+                        .check_steering(Steering::Offline, self.daemon_uid)
+                        .map_err(EngineError::from)
+                        .and_then(|()| self.set_offline(enable)),
+                }
+                .map(|()| self.core.protection_status().health);
+                let _ = reply.send(result);
+            }
             Command::Drain {
                 principal,
                 drain,
@@ -447,6 +473,26 @@ impl State {
         Ok(())
     }
 
+    fn set_offline(&mut self, enable: bool) -> Result<(), EngineError> {
+        self.core(Event::OfflineEnabled(enable))?;
+        tracing::info!(
+            enable,
+            "offline sessions {}",
+            if enable { "enabled" } else { "disabled" }
+        );
+        self.event(
+            EventKind::Protection,
+            None,
+            None,
+            format!(
+                "offline sessions {}",
+                if enable { "enabled" } else { "disabled" }
+            ),
+            Duration::ZERO,
+        );
+        Ok(())
+    }
+
     fn set_draining(&mut self, drain: bool) -> Result<(), EngineError> {
         if drain != self.core.draining() {
             self.core(Event::DrainingChanged(drain))?;
@@ -473,7 +519,7 @@ impl State {
         let spec = SessionSpec {
             id,
             kind: new.kind,
-            class: salus_core::SessionClass::Online,
+            class: new.class,
             persistent_bytes: p,
             ephemeral_bytes: e,
             hints: new.hints.clone(),

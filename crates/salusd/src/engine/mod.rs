@@ -129,6 +129,7 @@ pub struct Engine {
     events: broadcast::Sender<EngineEvent>,
     shared: Arc<std::sync::Mutex<Shared>>,
     memory: MemoryConfig,
+    protection: salus_core::ProtectionConfig,
     limits: salus_graph::Limits,
     /// The device, for planning programs (the engine task runs iterations on it).
     device: Arc<dyn Device>,
@@ -153,6 +154,8 @@ pub struct EngineConfig {
     pub memory: MemoryConfig,
     /// The policy at start.
     pub policy: PolicyKind,
+    /// How online sessions are protected from offline ones.
+    pub protection: salus_core::ProtectionConfig,
     /// Bounds on graphs.
     pub limits: salus_graph::Limits,
     /// The daemon's own user, who may steer it.
@@ -198,7 +201,9 @@ fn first_session_id() -> u64 {
 impl Engine {
     /// Starts the engine task on the current tokio runtime.
     pub fn start(config: EngineConfig) -> Result<Engine, String> {
-        let core = Scheduler::new(config.memory, config.policy).map_err(|e| e.to_string())?;
+        let core =
+            Scheduler::with_protection(config.memory, config.policy, config.protection.clone())
+                .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(std::sync::Mutex::new(Shared::default()));
@@ -207,6 +212,7 @@ impl Engine {
             events: events.clone(),
             shared: shared.clone(),
             memory: config.memory,
+            protection: config.protection,
             limits: config.limits,
             device: config.device.clone(),
             next_session: Arc::new(AtomicU64::new(first_session_id())),
@@ -236,6 +242,7 @@ impl Engine {
             shutdown: None,
             stopping: false,
             keep: None,
+            health: salus_core::HealthState::Init,
         };
         let running = tokio::spawn(state.run(rx));
         // A bug that panics the engine must not leave a daemon that answers UNAVAILABLE
@@ -304,6 +311,11 @@ impl Engine {
     /// Capacity and reserve.
     pub fn memory(&self) -> MemoryConfig {
         self.memory
+    }
+
+    /// How online sessions are protected from offline ones.
+    pub fn protection(&self) -> &salus_core::ProtectionConfig {
+        &self.protection
     }
 
     /// Bounds on graphs.
@@ -387,12 +399,40 @@ struct State {
     stopping: bool,
     /// Where the sessions' snapshots go at shutdown, when they are kept.
     keep: Option<oneshot::Sender<Kept>>,
+    /// Protection's health as last reported.
+    health: salus_core::HealthState,
     fatal: Arc<watch::Sender<Option<String>>>,
 }
 
 impl State {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
-        while let Some(command) = rx.recv().await {
+        // The device is up: protection leaves its Init state.
+        if let Err(error) = self.core(Event::Tick) {
+            tracing::error!(%error, "the core refused its first tick");
+        }
+        self.drive();
+        loop {
+            // Decisions that wait on time alone (offline iterations held by protection)
+            // are made when the core says.
+            let command = match self.core.next_wakeup() {
+                Some(at) => {
+                    let deadline = tokio::time::Instant::from_std(self.started + at);
+                    tokio::select! {
+                        command = rx.recv() => command,
+                        () = tokio::time::sleep_until(deadline) => {
+                            if let Err(error) = self.core(Event::Tick) {
+                                tracing::error!(%error, "the core refused a tick");
+                            }
+                            self.drive();
+                            continue;
+                        }
+                    }
+                }
+                None => rx.recv().await,
+            };
+            let Some(command) = command else {
+                break;
+            };
             self.handle(command);
             // Take what else is queued before polling: one poll per burst.
             while let Ok(command) = rx.try_recv() {

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use salus_core::{
-    LaneId, LaneInfo, MemoryConfig, MemoryMap, PolicyKind, SessionId, SessionKind, SessionView,
+    LaneId, LaneInfo, MemoryConfig, MemoryMap, PolicyKind, ProtectionStatus, SessionClass,
+    SessionId, SessionKind, SessionView,
 };
 
 use super::{Entry, Place, QuotaReport, State};
@@ -75,6 +76,8 @@ pub enum EventKind {
     PolicyChanged,
     /// Draining started or ended.
     Draining,
+    /// Protection's health changed, or offline sessions were enabled or disabled.
+    Protection,
 }
 
 /// One entry of the event stream.
@@ -118,6 +121,10 @@ pub struct SessionReport {
     pub owner_uid: u32,
     /// Training or inference.
     pub kind: SessionKind,
+    /// Online or offline.
+    pub class: SessionClass,
+    /// An online session's latency target.
+    pub slo: Option<Duration>,
     /// Where it is.
     pub state: SessionState,
     /// Why it waits (empty once admitted).
@@ -186,6 +193,8 @@ pub struct StatusReport {
     pub quotas: QuotaReport,
     /// How long an `Open` stream may take from its start to `commit`.
     pub open_timeout: Duration,
+    /// How online sessions are protected from offline ones.
+    pub protection: ProtectionStatus,
 }
 
 /// Per-session numbers the metrics endpoint exports.
@@ -221,6 +230,8 @@ pub struct Metrics {
     /// Host memory held by opening, waiting and suspended sessions, in all and per user,
     /// and the limits.
     pub quotas: QuotaReport,
+    /// How online sessions are protected from offline ones.
+    pub protection: ProtectionStatus,
 }
 
 /// The reason a session waits before the core has said anything about it.
@@ -257,6 +268,8 @@ impl State {
             name: view.spec.hints.name.clone(),
             owner_uid: entry.map_or(0, |e| e.owner.uid),
             kind: view.spec.kind,
+            class: view.spec.class,
+            slo: view.spec.hints.slo,
             state,
             reason: entry.map(|e| e.reason.clone()).unwrap_or_default(),
             lane: self.core.lane_of(id),
@@ -316,6 +329,7 @@ impl State {
             uptime: self.started.elapsed(),
             quotas: self.quotas.report(),
             open_timeout: self.open_timeout,
+            protection: self.core.protection_status(),
         }
     }
 
@@ -345,6 +359,7 @@ impl State {
             lane_bytes: map.lane_bytes,
             persistent_bytes: map.persistent_bytes,
             quotas: self.quotas.report(),
+            protection: self.core.protection_status(),
         }
     }
 }

@@ -36,6 +36,10 @@ impl State {
                 .core
                 .session(id)
                 .map_or(salus_core::SessionKind::Training, |view| view.spec.kind),
+            class: self
+                .core
+                .session(id)
+                .map_or(salus_core::SessionClass::Online, |view| view.spec.class),
             hints: entry.hints.clone(),
             token: entry.token,
             iterations: entry.iterations_before + done,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use salus_core::{RegionKind, SessionKind};
+use salus_core::{ProtectionStatus, RegionKind, SessionClass, SessionKind};
 use salus_exec::ExecError;
 use salus_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -188,6 +188,7 @@ pub fn event(event: EngineEvent) -> pb::Event {
         EventKind::Closed => pb::EventKind::Closed,
         EventKind::PolicyChanged => pb::EventKind::PolicyChanged,
         EventKind::Draining => pb::EventKind::Draining,
+        EventKind::Protection => pb::EventKind::Protection,
     };
     pb::Event {
         time_us: micros(event.time),
@@ -230,6 +231,11 @@ pub fn session_info(r: SessionReport) -> pb::SessionInfo {
         preemptions: r.preemptions,
         suspensions: r.suspensions,
         age_ms: millis(r.age),
+        class: match r.class {
+            SessionClass::Online => pb::SessionClass::Online,
+            SessionClass::Offline => pb::SessionClass::Offline,
+        } as i32,
+        slo_ms: r.slo.map_or(0.0, millis),
     }
 }
 
@@ -322,6 +328,25 @@ pub fn status(r: StatusReport) -> pb::StatusResponse {
                 limited: quotas.config.limits(Principal { uid }),
             })
             .collect(),
+        protection: Some(protection(&r.protection, r.uptime)),
+    }
+}
+
+/// Protection's status; `now` is the engine's time (its uptime).
+fn protection(p: &ProtectionStatus, now: Duration) -> pb::Protection {
+    pb::Protection {
+        enabled: p.enabled,
+        health: p.health.to_string(),
+        offline_duty: p.offline_duty,
+        offline_bytes: p.offline_bytes,
+        offline_limit: p.offline_limit,
+        offline_evictions: p.offline_evictions,
+        overlimit_entries: p.overlimit_entries as u64,
+        online_slowdown_p99: p.metrics.online_slowdown.unwrap_or(0.0),
+        slo_use_p99: p.metrics.slo_use.unwrap_or(0.0),
+        offline_held_ms: p
+            .offline_held_until
+            .map_or(0.0, |t| millis(t.saturating_sub(now))),
     }
 }
 

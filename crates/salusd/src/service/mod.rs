@@ -28,6 +28,7 @@ use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
 pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
 pub use missing::AnswerMissingMessage;
+pub use open::{hints_from_proto, hints_to_proto};
 
 /// Iterations one `RunStream` may have submitted and not yet answered, and answers it may
 /// hold that the client has not read yet.
@@ -487,6 +488,25 @@ impl pb::admin_server::Admin for Service {
             .await?;
         Ok(Response::new(pb::SetPolicyResponse {
             policy: policy.to_string(),
+        }))
+    }
+
+    async fn set_offline(
+        &self,
+        request: Request<pb::SetOfflineRequest>,
+    ) -> Result<Response<pb::SetOfflineResponse>, Status> {
+        let principal = self.principal(&request)?;
+        let enable = request.into_inner().enable;
+        let health = self
+            .engine
+            .ask(|reply| Command::Offline {
+                principal,
+                enable,
+                reply,
+            })
+            .await?;
+        Ok(Response::new(pb::SetOfflineResponse {
+            health: health.to_string(),
         }))
     }
 

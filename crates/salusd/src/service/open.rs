@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use salus_core::Hints;
+use salus_core::{Hints, SessionClass};
 use salus_exec::{Location, Program};
 use salus_graph::{Graph, GraphError, Role};
 use salus_proto::v1 as pb;
@@ -24,11 +24,21 @@ fn graph_status(e: &GraphError) -> Status {
 pub const MAX_EXPECTED_ITERATION_MS: f64 = 86_400_000.0;
 
 /// Rejects, before any tensor bytes are held, a session that can never fit.
-fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
+fn check_fits(engine: &Engine, p: u64, e: u64, class: SessionClass) -> Result<(), Status> {
     let memory = engine.memory();
+    let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
+    let need = aligned(p).saturating_add(aligned(e.max(1)));
+    let protection = engine.protection();
+    let limit = protection.offline_limit(memory.usable());
+    if class == SessionClass::Offline && protection.enabled && need > limit {
+        return Err(Status::resource_exhausted(format!(
+            "the offline session needs {need} bytes (P {p} + E {e}, aligned) but offline \
+             sessions may hold at most {limit} bytes together (--offline-share {}); it can \
+             never run here",
+            protection.offline_memory_share
+        )));
+    }
     if !memory.fits_empty(p, e.max(1)) {
-        let aligned = |b: u64| memory.align_up(b).unwrap_or(u64::MAX);
-        let need = aligned(p).saturating_add(aligned(e.max(1)));
         return Err(Status::resource_exhausted(format!(
             "the session needs {need} bytes (P {p} + E {e}, aligned) but the device has only {} \
              usable ({} capacity, {} reserved); it can never run here",
@@ -40,8 +50,35 @@ fn check_fits(engine: &Engine, p: u64, e: u64) -> Result<(), Status> {
     Ok(())
 }
 
-fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
+/// A session's hints and class from their message, checked.
+pub fn hints_from_proto(h: Option<pb::Hints>) -> Result<(Hints, SessionClass), Status> {
     let h = h.unwrap_or_default();
+    let class = match pb::SessionClass::try_from(h.class) {
+        Ok(pb::SessionClass::Online) => SessionClass::Online,
+        Ok(pb::SessionClass::Offline) => SessionClass::Offline,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "hints.class {} is not a session class (0 online, 1 offline)",
+                h.class
+            )));
+        }
+    };
+    let slo = if h.slo_ms == 0.0 {
+        None
+    } else if (0.0..=MAX_EXPECTED_ITERATION_MS).contains(&h.slo_ms) {
+        std::time::Duration::try_from_secs_f64(h.slo_ms / 1e3).ok()
+    } else {
+        return Err(Status::invalid_argument(format!(
+            "hints.slo_ms must be a number from 0 (none) to {MAX_EXPECTED_ITERATION_MS} (a \
+             day), got {}",
+            h.slo_ms
+        )));
+    };
+    if slo.is_some() && class == SessionClass::Offline {
+        return Err(Status::invalid_argument(
+            "hints.slo_ms is for online sessions; an offline session has no latency target",
+        ));
+    }
     let ms = h.expected_iteration_ms;
     let expected_iteration = if (0.0..=MAX_EXPECTED_ITERATION_MS).contains(&ms) {
         std::time::Duration::try_from_secs_f64(ms / 1e3).ok()
@@ -59,13 +96,31 @@ fn hints(h: Option<pb::Hints>) -> Result<Hints, Status> {
             "hints.name is longer than 256 bytes",
         ));
     }
-    Ok(Hints {
+    let hints = Hints {
         name: h.name,
         priority: h.priority,
         total_iterations: (h.total_iterations > 0).then_some(h.total_iterations),
         expected_iteration: (!expected_iteration.is_zero()).then_some(expected_iteration),
-        slo: None,
-    })
+        slo,
+    };
+    Ok((hints, class))
+}
+
+/// A session's hints and class as their message.
+pub fn hints_to_proto(hints: &Hints, class: SessionClass) -> pb::Hints {
+    pb::Hints {
+        name: hints.name.clone(),
+        priority: hints.priority,
+        total_iterations: hints.total_iterations.unwrap_or(0),
+        expected_iteration_ms: hints
+            .expected_iteration
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        class: match class {
+            SessionClass::Online => pb::SessionClass::Online,
+            SessionClass::Offline => pb::SessionClass::Offline,
+        } as i32,
+        slo_ms: hints.slo.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+    }
 }
 
 /// Assembles a tensor from chunks that must arrive in order.
@@ -153,7 +208,7 @@ pub(super) async fn receive_session(
         .graph
         .ok_or_else(|| Status::invalid_argument("`open` has no graph"))?;
     let kind = session_kind(open.kind)?;
-    let hints = hints(open.hints)?;
+    let (hints, class) = hints_from_proto(open.hints)?;
     // Counted from here, while it opens and until it is gone: a user at the limit has
     // nothing planned or held.
     let mut slot = engine.quotas().open_session(owner)?;
@@ -163,7 +218,7 @@ pub(super) async fn receive_session(
         .map_err(|e| graph_status(&e))?
         .with_expected_iteration(hints.expected_iteration);
     let plan = program.plan();
-    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes)?;
+    check_fits(engine, plan.persistent_bytes, plan.ephemeral_bytes, class)?;
     let held = engine.quotas().reserve(owner, plan.persistent_bytes)?;
     slot.uploading(plan.persistent_bytes);
     // Zeroed pages are not touched until written: a big image costs what is uploaded.
@@ -207,6 +262,7 @@ pub(super) async fn receive_session(
         image: HostImage { bytes: image, held },
         slot,
         kind,
+        class,
         hints,
         updates: update_sink(updates),
         token: engine.new_token(),

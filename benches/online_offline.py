@@ -1,0 +1,315 @@
+"""A served model under open-loop load beside offline training, on a real salusd.
+
+MuxFlow's experiment on one device, with real PyTorch models through real daemons:
+
+- the online job is an ``InferenceSession`` (the CNN of ``salus.models``) receiving
+  requests at Poisson arrival times (a fixed seed) at ``--load`` times the rate one
+  request's service time allows; a request waits for the one before it (one session runs
+  one iteration at a time), so its latency is its queueing plus its service;
+- the offline jobs are ``--trainers`` training loops (``offline=True``) in their own
+  processes;
+- systems: ``online_only`` (the served model alone), ``salus`` (protection on, the
+  default), ``no_protection`` (``--protection off``: offline sessions are scheduled like
+  online ones), each on a fresh daemon; ``offline_alone`` measures the trainers' steps per
+  second on an idle daemon.
+
+Reported per system (JSON keys as the simulator's ``experiment muxflow``):
+``online_mean_slowdown`` and ``online_p99_slowdown`` (latency against ``online_only``),
+``offline_throughput_fraction`` (the trainers' steps per second against
+``offline_alone``), ``utilization`` (the fraction of wall time in which any iteration
+ran on the device, from salusd's event stream) and ``utilization_gain`` (against
+``online_only``), and the protection's state at the end.
+
+    python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
+        [--device cpu]
+
+salusd is ``target/release/salusd`` (built if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "adaptors" / "python"))
+
+import salus.torch as st  # noqa: E402
+from salus.client import Client  # noqa: E402
+from salus.models import target_models  # noqa: E402
+from salus.v1 import admin_pb2  # noqa: E402
+
+TRAINER = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    import salus.torch as st
+    from salus.models import target_models
+    spec = target_models(batch_size=32, image_size=32)[sys.argv[3]]
+    model = spec.model(int(sys.argv[4]))
+    session = st.TrainSession(model, spec.loss_fn,
+                              torch.optim.SGD(model.parameters(), lr=0.01),
+                              spec.batch(0), address=sys.argv[1], name="trainer",
+                              offline=True)
+    batch = spec.batch(0)
+    while True:
+        session.step(*batch)
+        print(time.monotonic(), flush=True)
+""")
+
+
+class Daemon:
+    def __init__(self, binary: Path, args: list[str]):
+        self.dir = tempfile.TemporaryDirectory(prefix="salus-muxflow-")
+        self.address = os.path.join(self.dir.name, "salusd.sock")
+        log = open(os.path.join(self.dir.name, "salusd.log"), "wb")
+        self.process = subprocess.Popen([str(binary), "--socket", self.address, *args],
+                                        stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.address):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("salusd did not start")
+            time.sleep(0.02)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+        self.dir.cleanup()
+
+
+class Trainer:
+    """An offline training loop in its own process; `steps` holds its step end times."""
+
+    def __init__(self, address: str, model: str, seed: int):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, address, str(ROOT / "adaptors" / "python"),
+             model, str(seed)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.steps: list[float] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.steps.append(float(line))
+
+    def wait_started(self, steps: int = 3, timeout: float = 120):
+        deadline = time.monotonic() + timeout
+        while len(self.steps) < steps:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the trainer did not start")
+            time.sleep(0.05)
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t <= end for t in self.steps) / (end - start)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+
+
+class Busy:
+    """The union of the intervals in which some iteration ran, from the event stream."""
+
+    def __init__(self, address: str):
+        self.client = Client(address)
+        self.watch = self.client.watch()
+        self.intervals: list[tuple[float, float]] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        finished = admin_pb2.EVENT_KIND_ITERATION_FINISHED
+        for event in self.watch:
+            if event.kind == finished:
+                end = event.time_us / 1e6
+                self.intervals.append((end - event.duration_us / 1e6, end))
+
+    def fraction(self) -> float:
+        self.watch.cancel()
+        self.thread.join(timeout=5)
+        spans = sorted(self.intervals)
+        if not spans:
+            return 0.0
+        # The window: from the first start to the last end the stream saw.
+        first, last = spans[0][0], max(e for _, e in spans)
+        busy, start, end = 0.0, spans[0][0], spans[0][1]
+        for s, e in spans[1:]:
+            if s > end:
+                busy += end - start
+                start, end = s, e
+            else:
+                end = max(end, e)
+        busy += end - start
+        return busy / (last - first) if last > first else 0.0
+
+
+def serve(session, inputs, arrivals: list[float]) -> list[float]:
+    """Requests at `arrivals` (seconds from now), each after the one before: latencies."""
+    start = time.monotonic()
+    latencies = []
+    for at in arrivals:
+        wait = start + at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        session(inputs)
+        latencies.append(time.monotonic() - (start + at))
+    return latencies
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+
+
+def run_system(binary: Path, args: list[str], spec, arrivals, trainers: int, slo_ms: float
+               ) -> dict:
+    daemon = Daemon(binary, args)
+    running: list[Trainer] = []
+    try:
+        session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
+                                      address=daemon.address, name="served", slo_ms=slo_ms)
+        inputs = spec.batch(0)[0]
+        for _ in range(5):
+            session(inputs)
+        running = [Trainer(daemon.address, "cnn", seed + 1) for seed in range(trainers)]
+        for t in running:
+            t.wait_started()
+        busy = Busy(daemon.address)
+        start = time.monotonic()
+        latencies = serve(session, inputs, arrivals)
+        end = time.monotonic()
+        utilization = busy.fraction()
+        with Client(daemon.address) as client:
+            protection = client.status().protection
+        session.close()
+        return {
+            "latencies": latencies,
+            "offline_rate": sum(t.rate(start, end) for t in running),
+            "utilization": utilization,
+            "health": protection.health,
+            "offline_duty": protection.offline_duty,
+            "offline_evictions": protection.offline_evictions,
+        }
+    finally:
+        for t in running:
+            t.stop()
+        daemon.stop()
+
+
+def offline_alone(binary: Path, args: list[str], trainers: int, seconds: float) -> float:
+    daemon = Daemon(binary, args)
+    running = [Trainer(daemon.address, "cnn", seed + 1) for seed in range(trainers)]
+    try:
+        for t in running:
+            t.wait_started()
+        start = time.monotonic()
+        time.sleep(seconds)
+        return sum(t.rate(start, time.monotonic()) for t in running)
+    finally:
+        for t in running:
+            t.stop()
+        daemon.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--load", type=float, default=0.3,
+                        help="the online arrival rate as a fraction of 1 / service time")
+    parser.add_argument("--trainers", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    binary = ROOT / "target" / "release" / "salusd"
+    if not binary.exists():
+        subprocess.run(["cargo", "build", "--release", "--locked", "-p", "salusd"], cwd=ROOT,
+                       check=True)
+    common = ["--device", args.device, "--memory", "2GiB", "--policy", "share"]
+    torch.set_num_threads(1)
+    spec = target_models(batch_size=8, image_size=32)["cnn"]
+
+    # Service time alone sets the request rate and the SLO.
+    probe = Daemon(binary, common)
+    try:
+        session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
+                                      address=probe.address)
+        inputs = spec.batch(0)[0]
+        times = []
+        for _ in range(40):
+            t = time.monotonic()
+            session(inputs)
+            times.append(time.monotonic() - t)
+        service = statistics.median(times[10:])
+        session.close()
+    finally:
+        probe.stop()
+    rate = args.load / service
+    rng = random.Random(args.seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > args.seconds:
+            break
+        arrivals.append(t)
+    slo_ms = 5 * service * 1e3
+
+    systems = {
+        "online_only": run_system(binary, common, spec, arrivals, 0, slo_ms),
+        "salus": run_system(binary, common, spec, arrivals, args.trainers, slo_ms),
+        "no_protection": run_system(binary, [*common, "--protection", "off"], spec,
+                                    arrivals, args.trainers, slo_ms),
+    }
+    alone = offline_alone(binary, common, args.trainers, args.seconds)
+    base = systems["online_only"]
+    base_mean = statistics.mean(base["latencies"])
+    base_p99 = percentile(base["latencies"], 0.99)
+    report = {"service_ms": service * 1e3, "rate_per_s": rate, "requests": len(arrivals),
+              "slo_ms": slo_ms, "offline_alone_steps_per_s": alone, "systems": {}}
+    for name, r in systems.items():
+        mean, p99 = statistics.mean(r["latencies"]), percentile(r["latencies"], 0.99)
+        report["systems"][name] = {
+            "online_mean_ms": mean * 1e3,
+            "online_p99_ms": p99 * 1e3,
+            "online_mean_slowdown": mean / base_mean,
+            "online_p99_slowdown": p99 / base_p99,
+            "offline_steps_per_s": r["offline_rate"],
+            "offline_throughput_fraction": r["offline_rate"] / alone if alone else 0.0,
+            "offline_fraction_of_idle": (r["offline_rate"] / alone)
+            / max(1e-9, 1 - base["utilization"]) if alone else 0.0,
+            "utilization": r["utilization"],
+            "utilization_gain": r["utilization"] / base["utilization"],
+            "health": r["health"],
+            "offline_duty": r["offline_duty"],
+            "offline_evictions": r["offline_evictions"],
+        }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"service {report['service_ms']:.2f} ms, {len(arrivals)} requests at "
+          f"{rate:.1f}/s (load {args.load}), SLO {slo_ms:.1f} ms; offline alone "
+          f"{alone:.2f} steps/s")
+    print(f"{'system':<15}{'mean ms':>9}{'p99 ms':>9}{'mean x':>8}{'p99 x':>8}"
+          f"{'offline':>9}{'of idle':>9}{'util':>7}{'gain':>7}  health")
+    for name, r in report["systems"].items():
+        print(f"{name:<15}{r['online_mean_ms']:>9.2f}{r['online_p99_ms']:>9.2f}"
+              f"{r['online_mean_slowdown']:>8.2f}{r['online_p99_slowdown']:>8.2f}"
+              f"{r['offline_throughput_fraction']:>9.2f}{r['offline_fraction_of_idle']:>9.2f}"
+              f"{r['utilization']:>7.2f}{r['utilization_gain']:>7.2f}  {r['health']}"
+              f" (duty {r['offline_duty']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
