@@ -129,6 +129,9 @@ enum Experiment {
         /// Seed of the requests, loads and offline jobs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// salus' latency target (SLO) over each service's p99 alone.
+        #[arg(long, default_value_t = salus_sim::muxflow::DEFAULT_SLO_FACTOR)]
+        slo_factor: f64,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -254,8 +257,16 @@ fn run(cli: Cli) -> Result<(), String> {
                     print_orloj(&result, &chosen);
                 }
             }
-            Experiment::Muxflow { seed, json } => {
-                let result = salus_sim::muxflow::experiment(seed).map_err(|e| e.to_string())?;
+            Experiment::Muxflow {
+                seed,
+                slo_factor,
+                json,
+            } => {
+                if !(slo_factor >= 1.0 && slo_factor.is_finite()) {
+                    return Err(format!("--slo-factor must be at least 1, got {slo_factor}"));
+                }
+                let result = salus_sim::muxflow::experiment_with(seed, slo_factor)
+                    .map_err(|e| e.to_string())?;
                 if json {
                     println!("{}", to_json(&result)?);
                 } else {

@@ -45,7 +45,7 @@ pub const OVERLIMIT_LOAD: f64 = 0.9;
 pub const MAX_S: f64 = 14.0 * 24.0 * 3600.0;
 /// salus' latency target for a service: this many times its p99 alone over the day (its
 /// dedicated deployment's figure, as an operator would set `Hints::slo`).
-pub const SLO_FACTOR: f64 = 1.05;
+pub const SLO_FACTOR: f64 = super::DEFAULT_SLO_FACTOR;
 /// salus' protection controller (cluster mode): steps of measured latencies it looks at.
 pub const CONTROL_WINDOW: usize = 10;
 /// salus' protection controller: integral gain on `1 - p99 / SLO` per step.
@@ -157,6 +157,8 @@ pub struct ClusterResult {
 pub struct ClusterExperiment {
     /// Seed of the traces.
     pub seed: u64,
+    /// salus' SLO over each service's p99 alone.
+    pub slo_factor: f64,
     /// GPUs.
     pub gpus: usize,
     /// Offline jobs in the trace.
@@ -499,8 +501,13 @@ fn run_system(
     (result, per_gpu)
 }
 
-/// Every system of [`SYSTEMS`] on the traces of `seed`.
+/// Every system of [`SYSTEMS`] on the traces of `seed`, salus' SLO at [`SLO_FACTOR`].
 pub fn cluster(seed: u64) -> ClusterExperiment {
+    cluster_with(seed, SLO_FACTOR)
+}
+
+/// [`cluster`] with salus' SLO at `slo_factor` times each service's p99 alone.
+pub fn cluster_with(seed: u64, slo_factor: f64) -> ClusterExperiment {
     let steps = (MAX_S / STEP_S) as usize + 1;
     // The online load repeats daily past the first day's trace.
     let day = (WINDOW_S / STEP_S) as usize;
@@ -526,7 +533,7 @@ pub fn cluster(seed: u64) -> ClusterExperiment {
         if system.sharing == Sharing::OnlineOnly {
             slo = per_gpu
                 .iter()
-                .map(|l| SLO_FACTOR * l.quantile(0.99))
+                .map(|l| slo_factor * l.quantile(0.99))
                 .collect();
         }
         systems.insert(system.name.to_string(), result);
@@ -545,6 +552,7 @@ pub fn cluster(seed: u64) -> ClusterExperiment {
         / online.len() as f64;
     ClusterExperiment {
         seed,
+        slo_factor,
         gpus: GPUS,
         offline_jobs: jobs.len(),
         offline_solo_h: jobs.iter().map(|j| j.solo_s).sum::<f64>() / 3600.0,

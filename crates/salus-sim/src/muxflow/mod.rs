@@ -38,12 +38,22 @@ pub struct MuxflowResult {
     pub cluster: cluster::ClusterExperiment,
 }
 
+/// The SLO salus' protection is given unless told otherwise: 1.05 times the service's
+/// p99 alone (its dedicated deployment's figure, as an operator would set it).
+pub const DEFAULT_SLO_FACTOR: f64 = 1.05;
+
 /// `salus-sim experiment muxflow` for `seed`.
 pub fn experiment(seed: u64) -> Result<MuxflowResult, SimError> {
+    experiment_with(seed, DEFAULT_SLO_FACTOR)
+}
+
+/// [`experiment`] with salus' SLO at `slo_factor` times each service's p99 alone
+/// (`--slo-factor`).
+pub fn experiment_with(seed: u64, slo_factor: f64) -> Result<MuxflowResult, SimError> {
     Ok(MuxflowResult {
         seed,
-        single_gpu: single::single(seed)?,
-        cluster: cluster::cluster(seed),
+        single_gpu: single::single_with(seed, slo_factor)?,
+        cluster: cluster::cluster_with(seed, slo_factor),
     })
 }
 

@@ -45,7 +45,7 @@ pub const SPAN_S: f64 = 600.0;
 /// Solo seconds of work of each offline job.
 pub const OFFLINE_JOB_S: f64 = 120.0;
 /// The online session's SLO: this many times its p99 latency alone over the run.
-pub const SLO_FACTOR: f64 = 1.05;
+pub const SLO_FACTOR: f64 = super::DEFAULT_SLO_FACTOR;
 /// Resident bytes of the online session beyond the service's model (its request
 /// buffers), as ephemeral memory.
 pub const ONLINE_EPHEMERAL_BYTES: u64 = 200_000_000;
@@ -539,13 +539,18 @@ fn run(
     Ok((result, latencies))
 }
 
-/// The single-GPU experiment for `seed`.
+/// The single-GPU experiment for `seed`, the SLO at [`SLO_FACTOR`].
 pub fn single(seed: u64) -> Result<SingleExperiment, SimError> {
+    single_with(seed, SLO_FACTOR)
+}
+
+/// [`single`] with the online session's SLO at `slo_factor` times its p99 alone.
+pub fn single_with(seed: u64, slo_factor: f64) -> Result<SingleExperiment, SimError> {
     let kind = SERVICES[1];
     let reqs = requests(seed, &kind);
     let jobs = offline_jobs(seed);
     let (alone, alone_lat) = run("online_only", &kind, &reqs, &jobs, None)?;
-    let slo = SLO_FACTOR * alone_lat.quantile(0.99);
+    let slo = slo_factor * alone_lat.quantile(0.99);
     let mut systems = BTreeMap::new();
     systems.insert("online_only".to_string(), alone.clone());
     for system in SYSTEMS.iter().filter(|s| **s != "online_only") {
