@@ -21,7 +21,7 @@ ran on the device, from salusd's event stream) and ``utilization_gain`` (against
 ``online_only``), and the protection's state at the end.
 
     python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
-        [--device cpu]
+        [--device cpu] [--slo-ms MS | --slo-headroom 3]
 
 salusd is ``target/release/salusd`` (built if missing).
 """
@@ -73,7 +73,7 @@ class Daemon:
     def __init__(self, binary: Path, args: list[str]):
         self.dir = tempfile.TemporaryDirectory(prefix="salus-muxflow-")
         self.address = os.path.join(self.dir.name, "salusd.sock")
-        log = open(os.path.join(self.dir.name, "salusd.log"), "wb")
+        log = open(os.environ.get("SALUSD_LOG", os.path.join(self.dir.name, "salusd.log")), "wb")
         self.process = subprocess.Popen([str(binary), "--socket", self.address, *args],
                                         stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 30
@@ -178,7 +178,8 @@ def run_system(binary: Path, args: list[str], spec, arrivals, trainers: int, slo
     running: list[Trainer] = []
     try:
         session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
-                                      address=daemon.address, name="served", slo_ms=slo_ms)
+                                      address=daemon.address, name="served",
+                                      slo_ms=slo_ms)
         inputs = spec.batch(0)[0]
         for _ in range(5):
             session(inputs)
@@ -197,7 +198,7 @@ def run_system(binary: Path, args: list[str], spec, arrivals, trainers: int, slo
             "latencies": latencies,
             "offline_rate": sum(t.rate(start, end) for t in running),
             "utilization": utilization,
-            "health": protection.health,
+            "health": protection.health if protection.enabled else "off",
             "offline_duty": protection.offline_duty,
             "offline_evictions": protection.offline_evictions,
         }
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--slo-ms", type=float, default=0.0,
+                        help="the online session's SLO [default: --slo-headroom x its p99 "
+                        "alone]")
+    parser.add_argument("--slo-headroom", type=float, default=3.0)
     args = parser.parse_args(argv)
     binary = ROOT / "target" / "release" / "salusd"
     if not binary.exists():
@@ -263,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         if t > args.seconds:
             break
         arrivals.append(t)
-    slo_ms = 5 * service * 1e3
-
-    systems = {
-        "online_only": run_system(binary, common, spec, arrivals, 0, slo_ms),
+    # The SLO: --slo-ms, else a multiple of the latency the service gets alone (its p99
+    # under the same arrivals): the headroom an operator would give it.
+    systems = {"online_only": run_system(binary, common, spec, arrivals, 0, 0.0)}
+    slo_ms = args.slo_ms or args.slo_headroom * 1e3 * percentile(
+        systems["online_only"]["latencies"], 0.99)
+    systems |= {
         "salus": run_system(binary, common, spec, arrivals, args.trainers, slo_ms),
         "no_protection": run_system(binary, [*common, "--protection", "off"], spec,
                                     arrivals, args.trainers, slo_ms),

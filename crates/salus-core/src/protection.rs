@@ -51,6 +51,13 @@ pub struct ProtectionConfig {
     pub initial_duty: f64,
     /// The lowest offline duty while online sessions are active.
     pub min_duty: f64,
+    /// The share of the device's compute an offline iteration may use while online
+    /// sessions are active, in (0, 1] (MuxFlow's SM percentage for offline work; a CPU
+    /// device gives it that share of its cores, the others stay free for online work).
+    pub offline_compute_share: f64,
+    /// Percentiles of online latency and slowdown are judged only over at least this
+    /// many samples in the window: one slow iteration is not a 99th percentile.
+    pub min_samples: usize,
     /// Health metrics are taken over this much recent time; an online session without an
     /// iteration for this long is dormant and does not hold offline work back.
     pub window: Duration,
@@ -83,6 +90,8 @@ impl Default for ProtectionConfig {
             },
             initial_duty: 0.5,
             min_duty: 0.02,
+            offline_compute_share: 0.5,
+            min_samples: 20,
             window: Duration::from_secs(10),
             thresholds: HealthThresholds::default(),
             overlimit_hold: Duration::from_secs(5),
@@ -115,6 +124,7 @@ impl ProtectionConfig {
         unit("offline_memory_share", self.offline_memory_share)?;
         unit("initial_duty", self.initial_duty)?;
         unit("min_duty", self.min_duty)?;
+        unit("offline_compute_share", self.offline_compute_share)?;
         unit("clock_threshold", self.clock_threshold)?;
         if self.min_duty > self.initial_duty {
             return Err(format!(
@@ -553,12 +563,12 @@ impl Window {
             .map(|&(t, _)| t.saturating_add(window) + Duration::from_nanos(1))
     }
 
-    /// The 99th percentile (nearest rank), if any sample is in the window.
-    pub(crate) fn p99(&self) -> Option<f64> {
-        let mut values: Vec<f64> = self.samples.iter().map(|&(_, v)| v).collect();
-        if values.is_empty() {
+    /// The 99th percentile (nearest rank), if at least `min` samples are in the window.
+    pub(crate) fn p99(&self, min: usize) -> Option<f64> {
+        if self.samples.len() < min.max(1) {
             return None;
         }
+        let mut values: Vec<f64> = self.samples.iter().map(|&(_, v)| v).collect();
         let rank = (values.len() * 99).div_ceil(100).max(1) - 1;
         let (_, v, _) = values.select_nth_unstable_by(rank, f64::total_cmp);
         Some(*v)
@@ -705,11 +715,12 @@ mod tests {
     #[test]
     fn window_percentile_and_expiry() {
         let mut w = Window::default();
-        assert_eq!(w.p99(), None);
+        assert_eq!(w.p99(1), None);
         for i in 0..100 {
             w.push(s(f64::from(i) * 0.1), f64::from(i));
         }
-        assert_eq!(w.p99(), Some(98.0));
+        assert_eq!(w.p99(1), Some(98.0));
+        assert_eq!(w.p99(101), None);
         w.expire(s(9.9), s(1.0));
         assert_eq!(w.samples.len(), 11);
         assert_eq!(

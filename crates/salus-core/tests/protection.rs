@@ -6,6 +6,8 @@
 mod common;
 
 use common::{Driver, MB, admitted, spec, started, suspended};
+use std::time::Duration;
+
 use salus_core::protection::HealthState;
 use salus_core::{
     Action, DeviceSample, Event, MemoryConfig, PolicyKind, ProtectionConfig, Scheduler,
@@ -186,7 +188,11 @@ fn the_controller_holds_offline_iterations_while_online_ones_suffer() {
 
 #[test]
 fn overlimit_evicts_offline_work_until_calm_and_backs_off() {
-    let config = ProtectionConfig::default();
+    // Every sample counts (by default a percentile needs 20).
+    let config = ProtectionConfig {
+        min_samples: 1,
+        ..ProtectionConfig::default()
+    };
     let mut d = driver(PolicyKind::Pack, config.clone());
     d.open(spec(1, 10 * MB, 10 * MB));
     d.open(offline(2, 10 * MB, 10 * MB));
@@ -247,4 +253,78 @@ fn device_samples_and_the_operator_switch() {
     let a = d.feed(Event::OfflineEnabled(true));
     assert_eq!(d.core.protection_status().health, HealthState::Healthy);
     assert_eq!(admitted(&a).len(), 1);
+}
+
+#[test]
+fn once_offline_work_stops_online_iterations_are_clean_again() {
+    let config = ProtectionConfig {
+        min_samples: 1,
+        ..ProtectionConfig::default()
+    };
+    let mut d = driver(PolicyKind::Share, config);
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.submit(1);
+    run(&mut d, 1, 10);
+    d.submit(2);
+    d.submit(1);
+    run(&mut d, 1, 30); // 3x beside offline work: overlimit
+    run(&mut d, 2, 50); // evicted at its boundary
+    assert_eq!(d.core.protection_status().health, HealthState::Overlimit);
+    let before = d.core.protection_status().metrics.online_slowdown;
+    for _ in 0..20 {
+        d.submit(1);
+        run(&mut d, 1, 25);
+    }
+    // No offline iteration ran beside these: no new slowdown samples.
+    assert_eq!(d.core.protection_status().metrics.online_slowdown, before);
+}
+
+#[test]
+fn one_slow_iteration_is_not_a_percentile() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.submit(1);
+    run(&mut d, 1, 10);
+    d.submit(2);
+    d.submit(1);
+    run(&mut d, 1, 40);
+    let status = d.core.protection_status();
+    assert_eq!(status.health, HealthState::Healthy, "{status:?}");
+    assert_eq!(status.metrics.online_slowdown, None);
+    assert!(status.offline_duty < 0.5, "the controller reacts at once");
+}
+
+#[test]
+fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    let share = |a: &[Action]| {
+        a.iter().find_map(|x| match x {
+            Action::StartIteration { compute_share, .. } => Some(*compute_share),
+            _ => None,
+        })
+    };
+    // Alone, it has the whole device.
+    assert_eq!(share(&d.submit(2)), Some(1.0));
+    run(&mut d, 2, 10);
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.submit(1);
+    assert_eq!(share(&run(&mut d, 1, 10)), None);
+    let a = d.submit(2);
+    let a = if a.is_empty() {
+        d.now = d.core.next_wakeup().unwrap();
+        d.feed(Event::Tick)
+    } else {
+        a
+    };
+    assert_eq!(share(&a), Some(0.5), "{a:?}");
+    // Online sessions silent for the window: the whole device again.
+    run(&mut d, 2, 10);
+    d.now += Duration::from_secs(11);
+    let a = d.submit(2);
+    assert_eq!(share(&a), Some(1.0), "{a:?}");
+    // An online iteration always has the whole device.
+    assert_eq!(share(&d.submit(1)), Some(1.0));
 }

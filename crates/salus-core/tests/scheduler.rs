@@ -331,6 +331,7 @@ fn srtf_preempts_the_longer_job_at_the_next_boundary() {
             lane: LaneId(0),
             lane_offset: 500 * MB,
             switched_from: Some(SessionId(1)),
+            compute_share: 1.0,
         })
     );
     assert_eq!(d.core.session(SessionId(1)).unwrap().stats.preemptions, 1);
@@ -450,6 +451,7 @@ fn lanes_below_an_emptied_lane_move_up_at_their_next_boundary() {
                 lane: LaneId(1),
                 lane_offset: 700 * MB,
                 switched_from: None,
+                compute_share: 1.0,
             }
         ]
     );
@@ -841,6 +843,7 @@ fn share_runs_the_shortest_first_in_a_shared_lane() {
             lane: LaneId(0),
             lane_offset: 500 * MB,
             switched_from: Some(SessionId(1)),
+            compute_share: 1.0,
         }),
         "the shorter job goes first at the boundary"
     );

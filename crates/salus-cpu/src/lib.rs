@@ -24,7 +24,7 @@ mod blas;
 mod kernels;
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use salus_exec::layout::{InputAt, Piece};
@@ -39,6 +39,9 @@ pub struct CpuDevice {
     /// Argument lists kept between iterations (one set per concurrent iteration), so that
     /// running a node allocates nothing.
     spare: Mutex<Vec<ArgLists>>,
+    /// Thread pools smaller than the kernels' own, by thread count, made when first
+    /// needed: an iteration given a share of the device runs on one of them.
+    shares: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>,
 }
 
 impl CpuDevice {
@@ -47,7 +50,24 @@ impl CpuDevice {
         Ok(CpuDevice {
             arena: Arena::new(capacity)?,
             spare: Mutex::new(Vec::new()),
+            shares: Mutex::new(Vec::new()),
         })
+    }
+
+    /// A pool of `threads` threads, made once.
+    fn pool(&self, threads: usize) -> Option<Arc<rayon::ThreadPool>> {
+        let mut shares = self.shares.lock().ok()?;
+        if let Some((_, pool)) = shares.iter().find(|(n, _)| *n == threads) {
+            return Some(pool.clone());
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("salus-cpu-{threads}-{i}"))
+            .build()
+            .ok()?;
+        let pool = Arc::new(pool);
+        shares.push((threads, pool.clone()));
+        Some(pool)
     }
 
     /// Runs one iteration like [`Device::run`], recording how long each node took into
@@ -265,6 +285,28 @@ impl Device for CpuDevice {
 
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
         self.iterate(program, at, feeds, None)
+    }
+
+    /// Runs on `share` of the kernels' threads (at least one): the kernels split their
+    /// work over the threads of the pool they run in, so the other cores stay free for
+    /// the lanes running on the full pool. The results are the same bit for bit: every
+    /// kernel gives the same answer on any number of threads.
+    fn run_with_share(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+        share: f64,
+    ) -> Result<Outcome, ExecError> {
+        let all = rayon::current_num_threads();
+        let threads = ((share * all as f64).round() as usize).clamp(1, all);
+        match (threads < all && !program.is_small())
+            .then(|| self.pool(threads))
+            .flatten()
+        {
+            Some(pool) => pool.install(|| self.iterate(program, at, feeds, None)),
+            None => self.iterate(program, at, feeds, None),
+        }
     }
 }
 

@@ -235,3 +235,47 @@ fn concurrent_lanes_give_exactly_what_each_gives_alone() {
     assert_eq!(alone, together);
     assert_ne!(alone[0], alone[1]);
 }
+
+/// An iteration on a share of the cores (an offline lane beside online ones) gives what
+/// it gives on all of them, bit for bit: kernels split outputs, never a sum's order.
+#[test]
+fn a_share_of_the_cores_gives_the_same_bits() {
+    let graph = salus_graph::samples::regression(2048, 256, 64, 0.5);
+    let program = Program::new(graph, &Limits::default()).unwrap();
+    assert!(!program.is_small(), "big enough to split over threads");
+    let plan = program.plan();
+    let lane = plan.persistent_bytes.next_multiple_of(256);
+    let at = Placement {
+        persistent: 0,
+        lane,
+    };
+    let values = |seed: u32, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                (x % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    };
+    let x = f32_bytes(&values(1, 2048 * 256));
+    let y = f32_bytes(&values(2, 2048 * 64));
+    let w = f32_bytes(&values(3, 256 * 64));
+    let run = |share: Option<f64>| {
+        let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+        device.write(0, &w).unwrap();
+        let mut fetches = Vec::new();
+        for _ in 0..3 {
+            let feeds = [x.as_slice(), y.as_slice()];
+            let out = match share {
+                Some(share) => device.run_with_share(&program, at, &feeds, share),
+                None => device.run(&program, at, &feeds),
+            }
+            .unwrap();
+            fetches.push(out.fetches);
+        }
+        (fetches, device.read(0, w.len() as u64).unwrap())
+    };
+    let all = run(None);
+    assert_eq!(run(Some(0.5)), all);
+    assert_eq!(run(Some(0.01)), all);
+}

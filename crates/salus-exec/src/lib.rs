@@ -282,6 +282,21 @@ pub trait Device: Send + Sync {
     /// after every node has run. On error the persistent block is unchanged.
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError>;
 
+    /// Runs like [`Device::run`] using at most `share` (in (0, 1]) of the device's
+    /// compute, leaving the rest to other lanes (the core's compute share for offline
+    /// iterations beside online ones). A device that cannot divide its compute runs the
+    /// iteration as `run` does.
+    fn run_with_share(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+        share: f64,
+    ) -> Result<Outcome, ExecError> {
+        let _ = share;
+        self.run(program, at, feeds)
+    }
+
     /// How this device sizes a node's scratch when a program is planned for it
     /// ([`Program::for_device`]); `None`: the portable kernels' ([`PortableScratch`]).
     fn scratch_sizer(&self) -> Option<&dyn ScratchSizer> {

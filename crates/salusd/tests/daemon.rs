@@ -463,6 +463,16 @@ async fn metrics_and_events_describe_what_happened() {
         body.contains("# TYPE salus_iteration_seconds histogram"),
         "{body}"
     );
+    for line in [
+        "salus_protection_health{state=\"healthy\"} 1",
+        "salus_protection_health{state=\"overlimit\"} 0",
+        "salus_offline_duty 0.5",
+        "salus_offline_bytes 0",
+        "salus_offline_limit_bytes 1717986918",
+        "salus_offline_evictions_total 0",
+    ] {
+        assert!(body.contains(line), "{line}: {body}");
+    }
 }
 
 /// SRTF with room for one job: the long job's tensors go to host memory while the short

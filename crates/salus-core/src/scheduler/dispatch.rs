@@ -109,11 +109,13 @@ impl Scheduler {
             }
             self.unqueue(id);
             self.on_start(id);
+            let compute_share = self.compute_share(id);
             self.actions.push(Action::StartIteration {
                 session: id,
                 lane: lane_id,
                 lane_offset,
                 switched_from,
+                compute_share,
             });
         }
     }

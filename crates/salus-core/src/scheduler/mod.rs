@@ -130,6 +130,10 @@ pub enum Action {
         lane_offset: u64,
         /// The session that ran last on this lane, when it was another one.
         switched_from: Option<SessionId>,
+        /// The share of the device's compute the iteration may use, in (0, 1]: below 1
+        /// for an offline iteration while online sessions are active (protection's
+        /// compute share; a CPU device runs it on that share of its cores).
+        compute_share: f64,
     },
     /// The session is gone and its memory is free.
     Closed {

@@ -216,6 +216,15 @@ impl Scheduler {
         Some(self.protect.config.clock_factor(clock, highest))
     }
 
+    /// The share of the device's compute an iteration of `id` may use now.
+    pub(super) fn compute_share(&self, id: SessionId) -> f64 {
+        if self.protecting() && self.class_of(id) == SessionClass::Offline && self.online_active() {
+            self.protect.config.offline_compute_share
+        } else {
+            1.0
+        }
+    }
+
     /// True while an online session has had iterations within the window: offline work
     /// is then held to the controller's duty.
     fn online_active(&self) -> bool {
@@ -257,9 +266,10 @@ impl Scheduler {
     }
 
     fn health_metrics(&self) -> HealthMetrics {
+        let min = self.protect.config.min_samples;
         HealthMetrics {
-            online_slowdown: self.protect.slowdowns.p99(),
-            slo_use: self.protect.slo_use.p99(),
+            online_slowdown: self.protect.slowdowns.p99(min),
+            slo_use: self.protect.slo_use.p99(min),
             sm_activity: self.protect.device.and_then(|d| d.sm_activity),
             clock_factor: self.clock_factor(),
         }

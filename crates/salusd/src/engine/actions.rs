@@ -159,7 +159,8 @@ impl State {
                 lane,
                 lane_offset,
                 switched_from,
-            } => self.start(session, lane, lane_offset, switched_from),
+                compute_share,
+            } => self.start(session, lane, lane_offset, switched_from, compute_share),
             Action::Closed { session } => {
                 // The lanes whose last iteration was the closed session's are forgotten
                 // with it (a switch from a session that is gone is no switch), so the map
@@ -196,6 +197,7 @@ impl State {
         lane: LaneId,
         lane_offset: u64,
         switched_from: Option<SessionId>,
+        compute_share: f64,
     ) {
         let started = Instant::now();
         let Some(entry) = self.sessions.get_mut(&id) else {
@@ -253,7 +255,7 @@ impl State {
                 for (off, bytes) in &pending.writes {
                     device.write(at.persistent + off, bytes)?;
                 }
-                device.run(&program, at, &views)
+                device.run_with_share(&program, at, &views, compute_share)
             }))
             .unwrap_or_else(|panic| {
                 let what = panic
