@@ -12,7 +12,7 @@
 //! | time-sharing | its share `c` | always | the driver alternates time slices: twice its time |
 //! | PB-time-sharing | `c` | while no request runs | waits for the running offline kernel (up to 1 ms) when it finds the service idle |
 //! | MuxFlow | `min(c, 1 - U_on)`: dynamic SM allocation by the service's SM activity `U_on = ρ·a` at its load (MPS limit) | xCUDA: as long as `U_on + d·m <= 0.9` | processor sharing |
-//! | salus | `c` (no partition) | its protection controller's duty (`cluster.rs`: steered by the p99 against the SLO) | processor sharing |
+//! | salus | `min(c, s)`, `s` the core's offline compute share (0.5 by default) | its protection controller's duty (`cluster.rs`: steered by the p99 against the SLO) | processor sharing |
 //!
 //! The offline job's speed (normalized throughput, 1 = alone on an idle GPU) is then:
 //! time-sharing `1 - ρ`; PB-time-sharing `1 - ρ'` (`ρ'` the service's busy fraction
@@ -40,6 +40,12 @@ pub const WARMUP_REQUESTS: usize = 32;
 pub const PB_KERNEL_S: f64 = 0.001;
 /// xCUDA's GPU-load threshold: SM activity it lets the offline job fill up to.
 pub const XCUDA_LOAD_THRESHOLD: f64 = 0.9;
+
+/// The share of the device salus' protection gives an offline iteration while online
+/// sessions are active (`ProtectionConfig::offline_compute_share`, the core's default).
+pub fn salus_compute_share() -> f64 {
+    salus_core::protection::ProtectionConfig::default().offline_compute_share
+}
 
 /// How a GPU is shared between its online service and an offline job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -85,7 +91,7 @@ pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus_duty:
         }
         Sharing::Salus => Share {
             duty: salus_duty.clamp(0.0, 1.0),
-            sm: c,
+            sm: c.min(salus_compute_share()),
         },
     }
 }

@@ -9,7 +9,8 @@
 //! interval (hence its SM activity at that load), and the offline job's solo compute
 //! share. For MuxFlow it is the sharing model itself ([`super::gpu`]); for salus the
 //! controller's duty is not known in advance, so it is predicted from the service's
-//! latency slack: with `X = a + c` the stretch of a request beside the offline job and
+//! latency slack: with `X = a + min(c, s)` the stretch of a request beside the offline job
+//! (`s` the core's offline compute share) and
 //! `slack = SLO / p99 alone at that rate - 1` (the p99 from the service's profile,
 //! [`LatencyProfile`]), the predicted duty is `min(1, slack / (X - 1))` (1 when `X <= 1`).
 //!
@@ -17,7 +18,7 @@
 //! controller finds its own duty, and every (GPU, job) pair has a hidden factor
 //! (log-normal, σ 0.1) the features do not explain, as a learned predictor's error.
 
-use super::gpu::{Latencies, Sharing, sample_requests, step_model};
+use super::gpu::{Latencies, Sharing, salus_compute_share, sample_requests, step_model};
 use super::workload::{OfflineJob, Online, QPS_RANGE, ServiceKind};
 use crate::rng::Rng;
 
@@ -75,7 +76,7 @@ impl LatencyProfile {
 
 /// salus' predicted duty for an offline job of share `c` beside `kind`, with `slack`.
 pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64) -> f64 {
-    let over = kind.busy_share + c - 1.0;
+    let over = kind.busy_share + c.min(salus_compute_share()) - 1.0;
     if over <= 0.0 {
         1.0
     } else {
@@ -117,9 +118,13 @@ mod tests {
 
     #[test]
     fn salus_duty_is_full_where_the_pair_fits() {
-        let k = SERVICES[0];
-        assert_eq!(salus_duty(&k, 0.5, 0.0), 1.0);
-        assert!((salus_duty(&k, 0.95, 0.15) - 0.5).abs() < 1e-12);
+        // The translation service (a = 0.75) beside a job held to the core's share.
+        let k = SERVICES[2];
+        let s = salus_compute_share();
+        assert_eq!(salus_duty(&k, 0.2, 0.0), 1.0);
+        let over = k.busy_share + s.min(0.95) - 1.0;
+        assert!(over > 0.0);
+        assert!((salus_duty(&k, 0.95, over / 2.0) - 0.5).abs() < 1e-12);
         assert_eq!(salus_duty(&k, 0.95, -1.0), 0.0);
     }
 }

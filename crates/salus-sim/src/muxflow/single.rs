@@ -141,8 +141,13 @@ pub struct SingleExperiment {
 struct Running {
     session: SessionId,
     started: f64,
+    /// Seconds left at full rate under the iteration's share.
     work_left: f64,
+    /// Compute share it demands.
     share: f64,
+    /// Its speed against running alone with the whole device (below 1 when held to a
+    /// compute share smaller than what it keeps busy alone).
+    speed: f64,
 }
 
 /// One online request.
@@ -297,9 +302,12 @@ fn run(
                 Action::StartIteration {
                     session,
                     switched_from,
+                    compute_share,
                     ..
                 } => {
-                    let mut work = if session == online {
+                    // Compute (slowed by a compute share) and copies and switches (not).
+                    let mut fixed = 0.0;
+                    let work = if session == online {
                         let r = pending.pop_front().ok_or_else(|| SimError::Stalled {
                             at_s: now,
                             unfinished: 0,
@@ -311,23 +319,29 @@ fn run(
                         let w = offline
                             .as_ref()
                             .map_or(0.0, |(_, o)| o.workload.iteration_s);
-                        w + std::mem::take(&mut restore)
+                        fixed += std::mem::take(&mut restore);
+                        w
                     };
                     if switched_from.is_some() {
-                        work += config.switch_cost_s;
+                        fixed += config.switch_cost_s;
                     }
-                    let share = if session == online {
+                    let wants = if session == online {
                         a
                     } else {
                         offline
                             .as_ref()
                             .map_or(1.0, |(_, o)| o.workload.compute_share)
                     };
+                    // Held to a share of the device below what it keeps busy alone, the
+                    // iteration demands that share and runs slower in proportion.
+                    let share = wants.min(compute_share.clamp(f64::MIN_POSITIVE, 1.0));
+                    let speed = share / wants;
                     running.push(Running {
                         session,
                         started: now,
-                        work_left: work,
+                        work_left: work / speed + fixed,
                         share,
+                        speed,
                     });
                 }
                 Action::Admit {
@@ -401,7 +415,7 @@ fn run(
             let mut any_offline = false;
             for r in &running {
                 if r.session != online {
-                    done_work += width * rate;
+                    done_work += width * rate * r.speed;
                     any_offline = true;
                 }
             }
