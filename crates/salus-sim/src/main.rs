@@ -132,6 +132,10 @@ enum Experiment {
         /// salus' latency target (SLO) over each service's p99 alone.
         #[arg(long, default_value_t = salus_sim::muxflow::DEFAULT_SLO_FACTOR)]
         slo_factor: f64,
+        /// The share of the device an offline iteration gets while online sessions are
+        /// active (the protection's offline_compute_share; default: the core's).
+        #[arg(long)]
+        compute_share: Option<f64>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -260,13 +264,24 @@ fn run(cli: Cli) -> Result<(), String> {
             Experiment::Muxflow {
                 seed,
                 slo_factor,
+                compute_share,
                 json,
             } => {
                 if !(slo_factor >= 1.0 && slo_factor.is_finite()) {
                     return Err(format!("--slo-factor must be at least 1, got {slo_factor}"));
                 }
-                let result = salus_sim::muxflow::experiment_with(seed, slo_factor)
-                    .map_err(|e| e.to_string())?;
+                let mut knobs = salus_sim::muxflow::Knobs {
+                    slo_factor,
+                    ..Default::default()
+                };
+                if let Some(share) = compute_share {
+                    if !(share > 0.0 && share <= 1.0) {
+                        return Err(format!("--compute-share must be in (0, 1], got {share}"));
+                    }
+                    knobs.compute_share = share;
+                }
+                let result =
+                    salus_sim::muxflow::experiment_with(seed, knobs).map_err(|e| e.to_string())?;
                 if json {
                     println!("{}", to_json(&result)?);
                 } else {

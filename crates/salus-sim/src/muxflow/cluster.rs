@@ -25,7 +25,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 
-use super::gpu::{Latencies, Sharing, sample_requests, step_model};
+use super::Knobs;
+use super::gpu::{Latencies, SalusGpu, Sharing, sample_requests, step_model};
 use super::km::max_weight_matching;
 use super::predictor::{LatencyProfile, hidden_factor, predict, salus_duty};
 use super::workload::{
@@ -157,8 +158,8 @@ pub struct ClusterResult {
 pub struct ClusterExperiment {
     /// Seed of the traces.
     pub seed: u64,
-    /// salus' SLO over each service's p99 alone.
-    pub slo_factor: f64,
+    /// salus' SLO and compute share.
+    pub knobs: Knobs,
     /// GPUs.
     pub gpus: usize,
     /// Offline jobs in the trace.
@@ -186,6 +187,7 @@ struct Run<'a> {
     online: &'a [Online],
     profiles: &'a [LatencyProfile],
     slo: &'a [f64],
+    compute_share: f64,
     jobs: &'a [OfflineJob],
     state: Vec<JobState>,
     on_gpu: Vec<Option<usize>>,
@@ -240,6 +242,7 @@ impl Run<'_> {
                             qps[g],
                             &self.jobs[j],
                             self.slack(g, qps[g]),
+                            self.compute_share,
                         );
                         if s.started && s.last_gpu != Some(g) {
                             w * keep
@@ -262,6 +265,7 @@ fn run_system(
     online: &[Online],
     profiles: &[LatencyProfile],
     slo: &[f64],
+    compute_share: f64,
     jobs: &[OfflineJob],
 ) -> (ClusterResult, Vec<Latencies>) {
     let gpus = online.len();
@@ -270,6 +274,7 @@ fn run_system(
         online,
         profiles,
         slo,
+        compute_share,
         jobs,
         state: jobs
             .iter()
@@ -380,10 +385,14 @@ fn run_system(
             if controlled && job.is_some() && job != placed_before[g] {
                 // A new job starts at the predicted duty; the controller takes it from there.
                 let c = job.map_or(0.0, |j| jobs[j].compute_share);
-                duty[g] = salus_duty(&o.kind, c, run.slack(g, measured[g]));
+                duty[g] = salus_duty(&o.kind, c, run.slack(g, measured[g]), compute_share);
             }
             let c = job.map(|j| jobs[j].compute_share);
-            let model = step_model(system.sharing, &o.kind, qps, c, duty[g]);
+            let salus = SalusGpu {
+                duty: duty[g],
+                compute_share,
+            };
+            let model = step_model(system.sharing, &o.kind, qps, c, salus);
             if step < window_steps || (controlled && job.is_some()) {
                 let mut rng = Rng::new(
                     seed.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ ((g as u64) << 40) ^ step as u64,
@@ -501,13 +510,14 @@ fn run_system(
     (result, per_gpu)
 }
 
-/// Every system of [`SYSTEMS`] on the traces of `seed`, salus' SLO at [`SLO_FACTOR`].
+/// Every system of [`SYSTEMS`] on the traces of `seed`, salus' knobs at their defaults.
 pub fn cluster(seed: u64) -> ClusterExperiment {
-    cluster_with(seed, SLO_FACTOR)
+    cluster_with(seed, Knobs::default())
 }
 
-/// [`cluster`] with salus' SLO at `slo_factor` times each service's p99 alone.
-pub fn cluster_with(seed: u64, slo_factor: f64) -> ClusterExperiment {
+/// [`cluster`] with salus' SLO and compute share as `knobs` say.
+pub fn cluster_with(seed: u64, knobs: Knobs) -> ClusterExperiment {
+    let slo_factor = knobs.slo_factor;
     let steps = (MAX_S / STEP_S) as usize + 1;
     // The online load repeats daily past the first day's trace.
     let day = (WINDOW_S / STEP_S) as usize;
@@ -529,7 +539,15 @@ pub fn cluster_with(seed: u64, slo_factor: f64) -> ClusterExperiment {
     // Online-only first: each service's p99 alone sets its SLO.
     let mut slo = vec![f64::INFINITY; online.len()];
     for system in SYSTEMS {
-        let (result, per_gpu) = run_system(system, seed, &online, &profiles, &slo, &jobs);
+        let (result, per_gpu) = run_system(
+            system,
+            seed,
+            &online,
+            &profiles,
+            &slo,
+            knobs.compute_share,
+            &jobs,
+        );
         if system.sharing == Sharing::OnlineOnly {
             slo = per_gpu
                 .iter()
@@ -552,7 +570,7 @@ pub fn cluster_with(seed: u64, slo_factor: f64) -> ClusterExperiment {
         / online.len() as f64;
     ClusterExperiment {
         seed,
-        slo_factor,
+        knobs,
         gpus: GPUS,
         offline_jobs: jobs.len(),
         offline_solo_h: jobs.iter().map(|j| j.solo_s).sum::<f64>() / 3600.0,

@@ -47,6 +47,25 @@ pub fn salus_compute_share() -> f64 {
     salus_core::protection::ProtectionConfig::default().offline_compute_share
 }
 
+/// What salus' protection decides for the offline job on one GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SalusGpu {
+    /// The controller's duty.
+    pub duty: f64,
+    /// The compute share an offline iteration gets while the service is active.
+    pub compute_share: f64,
+}
+
+impl SalusGpu {
+    /// `duty` at the core's default compute share.
+    pub fn at(duty: f64) -> Self {
+        SalusGpu {
+            duty,
+            compute_share: salus_compute_share(),
+        }
+    }
+}
+
 /// How a GPU is shared between its online service and an offline job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Sharing {
@@ -72,8 +91,8 @@ pub struct Share {
 }
 
 /// What a system decides for an offline job of compute share `c` beside `kind` at `qps`;
-/// under salus the duty is its protection controller's, `salus_duty`.
-pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus_duty: f64) -> Share {
+/// under salus the duty and share are its protection's, `salus`.
+pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus: SalusGpu) -> Share {
     let rho = qps * kind.request_s;
     let a = kind.busy_share;
     match sharing {
@@ -90,8 +109,8 @@ pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus_duty:
             Share { duty, sm }
         }
         Sharing::Salus => Share {
-            duty: salus_duty.clamp(0.0, 1.0),
-            sm: c.min(salus_compute_share()),
+            duty: salus.duty.clamp(0.0, 1.0),
+            sm: c.min(salus.compute_share),
         },
     }
 }
@@ -112,13 +131,13 @@ pub struct StepModel {
 }
 
 /// The step model of `kind` at `qps` with an offline job of share `offline` (if any);
-/// `salus_duty` is salus' controller's duty (ignored by the other systems).
+/// `salus` is salus' protection's decision (ignored by the other systems).
 pub fn step_model(
     sharing: Sharing,
     kind: &ServiceKind,
     qps: f64,
     offline: Option<f64>,
-    salus_duty: f64,
+    salus: SalusGpu,
 ) -> StepModel {
     let rho = qps * kind.request_s;
     let a = kind.busy_share;
@@ -131,7 +150,7 @@ pub fn step_model(
             share: Share { duty: 0.0, sm: 0.0 },
         };
     };
-    let s = share(sharing, kind, qps, c, salus_duty);
+    let s = share(sharing, kind, qps, c, salus);
     match sharing {
         Sharing::TimeSharing => StepModel {
             online_busy: 2.0 * rho,
@@ -290,17 +309,35 @@ mod tests {
     #[test]
     fn protection_and_partitioning_bound_contention() {
         let kind = SERVICES[2];
-        let m = step_model(Sharing::MuxFlow, &kind, 100.0, Some(0.9), 0.0);
+        let m = step_model(Sharing::MuxFlow, &kind, 100.0, Some(0.9), SalusGpu::at(0.0));
         assert!(m.share.sm <= 1.0 - 100.0 * kind.request_s * kind.busy_share + 1e-12);
         // A small job beside a service that leaves room runs at full speed, all the time.
-        let small = step_model(Sharing::Salus, &SERVICES[0], 100.0, Some(0.2), 1.0);
+        let small = step_model(
+            Sharing::Salus,
+            &SERVICES[0],
+            100.0,
+            Some(0.2),
+            SalusGpu::at(1.0),
+        );
         assert_eq!(small.share.duty, 1.0);
         assert!((small.offline_speed - 1.0).abs() < 1e-12);
         // Held back half the time, it runs at half speed.
-        let half = step_model(Sharing::Salus, &SERVICES[0], 100.0, Some(0.2), 0.5);
+        let half = step_model(
+            Sharing::Salus,
+            &SERVICES[0],
+            100.0,
+            Some(0.2),
+            SalusGpu::at(0.5),
+        );
         assert!((half.offline_speed - 0.5).abs() < 1e-12);
         // Time-sharing gives the offline job what the service leaves.
-        let ts = step_model(Sharing::TimeSharing, &kind, 100.0, Some(0.9), 0.0);
+        let ts = step_model(
+            Sharing::TimeSharing,
+            &kind,
+            100.0,
+            Some(0.9),
+            SalusGpu::at(0.0),
+        );
         assert!((ts.offline_speed - (1.0 - 100.0 * kind.request_s)).abs() < 1e-12);
     }
 
@@ -310,8 +347,14 @@ mod tests {
         let mut alone = Latencies::default();
         let mut ts = Latencies::default();
         for step in 0..50 {
-            let m0 = step_model(Sharing::OnlineOnly, &kind, 30.0, None, 0.0);
-            let m1 = step_model(Sharing::TimeSharing, &kind, 30.0, Some(0.5), 0.0);
+            let m0 = step_model(Sharing::OnlineOnly, &kind, 30.0, None, SalusGpu::at(0.0));
+            let m1 = step_model(
+                Sharing::TimeSharing,
+                &kind,
+                30.0,
+                Some(0.5),
+                SalusGpu::at(0.0),
+            );
             sample_requests(
                 Sharing::OnlineOnly,
                 &kind,

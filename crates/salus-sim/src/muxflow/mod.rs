@@ -42,18 +42,36 @@ pub struct MuxflowResult {
 /// p99 alone (its dedicated deployment's figure, as an operator would set it).
 pub const DEFAULT_SLO_FACTOR: f64 = 1.05;
 
-/// `salus-sim experiment muxflow` for `seed`.
-pub fn experiment(seed: u64) -> Result<MuxflowResult, SimError> {
-    experiment_with(seed, DEFAULT_SLO_FACTOR)
+/// What the experiment lets one vary of salus' protection.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Knobs {
+    /// The online SLO over each service's p99 alone (`--slo-factor`).
+    pub slo_factor: f64,
+    /// `ProtectionConfig::offline_compute_share` (`--compute-share`): the share of the
+    /// device an offline iteration gets while online sessions are active.
+    pub compute_share: f64,
 }
 
-/// [`experiment`] with salus' SLO at `slo_factor` times each service's p99 alone
-/// (`--slo-factor`).
-pub fn experiment_with(seed: u64, slo_factor: f64) -> Result<MuxflowResult, SimError> {
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            slo_factor: DEFAULT_SLO_FACTOR,
+            compute_share: gpu::salus_compute_share(),
+        }
+    }
+}
+
+/// `salus-sim experiment muxflow` for `seed`.
+pub fn experiment(seed: u64) -> Result<MuxflowResult, SimError> {
+    experiment_with(seed, Knobs::default())
+}
+
+/// [`experiment`] with salus' protection as `knobs` say.
+pub fn experiment_with(seed: u64, knobs: Knobs) -> Result<MuxflowResult, SimError> {
     Ok(MuxflowResult {
         seed,
-        single_gpu: single::single_with(seed, slo_factor)?,
-        cluster: cluster::cluster_with(seed, slo_factor),
+        single_gpu: single::single_with(seed, knobs)?,
+        cluster: cluster::cluster_with(seed, knobs),
     })
 }
 

@@ -18,7 +18,7 @@
 //! controller finds its own duty, and every (GPU, job) pair has a hidden factor
 //! (log-normal, σ 0.1) the features do not explain, as a learned predictor's error.
 
-use super::gpu::{Latencies, Sharing, salus_compute_share, sample_requests, step_model};
+use super::gpu::{Latencies, SalusGpu, Sharing, sample_requests, step_model};
 use super::workload::{OfflineJob, Online, QPS_RANGE, ServiceKind};
 use crate::rng::Rng;
 
@@ -40,7 +40,7 @@ impl LatencyProfile {
         let mut qps = lo;
         while qps <= hi + 1e-9 {
             let mut l = Latencies::default();
-            let model = step_model(Sharing::OnlineOnly, kind, qps, None, 0.0);
+            let model = step_model(Sharing::OnlineOnly, kind, qps, None, SalusGpu::at(0.0));
             for round in 0..100 {
                 let mut rng = Rng::new(0x5eed ^ round);
                 sample_requests(
@@ -75,8 +75,8 @@ impl LatencyProfile {
 }
 
 /// salus' predicted duty for an offline job of share `c` beside `kind`, with `slack`.
-pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64) -> f64 {
-    let over = kind.busy_share + c.min(salus_compute_share()) - 1.0;
+pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64, compute_share: f64) -> f64 {
+    let over = kind.busy_share + c.min(compute_share) - 1.0;
     if over <= 0.0 {
         1.0
     } else {
@@ -86,9 +86,20 @@ pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64) -> f64 {
 
 /// Predicted normalized throughput of `job` beside `online` at request rate `qps`;
 /// `slack` is the service's latency slack at that rate (used by salus only).
-pub fn predict(sharing: Sharing, online: &Online, qps: f64, job: &OfflineJob, slack: f64) -> f64 {
-    let duty = salus_duty(&online.kind, job.compute_share, slack);
-    step_model(sharing, &online.kind, qps, Some(job.compute_share), duty).offline_speed
+pub fn predict(
+    sharing: Sharing,
+    online: &Online,
+    qps: f64,
+    job: &OfflineJob,
+    slack: f64,
+    compute_share: f64,
+) -> f64 {
+    let duty = salus_duty(&online.kind, job.compute_share, slack, compute_share);
+    let salus = SalusGpu {
+        duty,
+        compute_share,
+    };
+    step_model(sharing, &online.kind, qps, Some(job.compute_share), salus).offline_speed
 }
 
 /// The hidden factor of the pair (`gpu`, `job`) for `seed`: the same in every system.
@@ -120,11 +131,13 @@ mod tests {
     fn salus_duty_is_full_where_the_pair_fits() {
         // The translation service (a = 0.75) beside a job held to the core's share.
         let k = SERVICES[2];
-        let s = salus_compute_share();
-        assert_eq!(salus_duty(&k, 0.2, 0.0), 1.0);
+        let s = crate::muxflow::gpu::salus_compute_share();
+        assert_eq!(salus_duty(&k, 0.2, 0.0, s), 1.0);
         let over = k.busy_share + s.min(0.95) - 1.0;
         assert!(over > 0.0);
-        assert!((salus_duty(&k, 0.95, over / 2.0) - 0.5).abs() < 1e-12);
-        assert_eq!(salus_duty(&k, 0.95, -1.0), 0.0);
+        assert!((salus_duty(&k, 0.95, over / 2.0, s) - 0.5).abs() < 1e-12);
+        assert_eq!(salus_duty(&k, 0.95, -1.0, s), 0.0);
+        // The whole device: the job's own share counts.
+        assert!(salus_duty(&k, 0.95, 0.1, 1.0) < salus_duty(&k, 0.95, 0.1, s));
     }
 }

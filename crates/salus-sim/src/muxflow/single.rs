@@ -34,6 +34,7 @@ use salus_core::{
 };
 use serde::Serialize;
 
+use super::Knobs;
 use super::gpu::Latencies;
 use super::workload::{GPU_BYTES, OFFLINE_MEMORY_SHARE, QPS_RANGE, SERVICES, ServiceKind};
 use crate::catalog::{self, Workload};
@@ -210,13 +211,15 @@ fn run(
     reqs: &[Request],
     jobs: &[&'static Workload],
     slo_s: Option<f64>,
+    compute_share: f64,
 ) -> Result<(SingleResult, Latencies), SimError> {
-    let (policy, protection) = match system {
+    let (policy, mut protection) = match system {
         "salus_unprotected" => (PolicyKind::Share, ProtectionConfig::disabled()),
         "time_sharing" => (PolicyKind::Fair, ProtectionConfig::disabled()),
         "salus_protection_slo" => (PolicyKind::Share, slo_only_protection()),
         _ => (PolicyKind::Share, ProtectionConfig::default()),
     };
+    protection.offline_compute_share = compute_share;
     let with_offline = system != "online_only";
     let config = SimConfig::reference(policy);
     let mut core = Scheduler::with_protection(MemoryConfig::new(GPU_BYTES, 0), policy, protection)?;
@@ -553,22 +556,30 @@ fn run(
     Ok((result, latencies))
 }
 
-/// The single-GPU experiment for `seed`, the SLO at [`SLO_FACTOR`].
+/// The single-GPU experiment for `seed`, salus' knobs at their defaults.
 pub fn single(seed: u64) -> Result<SingleExperiment, SimError> {
-    single_with(seed, SLO_FACTOR)
+    single_with(seed, Knobs::default())
 }
 
-/// [`single`] with the online session's SLO at `slo_factor` times its p99 alone.
-pub fn single_with(seed: u64, slo_factor: f64) -> Result<SingleExperiment, SimError> {
+/// [`single`] with salus' protection as `knobs` say.
+pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError> {
+    let slo_factor = knobs.slo_factor;
     let kind = SERVICES[1];
     let reqs = requests(seed, &kind);
     let jobs = offline_jobs(seed);
-    let (alone, alone_lat) = run("online_only", &kind, &reqs, &jobs, None)?;
+    let (alone, alone_lat) = run(
+        "online_only",
+        &kind,
+        &reqs,
+        &jobs,
+        None,
+        knobs.compute_share,
+    )?;
     let slo = slo_factor * alone_lat.quantile(0.99);
     let mut systems = BTreeMap::new();
     systems.insert("online_only".to_string(), alone.clone());
     for system in SYSTEMS.iter().filter(|s| **s != "online_only") {
-        let (mut r, _) = run(system, &kind, &reqs, &jobs, Some(slo))?;
+        let (mut r, _) = run(system, &kind, &reqs, &jobs, Some(slo), knobs.compute_share)?;
         r.online_mean_slowdown = r.online_mean_ms / alone.online_mean_ms;
         r.online_p99_slowdown = r.online_p99_ms / alone.online_p99_ms;
         r.utilization_gain = r.utilization / alone.utilization;
