@@ -58,6 +58,9 @@ pub struct ProtectionConfig {
     /// Percentiles of online latency and slowdown are judged only over at least this
     /// many samples in the window: one slow iteration is not a 99th percentile.
     pub min_samples: usize,
+    /// How long an online session waits for memory offline sessions hold before their
+    /// running iterations are abandoned (they run again later, from the same state).
+    pub abandon_after: Duration,
     /// Health metrics are taken over this much recent time; an online session without an
     /// iteration for this long is dormant and does not hold offline work back.
     pub window: Duration,
@@ -92,6 +95,7 @@ impl Default for ProtectionConfig {
             min_duty: 0.02,
             offline_compute_share: 0.5,
             min_samples: 20,
+            abandon_after: Duration::from_millis(200),
             window: Duration::from_secs(10),
             thresholds: HealthThresholds::default(),
             overlimit_hold: Duration::from_secs(5),
@@ -594,6 +598,8 @@ pub struct ProtectionStatus {
     pub offline_limit: u64,
     /// Offline sessions evicted to host memory by protection since start.
     pub offline_evictions: u64,
+    /// Offline iterations abandoned for an online session that waited past the deadline.
+    pub offline_abandoned: u64,
     /// Entries into `Overlimit` in the history window.
     pub overlimit_entries: usize,
 }

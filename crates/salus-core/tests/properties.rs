@@ -99,8 +99,14 @@ impl Checked {
             self.running.retain(|_, s| s != session);
         }
         self.core.handle(self.now, event).unwrap();
+        let mut abandon = Vec::new();
         for action in self.core.poll() {
             match action {
+                Action::Abandon { session } => {
+                    let lane = self.running.iter().find(|(_, s)| **s == session);
+                    assert!(lane.is_some(), "abandon of {session}, which does not run");
+                    abandon.push(session);
+                }
                 Action::Admit { session, .. } => {
                     assert!(self.admitted.insert(session));
                 }
@@ -162,6 +168,11 @@ impl Checked {
         assert_eq!(map.total(), map.capacity);
         let usable = map.capacity - map.reserve;
         assert!(map.persistent_bytes + map.lane_bytes <= usable, "safety");
+        // The device stops abandoned iterations at once.
+        for session in abandon {
+            self.running.retain(|_, s| *s != session);
+            self.feed(Event::IterationAbandoned(session));
+        }
     }
 
     fn apply(&mut self, op: Op) {

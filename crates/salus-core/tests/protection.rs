@@ -328,3 +328,38 @@ fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
     // An online iteration always has the whole device.
     assert_eq!(share(&d.submit(1)), Some(1.0));
 }
+
+#[test]
+fn an_offline_iteration_is_abandoned_for_an_online_session_past_the_deadline() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(1, 150 * MB, 200 * MB));
+    d.open(spec(2, 200 * MB, 300 * MB));
+    d.submit(1);
+    assert_eq!(started(&d.log), vec![1]);
+    // Session 1's iteration is long; the online session needs its memory now.
+    let a = d.open(spec(3, 100 * MB, 400 * MB));
+    assert!(matches!(queued(&a, 3), Some(WaitReason::Memory { .. })));
+    let wake = d.core.next_wakeup().expect("the deadline");
+    assert_eq!(wake, d.now + Duration::from_millis(200));
+    d.now = wake;
+    let a = d.feed(Event::Tick);
+    assert_eq!(
+        a,
+        vec![Action::Abandon {
+            session: SessionId(1)
+        }]
+    );
+    // Asked once only.
+    assert!(d.feed(Event::Tick).is_empty());
+    let a = d.feed(Event::IterationAbandoned(SessionId(1)));
+    assert_eq!(suspended(&a), vec![1]);
+    assert_eq!(admitted(&a)[0].0, 3);
+    let status = d.core.protection_status();
+    assert_eq!(status.offline_abandoned, 1);
+    let view = d.core.session(SessionId(1)).unwrap();
+    assert_eq!(view.stats.pending_iterations, 1, "it runs again");
+    assert_eq!(view.stats.completed_iterations, 0);
+    let a = d.close(3);
+    assert_eq!(admitted(&a)[0].0, 1);
+    assert_eq!(started(&a), vec![1]);
+}

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use salus_exec::layout::{InputAt, Piece};
-use salus_exec::{Arena, Device, ExecError, Location, Outcome, Placement, Program};
+use salus_exec::{Arena, Device, ExecError, Location, Outcome, Placement, Program, RunControl};
 use salus_graph::Node;
 
 use crate::kernels::{Arg, Out};
@@ -81,7 +81,7 @@ impl CpuDevice {
     ) -> Result<Outcome, ExecError> {
         times.clear();
         times.resize(program.graph().nodes.len(), Duration::ZERO);
-        self.iterate(program, at, feeds, Some(times))
+        self.iterate(program, at, feeds, Some(times), None)
     }
 }
 
@@ -192,6 +192,7 @@ impl CpuDevice {
         at: Placement,
         feeds: &[&[u8]],
         mut times: Option<&mut Vec<Duration>>,
+        control: Option<&RunControl>,
     ) -> Result<Outcome, ExecError> {
         let start = Instant::now();
         let plan = program.plan();
@@ -212,6 +213,10 @@ impl CpuDevice {
             .unwrap_or_default();
         let mut run_all = || {
             for (index, node) in graph.nodes.iter().enumerate() {
+                if control.is_some_and(RunControl::abandoned) {
+                    // Updates are written only after the last node: nothing is kept.
+                    return Err(ExecError::Abandoned);
+                }
                 let node_start = times.is_some().then(Instant::now);
                 let result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
                 if let (Some(times), Some(t)) = (times.as_deref_mut(), node_start) {
@@ -284,28 +289,29 @@ impl Device for CpuDevice {
     }
 
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
-        self.iterate(program, at, feeds, None)
+        self.iterate(program, at, feeds, None, None)
     }
 
-    /// Runs on `share` of the kernels' threads (at least one): the kernels split their
-    /// work over the threads of the pool they run in, so the other cores stay free for
-    /// the lanes running on the full pool. The results are the same bit for bit: every
-    /// kernel gives the same answer on any number of threads.
-    fn run_with_share(
+    /// Runs on the control's share of the kernels' threads (at least one): the kernels
+    /// split their work over the threads of the pool they run in, so the other cores stay
+    /// free for the lanes running on the full pool. The results are the same bit for bit:
+    /// every kernel gives the same answer on any number of threads. Abandoned, it stops
+    /// before its next node.
+    fn run_with(
         &self,
         program: &Program,
         at: Placement,
         feeds: &[&[u8]],
-        share: f64,
+        control: &RunControl,
     ) -> Result<Outcome, ExecError> {
         let all = rayon::current_num_threads();
-        let threads = ((share * all as f64).round() as usize).clamp(1, all);
+        let threads = ((control.share * all as f64).round() as usize).clamp(1, all);
         match (threads < all && !program.is_small())
             .then(|| self.pool(threads))
             .flatten()
         {
-            Some(pool) => pool.install(|| self.iterate(program, at, feeds, None)),
-            None => self.iterate(program, at, feeds, None),
+            Some(pool) => pool.install(|| self.iterate(program, at, feeds, None, Some(control))),
+            None => self.iterate(program, at, feeds, None, Some(control)),
         }
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use salus_cpu::CpuDevice;
-use salus_exec::{Device, ExecError, Location, Placement, Program};
+use salus_exec::{Device, ExecError, Location, Placement, Program, RunControl};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
 
 fn tensor(name: &str, dtype: DType, shape: &[u64], role: Role) -> Tensor {
@@ -267,7 +267,7 @@ fn a_share_of_the_cores_gives_the_same_bits() {
         for _ in 0..3 {
             let feeds = [x.as_slice(), y.as_slice()];
             let out = match share {
-                Some(share) => device.run_with_share(&program, at, &feeds, share),
+                Some(share) => device.run_with(&program, at, &feeds, &RunControl::new(share)),
                 None => device.run(&program, at, &feeds),
             }
             .unwrap();
@@ -278,4 +278,40 @@ fn a_share_of_the_cores_gives_the_same_bits() {
     let all = run(None);
     assert_eq!(run(Some(0.5)), all);
     assert_eq!(run(Some(0.01)), all);
+}
+
+/// An abandoned iteration stops and keeps nothing: the persistent block is as before, and
+/// the iteration run again gives what it would have.
+#[test]
+fn an_abandoned_iteration_changes_nothing() {
+    let graph = salus_graph::samples::regression(64, 16, 4, 0.5);
+    let program = Program::new(graph, &Limits::default()).unwrap();
+    let plan = program.plan();
+    let lane = plan.persistent_bytes.next_multiple_of(256);
+    let at = Placement {
+        persistent: 0,
+        lane,
+    };
+    let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    let w = f32_bytes(&vec![0.5; 16 * 4]);
+    device.write(0, &w).unwrap();
+    let x = f32_bytes(&vec![1.0; 64 * 16]);
+    let y = f32_bytes(&vec![2.0; 64 * 4]);
+    let feeds = [x.as_slice(), y.as_slice()];
+    let control = RunControl::new(1.0);
+    control.abandon();
+    assert_eq!(
+        device.run_with(&program, at, &feeds, &control),
+        Err(ExecError::Abandoned)
+    );
+    assert_eq!(device.read(0, w.len() as u64).unwrap(), w);
+    let again = device
+        .run_with(&program, at, &feeds, &RunControl::new(1.0))
+        .unwrap();
+    let fresh = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    fresh.write(0, &w).unwrap();
+    assert_eq!(
+        again.fetches,
+        fresh.run(&program, at, &feeds).unwrap().fetches
+    );
 }

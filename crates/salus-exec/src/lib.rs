@@ -72,6 +72,40 @@ pub enum ExecError {
         /// What went wrong.
         message: String,
     },
+    /// The iteration was abandoned before its end, at the driver's request
+    /// ([`RunControl::abandon`]): nothing of it was kept, the persistent block is unchanged.
+    #[error("the iteration was abandoned before its end")]
+    Abandoned,
+}
+
+/// How one iteration runs, and the driver's hold on it while it runs.
+#[derive(Debug)]
+pub struct RunControl {
+    /// The share of the device's compute it may use, in (0, 1].
+    pub share: f64,
+    abandon: std::sync::atomic::AtomicBool,
+}
+
+impl RunControl {
+    /// An iteration on `share` of the device (1.0: all of it).
+    pub fn new(share: f64) -> RunControl {
+        RunControl {
+            share,
+            abandon: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Asks the device to stop the iteration at its next chance (between two nodes on
+    /// the cpu device); it then fails with [`ExecError::Abandoned`], changing nothing.
+    pub fn abandon(&self) {
+        self.abandon
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// True once [`RunControl::abandon`] was called.
+    pub fn abandoned(&self) -> bool {
+        self.abandon.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// Where a tensor lives, relative to the session's persistent block or its lane.
@@ -282,18 +316,18 @@ pub trait Device: Send + Sync {
     /// after every node has run. On error the persistent block is unchanged.
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError>;
 
-    /// Runs like [`Device::run`] using at most `share` (in (0, 1]) of the device's
+    /// Runs like [`Device::run`] under `control`: using at most its share of the device's
     /// compute, leaving the rest to other lanes (the core's compute share for offline
-    /// iterations beside online ones). A device that cannot divide its compute runs the
-    /// iteration as `run` does.
-    fn run_with_share(
+    /// iterations beside online ones), and stopping early once it is abandoned. A device
+    /// that can do neither runs the iteration as `run` does.
+    fn run_with(
         &self,
         program: &Program,
         at: Placement,
         feeds: &[&[u8]],
-        share: f64,
+        control: &RunControl,
     ) -> Result<Outcome, ExecError> {
-        let _ = share;
+        let _ = control;
         self.run(program, at, feeds)
     }
 

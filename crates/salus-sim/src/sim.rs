@@ -350,6 +350,9 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                     }
                 }
                 Action::Suspend { .. } => suspensions += 1,
+                // These traces hold no offline sessions; an iteration asked to stop would
+                // run to its end, which the core takes as its answer.
+                Action::Abandon { .. } => {}
                 Action::Reject { session, reason } => {
                     outcomes[session.0 as usize].rejected = Some(reason.to_string());
                     unresolved -= 1;

@@ -175,6 +175,7 @@ fn status_json(s: &pb::StatusResponse) -> Value {
             "enabled": p.enabled, "health": p.health, "offline_duty": p.offline_duty,
             "offline_bytes": p.offline_bytes, "offline_limit": p.offline_limit,
             "offline_evictions": p.offline_evictions, "overlimit_entries": p.overlimit_entries,
+            "offline_abandoned": p.offline_abandoned,
             "online_slowdown_p99": p.online_slowdown_p99, "slo_use_p99": p.slo_use_p99,
             "offline_held_ms": p.offline_held_ms,
         })),
@@ -190,12 +191,14 @@ fn protection_text(s: &pb::StatusResponse) -> String {
         return "protection off: offline sessions are scheduled like online ones\n".into();
     }
     let mut out = format!(
-        "protection {}: offline duty {:.2}, offline sessions hold {} of {}, {} evicted",
+        "protection {}: offline duty {:.2}, offline sessions hold {} of {}, {} evicted, {} \
+         iterations abandoned",
         p.health,
         p.offline_duty,
         bytes(p.offline_bytes),
         bytes(p.offline_limit),
-        p.offline_evictions
+        p.offline_evictions,
+        p.offline_abandoned
     );
     if p.online_slowdown_p99 > 0.0 {
         out += &format!("; online slowdown p99 {:.2}", p.online_slowdown_p99);

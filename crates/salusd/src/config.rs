@@ -165,6 +165,8 @@ pub struct FileConfig {
     pub offline_share: Option<f64>,
     /// `--protection`.
     pub protection: Option<String>,
+    /// `--offline-abandon-after`.
+    pub offline_abandon_after: Option<String>,
     /// `--metrics`.
     pub metrics: Option<String>,
     /// `--token-file`.

@@ -65,6 +65,10 @@ struct Args {
     /// then scheduled like online ones) [default: on].
     #[arg(long, env = "SALUS_PROTECTION")]
     protection: Option<String>,
+    /// How long an online session waits for memory offline sessions hold before their
+    /// running iterations are abandoned (they run again later, unchanged) [default: 200ms].
+    #[arg(long, env = "SALUS_OFFLINE_ABANDON_AFTER")]
+    offline_abandon_after: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464).
     #[arg(long, env = "SALUS_METRICS")]
     metrics: Option<String>,
@@ -159,6 +163,10 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     if let Some(share) = args.offline_share.or(file.offline_share) {
         config.protection.offline_memory_share = share;
+    }
+    if let Some(after) = args.offline_abandon_after.or(file.offline_abandon_after) {
+        config.protection.abandon_after =
+            parse_duration(&after).map_err(|e| format!("--offline-abandon-after: {e}"))?;
     }
     if let Some(on) = args.protection.or(file.protection) {
         config.protection.enabled = parse_switch(&on).map_err(|e| format!("--protection: {e}"))?;

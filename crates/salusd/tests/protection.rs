@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::{Daemon, Job, eventually};
 use salus_client::v1 as pb;
 use salus_client::{Client, OpenOptions};
+use tokio_stream::StreamExt;
 
 fn class(info: &pb::SessionInfo) -> pb::SessionClass {
     pb::SessionClass::try_from(info.class).unwrap()
@@ -222,4 +223,53 @@ async fn bad_classes_and_targets_are_refused_by_name() {
     let (code, log) = common::refused_start(&["--offline-share", "1.5"]);
     assert_ne!(code, Some(0));
     assert!(log.contains("offline_memory_share"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_iteration_is_abandoned_for_an_online_session_and_runs_again_exactly() {
+    // Iterations long enough to be abandoned in the middle (tens of ms in a debug build).
+    let training = Job::new("training", 512, 256, 64, 11);
+    let serving = Job::new("serving", 512, 256, 64, 12);
+    let memory = room_for_one(&training);
+    let daemon = Daemon::start(&[
+        "--policy",
+        "pack",
+        "--memory",
+        &memory,
+        "--offline-share",
+        "0.9",
+        "--offline-abandon-after",
+        "1ms",
+    ]);
+    let client = daemon.client().await;
+    let mut background = client.open(offline(&training)).await.unwrap();
+    background.admitted().await.unwrap();
+    // Every iteration submitted at once (pipelined): the offline session is never idle
+    // between them, so the online one can only get its memory by abandoning one.
+    let iterations = 12;
+    let feeds = (0..iterations).map(|i| training.feeds(i)).collect();
+    let mut stream = background.run_stream(feeds).await.unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        let out = stream.next().await.unwrap().unwrap();
+        losses.push(common::floats(&out.fetches[0])[0]);
+    }
+    let mut foreground = client.open(online(&serving, 10_000.0)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), foreground.admitted())
+        .await
+        .expect("the online session is admitted")
+        .unwrap();
+    assert_eq!(serving.on(&foreground, 2).await, serving.alone(2));
+    let protection = client.status().await.unwrap().protection.unwrap();
+    assert!(protection.offline_abandoned >= 1, "{protection:?}");
+    foreground.close().await.unwrap();
+    while let Some(out) = stream.next().await {
+        losses.push(common::floats(&out.unwrap().fetches[0])[0]);
+    }
+    let w = background.read(&[0]).await.unwrap().remove(0).1;
+    assert_eq!(
+        (losses, w),
+        training.alone(iterations),
+        "the abandoned iteration ran again, exactly"
+    );
 }

@@ -42,6 +42,9 @@ pub enum Event {
     SessionOpened(SessionSpec),
     /// A client submitted one iteration of a session (waiting or admitted).
     IterationSubmitted(SessionId),
+    /// The running iteration of this session was abandoned (after `Abandon`): it kept
+    /// nothing and is to run again; its lane is free.
+    IterationAbandoned(SessionId),
     /// The iteration started by the last `StartIteration` of this session finished.
     IterationFinished {
         /// Whose iteration.
@@ -134,6 +137,13 @@ pub enum Action {
         /// for an offline iteration while online sessions are active (protection's
         /// compute share; a CPU device runs it on that share of its cores).
         compute_share: f64,
+    },
+    /// Stop the running iteration of this offline session before its end, keeping
+    /// nothing (an online session has waited past the deadline for the memory it holds);
+    /// answer with `Event::IterationAbandoned`, or `IterationFinished` if it ended first.
+    Abandon {
+        /// Whose iteration.
+        session: SessionId,
     },
     /// The session is gone and its memory is free.
     Closed {
@@ -371,6 +381,7 @@ impl Scheduler {
             Event::SessionOpened(spec) => self.open(spec),
             Event::IterationSubmitted(id) => self.submit(id),
             Event::IterationFinished { session, duration } => self.finish(session, duration),
+            Event::IterationAbandoned(session) => self.abandoned(session),
             Event::SessionClosed(id) => self.close(id),
             Event::PolicyChanged(policy) => {
                 self.change_policy(policy);
@@ -405,6 +416,7 @@ impl Scheduler {
             self.admit_waiting();
             self.move_lanes();
         }
+        self.abandon_if_overdue();
         self.release_held();
         self.start_iterations();
         mem::take(&mut self.actions)
@@ -534,6 +546,42 @@ impl Scheduler {
             self.admission_due = true;
         }
         self.on_finish(id, duration);
+        if closing {
+            self.release(id);
+        } else {
+            self.sync_run_queue(id);
+        }
+        Ok(())
+    }
+
+    /// Like `finish`, but the iteration counts for nothing and is pending again.
+    fn abandoned(&mut self, id: SessionId) -> Result<(), CoreError> {
+        let session = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
+        let State::Admitted {
+            lane,
+            running: running @ true,
+            closing,
+            ..
+        } = &mut session.state
+        else {
+            return Err(CoreError::NotRunning(id));
+        };
+        *running = false;
+        let (lane_id, closing) = (*lane, *closing);
+        if !closing {
+            session.stats.pending_iterations += 1;
+        }
+        if let Some(lane) = self.lanes.get_mut(&lane_id) {
+            lane.running = None;
+            if !lane.in_place() {
+                self.move_candidates.insert(lane_id);
+            }
+        }
+        self.lanes_due.insert(lane_id);
+        self.on_abandoned(id);
         if closing {
             self.release(id);
         } else {

@@ -33,6 +33,11 @@ pub(super) struct Protect {
     /// starts, so that they reach their boundaries and can be suspended.
     pub(super) online_starved: bool,
     evictions: u64,
+    /// Since when an online session has waited for memory offline sessions hold.
+    starved_since: Option<Duration>,
+    /// Offline sessions asked to abandon their running iteration.
+    abandoning: BTreeSet<SessionId>,
+    abandoned: u64,
     last_online: Option<Duration>,
     started: bool,
 }
@@ -52,6 +57,9 @@ impl Protect {
             online_running: BTreeSet::new(),
             online_starved: false,
             evictions: 0,
+            starved_since: None,
+            abandoning: BTreeSet::new(),
+            abandoned: 0,
             last_online: None,
             started: false,
         }
@@ -147,6 +155,7 @@ impl Scheduler {
         };
         match session.spec.class {
             SessionClass::Offline => {
+                self.protect.abandoning.remove(&id);
                 self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
                 if self.online_active() {
                     let hold = self.protect.controller.hold_after(duration);
@@ -195,6 +204,42 @@ impl Scheduler {
                 }
                 self.evaluate_health();
             }
+        }
+    }
+
+    /// An offline iteration was abandoned: it ran for nothing.
+    pub(super) fn on_abandoned(&mut self, id: SessionId) {
+        if self.protect.abandoning.remove(&id) {
+            self.protect.abandoned += 1;
+        }
+        if self.class_of(id) == SessionClass::Offline {
+            self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
+        }
+        self.admission_due = true;
+    }
+
+    /// Keeps the time since which an online session has waited for offline memory, and
+    /// past `abandon_after` asks running offline iterations to stop.
+    pub(super) fn abandon_if_overdue(&mut self) {
+        if !self.protecting() || !self.protect.online_starved {
+            self.protect.starved_since = None;
+            return;
+        }
+        let since = *self.protect.starved_since.get_or_insert(self.now);
+        if self.now.saturating_sub(since) < self.protect.config.abandon_after {
+            return;
+        }
+        let running: Vec<SessionId> = self
+            .sessions
+            .values()
+            .filter(|s| s.spec.class == SessionClass::Offline)
+            .filter(|s| matches!(s.state, State::Admitted { running: true, .. }))
+            .map(|s| s.spec.id)
+            .filter(|id| !self.protect.abandoning.contains(id))
+            .collect();
+        for session in running {
+            self.protect.abandoning.insert(session);
+            self.actions.push(super::Action::Abandon { session });
         }
     }
 
@@ -383,6 +428,9 @@ impl Scheduler {
         if !p.held.is_empty() && p.hold_until > self.now {
             times.push(p.hold_until);
         }
+        if let Some(since) = p.starved_since {
+            times.push(since.saturating_add(p.config.abandon_after));
+        }
         if let Some(t) = p.health.leaves_overlimit_at(&p.config) {
             times.push(t.max(self.now));
         }
@@ -406,6 +454,7 @@ impl Scheduler {
             offline_bytes: self.offline_bytes(),
             offline_limit: self.offline_limit(),
             offline_evictions: p.evictions,
+            offline_abandoned: p.abandoned,
             overlimit_entries: p.health.overlimit_entries(),
         }
     }

@@ -5,10 +5,12 @@
 use std::time::{Duration, Instant};
 
 use salus_core::{Action, Event, LaneId, SessionId};
-use salus_exec::{ExecError, Placement};
+use std::sync::Arc;
+
+use salus_exec::{ExecError, Placement, RunControl};
 use tokio::sync::oneshot;
 
-use super::commands::{Command, Reply, RunResult};
+use super::commands::{Command, Reply, Retry, RunResult};
 use super::reports::{EventKind, SessionUpdate};
 use super::{Deferred, EngineError, HISTOGRAM_BOUNDS, HostImage, Place, RECENT, State};
 
@@ -161,6 +163,13 @@ impl State {
                 switched_from,
                 compute_share,
             } => self.start(session, lane, lane_offset, switched_from, compute_share),
+            Action::Abandon { session } => {
+                if let Some(control) = self.sessions.get(&session).and_then(|e| e.control.as_ref())
+                {
+                    tracing::info!(session = session.0, "abandoning an offline iteration");
+                    control.abandon();
+                }
+            }
             Action::Closed { session } => {
                 // The lanes whose last iteration was the closed session's are forgotten
                 // with it (a switch from a session that is gone is no switch), so the map
@@ -216,10 +225,13 @@ impl State {
                 ended: Instant::now(),
                 reply,
                 wait: Duration::ZERO,
+                retry: None,
             });
             return;
         };
         entry.running = true;
+        let control = Arc::new(RunControl::new(compute_share));
+        entry.control = Some(control.clone());
         if switched_from.is_some()
             && let Some(&(_, ended)) = self.lane_last_end.get(&lane)
         {
@@ -255,7 +267,7 @@ impl State {
                 for (off, bytes) in &pending.writes {
                     device.write(at.persistent + off, bytes)?;
                 }
-                device.run_with_share(&program, at, &views, compute_share)
+                device.run_with(&program, at, &views, &control)
             }))
             .unwrap_or_else(|panic| {
                 let what = panic
@@ -265,14 +277,52 @@ impl State {
                     .unwrap_or_default();
                 Err(ExecError::Device(format!("the device panicked: {what}")))
             });
+            drop(views);
             let _ = tx.send(Command::Finished {
                 session: id,
+                retry: matches!(result, Err(ExecError::Abandoned)).then(|| Retry {
+                    program: pending.program,
+                    feeds: pending.feeds,
+                    writes: pending.writes,
+                    arrived: pending.arrived,
+                }),
                 result,
                 ended: Instant::now(),
                 reply: pending.reply,
                 wait,
             });
         });
+    }
+
+    /// An iteration abandoned for an online session: the core frees its lane and it waits
+    /// at the head of its session's queue to run again, its client none the wiser.
+    fn abandoned(
+        &mut self,
+        id: SessionId,
+        lane: Option<LaneId>,
+        reply: Reply<RunResult>,
+        retry: Retry,
+    ) {
+        if let Err(error) = self.core(Event::IterationAbandoned(id)) {
+            tracing::error!(session = id.0, %error, "abandon refused by the scheduler");
+        }
+        self.event(
+            EventKind::Preempted,
+            Some(id),
+            lane,
+            "iteration abandoned for an online session; it runs again".into(),
+            Duration::ZERO,
+        );
+        if let Some(entry) = self.sessions.get_mut(&id) {
+            entry.running = false;
+            entry.pending.push_front(super::Pending {
+                program: retry.program,
+                feeds: retry.feeds,
+                writes: retry.writes,
+                reply,
+                arrived: retry.arrived,
+            });
+        }
     }
 
     pub(super) fn finished(
@@ -282,8 +332,16 @@ impl State {
         ended: Instant,
         reply: Reply<RunResult>,
         wait: Duration,
+        retry: Option<Retry>,
     ) {
         let lane = self.core.lane_of(id);
+        if let Some(entry) = self.sessions.get_mut(&id) {
+            entry.control = None;
+        }
+        if let Some(retry) = retry {
+            self.abandoned(id, lane, reply, retry);
+            return;
+        }
         let duration = match &result {
             Ok(outcome) => outcome.duration,
             Err(_) => Duration::ZERO,

@@ -49,6 +49,14 @@ pub struct NewSession {
     pub restored: Option<Restored>,
 }
 
+/// An abandoned iteration's request, to run again as it was.
+pub struct Retry {
+    pub(super) program: usize,
+    pub(super) feeds: Vec<Vec<u8>>,
+    pub(super) writes: Vec<(u64, Vec<u8>)>,
+    pub(super) arrived: Instant,
+}
+
 /// What a session restored from a snapshot brings besides its first program and block.
 pub struct Restored {
     /// The iterations it had done.
@@ -195,6 +203,8 @@ pub enum Command {
         reply: Reply<RunResult>,
         /// Time from arrival to start.
         wait: Duration,
+        /// When it was abandoned: what it needs to run again.
+        retry: Option<Retry>,
     },
     /// The daemon at a glance.
     Status(Reply<StatusReport>),
@@ -403,7 +413,8 @@ impl State {
                 ended,
                 reply,
                 wait,
-            } => self.finished(session, result, ended, reply, wait),
+                retry,
+            } => self.finished(session, result, ended, reply, wait, retry),
             Command::Status(reply) => drop(reply.send(Ok(self.status()))),
             Command::Sessions(reply) => drop(reply.send(Ok(self.session_reports()))),
             Command::Metrics(reply) => drop(reply.send(Ok(self.metrics()))),
@@ -545,6 +556,7 @@ impl State {
             running: false,
             closing: false,
             pending: VecDeque::new(),
+            control: None,
             deferred: Vec::new(),
             updates: new.updates,
             opened: Instant::now(),

@@ -35,7 +35,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use crate::auth::Principal;
 use crate::state::Snapshot;
 
-pub use commands::{Command, NewSession, Reply, Restored, RunResult, persistent_range};
+pub use commands::{Command, NewSession, Reply, Restored, Retry, RunResult, persistent_range};
 pub use error::EngineError;
 pub use quota::{HostBytes, HostImage, QuotaConfig, QuotaReport, Quotas, SessionSlot, UserUsage};
 pub use reports::{
@@ -103,6 +103,8 @@ struct Entry {
     running: bool,
     closing: bool,
     pending: VecDeque<Pending>,
+    /// The running iteration's control (to abandon it).
+    control: Option<Arc<salus_exec::RunControl>>,
     deferred: Vec<Deferred>,
     updates: UpdateSink,
     opened: Instant,

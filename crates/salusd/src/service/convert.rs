@@ -79,6 +79,8 @@ pub fn code(error: &EngineError) -> Code {
             Code::InvalidArgument
         }
         EngineError::Exec(ExecError::Node { .. }) => Code::FailedPrecondition,
+        // Abandoned iterations run again; a client sees this only if that is not possible.
+        EngineError::Exec(ExecError::Abandoned) => Code::Aborted,
         EngineError::Exec(ExecError::Device(_))
         | EngineError::Scheduler(_)
         | EngineError::NoTensorCopy(_) => Code::Internal,
@@ -341,6 +343,7 @@ fn protection(p: &ProtectionStatus, now: Duration) -> pb::Protection {
         offline_bytes: p.offline_bytes,
         offline_limit: p.offline_limit,
         offline_evictions: p.offline_evictions,
+        offline_abandoned: p.offline_abandoned,
         overlimit_entries: p.overlimit_entries as u64,
         online_slowdown_p99: p.metrics.online_slowdown.unwrap_or(0.0),
         slo_use_p99: p.metrics.slo_use.unwrap_or(0.0),
