@@ -106,6 +106,8 @@ pub struct SingleResult {
     pub sm_activity: f64,
     /// Offline sessions suspended (protection's evictions and memory).
     pub offline_suspensions: u64,
+    /// Offline iterations abandoned (stopped for an online session past the deadline).
+    pub offline_abandoned: u64,
     /// Fraction of the run in each health state (where protection is enabled, online-only
     /// included).
     pub health: BTreeMap<String, f64>,
@@ -149,6 +151,9 @@ struct Running {
     /// Its speed against running alone with the whole device (below 1 when held to a
     /// compute share smaller than what it keeps busy alone).
     speed: f64,
+    /// Solo seconds of offline work it has added to the run's total (taken back if it is
+    /// abandoned).
+    counted: f64,
 }
 
 /// One online request.
@@ -259,6 +264,7 @@ fn run(
     let mut admitted_s = 0.0f64;
     let mut offline_running_s = 0.0f64;
     let mut slowdown_metric: Vec<f64> = Vec::new();
+    let mut abandoned = 0u64;
     let mut next_sample = 0.0f64;
     let mut now = 0.0f64;
     let a = kind.busy_share;
@@ -300,6 +306,7 @@ fn run(
                 },
             ));
         }
+        let mut abandon_events = false;
         for action in core.poll() {
             match action {
                 Action::StartIteration {
@@ -345,6 +352,7 @@ fn run(
                         work_left: work / speed + fixed,
                         share,
                         speed,
+                        counted: 0.0,
                     });
                 }
                 Action::Admit {
@@ -372,6 +380,16 @@ fn run(
                         admitted = false;
                     }
                 }
+                Action::Abandon { session } => {
+                    // Stopped before its end, keeping nothing: it runs again later.
+                    if let Some(i) = running.iter().position(|r| r.session == session) {
+                        let r = running.remove(i);
+                        done_work -= r.counted;
+                        abandoned += 1;
+                        core.handle(at(now), Event::IterationAbandoned(session))?;
+                        abandon_events = true;
+                    }
+                }
                 Action::Reject { reason, .. } => {
                     return Err(SimError::Stalled {
                         at_s: now,
@@ -382,7 +400,11 @@ fn run(
                 Action::Queue { .. } | Action::MoveLane { .. } => {}
             }
         }
-        if offline.is_none() && with_offline && now < SPAN_S && next_job < jobs.len() {
+        if abandon_events
+            || (offline.is_none() && with_offline && now < SPAN_S && next_job < jobs.len())
+        {
+            // The core has more to say (a lane freed by an abandoned iteration), or the
+            // next offline job opens now.
             continue;
         }
         // The next event.
@@ -416,9 +438,10 @@ fn run(
             }
             sm += width * demand.min(1.0);
             let mut any_offline = false;
-            for r in &running {
+            for r in &mut running {
                 if r.session != online {
                     done_work += width * rate * r.speed;
+                    r.counted += width * rate * r.speed;
                     any_offline = true;
                 }
             }
@@ -531,6 +554,7 @@ fn run(
         utilization_gain: 1.0,
         sm_activity: sm / SPAN_S,
         offline_suspensions: suspensions,
+        offline_abandoned: abandoned,
         health: {
             let total: f64 = health.values().sum();
             health
