@@ -3,12 +3,14 @@
 # GPU machine). Two halves:
 #
 #   ./scripts/gpu-check.sh prepare   # here: build the release test binaries (cuda, cudnn,
-#                                    # ops; scripts/gpu/cudnn.sh runs the cuDNN checks), the replay
+#                                    # ops, half_ops; scripts/gpu/cudnn.sh runs the cuDNN checks), the replay
 #                                    # example, salusd, salusctl and salus-bench into .gpu/
 #   ./scripts/gpu-check.sh run       # there, from the repository root (.gpu/ carried
 #                                    # along): CUDA tests, every op test on the GPU, salusd
 #                                    # on the GPU, 10-step parity of the four target models
-#                                    # with PyTorch on the same GPU (TF32 off), the bench
+#                                    # with PyTorch on the same GPU (TF32 off), mixed
+#                                    # precision (tests/test_amp.py) through salusd on the
+#                                    # GPU against CPU eager autocast, the bench
 #   ./scripts/gpu-check.sh run --no-bench   # the same without the bench (a correctness
 #                                    # check that fits a short lease)
 #
@@ -22,7 +24,8 @@ prepare)
     set -e
     mkdir -p .gpu
     grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-    bins=$(cargo test --release --locked -p salus-testkit --test cuda --test cudnn --test ops --no-run \
+    bins=$(cargo test --release --locked -p salus-testkit --test cuda --test cudnn --test ops \
+        --test half_ops --no-run \
         --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -48,6 +51,9 @@ run)
     echo "== every op test on the GPU"
     SALUS_TEST_DEVICE=cuda timeout 100 .gpu/ops --test-threads=4 > "$out/ops.log" 2>&1
     echo "rc=$?"; grep -E "test result|panicked at" "$out/ops.log"
+    echo "== every op the autocast-traced models run in f16 and bf16, on the GPU"
+    SALUS_TEST_DEVICE=cuda timeout 100 .gpu/half_ops --test-threads=4 > "$out/half_ops.log" 2>&1
+    echo "rc=$?"; grep -E "test result|panicked at" "$out/half_ops.log"
     echo "== salusd --device cuda:0"
     .gpu/salusd --socket /tmp/salus-gpu-check.sock --memory 8GiB > "$out/salusd.log" 2>&1 &
     for _ in $(seq 100); do [ -S /tmp/salus-gpu-check.sock ] && break; sleep 0.1; done
@@ -65,6 +71,14 @@ reference.main(['/tmp/salus-gpu-ref', '--steps', '10', '--device', 'cuda'])" > "
             > "$out/$m.json" 2> "$out/$m.err" || echo "$m failed: $(tail -1 "$out/$m.err")"
     done
     python3 benches/gpu_parity.py /tmp/salus-gpu-ref "$out"
+    echo "== mixed precision through salusd on the GPU (tests/test_amp.py; needs pytest)"
+    if python3 -c "import pytest" 2>/dev/null; then
+        SALUSD=.gpu/salusd timeout 400 python3 -m pytest adaptors/python/tests/test_amp.py -q \
+            > "$out/amp.log" 2>&1
+        echo "rc=$?"; tail -5 "$out/amp.log"
+    else
+        echo "skipped: pytest is not installed"
+    fi
     [ "${2:-}" = "--no-bench" ] && exit 0
     echo "== salus-bench cuda"
     SALUS_PYTHON=python3 timeout 300 .gpu/salus-bench cuda --json --dir /tmp/salus-gpu-bench \

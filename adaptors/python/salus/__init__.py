@@ -5,6 +5,7 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``):
 
 - :mod:`salus.trace`: ``trace_train_step`` / ``trace_inference`` -> :class:`TracedStep`;
 - :mod:`salus.optim`: SGD, Adam and AdamW updates as functional tensor math;
+- :mod:`salus.amp`: autocast while tracing, ``torch.amp.GradScaler`` as session state;
 - :mod:`salus.lower`: FX graph -> ``salus.v1.Graph``;
 - :mod:`salus.models`: the target models and their example batches;
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
@@ -18,7 +19,8 @@ stubs do not accept).
 
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      LoweringError, SalusError, SessionClosedError, SessionResumedError,
-                     TraceError, UnsupportedOpError, UnsupportedOptimizerError)
+                     TraceError, UnsupportedMixedPrecisionError, UnsupportedOpError,
+                     UnsupportedOptimizerError)
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 
@@ -42,6 +44,7 @@ __all__ = [
     "SessionResumedError",
     "TraceError",
     "TracedStep",
+    "UnsupportedMixedPrecisionError",
     "UnsupportedOpError",
     "UnsupportedOptimizerError",
     "trace_inference",

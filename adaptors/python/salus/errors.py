@@ -25,6 +25,10 @@ class UnsupportedOptimizerError(SalusError):
     """The optimizer, or one of its options, has no functional equivalent here."""
 
 
+class UnsupportedMixedPrecisionError(TraceError):
+    """An autocast setting or a GradScaler (or one of its options) salus cannot follow."""
+
+
 @dataclass(frozen=True)
 class MissingOp:
     """One node whose op the IR does not have."""

@@ -360,7 +360,14 @@ class TrainSession(_SalusSession):
     run in turn, accumulating the gradients of ``loss / k`` (memory for one
     micro-batch's activations); ``clip_grad_norm`` (with ``norm_type``) or
     ``clip_grad_value`` clip the gradients as ``torch.nn.utils.clip_grad_norm_`` /
-    ``clip_grad_value_`` do. ``admission_timeout`` (seconds): wait at most that long for
+    ``clip_grad_value_`` do.
+
+    Mixed precision: ``autocast=torch.bfloat16`` (or ``torch.float16``) runs the forward
+    and the loss under ``torch.autocast("cpu", dtype=...)`` (a ``loss_of`` may enter it
+    itself instead); parameters and optimizer state stay float32. ``scaler``: a
+    ``torch.amp.GradScaler`` whose dynamic loss scaling each step follows, its scale and
+    growth tracker session state (``scaler.scale``, ``scaler.growth_tracker``;
+    :mod:`salus.amp`). ``admission_timeout`` (seconds): wait at most that long for
     admission, then raise
     :class:`~salus.errors.AdmissionTimeoutError` naming why the session waits; ``None``
     does not wait (iterations queue until the session is admitted).
@@ -391,15 +398,19 @@ class TrainSession(_SalusSession):
                  name: str = "", priority: int = 0, total_iterations: int = 0,
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
                  tracing_mode: str = "real", feed_buffer: bool | None = None,
-                 reattach_timeout: float = 60.0, offline: bool = False, slo_ms: float = 0.0):
+                 reattach_timeout: float = 60.0, autocast: torch.dtype | None = None,
+                 scaler: "torch.amp.GradScaler | None" = None, offline: bool = False,
+                 slo_ms: float = 0.0):
         started = time.perf_counter()
         self.model = model
         self.optimizer = optimizer
+        self.scaler = scaler
         gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
         self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
-        self._tracing_mode = tracing_mode
+        self._tracing_mode, self._autocast = tracing_mode, autocast
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
-                                  gradients=gradients, tracing_mode=tracing_mode)
+                                  gradients=gradients, tracing_mode=tracing_mode,
+                                  autocast=autocast, scaler=scaler)
         self._open(traced, client=client, address=address,
                    name=name or _default_name(type(model).__name__), priority=priority,
                    total_iterations=total_iterations,
@@ -428,9 +439,12 @@ class TrainSession(_SalusSession):
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_train_step(self.model, self._loss_fn, self.optimizer, batch,
                                 loss_of=self._loss_of, gradients=self._gradients,
-                                tracing_mode=self._tracing_mode)
+                                tracing_mode=self._tracing_mode, autocast=self._autocast,
+                                scaler=self.scaler)
 
     def _iteration(self, batch: Sequence[Any], what: str):
+        if self.traced.scaler is not None:
+            self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
@@ -482,8 +496,9 @@ class TrainSession(_SalusSession):
                      optimizer: bool = True) -> torch.nn.Module:
         """Copies parameters and buffers from salusd into the model in place and, with
         ``optimizer`` (when ``model`` is the session's own), the optimizer's state
-        (momentum buffers; Adam's moments and step) into the torch optimizer, so that
-        eager training can go on where the session left off. Returns the model."""
+        (momentum buffers; Adam's moments and step) into the torch optimizer, and the
+        loss scale and growth tracker into the session's ``scaler``, so that eager
+        training can go on where the session left off. Returns the model."""
         own = model is None or model is self.model
         model = self.model if model is None else model
         values = self.state_dict()
@@ -497,6 +512,8 @@ class TrainSession(_SalusSession):
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
         self.traced.rule.give_back(values, dict(self.model.named_parameters()))
+        if self.traced.scaler is not None:
+            self.traced.scaler.give_back(values)
 
     def __repr__(self) -> str:
         return (f"<salus.torch.TrainSession {type(self.model).__name__} session {self.id}, "
@@ -508,8 +525,9 @@ class InferenceSession(_SalusSession):
 
     Traced in eval mode (``eval_mode=False`` keeps the model's own mode) with
     ``example_inputs`` (a tensor or a tuple), whose shapes and dtypes are fixed; outputs
-    have the structure the model returns (a tensor, a tuple, a dict). Other arguments as
-    :class:`TrainSession`.
+    have the structure the model returns (a tensor, a tuple, a dict), in the dtypes the
+    forward gives them (under ``autocast=torch.bfloat16``, a linear head's are bf16).
+    Other arguments as :class:`TrainSession`.
     """
 
     kind = "inference"
@@ -521,12 +539,14 @@ class InferenceSession(_SalusSession):
                  expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
                  eval_mode: bool = True, tracing_mode: str = "real",
                  feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
-                 offline: bool = False, slo_ms: float = 0.0):
+                 autocast: torch.dtype | None = None, offline: bool = False,
+                 slo_ms: float = 0.0):
         started = time.perf_counter()
         self.model = model
         self._eval_mode, self._tracing_mode = eval_mode, tracing_mode
+        self._autocast = autocast
         traced = trace_inference(model, example_inputs, eval_mode=eval_mode,
-                                 tracing_mode=tracing_mode)
+                                 tracing_mode=tracing_mode, autocast=autocast)
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{type(model).__name__} (inference)"),
                    priority=priority,
@@ -538,7 +558,7 @@ class InferenceSession(_SalusSession):
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         return trace_inference(self.model, batch, eval_mode=self._eval_mode,
-                               tracing_mode=self._tracing_mode)
+                               tracing_mode=self._tracing_mode, autocast=self._autocast)
 
     def __call__(self, *inputs: torch.Tensor):
         """The model's output for ``inputs``, computed on salusd. Inputs of other shapes

@@ -15,7 +15,10 @@ removed and every op decomposed to Core ATen, as an FX graph:
   decomposition gives wrong gradients);
 - every module's ``inplace`` flag is off while tracing, and dead code is removed after;
 - forward hooks (and autograd pre-hooks for the backward) record which module each node
-  comes from, for error messages and ``Node.source``.
+  comes from, for error messages and ``Node.source``;
+- under CPU autocast (``autocast=``, or the user's own block in ``loss_of``) the casts
+  autocast inserts are recorded like any op, and a ``torch.amp.GradScaler``'s loss scaling
+  becomes part of the step (:mod:`salus.amp`).
 
 A forward pass (:func:`trace_inference`) is recorded the same way, under ``vjp`` so that
 modules updating buffers are functionalized as in a training step.
@@ -46,6 +49,8 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import amp
+from .amp import FunctionalScaler
 from .errors import TraceError
 from .lower import MODULE_META, graph_ops, lower
 from .optim import FunctionalOptimizer, functional_optimizer
@@ -118,6 +123,11 @@ class TracedStep:
     # The optimizer's update rule (a training step): what the session asks for the
     # hyperparameters before each step and how state goes back to the torch optimizer.
     rule: FunctionalOptimizer | None = field(default=None, repr=False)
+    # The GradScaler's loss scaling (a training step with a scaler): checked before each
+    # step, its state given back to the torch scaler.
+    scaler: FunctionalScaler | None = field(default=None, repr=False)
+    # The dtype the forward was traced under CPU autocast with (None: none).
+    autocast: torch.dtype | None = None
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
     # The structure of a batch (a training step): feeds are its leaves, in pytree order.
     batch_spec: pytree.TreeSpec | None = field(default=None, repr=False)
@@ -410,7 +420,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
     with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
-          sdpa_kernel(SDPBackend.MATH)):
+          sdpa_kernel(SDPBackend.MATH), amp.tracing()):
         gm = traced(*args)
     _drop_layouts(gm)
     gm.graph.eliminate_dead_code()
@@ -677,9 +687,17 @@ def trace_train_step(model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, example_batch: Sequence[Any],
                      *, loss_of: Callable[..., torch.Tensor] | None = None,
                      gradients: GradientRecipe = GradientRecipe(),
-                     tracing_mode: str = "real") -> TracedStep:
+                     tracing_mode: str = "real", autocast: torch.dtype | None = None,
+                     scaler: "torch.amp.GradScaler | None" = None) -> TracedStep:
     """Traces one training iteration: forward and loss, backward, what ``gradients``
     says (accumulation, clipping), and ``optimizer``'s update.
+
+    ``autocast`` (torch.bfloat16 or torch.float16): the forward and the loss run under
+    ``torch.autocast("cpu", dtype=autocast)``, as a mixed-precision loop writes them; a
+    ``loss_of`` may also enter CPU autocast itself. ``scaler``: a
+    ``torch.amp.GradScaler`` whose dynamic loss scaling the step follows (the loss
+    scaled before the backward, gradients unscaled and checked before clipping, the
+    update skipped on inf/NaN, the scale updated; :mod:`salus.amp`).
 
     The loss is ``loss_fn(model(*inputs), target)`` with ``example_batch = (inputs...,
     target)``; or, with ``loss_fn=None``, ``loss_of(model, *example_batch)`` for any
@@ -701,30 +719,36 @@ def trace_train_step(model: torch.nn.Module,
         if not isinstance(leaf, torch.Tensor):
             raise TraceError(f"batch element {index} is a {type(leaf).__name__}, not a "
                              "tensor: a batch holds tensors (in tuples, lists or dicts)")
+    autocast = amp.autocast_dtype(autocast)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     opt = functional_optimizer(optimizer, params)
-    opt_state = {**opt.initial_state(), **opt.hyperparameters()}
+    scaling = FunctionalScaler.of(scaler, {n: params[n] for n in opt.params})
+    opt_state = {**opt.initial_state(), **opt.hyperparameters(),
+                 **(scaling.initial_state() if scaling else {})}
     opt_names = opt.state_names()
     hyper_names = opt.hyper_names()
+    scaler_names = scaling.state_names() if scaling else []
     frozen = {n: t for n, t in params.items() if n not in opt.params}
 
     inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
               + [InputSlot(n, STATE, "buffer") for n in buffers]
               + [InputSlot(n, STATE, "optimizer") for n in opt_names]
               + [InputSlot(n, STATE, HYPERPARAMETER) for n in hyper_names]
+              + [InputSlot(n, STATE, "scaler") for n in scaler_names]
               + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(leaves))])
     outputs = ([OutputSlot("update", s.name) for s in inputs
                 if s.role != FEED and s.group != HYPERPARAMETER]
                + [OutputSlot("loss", "loss")])
-    counts = (len(params), len(buffers), len(opt_names) + len(hyper_names))
+    counts = (len(params), len(buffers), len(opt_names) + len(hyper_names) + len(scaler_names))
     loss_name = loss_fn if loss_fn is not None else loss_of
     loss_scope = Scope("loss", getattr(loss_name, "__name__", type(loss_name).__name__))
     optimizer_scope = Scope("optimizer", type(optimizer).__name__)
     k = gradients.accumulate
 
     def step(*flat):
-        p, b, o, data = _split(flat, counts, (params, buffers, opt_names + hyper_names))
+        p, b, o, data = _split(flat, counts,
+                               (params, buffers, opt_names + hyper_names + scaler_names))
         trained = {n: p[n] for n in opt.params}
         fixed = {n: p[n] for n in frozen}
         micro = gradients.micro_batches(pytree.tree_unflatten(list(data), batch_spec),
@@ -734,37 +758,49 @@ def trace_train_step(model: torch.nn.Module,
             def loss_and_buffers(trained_params, part=part, current=current):
                 new_buffers = {n: t.clone() for n, t in current.items()}
                 state = (trained_params, fixed, new_buffers)
-                if loss_fn is not None:
-                    *xs, target = part
-                    out = torch.func.functional_call(model, state, tuple(xs))
-                    _ModuleScopes.label(loss_scope)
-                    loss = loss_fn(out, target)
-                else:
-                    with _functional_model(model, state):
-                        loss = loss_of(model, *part)
-                    _ModuleScopes.label(loss_scope)
+                with amp.autocast(autocast):
+                    if loss_fn is not None:
+                        *xs, target = part
+                        out = torch.func.functional_call(model, state, tuple(xs))
+                        _ModuleScopes.label(loss_scope)
+                        loss = loss_fn(out, target)
+                    else:
+                        with _functional_model(model, state):
+                            loss = loss_of(model, *part)
+                        _ModuleScopes.label(loss_scope)
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise TraceError(f"{'loss_fn' if loss_fn else 'loss_of'} must return a "
                                      "scalar (0-dim) tensor")
-                return (loss / k if k > 1 else loss), (loss, new_buffers)
+                objective = loss / k if k > 1 else loss
+                if scaling is not None:
+                    objective = scaling.scale(objective, o)
+                return objective, (loss, new_buffers)
 
             grads, (loss, current) = torch.func.grad(loss_and_buffers, has_aux=True)(trained)
             total = grads if total is None else {n: total[n] + grads[n] for n in total}
             losses.append(loss)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         _ModuleScopes.label(optimizer_scope)
+        new_scaler = {}
+        if scaling is not None:
+            total, found_inf = scaling.unscale(total, o)
         new_trained, new_opt = opt.update(trained, gradients.treat(total), o)
+        if scaling is not None:
+            new_trained = scaling.skip(found_inf, trained, new_trained)
+            new_opt = scaling.skip(found_inf, o, new_opt)
+            new_scaler = scaling.update(found_inf, o)
         _ModuleScopes.label(OUTSIDE)  # tags the update's nodes
         return (*[new_trained.get(n, p[n]) for n in params],
                 *[current[n] for n in buffers],
-                *[new_opt[n] for n in opt_names], loss)
+                *[new_opt[n] for n in opt_names],
+                *[new_scaler[n] for n in scaler_names], loss)
 
     initial = {**_detached(params), **_detached(buffers), **opt_state}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
-                      rule=opt, batch_spec=batch_spec)
+                      rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast)
 
 
 @contextlib.contextmanager
@@ -782,14 +818,17 @@ def _functional_model(model: torch.nn.Module, state: tuple) -> Iterator[None]:
 
 
 def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,
-                    *, eval_mode: bool = True, tracing_mode: str = "real") -> TracedStep:
-    """Traces the forward pass ``model(*example_inputs)``.
+                    *, eval_mode: bool = True, tracing_mode: str = "real",
+                    autocast: torch.dtype | None = None) -> TracedStep:
+    """Traces the forward pass ``model(*example_inputs)`` (under
+    ``torch.autocast("cpu", dtype=autocast)`` when ``autocast`` is given).
 
     With ``eval_mode`` (the default) the model is traced as after ``model.eval()``; its
     train/eval flags are restored afterwards. Buffers are state; the outputs (flattened
     in pytree order) are fetches named ``output.<i>``.
     """
     xs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    autocast = amp.autocast_dtype(autocast)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
@@ -803,7 +842,8 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
 
         def run_model(params_):
             new_buffers = {n: t.clone() for n, t in b.items()}
-            out = torch.func.functional_call(model, (params_, new_buffers), tuple(data))
+            with amp.autocast(autocast):
+                out = torch.func.functional_call(model, (params_, new_buffers), tuple(data))
             return torch.zeros(()), (out, new_buffers)
 
         # The forward runs under a grad transform, as in a training step, so a module
@@ -822,7 +862,8 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     outputs = ([OutputSlot("update", n) for n in buffers]
                + [OutputSlot("output", f"output.{i}") for i in range(n_out)])
     _thread_generator(gm, inputs, outputs, initial)
-    return TracedStep("inference", gm, inputs, outputs, initial, output_spec=spec_box[0])
+    return TracedStep("inference", gm, inputs, outputs, initial, output_spec=spec_box[0],
+                      autocast=autocast)
 
 
 def _split(flat, counts, names):

@@ -37,6 +37,18 @@ def test_train_and_serve_examples_match_pytorch():
         assert salus_error <= tolerance(torch_error, scale), out
 
 
+def test_train_example_under_autocast_is_as_exact_as_eager_autocast():
+    """`--amp f16`: float16 autocast with a GradScaler, PyTorch's run being eager
+    autocast's."""
+    with Daemon() as daemon:
+        out = run_example(daemon, "examples/torch_train.py", "--steps", "8", "--compare",
+                          "--amp", "f16")
+    salus_error, torch_error, scale = map(float, re.search(
+        r"against float64: salus (\S+), pytorch autocast f16 (\S+) \(largest parameter "
+        r"(\S+)\)", out).groups())
+    assert salus_error <= tolerance(torch_error, scale), out
+
+
 def test_share_gpu_runs_four_jobs_at_once():
     with Daemon("--policy", "fair") as daemon:
         out = run_example(daemon, "examples/share_gpu.py", "--steps", "24")

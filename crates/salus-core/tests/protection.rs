@@ -325,7 +325,11 @@ fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
     d.now += Duration::from_secs(11);
     let a = d.submit(2);
     assert_eq!(share(&a), Some(1.0), "{a:?}");
-    // An online iteration always has the whole device.
+    // An online iteration beside a running offline one gets the rest of the device; with
+    // none running, all of it.
+    assert_eq!(share(&d.submit(1)), Some(0.5));
+    run(&mut d, 2, 10);
+    run(&mut d, 1, 10);
     assert_eq!(share(&d.submit(1)), Some(1.0));
 }
 

@@ -956,8 +956,24 @@ impl ScratchSizer for CudaDevice {
         if partials > 0 {
             return partials;
         }
+        if widened_conv(graph, node, params) {
+            return 0; // this device's direct kernels run it (`lower::conv`), with no scratch
+        }
         PortableScratch.scratch_bytes(graph, node, params)
     }
+}
+
+/// A 16-bit convolution the portable planner gives scratch to widen it to f32 (for the
+/// CPU's f32 kernel; `salus_graph::plan::widened_conv_bytes`).
+fn widened_conv(graph: &Graph, node: usize, params: &OpParams) -> bool {
+    let node = &graph.nodes[node];
+    let Some(conv) = params.conv() else {
+        return false;
+    };
+    let ty = |id: &Option<usize>| id.map(|id| &graph.tensors[id].ty);
+    let inputs: Vec<_> = node.inputs.iter().map(ty).collect();
+    let outputs: Vec<_> = node.outputs.iter().map(ty).collect();
+    salus_graph::plan::widened_conv_bytes(node.op, conv, &inputs, &outputs).is_some()
 }
 
 #[cfg(test)]

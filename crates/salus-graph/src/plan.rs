@@ -303,52 +303,80 @@ pub const CONV_SLOTS: u64 = 4;
 /// - `convolution` (f32): per slot, one image and group unfolded, `k x l` f32 (none when
 ///   direct), `k`, `l` and `direct` as [`crate::ConvParams::unfold_2d`] gives them;
 /// - `convolution_backward` (f32): per slot, that, the gradient of the unfolded input
-///   (`2 k l` f32, none when direct) and a partial weight gradient (`c_out k` f32).
+///   (`2 k l` f32, none when direct) and a partial weight gradient (`c_out k` f32);
+/// - either over f16 or bf16 (every operand and result of one 16-bit type): its operands
+///   and results widened to f32 and the f32 kernel's scratch ([`widened_conv_bytes`]).
 pub fn scratch_bytes(graph: &Graph, node: &Node, params: &OpParams) -> u64 {
-    let ty = |k: usize| {
-        node.inputs
-            .get(k)
-            .copied()
-            .flatten()
-            .map(|id| &graph.tensors[id].ty)
-    };
-    let f32_only =
-        |tys: &[Option<&TensorType>]| tys.iter().all(|t| t.is_some_and(|t| t.dtype == DType::F32));
     let Some(conv) = params.conv() else {
         return 0;
     };
-    match node.op {
-        Op::Convolution => {
-            let (Some(x), Some(w)) = (ty(0), ty(1)) else {
-                return 0;
-            };
-            if node.outputs.first().copied().flatten().is_none() || !f32_only(&[Some(x), Some(w)]) {
-                return 0;
-            }
-            let slots = conv.batch.min(CONV_SLOTS);
-            match conv.unfold_2d() {
-                Some((k, l, false)) => slots * k * l * 4,
-                _ => 0,
-            }
-        }
-        Op::ConvolutionBackward => {
-            let (Some(g), Some(x), Some(w)) = (ty(0), ty(1), ty(2)) else {
-                return 0;
-            };
-            if !f32_only(&[Some(g), Some(x), Some(w)]) {
-                return 0;
-            }
-            let slots = conv.batch.min(CONV_SLOTS);
-            match conv.unfold_2d() {
-                Some((k, l, direct)) => {
-                    let unfold = if direct { 0 } else { 2 * k * l };
-                    slots * (unfold + w.shape[0] * k) * 4
-                }
-                None => 0,
-            }
+    if !matches!(node.op, Op::Convolution | Op::ConvolutionBackward) {
+        return 0;
+    }
+    let ty = |id: Option<TensorId>| id.map(|id| &graph.tensors[id].ty);
+    let inputs: Vec<Option<&TensorType>> = node.inputs.iter().map(|&i| ty(i)).collect();
+    let outputs: Vec<Option<&TensorType>> = node.outputs.iter().map(|&o| ty(o)).collect();
+    if let Some(bytes) = widened_conv_bytes(node.op, conv, &inputs, &outputs) {
+        return bytes;
+    }
+    let f32_only = |tys: &[Option<&TensorType>]| {
+        !tys.is_empty() && tys.iter().all(|t| t.is_some_and(|t| t.dtype == DType::F32))
+    };
+    let operands = if node.op == Op::Convolution { 2 } else { 3 };
+    if inputs.len() < operands || !f32_only(&inputs[..operands]) {
+        return 0;
+    }
+    if node.op == Op::Convolution && outputs.first().copied().flatten().is_none() {
+        return 0;
+    }
+    let weight_rows = inputs[operands - 1].map_or(0, |w| w.shape[0]);
+    conv_f32_scratch_bytes(node.op, conv, weight_rows)
+}
+
+/// The f32 kernel's scratch of a 2-d convolution or its backward (see [`scratch_bytes`]);
+/// `weight_rows` is the weight's first dimension.
+fn conv_f32_scratch_bytes(op: Op, conv: &crate::ConvParams, weight_rows: u64) -> u64 {
+    let slots = conv.batch.min(CONV_SLOTS);
+    match (op, conv.unfold_2d()) {
+        (Op::Convolution, Some((k, l, false))) => slots * k * l * 4,
+        (Op::ConvolutionBackward, Some((k, l, direct))) => {
+            let unfold = if direct { 0 } else { 2 * k * l };
+            slots * (unfold + weight_rows * k) * 4
         }
         _ => 0,
     }
+}
+
+/// The scratch of a 2-d, not transposed `convolution` or `convolution_backward` whose
+/// operands (`inputs`, absent ones `None`) and used results (`outputs`) are all of one
+/// 16-bit type, which the CPU device runs with its f32 kernel: each present input, then
+/// each used output, widened to f32 one after another (`4 * numel` bytes each), then the
+/// f32 kernel's own scratch. `None` for any other node (a batch of 0 included).
+pub fn widened_conv_bytes(
+    op: Op,
+    conv: &crate::ConvParams,
+    inputs: &[Option<&TensorType>],
+    outputs: &[Option<&TensorType>],
+) -> Option<u64> {
+    if !matches!(op, Op::Convolution | Op::ConvolutionBackward)
+        || conv.unfold_2d().is_none()
+        || conv.batch == 0
+    {
+        return None;
+    }
+    let present: Vec<&TensorType> = inputs.iter().chain(outputs).flatten().copied().collect();
+    let dtype = present.first()?.dtype;
+    if !matches!(dtype, DType::F16 | DType::Bf16) || present.iter().any(|t| t.dtype != dtype) {
+        return None;
+    }
+    let weight = inputs
+        .get(if op == Op::Convolution { 1 } else { 2 })?
+        .as_ref()?;
+    let widened = present
+        .iter()
+        .map(|t| t.numel().and_then(|n| n.checked_mul(4)))
+        .sum::<Option<u64>>()?;
+    Some(widened + conv_f32_scratch_bytes(op, conv, weight.shape[0]))
 }
 
 /// The most bytes live at any one step.

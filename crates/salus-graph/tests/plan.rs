@@ -207,9 +207,14 @@ proptest! {
 
 /// A 2-d f32 convolution (3x3 kernel, not pointwise) and its backward.
 fn conv_net() -> Graph {
+    conv_net_of(DType::F32)
+}
+
+/// [`conv_net`] over `dtype`.
+fn conv_net_of(dtype: DType) -> Graph {
     let mut g = Builder::default();
-    let x = g.f32("x", &[8, 3, 16, 16], Role::Feed);
-    let w = g.f32("w", &[4, 3, 3, 3], Role::Parameter);
+    let x = g.tensor("x", dtype, &[8, 3, 16, 16], Role::Feed);
+    let w = g.tensor("w", dtype, &[4, 3, 3, 3], Role::Parameter);
     let attrs = [
         ("stride", Attr::Ints(vec![1, 1])),
         ("padding", Attr::Ints(vec![1, 1])),
@@ -221,7 +226,7 @@ fn conv_net() -> Graph {
     let y = g.node(
         Op::Convolution,
         &[Some(x), Some(w), None],
-        &[(DType::F32, &[8, 4, 16, 16])],
+        &[(dtype, &[8, 4, 16, 16])],
         &attrs,
     )[0];
     let mut back = attrs.to_vec();
@@ -230,7 +235,7 @@ fn conv_net() -> Graph {
     let grads = g.node(
         Op::ConvolutionBackward,
         &[Some(y), Some(x), Some(w)],
-        &[(DType::F32, &[8, 3, 16, 16]), (DType::F32, &[4, 3, 3, 3])],
+        &[(dtype, &[8, 3, 16, 16]), (dtype, &[4, 3, 3, 3])],
         &back,
     );
     g.graph.nodes[1].outputs.push(None); // no bias gradient
@@ -257,6 +262,23 @@ fn the_portable_scratch_is_what_plain_planning_gives() {
     let backward = 4 * (2 * k * l + 4 * k) * 4;
     assert_eq!(plain.scratch(1).unwrap().1, backward.div_ceil(256) * 256);
     assert_eq!(plain.scratch_bytes, backward.div_ceil(256) * 256);
+}
+
+#[test]
+fn a_16_bit_convolution_plans_its_operands_widened_to_f32() {
+    // The CPU runs it with the f32 kernel: each input and used output in f32, then the
+    // f32 kernel's own scratch (as in `the_portable_scratch_is_what_plain_planning_gives`).
+    let (k, l) = (27u64, 256u64);
+    let (x, w, y) = (8 * 3 * 16 * 16u64, 4 * 27u64, 8 * 4 * 16 * 16u64);
+    let round = |b: u64| b.div_ceil(256) * 256;
+    for dtype in [DType::F16, DType::Bf16] {
+        let plan = check(&conv_net_of(dtype), &Limits::default()).unwrap().plan;
+        let forward = 4 * (x + w + y) + 4 * k * l * 4;
+        assert_eq!(plan.scratch(0).unwrap().1, round(forward), "{dtype}");
+        // Inputs (gradient, x, w), then the two gradients asked for.
+        let backward = 4 * (y + x + w + x + w) + 4 * (2 * k * l + 4 * k) * 4;
+        assert_eq!(plan.scratch(1).unwrap().1, round(backward), "{dtype}");
+    }
 }
 
 #[test]

@@ -261,12 +261,21 @@ impl Scheduler {
         Some(self.protect.config.clock_factor(clock, highest))
     }
 
-    /// The share of the device's compute an iteration of `id` may use now.
+    /// The share of the device's compute an iteration of `id` may use now: while online
+    /// sessions are active an offline iteration gets the offline share, and an online
+    /// iteration that starts while offline ones run gets the rest, so that the two never
+    /// ask for more than the device (on the cpu device, more threads than cores).
     pub(super) fn compute_share(&self, id: SessionId) -> f64 {
-        if self.protecting() && self.class_of(id) == SessionClass::Offline && self.online_active() {
-            self.protect.config.offline_compute_share
-        } else {
-            1.0
+        if !self.protecting() {
+            return 1.0;
+        }
+        let offline = self.protect.config.offline_compute_share;
+        match self.class_of(id) {
+            SessionClass::Offline if self.online_active() => offline,
+            SessionClass::Online if self.protect.offline_running > 0 && offline < 1.0 => {
+                1.0 - offline
+            }
+            _ => 1.0,
         }
     }
 

@@ -7,8 +7,10 @@
 //! maxima, variance, `any`, softmax, `cumsum`), `matmul`, `conv`, `pool`, `pad` (constant
 //! and reflection padding), `norm` (layer and group norm, the softmax backwards), `shape`
 //! (views, permutes, expands, flips, concatenation, splits), `index` (slicing, gathers,
-//! scatters, embeddings, advanced indexing, `index_put`) and `random`. f16 and bf16 are
-//! loaded and stored through f32.
+//! scatters, embeddings, advanced indexing, `index_put`) and `random`; 16-bit 2-d
+//! convolutions go through the f32 kernel (`widened`). f16 and bf16 are
+//! loaded and stored through f32: a result is rounded to f32, then to the half type
+//! (round to nearest even), as PyTorch's CPU kernels round what they compute in f32.
 //!
 //! Kernels read a node's typed parameters ([`OpParams`], from `Program::params`), which
 //! validation checked and normalised once: dimensions are in range, defaults filled in,
@@ -27,6 +29,7 @@ mod pool;
 mod random;
 mod reduce;
 mod shape;
+mod widened;
 
 use elementwise::{elementwise, erf};
 
@@ -73,10 +76,13 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
         DType::I64 => bytes[i * 8..(i + 1) * 8].copy_from_slice(&(v as i64).to_le_bytes()),
         DType::I32 => bytes[i * 4..(i + 1) * 4].copy_from_slice(&(v as i32).to_le_bytes()),
         DType::Bool => bytes[i] = u8::from(v != 0.0),
+        // PyTorch computes half-precision ops in f32 and rounds that f32 result to
+        // nearest even; rounding the f64 value directly would differ where the f32
+        // result lands exactly halfway between two half-precision values.
         DType::F16 => bytes[i * 2..(i + 1) * 2]
-            .copy_from_slice(&half::f16::from_f64(v).to_bits().to_le_bytes()),
+            .copy_from_slice(&half::f16::from_f32(v as f32).to_bits().to_le_bytes()),
         DType::Bf16 => bytes[i * 2..(i + 1) * 2]
-            .copy_from_slice(&half::bf16::from_f64(v).to_bits().to_le_bytes()),
+            .copy_from_slice(&half::bf16::from_f32(v as f32).to_bits().to_le_bytes()),
     }
 }
 
@@ -209,8 +215,14 @@ pub(crate) fn run(
     scratch: &mut [u8],
 ) -> Result<()> {
     use Op::*;
-    // Typed f32 kernels first; the generic paths below cover every other case.
+    // Typed f32 kernels first (16-bit convolutions widened to f32 for them); the generic
+    // paths below cover every other case.
     if let Some(done) = fast::run(node.op, params, args, outs, scratch) {
+        return done;
+    }
+    if matches!(node.op, Convolution | ConvolutionBackward)
+        && let Some(done) = widened::run(node.op, params, args, outs, scratch)
+    {
         return done;
     }
     // Ops with several results fill whichever of them are used.

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use salus_cpu::CpuDevice;
 use salus_cuda::{CudaDevice, CudaOptions};
 use salus_exec::{Device, Placement, Program};
-use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, Tensor, TensorType};
+use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, ScratchSizer, Tensor, TensorType};
 
 thread_local! {
     static RECORD: RefCell<Option<BTreeSet<Op>>> = const { RefCell::new(None) };
@@ -267,6 +267,16 @@ impl Case {
         }
         let feeds: Vec<&[f64]> = self.input_values().iter().map(|v| &v.data[..]).collect();
         session.run(&feeds)
+    }
+
+    /// Runs on a CPU device of its own, planned with each node's scratch as `sizer` gives
+    /// it (another device's planning: a kernel must cope with less scratch than its own).
+    pub fn run_planned_with(&self, sizer: &dyn ScratchSizer) -> Vec<Vec<f64>> {
+        let mut session = self.try_session_cpu().unwrap_or_else(|e| panic!("{e}"));
+        session.program = Program::with_scratch(self.graph(), &Limits::default(), sizer)
+            .unwrap_or_else(|e| panic!("{}: invalid graph: {e}", self.op));
+        let feeds: Vec<&[f64]> = self.input_values().iter().map(|v| &v.data[..]).collect();
+        session.run(&feeds).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The op.
