@@ -12,12 +12,12 @@
 //! | time-sharing | its share `c` | always | the driver alternates time slices: twice its time |
 //! | PB-time-sharing | `c` | while no request runs | waits for the running offline kernel (up to 1 ms) when it finds the service idle |
 //! | MuxFlow | `min(c, 1 - U_on)`: dynamic SM allocation by the service's SM activity `U_on = ρ·a` at its load (MPS limit) | xCUDA: as long as `U_on + d·m <= 0.9` | processor sharing |
-//! | salus | `min(c, s)`, `s` the core's offline compute share (0.5 by default) | its protection controller's duty (`cluster.rs`: steered by the p99 against the SLO) | processor sharing |
+//! | salus | `min(c, s)`, `s` the core's offline compute share (0.5 by default) | its protection controller's duty (`cluster.rs`: steered by the p99 against the SLO) | held to `1 - s` of the device (the core's share for an online iteration beside offline ones): `max(1, a/(1 - s))` |
 //!
 //! The offline job's speed (normalized throughput, 1 = alone on an idle GPU) is then:
 //! time-sharing `1 - ρ`; PB-time-sharing `1 - ρ'` (`ρ'` the service's busy fraction
-//! with its stretched requests); MuxFlow and salus `d · (m/c) · ((1 - ρ') + ρ'/max(1,
-//! a + m))`. Each pair's true speed is that times a hidden factor (log-normal, σ 0.1)
+//! with its stretched requests); MuxFlow `d · (m/c) · ((1 - ρ') + ρ'/max(1, a + m))`;
+//! salus `d · (m/c)` (its shares never sum past the device). Each pair's true speed is that times a hidden factor (log-normal, σ 0.1)
 //! the predictor does not see: what profiled features miss.
 //!
 //! Online latency: the step's requests are sampled through a single-server FIFO queue
@@ -115,11 +115,28 @@ pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus: Salu
     }
 }
 
+/// A request of busy share `a` beside an active offline job of SM demand `m`: how much
+/// longer it takes, and the offline job's speed meanwhile (against its speed alone at
+/// `m`). Processor sharing: both slow by `max(1, a + m)`; except that salus' protection
+/// with a compute share `s < 1` also holds an online iteration that starts beside offline
+/// work to the rest of the device, `1 - s`, so the two never ask for more than the device:
+/// the request takes `max(1, a / (1 - s))` and the offline job keeps its pace.
+pub fn overlap(sharing: Sharing, a: f64, m: f64, salus: SalusGpu) -> (f64, f64) {
+    if sharing == Sharing::Salus && salus.compute_share < 1.0 {
+        ((a / (1.0 - salus.compute_share)).max(1.0), 1.0)
+    } else {
+        let total = (a + m).max(1.0);
+        (total, 1.0 / total)
+    }
+}
+
 /// One GPU's step, before sampling requests.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepModel {
     /// The service's busy fraction with offline beside it.
     pub online_busy: f64,
+    /// How much longer a request takes beside the active offline job (space sharing).
+    pub stretch: f64,
     /// The offline job's normalized throughput (without the hidden pair factor).
     pub offline_speed: f64,
     /// Fraction of the step some kernel runs (GPU utilisation).
@@ -144,6 +161,7 @@ pub fn step_model(
     let Some(c) = offline.filter(|_| sharing != Sharing::OnlineOnly) else {
         return StepModel {
             online_busy: rho,
+            stretch: 1.0,
             offline_speed: 0.0,
             gpu_busy: rho.min(1.0),
             sm_activity: (rho * a).min(1.0),
@@ -154,6 +172,7 @@ pub fn step_model(
     match sharing {
         Sharing::TimeSharing => StepModel {
             online_busy: 2.0 * rho,
+            stretch: 2.0,
             offline_speed: (1.0 - rho).max(0.0),
             gpu_busy: 1.0,
             sm_activity: (rho * a + (1.0 - rho).max(0.0) * c).min(1.0),
@@ -163,6 +182,7 @@ pub fn step_model(
             let busy = (qps * (kind.request_s + (1.0 - rho).max(0.0) * PB_KERNEL_S / 2.0)).min(1.0);
             StepModel {
                 online_busy: busy,
+                stretch: 1.0,
                 offline_speed: 1.0 - busy,
                 gpu_busy: 1.0,
                 sm_activity: (busy * a + (1.0 - busy) * c).min(1.0),
@@ -170,15 +190,16 @@ pub fn step_model(
             }
         }
         _ => {
-            let stretch = (a + s.sm).max(1.0);
+            let (stretch, offline_beside) = overlap(sharing, a, s.sm, salus);
             let busy = (rho * (1.0 + s.duty * (stretch - 1.0))).min(1.0);
             let speed = if c > 0.0 {
-                s.duty * (s.sm / c) * ((1.0 - busy) + busy / stretch)
+                s.duty * (s.sm / c) * ((1.0 - busy) + busy * offline_beside)
             } else {
                 0.0
             };
             StepModel {
                 online_busy: busy,
+                stretch,
                 offline_speed: speed.clamp(0.0, 1.0),
                 gpu_busy: 1.0 - (1.0 - busy) * (1.0 - s.duty),
                 sm_activity: (busy * (a + s.duty * s.sm).min(1.0) + (1.0 - busy) * s.duty * s.sm)
@@ -257,7 +278,7 @@ pub fn sample_requests(
     let mu = kind.request_s.ln() - sigma2 / 2.0;
     let sigma = sigma2.sqrt();
     let weight = qps * STEP_S / SAMPLED_REQUESTS as f64;
-    let stretch = (kind.busy_share + model.share.sm).max(1.0);
+    let stretch = model.stretch;
     let mut wait = 0.0f64;
     for i in 0..WARMUP_REQUESTS + SAMPLED_REQUESTS {
         let size = (mu + sigma * rng.normal(0.0, 1.0)).exp();

@@ -9,8 +9,8 @@
 //! interval (hence its SM activity at that load), and the offline job's solo compute
 //! share. For MuxFlow it is the sharing model itself ([`super::gpu`]); for salus the
 //! controller's duty is not known in advance, so it is predicted from the service's
-//! latency slack: with `X = a + min(c, s)` the stretch of a request beside the offline job
-//! (`s` the core's offline compute share) and
+//! latency slack: with `X` the stretch of a request beside the offline job
+//! (`max(1, a/(1 - s))` under the core's compute share `s`, [`super::gpu::overlap`]) and
 //! `slack = SLO / p99 alone at that rate - 1` (the p99 from the service's profile,
 //! [`LatencyProfile`]), the predicted duty is `min(1, slack / (X - 1))` (1 when `X <= 1`).
 //!
@@ -18,7 +18,7 @@
 //! controller finds its own duty, and every (GPU, job) pair has a hidden factor
 //! (log-normal, σ 0.1) the features do not explain, as a learned predictor's error.
 
-use super::gpu::{Latencies, SalusGpu, Sharing, sample_requests, step_model};
+use super::gpu::{Latencies, SalusGpu, Sharing, overlap, sample_requests, step_model};
 use super::workload::{OfflineJob, Online, QPS_RANGE, ServiceKind};
 use crate::rng::Rng;
 
@@ -76,7 +76,11 @@ impl LatencyProfile {
 
 /// salus' predicted duty for an offline job of share `c` beside `kind`, with `slack`.
 pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64, compute_share: f64) -> f64 {
-    let over = kind.busy_share + c.min(compute_share) - 1.0;
+    let salus = SalusGpu {
+        duty: 0.0,
+        compute_share,
+    };
+    let over = overlap(Sharing::Salus, kind.busy_share, c.min(compute_share), salus).0 - 1.0;
     if over <= 0.0 {
         1.0
     } else {
@@ -128,16 +132,20 @@ mod tests {
     }
 
     #[test]
-    fn salus_duty_is_full_where_the_pair_fits() {
-        // The translation service (a = 0.75) beside a job held to the core's share.
-        let k = SERVICES[2];
+    fn salus_duty_follows_the_stretch_of_a_request() {
         let s = crate::muxflow::gpu::salus_compute_share();
-        assert_eq!(salus_duty(&k, 0.2, 0.0, s), 1.0);
-        let over = k.busy_share + s.min(0.95) - 1.0;
+        assert!(s < 1.0);
+        // The recommendation service (a = 0.35) fits in the rest of the device: full duty
+        // whatever the job.
+        assert_eq!(salus_duty(&SERVICES[0], 0.95, 0.0, s), 1.0);
+        // The translation service (a = 0.75) is held to 1 - s beside any offline job.
+        let k = SERVICES[2];
+        let over = k.busy_share / (1.0 - s) - 1.0;
         assert!(over > 0.0);
-        assert!((salus_duty(&k, 0.95, over / 2.0, s) - 0.5).abs() < 1e-12);
+        assert!((salus_duty(&k, 0.2, over / 2.0, s) - 0.5).abs() < 1e-12);
         assert_eq!(salus_duty(&k, 0.95, -1.0, s), 0.0);
-        // The whole device: the job's own share counts.
-        assert!(salus_duty(&k, 0.95, 0.1, 1.0) < salus_duty(&k, 0.95, 0.1, s));
+        // With the whole device to share, processor sharing: the job's share counts.
+        assert_eq!(salus_duty(&k, 0.2, 0.0, 1.0), 1.0);
+        assert!((salus_duty(&k, 0.95, 0.35, 1.0) - 0.5).abs() < 1e-12);
     }
 }
