@@ -39,9 +39,11 @@ pub struct CpuDevice {
     /// Argument lists kept between iterations (one set per concurrent iteration), so that
     /// running a node allocates nothing.
     spare: Mutex<Vec<ArgLists>>,
-    /// Thread pools smaller than the kernels' own, by thread count, made when first
-    /// needed: an iteration given a share of the device runs on one of them.
-    shares: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>,
+    /// Thread pools smaller than the kernels' own, with their thread counts, made when
+    /// first needed: an iteration given a share of the device runs on one of them, which
+    /// no other iteration uses meanwhile (two lanes with a share each never queue behind
+    /// one another on one pool's threads).
+    shares: Mutex<Vec<SharePool>>,
 }
 
 impl CpuDevice {
@@ -54,20 +56,32 @@ impl CpuDevice {
         })
     }
 
-    /// A pool of `threads` threads, made once.
-    fn pool(&self, threads: usize) -> Option<Arc<rayon::ThreadPool>> {
+    /// A pool of `threads` threads that no iteration is using, made when none is free;
+    /// given back when the returned guard drops.
+    fn pool(&self, threads: usize) -> Option<PoolGuard<'_>> {
         let mut shares = self.shares.lock().ok()?;
-        if let Some((_, pool)) = shares.iter().find(|(n, _)| *n == threads) {
-            return Some(pool.clone());
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(move |i| format!("salus-cpu-{threads}-{i}"))
-            .build()
-            .ok()?;
-        let pool = Arc::new(pool);
-        shares.push((threads, pool.clone()));
-        Some(pool)
+        let index = match shares.iter().position(|p| p.threads == threads && !p.busy) {
+            Some(index) => index,
+            None => {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(move |i| format!("salus-cpu-{threads}-{i}"))
+                    .build()
+                    .ok()?;
+                shares.push(SharePool {
+                    threads,
+                    pool: Arc::new(pool),
+                    busy: false,
+                });
+                shares.len() - 1
+            }
+        };
+        shares[index].busy = true;
+        Some(PoolGuard {
+            device: self,
+            index,
+            pool: shares[index].pool.clone(),
+        })
     }
 
     /// Runs one iteration like [`Device::run`], recording how long each node took into
@@ -269,6 +283,31 @@ impl CpuDevice {
     }
 }
 
+/// A thread pool for iterations on a share of the device.
+struct SharePool {
+    threads: usize,
+    pool: Arc<rayon::ThreadPool>,
+    /// An iteration runs on it.
+    busy: bool,
+}
+
+/// A pool taken by one iteration; free again when dropped.
+struct PoolGuard<'a> {
+    device: &'a CpuDevice,
+    index: usize,
+    pool: Arc<rayon::ThreadPool>,
+}
+
+impl Drop for PoolGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut shares) = self.device.shares.lock()
+            && let Some(share) = shares.get_mut(self.index)
+        {
+            share.busy = false;
+        }
+    }
+}
+
 impl Device for CpuDevice {
     fn name(&self) -> String {
         "cpu".into()
@@ -310,7 +349,9 @@ impl Device for CpuDevice {
             .then(|| self.pool(threads))
             .flatten()
         {
-            Some(pool) => pool.install(|| self.iterate(program, at, feeds, None, Some(control))),
+            Some(taken) => taken
+                .pool
+                .install(|| self.iterate(program, at, feeds, None, Some(control))),
             None => self.iterate(program, at, feeds, None, Some(control)),
         }
     }
