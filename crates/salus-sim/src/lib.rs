@@ -7,11 +7,14 @@
 //! ch. 4). It must not contain scheduling or memory decisions: those belong to
 //! `salus-core`, which this crate only drives, exactly as the daemon does. Fluid's
 //! cluster experiment (`fluid`) drives `salus-fluid`'s planner across devices the same
-//! way.
+//! way. The MuxFlow experiment (`muxflow`) drives the core on one GPU with online and
+//! offline sessions; its cluster mode models MuxFlow's placement (Kuhn-Munkres matching)
+//! and per-GPU sharing here, as the systems under comparison, not as salus' decisions.
 
 pub mod catalog;
 pub mod experiments;
 pub mod fluid;
+pub mod muxflow;
 pub mod orloj;
 pub mod queue_timing;
 pub mod rng;

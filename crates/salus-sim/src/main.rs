@@ -121,6 +121,25 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
+    /// MuxFlow (issue 15): online services and offline training sharing GPUs. One GPU
+    /// through the core (salus with and without protection, time-sharing, online-only)
+    /// and a 16-GPU cluster (MuxFlow's matching, online-only, time-sharing, PB-time-sharing,
+    /// salus' protection with matching).
+    Muxflow {
+        /// Seed of the requests, loads and offline jobs.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// salus' latency target (SLO) over each service's p99 alone.
+        #[arg(long, default_value_t = salus_sim::muxflow::DEFAULT_SLO_FACTOR)]
+        slo_factor: f64,
+        /// The share of the device an offline iteration gets while online sessions are
+        /// active (the protection's offline_compute_share; default: the core's).
+        #[arg(long)]
+        compute_share: Option<f64>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// ORLOJ's priority queue timed on this machine (Fig. 4.12): insertion and query with
     /// 10 to 10,000 requests pending (wall-clock time; build with --release).
     OrlojQueue {
@@ -240,6 +259,34 @@ fn run(cli: Cli) -> Result<(), String> {
                     println!("{}", to_json(&result)?);
                 } else {
                     print_orloj(&result, &chosen);
+                }
+            }
+            Experiment::Muxflow {
+                seed,
+                slo_factor,
+                compute_share,
+                json,
+            } => {
+                if !(slo_factor >= 1.0 && slo_factor.is_finite()) {
+                    return Err(format!("--slo-factor must be at least 1, got {slo_factor}"));
+                }
+                let mut knobs = salus_sim::muxflow::Knobs {
+                    slo_factor,
+                    ..Default::default()
+                };
+                if let Some(share) = compute_share {
+                    if !(share > 0.0 && share <= 1.0) {
+                        return Err(format!("--compute-share must be in (0, 1], got {share}"));
+                    }
+                    knobs.compute_share = share;
+                }
+                let result =
+                    salus_sim::muxflow::experiment_with(seed, knobs).map_err(|e| e.to_string())?;
+                if json {
+                    println!("{}", to_json(&result)?);
+                } else {
+                    print_muxflow(&result);
+                    print_targets(&salus_sim::muxflow::targets(&result));
                 }
             }
             Experiment::OrlojQueue { seed, json } => {
@@ -647,6 +694,145 @@ fn print_orloj(result: &salus_sim::orloj::OrlojResult, cases: &[salus_sim::orloj
             miss.case, miss.slo, miss.margin, miss.against
         );
     }
+}
+
+/// `x` with `digits` decimals, or "-" when there is nothing (0).
+fn or_dash(x: f64, digits: usize) -> String {
+    if x > 0.0 && x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "-".to_string()
+    }
+}
+
+fn print_muxflow(result: &salus_sim::muxflow::MuxflowResult) {
+    let single = &result.single_gpu;
+    println!(
+        "One GPU through the core (seed {}): a {} service, 20-190 requests/s over {:.0} s, \
+         SLO {:.2} ms; offline jobs one after another: {}",
+        result.seed,
+        single.service,
+        salus_sim::muxflow::single::SPAN_S,
+        single.slo_ms,
+        single.offline_jobs.join(", ")
+    );
+    println!(
+        "{:<21} {:>9} {:>9} {:>7} {:>7} {:>8} {:>8} {:>5} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6}",
+        "system",
+        "mean ms",
+        "p99 ms",
+        "mean/x",
+        "p99/x",
+        "offline",
+        "/idle",
+        "jobs",
+        "JCT/x",
+        "util",
+        "gain",
+        "admit",
+        "runs",
+        "duty"
+    );
+    for name in salus_sim::muxflow::single::SYSTEMS {
+        let Some(s) = single.systems.get(name) else {
+            continue;
+        };
+        println!(
+            "{:<21} {:>9.2} {:>9.2} {:>7.3} {:>7.3} {:>8.3} {:>8.3} {:>5} {:>7.2} {:>6.3} {:>5.2}x {:>6.2} {:>6.2} {:>6.2}",
+            name,
+            s.online_mean_ms,
+            s.online_p99_ms,
+            s.online_mean_slowdown,
+            s.online_p99_slowdown,
+            s.offline_throughput_fraction,
+            s.offline_idle_capacity_fraction,
+            s.offline_finished,
+            s.offline_jct_slowdown,
+            s.utilization,
+            s.utilization_gain,
+            s.offline_admitted_fraction,
+            s.offline_running_fraction,
+            s.mean_duty
+        );
+    }
+    for name in ["online_only", "salus_protection", "salus_protection_slo"] {
+        if let Some(s) = single.systems.get(name) {
+            let health: Vec<String> = s
+                .health
+                .iter()
+                .map(|(k, v)| format!("{k} {:.0}%", 100.0 * v))
+                .collect();
+            println!(
+                "{name}: health {}; online slowdown metric (p99, median sample) {:.2}",
+                health.join(", "),
+                s.online_slowdown_metric
+            );
+        }
+    }
+    println!(
+        "x: online-only's; offline: work done over an offline job alone on the device all \
+         along; /idle: over what the compute the service leaves idle allows; JCT/x: over \
+         solo time; admit: fraction of the run an offline session was admitted; runs: an \
+         offline iteration ran; duty: the controller's, sampled each second while admitted"
+    );
+    let c = &result.cluster;
+    println!();
+    println!(
+        "Cluster: {} GPUs, one online service each (mean load alone {:.1}%), {} offline jobs \
+         ({:.0} solo GPU-hours); latency and utilization over one day",
+        c.gpus,
+        100.0 * c.online_load,
+        c.offline_jobs,
+        c.offline_solo_h
+    );
+    println!(
+        "{:<18} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6} {:>7} {:>7} {:>8} {:>6} {:>6} {:>5} {:>4}",
+        "system",
+        "mean ms",
+        "p99 ms",
+        "mean/x",
+        "p99/x",
+        "offline",
+        "/idle",
+        "JCT h",
+        "JCT/mf",
+        "span h",
+        "util",
+        "gain",
+        "moves",
+        "evic"
+    );
+    let mf_jct = c
+        .systems
+        .get("muxflow")
+        .map_or(f64::NAN, |m| m.offline_avg_jct_h);
+    for system in salus_sim::muxflow::cluster::SYSTEMS {
+        let Some(s) = c.systems.get(system.name) else {
+            continue;
+        };
+        println!(
+            "{:<18} {:>8.2} {:>8.2} {:>7.3} {:>7.3} {:>8.3} {:>6.3} {:>7} {:>7} {:>8} {:>6.3} {:>5.2}x {:>5} {:>4}",
+            system.name,
+            s.online_mean_ms,
+            s.online_p99_ms,
+            s.online_mean_slowdown,
+            s.online_p99_slowdown,
+            s.offline_throughput_fraction,
+            s.offline_idle_capacity_fraction,
+            or_dash(s.offline_avg_jct_h, 2),
+            or_dash(s.offline_avg_jct_h / mf_jct, 2),
+            or_dash(s.offline_makespan_h, 1),
+            s.utilization,
+            s.utilization_gain,
+            s.migrations,
+            s.evictions
+        );
+    }
+    println!(
+        "x: online-only's; offline: work done over the same jobs alone on idle GPUs \
+         (Eq. 3); /idle: over what the compute the service leaves idle allows; JCT/mf: over \
+         MuxFlow's"
+    );
 }
 
 fn print_targets(checks: &[experiments::TargetCheck]) {
