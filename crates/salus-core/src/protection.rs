@@ -93,7 +93,7 @@ impl Default for ProtectionConfig {
             },
             initial_duty: 0.5,
             min_duty: 0.02,
-            offline_compute_share: 0.5,
+            offline_compute_share: 0.3,
             min_samples: 20,
             abandon_after: Duration::from_millis(200),
             window: Duration::from_secs(10),
@@ -230,7 +230,7 @@ impl Thresholds {
 pub struct HealthThresholds {
     /// 99th percentile of the slowdown of online iterations that ran beside offline ones
     /// (duration against the same session's iterations with no offline iteration beside
-    /// them).
+    /// them), over the same percentile of the iterations with none beside them.
     pub online_slowdown: Thresholds,
     /// 99th percentile of online latency (submission to finish) over the session's SLO.
     pub slo_use: Thresholds,
@@ -244,9 +244,9 @@ impl Default for HealthThresholds {
     fn default() -> Self {
         HealthThresholds {
             online_slowdown: Thresholds {
-                healthy: 1.15,
-                unhealthy: 1.3,
-                overlimit: 2.0,
+                healthy: 1.3,
+                unhealthy: 1.6,
+                overlimit: 3.0,
             },
             slo_use: Thresholds {
                 healthy: 0.8,
@@ -478,6 +478,10 @@ impl Health {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Controller {
     duty: f64,
+    /// The duty averaged over recent steps (an exponential moving average), which the
+    /// hold follows: the hold is convex in the duty, so following each noisy step would
+    /// hold offline work longer on average than the average duty says.
+    smoothed: f64,
     /// The last two errors, newest first.
     errors: [f64; 2],
     steps: u64,
@@ -488,6 +492,7 @@ impl Controller {
     pub fn new(config: &ProtectionConfig) -> Self {
         Controller {
             duty: config.initial_duty,
+            smoothed: config.initial_duty,
             errors: [0.0; 2],
             steps: 0,
         }
@@ -511,16 +516,22 @@ impl Controller {
         let delta = g.kp * (error - e1) + g.ki * error + g.kd * (error - 2.0 * e1 + e2);
         if delta.is_finite() {
             self.duty = (self.duty + delta).clamp(config.min_duty, 1.0);
+            self.smoothed += 0.1 * (self.duty - self.smoothed);
         }
         self.errors = [error, e1];
         self.steps += 1;
         self.duty
     }
 
-    /// How long the next offline iteration waits after one of `ran`: `ran * (1 - duty) /
-    /// duty`, so offline iterations take `duty` of the time.
+    /// The duty averaged over the last steps (about ten), which the hold follows.
+    pub fn smoothed_duty(&self) -> f64 {
+        self.smoothed
+    }
+
+    /// How long the next offline iteration waits after one of `ran`: `ran * (1 - d) / d`
+    /// for the smoothed duty `d`, so offline iterations take `d` of the time.
     pub fn hold_after(&self, ran: Duration) -> Duration {
-        ran.mul_f64((1.0 - self.duty) / self.duty)
+        ran.mul_f64((1.0 - self.smoothed) / self.smoothed)
     }
 }
 
@@ -654,17 +665,21 @@ mod tests {
             pid.step(1.0, &c);
         }
         assert_eq!(pid.duty(), 1.0, "clean online iterations let it back up");
-        assert_eq!(pid.hold_after(s(1.0)), Duration::ZERO);
+        assert!(pid.hold_after(s(1.0)) < Duration::from_micros(1));
         for _ in 0..3 {
             pid.step(2.0, &c);
         }
         assert!(pid.duty() < 1.0);
         let d = pid.duty();
+        // The hold follows the duty's moving average, which lags the duty.
+        let m = pid.smoothed_duty();
+        assert!(m > d, "{m} {d}");
         let hold = pid.hold_after(s(0.1)).as_secs_f64();
-        assert!((hold - 0.1 * (1.0 - d) / d).abs() < 1e-9);
+        assert!((hold - 0.1 * (1.0 - m) / m).abs() < 1e-9);
         // Not a number changes nothing.
         pid.step(f64::NAN, &c);
         assert_eq!(pid.duty(), d);
+        assert_eq!(pid.smoothed_duty(), m);
     }
 
     fn metrics(slowdown: f64) -> HealthMetrics {
@@ -676,7 +691,12 @@ mod tests {
 
     #[test]
     fn health_walks_muxflows_states() {
-        let c = ProtectionConfig::default();
+        let mut c = ProtectionConfig::default();
+        c.thresholds.online_slowdown = Thresholds {
+            healthy: 1.15,
+            unhealthy: 1.3,
+            overlimit: 2.0,
+        };
         let mut h = Health::default();
         assert_eq!(h.state(), HealthState::Init);
         assert_eq!(h.update(s(0.0), &metrics(1.0), &c), HealthState::Healthy);

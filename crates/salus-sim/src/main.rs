@@ -121,7 +121,7 @@ enum Experiment {
         #[arg(long)]
         json: bool,
     },
-    /// MuxFlow (issue 15): online services and offline training sharing GPUs. One GPU
+    /// MuxFlow: online services and offline training sharing GPUs. One GPU
     /// through the core (salus with and without protection, time-sharing, online-only)
     /// and a 16-GPU cluster (MuxFlow's matching, online-only, time-sharing, PB-time-sharing,
     /// salus' protection with matching).

@@ -21,6 +21,9 @@ pub(super) struct Protect {
     pub(super) health: Health,
     controller: Controller,
     slowdowns: Window,
+    /// The same ratio for online iterations with no offline one beside them: how much
+    /// online iterations vary by themselves (requests of other sizes, a busy host).
+    clean_ratios: Window,
     slo_use: Window,
     device: Option<DeviceSample>,
     /// Offline iterations do not start before this time.
@@ -49,6 +52,7 @@ impl Protect {
             config,
             health: Health::default(),
             slowdowns: Window::default(),
+            clean_ratios: Window::default(),
             slo_use: Window::default(),
             device: None,
             hold_until: Duration::ZERO,
@@ -175,9 +179,13 @@ impl Scheduler {
                 // interference: it updates the reference and tells the controller all is
                 // well; only one beside offline work is a slowdown sample (so that noise
                 // of a busy host alone never evicts offline work).
+                let ratio = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
                 let slowdown = if track.overlapped {
-                    track.clean.filter(|&c| c > 0.0).map(|c| secs / c)
+                    ratio
                 } else {
+                    if let Some(ratio) = ratio {
+                        self.protect.clean_ratios.push(now, ratio);
+                    }
                     track.clean = Some(match track.clean {
                         Some(c) => 0.8 * c + 0.2 * secs,
                         None => secs,
@@ -298,6 +306,7 @@ impl Scheduler {
         self.protect.started = true;
         let window = self.protect.config.window;
         self.protect.slowdowns.expire(self.now, window);
+        self.protect.clean_ratios.expire(self.now, window);
         self.protect.slo_use.expire(self.now, window);
         let metrics = self.health_metrics();
         let before = self.protect.health.state();
@@ -322,7 +331,16 @@ impl Scheduler {
     fn health_metrics(&self) -> HealthMetrics {
         let min = self.protect.config.min_samples;
         HealthMetrics {
-            online_slowdown: self.protect.slowdowns.p99(min),
+            // Beside offline work against alone, percentile against percentile: online
+            // iterations that vary by themselves (requests of other sizes) are no
+            // slowdown. Until clean iterations give a percentile, the raw one.
+            online_slowdown: self.protect.slowdowns.p99(min).map(|beside| {
+                self.protect
+                    .clean_ratios
+                    .p99(min)
+                    .filter(|&alone| alone > 0.0)
+                    .map_or(beside, |alone| beside / alone)
+            }),
             slo_use: self.protect.slo_use.p99(min),
             sm_activity: self.protect.device.and_then(|d| d.sm_activity),
             clock_factor: self.clock_factor(),
