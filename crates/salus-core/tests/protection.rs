@@ -276,8 +276,10 @@ fn once_offline_work_stops_online_iterations_are_clean_again() {
         d.submit(1);
         run(&mut d, 1, 25);
     }
-    // No offline iteration ran beside these: no new slowdown samples.
-    assert_eq!(d.core.protection_status().metrics.online_slowdown, before);
+    // No offline iteration ran beside these: no new slowdown samples, so the metric can
+    // only fall (clean iterations now give the percentile it is divided by).
+    let after = d.core.protection_status().metrics.online_slowdown;
+    assert!(after.unwrap() <= before.unwrap(), "{after:?} {before:?}");
 }
 
 #[test]
@@ -319,7 +321,7 @@ fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
     } else {
         a
     };
-    assert_eq!(share(&a), Some(0.5), "{a:?}");
+    assert_eq!(share(&a), Some(0.3), "{a:?}");
     // Online sessions silent for the window: the whole device again.
     run(&mut d, 2, 10);
     d.now += Duration::from_secs(11);
@@ -327,7 +329,7 @@ fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
     assert_eq!(share(&a), Some(1.0), "{a:?}");
     // An online iteration beside a running offline one gets the rest of the device; with
     // none running, all of it.
-    assert_eq!(share(&d.submit(1)), Some(0.5));
+    assert_eq!(share(&d.submit(1)), Some(0.7));
     run(&mut d, 2, 10);
     run(&mut d, 1, 10);
     assert_eq!(share(&d.submit(1)), Some(1.0));
