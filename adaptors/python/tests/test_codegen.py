@@ -39,5 +39,5 @@ def test_service_stubs_import_inside_the_package():
         "Open", "Run", "RunStream", "ReadTensors", "WriteTensors", "Close", "AddProgram",
         "AttachBuffer"}
     assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {
-        "Status", "ListSessions", "SetPolicy", "Drain", "Watch"}
+        "Status", "ListSessions", "SetPolicy", "Drain", "Watch", "SetOffline"}
     assert hasattr(session_pb2_grpc, "SessionsStub") and hasattr(admin_pb2_grpc, "AdminStub")
