@@ -105,6 +105,13 @@ fn state_name(state: i32) -> &'static str {
     }
 }
 
+fn class_name(class: i32) -> &'static str {
+    match pb::SessionClass::try_from(class) {
+        Ok(pb::SessionClass::Offline) => "offline",
+        _ => "online",
+    }
+}
+
 fn kind_name(kind: i32) -> &'static str {
     match pb::SessionKind::try_from(kind) {
         Ok(pb::SessionKind::Inference) => "inference",
@@ -370,6 +377,7 @@ fn sessions_json(sessions: &[pb::SessionInfo]) -> Value {
                     "p99_iteration_ms": i.p99_iteration_ms, "queue_wait_ms": i.queue_wait_ms,
                     "attained_service_ms": i.attained_service_ms, "preemptions": i.preemptions,
                     "suspensions": i.suspensions, "age_ms": i.age_ms,
+                    "class": class_name(i.class), "slo_ms": i.slo_ms,
                 })
             })
             .collect(),

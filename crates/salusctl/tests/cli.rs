@@ -111,6 +111,13 @@ fn status_sessions_policy_and_json_for_a_known_state() {
         )),
         "{text}"
     );
+    assert!(
+        text.contains(
+            "protection healthy: offline duty 0.50, offline sessions hold 0 B of 25.6 MiB, 0 \
+             evicted, 0 iterations abandoned"
+        ),
+        "{text}"
+    );
     let bar = text.lines().nth(2).unwrap().trim();
     assert!(
         bar.starts_with("[P") && bar.ends_with("0]") && bar.len() == 66,
@@ -128,6 +135,8 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     assert_eq!(status["limits"]["max_sessions_per_user"], 64);
     assert_eq!(status["users"][0]["sessions"], 2);
     assert_eq!(status["host_bytes"], 64 << 10);
+    assert_eq!(status["protection"]["health"], "healthy");
+    assert_eq!(status["protection"]["offline_limit"], (64u64 << 20) * 2 / 5);
     let total: u64 = status["memory"]["regions"]
         .as_array()
         .unwrap()
@@ -156,6 +165,7 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     let sessions: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(sessions[1]["state"], "queued");
     assert_eq!(sessions[0]["persistent_bytes"], 64 << 10);
+    assert_eq!(sessions[0]["class"], "online");
 
     assert_eq!(salusctl(&address, &["policy"]).1, "policy fifo\n");
     assert_eq!(salusctl(&address, &["policy", "pack"]).1, "policy pack\n");
