@@ -380,8 +380,10 @@ impl Scheduler {
         match event {
             Event::SessionOpened(spec) => self.open(spec),
             Event::IterationSubmitted(id) => self.submit(id),
-            Event::IterationFinished { session, duration } => self.finish(session, duration),
-            Event::IterationAbandoned(session) => self.abandoned(session),
+            Event::IterationFinished { session, duration } => {
+                self.end_iteration(session, Some(duration))
+            }
+            Event::IterationAbandoned(session) => self.end_iteration(session, None),
             Event::SessionClosed(id) => self.close(id),
             Event::PolicyChanged(policy) => {
                 self.change_policy(policy);
@@ -515,7 +517,13 @@ impl Scheduler {
         Ok(())
     }
 
-    fn finish(&mut self, id: SessionId, duration: Duration) -> Result<(), CoreError> {
+    /// Ends the running iteration of `id`: `Some(duration)` when it finished (it counts as
+    /// service), `None` when it was abandoned (it is pending again). Its lane is free.
+    fn end_iteration(
+        &mut self,
+        id: SessionId,
+        finished: Option<Duration>,
+    ) -> Result<(), CoreError> {
         let session = self
             .sessions
             .get_mut(&id)
@@ -531,9 +539,15 @@ impl Scheduler {
         };
         *running = false;
         let (lane_id, closing) = (*lane, *closing);
-        session.stats.completed_iterations += 1;
-        session.stats.attained_service += duration;
-        session.virtual_service += duration;
+        match finished {
+            Some(duration) => {
+                session.stats.completed_iterations += 1;
+                session.stats.attained_service += duration;
+                session.virtual_service += duration;
+            }
+            None if !closing => session.stats.pending_iterations += 1,
+            None => {}
+        }
         if let Some(lane) = self.lanes.get_mut(&lane_id) {
             lane.running = None;
             if !lane.in_place() {
@@ -545,43 +559,10 @@ impl Scheduler {
             // An iteration boundary makes this session suspendable for a waiting one.
             self.admission_due = true;
         }
-        self.on_finish(id, duration);
-        if closing {
-            self.release(id);
-        } else {
-            self.sync_run_queue(id);
+        match finished {
+            Some(duration) => self.on_finish(id, duration),
+            None => self.on_abandoned(id),
         }
-        Ok(())
-    }
-
-    /// Like `finish`, but the iteration counts for nothing and is pending again.
-    fn abandoned(&mut self, id: SessionId) -> Result<(), CoreError> {
-        let session = self
-            .sessions
-            .get_mut(&id)
-            .ok_or(CoreError::UnknownSession(id))?;
-        let State::Admitted {
-            lane,
-            running: running @ true,
-            closing,
-            ..
-        } = &mut session.state
-        else {
-            return Err(CoreError::NotRunning(id));
-        };
-        *running = false;
-        let (lane_id, closing) = (*lane, *closing);
-        if !closing {
-            session.stats.pending_iterations += 1;
-        }
-        if let Some(lane) = self.lanes.get_mut(&lane_id) {
-            lane.running = None;
-            if !lane.in_place() {
-                self.move_candidates.insert(lane_id);
-            }
-        }
-        self.lanes_due.insert(lane_id);
-        self.on_abandoned(id);
         if closing {
             self.release(id);
         } else {
