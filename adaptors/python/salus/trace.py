@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -251,12 +252,28 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
     return aten.index_put.default(zeros, [None] * dim + [where], grad, False)
 
 
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``src`` written at the slice ``start:end:step`` along ``dim``: an
+    ``index_put`` at the slice's indices (an IR op; PyTorch writes ``slice_scatter``, e.g.
+    for ``y[..., 1:] = x[..., :-1]``)."""
+    rank = x.dim()
+    dim = dim % rank
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    start = min(max(start + size if start < 0 else start, 0), size)
+    length = src.shape[dim]
+    where = aten.arange.start_step(start, start + length * step, step, dtype=torch.int64,
+                                   device=x.device)
+    return aten.index_put.default(x, [None] * dim + [where], src, False)
+
+
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
     stays within aten, ``empty``/``empty_permuted`` as zero-filled ``full``,
     ``adaptive_avg_pool2d`` as the pooling op (not a mean and a strided view) and
-    ``hardtanh`` (ReLU6) as a clamp with its masked gradient; without
+    ``hardtanh`` (ReLU6) as a clamp with its masked gradient, ``slice_scatter`` as an
+    ``index_put``; without
     the decompositions of the ops of ``_KEPT_WHOLE``, which stay whole."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
@@ -276,6 +293,7 @@ def decomposition_table() -> dict:
     table[aten.hardtanh.default] = _hardtanh
     table[aten.hardtanh_backward.default] = _hardtanh_backward
     table[aten.slice_backward.default] = _slice_backward
+    table[aten.slice_scatter.default] = _slice_scatter
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
     return table
@@ -421,14 +439,53 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
     with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
           sdpa_kernel(SDPBackend.MATH), amp.tracing()):
-        gm = traced(*args)
+        try:
+            gm = traced(*args)
+        except RuntimeError as error:
+            if "_local_scalar_dense" not in str(error):
+                raise
+            raise TraceError(
+                "the step reads a tensor's value in Python (data-dependent control flow or "
+                f"a .item()/bool() of a tensor){_user_frame(error.__traceback__)}: salus "
+                "traces one fixed graph per batch shape and cannot follow a branch taken on "
+                "values; compute it with tensor ops (torch.where), or pass the value in "
+                "(for Hugging Face models, attn_implementation=\"eager\" avoids the attention "
+                "mask check)") from None
     _drop_layouts(gm)
+    _drop_legacy_empty_cat_inputs(gm)
     gm.graph.eliminate_dead_code()
     _fold_constants(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+def _user_frame(tb) -> str:
+    """' at FILE:LINE' of the innermost frame outside torch and salus, if any."""
+    found = ""
+    for frame, line in traceback.walk_tb(tb):
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and "/salus/" not in name:
+            found = f" at {name}:{line}"
+    return found
+
+
+def _drop_legacy_empty_cat_inputs(gm: torch.fx.GraphModule) -> None:
+    """``torch.cat`` skips 1-d empty tensors among tensors of higher rank (a legacy rule
+    caches rely on: a key-value cache starts as ``torch.tensor([])``); the IR's ``cat``
+    takes tensors of one rank, so they leave the graph here."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        tensors = node.args[0]
+        shapes = [getattr(t.meta.get("val"), "shape", None) for t in tensors]
+        if not any(shape is not None and len(shape) > 1 for shape in shapes):
+            continue
+        kept = [t for t, shape in zip(tensors, shapes)
+                if not (shape is not None and tuple(shape) == (0,))]
+        if kept and len(kept) < len(tensors):
+            node.args = (kept, *node.args[1:])
 
 
 #: The largest result (elements) a constant computation is folded into a constant of.
