@@ -267,6 +267,30 @@ def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     return aten.index_put.default(x, [None] * dim + [where], src, False)
 
 
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """``linalg_vector_norm`` in ops the IR has (PyTorch 2.11 keeps it whole under
+    autocast): the largest (smallest) magnitude for order inf (-inf), the count of
+    non-zeros for order 0, else the p-th root of the sum of the p-th powers of the
+    magnitudes."""
+    if dtype is not None:
+        x = aten._to_copy.default(x, dtype=dtype)
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else list(dim)
+    a = aten.abs.default(x)
+    if ord == float("inf"):
+        return aten.amax.default(a, dims, keepdim)
+    if ord == float("-inf"):
+        return aten.amin.default(a, dims, keepdim)
+    if ord == 0:
+        nonzero = aten._to_copy.default(aten.ne.Scalar(a, 0), dtype=a.dtype)
+        return aten.sum.dim_IntList(nonzero, dims, keepdim)
+    if ord == 1:
+        return aten.sum.dim_IntList(a, dims, keepdim)
+    if ord == 2:
+        return aten.sqrt.default(aten.sum.dim_IntList(aten.mul.Tensor(a, a), dims, keepdim))
+    return aten.pow.Tensor_Scalar(
+        aten.sum.dim_IntList(aten.pow.Tensor_Scalar(a, ord), dims, keepdim), 1.0 / ord)
+
+
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
@@ -294,6 +318,7 @@ def decomposition_table() -> dict:
     table[aten.hardtanh_backward.default] = _hardtanh_backward
     table[aten.slice_backward.default] = _slice_backward
     table[aten.slice_scatter.default] = _slice_scatter
+    table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
     return table
