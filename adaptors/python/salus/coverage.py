@@ -6,6 +6,13 @@ and batch, lowers it, and reports whether every op is in the IR and which ops ar
 Tracing uses fake tensors (shapes only) by default, so large models take seconds;
 ``--tracing-mode real`` traces with real values. ``--save DIR`` also writes each lowered
 graph to ``DIR/<model>.pb`` (for ``salus-bench plan``).
+
+``--train ADDRESS`` also trains each model that lowers (up to ``--max-params``
+parameters) for three steps on the salusd at ADDRESS and checks every parameter, buffer
+and momentum against a float64 run of the same steps: salus' largest error on each tensor
+may be at most 8 times eager float32's plus 16 epsilons of the tensor's scale (the rule of
+the test suite, without its random-rounding runs). Dropout and stochastic depth are
+turned off for it (salus draws its own random numbers, so masks would differ).
 """
 
 from __future__ import annotations
@@ -101,10 +108,91 @@ def check_model(spec: CoverageModel, tracing_mode: str = "fake",
     return result
 
 
+def _no_randomness(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+        if hasattr(m, "stochastic_depth_prob"):
+            m.stochastic_depth_prob = 0.0
+    return model
+
+
+def _eager_steps(model, batch, dtype, steps: int) -> dict[str, torch.Tensor]:
+    import copy
+
+    m = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    x, y = batch[0].to(dtype), batch[1]
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    state = {n: p.detach() for n, p in m.named_parameters()}
+    state.update({n: b.detach() for n, b in m.named_buffers()})
+    state.update({f"optimizer.state.{n}.momentum_buffer": opt.state[p]["momentum_buffer"]
+                  for n, p in m.named_parameters() if p in opt.state})
+    return state
+
+
+def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
+    """Trains one model ``steps`` SGD steps on salusd and eagerly; the worst ratio of
+    salus' error to the allowed one over every tensor (at most 1 passes)."""
+    from .torch import TrainSession
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _no_randomness(spec.build())
+    batch = image_batch(spec.batch_size, spec.image_size, 10)
+    exact = _eager_steps(model, batch, torch.float64, steps)
+    eager = _eager_steps(model, batch, torch.float32, steps)
+    import copy
+
+    m = copy.deepcopy(model)
+    with TrainSession(m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.01,
+                                                          momentum=0.9),
+                      batch, address=address, admission_timeout=600) as session:
+        for _ in range(steps):
+            session.step(*batch)
+        state = session.state_dict()
+    worst, where, eps = 0.0, "", torch.finfo(torch.float32).eps
+    for name, want in exact.items():
+        got = state.get(name)
+        if got is None or not want.is_floating_point():
+            continue
+        want = want.double()
+        noise = (eager[name].double() - want).abs().max().item()
+        bound = 8 * noise + 16 * eps * want.abs().max().item()
+        error = (got.double() - want).abs().max().item()
+        ratio = error / bound if bound else (0.0 if error == 0 else float("inf"))
+        if ratio > worst:
+            worst, where = ratio, name
+    return {"trained": worst <= 1.0, "worst_ratio": round(worst, 3), "worst_tensor": where,
+            "tensors": len(exact)}
+
+
 def run(names: list[str] | None = None, tracing_mode: str = "fake",
-        save: Path | None = None) -> dict:
+        save: Path | None = None, train: str | None = None,
+        max_params: int = 30_000_000) -> dict:
     chosen = [m for m in coverage_models() if names is None or m.name in names]
-    return {"models": {m.name: check_model(m, tracing_mode, save) for m in chosen}}
+    report: dict = {"models": {}}
+    for m in chosen:
+        result = check_model(m, tracing_mode, save)
+        if train is not None and result["lowered"]:
+            params = sum(p.numel() for p in m.build().parameters())
+            result["parameters"] = params
+            if params > max_params:
+                result["train"] = {"skipped": f"{params} parameters > --max-params"}
+            else:
+                start = time.perf_counter()
+                try:
+                    result["train"] = train_check(m, train)
+                except SalusError as e:
+                    result["train"] = {"trained": False, "error": str(e)[:500]}
+                result["train"]["seconds"] = round(time.perf_counter() - start, 1)
+        report["models"][m.name] = result
+        if train is not None:
+            print(json.dumps({m.name: result.get("train")}), file=sys.stderr, flush=True)
+    return report
 
 
 def _table(report: dict) -> str:
@@ -125,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracing-mode", default="fake", choices=["fake", "real"])
     parser.add_argument("--save", type=Path, metavar="DIR",
                         help="write each lowered graph to DIR/<model>.pb")
+    parser.add_argument("--train", metavar="ADDRESS",
+                        help="also train each model 3 steps on the salusd at ADDRESS")
+    parser.add_argument("--max-params", type=int, default=30_000_000,
+                        help="train only models with at most this many parameters")
     args = parser.parse_args(argv)
-    report = run(args.models, args.tracing_mode, args.save)
+    report = run(args.models, args.tracing_mode, args.save, args.train, args.max_params)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0 if all(r["lowered"] for r in report["models"].values()) else 1
 

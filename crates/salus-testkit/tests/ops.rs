@@ -1600,6 +1600,18 @@ fn conv_specs() -> Vec<ConvSpec> {
             1,
             false,
         ),
+        // A depthwise kernel wider than the input, padded (ConvNeXt's 7x7 at a 1x1 last
+        // stage): whole rows of the unfolded input are padding.
+        spec(
+            &[2, 3, 1, 2],
+            &[3, 1, 7, 7],
+            &[1, 1],
+            &[3, 3],
+            &[1, 1],
+            &[0, 0],
+            3,
+            false,
+        ),
         // 1-d and 3-d.
         spec(&[2, 3, 11], &[4, 3, 3], &[2], &[1], &[2], &[0], 1, false),
         spec(

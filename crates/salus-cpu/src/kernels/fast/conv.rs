@@ -137,6 +137,10 @@ impl Geometry {
             };
             dst[..lo].fill(0.0);
             dst[hi..].fill(0.0);
+            if lo == hi {
+                // Every column of this row is padding (a kernel wider than the input).
+                return;
+            }
             let src = &planes[at..at + self.w];
             if s == 1 {
                 let from = (lo as isize + dx) as usize;
@@ -157,6 +161,9 @@ impl Geometry {
             let Some(at) = inside else {
                 return;
             };
+            if lo == hi {
+                return;
+            }
             let src = &col[row * l + oy * ow + lo..row * l + oy * ow + hi];
             let dst = &mut planes[at..at + w];
             if s == 1 {
