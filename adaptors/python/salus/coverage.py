@@ -11,8 +11,9 @@ graph to ``DIR/<model>.pb`` (for ``salus-bench plan``).
 parameters) for three steps (batch 8, SGD at lr 1e-3 with momentum) on the salusd at
 ADDRESS and checks every parameter, buffer
 and momentum against a float64 run of the same steps: salus' largest error on each tensor
-may be at most 8 times eager float32's plus 16 epsilons of the tensor's scale (the rule of
-the test suite, without its random-rounding runs). Dropout and stochastic depth are
+may be at most 8 times eager float32's plus 16 epsilons of the tensor's scale, or, where
+that is exceeded, 8 times the error of float64 runs rounded at random at float32's
+epsilon (the rule of the test suite). Dropout and stochastic depth are
 turned off for it (salus draws its own random numbers, so masks would differ).
 """
 
@@ -161,20 +162,38 @@ def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
         for _ in range(steps):
             session.step(*batch)
         state = session.state_dict()
-    worst, where, eps = 0.0, "", torch.finfo(torch.float32).eps
-    for name, want in exact.items():
-        got = state.get(name)
-        if got is None or not want.is_floating_point():
-            continue
-        want = want.double()
-        noise = (eager[name].double() - want).abs().max().item()
-        bound = 8 * noise + 16 * eps * want.abs().max().item()
-        error = (got.double() - want).abs().max().item()
-        ratio = error / bound if bound else (0.0 if error == 0 else float("inf"))
-        if ratio > worst:
-            worst, where = ratio, name
+    eps = torch.finfo(torch.float32).eps
+
+    def ratios(yardsticks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        out = {}
+        for name, want in exact.items():
+            got = state.get(name)
+            if got is None or not want.is_floating_point():
+                continue
+            want = want.double()
+            noise = max((y[name].double() - want).abs().max().item() for y in yardsticks)
+            bound = 8 * noise + 16 * eps * want.abs().max().item()
+            error = (got.double() - want).abs().max().item()
+            out[name] = error / bound if bound else (0.0 if error == 0 else float("inf"))
+        return out
+
+    found = ratios([eager])
+    rounded = max(found.values(), default=0.0) > 1.0
+    if rounded:
+        # PyTorch's own float32 run can be luckier than rounding allows (its CPU batch
+        # norm accumulates in float64): measure the amplification by random rounding, as
+        # the test suite does, where the cheap yardstick is passed.
+        from .rounding import RandomRounding
+
+        runs = []
+        for seed in (0, 1):
+            with RandomRounding(eps, seed):
+                runs.append(_eager_steps(model, batch, torch.float64, steps))
+        found = ratios([eager, *runs])
+    where = max(found, key=found.get, default="")
+    worst = found.get(where, 0.0)
     return {"trained": worst <= 1.0, "worst_ratio": round(worst, 3), "worst_tensor": where,
-            "tensors": len(exact)}
+            "tensors": len(exact), "random_rounding": rounded}
 
 
 def run(names: list[str] | None = None, tracing_mode: str = "fake",

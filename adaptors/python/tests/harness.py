@@ -7,11 +7,10 @@ import os
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from salus.optim import STEP, functional_optimizer
 from salus.reference import eager_steps  # noqa: F401  (re-exported for the tests)
+from salus.rounding import RandomRounding
 from salus.v1 import graph_pb2 as pb
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -116,39 +115,6 @@ EPS_FACTOR = 16.0
 # float64 yardstick rounds at 16 epsilons. That is still 2**24 times finer than float32;
 # a wrong formula misses by ten orders of magnitude more.
 F64_ROUNDING = 16.0
-
-
-class RandomRounding(TorchDispatchMode):
-    """Runs PyTorch ops (forward, backward and the optimizer's) with every floating
-    operand and result of more than zero dimensions multiplied by ``1 + u * eps / 2``,
-    ``u`` uniform in [-1, 1] from a generator seeded with ``seed``: rounding at ``eps``
-    (another precision's epsilon), but at random. Views and scalars (optimizers count
-    their steps in float tensors) are left alone; in-place ops have their result
-    perturbed in place."""
-
-    def __init__(self, eps: float, seed: int = 0):
-        super().__init__()
-        self.unit = eps / 2
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def _jitter(self, t):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0):
-            return t
-        u = torch.rand(t.shape, dtype=t.dtype, generator=self.generator) * 2 - 1
-        return t * (1 + self.unit * u)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.is_view:
-            return func(*args, **kwargs)
-        if func._schema.is_mutable:
-            out = func(*args, **kwargs)
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    t.copy_(self._jitter(t))
-            return out
-        args, kwargs = pytree.tree_map(self._jitter, (args, kwargs))
-        return pytree.tree_map(self._jitter, func(*args, **kwargs))
 
 
 def randomly_rounded(run: Callable, dtype: torch.dtype = torch.float32,

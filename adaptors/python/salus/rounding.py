@@ -1,0 +1,41 @@
+"""Rounding at random: the yardstick of how much rounding error a computation amplifies
+(the test suite's tolerance rule, ``tests/harness.py``, and ``salus.coverage --train``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class RandomRounding(TorchDispatchMode):
+    """Runs PyTorch ops (forward, backward and the optimizer's) with every floating
+    operand and result of more than zero dimensions multiplied by ``1 + u * eps / 2``,
+    ``u`` uniform in [-1, 1] from a generator seeded with ``seed``: rounding at ``eps``
+    (another precision's epsilon), but at random. Views and scalars (optimizers count
+    their steps in float tensors) are left alone; in-place ops have their result
+    perturbed in place."""
+
+    def __init__(self, eps: float, seed: int = 0):
+        super().__init__()
+        self.unit = eps / 2
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _jitter(self, t):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0):
+            return t
+        u = torch.rand(t.shape, dtype=t.dtype, generator=self.generator) * 2 - 1
+        return t * (1 + self.unit * u)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.is_view:
+            return func(*args, **kwargs)
+        if func._schema.is_mutable:
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    t.copy_(self._jitter(t))
+            return out
+        args, kwargs = pytree.tree_map(self._jitter, (args, kwargs))
+        return pytree.tree_map(self._jitter, func(*args, **kwargs))
