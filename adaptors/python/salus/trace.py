@@ -247,9 +247,7 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
         pad = [0, 0] * (rank - 1 - dim) + [start, size - start - length]
         return aten.constant_pad_nd.default(grad, pad, 0.0)
     zeros = aten.full.default(list(input_sizes), 0, dtype=grad.dtype, device=grad.device)
-    where = aten.arange.start_step(start, start + length * step, step, dtype=torch.int64,
-                                   device=grad.device)
-    return aten.index_put.default(zeros, [None] * dim + [where], grad, False)
+    return _slice_scatter(zeros, grad, dim, start, end, step)
 
 
 def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):

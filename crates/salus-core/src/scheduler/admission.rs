@@ -213,10 +213,10 @@ impl Scheduler {
 
         // 1. A new lane.
         // Under protection each class has the policy's lane limit.
-        let lanes = if protecting {
-            self.lanes.values().filter(|l| l.class == class).count()
-        } else {
-            self.stack.len()
+        let lanes = match (protecting, class) {
+            (false, _) => self.stack.len(),
+            (true, SessionClass::Offline) => self.offline_lanes,
+            (true, SessionClass::Online) => self.stack.len() - self.offline_lanes,
         };
         if lanes < max_lanes && used.saturating_add(p).saturating_add(e) <= usable {
             if !within_share(e) {
@@ -326,6 +326,7 @@ impl Scheduler {
                     },
                 );
                 self.stack.push(lane_id);
+                self.offline_lanes += usize::from(class == SessionClass::Offline);
                 self.lanes_by_size.insert((e, lane_id));
                 self.lane_total += e;
                 lane_id
@@ -416,19 +417,30 @@ impl Scheduler {
         }
         behind.sort_by_key(|&(key, _)| std::cmp::Reverse(key));
         let victims: Vec<SessionId> = behind.into_iter().map(|(_, id)| id).collect();
-        if !self.fits_without(head, &victims) {
-            return false;
+        self.admit_suspending(head, &victims, max_lanes).is_some()
+    }
+
+    /// Admits `head` by suspending idle `victims` in their order, as few as it takes, if
+    /// that makes it fit; returns how many were suspended. Nothing changes otherwise.
+    pub(super) fn admit_suspending(
+        &mut self,
+        head: SessionId,
+        victims: &[SessionId],
+        max_lanes: usize,
+    ) -> Option<usize> {
+        if victims.is_empty() || !self.fits_without(head, victims) {
+            return None;
         }
         // Suspend one at a time on a copy, so nothing changes unless the head gets in.
         let mut trial = self.clone();
-        for victim in victims {
+        for (n, &victim) in victims.iter().enumerate() {
             trial.suspend(victim);
             if trial.try_admit(head, max_lanes) {
                 *self = trial;
-                return true;
+                return Some(n + 1);
             }
         }
-        false
+        None
     }
 
     /// Whether `head` could keep the safety condition if every one of `victims` left:
@@ -519,8 +531,10 @@ impl Scheduler {
                 if let Some(placed) = lane.placed {
                     self.placed.remove(&placed.offset);
                 }
+                let offline = lane.class == SessionClass::Offline;
                 self.lanes.remove(&lane_id);
                 self.stack.retain(|&l| l != lane_id);
+                self.offline_lanes -= usize::from(offline);
             } else {
                 self.lanes_by_size.insert((lane.size, lane_id));
             }

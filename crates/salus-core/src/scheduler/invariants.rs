@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 
 use super::{Scheduler, State};
 use crate::memory::LaneId;
+use crate::session::SessionClass;
 
 impl Scheduler {
     /// Checks every invariant the core promises; `Err` names the first one broken. Cheap
@@ -148,6 +149,17 @@ impl Scheduler {
                         lane.class
                     ));
                 }
+            }
+            let offline_lanes = self
+                .lanes
+                .values()
+                .filter(|l| l.class == SessionClass::Offline)
+                .count();
+            if offline_lanes != self.offline_lanes {
+                return Err(format!(
+                    "{offline_lanes} offline lanes but {} counted",
+                    self.offline_lanes
+                ));
             }
             let (held, limit) = (self.offline_bytes(), self.offline_limit());
             if held > limit {

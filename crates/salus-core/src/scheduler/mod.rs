@@ -304,6 +304,8 @@ pub struct Scheduler {
     /// target offset. Rebuilt whenever targets change.
     unplaced: BTreeMap<u64, LaneId>,
     lanes_due: BTreeSet<LaneId>,
+    /// Lanes of offline sessions (each class has the policy's lane limit).
+    offline_lanes: usize,
     protect: protect::Protect,
     actions: Vec<Action>,
 }
@@ -342,6 +344,7 @@ impl Scheduler {
             move_candidates: BTreeSet::new(),
             unplaced: BTreeMap::new(),
             lanes_due: BTreeSet::new(),
+            offline_lanes: 0,
             protect: protect::Protect::new(protection),
             actions: Vec::new(),
         })

@@ -416,24 +416,15 @@ impl Scheduler {
                 State::Admitted { .. } | State::Waiting(_) => None,
             })
             .collect();
-        if victims.is_empty() {
-            return false;
-        }
         victims.sort_by_key(|&(bytes, id)| (std::cmp::Reverse(bytes), id));
         let victims: Vec<SessionId> = victims.into_iter().map(|(_, id)| id).collect();
-        if !self.fits_without(head, &victims) {
-            return false;
-        }
-        let mut trial = self.clone();
-        for victim in victims {
-            trial.suspend(victim);
-            trial.protect.evictions += 1;
-            if trial.try_admit(head, max_lanes) {
-                *self = trial;
-                return true;
+        match self.admit_suspending(head, &victims, max_lanes) {
+            Some(evicted) => {
+                self.protect.evictions += evicted as u64;
+                true
             }
+            None => false,
         }
-        false
     }
 
     /// True when an admitted offline session holds memory (and could give it up).
@@ -451,21 +442,30 @@ impl Scheduler {
             return None;
         }
         let p = &self.protect;
-        let mut times = Vec::new();
-        if !p.held.is_empty() && p.hold_until > self.now {
-            times.push(p.hold_until);
-        }
-        if let Some(since) = p.starved_since {
-            times.push(since.saturating_add(p.config.abandon_after));
-        }
-        if let Some(t) = p.health.leaves_overlimit_at(&p.config) {
-            times.push(t.max(self.now));
-        }
-        if !matches!(p.health.state(), HealthState::Healthy | HealthState::Init) {
-            times.extend(p.slowdowns.next_expiry(p.config.window));
-            times.extend(p.slo_use.next_expiry(p.config.window));
-        }
-        times.into_iter().filter(|&t| t > self.now).min()
+        let unhealthy = !matches!(p.health.state(), HealthState::Healthy | HealthState::Init);
+        let expiries = unhealthy.then(|| {
+            let window = p.config.window;
+            [
+                p.slowdowns.next_expiry(window),
+                p.slo_use.next_expiry(window),
+            ]
+        });
+        [
+            (!p.held.is_empty()).then_some(p.hold_until),
+            p.starved_since
+                .map(|since| since.saturating_add(p.config.abandon_after)),
+            p.health.leaves_overlimit_at(&p.config),
+        ]
+        .into_iter()
+        .chain(expiries.into_iter().flatten())
+        .flatten()
+        .filter(|&t| t > self.now)
+        .min()
+    }
+
+    /// The health state machine's state now (cheap, unlike [`Self::protection_status`]).
+    pub fn health(&self) -> HealthState {
+        self.protect.health.state()
     }
 
     /// The protection as status output shows it.

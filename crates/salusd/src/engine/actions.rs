@@ -26,7 +26,7 @@ impl State {
                 self.apply(action);
             }
         }
-        let health = self.core.protection_status().health;
+        let health = self.core.health();
         if health != self.health {
             tracing::info!(from = %self.health, to = %health, "protection health changed");
             self.event(

@@ -444,7 +444,7 @@ impl State {
                         .map_err(EngineError::from)
                         .and_then(|()| self.set_offline(enable)),
                 }
-                .map(|()| self.core.protection_status().health);
+                .map(|()| self.core.health());
                 let _ = reply.send(result);
             }
             Command::Drain {
