@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from .errors import SalusError, UnsupportedOpError
 from .models import image_batch
+from .optim import STEP, functional_optimizer
+from .reference import eager_steps
 from .trace import trace_train_step
 
 
@@ -126,19 +128,19 @@ TRAIN_BATCH, TRAIN_LR = 8, 1e-3
 
 
 def _eager_steps(model, batch, dtype, steps: int) -> dict[str, torch.Tensor]:
+    """``steps`` eager SGD steps of a ``dtype`` copy of ``model``: its parameters, buffers
+    and optimizer state under the names salus gives them."""
     import copy
 
     m = copy.deepcopy(model).to(dtype)
     opt = torch.optim.SGD(m.parameters(), lr=TRAIN_LR, momentum=0.9)
     x, y = batch[0].to(dtype), batch[1]
-    for _ in range(steps):
-        opt.zero_grad()
-        F.cross_entropy(m(x), y).backward()
-        opt.step()
+    eager_steps(m, opt, F.cross_entropy, [(x, y)] * steps)
     state = {n: p.detach() for n, p in m.named_parameters()}
     state.update({n: b.detach() for n, b in m.named_buffers()})
-    state.update({f"optimizer.state.{n}.momentum_buffer": opt.state[p]["momentum_buffer"]
-                  for n, p in m.named_parameters() if p in opt.state})
+    opt_state = functional_optimizer(opt, dict(m.named_parameters())).initial_state()
+    opt_state.pop(STEP, None)  # torch's SGD keeps no step counter
+    state.update(opt_state)
     return state
 
 
@@ -167,8 +169,10 @@ def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
     def ratios(yardsticks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         out = {}
         for name, want in exact.items():
-            got = state.get(name)
-            if got is None or not want.is_floating_point():
+            if name not in state:
+                raise SalusError(f"the session has no tensor {name!r} to compare")
+            got = state[name]
+            if not want.is_floating_point():
                 continue
             want = want.double()
             noise = max((y[name].double() - want).abs().max().item() for y in yardsticks)
