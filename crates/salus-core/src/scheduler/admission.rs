@@ -191,8 +191,10 @@ impl Scheduler {
         class: SessionClass,
     ) -> Result<(LaneChoice, Placement), WaitReason> {
         let protecting = self.protecting();
+        // Every lane is online while no offline lane exists: no lookup then.
+        let any_lane = !protecting || (class == SessionClass::Online && self.offline_lanes == 0);
         let same_class =
-            |id: &LaneId| !protecting || self.lanes.get(id).is_some_and(|l| l.class == class);
+            |id: &LaneId| any_lane || self.lanes.get(id).is_some_and(|l| l.class == class);
         // What an offline admission may add to the offline sessions' bytes.
         let (offline_held, offline_room) = if protecting && class == SessionClass::Offline {
             let held = self.offline_bytes();

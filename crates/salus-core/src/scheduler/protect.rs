@@ -195,11 +195,11 @@ impl Scheduler {
                 let clean = !track.overlapped;
                 let submitted = track.running_submitted.take();
                 let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
-                if let (Some(submitted), Some(slo)) = (submitted, slo) {
-                    let latency = now.saturating_sub(submitted);
-                    self.protect
-                        .slo_use
-                        .push(now, latency.as_secs_f64() / slo.as_secs_f64());
+                let slo_sample = submitted.zip(slo).map(|(submitted, slo)| {
+                    now.saturating_sub(submitted).as_secs_f64() / slo.as_secs_f64()
+                });
+                if let Some(used) = slo_sample {
+                    self.protect.slo_use.push(now, used);
                 }
                 if let Some(slowdown) = slowdown {
                     self.protect.slowdowns.push(now, slowdown);
@@ -210,7 +210,11 @@ impl Scheduler {
                     let load = slowdown * self.clock_factor().unwrap_or(1.0);
                     self.protect.controller.step(load, &self.protect.config);
                 }
-                self.evaluate_health();
+                // Only a new slowdown or SLO sample can move the health state here; the
+                // windows' expiry is looked at when the core wakes (`next_wakeup`).
+                if slowdown.is_some() || slo_sample.is_some() {
+                    self.evaluate_health();
+                }
             }
         }
     }
