@@ -212,6 +212,23 @@ _BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_batch_norm_no_update")
 
 
+def _batch_norm_whole(decomposition: Callable, train_at: int, tensors: Sequence[int]
+                      ) -> Callable:
+    """``decomposition`` where the IR has no batch-norm op for the call; else the op stays
+    whole (``NotImplemented`` tells make_fx to record it): training-mode f32 batch norm,
+    whose fused kernels make one pass to gather each channel's statistics and one to
+    normalise, where the decomposition makes many (``train_at``: the index of the
+    ``training``/``train`` flag; ``tensors``: the arguments that must be f32 tensors)."""
+    def maybe_whole(*args, **kwargs):
+        whole = (len(args) > train_at and args[train_at] is True and args[0].dim() >= 2
+                 and all(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
+                         for i in tensors)
+                 and all(a is None or a.dtype == torch.float32 for a in args[:train_at]
+                         if not isinstance(a, (bool, float, int))))
+        return NotImplemented if whole else decomposition(*args, **kwargs)
+    return maybe_whole
+
+
 # Ops the IR has kernels for, whose Core ATen decompositions would replace them with
 # gathers: reflection padding becomes ``index.Tensor`` with reflected indices, and its
 # backward nine masked gathers of the whole gradient.
@@ -310,6 +327,13 @@ def decomposition_table() -> dict:
             op = getattr(packet, overload)
             if op in _all_decompositions:
                 table[op] = _all_decompositions[op]
+    # Training-mode batch norm stays whole (forward: input, weight?, bias?, running_mean,
+    # running_var, training; backward: grad_out, input, weight?, running stats?, save_mean,
+    # save_invstd, train).
+    forward = aten._native_batch_norm_legit_functional.default
+    table[forward] = _batch_norm_whole(table[forward], 5, (0, 3, 4))
+    backward = aten.native_batch_norm_backward.default
+    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1, 5, 6))
     table[aten.var_mean.correction] = _var_mean
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.hardtanh.default] = _hardtanh

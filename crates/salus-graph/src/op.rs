@@ -101,6 +101,8 @@ ops! {
     NativeLayerNorm = "native_layer_norm",
     NativeLayerNormBackward = "native_layer_norm_backward",
     NativeGroupNorm = "native_group_norm",
+    NativeBatchNorm = "_native_batch_norm_legit_functional",
+    NativeBatchNormBackward = "native_batch_norm_backward",
     MaxPool2dWithIndices = "max_pool2d_with_indices",
     MaxPool2dWithIndicesBackward = "max_pool2d_with_indices_backward",
     AvgPool2d = "avg_pool2d",

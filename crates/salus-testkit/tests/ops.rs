@@ -1867,6 +1867,148 @@ fn layer_norm_and_its_backward() {
     }
 }
 
+/// Training-mode batch norm's forward against f64 per-channel statistics, and its
+/// backward against finite differences of the forward.
+#[test]
+fn batch_norm_and_its_backward() {
+    let mut rng = Rng::new(47);
+    for (shape, affine) in [
+        (&[4u64, 3, 5, 6][..], true),
+        (&[6, 4][..], true),
+        (&[2, 3, 7][..], false),
+        (&[3, 2, 2, 2, 3][..], true),
+    ] {
+        let (batch, channels) = (shape[0] as usize, shape[1] as usize);
+        let inner = numel(&shape[2..]);
+        let count = (batch * inner) as f64;
+        // Offset channels, as convolution outputs are: the variance must not cancel.
+        let mut x = rng.f32s(shape, -2.0, 2.0);
+        for (i, v) in x.data.iter_mut().enumerate() {
+            *v = f64::from((*v + 3.0 * ((i / inner) % channels) as f64) as f32);
+        }
+        let w = rng.f32s(&[shape[1]], 0.5, 1.5);
+        let b = rng.f32s(&[shape[1]], -1.0, 1.0);
+        let rm = rng.f32s(&[shape[1]], -0.5, 0.5);
+        let rv = rng.f32s(&[shape[1]], 0.5, 2.0);
+        let c = &[shape[1]][..];
+        let mut forward = Case::new(Op::NativeBatchNorm).input(x.clone());
+        forward = if affine {
+            forward.input(w.clone()).input(b.clone())
+        } else {
+            forward.absent().absent()
+        };
+        let forward = forward
+            .input(rm.clone())
+            .input(rv.clone())
+            .attr("training", Attr::Bool(true))
+            .float("momentum", 0.1)
+            .float("eps", 1e-5)
+            .output(Fp32, shape)
+            .output(Fp32, c)
+            .output(Fp32, c)
+            .output(Fp32, c)
+            .output(Fp32, c);
+        let got = forward.run();
+        let mut y = vec![0.0; x.data.len()];
+        let mut want: [Vec<f64>; 4] = Default::default();
+        for ch in 0..channels {
+            let idx: Vec<usize> = (0..batch)
+                .flat_map(|n| (0..inner).map(move |j| (n * channels + ch) * inner + j))
+                .collect();
+            let m = idx.iter().map(|&i| x.data[i]).sum::<f64>() / count;
+            let var = idx.iter().map(|&i| (x.data[i] - m).powi(2)).sum::<f64>() / count;
+            let rstd = 1.0 / (var + 1e-5).sqrt();
+            for &i in &idx {
+                let n = (x.data[i] - m) * rstd;
+                y[i] = if affine {
+                    n * w.data[ch] + b.data[ch]
+                } else {
+                    n
+                };
+            }
+            want[0].push(m);
+            want[1].push(rstd);
+            want[2].push(0.9 * rm.data[ch] + 0.1 * m);
+            want[3].push(0.9 * rv.data[ch] + 0.1 * var * count / (count - 1.0));
+        }
+        let what = format!("_native_batch_norm_legit_functional of {shape:?}");
+        assert_close(&got[0], &y, tol(1e-5, 1e-5), &what);
+        for (k, name) in ["save_mean", "save_rstd", "running_mean", "running_var"]
+            .iter()
+            .enumerate()
+        {
+            assert_close(
+                &got[k + 1],
+                &want[k],
+                tol(1e-6, 1e-6),
+                &format!("{what}: {name}"),
+            );
+        }
+        let g = rng.f32s(shape, -1.0, 1.0);
+        let mut backward = Case::new(Op::NativeBatchNormBackward)
+            .input(g.clone())
+            .input(x.clone());
+        backward = if affine {
+            backward.input(w.clone())
+        } else {
+            backward.absent()
+        };
+        let grads = backward
+            .input(f32v(c, got[3].clone()))
+            .input(f32v(c, got[4].clone()))
+            .input(f32v(c, got[1].clone()))
+            .input(f32v(c, got[2].clone()))
+            .attr("train", Attr::Bool(true))
+            .float("eps", 1e-5)
+            .attr("output_mask", Attr::Bools(vec![true, affine, affine]))
+            .output(Fp32, shape)
+            .output(Fp32, c)
+            .output(Fp32, c)
+            .run();
+        let what = format!("native_batch_norm_backward of {shape:?}");
+        assert_grad(
+            &grads[0],
+            &numeric_grad(&forward, 0, 0, &g.data, 1e-2),
+            2e-3,
+            &format!("{what}: grad_input"),
+        );
+        if affine {
+            for (k, name) in [(1, "grad_weight"), (2, "grad_bias")] {
+                assert_grad(
+                    &grads[k],
+                    &numeric_grad(&forward, k, 0, &g.data, 1e-2),
+                    2e-3,
+                    &format!("{what}: {name}"),
+                );
+            }
+        }
+    }
+}
+
+/// Batch norm in evaluation mode is plain arithmetic in the IR: the op refuses it, naming
+/// the flag.
+#[test]
+fn batch_norm_refuses_evaluation_mode() {
+    let c = &[3u64][..];
+    let mut rng = Rng::new(5);
+    let err = Case::new(Op::NativeBatchNorm)
+        .input(rng.f32s(&[2, 3, 4], -1.0, 1.0))
+        .absent()
+        .absent()
+        .input(rng.f32s(c, -1.0, 1.0))
+        .input(rng.f32s(c, 0.5, 1.0))
+        .attr("training", Attr::Bool(false))
+        .float("momentum", 0.1)
+        .float("eps", 1e-5)
+        .output(Fp32, &[2, 3, 4])
+        .output(Fp32, c)
+        .output(Fp32, c)
+        .output(Fp32, c)
+        .output(Fp32, c)
+        .fails();
+    assert!(err.contains("training must be true"), "{err}");
+}
+
 /// Pooling geometry for the references.
 struct PoolSpec {
     input: Vec<u64>,

@@ -271,6 +271,29 @@ pub(crate) fn run(
             };
             return norm::group_norm(&geometry, args, outs);
         }
+        (
+            NativeBatchNorm | NativeBatchNormBackward,
+            &OpParams::BatchNorm {
+                batch,
+                channels,
+                inner,
+                momentum,
+                eps,
+            },
+        ) => {
+            let geometry = norm::BatchNorm {
+                batch: batch as usize,
+                channels: channels as usize,
+                inner: inner as usize,
+                momentum,
+                eps,
+            };
+            return if node.op == NativeBatchNorm {
+                norm::batch_norm(&geometry, args, outs)
+            } else {
+                norm::batch_norm_backward(&geometry, args, outs)
+            };
+        }
         _ => {}
     }
     let Some(Some(o)) = outs.first_mut() else {

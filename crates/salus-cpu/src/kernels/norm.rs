@@ -245,3 +245,158 @@ pub(super) fn group_norm(
     }
     Ok(())
 }
+
+/// The geometry of batch norm: `batch` images of `channels` channels of `inner` elements;
+/// each channel is normalised over its `batch * inner` elements.
+pub(super) struct BatchNorm {
+    pub batch: usize,
+    pub channels: usize,
+    pub inner: usize,
+    pub momentum: f64,
+    pub eps: f64,
+}
+
+impl BatchNorm {
+    /// Elements each channel is normalised over.
+    fn count(&self) -> usize {
+        self.batch * self.inner
+    }
+
+    /// Indices of channel `c`'s elements, image by image.
+    fn channel(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.batch).flat_map(move |n| {
+            let base = (n * self.channels + c) * self.inner;
+            base..base + self.inner
+        })
+    }
+
+    fn check(&self, what: &str, ty: &salus_graph::TensorType) -> Result<()> {
+        if numel(&ty.shape) != self.batch * self.channels * self.inner {
+            return Err(format!(
+                "{what} {ty} must hold {} x {} x {} elements",
+                self.batch, self.channels, self.inner
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A per-channel tensor argument (`None` when absent), checked to hold `channels` values.
+fn per_channel<'a>(
+    args: &'a [Arg<'a>],
+    k: usize,
+    what: &str,
+    channels: usize,
+) -> Result<Option<(&'a salus_graph::TensorType, &'a [u8])>> {
+    match args.get(k) {
+        Some(Arg::Tensor(ty, bytes)) if numel(&ty.shape) == channels => Ok(Some((ty, bytes))),
+        Some(Arg::Tensor(ty, _)) => Err(format!("{what} {ty} must have {channels} elements")),
+        _ => Ok(None),
+    }
+}
+
+/// Writes each of `results` into the used output of its index.
+fn store_outputs(results: Vec<Vec<f64>>, outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    for (k, data) in results.into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            if numel(&out.ty.shape) != data.len() {
+                return Err(format!(
+                    "output {k} {} must have {} elements",
+                    out.ty,
+                    data.len()
+                ));
+            }
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `_native_batch_norm_legit_functional(input, weight?, bias?, running_mean, running_var)`
+/// in training: per channel, `mean` and the biased `var` over its elements, `rstd =
+/// 1/sqrt(var + eps)`, `out = (x - mean) * rstd * weight + bias`; the running statistics
+/// move by `momentum` towards `mean` and the unbiased variance (`var * n / (n - 1)`).
+/// Results (out, save_mean, save_rstd, running_mean', running_var'), whichever are used.
+pub(super) fn batch_norm(
+    g: &BatchNorm,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (ty, x) = tensor(args, 0)?;
+    g.check("input", ty)?;
+    let weight = per_channel(args, 1, "weight", g.channels)?;
+    let bias = per_channel(args, 2, "bias", g.channels)?;
+    let (rm, rmb) =
+        per_channel(args, 3, "running_mean", g.channels)?.ok_or("running_mean must be a tensor")?;
+    let (rv, rvb) =
+        per_channel(args, 4, "running_var", g.channels)?.ok_or("running_var must be a tensor")?;
+    let n = g.count() as f64;
+    let mut y = vec![0.0; numel(&ty.shape)];
+    let mut stats = [(); 4].map(|_| vec![0.0; g.channels]);
+    for c in 0..g.channels {
+        let mean = g.channel(c).map(|i| load(x, ty.dtype, i)).sum::<f64>() / n;
+        let var = g
+            .channel(c)
+            .map(|i| (load(x, ty.dtype, i) - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        let rstd = 1.0 / (var + g.eps).sqrt();
+        let scale = weight.map_or(1.0, |(wty, wb)| load(wb, wty.dtype, c));
+        let shift = bias.map_or(0.0, |(bty, bb)| load(bb, bty.dtype, c));
+        for i in g.channel(c) {
+            y[i] = (load(x, ty.dtype, i) - mean) * rstd * scale + shift;
+        }
+        stats[0][c] = mean;
+        stats[1][c] = rstd;
+        stats[2][c] = (1.0 - g.momentum) * load(rmb, rm.dtype, c) + g.momentum * mean;
+        stats[3][c] =
+            (1.0 - g.momentum) * load(rvb, rv.dtype, c) + g.momentum * var * n / (n - 1.0);
+    }
+    let [mean, rstd, running_mean, running_var] = stats;
+    store_outputs(vec![y, mean, rstd, running_mean, running_var], outs)
+}
+
+/// `native_batch_norm_backward(grad_out, input, weight?, running_mean?, running_var?,
+/// save_mean, save_invstd)` in training: per channel, with `n` elements, `sum_dy = Σ dy`
+/// and `dot = Σ dy * (x - mean)`, `grad_input = (dy - sum_dy / n - (x - mean) * rstd² *
+/// dot / n) * rstd * weight`, `grad_weight = dot * rstd`, `grad_bias = sum_dy`;
+/// whichever are used.
+pub(super) fn batch_norm_backward(
+    g: &BatchNorm,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (gty, dy) = tensor(args, 0)?;
+    let (xty, x) = tensor(args, 1)?;
+    g.check("grad_out", gty)?;
+    g.check("input", xty)?;
+    let weight = per_channel(args, 2, "weight", g.channels)?;
+    let (mty, mb) =
+        per_channel(args, 5, "save_mean", g.channels)?.ok_or("save_mean must be a tensor")?;
+    let (rty, rb) =
+        per_channel(args, 6, "save_invstd", g.channels)?.ok_or("save_invstd must be a tensor")?;
+    let n = g.count() as f64;
+    let mut dx = vec![0.0; numel(&xty.shape)];
+    let mut dw = vec![0.0; g.channels];
+    let mut db = vec![0.0; g.channels];
+    for c in 0..g.channels {
+        let (mean, rstd) = (load(mb, mty.dtype, c), load(rb, rty.dtype, c));
+        let (mut sum_dy, mut dot) = (0.0, 0.0);
+        for i in g.channel(c) {
+            let d = load(dy, gty.dtype, i);
+            sum_dy += d;
+            dot += d * (load(x, xty.dtype, i) - mean);
+        }
+        let scale = weight.map_or(1.0, |(wty, wb)| load(wb, wty.dtype, c));
+        let k = rstd * rstd * dot / n;
+        for i in g.channel(c) {
+            let centred = load(x, xty.dtype, i) - mean;
+            dx[i] = (load(dy, gty.dtype, i) - sum_dy / n - centred * k) * rstd * scale;
+        }
+        dw[c] = dot * rstd;
+        db[c] = sum_dy;
+    }
+    store_outputs(vec![dx, dw, db], outs)
+}

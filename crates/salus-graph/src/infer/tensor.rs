@@ -211,6 +211,56 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             let stats = TensorType::new(t.dtype, vec![t.shape[0], groups]);
             Ok(vec![t.clone(), stats.clone(), stats])
         }
+        (NativeBatchNorm, &OpParams::BatchNorm { channels, .. }) => {
+            let t = ins.input(0)?;
+            require_float(t, "input")?;
+            for (i, what) in [
+                (1, "weight"),
+                (2, "bias"),
+                (3, "running_mean"),
+                (4, "running_var"),
+            ] {
+                let p = if i < 3 {
+                    ins.optional(i)
+                } else {
+                    Some(ins.input(i)?)
+                };
+                if let Some(p) = p
+                    && (p.shape != [channels] || p.dtype != t.dtype)
+                {
+                    return Err(format!("{what} {p} must be [{channels}] of {}", t.dtype));
+                }
+            }
+            let stat = TensorType::new(t.dtype, vec![channels]);
+            Ok(vec![
+                t.clone(),
+                stat.clone(),
+                stat.clone(),
+                stat.clone(),
+                stat,
+            ])
+        }
+        (NativeBatchNormBackward, &OpParams::BatchNorm { channels, .. }) => {
+            let (grad, t) = (ins.input(0)?, ins.input(1)?);
+            require_float(t, "input")?;
+            if grad.shape != t.shape || grad.dtype != t.dtype {
+                return Err(format!("grad_out {grad} and input {t} must have one type"));
+            }
+            for (i, what) in [(2, "weight"), (5, "save_mean"), (6, "save_invstd")] {
+                let p = if i == 2 {
+                    ins.optional(i)
+                } else {
+                    Some(ins.input(i)?)
+                };
+                if let Some(p) = p
+                    && (p.shape != [channels] || p.dtype != t.dtype)
+                {
+                    return Err(format!("{what} {p} must be [{channels}] of {}", t.dtype));
+                }
+            }
+            let param = TensorType::new(t.dtype, vec![channels]);
+            Ok(vec![t.clone(), param.clone(), param])
+        }
         (Flip, OpParams::Flip { .. }) => Ok(same(ins.input(0)?)),
         (ConstantPadNd, OpParams::ConstantPad { before, after, .. }) => {
             let t = ins.input(0)?;

@@ -435,6 +435,32 @@ fn group_norm(a: &Attrs<'_>, t: &TensorType) -> Result<OpParams> {
     })
 }
 
+/// Batch norm's N, C and elements per channel per image from the input `t` ([N, C, *]);
+/// `flag` (`training` or `train`) must be true: in eval mode the tracer writes plain
+/// arithmetic instead.
+fn batch_norm(a: &Attrs<'_>, t: &TensorType, flag: &str, momentum: f64) -> Result<OpParams> {
+    if !a.bool_or(flag, false)? {
+        return Err(format!(
+            "{flag} must be true (evaluation-mode batch norm is plain arithmetic in the IR)"
+        ));
+    }
+    if t.rank() < 2 {
+        return Err(format!("input {t} must be [N, C, ...]"));
+    }
+    let (batch, channels) = (t.shape[0], t.shape[1]);
+    let inner = t.shape[2..].iter().product::<u64>();
+    if batch * inner == 0 {
+        return Err(format!("input {t} has no elements to normalise over"));
+    }
+    Ok(OpParams::BatchNorm {
+        batch,
+        channels,
+        inner,
+        momentum,
+        eps: a.number_or("eps", 1e-5)?,
+    })
+}
+
 fn embedding(a: &Attrs<'_>, num_weights: u64) -> Result<OpParams> {
     let padding_idx = a.int_or("padding_idx", -1)?;
     Ok(OpParams::Embedding {
@@ -752,6 +778,16 @@ pub(crate) fn extract(
         NativeGroupNorm => {
             ins.count(3)?;
             group_norm(a, ins.input(0)?)?
+        }
+        NativeBatchNorm => {
+            // input, weight?, bias?, running_mean, running_var
+            ins.count(5)?;
+            batch_norm(a, ins.input(0)?, "training", a.number_or("momentum", 0.1)?)?
+        }
+        NativeBatchNormBackward => {
+            // grad_out, input, weight?, running_mean?, running_var?, save_mean, save_invstd
+            ins.count(7)?;
+            batch_norm(a, ins.input(1)?, "train", 0.0)?
         }
         ReflectionPad2d => {
             ins.count(1)?;

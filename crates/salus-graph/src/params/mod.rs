@@ -280,6 +280,21 @@ pub enum OpParams {
         /// `eps` (float).
         eps: f64,
     },
+    /// `_native_batch_norm_legit_functional` (training), `native_batch_norm_backward`
+    /// (`train`): each channel normalised over its `batch * inner` elements.
+    BatchNorm {
+        /// `N`: the input's first dimension.
+        batch: u64,
+        /// `C`: its second.
+        channels: u64,
+        /// Elements of one channel of one image (the product of the dims after C).
+        inner: u64,
+        /// `momentum` (float): the running statistics move this far to the batch's
+        /// (the forward only; 0 for the backward).
+        momentum: f64,
+        /// `eps` (float).
+        eps: f64,
+    },
     /// `max_pool2d_with_indices(_backward)`, `avg_pool2d(_backward)`.
     Pool(PoolParams),
     /// `_adaptive_avg_pool2d`.
