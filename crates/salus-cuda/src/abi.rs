@@ -36,13 +36,14 @@ pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 11] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
     ("reduce.cu", include_str!("kernels/reduce.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("rows.cu", include_str!("kernels/rows.cu")),
+    ("batch_norm.cu", include_str!("kernels/batch_norm.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("conv.cu", include_str!("kernels/conv.cu")),
     ("pool.cu", include_str!("kernels/pool.cu")),
@@ -430,6 +431,52 @@ device_struct! {
 }
 
 device_struct! {
+    /// The batch-norm kernels (`batch_norm.cu`) over `[batch, channels, inner]`: `x` the
+    /// input, `g` the gradient (backward), `y` the output or grad_input; `mean` and `rstd`
+    /// the saved statistics (written forward, read backward); `rm`/`rv` the running
+    /// statistics read and `rmo`/`rvo` written; `gw`/`gb` the parameter gradients; `part`
+    /// the node's scratch (partials of `splits` runs of `chunk` images per channel, then
+    /// four coefficients per channel). Absent tensors are 0.
+    #[derive(Default)]
+    struct BatchNormArgs {
+        batch: i64,
+        channels: i64,
+        inner: i64,
+        splits: i64,
+        chunk: i64,
+        momentum: f64,
+        eps: f64,
+        x: u64,
+        xdt: i64,
+        g: u64,
+        gdt: i64,
+        w: u64,
+        wdt: i64,
+        b: u64,
+        bdt: i64,
+        mean: u64,
+        mdt: i64,
+        rstd: u64,
+        rdt: i64,
+        rm: u64,
+        rmdt: i64,
+        rv: u64,
+        rvdt: i64,
+        rmo: u64,
+        rmodt: i64,
+        rvo: u64,
+        rvodt: i64,
+        y: u64,
+        ydt: i64,
+        gw: u64,
+        gwdt: i64,
+        gb: u64,
+        gbdt: i64,
+        part: u64,
+    }
+}
+
+device_struct! {
     /// `matmul_naive`: `c[b] = beta * bias + alpha * a[b] (n x k) @ b[b] (k x m)`.
     #[derive(Default)]
     struct MatmulArgs {
@@ -730,6 +777,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         SoftmaxArgs::layout(),
         LayerNormArgs::layout(),
         LayerNormBackwardArgs::layout(),
+        BatchNormArgs::layout(),
         MatmulArgs::layout(),
         ConvArgs::layout(),
         Im2colArgs::layout(),
@@ -752,6 +800,7 @@ impl KernelArgs for ReduceArgs {}
 impl KernelArgs for SoftmaxArgs {}
 impl KernelArgs for LayerNormArgs {}
 impl KernelArgs for LayerNormBackwardArgs {}
+impl KernelArgs for BatchNormArgs {}
 impl KernelArgs for MatmulArgs {}
 impl KernelArgs for ConvArgs {}
 impl KernelArgs for Im2colArgs {}
@@ -876,6 +925,14 @@ kernels! {
     LayerNormForwardRows = "layer_norm_fwd_rows" (LayerNormArgs),
     LayerNormBackwardInputRows = "layer_norm_bwd_input_rows" (LayerNormBackwardArgs),
     LayerNormBackwardParamsColumns = "layer_norm_bwd_params_cols" (LayerNormBackwardArgs),
+    // Training-mode batch norm (`batch_norm.cu`): partial sums per (channel, run of
+    // images), per-channel results, then a pass over the elements.
+    BatchNormForwardPart = "bn_fwd_part" (BatchNormArgs),
+    BatchNormForwardFinish = "bn_fwd_finish" (BatchNormArgs),
+    BatchNormForwardApply = "bn_fwd_apply" (BatchNormArgs),
+    BatchNormBackwardPart = "bn_bwd_part" (BatchNormArgs),
+    BatchNormBackwardFinish = "bn_bwd_finish" (BatchNormArgs),
+    BatchNormBackwardApply = "bn_bwd_apply" (BatchNormArgs),
 }
 
 // ------------------------------------------------------------------------------------

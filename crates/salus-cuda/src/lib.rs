@@ -942,7 +942,8 @@ impl Device for CudaDevice {
 
 /// A node that runs on cuDNN works in the largest workspace of its calls; a reduction that
 /// splits its elements over many blocks in its partial results
-/// ([`lower::reduce::reduce_scratch_bytes`]); every other node in what the backend's own kernels
+/// ([`lower::reduce::reduce_scratch_bytes`]); batch norm in its per-channel sums
+/// ([`lower::batch_norm::batch_norm_scratch_bytes`]); every other node in what the backend's own kernels
 /// need.
 impl ScratchSizer for CudaDevice {
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
@@ -955,6 +956,10 @@ impl ScratchSizer for CudaDevice {
         let partials = lower::reduce::reduce_scratch_bytes(graph, node, params);
         if partials > 0 {
             return partials;
+        }
+        let sums = lower::batch_norm::batch_norm_scratch_bytes(graph, node, params);
+        if sums > 0 {
+            return sums;
         }
         if widened_conv(graph, node, params) {
             return 0; // this device's direct kernels run it (`lower::conv`), with no scratch

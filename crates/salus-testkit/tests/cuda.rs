@@ -758,6 +758,71 @@ fn cases() -> Vec<Case> {
     ];
     let mut cases = cases;
     cases.extend(unet_cases(&mut rng));
+    cases.extend(batch_norm_cases(&mut rng));
+    cases
+}
+
+/// Training-mode batch norm and its backward at shapes that take each path of the
+/// kernels: rows shorter and longer than a block, one element per row (BatchNorm1d),
+/// runs of images split over many blocks, channels offset from zero.
+fn batch_norm_cases(rng: &mut Rng) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (shape, affine) in [
+        (&[4u64, 3, 5, 7][..], true),
+        (&[3, 2, 300][..], false),
+        (&[64, 5][..], true),
+        (&[16, 3, 2048][..], true),
+        (&[6, 4, 2, 3, 3][..], true),
+    ] {
+        let c = &[shape[1]][..];
+        let inner: u64 = shape[2..].iter().product();
+        let mut x = rng.f32s(shape, -2.0, 2.0);
+        for (i, v) in x.data.iter_mut().enumerate() {
+            *v += 5.0 * ((i as u64 / inner) % shape[1]) as f64;
+        }
+        let g = rng.f32s(shape, -1.0, 1.0);
+        let (w, b) = (rng.f32s(c, 0.5, 1.5), rng.f32s(c, -1.0, 1.0));
+        let (rm, rv) = (rng.f32s(c, -0.5, 0.5), rng.f32s(c, 0.5, 2.0));
+        let (mean, rstd) = (rng.f32s(c, 4.0, 6.0), rng.f32s(c, 0.5, 1.5));
+        let forward = Case::new(Op::NativeBatchNorm).input(x.clone());
+        let forward = if affine {
+            forward.input(w.clone()).input(b)
+        } else {
+            forward.absent().absent()
+        };
+        cases.push(
+            forward
+                .input(rm.clone())
+                .input(rv.clone())
+                .flag("training", true)
+                .float("momentum", 0.1)
+                .float("eps", 1e-5)
+                .output(DType::F32, shape)
+                .output(DType::F32, c)
+                .output(DType::F32, c)
+                .output(DType::F32, c)
+                .output(DType::F32, c),
+        );
+        let backward = Case::new(Op::NativeBatchNormBackward).input(g).input(x);
+        let backward = if affine {
+            backward.input(w)
+        } else {
+            backward.absent()
+        };
+        cases.push(
+            backward
+                .input(rm)
+                .input(rv)
+                .input(mean)
+                .input(rstd)
+                .flag("train", true)
+                .float("eps", 1e-5)
+                .attr("output_mask", Attr::Bools(vec![true, affine, affine]))
+                .output(DType::F32, shape)
+                .output(DType::F32, c)
+                .output(DType::F32, c),
+        );
+    }
     cases
 }
 

@@ -10,6 +10,7 @@
 //! norm), `matmul`, `conv`, `pool` (pooling and reflection padding), `index` (indexing
 //! and random draws).
 
+pub(crate) mod batch_norm;
 mod conv;
 mod elementwise;
 pub(crate) mod fusion;
@@ -266,6 +267,8 @@ impl<'a> Lowering<'a> {
             NativeLayerNorm => return self.layer_norm(node),
             NativeLayerNormBackward => return self.layer_norm_backward(node),
             NativeGroupNorm => return self.group_norm(node),
+            NativeBatchNorm => return self.batch_norm(node),
+            NativeBatchNormBackward => return self.batch_norm_backward(node),
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
             _ => {}
