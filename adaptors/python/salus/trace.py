@@ -235,6 +235,22 @@ def _batch_norm_whole(decomposition: Callable, train_at: int, tensors: Sequence[
 _KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward")
 
 
+def _native_dropout(x, p, train):
+    """``native_dropout`` (attention's dropout in scaled-dot-product attention) as
+    ``nn.Dropout`` traces: a ``bernoulli.p`` draw of keep-flags from the session's
+    generator, scaled by 1 / (1 - p); the mask as bool, for its backward."""
+    if not train or p == 0:
+        return (aten.clone.default(x),
+                aten.full.default(list(x.shape), True, dtype=torch.bool, device=x.device))
+    if p >= 1:
+        zeros = aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device)
+        return (zeros, aten.ne.Scalar(zeros, 0))
+    noise = aten.bernoulli.p(
+        aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device), 1 - p)
+    out = aten.mul.Tensor(x, aten.div.Scalar(noise, 1 - p))
+    return (out, aten.ne.Scalar(noise, 0))
+
+
 def _adaptive_avg_pool2d(x, output_size):
     # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
     # would leave view mutations in the graph: the IR has the pooling op itself.
@@ -336,6 +352,7 @@ def decomposition_table() -> dict:
     table[backward] = _batch_norm_whole(table[backward], 7, (0, 1, 5, 6))
     table[aten.var_mean.correction] = _var_mean
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    table[aten.native_dropout.default] = _native_dropout
     table[aten.hardtanh.default] = _hardtanh
     table[aten.hardtanh_backward.default] = _hardtanh_backward
     table[aten.slice_backward.default] = _slice_backward

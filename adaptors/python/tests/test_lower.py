@@ -255,6 +255,34 @@ def test_dropout_becomes_bernoulli():
     assert torch.isfinite(loss)
 
 
+def test_attention_dropout_becomes_bernoulli():
+    """A stock ``nn.TransformerEncoderLayer`` (dropout 0.1) drops attention weights through
+    ``native_dropout``: it lowers to ``bernoulli.p`` draws like ``nn.Dropout``."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+    traced = salus.trace_train_step(layer, nn.functional.mse_loss,
+                                    torch.optim.AdamW(layer.parameters(), lr=1e-3),
+                                    (torch.randn(2, 5, 16), torch.randn(2, 5, 16)))
+    graph = traced.to_graph()
+    keep = sorted(n.attributes["p"].float for n in graph.nodes if n.op == "bernoulli.p")
+    # Attention's, the feed-forward's and the two residual branches'.
+    assert keep == pytest.approx([0.9] * 4)
+    check_graph_structure(graph, supported_ops(), kind="train")
+
+
+def test_native_dropout_decomposition_keeps_and_scales():
+    torch.manual_seed(3)
+    x = torch.rand(200_000) + 1.0
+    out, mask = salus.trace._native_dropout(x, 0.25, True)
+    assert mask.dtype == torch.bool and torch.equal(mask, out != 0)
+    kept = mask.float().mean().item()
+    # 200k Bernoulli(0.75) draws: the kept share within 5 standard deviations.
+    assert abs(kept - 0.75) < 5 * (0.75 * 0.25 / 200_000) ** 0.5
+    assert torch.allclose(out[mask], x[mask] / 0.75)
+    same, all_kept = salus.trace._native_dropout(x, 0.25, False)
+    assert torch.equal(same, x) and bool(all_kept.all())
+
+
 def test_steps_without_randomness_have_no_generator():
     model = MLP(8, (16,), 4)
     traced = salus.trace_train_step(model, nn.functional.cross_entropy,

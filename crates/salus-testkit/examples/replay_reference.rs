@@ -19,16 +19,24 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 }
 
 fn run(dir: &Path, cuda: bool) -> Result<Value, String> {
-    let run = ReferenceRun::load(dir)?;
+    let mut run = ReferenceRun::load(dir)?;
     let (device, at): (Box<dyn Device>, Placement) = if cuda {
+        // The whole GPU (less the reserve), then the program planned for it, as salusd
+        // plans a session for its device: cuDNN workspaces and split sums in its scratch.
+        let device = CudaDevice::new(&CudaOptions::new(0))?;
+        run.plan_for(&device)?;
         let plan = run.program.plan();
         let at = Placement {
             persistent: 0,
             lane: plan.persistent_bytes.next_multiple_of(256),
         };
-        let mut options = CudaOptions::new(0);
-        options.cap = Some((at.lane + plan.ephemeral_bytes).next_multiple_of(1 << 20));
-        let device = CudaDevice::new(&options)?;
+        if at.lane + plan.ephemeral_bytes > device.capacity() {
+            return Err(format!(
+                "the run needs {} bytes, the GPU's arena holds {}",
+                at.lane + plan.ephemeral_bytes,
+                device.capacity()
+            ));
+        }
         run.upload(&device, at)?;
         (Box::new(device), at)
     } else {

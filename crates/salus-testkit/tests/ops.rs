@@ -3133,7 +3133,8 @@ fn group_norm_normalizes_each_group() {
                 };
                 let xhat = (v - m) * rstd;
                 y.push(xhat * wv + bv);
-                scale.push(xhat.abs() * wv + bv.abs());
+                // x - mean rounds on the magnitudes of x and mean, not of their difference.
+                scale.push((v.abs() + m.abs()) * rstd * wv + bv.abs());
             }
             means.push(m);
             rstds.push(rstd);
