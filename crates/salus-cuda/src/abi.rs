@@ -436,7 +436,8 @@ device_struct! {
     /// the saved statistics (written forward, read backward); `rm`/`rv` the running
     /// statistics read and `rmo`/`rvo` written; `gw`/`gb` the parameter gradients; `part`
     /// the node's scratch (partials of `splits` runs of `chunk` images per channel, then
-    /// four coefficients per channel). Absent tensors are 0.
+    /// four coefficients per channel); `vec4`: 1 when every tensor the element walks touch
+    /// is f32, 16-byte aligned, and `inner` a multiple of 4. Absent tensors are 0.
     #[derive(Default)]
     struct BatchNormArgs {
         batch: i64,
@@ -444,6 +445,7 @@ device_struct! {
         inner: i64,
         splits: i64,
         chunk: i64,
+        vec4: i64,
         momentum: f64,
         eps: f64,
         x: u64,

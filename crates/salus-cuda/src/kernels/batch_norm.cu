@@ -8,15 +8,34 @@
 //      the per-channel results and the coefficients of step 3 (double) into scratch;
 //   3. bn_*_apply: a pass over the elements, a block per run of (image, channel) rows.
 // Scratch: partials [C][splits][2] doubles, then coefficients [C][4] doubles.
+// With `vec4` (every tensor walked f32, rows a multiple of 4 long, 16-byte aligned) each
+// thread moves four elements per access, so that enough bytes are in flight.
 
 // The calling thread's place in a walk over rows of `inner` elements: `per` rows at a
 // time, this thread's row `r0` among them (>= per: idle) and first element `i0`, its
 // step along a row `istep`.
 #define BN_WALK                                                                         \
-    i64 per = a.inner >= BLOCK ? 1 : BLOCK / a.inner;                                   \
-    i64 r0 = a.inner >= BLOCK ? 0 : (i64)threadIdx.x / a.inner;                         \
-    i64 i0 = a.inner >= BLOCK ? (i64)threadIdx.x : (i64)threadIdx.x % a.inner;          \
-    i64 istep = a.inner >= BLOCK ? BLOCK : a.inner;
+    i64 len = a.vec4 ? a.inner / 4 : a.inner;                                           \
+    i64 per = len >= BLOCK ? 1 : BLOCK / len;                                           \
+    i64 r0 = len >= BLOCK ? 0 : (i64)threadIdx.x / len;                                 \
+    i64 i0 = len >= BLOCK ? (i64)threadIdx.x : (i64)threadIdx.x % len;                  \
+    i64 istep = len >= BLOCK ? BLOCK : len;
+
+// The four floats at vector `i` of `p`.
+__device__ float4 bn_ld4(u64 p, i64 i) { return ((const float4*)p)[i]; }
+
+// Adds v - k and its square to the sums.
+__device__ void bn_acc(double v, double k, double* s1, double* s2) {
+    double d = v - k;
+    *s1 += d;
+    *s2 += d * d;
+}
+
+// Adds dy and dy * (x - mean) to the sums.
+__device__ void bn_acc_bwd(double dy, double x, double mean, double* s1, double* s2) {
+    *s1 += dy;
+    *s2 += dy * (x - mean);
+}
 
 // The sum of `v` over the block, in thread 0 (fixed order).
 __device__ double bn_block_sum(double v, double* sh) {
@@ -43,10 +62,17 @@ extern "C" __global__ void bn_fwd_part(const BatchNormArgs a) {
         if (r0 < per) {
             for (i64 n = n0 + r0; n < n1; n += per) {
                 i64 base = (n * a.channels + c) * a.inner;
-                for (i64 i = i0; i < a.inner; i += istep) {
-                    double d = ld(a.x, a.xdt, base + i) - k;
-                    s1 += d;
-                    s2 += d * d;
+                if (a.vec4) {
+                    for (i64 i = i0; i < len; i += istep) {
+                        float4 v = bn_ld4(a.x, base / 4 + i);
+                        bn_acc(v.x, k, &s1, &s2);
+                        bn_acc(v.y, k, &s1, &s2);
+                        bn_acc(v.z, k, &s1, &s2);
+                        bn_acc(v.w, k, &s1, &s2);
+                    }
+                } else {
+                    for (i64 i = i0; i < a.inner; i += istep)
+                        bn_acc(ld(a.x, a.xdt, base + i), k, &s1, &s2);
                 }
             }
         }
@@ -98,8 +124,19 @@ extern "C" __global__ void bn_fwd_apply(const BatchNormArgs a) {
         const double* coef = coefs + (r % a.channels) * 4;
         double mean = coef[0], scale = coef[1], shift = coef[2];
         i64 base = r * a.inner;
-        for (i64 i = i0; i < a.inner; i += istep)
-            st(a.y, a.ydt, base + i, (ld(a.x, a.xdt, base + i) - mean) * scale + shift);
+        if (a.vec4) {
+            for (i64 i = i0; i < len; i += istep) {
+                float4 v = bn_ld4(a.x, base / 4 + i), o;
+                o.x = (float)((v.x - mean) * scale + shift);
+                o.y = (float)((v.y - mean) * scale + shift);
+                o.z = (float)((v.z - mean) * scale + shift);
+                o.w = (float)((v.w - mean) * scale + shift);
+                ((float4*)a.y)[base / 4 + i] = o;
+            }
+        } else {
+            for (i64 i = i0; i < a.inner; i += istep)
+                st(a.y, a.ydt, base + i, (ld(a.x, a.xdt, base + i) - mean) * scale + shift);
+        }
     }
 }
 
@@ -113,10 +150,18 @@ extern "C" __global__ void bn_bwd_part(const BatchNormArgs a) {
         if (r0 < per) {
             for (i64 n = n0 + r0; n < n1; n += per) {
                 i64 base = (n * a.channels + c) * a.inner;
-                for (i64 i = i0; i < a.inner; i += istep) {
-                    double dy = ld(a.g, a.gdt, base + i);
-                    s1 += dy;
-                    s2 += dy * (ld(a.x, a.xdt, base + i) - mean);
+                if (a.vec4) {
+                    for (i64 i = i0; i < len; i += istep) {
+                        float4 dy = bn_ld4(a.g, base / 4 + i), x = bn_ld4(a.x, base / 4 + i);
+                        bn_acc_bwd(dy.x, x.x, mean, &s1, &s2);
+                        bn_acc_bwd(dy.y, x.y, mean, &s1, &s2);
+                        bn_acc_bwd(dy.z, x.z, mean, &s1, &s2);
+                        bn_acc_bwd(dy.w, x.w, mean, &s1, &s2);
+                    }
+                } else {
+                    for (i64 i = i0; i < a.inner; i += istep)
+                        bn_acc_bwd(ld(a.g, a.gdt, base + i), ld(a.x, a.xdt, base + i), mean,
+                                   &s1, &s2);
                 }
             }
         }
@@ -161,9 +206,20 @@ extern "C" __global__ void bn_bwd_apply(const BatchNormArgs a) {
         const double* coef = coefs + (r % a.channels) * 4;
         double mean = coef[0], k = coef[1], mdy = coef[2], scale = coef[3];
         i64 base = r * a.inner;
-        for (i64 i = i0; i < a.inner; i += istep) {
-            double dy = ld(a.g, a.gdt, base + i), x = ld(a.x, a.xdt, base + i);
-            st(a.y, a.ydt, base + i, (dy - mdy - (x - mean) * k) * scale);
+        if (a.vec4) {
+            for (i64 i = i0; i < len; i += istep) {
+                float4 dy = bn_ld4(a.g, base / 4 + i), x = bn_ld4(a.x, base / 4 + i), o;
+                o.x = (float)((dy.x - mdy - (x.x - mean) * k) * scale);
+                o.y = (float)((dy.y - mdy - (x.y - mean) * k) * scale);
+                o.z = (float)((dy.z - mdy - (x.z - mean) * k) * scale);
+                o.w = (float)((dy.w - mdy - (x.w - mean) * k) * scale);
+                ((float4*)a.y)[base / 4 + i] = o;
+            }
+        } else {
+            for (i64 i = i0; i < a.inner; i += istep) {
+                double dy = ld(a.g, a.gdt, base + i), x = ld(a.x, a.xdt, base + i);
+                st(a.y, a.ydt, base + i, (dy - mdy - (x - mean) * k) * scale);
+            }
         }
     }
 }
