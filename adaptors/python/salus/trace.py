@@ -11,8 +11,9 @@ removed and every op decomposed to Core ATen, as an FX graph:
 - the optimizer update is the plain tensor math of :mod:`salus.optim`;
 - ``make_fx(functionalize(step, remove="mutations"), decomposition_table=...)`` records it
   inside the python dispatcher (so batch norm's hidden running-stat mutation is seen) and
-  with scaled-dot-product attention forced to the MATH backend (the fused CPU kernel's
-  decomposition gives wrong gradients);
+  with scaled-dot-product attention on the fused CPU kernel where PyTorch can take it (no
+  dropout), kept whole as an IR op with its backward (the core decomposition of the fused
+  op gives wrong gradients), else on the MATH backend;
 - every module's ``inplace`` flag is off while tracing, and dead code is removed after;
 - forward hooks (and autograd pre-hooks for the backward) record which module each node
   comes from, for error messages and ``Node.source``;
@@ -232,7 +233,11 @@ def _batch_norm_whole(decomposition: Callable, train_at: int, tensors: Sequence[
 # Ops the IR has kernels for, whose Core ATen decompositions would replace them with
 # gathers: reflection padding becomes ``index.Tensor`` with reflected indices, and its
 # backward nine masked gathers of the whole gradient.
-_KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward")
+_KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward",
+               # Attention: one fused op each way (the forward's log-sum-exp feeds the
+               # backward), where the decomposition would build every score matrix.
+               "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def _native_dropout(x, p, train):
@@ -502,7 +507,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
     with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
-          sdpa_kernel(SDPBackend.MATH), amp.tracing()):
+          sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
         try:
             gm = traced(*args)
         except RuntimeError as error:

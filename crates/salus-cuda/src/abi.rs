@@ -31,12 +31,16 @@ pub(crate) const BLOCK: u32 = 256;
 /// longer ones a block each (`ROW_WARP_MAX`).
 pub(crate) const ROW_WARP_MAX: u64 = 1024;
 
+/// The longest query, key or value the fused attention kernels take (`ATT_MAXD`): their
+/// shared-memory tiles are sized by it.
+pub(crate) const ATTENTION_MAX_DIM: u64 = 128;
+
 /// Copies per launch of the guarded copy kernel (`GuardedCopyArgs::seg` holds 3 words each).
 pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 13] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
@@ -44,6 +48,7 @@ pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("rows.cu", include_str!("kernels/rows.cu")),
     ("batch_norm.cu", include_str!("kernels/batch_norm.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("conv.cu", include_str!("kernels/conv.cu")),
     ("pool.cu", include_str!("kernels/pool.cu")),
@@ -479,6 +484,48 @@ device_struct! {
 }
 
 device_struct! {
+    /// The fused attention kernels (`attention.cu`) over `batch * heads` heads of `lq`
+    /// queries and `lk` keys, of `e` (query and key) and `ev` (value) elements: `q`, `k`,
+    /// `v` the inputs, `o` and `lse` the forward's results (read by the backward), `go` the
+    /// gradient of `o`, `dq`/`dk`/`dv` the backward's results; `mask` (0: none, `mdt`
+    /// bool or float) with element strides `ms` over (batch, head, query, key); `delta`
+    /// the backward's scratch (f32 per query). Absent tensors are 0.
+    #[derive(Default)]
+    struct AttentionArgs {
+        batch: i64,
+        heads: i64,
+        lq: i64,
+        lk: i64,
+        e: i64,
+        ev: i64,
+        causal: i64,
+        scale: f64,
+        mask: u64,
+        mdt: i64,
+        ms: [i64; 4],
+        q: u64,
+        qdt: i64,
+        k: u64,
+        kdt: i64,
+        v: u64,
+        vdt: i64,
+        o: u64,
+        odt: i64,
+        lse: u64,
+        lsedt: i64,
+        go: u64,
+        godt: i64,
+        dq: u64,
+        dqdt: i64,
+        dk: u64,
+        dkdt: i64,
+        dv: u64,
+        dvdt: i64,
+        delta: u64,
+    }
+}
+
+device_struct! {
     /// `matmul_naive`: `c[b] = beta * bias + alpha * a[b] (n x k) @ b[b] (k x m)`.
     #[derive(Default)]
     struct MatmulArgs {
@@ -780,6 +827,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         LayerNormArgs::layout(),
         LayerNormBackwardArgs::layout(),
         BatchNormArgs::layout(),
+        AttentionArgs::layout(),
         MatmulArgs::layout(),
         ConvArgs::layout(),
         Im2colArgs::layout(),
@@ -803,6 +851,7 @@ impl KernelArgs for SoftmaxArgs {}
 impl KernelArgs for LayerNormArgs {}
 impl KernelArgs for LayerNormBackwardArgs {}
 impl KernelArgs for BatchNormArgs {}
+impl KernelArgs for AttentionArgs {}
 impl KernelArgs for MatmulArgs {}
 impl KernelArgs for ConvArgs {}
 impl KernelArgs for Im2colArgs {}
@@ -935,17 +984,23 @@ kernels! {
     BatchNormBackwardPart = "bn_bwd_part" (BatchNormArgs),
     BatchNormBackwardFinish = "bn_bwd_finish" (BatchNormArgs),
     BatchNormBackwardApply = "bn_bwd_apply" (BatchNormArgs),
+    // Fused attention (`attention.cu`): the forward, then the backward's query gradients
+    // (and the per-query D it keeps in scratch) before its key and value gradients.
+    AttentionForward = "attn_fwd" (AttentionArgs),
+    AttentionBackwardQuery = "attn_bwd_dq" (AttentionArgs),
+    AttentionBackwardKeyValue = "attn_bwd_dkv" (AttentionArgs),
 }
 
 // ------------------------------------------------------------------------------------
 // The prelude.
 
 /// Constants both sides size things by, by their C name.
-fn constants() -> [(&'static str, i64); 3] {
+fn constants() -> [(&'static str, i64); 4] {
     [
         ("MAXR", MAX_RANK as i64),
         ("BLOCK", i64::from(BLOCK)),
         ("ROW_WARP_MAX", ROW_WARP_MAX as i64),
+        ("ATT_MAXD", ATTENTION_MAX_DIM as i64),
     ]
 }
 

@@ -943,7 +943,8 @@ impl Device for CudaDevice {
 /// A node that runs on cuDNN works in the largest workspace of its calls; a reduction that
 /// splits its elements over many blocks in its partial results
 /// ([`lower::reduce::reduce_scratch_bytes`]); batch norm in its per-channel sums
-/// ([`lower::batch_norm::batch_norm_scratch_bytes`]); every other node in what the backend's own kernels
+/// ([`lower::batch_norm::batch_norm_scratch_bytes`]); fused attention's backward in one f32
+/// per query ([`lower::attention::attention_scratch_bytes`]); every other node in what the backend's own kernels
 /// need.
 impl ScratchSizer for CudaDevice {
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
@@ -960,6 +961,10 @@ impl ScratchSizer for CudaDevice {
         let sums = lower::batch_norm::batch_norm_scratch_bytes(graph, node, params);
         if sums > 0 {
             return sums;
+        }
+        let delta = lower::attention::attention_scratch_bytes(graph, node, params);
+        if delta > 0 {
+            return delta;
         }
         if widened_conv(graph, node, params) {
             return 0; // this device's direct kernels run it (`lower::conv`), with no scratch

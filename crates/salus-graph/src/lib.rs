@@ -48,8 +48,8 @@ pub use error::GraphError;
 pub use ir::{Attr, DType, Graph, Node, Precision, Role, Tensor, TensorId, TensorType, Update};
 pub use op::Op;
 pub use params::{
-    AdvancedIndex, ConvParams, GeluApproximate, OpParams, PoolParams, Reduction, Scalar, wrap_dim,
-    wrap_dims,
+    AdvancedIndex, AttentionParams, ConvParams, GeluApproximate, OpParams, PoolParams, Reduction,
+    Scalar, wrap_dim, wrap_dims,
 };
 pub use plan::{Buffer, MemoryPlan, PortableScratch, ScratchSizer};
 pub use validate::{Limits, Producer, validate};

@@ -103,6 +103,8 @@ ops! {
     NativeGroupNorm = "native_group_norm",
     NativeBatchNorm = "_native_batch_norm_legit_functional",
     NativeBatchNormBackward = "native_batch_norm_backward",
+    ScaledDotProductAttention = "_scaled_dot_product_flash_attention_for_cpu",
+    ScaledDotProductAttentionBackward = "_scaled_dot_product_flash_attention_for_cpu_backward",
     MaxPool2dWithIndices = "max_pool2d_with_indices",
     MaxPool2dWithIndicesBackward = "max_pool2d_with_indices_backward",
     AvgPool2d = "avg_pool2d",

@@ -759,6 +759,71 @@ fn cases() -> Vec<Case> {
     let mut cases = cases;
     cases.extend(unet_cases(&mut rng));
     cases.extend(batch_norm_cases(&mut rng));
+    cases.extend(attention_cases(&mut rng));
+    cases
+}
+
+/// Fused attention and its backward at lengths around the kernels' tiles (16 and 8
+/// queries a block, 32 keys a tile), head dims up to the largest (128), causal, with bool
+/// and float masks.
+fn attention_cases(rng: &mut Rng) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (b, h, l, s, e, ev, causal, mask) in [
+        (2u64, 3u64, 37u64, 37u64, 64u64, 64u64, true, 0),
+        (1, 2, 5, 70, 32, 16, false, 0),
+        (2, 2, 33, 40, 128, 128, false, 1),
+        (1, 3, 17, 17, 8, 24, true, 2),
+        (3, 1, 1, 1, 4, 4, false, 0),
+    ] {
+        let q = rng.f32s(&[b, h, l, e], -1.0, 1.0);
+        let k = rng.f32s(&[b, h, s, e], -1.0, 1.0);
+        let v = rng.f32s(&[b, h, s, ev], -1.0, 1.0);
+        let m = match mask {
+            1 => Some(val(
+                DType::Bool,
+                &[l, s],
+                (0..l * s)
+                    .map(|i| f64::from(i % s == 0 || i % 3 != 0))
+                    .collect(),
+            )),
+            2 => Some(rng.f32s(&[b, 1, l, s], -2.0, 0.5)),
+            _ => None,
+        };
+        let with_mask = |case: Case| match &m {
+            Some(m) => case.input(m.clone()),
+            None => case.absent(),
+        };
+        let forward = with_mask(
+            Case::new(Op::ScaledDotProductAttention)
+                .input(q.clone())
+                .input(k.clone())
+                .input(v.clone()),
+        )
+        .float("dropout_p", 0.0)
+        .flag("is_causal", causal)
+        .output(DType::F32, &[b, h, l, ev])
+        .output(DType::F32, &[b, h, l]);
+        // The backward from the forward's own results, computed on the CPU.
+        let fwd = forward.try_run_on(None).expect("attention runs on the CPU");
+        cases.push(forward);
+        let g = rng.f32s(&[b, h, l, ev], -1.0, 1.0);
+        cases.push(
+            with_mask(
+                Case::new(Op::ScaledDotProductAttentionBackward)
+                    .input(g)
+                    .input(q)
+                    .input(k)
+                    .input(v)
+                    .input(f32v(&[b, h, l, ev], fwd[0].clone()))
+                    .input(f32v(&[b, h, l], fwd[1].clone())),
+            )
+            .float("dropout_p", 0.0)
+            .flag("is_causal", causal)
+            .output(DType::F32, &[b, h, l, e])
+            .output(DType::F32, &[b, h, s, e])
+            .output(DType::F32, &[b, h, s, ev]),
+        );
+    }
     cases
 }
 

@@ -48,6 +48,8 @@ const AUTOCAST_OPS: &[&str] = &[
     "convolution_backward",
     "max_pool2d_with_indices",
     "max_pool2d_with_indices_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
 ];
 
 const HALVES: [DType; 2] = [F16, Bf16];
@@ -766,7 +768,117 @@ fn max_pool_and_its_backward_in_half() {
 
 type Test = (&'static str, fn());
 
+/// Attention over one head of `l` queries and `s` keys (`e` and `ev` long): (output,
+/// logsumexp, and for the upstream gradient `g`: grad_query, grad_key, grad_value), in f64.
+#[allow(clippy::type_complexity)]
+fn attention_ref(
+    (q, k, v, g): (&[f64], &[f64], &[f64], &[f64]),
+    (l, s, e, ev): (usize, usize, usize, usize),
+    causal: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let scale = 1.0 / (e as f64).sqrt();
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    let (mut out, mut lse) = (vec![0.0; l * ev], vec![0.0; l]);
+    let mut p = vec![0.0; l * s];
+    for i in 0..l {
+        let keys = if causal { i + 1 } else { s };
+        let sc: Vec<f64> = (0..keys)
+            .map(|j| scale * dot(&q[i * e..][..e], &k[j * e..][..e]))
+            .collect();
+        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+        lse[i] = m + total.ln();
+        for j in 0..keys {
+            p[i * s + j] = (sc[j] - lse[i]).exp();
+            for d in 0..ev {
+                out[i * ev + d] += p[i * s + j] * v[j * ev + d];
+            }
+        }
+    }
+    let (mut dq, mut dk, mut dv) = (vec![0.0; l * e], vec![0.0; s * e], vec![0.0; s * ev]);
+    for i in 0..l {
+        let di = dot(&g[i * ev..][..ev], &out[i * ev..][..ev]);
+        for j in 0..s {
+            let dp = dot(&g[i * ev..][..ev], &v[j * ev..][..ev]);
+            let ds = p[i * s + j] * (dp - di) * scale;
+            for d in 0..e {
+                dq[i * e + d] += ds * k[j * e + d];
+                dk[j * e + d] += ds * q[i * e + d];
+            }
+            for d in 0..ev {
+                dv[j * ev + d] += p[i * s + j] * g[i * ev + d];
+            }
+        }
+    }
+    (out, lse, dq, dk, dv)
+}
+
+/// Fused attention in 16 bits (autocast runs attention in the half type): computed wide
+/// from the half inputs and rounded once, the log-sum-exp in f32.
+#[test]
+fn attention_and_its_backward_in_half() {
+    let mut rng = Rng::new(131);
+    let (l, s, e, ev) = (5usize, 6usize, 8usize, 4usize);
+    for dtype in HALVES {
+        for causal in [false, true] {
+            let shape = |a: usize, b: usize| [1u64, 1, a as u64, b as u64];
+            let q = val(dtype, &shape(l, e), rng.vec(l * e, -1.0, 1.0));
+            let k = val(dtype, &shape(s, e), rng.vec(s * e, -1.0, 1.0));
+            let v = val(dtype, &shape(s, ev), rng.vec(s * ev, -1.0, 1.0));
+            let g = val(dtype, &shape(l, ev), rng.vec(l * ev, -1.0, 1.0));
+            let (out, lse, dq, dk, dv) =
+                attention_ref((&q.data, &k.data, &v.data, &g.data), (l, s, e, ev), causal);
+            let what = format!("attention {dtype} causal {causal}");
+            let got = Case::new(Op::ScaledDotProductAttention)
+                .input(q.clone())
+                .input(k.clone())
+                .input(v.clone())
+                .absent()
+                .float("dropout_p", 0.0)
+                .flag("is_causal", causal)
+                .output(dtype, &shape(l, ev))
+                .output(DType::F32, &shape(1, l)[1..])
+                .run();
+            assert_close(&got[0], &all_pytorch(dtype, out.clone()), ulp(dtype), &what);
+            let lse32: Vec<f64> = lse.iter().map(|&x| f64::from(x as f32)).collect();
+            assert_close(&got[1], &lse32, tol(2f64.powi(-23), 0.0), &what);
+            // The backward from the rounded forward results, as the graph feeds it.
+            let grads = Case::new(Op::ScaledDotProductAttentionBackward)
+                .input(g)
+                .input(q)
+                .input(k)
+                .input(v)
+                .input(val(dtype, &shape(l, ev), out))
+                .input(val(DType::F32, &shape(1, l)[1..], lse))
+                .absent()
+                .float("dropout_p", 0.0)
+                .flag("is_causal", causal)
+                .output(dtype, &shape(l, e))
+                .output(dtype, &shape(s, e))
+                .output(dtype, &shape(s, ev))
+                .run();
+            // The rounded output moves D = g . out by one unit of the half type.
+            let t = tol(ulp(dtype).rtol, 4.0 * ulp(dtype).rtol);
+            for (k, (name, want)) in [("grad_query", dq), ("grad_key", dk), ("grad_value", dv)]
+                .into_iter()
+                .enumerate()
+            {
+                assert_close(
+                    &grads[k],
+                    &all_pytorch(dtype, want),
+                    t,
+                    &format!("{what}: {name}"),
+                );
+            }
+        }
+    }
+}
+
 const ALL_TESTS: &[Test] = &[
+    (
+        "attention_and_its_backward_in_half",
+        attention_and_its_backward_in_half,
+    ),
     ("half_rounding_is_pytorchs", half_rounding_is_pytorchs),
     ("casts_between_f32_and_half", casts_between_f32_and_half),
     ("pointwise_arithmetic_in_half", pointwise_arithmetic_in_half),

@@ -1985,6 +1985,170 @@ fn batch_norm_and_its_backward() {
     }
 }
 
+/// The attention mask of a case: none, bool (true keeps a score) or float (added).
+#[derive(Clone, Copy, Debug)]
+enum AttnMask {
+    None,
+    /// `[L, S]`, broadcast over batch and heads.
+    Bool2d,
+    /// `[B, 1, L, S]`, broadcast over heads.
+    FloatPerBatch,
+}
+
+/// Fused attention against a naive f64 softmax(scale q k^T + mask) v, and its backward
+/// against finite differences of the forward's output.
+#[test]
+fn fused_attention_and_its_backward() {
+    let mut rng = Rng::new(59);
+    for (b, h, l, s, e, ev, causal, scale, mask) in [
+        (
+            2u64,
+            3u64,
+            5u64,
+            6u64,
+            4u64,
+            3u64,
+            false,
+            None,
+            AttnMask::None,
+        ),
+        (1, 2, 7, 7, 8, 8, true, None, AttnMask::None),
+        (2, 1, 4, 6, 5, 2, false, Some(0.3), AttnMask::Bool2d),
+        (2, 2, 3, 5, 4, 4, true, None, AttnMask::FloatPerBatch),
+    ] {
+        let q = rng.f32s(&[b, h, l, e], -1.5, 1.5);
+        let k = rng.f32s(&[b, h, s, e], -1.5, 1.5);
+        let v = rng.f32s(&[b, h, s, ev], -1.0, 1.0);
+        // Every row keeps key 0, so no row is dropped whole.
+        let mask_value = match mask {
+            AttnMask::None => None,
+            AttnMask::Bool2d => {
+                let data = (0..l * s)
+                    .map(|i| {
+                        if i % s == 0 || (i * 7) % 3 != 0 {
+                            1.0
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                Some(val(DType::Bool, &[l, s], data))
+            }
+            AttnMask::FloatPerBatch => Some(rng.f32s(&[b, 1, l, s], -2.0, 1.0)),
+        };
+        let scale_v = scale.unwrap_or(1.0 / (e as f64).sqrt());
+        let with_flags = |mut case: Case| {
+            case = case.float("dropout_p", 0.0).flag("is_causal", causal);
+            if let Some(sc) = scale {
+                case = case.float("scale", sc);
+            }
+            case
+        };
+        let mut forward = Case::new(Op::ScaledDotProductAttention)
+            .input(q.clone())
+            .input(k.clone())
+            .input(v.clone());
+        forward = match &mask_value {
+            Some(m) => forward.input(m.clone()),
+            None => forward.absent(),
+        };
+        let forward = with_flags(forward)
+            .output(Fp32, &[b, h, l, ev])
+            .output(Fp32, &[b, h, l]);
+        let got = forward.run();
+        // The reference.
+        let (mut out, mut lse) = (Vec::new(), Vec::new());
+        for bi in 0..b as usize {
+            for hi in 0..h as usize {
+                let head = bi * h as usize + hi;
+                for i in 0..l as usize {
+                    let scores: Vec<f64> = (0..s as usize)
+                        .map(|j| {
+                            if causal && j > i {
+                                return f64::NEG_INFINITY;
+                            }
+                            let qi = &q.data[(head * l as usize + i) * e as usize..][..e as usize];
+                            let kj = &k.data[(head * s as usize + j) * e as usize..][..e as usize];
+                            let mut x =
+                                scale_v * qi.iter().zip(kj).map(|(a, c)| a * c).sum::<f64>();
+                            match (&mask_value, mask) {
+                                (Some(m), AttnMask::Bool2d)
+                                    if m.data[i * s as usize + j] == 0.0 =>
+                                {
+                                    x = f64::NEG_INFINITY
+                                }
+                                (Some(m), AttnMask::FloatPerBatch) => {
+                                    x += m.data[(bi * l as usize + i) * s as usize + j]
+                                }
+                                _ => {}
+                            }
+                            x
+                        })
+                        .collect();
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                    let total: f64 = w.iter().sum();
+                    for d in 0..ev as usize {
+                        out.push(
+                            (0..s as usize)
+                                .map(|j| w[j] * v.data[(head * s as usize + j) * ev as usize + d])
+                                .sum::<f64>()
+                                / total,
+                        );
+                    }
+                    lse.push(m + total.ln());
+                }
+            }
+        }
+        let what = format!("attention {b}x{h}x{l}x{s} e {e} ev {ev} causal {causal} mask {mask:?}");
+        assert_close(&got[0], &out, tol(1e-5, 1e-6), &what);
+        assert_close(&got[1], &lse, tol(1e-6, 1e-6), &what);
+        // The backward, against finite differences of output 0.
+        let g = rng.f32s(&[b, h, l, ev], -1.0, 1.0);
+        let mut backward = Case::new(Op::ScaledDotProductAttentionBackward)
+            .input(g.clone())
+            .input(q.clone())
+            .input(k.clone())
+            .input(v.clone())
+            .input(f32v(&[b, h, l, ev], got[0].clone()))
+            .input(f32v(&[b, h, l], got[1].clone()));
+        backward = match &mask_value {
+            Some(m) => backward.input(m.clone()),
+            None => backward.absent(),
+        };
+        let grads = with_flags(backward)
+            .output(Fp32, &[b, h, l, e])
+            .output(Fp32, &[b, h, s, e])
+            .output(Fp32, &[b, h, s, ev])
+            .run();
+        for (k_in, name) in [(0, "grad_query"), (1, "grad_key"), (2, "grad_value")] {
+            assert_grad(
+                &grads[k_in],
+                &numeric_grad(&forward, k_in, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: {name}"),
+            );
+        }
+    }
+}
+
+/// Fused attention refuses dropout, naming it.
+#[test]
+fn fused_attention_refuses_dropout() {
+    let mut rng = Rng::new(61);
+    let t = rng.f32s(&[1, 1, 2, 4], -1.0, 1.0);
+    let err = Case::new(Op::ScaledDotProductAttention)
+        .input(t.clone())
+        .input(t.clone())
+        .input(t)
+        .absent()
+        .float("dropout_p", 0.1)
+        .output(Fp32, &[1, 1, 2, 4])
+        .output(Fp32, &[1, 1, 2])
+        .fails();
+    assert!(err.contains("dropout_p 0.1"), "{err}");
+}
+
 /// Batch norm in evaluation mode is plain arithmetic in the IR: the op refuses it, naming
 /// the flag.
 #[test]
@@ -3443,6 +3607,19 @@ const ALL_TESTS: &[(&str, fn())] = &[
     (
         "bernoulli_needs_the_generator",
         bernoulli_needs_the_generator,
+    ),
+    ("batch_norm_and_its_backward", batch_norm_and_its_backward),
+    (
+        "batch_norm_refuses_evaluation_mode",
+        batch_norm_refuses_evaluation_mode,
+    ),
+    (
+        "fused_attention_and_its_backward",
+        fused_attention_and_its_backward,
+    ),
+    (
+        "fused_attention_refuses_dropout",
+        fused_attention_refuses_dropout,
     ),
 ];
 

@@ -18,6 +18,7 @@
 
 use salus_graph::{DType, GeluApproximate, Node, Op, OpParams, Scalar, TensorType};
 
+mod attention;
 mod conv;
 mod elementwise;
 mod fast;
@@ -270,6 +271,12 @@ pub(crate) fn run(
                 eps,
             };
             return norm::group_norm(&geometry, args, outs);
+        }
+        (ScaledDotProductAttention, OpParams::Attention(p)) => {
+            return attention::attention(p, args, outs);
+        }
+        (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
+            return attention::attention_backward(p, args, outs);
         }
         (
             NativeBatchNorm | NativeBatchNormBackward,

@@ -334,7 +334,8 @@ pub(super) fn batch_norm(
         per_channel(args, 4, "running_var", g.channels)?.ok_or("running_var must be a tensor")?;
     let n = g.count() as f64;
     let mut y = vec![0.0; numel(&ty.shape)];
-    let mut stats = [(); 4].map(|_| vec![0.0; g.channels]);
+    let (mut means, mut rstds) = (Vec::new(), Vec::new());
+    let (mut running_mean, mut running_var) = (Vec::new(), Vec::new());
     for c in 0..g.channels {
         let mean = g.channel(c).map(|i| load(x, ty.dtype, i)).sum::<f64>() / n;
         let var = g
@@ -348,14 +349,13 @@ pub(super) fn batch_norm(
         for i in g.channel(c) {
             y[i] = (load(x, ty.dtype, i) - mean) * rstd * scale + shift;
         }
-        stats[0][c] = mean;
-        stats[1][c] = rstd;
-        stats[2][c] = (1.0 - g.momentum) * load(rmb, rm.dtype, c) + g.momentum * mean;
-        stats[3][c] =
-            (1.0 - g.momentum) * load(rvb, rv.dtype, c) + g.momentum * var * n / (n - 1.0);
+        means.push(mean);
+        rstds.push(rstd);
+        running_mean.push((1.0 - g.momentum) * load(rmb, rm.dtype, c) + g.momentum * mean);
+        running_var
+            .push((1.0 - g.momentum) * load(rvb, rv.dtype, c) + g.momentum * var * n / (n - 1.0));
     }
-    let [mean, rstd, running_mean, running_var] = stats;
-    store_outputs(vec![y, mean, rstd, running_mean, running_var], outs)
+    store_outputs(vec![y, means, rstds, running_mean, running_var], outs)
 }
 
 /// `native_batch_norm_backward(grad_out, input, weight?, running_mean?, running_var?,

@@ -22,5 +22,6 @@ void __threadfence();
 float __int_as_float(int);
 float __shfl_xor_sync(unsigned, float, int);
 double __shfl_xor_sync(unsigned, double, int);
+float __shfl_sync(unsigned, float, int);
 void __syncthreads();
 using std::isnan; using std::fmax; using std::fmin; using std::fabs; using std::exp; using std::log; using std::sqrt; using std::tanh; using std::erf; using std::pow;

@@ -10,6 +10,7 @@
 //! norm), `matmul`, `conv`, `pool` (pooling and reflection padding), `index` (indexing
 //! and random draws).
 
+pub(crate) mod attention;
 pub(crate) mod batch_norm;
 mod conv;
 mod elementwise;
@@ -269,6 +270,8 @@ impl<'a> Lowering<'a> {
             NativeGroupNorm => return self.group_norm(node),
             NativeBatchNorm => return self.batch_norm(node),
             NativeBatchNormBackward => return self.batch_norm_backward(node),
+            ScaledDotProductAttention => return self.attention(node),
+            ScaledDotProductAttentionBackward => return self.attention_backward(node),
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
             _ => {}

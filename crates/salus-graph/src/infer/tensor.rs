@@ -211,6 +211,27 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             let stats = TensorType::new(t.dtype, vec![t.shape[0], groups]);
             Ok(vec![t.clone(), stats.clone(), stats])
         }
+        (ScaledDotProductAttention, OpParams::Attention(p)) => {
+            let q = ins.input(0)?;
+            let out = TensorType::new(q.dtype, vec![p.batch, p.heads, p.q_len, p.v_dim]);
+            let lse = TensorType::new(DType::F32, vec![p.batch, p.heads, p.q_len]);
+            Ok(vec![out, lse])
+        }
+        (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
+            let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
+            let out = [p.batch, p.heads, p.q_len, p.v_dim];
+            for (i, what, shape, dtype) in [
+                (0, "grad_out", &out[..], q.dtype),
+                (4, "out", &out[..], q.dtype),
+                (5, "logsumexp", &out[..3], DType::F32),
+            ] {
+                let t = ins.input(i)?;
+                if t.shape != shape || t.dtype != dtype {
+                    return Err(format!("{what} {t} must be {dtype}{shape:?}"));
+                }
+            }
+            Ok(vec![q.clone(), k.clone(), v.clone()])
+        }
         (NativeBatchNorm, &OpParams::BatchNorm { channels, .. }) => {
             let t = ins.input(0)?;
             require_float(t, "input")?;

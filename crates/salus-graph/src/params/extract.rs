@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use super::geometry::{self, ConvAttrs, PoolAttrs};
 use super::indexing::advanced_index;
-use super::{GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
+use super::{AttentionParams, GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
 use crate::error::{preview, preview_str};
 use crate::ir::{Attr, DType, TensorType};
 use crate::op::Op;
@@ -461,6 +461,84 @@ fn batch_norm(a: &Attrs<'_>, t: &TensorType, flag: &str, momentum: f64) -> Resul
     })
 }
 
+/// Fused attention's geometry from query `q`, key `k`, value `v` and the optional
+/// `mask`, and its flags: dropout must be 0 (the tracer keeps attention with dropout
+/// decomposed).
+fn attention(
+    a: &Attrs<'_>,
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    mask: Option<&TensorType>,
+) -> Result<OpParams> {
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        return Err(format!(
+            "query {q}, key {k} and value {v} must each be [batch, heads, length, dim]"
+        ));
+    }
+    let (batch, heads, q_len, head_dim) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (kv_len, v_dim) = (k.shape[2], v.shape[3]);
+    if k.shape != [batch, heads, kv_len, head_dim] || v.shape[..3] != [batch, heads, kv_len] {
+        return Err(format!(
+            "key {k} must be [{batch}, {heads}, S, {head_dim}] and value {v} [{batch}, {heads}, S, Ev]"
+        ));
+    }
+    if q.dtype != k.dtype || q.dtype != v.dtype || !q.dtype.is_float() {
+        return Err(format!(
+            "query {q}, key {k} and value {v} must share one float dtype"
+        ));
+    }
+    let dropout = a.number_or("dropout_p", 0.0)?;
+    if dropout != 0.0 {
+        return Err(format!(
+            "dropout_p {dropout}: fused attention runs without dropout (trace attention \
+             dropout as the math decomposition)"
+        ));
+    }
+    let mask_strides = match mask {
+        None => None,
+        Some(m) => {
+            if m.rank() > 4 || !(m.dtype == DType::Bool || m.dtype == q.dtype) {
+                return Err(format!(
+                    "attn_mask {m} must be bool or {} and broadcast to [{batch}, {heads}, {q_len}, {kv_len}]",
+                    q.dtype
+                ));
+            }
+            let mut shape = vec![1u64; 4 - m.rank()];
+            shape.extend(&m.shape);
+            let full = [batch, heads, q_len, kv_len];
+            let mut strides = [0u64; 4];
+            let mut stride = 1;
+            for d in (0..4).rev() {
+                if shape[d] == full[d] && full[d] != 1 {
+                    strides[d] = stride;
+                } else if shape[d] != 1 {
+                    return Err(format!(
+                        "attn_mask {m} does not broadcast to [{batch}, {heads}, {q_len}, {kv_len}]"
+                    ));
+                }
+                stride *= shape[d];
+            }
+            Some(strides)
+        }
+    };
+    let scale = match a.scalar_opt("scale")? {
+        Some(s) => s.as_f64(),
+        None => 1.0 / (head_dim as f64).sqrt(),
+    };
+    Ok(OpParams::Attention(AttentionParams {
+        batch,
+        heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim,
+        causal: a.bool_or("is_causal", false)?,
+        scale,
+        mask_strides,
+    }))
+}
+
 fn embedding(a: &Attrs<'_>, num_weights: u64) -> Result<OpParams> {
     let padding_idx = a.int_or("padding_idx", -1)?;
     Ok(OpParams::Embedding {
@@ -778,6 +856,18 @@ pub(crate) fn extract(
         NativeGroupNorm => {
             ins.count(3)?;
             group_norm(a, ins.input(0)?)?
+        }
+        ScaledDotProductAttention => {
+            // query, key, value, attn_mask?
+            ins.count(4)?;
+            let (q, k, v) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
+            attention(a, q, k, v, ins.optional(3))?
+        }
+        ScaledDotProductAttentionBackward => {
+            // grad_out, query, key, value, out, logsumexp, attn_mask?
+            ins.count(7)?;
+            let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
+            attention(a, q, k, v, ins.optional(6))?
         }
         NativeBatchNorm => {
             // input, weight?, bias?, running_mean, running_var

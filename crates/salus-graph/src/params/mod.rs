@@ -295,6 +295,9 @@ pub enum OpParams {
         /// `eps` (float).
         eps: f64,
     },
+    /// `_scaled_dot_product_flash_attention_for_cpu` and its backward: softmax attention
+    /// of `q_len` queries over `kv_len` keys in each of `batch * heads` heads.
+    Attention(AttentionParams),
     /// `max_pool2d_with_indices(_backward)`, `avg_pool2d(_backward)`.
     Pool(PoolParams),
     /// `_adaptive_avg_pool2d`.
@@ -441,4 +444,32 @@ pub fn wrap_dims(ds: &[i64], rank: usize) -> Result<Vec<usize>, String> {
         out.push(d);
     }
     Ok(out)
+}
+
+/// The geometry of fused scaled-dot-product attention: query `[batch, heads, q_len,
+/// head_dim]`, key `[batch, heads, kv_len, head_dim]`, value `[batch, heads, kv_len,
+/// v_dim]`; output `[batch, heads, q_len, v_dim]` and the f32 log-sum-exp of each query's
+/// scores `[batch, heads, q_len]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionParams {
+    /// `B`.
+    pub batch: u64,
+    /// `H`.
+    pub heads: u64,
+    /// `L`: queries per head.
+    pub q_len: u64,
+    /// `S`: keys (and values) per head.
+    pub kv_len: u64,
+    /// `E`: the length of a query and a key.
+    pub head_dim: u64,
+    /// `Ev`: the length of a value.
+    pub v_dim: u64,
+    /// `is_causal`: query i attends to keys 0..=i.
+    pub causal: bool,
+    /// `scale` (default `1 / sqrt(head_dim)`): scores are `scale * q . k`.
+    pub scale: f64,
+    /// `attn_mask`'s element strides over (batch, heads, query, key), 0 along the dims it
+    /// broadcasts over; `None` without a mask. A bool mask keeps the scores where it is
+    /// true; a float mask is added to them.
+    pub mask_strides: Option<[u64; 4]>,
 }

@@ -1,0 +1,209 @@
+//! Fused scaled-dot-product attention, forward and backward, in f64: each query's scores
+//! over the keys, their softmax, and the weighted values; the backward recomputes the
+//! softmax from the forward's log-sum-exp.
+
+use salus_graph::AttentionParams;
+
+use super::{Arg, Out, Result, load, numel, store, tensor};
+
+/// A tensor argument's values as f64 (`None` when absent).
+fn values(args: &[Arg<'_>], k: usize) -> Result<Option<Vec<f64>>> {
+    match args.get(k) {
+        Some(Arg::Tensor(ty, bytes)) => Ok(Some(
+            (0..numel(&ty.shape))
+                .map(|i| load(bytes, ty.dtype, i))
+                .collect(),
+        )),
+        None | Some(Arg::Absent) => Ok(None),
+        Some(_) => Err(format!("input {k} must be a tensor")),
+    }
+}
+
+fn need(args: &[Arg<'_>], k: usize, what: &str, len: usize) -> Result<Vec<f64>> {
+    let v = values(args, k)?.ok_or_else(|| format!("{what} must be a tensor"))?;
+    if v.len() != len {
+        let (ty, _) = tensor(args, k)?;
+        return Err(format!("{what} {ty} must have {len} elements"));
+    }
+    Ok(v)
+}
+
+/// The scores of one head: `scale * q_i . k_j`, the mask added (float) or applied (bool:
+/// false drops the score), and causal rows cut after the diagonal; `-inf` where dropped.
+struct Scores<'a> {
+    p: &'a AttentionParams,
+    q: &'a [f64],
+    k: &'a [f64],
+    /// The mask's values and whether it is bool.
+    mask: Option<(&'a [f64], bool)>,
+}
+
+impl Scores<'_> {
+    fn at(&self, b: usize, h: usize, i: usize, j: usize) -> f64 {
+        let p = self.p;
+        let (l, s, e) = (p.q_len as usize, p.kv_len as usize, p.head_dim as usize);
+        if p.causal && j > i {
+            return f64::NEG_INFINITY;
+        }
+        let head = b * p.heads as usize + h;
+        let (qi, kj) = ((head * l + i) * e, (head * s + j) * e);
+        let mut v = self.p.scale * (0..e).map(|d| self.q[qi + d] * self.k[kj + d]).sum::<f64>();
+        if let (Some((mask, bool)), Some(st)) = (self.mask, p.mask_strides) {
+            let at = b as u64 * st[0] + h as u64 * st[1] + i as u64 * st[2] + j as u64 * st[3];
+            let m = mask[at as usize];
+            if bool {
+                if m == 0.0 {
+                    return f64::NEG_INFINITY;
+                }
+            } else {
+                v += m;
+            }
+        }
+        v
+    }
+}
+
+fn mask_of<'a>(args: &'a [Arg<'a>], k: usize) -> Result<Option<(Vec<f64>, bool)>> {
+    let bool =
+        matches!(args.get(k), Some(Arg::Tensor(ty, _)) if ty.dtype == salus_graph::DType::Bool);
+    Ok(values(args, k)?.map(|v| (v, bool)))
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask?)`: (output,
+/// logsumexp). A query whose every score is dropped gets NaN outputs and a log-sum-exp of
+/// `-inf`, as the softmax of nothing.
+pub(super) fn attention(
+    p: &AttentionParams,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (bh, l, s) = (
+        (p.batch * p.heads) as usize,
+        p.q_len as usize,
+        p.kv_len as usize,
+    );
+    let (e, ev) = (p.head_dim as usize, p.v_dim as usize);
+    let q = need(args, 0, "query", bh * l * e)?;
+    let k = need(args, 1, "key", bh * s * e)?;
+    let v = need(args, 2, "value", bh * s * ev)?;
+    let mask = mask_of(args, 3)?;
+    let scores = Scores {
+        p,
+        q: &q,
+        k: &k,
+        mask: mask.as_ref().map(|(m, b)| (&m[..], *b)),
+    };
+    let mut out = vec![0.0; bh * l * ev];
+    let mut lse = vec![0.0; bh * l];
+    let mut row = vec![0.0; s];
+    for head in 0..bh {
+        let (b, h) = (head / p.heads as usize, head % p.heads as usize);
+        for i in 0..l {
+            for (j, r) in row.iter_mut().enumerate() {
+                *r = scores.at(b, h, i, j);
+            }
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let o = &mut out[(head * l + i) * ev..(head * l + i + 1) * ev];
+            if m == f64::NEG_INFINITY {
+                o.fill(f64::NAN);
+                lse[head * l + i] = f64::NEG_INFINITY;
+                continue;
+            }
+            let mut sum = 0.0;
+            for (j, r) in row.iter().enumerate() {
+                let w = (r - m).exp();
+                sum += w;
+                let vj = &v[(head * s + j) * ev..(head * s + j + 1) * ev];
+                for (od, vd) in o.iter_mut().zip(vj) {
+                    *od += w * vd;
+                }
+            }
+            for od in o.iter_mut() {
+                *od /= sum;
+            }
+            lse[head * l + i] = m + sum.ln();
+        }
+    }
+    store_all(vec![out, lse], outs)
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
+/// logsumexp, attn_mask?)`: (grad_query, grad_key, grad_value). With the softmax `P`
+/// recomputed as `exp(score - logsumexp)`, `D_i = grad_out_i . out_i` and `dS = P * (grad_out
+/// v^T - D)`: `grad_query = scale * dS k`, `grad_key = scale * dS^T q`, `grad_value = P^T
+/// grad_out`.
+pub(super) fn attention_backward(
+    p: &AttentionParams,
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Result<()> {
+    let (bh, l, s) = (
+        (p.batch * p.heads) as usize,
+        p.q_len as usize,
+        p.kv_len as usize,
+    );
+    let (e, ev) = (p.head_dim as usize, p.v_dim as usize);
+    let go = need(args, 0, "grad_out", bh * l * ev)?;
+    let q = need(args, 1, "query", bh * l * e)?;
+    let k = need(args, 2, "key", bh * s * e)?;
+    let v = need(args, 3, "value", bh * s * ev)?;
+    let o = need(args, 4, "out", bh * l * ev)?;
+    let lse = need(args, 5, "logsumexp", bh * l)?;
+    let mask = mask_of(args, 6)?;
+    let scores = Scores {
+        p,
+        q: &q,
+        k: &k,
+        mask: mask.as_ref().map(|(m, b)| (&m[..], *b)),
+    };
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    for head in 0..bh {
+        let (b, h) = (head / p.heads as usize, head % p.heads as usize);
+        for i in 0..l {
+            let row = head * l + i;
+            let goi = &go[row * ev..(row + 1) * ev];
+            let di: f64 = goi
+                .iter()
+                .zip(&o[row * ev..(row + 1) * ev])
+                .map(|(a, b)| a * b)
+                .sum();
+            for j in 0..s {
+                let sc = scores.at(b, h, i, j);
+                if sc == f64::NEG_INFINITY {
+                    continue;
+                }
+                let pij = (sc - lse[row]).exp();
+                let kv = head * s + j;
+                let vj = &v[kv * ev..(kv + 1) * ev];
+                let dp: f64 = goi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                let ds = pij * (dp - di) * p.scale;
+                for d in 0..e {
+                    dq[row * e + d] += ds * k[kv * e + d];
+                    dk[kv * e + d] += ds * q[row * e + d];
+                }
+                for d in 0..ev {
+                    dv[kv * ev + d] += pij * goi[d];
+                }
+            }
+        }
+    }
+    store_all(vec![dq, dk, dv], outs)
+}
+
+fn store_all(results: Vec<Vec<f64>>, outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    for (k, data) in results.into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            if numel(&out.ty.shape) != data.len() {
+                return Err(format!(
+                    "output {k} {} must have {} elements",
+                    out.ty,
+                    data.len()
+                ));
+            }
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,227 @@
+// ------------------------------------------------------------------------------------
+// Fused scaled-dot-product attention over heads of [L, E] queries, [S, E] keys and
+// [S, Ev] values (E, Ev <= ATT_MAXD), in f32, never forming the [L, S] score matrix:
+//   attn_fwd: a block per 16 queries of one head, two queries per warp; key and value
+//     tiles of 32 in shared memory; each lane scores one key of the tile, an online
+//     softmax (running max and sum) rescales the output, which lanes hold by dimension;
+//     writes the output and each query's log-sum-exp;
+//   attn_bwd_dq: a block per 8 queries, one per warp: the softmax recomputed from the
+//     log-sum-exp, D = grad_out . out (kept in the node's scratch for the next kernel) and
+//     grad_query = scale * sum_j P (grad_out . v_j - D) k_j;
+//   attn_bwd_dkv: a block per 8 keys, one per warp, over tiles of 32 queries:
+//     grad_value = sum_i P grad_out_i and grad_key = scale * sum_i dS q_i.
+// Sums run in a fixed order: no atomics, the same result every run.
+
+#define ATT_TILE 32
+#define ATT_DPL (ATT_MAXD / 32)
+#define ATT_WARPS (BLOCK / 32)
+#define ATT_ROWS 2  // queries per warp in the forward: 16 per block (lower/attention.rs)
+#define ATT_QROWS (ATT_WARPS * ATT_ROWS)
+#define ATT_NEG_INF (-__int_as_float(0x7f800000))
+
+// What the mask and causality add to the score of query i and key j of head (b, h):
+// 0, -inf (dropped) or the float mask's value.
+__device__ float att_mask(const AttentionArgs& a, i64 b, i64 h, i64 i, i64 j) {
+    if (a.causal && j > i) return ATT_NEG_INF;
+    if (!a.mask) return 0.0f;
+    i64 at = b * a.ms[0] + h * a.ms[1] + i * a.ms[2] + j * a.ms[3];
+    double m = ld(a.mask, a.mdt, at);
+    if (a.mdt == DT_BOOL) return m != 0.0 ? 0.0f : ATT_NEG_INF;
+    return (float)m;
+}
+
+// Loads `rows` rows of `len` elements of `p` (dtype dt), from row `first` of a head whose
+// rows start at element `head_base`, into sh (row stride `stride`); rows past `limit`
+// read as 0.
+__device__ void att_load(float* sh, i64 stride, u64 p, i64 dt, i64 head_base, i64 first,
+                         i64 rows, i64 limit, i64 len) {
+    for (i64 t = threadIdx.x; t < rows * len; t += BLOCK) {
+        i64 r = t / len, d = t % len, row = first + r;
+        sh[r * stride + d] = row < limit ? (float)ld(p, dt, head_base + row * len + d) : 0.0f;
+    }
+}
+
+extern "C" __global__ void attn_fwd(const AttentionArgs a) {
+    __shared__ float ks[ATT_TILE * (ATT_MAXD + 1)];
+    __shared__ float vs[ATT_TILE * ATT_MAXD];
+    __shared__ float qs[ATT_QROWS * ATT_MAXD];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float scale = (float)a.scale;
+    i64 qtiles = (a.lq + ATT_QROWS - 1) / ATT_QROWS;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
+        i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
+        i64 i0 = (blk % qtiles) * ATT_QROWS;
+        __syncthreads();
+        att_load(qs, ATT_MAXD, a.q, a.qdt, head * a.lq * a.e, i0, ATT_QROWS, a.lq, a.e);
+        float m[ATT_ROWS], l[ATT_ROWS], acc[ATT_ROWS][ATT_DPL];
+        for (int rr = 0; rr < ATT_ROWS; rr++) {
+            m[rr] = ATT_NEG_INF;
+            l[rr] = 0.0f;
+            for (int t = 0; t < ATT_DPL; t++) acc[rr][t] = 0.0f;
+        }
+        i64 kend = a.lk;
+        if (a.causal && i0 + ATT_QROWS < kend) kend = i0 + ATT_QROWS;
+        for (i64 j0 = 0; j0 < kend; j0 += ATT_TILE) {
+            __syncthreads();
+            att_load(ks, ATT_MAXD + 1, a.k, a.kdt, head * a.lk * a.e, j0, ATT_TILE, a.lk, a.e);
+            att_load(vs, ATT_MAXD, a.v, a.vdt, head * a.lk * a.ev, j0, ATT_TILE, a.lk, a.ev);
+            __syncthreads();
+            i64 j = j0 + lane;
+            for (int rr = 0; rr < ATT_ROWS; rr++) {
+                int r = warp * ATT_ROWS + rr;
+                i64 i = i0 + r;
+                float sc = ATT_NEG_INF;
+                if (i < a.lq && j < a.lk) {
+                    float dot = 0.0f;
+                    for (i64 d = 0; d < a.e; d++) dot += qs[r * ATT_MAXD + d] * ks[lane * (ATT_MAXD + 1) + d];
+                    sc = scale * dot + att_mask(a, b, h, i, j);
+                }
+                float mnew = fmaxf(m[rr], warp_max_f(sc));
+                float p = sc == ATT_NEG_INF ? 0.0f : expf(sc - mnew);
+                float alpha = m[rr] == ATT_NEG_INF ? 0.0f : expf(m[rr] - mnew);
+                l[rr] = l[rr] * alpha + warp_sum_f(p);
+                for (int t = 0; t < ATT_DPL; t++) acc[rr][t] *= alpha;
+                for (int jj = 0; jj < ATT_TILE; jj++) {
+                    float pj = __shfl_sync(0xffffffffu, p, jj);
+                    for (int t = 0; t < ATT_DPL; t++) {
+                        int d = lane + 32 * t;
+                        if (d < a.ev) acc[rr][t] += pj * vs[jj * ATT_MAXD + d];
+                    }
+                }
+                m[rr] = mnew;
+            }
+        }
+        for (int rr = 0; rr < ATT_ROWS; rr++) {
+            i64 i = i0 + warp * ATT_ROWS + rr;
+            if (i >= a.lq) continue;
+            for (int t = 0; t < ATT_DPL; t++) {
+                int d = lane + 32 * t;
+                if (d < a.ev && a.o)
+                    st(a.o, a.odt, (head * a.lq + i) * a.ev + d,
+                       l[rr] > 0.0f ? acc[rr][t] / l[rr] : __int_as_float(0x7fc00000));
+            }
+            if (lane == 0 && a.lse)
+                st(a.lse, a.lsedt, head * a.lq + i, l[rr] > 0.0f ? m[rr] + logf(l[rr]) : ATT_NEG_INF);
+        }
+    }
+}
+
+extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
+    __shared__ float ks[ATT_TILE * (ATT_MAXD + 1)];
+    __shared__ float vs[ATT_TILE * (ATT_MAXD + 1)];
+    __shared__ float qs[ATT_WARPS * ATT_MAXD];
+    __shared__ float gs[ATT_WARPS * ATT_MAXD];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float scale = (float)a.scale;
+    i64 qtiles = (a.lq + ATT_WARPS - 1) / ATT_WARPS;
+    float* delta = (float*)a.delta;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
+        i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
+        i64 i0 = (blk % qtiles) * ATT_WARPS, i = i0 + warp;
+        __syncthreads();
+        att_load(qs, ATT_MAXD, a.q, a.qdt, head * a.lq * a.e, i0, ATT_WARPS, a.lq, a.e);
+        att_load(gs, ATT_MAXD, a.go, a.godt, head * a.lq * a.ev, i0, ATT_WARPS, a.lq, a.ev);
+        __syncthreads();
+        // D_i = grad_out_i . out_i, lanes over the value dims.
+        float di = 0.0f, lse = 0.0f;
+        if (i < a.lq) {
+            for (i64 d = lane; d < a.ev; d += 32)
+                di += gs[warp * ATT_MAXD + d] * (float)ld(a.o, a.odt, (head * a.lq + i) * a.ev + d);
+            lse = (float)ld(a.lse, a.lsedt, head * a.lq + i);
+        }
+        di = warp_sum_f(di);
+        if (lane == 0 && i < a.lq) delta[head * a.lq + i] = di;
+        float acc[ATT_DPL];
+        for (int t = 0; t < ATT_DPL; t++) acc[t] = 0.0f;
+        i64 kend = a.lk;
+        if (a.causal && i0 + ATT_WARPS < kend) kend = i0 + ATT_WARPS;
+        for (i64 j0 = 0; j0 < kend; j0 += ATT_TILE) {
+            __syncthreads();
+            att_load(ks, ATT_MAXD + 1, a.k, a.kdt, head * a.lk * a.e, j0, ATT_TILE, a.lk, a.e);
+            att_load(vs, ATT_MAXD + 1, a.v, a.vdt, head * a.lk * a.ev, j0, ATT_TILE, a.lk, a.ev);
+            __syncthreads();
+            i64 j = j0 + lane;
+            float ds = 0.0f;
+            if (i < a.lq && j < a.lk) {
+                float dot = 0.0f, dp = 0.0f;
+                for (i64 d = 0; d < a.e; d++) dot += qs[warp * ATT_MAXD + d] * ks[lane * (ATT_MAXD + 1) + d];
+                for (i64 d = 0; d < a.ev; d++) dp += gs[warp * ATT_MAXD + d] * vs[lane * (ATT_MAXD + 1) + d];
+                float sc = scale * dot + att_mask(a, b, h, i, j);
+                float p = sc == ATT_NEG_INF ? 0.0f : expf(sc - lse);
+                ds = p * (dp - di);
+            }
+            for (int jj = 0; jj < ATT_TILE; jj++) {
+                float dsj = __shfl_sync(0xffffffffu, ds, jj);
+                for (int t = 0; t < ATT_DPL; t++) {
+                    int d = lane + 32 * t;
+                    if (d < a.e) acc[t] += dsj * ks[jj * (ATT_MAXD + 1) + d];
+                }
+            }
+        }
+        if (i < a.lq && a.dq)
+            for (int t = 0; t < ATT_DPL; t++) {
+                int d = lane + 32 * t;
+                if (d < a.e) st(a.dq, a.dqdt, (head * a.lq + i) * a.e + d, scale * acc[t]);
+            }
+    }
+}
+
+extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
+    __shared__ float qs[ATT_TILE * (ATT_MAXD + 1)];
+    __shared__ float gs[ATT_TILE * (ATT_MAXD + 1)];
+    __shared__ float kb[ATT_WARPS * ATT_MAXD];
+    __shared__ float vb[ATT_WARPS * ATT_MAXD];
+    __shared__ float lses[ATT_TILE];
+    __shared__ float deltas[ATT_TILE];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float scale = (float)a.scale;
+    i64 ktiles = (a.lk + ATT_WARPS - 1) / ATT_WARPS;
+    const float* delta = (const float*)a.delta;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * ktiles; blk += gridDim.x) {
+        i64 head = blk / ktiles, b = head / a.heads, h = head % a.heads;
+        i64 j0 = (blk % ktiles) * ATT_WARPS, j = j0 + warp;
+        __syncthreads();
+        att_load(kb, ATT_MAXD, a.k, a.kdt, head * a.lk * a.e, j0, ATT_WARPS, a.lk, a.e);
+        att_load(vb, ATT_MAXD, a.v, a.vdt, head * a.lk * a.ev, j0, ATT_WARPS, a.lk, a.ev);
+        float dk[ATT_DPL], dv[ATT_DPL];
+        for (int t = 0; t < ATT_DPL; t++) dk[t] = dv[t] = 0.0f;
+        // Causal: queries before the block's first key see none of its keys.
+        i64 qstart = a.causal ? (j0 / ATT_TILE) * ATT_TILE : 0;
+        for (i64 q0 = qstart; q0 < a.lq; q0 += ATT_TILE) {
+            __syncthreads();
+            att_load(qs, ATT_MAXD + 1, a.q, a.qdt, head * a.lq * a.e, q0, ATT_TILE, a.lq, a.e);
+            att_load(gs, ATT_MAXD + 1, a.go, a.godt, head * a.lq * a.ev, q0, ATT_TILE, a.lq, a.ev);
+            if (threadIdx.x < ATT_TILE) {
+                i64 i = q0 + threadIdx.x;
+                lses[threadIdx.x] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : 0.0f;
+                deltas[threadIdx.x] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
+            }
+            __syncthreads();
+            i64 i = q0 + lane;
+            float p = 0.0f, ds = 0.0f;
+            if (i < a.lq && j < a.lk) {
+                float dot = 0.0f, dp = 0.0f;
+                for (i64 d = 0; d < a.e; d++) dot += qs[lane * (ATT_MAXD + 1) + d] * kb[warp * ATT_MAXD + d];
+                for (i64 d = 0; d < a.ev; d++) dp += gs[lane * (ATT_MAXD + 1) + d] * vb[warp * ATT_MAXD + d];
+                float sc = scale * dot + att_mask(a, b, h, i, j);
+                p = sc == ATT_NEG_INF ? 0.0f : expf(sc - lses[lane]);
+                ds = p * (dp - deltas[lane]);
+            }
+            for (int ii = 0; ii < ATT_TILE; ii++) {
+                float pi = __shfl_sync(0xffffffffu, p, ii);
+                float dsi = __shfl_sync(0xffffffffu, ds, ii);
+                for (int t = 0; t < ATT_DPL; t++) {
+                    int d = lane + 32 * t;
+                    if (d < a.ev) dv[t] += pi * gs[ii * (ATT_MAXD + 1) + d];
+                    if (d < a.e) dk[t] += dsi * qs[ii * (ATT_MAXD + 1) + d];
+                }
+            }
+        }
+        if (j < a.lk)
+            for (int t = 0; t < ATT_DPL; t++) {
+                int d = lane + 32 * t;
+                if (d < a.e && a.dk) st(a.dk, a.dkdt, (head * a.lk + j) * a.e + d, scale * dk[t]);
+                if (d < a.ev && a.dv) st(a.dv, a.dvdt, (head * a.lk + j) * a.ev + d, dv[t]);
+            }
+    }
+}
