@@ -488,8 +488,9 @@ device_struct! {
     /// queries and `lk` keys, of `e` (query and key) and `ev` (value) elements: `q`, `k`,
     /// `v` the inputs, `o` and `lse` the forward's results (read by the backward), `go` the
     /// gradient of `o`, `dq`/`dk`/`dv` the backward's results; `mask` (0: none, `mdt`
-    /// bool or float) with element strides `ms` over (batch, head, query, key); `delta`
-    /// the backward's scratch (f32 per query). Absent tensors are 0.
+    /// bool or float) with element strides `ms` over (batch, head, query, key); scratch:
+    /// `delta` (an f32 per query), `s` and `dp` (f32 `[batch * heads * lq, lk]` scores,
+    /// probabilities and their gradients, on the cuBLAS path). Absent tensors are 0.
     #[derive(Default)]
     struct AttentionArgs {
         batch: i64,
@@ -522,6 +523,8 @@ device_struct! {
         dv: u64,
         dvdt: i64,
         delta: u64,
+        s: u64,
+        dp: u64,
     }
 }
 
@@ -989,6 +992,11 @@ kernels! {
     AttentionForward = "attn_fwd" (AttentionArgs),
     AttentionBackwardQuery = "attn_bwd_dq" (AttentionArgs),
     AttentionBackwardKeyValue = "attn_bwd_dkv" (AttentionArgs),
+    // Attention through cuBLAS products: the row kernels between them.
+    AttentionSoftmaxRows = "attn_softmax_rows" (AttentionArgs),
+    AttentionProbsRows = "attn_probs_rows" (AttentionArgs),
+    AttentionDeltaRows = "attn_delta_rows" (AttentionArgs),
+    AttentionScoreGradRows = "attn_dscores_rows" (AttentionArgs),
 }
 
 // ------------------------------------------------------------------------------------

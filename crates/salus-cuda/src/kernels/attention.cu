@@ -225,3 +225,96 @@ extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
             }
     }
 }
+
+// ------------------------------------------------------------------------------------
+// Attention through cuBLAS products (f32, when the node's scratch holds the scores): the
+// row kernels between the products, over `batch * heads * lq` rows of `lk` scores in the
+// scratch `s` (each row's (b, h, i) from its index); a warp per row up to ROW_WARP_MAX
+// scores, else a block.
+
+// The row's head indices.
+#define ATT_ROW_HEAD(r)                                                                 \
+    i64 head = (r) / a.lq, i = (r) % a.lq, b = head / a.heads, h = head % a.heads;
+
+// Scores (already scaled) to probabilities in place, masked ones 0, and each row's
+// log-sum-exp; a row with every score dropped gets NaN probabilities and -inf.
+extern "C" __global__ void attn_softmax_rows(const AttentionArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.lk <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    float* s = (float*)a.s;
+    ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
+        ATT_ROW_HEAD(r)
+        float* row = s + r * a.lk;
+        float m = ATT_NEG_INF;
+        for (i64 j = t; j < a.lk; j += nt) m = fmaxf(m, row[j] + att_mask(a, b, h, i, j));
+        m = row_max_f(m, pw, sh);
+        float sum = 0.0f;
+        if (m != ATT_NEG_INF)
+            for (i64 j = t; j < a.lk; j += nt) {
+                float x = row[j] + att_mask(a, b, h, i, j);
+                sum += x == ATT_NEG_INF ? 0.0f : expf(x - m);
+            }
+        sum = row_sum_f(sum, pw, sh);
+        for (i64 j = t; j < a.lk; j += nt) {
+            float x = row[j] + att_mask(a, b, h, i, j);
+            row[j] = m == ATT_NEG_INF ? __int_as_float(0x7fc00000)
+                                      : (x == ATT_NEG_INF ? 0.0f : expf(x - m) / sum);
+        }
+        if (t == 0 && a.lse)
+            st(a.lse, a.lsedt, r, m == ATT_NEG_INF ? ATT_NEG_INF : m + logf(sum));
+    }
+}
+
+// Scores (already scaled) to the forward's probabilities in place, from its log-sum-exp:
+// exp(score + mask - lse), 0 where dropped (and for a row with every score dropped).
+extern "C" __global__ void attn_probs_rows(const AttentionArgs a) {
+    bool pw = a.lk <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    float* s = (float*)a.s;
+    ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
+        ATT_ROW_HEAD(r)
+        float lse = (float)ld(a.lse, a.lsedt, r);
+        float* row = s + r * a.lk;
+        for (i64 j = t; j < a.lk; j += nt) {
+            float x = row[j] + att_mask(a, b, h, i, j);
+            row[j] = (x == ATT_NEG_INF || lse == ATT_NEG_INF) ? 0.0f : expf(x - lse);
+        }
+    }
+}
+
+// D = grad_out . out per row, into `delta`: a warp or block per row of `ev`.
+extern "C" __global__ void attn_delta_rows(const AttentionArgs a) {
+    __shared__ float sh[32];
+    bool pw = a.ev <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    float* delta = (float*)a.delta;
+    ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
+        float d = 0.0f;
+        for (i64 k = t; k < a.ev; k += nt)
+            d += (float)ld(a.go, a.godt, r * a.ev + k) * (float)ld(a.o, a.odt, r * a.ev + k);
+        d = row_sum_f(d, pw, sh);
+        if (t == 0) delta[r] = d;
+    }
+}
+
+// dS = P * (dP - D) * scale in place over dP (`dp`), P in `s`.
+extern "C" __global__ void attn_dscores_rows(const AttentionArgs a) {
+    bool pw = a.lk <= ROW_WARP_MAX;
+    int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+    int nt = pw ? 32 : (int)blockDim.x;
+    const float* p = (const float*)a.s;
+    float* dp = (float*)a.dp;
+    const float* delta = (const float*)a.delta;
+    float scale = (float)a.scale;
+    ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
+        float d = delta[r];
+        for (i64 j = t; j < a.lk; j += nt) {
+            i64 at = r * a.lk + j;
+            dp[at] = p[at] * (dp[at] - d) * scale;
+        }
+    }
+}

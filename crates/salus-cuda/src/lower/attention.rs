@@ -1,11 +1,50 @@
-//! Fused scaled-dot-product attention, forward and backward (`attention.cu`): the score
-//! matrix is never formed; the backward keeps one f32 per query (`D = grad_out . out`) in
-//! the node's scratch.
+//! Scaled-dot-product attention, forward and backward (`attention.cu`), two ways:
+//!
+//! - **through cuBLAS** (f32, the scores of the node within [`SCORES_MAX_BYTES`]): the
+//!   scores `scale * q k^T` as one strided-batched product into the node's scratch, the
+//!   softmax (with mask and causality) in place by a row kernel, then `P v`; the backward
+//!   recomputes the probabilities from the log-sum-exp and runs its four products the
+//!   same way, with `dS = P (dP - D) scale` by a row kernel between them;
+//! - **fused** (16-bit inputs, or longer sequences): kernels that never form the score
+//!   matrix (an online softmax forward; a query pass and a key/value pass backward).
+//!
+//! Either way the backward keeps one f32 per query (`D = grad_out . out`) in scratch.
 
-use salus_graph::{AttentionParams, Graph, Node, Op, OpParams};
+use salus_graph::{AttentionParams, DType, Graph, Node, Op, OpParams};
 
-use super::{Lowered, Lowering, Operand, address};
+use super::reduce::row_blocks;
+use super::{Command, Lowered, Lowering, Operand, address};
 use crate::abi::{ATTENTION_MAX_DIM, AttentionArgs, BLOCK, Kernel};
+use crate::driver::{Gemm, GemmType};
+
+/// The most bytes of f32 scores (`batch * heads * q_len * kv_len * 4`) the cuBLAS path
+/// plans for one node (the backward plans twice that): beyond, the fused kernels run.
+pub(crate) const SCORES_MAX_BYTES: u64 = 2 << 30;
+
+/// Bytes of the backward's D (an f32 per query), rounded up so that the score buffers
+/// after it stay aligned.
+fn delta_bytes(p: &AttentionParams) -> u64 {
+    (p.batch * p.heads * p.q_len * 4).next_multiple_of(256)
+}
+
+fn scores_bytes(p: &AttentionParams) -> u64 {
+    p.batch * p.heads * p.q_len * p.kv_len * 4
+}
+
+/// Whether a node of these inputs' dtype runs through cuBLAS.
+fn through_cublas(p: &AttentionParams, dtype: DType) -> bool {
+    dtype == DType::F32 && scores_bytes(p) <= SCORES_MAX_BYTES
+}
+
+/// One row-major operand of a product: address, row length in memory, elements between
+/// the heads' matrices, and whether the product reads it transposed.
+#[derive(Clone, Copy)]
+struct Rm {
+    ptr: u64,
+    ld: u64,
+    stride: u64,
+    trans: bool,
+}
 
 /// Queries per block of the forward (`ATT_QROWS`: two per warp).
 const FORWARD_QUERIES: u64 = BLOCK as u64 / 32 * 2;
@@ -13,13 +52,32 @@ const FORWARD_QUERIES: u64 = BLOCK as u64 / 32 * 2;
 /// (one per warp).
 const BACKWARD_ROWS: u64 = BLOCK as u64 / 32;
 
-/// Scratch bytes of a fused-attention node on this device: the backward's D, an f32 per
-/// query (0 for other nodes).
+/// Scratch bytes of an attention node on this device (0 for other nodes): through cuBLAS
+/// the scores (the backward: D, the probabilities and their gradients); fused, the
+/// backward's D.
 pub(crate) fn attention_scratch_bytes(graph: &Graph, node: usize, params: &OpParams) -> u64 {
-    match (graph.nodes.get(node).map(|n| n.op), params) {
-        (Some(Op::ScaledDotProductAttentionBackward), OpParams::Attention(p)) => {
-            p.batch * p.heads * p.q_len * 4
-        }
+    let (Some(n), OpParams::Attention(p)) = (graph.nodes.get(node), params) else {
+        return 0;
+    };
+    let q = if n.op == Op::ScaledDotProductAttention {
+        0
+    } else {
+        1
+    };
+    let Some(dtype) = n
+        .inputs
+        .get(q)
+        .copied()
+        .flatten()
+        .map(|id| graph.tensors[id].ty.dtype)
+    else {
+        return 0;
+    };
+    let cublas = through_cublas(p, dtype);
+    match n.op {
+        Op::ScaledDotProductAttention if cublas => scores_bytes(p),
+        Op::ScaledDotProductAttentionBackward if cublas => delta_bytes(p) + 2 * scores_bytes(p),
+        Op::ScaledDotProductAttentionBackward => delta_bytes(p),
         _ => 0,
     }
 }
@@ -77,9 +135,97 @@ impl Lowering<'_> {
         (args.o, args.odt) = address(self.output(node, 0).as_ref());
         (args.lse, args.lsedt) = address(self.output(node, 1).as_ref());
         let heads = (args.batch * args.heads) as u64;
+        let p = self.attention_params()?;
+        let (scratch, len) = self.attention_scratch();
+        // (No keys: the fused kernels give every query NaN, as the CPU does.)
+        if through_cublas(&p, q.ty.dtype) && len >= scores_bytes(&p) && args.o != 0 && p.kv_len > 0
+        {
+            args.s = scratch;
+            let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
+            // S = scale * q k^T, softmax in place, out = P v.
+            let rm = |ptr, ld, rows, trans| Rm {
+                ptr,
+                ld,
+                stride: rows * ld,
+                trans,
+            };
+            let scores = rm(args.s, s, l, false);
+            self.gemm_heads(
+                (l, e, s),
+                rm(q.ptr, e, l, false),
+                rm(k.ptr, e, s, true),
+                scores,
+                p.scale,
+                heads,
+            );
+            self.launch_blocks(Kernel::AttentionSoftmaxRows, row_blocks(heads * l, s), args);
+            self.gemm_heads(
+                (l, s, ev),
+                scores,
+                rm(v.ptr, ev, s, false),
+                rm(args.o, ev, l, false),
+                1.0,
+                heads,
+            );
+            return Ok(());
+        }
         let blocks = heads * (args.lq as u64).div_ceil(FORWARD_QUERIES);
         self.launch_blocks(Kernel::AttentionForward, blocks, args);
         Ok(())
+    }
+
+    fn attention_params(&self) -> Result<AttentionParams, String> {
+        match self.params() {
+            OpParams::Attention(p) => Ok(p.clone()),
+            _ => Err("attention without its parameters".into()),
+        }
+    }
+
+    /// The node's scratch: (address, bytes).
+    fn attention_scratch(&self) -> (u64, u64) {
+        self.program
+            .plan()
+            .scratch(self.index)
+            .map_or((0, 0), |(off, len)| (self.lane + off, len))
+    }
+
+    /// `c[h] = alpha * op(a[h]) (n x k) @ op(b[h]) (k x m)` for each of `heads` heads,
+    /// row-major f32, through one strided-batched cuBLAS call (column-major: `c^T = op(b)^T
+    /// op(a)^T`, so b comes first).
+    fn gemm_heads(
+        &mut self,
+        (n, k, m): (u64, u64, u64),
+        a: Rm,
+        b: Rm,
+        c: Rm,
+        alpha: f64,
+        heads: u64,
+    ) {
+        if n == 0 || m == 0 || heads == 0 {
+            return;
+        }
+        let tf32 = self.tf32();
+        self.commands.push(Command::Gemm(Gemm {
+            ty: GemmType::F32,
+            tf32,
+            trans_a: b.trans,
+            trans_b: a.trans,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha: alpha as f32,
+            a: b.ptr,
+            lda: b.ld as i32,
+            stride_a: b.stride as i64,
+            b: a.ptr,
+            ldb: a.ld as i32,
+            stride_b: a.stride as i64,
+            beta: 0.0,
+            c: c.ptr,
+            ldc: c.ld as i32,
+            stride_c: c.stride as i64,
+            batch: heads as i32,
+        }));
     }
 
     /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value,
@@ -109,12 +255,79 @@ impl Lowering<'_> {
             }
             return Ok(());
         }
-        let need = heads * lq * 4;
-        let (delta, len) = self
-            .program
-            .plan()
-            .scratch(self.index)
-            .map_or((0, 0), |(off, len)| (self.lane + off, len));
+        let p = self.attention_params()?;
+        let need = delta_bytes(&p);
+        let (delta, len) = self.attention_scratch();
+        if through_cublas(&p, q.ty.dtype) && len >= need + 2 * scores_bytes(&p) {
+            args.delta = delta;
+            args.s = delta + need;
+            args.dp = args.s + scores_bytes(&p);
+            let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
+            let rm = |ptr, ld, rows, trans| Rm {
+                ptr,
+                ld,
+                stride: rows * ld,
+                trans,
+            };
+            let (probs, dscores) = (rm(args.s, s, l, false), rm(args.dp, s, l, false));
+            let t = |m: Rm| Rm { trans: true, ..m };
+            let rows = heads * l;
+            // D, then P again from the scores and the log-sum-exp.
+            self.launch_blocks(Kernel::AttentionDeltaRows, row_blocks(rows, ev), args);
+            self.gemm_heads(
+                (l, e, s),
+                rm(q.ptr, e, l, false),
+                rm(k.ptr, e, s, true),
+                probs,
+                p.scale,
+                heads,
+            );
+            self.launch_blocks(Kernel::AttentionProbsRows, row_blocks(rows, s), args);
+            if args.dv != 0 {
+                // grad_value = P^T grad_out.
+                self.gemm_heads(
+                    (s, l, ev),
+                    t(probs),
+                    rm(go.ptr, ev, l, false),
+                    rm(args.dv, ev, s, false),
+                    1.0,
+                    heads,
+                );
+            }
+            // dP = grad_out v^T, then dS = P (dP - D) scale in place.
+            self.gemm_heads(
+                (l, ev, s),
+                rm(go.ptr, ev, l, false),
+                rm(v.ptr, ev, s, true),
+                dscores,
+                1.0,
+                heads,
+            );
+            self.launch_blocks(Kernel::AttentionScoreGradRows, row_blocks(rows, s), args);
+            if args.dq != 0 {
+                // grad_query = dS k.
+                self.gemm_heads(
+                    (l, s, e),
+                    dscores,
+                    rm(k.ptr, e, s, false),
+                    rm(args.dq, e, l, false),
+                    1.0,
+                    heads,
+                );
+            }
+            if args.dk != 0 {
+                // grad_key = dS^T q.
+                self.gemm_heads(
+                    (s, l, e),
+                    t(dscores),
+                    rm(q.ptr, e, l, false),
+                    rm(args.dk, e, s, false),
+                    1.0,
+                    heads,
+                );
+            }
+            return Ok(());
+        }
         if len < need {
             return Err(format!(
                 "fused attention's backward needs {need} bytes of scratch and was planned \
@@ -130,5 +343,38 @@ impl Lowering<'_> {
             self.launch_blocks(Kernel::AttentionBackwardKeyValue, blocks, args);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(batch: u64, heads: u64, q_len: u64, kv_len: u64) -> AttentionParams {
+        AttentionParams {
+            batch,
+            heads,
+            q_len,
+            kv_len,
+            head_dim: 64,
+            v_dim: 64,
+            causal: false,
+            scale: 0.125,
+            mask_strides: None,
+        }
+    }
+
+    #[test]
+    fn f32_scores_within_the_cap_go_through_cublas() {
+        let gpt = params(32, 12, 512, 512);
+        assert_eq!(scores_bytes(&gpt), 32 * 12 * 512 * 512 * 4);
+        assert!(through_cublas(&gpt, DType::F32));
+        assert!(!through_cublas(&gpt, DType::Bf16), "16-bit runs fused");
+        let long = params(8, 16, 8192, 8192);
+        assert!(scores_bytes(&long) > SCORES_MAX_BYTES);
+        assert!(!through_cublas(&long, DType::F32), "long sequences run fused");
+        // D keeps the score buffers after it aligned.
+        assert_eq!(delta_bytes(&params(1, 1, 3, 5)), 256);
+        assert_eq!(delta_bytes(&gpt) % 256, 0);
     }
 }
