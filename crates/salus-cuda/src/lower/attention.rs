@@ -372,7 +372,10 @@ mod tests {
         assert!(!through_cublas(&gpt, DType::Bf16), "16-bit runs fused");
         let long = params(8, 16, 8192, 8192);
         assert!(scores_bytes(&long) > SCORES_MAX_BYTES);
-        assert!(!through_cublas(&long, DType::F32), "long sequences run fused");
+        assert!(
+            !through_cublas(&long, DType::F32),
+            "long sequences run fused"
+        );
         // D keeps the score buffers after it aligned.
         assert_eq!(delta_bytes(&params(1, 1, 3, 5)), 256);
         assert_eq!(delta_bytes(&gpt) % 256, 0);
