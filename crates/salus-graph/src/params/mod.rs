@@ -36,11 +36,13 @@
 //! assert!(!r.keepdim);
 //! ```
 
+mod attrs;
 mod extract;
 mod geometry;
 mod indexing;
 
-pub(crate) use extract::{Inputs, extract};
+pub(crate) use attrs::Inputs;
+pub(crate) use extract::extract;
 pub use geometry::{ConvParams, PoolParams};
 pub use indexing::AdvancedIndex;
 
