@@ -213,19 +213,24 @@ _BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "_batch_norm_no_update")
 
 
-def _batch_norm_whole(decomposition: Callable, train_at: int, tensors: Sequence[int]
-                      ) -> Callable:
+def _batch_norm_whole(decomposition: Callable, train_at: int, data: Sequence[int],
+                      stats: Sequence[int], required: Sequence[int]) -> Callable:
     """``decomposition`` where the IR has no batch-norm op for the call; else the op stays
-    whole (``NotImplemented`` tells make_fx to record it): training-mode f32 batch norm,
-    whose fused kernels make one pass to gather each channel's statistics and one to
-    normalise, where the decomposition makes many (``train_at``: the index of the
-    ``training``/``train`` flag; ``tensors``: the arguments that must be f32 tensors)."""
+    whole (``NotImplemented`` tells make_fx to record it): training-mode batch norm whose
+    fused kernels make one pass to gather each channel's statistics and one to normalise,
+    where the decomposition makes many. ``train_at``: the index of the ``training`` /
+    ``train`` flag; ``data``: the arguments shaped like the input (f32, or 16-bit as
+    under autocast), of one dtype; ``stats``: the per-channel tensor arguments (f32 or
+    None), of which ``required`` (the running or the saved statistics) must be there."""
     def maybe_whole(*args, **kwargs):
         whole = (len(args) > train_at and args[train_at] is True and args[0].dim() >= 2
-                 and all(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
-                         for i in tensors)
-                 and all(a is None or a.dtype == torch.float32 for a in args[:train_at]
-                         if not isinstance(a, (bool, float, int))))
+                 and all(isinstance(args[i], torch.Tensor) for i in data)
+                 and args[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+                 and all(args[i].dtype == args[0].dtype for i in data)
+                 and all(args[i] is None or (isinstance(args[i], torch.Tensor)
+                                             and args[i].dtype == torch.float32)
+                         for i in stats)
+                 and all(args[i] is not None for i in required))
         return NotImplemented if whole else decomposition(*args, **kwargs)
     return maybe_whole
 
@@ -352,9 +357,9 @@ def decomposition_table() -> dict:
     # running_var, training; backward: grad_out, input, weight?, running stats?, save_mean,
     # save_invstd, train).
     forward = aten._native_batch_norm_legit_functional.default
-    table[forward] = _batch_norm_whole(table[forward], 5, (0, 3, 4))
+    table[forward] = _batch_norm_whole(table[forward], 5, (0,), (1, 2, 3, 4), (3, 4))
     backward = aten.native_batch_norm_backward.default
-    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1, 5, 6))
+    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1), (2, 5, 6), (5, 6))
     table[aten.var_mean.correction] = _var_mean
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.native_dropout.default] = _native_dropout

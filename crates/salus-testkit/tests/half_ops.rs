@@ -50,6 +50,8 @@ const AUTOCAST_OPS: &[&str] = &[
     "max_pool2d_with_indices_backward",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_native_batch_norm_legit_functional",
+    "native_batch_norm_backward",
 ];
 
 const HALVES: [DType; 2] = [F16, Bf16];
@@ -874,7 +876,122 @@ fn attention_and_its_backward_in_half() {
     }
 }
 
+/// Batch norm under autocast: a 16-bit input with f32 weights and statistics (PyTorch's
+/// mixed batch norm). Computed wide: the output and grad_input rounded once to the half
+/// type, the statistics and the parameter gradients f32.
+#[test]
+fn batch_norm_and_its_backward_in_half() {
+    let mut rng = Rng::new(137);
+    let (n, c, inner) = (3usize, 2usize, 5usize);
+    let shape = [n as u64, c as u64, inner as u64];
+    let f32r = |v: f64| f64::from(v as f32);
+    for dtype in HALVES {
+        let x = val(dtype, &shape, rng.vec(n * c * inner, -2.0, 2.0));
+        let g = val(dtype, &shape, rng.vec(n * c * inner, -1.0, 1.0));
+        let per_channel = |rng: &mut Rng, lo, hi| val(DType::F32, &[c as u64], rng.vec(c, lo, hi));
+        let (w, b) = (
+            per_channel(&mut rng, 0.5, 1.5),
+            per_channel(&mut rng, -1.0, 1.0),
+        );
+        let (rm, rv) = (
+            per_channel(&mut rng, -0.5, 0.5),
+            per_channel(&mut rng, 0.5, 2.0),
+        );
+        let count = (n * inner) as f64;
+        let at = |img: usize, ch: usize, j: usize| (img * c + ch) * inner + j;
+        let (mut y, mut dx) = (vec![0.0; n * c * inner], vec![0.0; n * c * inner]);
+        let mut want: [Vec<f64>; 6] = Default::default();
+        for ch in 0..c {
+            let idx: Vec<usize> = (0..n)
+                .flat_map(|i| (0..inner).map(move |j| at(i, ch, j)))
+                .collect();
+            let mean = idx.iter().map(|&i| x.data[i]).sum::<f64>() / count;
+            let var = idx.iter().map(|&i| (x.data[i] - mean).powi(2)).sum::<f64>() / count;
+            let rstd = 1.0 / (var + 1e-5).sqrt();
+            let sum_dy: f64 = idx.iter().map(|&i| g.data[i]).sum();
+            let dot: f64 = idx.iter().map(|&i| g.data[i] * (x.data[i] - mean)).sum();
+            for &i in &idx {
+                y[i] = pytorch(dtype, (x.data[i] - mean) * rstd * w.data[ch] + b.data[ch]);
+                let k = rstd * rstd * dot / count;
+                dx[i] = pytorch(
+                    dtype,
+                    (g.data[i] - sum_dy / count - (x.data[i] - mean) * k) * rstd * w.data[ch],
+                );
+            }
+            want[0].push(f32r(mean));
+            want[1].push(f32r(rstd));
+            want[2].push(f32r(0.9 * rm.data[ch] + 0.1 * mean));
+            want[3].push(f32r(0.9 * rv.data[ch] + 0.1 * var * count / (count - 1.0)));
+            want[4].push(f32r(dot * rstd));
+            want[5].push(f32r(sum_dy));
+        }
+        let cs = &[c as u64][..];
+        let got = Case::new(Op::NativeBatchNorm)
+            .input(x.clone())
+            .input(w.clone())
+            .input(b)
+            .input(rm)
+            .input(rv)
+            .flag("training", true)
+            .float("momentum", 0.1)
+            .float("eps", 1e-5)
+            .output(dtype, &shape)
+            .output(DType::F32, cs)
+            .output(DType::F32, cs)
+            .output(DType::F32, cs)
+            .output(DType::F32, cs)
+            .run();
+        let what = format!("batch norm {dtype}");
+        // x - mean cancels: one unit of the half type at the terms' scale as well.
+        let t = tol(ulp(dtype).rtol, 4.0 * ulp(dtype).rtol);
+        assert_close(&got[0], &y, t, &what);
+        for k in 0..4 {
+            assert_close(
+                &got[k + 1],
+                &want[k],
+                tol(1e-6, 1e-7),
+                &format!("{what}: statistic {k}"),
+            );
+        }
+        let grads = Case::new(Op::NativeBatchNormBackward)
+            .input(g)
+            .input(x)
+            .input(w)
+            .input(val(DType::F32, cs, got[3].clone()))
+            .input(val(DType::F32, cs, got[4].clone()))
+            .input(val(DType::F32, cs, got[1].clone()))
+            .input(val(DType::F32, cs, got[2].clone()))
+            .flag("train", true)
+            .float("eps", 1e-5)
+            .attr(
+                "output_mask",
+                salus_graph::Attr::Bools(vec![true, true, true]),
+            )
+            .output(dtype, &shape)
+            .output(DType::F32, cs)
+            .output(DType::F32, cs)
+            .run();
+        assert_close(&grads[0], &dx, t, &format!("{what}: grad_input"));
+        assert_close(
+            &grads[1],
+            &want[4],
+            tol(1e-5, 1e-6),
+            &format!("{what}: grad_weight"),
+        );
+        assert_close(
+            &grads[2],
+            &want[5],
+            tol(1e-6, 1e-6),
+            &format!("{what}: grad_bias"),
+        );
+    }
+}
+
 const ALL_TESTS: &[Test] = &[
+    (
+        "batch_norm_and_its_backward_in_half",
+        batch_norm_and_its_backward_in_half,
+    ),
     (
         "attention_and_its_backward_in_half",
         attention_and_its_backward_in_half,

@@ -235,24 +235,21 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         (NativeBatchNorm, &OpParams::BatchNorm { channels, .. }) => {
             let t = ins.input(0)?;
             require_float(t, "input")?;
-            for (i, what) in [
-                (1, "weight"),
-                (2, "bias"),
-                (3, "running_mean"),
-                (4, "running_var"),
-            ] {
-                let p = if i < 3 {
-                    ins.optional(i)
-                } else {
-                    Some(ins.input(i)?)
-                };
-                if let Some(p) = p
-                    && (p.shape != [channels] || p.dtype != t.dtype)
-                {
-                    return Err(format!("{what} {p} must be [{channels}] of {}", t.dtype));
-                }
-            }
-            let stat = TensorType::new(t.dtype, vec![channels]);
+            // The statistics' dtype: running_mean's (the input's, or f32 beside a 16-bit
+            // input, as under autocast).
+            let stats = ins.input(3)?.dtype;
+            per_channel_params(
+                t,
+                stats,
+                channels,
+                &[
+                    (ins.optional(1), "weight"),
+                    (ins.optional(2), "bias"),
+                    (Some(ins.input(3)?), "running_mean"),
+                    (Some(ins.input(4)?), "running_var"),
+                ],
+            )?;
+            let stat = TensorType::new(stats, vec![channels]);
             Ok(vec![
                 t.clone(),
                 stat.clone(),
@@ -267,19 +264,18 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             if grad.shape != t.shape || grad.dtype != t.dtype {
                 return Err(format!("grad_out {grad} and input {t} must have one type"));
             }
-            for (i, what) in [(2, "weight"), (5, "save_mean"), (6, "save_invstd")] {
-                let p = if i == 2 {
-                    ins.optional(i)
-                } else {
-                    Some(ins.input(i)?)
-                };
-                if let Some(p) = p
-                    && (p.shape != [channels] || p.dtype != t.dtype)
-                {
-                    return Err(format!("{what} {p} must be [{channels}] of {}", t.dtype));
-                }
-            }
-            let param = TensorType::new(t.dtype, vec![channels]);
+            let stats = ins.input(5)?.dtype;
+            per_channel_params(
+                t,
+                stats,
+                channels,
+                &[
+                    (ins.optional(2), "weight"),
+                    (Some(ins.input(5)?), "save_mean"),
+                    (Some(ins.input(6)?), "save_invstd"),
+                ],
+            )?;
+            let param = TensorType::new(stats, vec![channels]);
             Ok(vec![t.clone(), param.clone(), param])
         }
         (Flip, OpParams::Flip { .. }) => Ok(same(ins.input(0)?)),
@@ -466,4 +462,28 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         }
         _ => Err(mismatch(op, p)),
     }
+}
+
+/// Batch norm's per-channel tensors: each `[channels]` of dtype `stats`, which is the
+/// input's, or f32 beside a 16-bit input (PyTorch's mixed batch norm, as autocast runs it).
+fn per_channel_params(
+    t: &TensorType,
+    stats: DType,
+    channels: u64,
+    params: &[(Option<&TensorType>, &str)],
+) -> Result<()> {
+    if !(stats == t.dtype || (stats == DType::F32 && matches!(t.dtype, DType::F16 | DType::Bf16))) {
+        return Err(format!(
+            "the statistics are {stats}: they must be the input's dtype ({}), or f32 beside a 16-bit input",
+            t.dtype
+        ));
+    }
+    for (p, what) in params {
+        if let Some(p) = p
+            && (p.shape != [channels] || p.dtype != stats)
+        {
+            return Err(format!("{what} {p} must be [{channels}] of {stats}"));
+        }
+    }
+    Ok(())
 }
