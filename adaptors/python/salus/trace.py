@@ -648,11 +648,65 @@ def _dense_in_order(shape, stride) -> bool:
     return True
 
 
+def _row_major(node: torch.fx.Node) -> bool:
+    """Whether the traced tensor of ``node`` is row-major from the start of its storage,
+    so that a strided view's offsets into its storage are offsets into the IR's tensor."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous() and val.storage_offset() == 0
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, val: torch.Tensor) -> torch.fx.Node:
+    new = graph.call_function(op, args)
+    new.meta["val"] = val
+    return new
+
+
+def _as_block(graph: torch.fx.Graph, node: torch.fx.Node, source: torch.fx.Node,
+              offset: int) -> None:
+    """``as_strided`` reading a dense block of a row-major tensor (``qkv_bias[n:2 * n]``
+    written through a view) as a slice of the flattened tensor, viewed to the shape."""
+    val, whole = node.meta["val"], source.meta["val"]
+    if not _row_major(source) or offset + val.numel() > whole.numel():
+        return
+    with graph.inserting_before(node):
+        flat = _call(graph, aten.view.default, (source, [whole.numel()]), whole.reshape(-1))
+        part = _call(graph, aten.slice.Tensor, (flat, 0, offset, offset + val.numel()),
+                     whole.reshape(-1)[offset:offset + val.numel()])
+        view = _call(graph, aten.view.default, (part, list(val.shape)), val)
+    node.replace_all_uses_with(view)
+
+
+def _as_block_scatter(graph: torch.fx.Graph, node: torch.fx.Node, base: torch.fx.Node,
+                      src: torch.fx.Node, offset: int) -> None:
+    """``as_strided_scatter`` writing a dense block of a row-major tensor: the flattened
+    tensor's elements before the block, the block's, and those after it, concatenated."""
+    val, whole, block = node.meta["val"], base.meta["val"], src.meta["val"]
+    n, total = block.numel(), whole.numel()
+    if not _row_major(base) or block.dtype != whole.dtype or offset + n > total:
+        return
+    flat_val = whole.reshape(-1)
+    with graph.inserting_before(node):
+        flat = _call(graph, aten.view.default, (base, [total]), flat_val)
+        pieces = []
+        if offset > 0:
+            pieces.append(_call(graph, aten.slice.Tensor, (flat, 0, 0, offset),
+                                flat_val[:offset]))
+        pieces.append(_call(graph, aten.view.default, (src, [n]), block.reshape(-1)))
+        if offset + n < total:
+            pieces.append(_call(graph, aten.slice.Tensor, (flat, 0, offset + n, total),
+                                flat_val[offset + n:]))
+        joined = pieces[0] if len(pieces) == 1 else _call(graph, aten.cat.default,
+                                                           (pieces, 0), flat_val)
+        view = _call(graph, aten.view.default, (joined, list(val.shape)), val)
+    node.replace_all_uses_with(view)
+
+
 def _drop_layouts(gm: torch.fx.GraphModule) -> None:
     """Rewrites the layout-only ops functionalization leaves (a composite that restrides
     its result for channels-last memory, and that view's update in the backward) into
     what they compute on row-major tensors: ``as_strided`` and ``as_strided_scatter`` of
-    a whole tensor in row-major order become a ``view``, ``copy`` the source cast and
+    a whole tensor in row-major order become a ``view``, of a dense block of a row-major
+    tensor a slice and a concatenation (:func:`_as_block`), ``copy`` the source cast and
     expanded to the destination, ``alias`` its input. Anything else stays, and the
     lowering names it."""
     graph = gm.graph
@@ -668,14 +722,19 @@ def _drop_layouts(gm: torch.fx.GraphModule) -> None:
             source, size, stride = node.args[:3]
             offset = node.args[3] if len(node.args) > 3 else 0
             whole = source.meta["val"].numel() == val.numel()
-            if offset or not whole or not _dense_in_order(size, stride):
+            if not _dense_in_order(size, stride):
+                continue
+            if offset or not whole:
+                _as_block(graph, node, source, offset)
                 continue
             replacement = (source, size)
         elif target is aten.as_strided_scatter.default:
             base, src, size, stride = node.args[:4]
             offset = node.args[4] if len(node.args) > 4 else 0
-            if offset or base.meta["val"].numel() != src.meta["val"].numel() \
-                    or not _dense_in_order(size, stride):
+            if not _dense_in_order(size, stride):
+                continue
+            if offset or base.meta["val"].numel() != src.meta["val"].numel():
+                _as_block_scatter(graph, node, base, src, offset)
                 continue
             replacement = (src, list(val.shape))
         elif target is aten.copy.default:

@@ -5,6 +5,7 @@
   bilinear upsampling (``scale_factor`` and ``size``, ``align_corners`` both ways),
   constant and reflection padding, max pooling and skip connections through ``cat``.
 - A model of cumulative sums, flips and elementwise maxima and minima.
+- A block of a parameter's copy written through a view (as swin v2's attention bias).
 
 Each trains 3 steps (SGD with momentum) on salusd and must be as close to the same
 steps run eagerly in float64 as eager PyTorch in float32 is (the rule of
@@ -97,13 +98,35 @@ def _scan_case():
     return model, batches
 
 
-CASES = {"unet": _unet_case, "scan": _scan_case}
+class BlockWrite(nn.Module):
+    """Swin v2's attention bias: a copy of a parameter with a dense block zeroed through a
+    view (``as_strided_scatter`` and ``as_strided`` after functionalization), then used."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(6, 12)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        bias = self.qkv.bias.clone()
+        bias[4:8].zero_()
+        return self.out(F.linear(x, self.qkv.weight, bias).relu() + bias[4:8].sum())
+
+
+def _block_case():
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(STEPS)]
+    return BlockWrite(), batches
+
+
+CASES = {"unet": _unet_case, "scan": _scan_case, "block": _block_case}
 
 # The ops each model's training step must bring (beyond those every model uses).
 NEW_OPS = {
     "unet": {"native_group_norm", "index.Tensor", "index_put", "reflection_pad2d",
              "reflection_pad2d_backward", "constant_pad_nd"},
     "scan": {"cumsum", "flip", "maximum", "minimum", "eq.Tensor", "lt.Tensor", "gt.Tensor"},
+    "block": {"slice.Tensor", "cat"},
 }
 
 
