@@ -4,7 +4,7 @@
 
 use salus_graph::AttentionParams;
 
-use super::{Arg, Out, Result, load, numel, store, tensor};
+use super::{Arg, Out, Result, load, numel, store_results, tensor};
 
 /// A tensor argument's values as f64 (`None` when absent).
 fn values(args: &[Arg<'_>], k: usize) -> Result<Option<Vec<f64>>> {
@@ -124,7 +124,7 @@ pub(super) fn attention(
             lse[head * l + i] = m + sum.ln();
         }
     }
-    store_all(vec![out, lse], outs)
+    store_results(vec![out, lse], outs)
 }
 
 /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
@@ -187,23 +187,5 @@ pub(super) fn attention_backward(
             }
         }
     }
-    store_all(vec![dq, dk, dv], outs)
-}
-
-fn store_all(results: Vec<Vec<f64>>, outs: &mut [Option<Out<'_>>]) -> Result<()> {
-    for (k, data) in results.into_iter().enumerate() {
-        if let Some(Some(out)) = outs.get_mut(k) {
-            if numel(&out.ty.shape) != data.len() {
-                return Err(format!(
-                    "output {k} {} must have {} elements",
-                    out.ty,
-                    data.len()
-                ));
-            }
-            for (i, v) in data.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
+    store_results(vec![dq, dk, dv], outs)
 }

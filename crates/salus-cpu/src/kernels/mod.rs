@@ -153,6 +153,26 @@ fn for_each_index(out_shape: &[u64], strides: &[Vec<usize>], mut f: impl FnMut(u
     }
 }
 
+/// Writes each of `results` into the output of its index, where that output is used, each
+/// checked to hold as many elements: for ops of several results.
+fn store_results(results: Vec<Vec<f64>>, outs: &mut [Option<Out<'_>>]) -> Result<()> {
+    for (k, data) in results.into_iter().enumerate() {
+        if let Some(Some(out)) = outs.get_mut(k) {
+            if numel(&out.ty.shape) != data.len() {
+                return Err(format!(
+                    "output {k} {} must have {} elements",
+                    out.ty,
+                    data.len()
+                ));
+            }
+            for (i, v) in data.into_iter().enumerate() {
+                store(out.bytes, out.ty.dtype, i, v);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn tensor<'a>(args: &'a [Arg<'a>], i: usize) -> Result<(&'a TensorType, &'a [u8])> {
     match args.get(i) {
         Some(Arg::Tensor(ty, bytes)) => Ok((ty, bytes)),

@@ -1,7 +1,7 @@
 //! Layer norm, forward and backward, group norm, and the backwards of softmax and
 //! log-softmax.
 
-use super::{Arg, Out, Result, load, numel, store, tensor};
+use super::{Arg, Out, Result, load, numel, store, store_results, tensor};
 
 /// `_softmax_backward_data` and (`log`) `_log_softmax_backward_data` along `d`:
 /// softmax: `grad_input = output * (grad - sum(grad * output))`;
@@ -105,21 +105,7 @@ pub(super) fn layer_norm_backward(
             grad_input[a * inner + j] = r * (dyw[j] - mean_dyw - xhat[j] * mean_dyw_xhat);
         }
     }
-    for (k, data) in [grad_input, grad_weight, grad_bias].into_iter().enumerate() {
-        if let Some(Some(out)) = outs.get_mut(k) {
-            if numel(&out.ty.shape) != data.len() {
-                return Err(format!(
-                    "output {k} {} must have {} elements",
-                    out.ty,
-                    data.len()
-                ));
-            }
-            for (i, v) in data.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
+    store_results(vec![grad_input, grad_weight, grad_bias], outs)
 }
 
 /// `native_layer_norm(input, weight?, bias?)` over the last dimensions `normalized`:
@@ -161,14 +147,7 @@ pub(super) fn layer_norm(
         means[a] = mean;
         rstds[a] = rstd;
     }
-    for (k, data) in [y, means, rstds].into_iter().enumerate() {
-        if let Some(Some(out)) = outs.get_mut(k) {
-            for (i, v) in data.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
+    store_results(vec![y, means, rstds], outs)
 }
 
 /// The geometry of `native_group_norm`: `batch` images of `channels` channels of `inner`
@@ -229,21 +208,7 @@ pub(super) fn group_norm(
         means[r] = mean;
         rstds[r] = rstd;
     }
-    for (k, data) in [y, means, rstds].into_iter().enumerate() {
-        if let Some(Some(out)) = outs.get_mut(k) {
-            if numel(&out.ty.shape) != data.len() {
-                return Err(format!(
-                    "output {k} {} must have {} elements",
-                    out.ty,
-                    data.len()
-                ));
-            }
-            for (i, v) in data.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
+    store_results(vec![y, means, rstds], outs)
 }
 
 /// The geometry of batch norm: `batch` images of `channels` channels of `inner` elements;
@@ -295,25 +260,6 @@ fn per_channel<'a>(
     }
 }
 
-/// Writes each of `results` into the used output of its index.
-fn store_outputs(results: Vec<Vec<f64>>, outs: &mut [Option<Out<'_>>]) -> Result<()> {
-    for (k, data) in results.into_iter().enumerate() {
-        if let Some(Some(out)) = outs.get_mut(k) {
-            if numel(&out.ty.shape) != data.len() {
-                return Err(format!(
-                    "output {k} {} must have {} elements",
-                    out.ty,
-                    data.len()
-                ));
-            }
-            for (i, v) in data.into_iter().enumerate() {
-                store(out.bytes, out.ty.dtype, i, v);
-            }
-        }
-    }
-    Ok(())
-}
-
 /// `_native_batch_norm_legit_functional(input, weight?, bias?, running_mean, running_var)`
 /// in training: per channel, `mean` and the biased `var` over its elements, `rstd =
 /// 1/sqrt(var + eps)`, `out = (x - mean) * rstd * weight + bias`; the running statistics
@@ -355,7 +301,7 @@ pub(super) fn batch_norm(
         running_var
             .push((1.0 - g.momentum) * load(rvb, rv.dtype, c) + g.momentum * var * n / (n - 1.0));
     }
-    store_outputs(vec![y, means, rstds, running_mean, running_var], outs)
+    store_results(vec![y, means, rstds, running_mean, running_var], outs)
 }
 
 /// `native_batch_norm_backward(grad_out, input, weight?, running_mean?, running_var?,
@@ -398,5 +344,5 @@ pub(super) fn batch_norm_backward(
         dw[c] = dot * rstd;
         db[c] = sum_dy;
     }
-    store_outputs(vec![dx, dw, db], outs)
+    store_results(vec![dx, dw, db], outs)
 }

@@ -46,6 +46,26 @@ struct Rm {
     trans: bool,
 }
 
+impl Rm {
+    /// Each head's `rows x ld` matrix at `ptr`, the heads one after another.
+    fn heads(ptr: u64, ld: u64, rows: u64) -> Rm {
+        Rm {
+            ptr,
+            ld,
+            stride: rows * ld,
+            trans: false,
+        }
+    }
+
+    /// The same matrices, read transposed.
+    fn t(self) -> Rm {
+        Rm {
+            trans: true,
+            ..self
+        }
+    }
+}
+
 /// Queries per block of the forward (`ATT_QROWS`: two per warp).
 const FORWARD_QUERIES: u64 = BLOCK as u64 / 32 * 2;
 /// Queries per block of the backward's query pass and keys per block of its key pass
@@ -143,17 +163,11 @@ impl Lowering<'_> {
             args.s = scratch;
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
             // S = scale * q k^T, softmax in place, out = P v.
-            let rm = |ptr, ld, rows, trans| Rm {
-                ptr,
-                ld,
-                stride: rows * ld,
-                trans,
-            };
-            let scores = rm(args.s, s, l, false);
+            let scores = Rm::heads(args.s, s, l);
             self.gemm_heads(
                 (l, e, s),
-                rm(q.ptr, e, l, false),
-                rm(k.ptr, e, s, true),
+                Rm::heads(q.ptr, e, l),
+                Rm::heads(k.ptr, e, s).t(),
                 scores,
                 p.scale,
                 heads,
@@ -162,8 +176,8 @@ impl Lowering<'_> {
             self.gemm_heads(
                 (l, s, ev),
                 scores,
-                rm(v.ptr, ev, s, false),
-                rm(args.o, ev, l, false),
+                Rm::heads(v.ptr, ev, s),
+                Rm::heads(args.o, ev, l),
                 1.0,
                 heads,
             );
@@ -263,21 +277,14 @@ impl Lowering<'_> {
             args.s = delta + need;
             args.dp = args.s + scores_bytes(&p);
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
-            let rm = |ptr, ld, rows, trans| Rm {
-                ptr,
-                ld,
-                stride: rows * ld,
-                trans,
-            };
-            let (probs, dscores) = (rm(args.s, s, l, false), rm(args.dp, s, l, false));
-            let t = |m: Rm| Rm { trans: true, ..m };
+            let (probs, dscores) = (Rm::heads(args.s, s, l), Rm::heads(args.dp, s, l));
             let rows = heads * l;
             // D, then P again from the scores and the log-sum-exp.
             self.launch_blocks(Kernel::AttentionDeltaRows, row_blocks(rows, ev), args);
             self.gemm_heads(
                 (l, e, s),
-                rm(q.ptr, e, l, false),
-                rm(k.ptr, e, s, true),
+                Rm::heads(q.ptr, e, l),
+                Rm::heads(k.ptr, e, s).t(),
                 probs,
                 p.scale,
                 heads,
@@ -287,9 +294,9 @@ impl Lowering<'_> {
                 // grad_value = P^T grad_out.
                 self.gemm_heads(
                     (s, l, ev),
-                    t(probs),
-                    rm(go.ptr, ev, l, false),
-                    rm(args.dv, ev, s, false),
+                    probs.t(),
+                    Rm::heads(go.ptr, ev, l),
+                    Rm::heads(args.dv, ev, s),
                     1.0,
                     heads,
                 );
@@ -297,8 +304,8 @@ impl Lowering<'_> {
             // dP = grad_out v^T, then dS = P (dP - D) scale in place.
             self.gemm_heads(
                 (l, ev, s),
-                rm(go.ptr, ev, l, false),
-                rm(v.ptr, ev, s, true),
+                Rm::heads(go.ptr, ev, l),
+                Rm::heads(v.ptr, ev, s).t(),
                 dscores,
                 1.0,
                 heads,
@@ -309,8 +316,8 @@ impl Lowering<'_> {
                 self.gemm_heads(
                     (l, s, e),
                     dscores,
-                    rm(k.ptr, e, s, false),
-                    rm(args.dq, e, l, false),
+                    Rm::heads(k.ptr, e, s),
+                    Rm::heads(args.dq, e, l),
                     1.0,
                     heads,
                 );
@@ -319,9 +326,9 @@ impl Lowering<'_> {
                 // grad_key = dS^T q.
                 self.gemm_heads(
                     (s, l, e),
-                    t(dscores),
-                    rm(q.ptr, e, l, false),
-                    rm(args.dk, e, s, false),
+                    dscores.t(),
+                    Rm::heads(q.ptr, e, l),
+                    Rm::heads(args.dk, e, s),
                     1.0,
                     heads,
                 );
