@@ -101,6 +101,7 @@ impl Scheduler {
             if let State::Admitted { running, .. } = &mut session.state {
                 *running = true;
             }
+            let compute_share = self.protect.started(session, self.now);
             let service = session.virtual_service;
             if let Some(lane) = self.lanes.get_mut(&lane_id) {
                 lane.running = Some(id);
@@ -108,8 +109,6 @@ impl Scheduler {
                 lane.fair_clock = lane.fair_clock.max(service);
             }
             self.unqueue(id);
-            self.on_start(id);
-            let compute_share = self.compute_share(id);
             self.actions.push(Action::StartIteration {
                 session: id,
                 lane: lane_id,

@@ -515,7 +515,7 @@ impl Scheduler {
             .get_mut(&id)
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations += 1;
-        self.on_submit(id);
+        self.protect.submitted(session, self.now);
         self.sync_run_queue(id);
         Ok(())
     }
@@ -542,15 +542,19 @@ impl Scheduler {
         };
         *running = false;
         let (lane_id, closing) = (*lane, *closing);
-        match finished {
+        let ended = match finished {
             Some(duration) => {
                 session.stats.completed_iterations += 1;
                 session.stats.attained_service += duration;
                 session.virtual_service += duration;
+                Some(self.protect.finished(session, id, duration, self.now))
             }
-            None if !closing => session.stats.pending_iterations += 1,
-            None => {}
-        }
+            None if !closing => {
+                session.stats.pending_iterations += 1;
+                None
+            }
+            None => None,
+        };
         if let Some(lane) = self.lanes.get_mut(&lane_id) {
             lane.running = None;
             if !lane.in_place() {
@@ -562,8 +566,13 @@ impl Scheduler {
             // An iteration boundary makes this session suspendable for a waiting one.
             self.admission_due = true;
         }
-        match finished {
-            Some(duration) => self.on_finish(id, duration),
+        match ended {
+            Some(ended) => {
+                self.admission_due |= ended.admission_due;
+                if ended.evaluate_health {
+                    self.evaluate_health();
+                }
+            }
             None => self.on_abandoned(id),
         }
         if closing {
@@ -580,8 +589,11 @@ impl Scheduler {
             .get_mut(&id)
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations = 0;
-        session.track = protect::Track::default();
-        self.protect.online_running.remove(&id);
+        self.forget_track(id);
+        let session = self
+            .sessions
+            .get_mut(&id)
+            .ok_or(CoreError::UnknownSession(id))?;
         match &mut session.state {
             State::Waiting(_) => {
                 self.sessions.remove(&id);

@@ -6,7 +6,7 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;
 
-use super::{Scheduler, State};
+use super::{Scheduler, Session, State};
 use crate::memory::LaneId;
 use crate::protection::{
     Controller, DeviceSample, Health, HealthMetrics, HealthState, ProtectionConfig,
@@ -31,7 +31,13 @@ pub(super) struct Protect {
     /// Offline lanes with a ready session that the gate held back.
     pub(super) held: BTreeSet<LaneId>,
     offline_running: usize,
-    pub(super) online_running: BTreeSet<SessionId>,
+    /// Offline iterations started so far: an online iteration that sees this move while it
+    /// runs had an offline one beside it.
+    offline_starts: u64,
+    /// Online iterations running now, and those of them whose session has no clean
+    /// reference yet (probing: no offline iteration starts meanwhile).
+    online_running: usize,
+    probing_running: usize,
     /// An online session waits for memory offline sessions hold: no offline iteration
     /// starts, so that they reach their boundaries and can be suspended.
     pub(super) online_starved: bool,
@@ -58,7 +64,9 @@ impl Protect {
             hold_until: Duration::ZERO,
             held: BTreeSet::new(),
             offline_running: 0,
-            online_running: BTreeSet::new(),
+            offline_starts: 0,
+            online_running: 0,
+            probing_running: 0,
             online_starved: false,
             evictions: 0,
             starved_since: None,
@@ -77,8 +85,13 @@ pub(super) struct Track {
     submitted: VecDeque<Duration>,
     /// Submission time of the iteration running now.
     running_submitted: Option<Duration>,
-    /// An offline iteration ran at some moment of the iteration running now.
+    /// An offline iteration was running when the iteration running now started.
     overlapped: bool,
+    /// The iteration running now is counted among the online iterations running (and
+    /// among the probing ones), and `Protect::offline_starts` when it started.
+    running: bool,
+    probing: bool,
+    starts_seen: u64,
     /// Its iterations' duration with no offline iteration beside them (moving average), in
     /// seconds: the reference its slowdown is measured against.
     clean: Option<f64>,
@@ -119,104 +132,6 @@ impl Scheduler {
     /// The most offline sessions may hold.
     pub(super) fn offline_limit(&self) -> u64 {
         self.protect.config.offline_limit(self.memory.usable())
-    }
-
-    pub(super) fn on_submit(&mut self, id: SessionId) {
-        let now = self.now;
-        if let Some(s) = self.sessions.get_mut(&id)
-            && s.spec.class == SessionClass::Online
-        {
-            s.track.submitted.push_back(now);
-            self.protect.last_online = Some(now);
-        }
-    }
-
-    pub(super) fn on_start(&mut self, id: SessionId) {
-        let Some(session) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        match session.spec.class {
-            SessionClass::Offline => {
-                self.protect.offline_running += 1;
-                for online in &self.protect.online_running {
-                    if let Some(s) = self.sessions.get_mut(online) {
-                        s.track.overlapped = true;
-                    }
-                }
-            }
-            SessionClass::Online => {
-                session.track.running_submitted = session.track.submitted.pop_front();
-                session.track.overlapped = self.protect.offline_running > 0;
-                self.protect.online_running.insert(id);
-            }
-        }
-    }
-
-    pub(super) fn on_finish(&mut self, id: SessionId, duration: Duration) {
-        let now = self.now;
-        let Some(session) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        match session.spec.class {
-            SessionClass::Offline => {
-                self.protect.abandoning.remove(&id);
-                self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
-                if self.online_active() {
-                    let hold = self.protect.controller.hold_after(duration);
-                    self.protect.hold_until = self.protect.hold_until.max(now + hold);
-                }
-                if self.protect.online_starved || !self.protect.health.state().runs_offline() {
-                    // At its boundary it can be suspended for the online session.
-                    self.admission_due = true;
-                }
-            }
-            SessionClass::Online => {
-                self.protect.online_running.remove(&id);
-                self.protect.last_online = Some(now);
-                let track = &mut session.track;
-                let secs = duration.as_secs_f64();
-                // An iteration with no offline iteration beside it measures no
-                // interference: it updates the reference and tells the controller all is
-                // well; only one beside offline work is a slowdown sample (so that noise
-                // of a busy host alone never evicts offline work).
-                let ratio = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
-                let slowdown = if track.overlapped {
-                    ratio
-                } else {
-                    if let Some(ratio) = ratio {
-                        self.protect.clean_ratios.push(now, ratio);
-                    }
-                    track.clean = Some(match track.clean {
-                        Some(c) => 0.8 * c + 0.2 * secs,
-                        None => secs,
-                    });
-                    None
-                };
-                let clean = !track.overlapped;
-                let submitted = track.running_submitted.take();
-                let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
-                let slo_sample = submitted.zip(slo).map(|(submitted, slo)| {
-                    now.saturating_sub(submitted).as_secs_f64() / slo.as_secs_f64()
-                });
-                if let Some(used) = slo_sample {
-                    self.protect.slo_use.push(now, used);
-                }
-                if let Some(slowdown) = slowdown {
-                    self.protect.slowdowns.push(now, slowdown);
-                }
-                if let Some(slowdown) = slowdown.or(clean.then_some(1.0)) {
-                    // Equation 1 with the online slowdown in place of SM activity: the
-                    // load the controller steers.
-                    let load = slowdown * self.clock_factor().unwrap_or(1.0);
-                    self.protect.controller.step(load, &self.protect.config);
-                }
-                // Only a new slowdown or SLO sample can move the health state here; the
-                // windows' expiry is looked at when the core wakes (`next_wakeup`).
-                if slowdown.is_some() || slo_sample.is_some() {
-                    self.evaluate_health();
-                }
-            }
-        }
     }
 
     /// An offline iteration was abandoned: it ran for nothing.
@@ -268,39 +183,6 @@ impl Scheduler {
         self.evaluate_health();
     }
 
-    fn clock_factor(&self) -> Option<f64> {
-        let (clock, highest) = self.protect.device?.sm_clock?;
-        Some(self.protect.config.clock_factor(clock, highest))
-    }
-
-    /// The share of the device's compute an iteration of `id` may use now: while online
-    /// sessions are active an offline iteration gets the offline share, and an online
-    /// iteration that starts while offline ones run gets the rest, so that the two never
-    /// ask for more than the device (on the cpu device, more threads than cores).
-    pub(super) fn compute_share(&self, id: SessionId) -> f64 {
-        if !self.protecting() {
-            return 1.0;
-        }
-        let offline = self.protect.config.offline_compute_share;
-        match self.class_of(id) {
-            SessionClass::Offline if self.online_active() => offline,
-            SessionClass::Online if self.protect.offline_running > 0 && offline < 1.0 => {
-                1.0 - offline
-            }
-            _ => 1.0,
-        }
-    }
-
-    /// True while an online session has had iterations within the window: offline work
-    /// is then held to the controller's duty.
-    fn online_active(&self) -> bool {
-        !self.protect.online_running.is_empty()
-            || self
-                .protect
-                .last_online
-                .is_some_and(|t| self.now.saturating_sub(t) <= self.protect.config.window)
-    }
-
     /// Moves the health state machine for the metrics now; a change makes admission look
     /// again (to admit or to evict offline sessions).
     pub(super) fn evaluate_health(&mut self) {
@@ -347,7 +229,7 @@ impl Scheduler {
             }),
             slo_use: self.protect.slo_use.p99(min),
             sm_activity: self.protect.device.and_then(|d| d.sm_activity),
-            clock_factor: self.clock_factor(),
+            clock_factor: self.protect.clock_factor(),
         }
     }
 
@@ -356,15 +238,10 @@ impl Scheduler {
         if !self.protecting() {
             return true;
         }
-        let probing = self.protect.online_running.iter().any(|id| {
-            self.sessions
-                .get(id)
-                .is_some_and(|s| s.track.clean.is_none())
-        });
         self.protect.health.state().runs_offline()
             && !self.protect.online_starved
             && self.now >= self.protect.hold_until
-            && !probing
+            && self.protect.probing_running == 0
     }
 
     /// Gives held offline lanes back to dispatch once the gate is open.
@@ -501,5 +378,158 @@ impl Scheduler {
         if !self.protect.started {
             self.evaluate_health();
         }
+    }
+}
+
+impl Scheduler {
+    /// Forgets what protection follows of a closing session's iterations.
+    pub(super) fn forget_track(&mut self, id: SessionId) {
+        let Some(session) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let track = std::mem::take(&mut session.track);
+        if track.running {
+            self.protect.online_running -= 1;
+            self.protect.probing_running -= usize::from(track.probing);
+        }
+    }
+}
+
+/// What an iteration's end asks of the scheduler besides the protection's own state.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Ended {
+    /// Admission should look again (an offline session at its boundary can be suspended).
+    pub admission_due: bool,
+    /// A new slowdown or SLO sample: the health state may move.
+    pub evaluate_health: bool,
+}
+
+impl Protect {
+    /// True while an online session has had iterations within the window: offline work
+    /// is then held to the controller's duty.
+    fn online_active(&self, now: Duration) -> bool {
+        self.online_running > 0
+            || self
+                .last_online
+                .is_some_and(|t| now.saturating_sub(t) <= self.config.window)
+    }
+
+    fn clock_factor(&self) -> Option<f64> {
+        let (clock, highest) = self.device?.sm_clock?;
+        Some(self.config.clock_factor(clock, highest))
+    }
+
+    /// An iteration of `session` was submitted at `now`.
+    pub(super) fn submitted(&mut self, session: &mut Session, now: Duration) {
+        if session.spec.class == SessionClass::Online {
+            session.track.submitted.push_back(now);
+            self.last_online = Some(now);
+        }
+    }
+
+    /// An iteration of `session` starts: the share of the device's compute it may use.
+    /// While online sessions are active an offline iteration gets the offline share, and
+    /// an online iteration that starts while offline ones run gets the rest, so that the
+    /// two never ask for more than the device (on the cpu device, more threads than cores).
+    pub(super) fn started(&mut self, session: &mut Session, now: Duration) -> f64 {
+        match session.spec.class {
+            SessionClass::Offline => {
+                self.offline_running += 1;
+                self.offline_starts += 1;
+            }
+            SessionClass::Online => {
+                let track = &mut session.track;
+                track.running_submitted = track.submitted.pop_front();
+                track.overlapped = self.offline_running > 0;
+                track.starts_seen = self.offline_starts;
+                track.running = true;
+                track.probing = track.clean.is_none();
+                self.online_running += 1;
+                self.probing_running += usize::from(track.probing);
+            }
+        }
+        if !self.config.enabled {
+            return 1.0;
+        }
+        let offline = self.config.offline_compute_share;
+        match session.spec.class {
+            SessionClass::Offline if self.online_active(now) => offline,
+            SessionClass::Online if self.offline_running > 0 && offline < 1.0 => 1.0 - offline,
+            _ => 1.0,
+        }
+    }
+
+    /// An iteration of `session` (`id`) finished at `now` after `duration`.
+    pub(super) fn finished(
+        &mut self,
+        session: &mut Session,
+        id: SessionId,
+        duration: Duration,
+        now: Duration,
+    ) -> Ended {
+        let mut ended = Ended::default();
+        match session.spec.class {
+            SessionClass::Offline => {
+                self.abandoning.remove(&id);
+                self.offline_running = self.offline_running.saturating_sub(1);
+                if self.online_active(now) {
+                    let hold = self.controller.hold_after(duration);
+                    self.hold_until = self.hold_until.max(now + hold);
+                }
+                // At its boundary it can be suspended for the online session.
+                ended.admission_due = self.online_starved || !self.health.state().runs_offline();
+            }
+            SessionClass::Online => {
+                self.last_online = Some(now);
+                let track = &mut session.track;
+                if track.running {
+                    self.online_running -= 1;
+                    self.probing_running -= usize::from(track.probing);
+                }
+                track.running = false;
+                // An offline iteration beside it at its start, or one started meanwhile.
+                track.overlapped |= track.starts_seen != self.offline_starts;
+                let secs = duration.as_secs_f64();
+                // An iteration with no offline iteration beside it measures no
+                // interference: it updates the reference and tells the controller all is
+                // well; only one beside offline work is a slowdown sample (so that noise
+                // of a busy host alone never evicts offline work).
+                let ratio = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
+                let slowdown = if track.overlapped {
+                    ratio
+                } else {
+                    if let Some(ratio) = ratio {
+                        self.clean_ratios.push(now, ratio);
+                    }
+                    track.clean = Some(match track.clean {
+                        Some(c) => 0.8 * c + 0.2 * secs,
+                        None => secs,
+                    });
+                    None
+                };
+                let clean = !track.overlapped;
+                let submitted = track.running_submitted.take();
+                let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
+                let slo_sample = submitted.zip(slo).map(|(submitted, slo)| {
+                    now.saturating_sub(submitted).as_secs_f64() / slo.as_secs_f64()
+                });
+                if let Some(used) = slo_sample {
+                    self.slo_use.push(now, used);
+                }
+                if let Some(slowdown) = slowdown {
+                    self.slowdowns.push(now, slowdown);
+                }
+                if let Some(slowdown) = slowdown.or(clean.then_some(1.0)) {
+                    // Equation 1 with the online slowdown in place of SM activity: the
+                    // load the controller steers.
+                    let load = slowdown * self.clock_factor().unwrap_or(1.0);
+                    self.controller.step(load, &self.config);
+                }
+                // Only a new slowdown or SLO sample can move the health state here; the
+                // windows' expiry is looked at when the core wakes (`next_wakeup`).
+                ended.evaluate_health = slowdown.is_some() || slo_sample.is_some();
+            }
+        }
+        ended
     }
 }
