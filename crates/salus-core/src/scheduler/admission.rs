@@ -269,7 +269,8 @@ impl Scheduler {
                 .copied()
         };
         if smallest_from(safe_min).is_some() {
-            if smallest_from(safe_min.max(share_min)).is_none() {
+            // (The same search again only when the share raises the bound.)
+            if share_min > safe_min && smallest_from(share_min).is_none() {
                 over_share = true;
             } else {
                 safe_somewhere = true;
