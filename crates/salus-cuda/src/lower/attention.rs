@@ -118,12 +118,6 @@ impl Lowering<'_> {
             scale,
             mask_strides,
         } = p.clone();
-        if head_dim > ATTENTION_MAX_DIM || v_dim > ATTENTION_MAX_DIM {
-            return Err(format!(
-                "the CUDA device's fused attention takes query, key and value lengths up to \
-                 {ATTENTION_MAX_DIM}, got {head_dim} and {v_dim}"
-            ));
-        }
         let mut args = AttentionArgs {
             batch: batch as i64,
             heads: heads as i64,
@@ -183,8 +177,23 @@ impl Lowering<'_> {
             );
             return Ok(());
         }
+        Self::fused_attention_fits(&p)?;
         let blocks = heads * (args.lq as u64).div_ceil(FORWARD_QUERIES);
         self.launch_blocks(Kernel::AttentionForward, blocks, args);
+        Ok(())
+    }
+
+    /// The fused kernels' tiles hold query, key and value rows of at most
+    /// [`ATTENTION_MAX_DIM`] elements.
+    fn fused_attention_fits(p: &AttentionParams) -> Lowered {
+        if p.head_dim > ATTENTION_MAX_DIM || p.v_dim > ATTENTION_MAX_DIM {
+            return Err(format!(
+                "the CUDA device's fused attention takes query, key and value lengths up to \
+                 {ATTENTION_MAX_DIM}, got {} and {} (f32 attention whose scores fit {} bytes \
+                 runs through cuBLAS without this bound)",
+                p.head_dim, p.v_dim, SCORES_MAX_BYTES
+            ));
+        }
         Ok(())
     }
 
@@ -335,6 +344,7 @@ impl Lowering<'_> {
             }
             return Ok(());
         }
+        Self::fused_attention_fits(&p)?;
         if len < need {
             return Err(format!(
                 "fused attention's backward needs {need} bytes of scratch and was planned \
