@@ -334,12 +334,13 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
 
 def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
-    explicit, and eval-mode batch norm becomes plain arithmetic), a ``var_mean`` that
-    stays within aten, ``empty``/``empty_permuted`` as zero-filled ``full``,
-    ``adaptive_avg_pool2d`` as the pooling op (not a mean and a strided view) and
-    ``hardtanh`` (ReLU6) as a clamp with its masked gradient, ``slice_scatter`` as an
-    ``index_put``; without
-    the decompositions of the ops of ``_KEPT_WHOLE``, which stay whole."""
+    explicit in the functional op, which stays whole in training where the IR has it, and
+    eval-mode batch norm becomes plain arithmetic), ``native_dropout`` as ``bernoulli.p``
+    draws, a ``var_mean`` that stays within aten, ``empty``/``empty_permuted`` as
+    zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
+    strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
+    ``slice_scatter`` as an ``index_put``; without the decompositions of the ops of
+    ``_KEPT_WHOLE`` (reflection padding, fused attention), which stay whole."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
         packet = getattr(aten, name)
