@@ -28,6 +28,32 @@ fn need(args: &[Arg<'_>], k: usize, what: &str, len: usize) -> Result<Vec<f64>> 
     Ok(v)
 }
 
+/// Heads (`batch * heads`), queries, keys, and the query and value lengths.
+fn dims(p: &AttentionParams) -> (usize, usize, usize, usize, usize) {
+    let d = |v: u64| v as usize;
+    (
+        d(p.batch * p.heads),
+        d(p.q_len),
+        d(p.kv_len),
+        d(p.head_dim),
+        d(p.v_dim),
+    )
+}
+
+/// The query, key and value at inputs `first`, `first + 1` and `first + 2`, as f64.
+fn query_key_value(
+    p: &AttentionParams,
+    args: &[Arg<'_>],
+    first: usize,
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let (bh, l, s, e, ev) = dims(p);
+    Ok((
+        need(args, first, "query", bh * l * e)?,
+        need(args, first + 1, "key", bh * s * e)?,
+        need(args, first + 2, "value", bh * s * ev)?,
+    ))
+}
+
 /// The scores of one head: `scale * q_i . k_j`, the mask added (float) or applied (bool:
 /// false drops the score), and causal rows cut after the diagonal; `-inf` where dropped.
 struct Scores<'a> {
@@ -77,15 +103,8 @@ pub(super) fn attention(
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
-    let (bh, l, s) = (
-        (p.batch * p.heads) as usize,
-        p.q_len as usize,
-        p.kv_len as usize,
-    );
-    let (e, ev) = (p.head_dim as usize, p.v_dim as usize);
-    let q = need(args, 0, "query", bh * l * e)?;
-    let k = need(args, 1, "key", bh * s * e)?;
-    let v = need(args, 2, "value", bh * s * ev)?;
+    let (bh, l, s, _, ev) = dims(p);
+    let (q, k, v) = query_key_value(p, args, 0)?;
     let mask = mask_of(args, 3)?;
     let scores = Scores {
         p,
@@ -137,16 +156,9 @@ pub(super) fn attention_backward(
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
-    let (bh, l, s) = (
-        (p.batch * p.heads) as usize,
-        p.q_len as usize,
-        p.kv_len as usize,
-    );
-    let (e, ev) = (p.head_dim as usize, p.v_dim as usize);
+    let (bh, l, s, e, ev) = dims(p);
     let go = need(args, 0, "grad_out", bh * l * ev)?;
-    let q = need(args, 1, "query", bh * l * e)?;
-    let k = need(args, 2, "key", bh * s * e)?;
-    let v = need(args, 3, "value", bh * s * ev)?;
+    let (q, k, v) = query_key_value(p, args, 1)?;
     let o = need(args, 4, "out", bh * l * ev)?;
     let lse = need(args, 5, "logsumexp", bh * l)?;
     let mask = mask_of(args, 6)?;

@@ -12,10 +12,11 @@
 
 use salus_graph::{AttentionParams, DType, Graph, Node, Op, OpParams};
 
+use super::matmul::Matrix;
 use super::reduce::row_blocks;
-use super::{Command, Lowered, Lowering, Operand, address};
+use super::{Lowered, Lowering, Operand, address};
 use crate::abi::{ATTENTION_MAX_DIM, AttentionArgs, BLOCK, Kernel};
-use crate::driver::{Gemm, GemmType};
+use crate::driver::GemmType::F32;
 
 /// The most bytes of f32 scores (`batch * heads * q_len * kv_len * 4`) the cuBLAS path
 /// plans for one node (the backward plans twice that): beyond, the fused kernels run.
@@ -34,36 +35,6 @@ fn scores_bytes(p: &AttentionParams) -> u64 {
 /// Whether a node of these inputs' dtype runs through cuBLAS.
 fn through_cublas(p: &AttentionParams, dtype: DType) -> bool {
     dtype == DType::F32 && scores_bytes(p) <= SCORES_MAX_BYTES
-}
-
-/// One row-major operand of a product: address, row length in memory, elements between
-/// the heads' matrices, and whether the product reads it transposed.
-#[derive(Clone, Copy)]
-struct Rm {
-    ptr: u64,
-    ld: u64,
-    stride: u64,
-    trans: bool,
-}
-
-impl Rm {
-    /// Each head's `rows x ld` matrix at `ptr`, the heads one after another.
-    fn heads(ptr: u64, ld: u64, rows: u64) -> Rm {
-        Rm {
-            ptr,
-            ld,
-            stride: rows * ld,
-            trans: false,
-        }
-    }
-
-    /// The same matrices, read transposed.
-    fn t(self) -> Rm {
-        Rm {
-            trans: true,
-            ..self
-        }
-    }
 }
 
 /// Queries per block of the forward (`ATT_QROWS`: two per warp).
@@ -150,29 +121,33 @@ impl Lowering<'_> {
         (args.lse, args.lsedt) = address(self.output(node, 1).as_ref());
         let heads = (args.batch * args.heads) as u64;
         let p = self.attention_params()?;
-        let (scratch, len) = self.attention_scratch();
+        let (scratch, len) = self.scratch();
         // (No keys: the fused kernels give every query NaN, as the CPU does.)
         if through_cublas(&p, q.ty.dtype) && len >= scores_bytes(&p) && args.o != 0 && p.kv_len > 0
         {
             args.s = scratch;
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
             // S = scale * q k^T, softmax in place, out = P v.
-            let scores = Rm::heads(args.s, s, l);
-            self.gemm_heads(
+            let scores = Matrix::batched(args.s, s, l);
+            self.gemm_row_major(
+                F32,
                 (l, e, s),
-                Rm::heads(q.ptr, e, l),
-                Rm::heads(k.ptr, e, s).t(),
+                Matrix::batched(q.ptr, e, l),
+                Matrix::batched(k.ptr, e, s).t(),
                 scores,
                 p.scale,
+                0.0,
                 heads,
             );
             self.launch_blocks(Kernel::AttentionSoftmaxRows, row_blocks(heads * l, s), args);
-            self.gemm_heads(
+            self.gemm_row_major(
+                F32,
                 (l, s, ev),
                 scores,
-                Rm::heads(v.ptr, ev, s),
-                Rm::heads(args.o, ev, l),
+                Matrix::batched(v.ptr, ev, s),
+                Matrix::batched(args.o, ev, l),
                 1.0,
+                0.0,
                 heads,
             );
             return Ok(());
@@ -204,53 +179,6 @@ impl Lowering<'_> {
         }
     }
 
-    /// The node's scratch: (address, bytes).
-    fn attention_scratch(&self) -> (u64, u64) {
-        self.program
-            .plan()
-            .scratch(self.index)
-            .map_or((0, 0), |(off, len)| (self.lane + off, len))
-    }
-
-    /// `c[h] = alpha * op(a[h]) (n x k) @ op(b[h]) (k x m)` for each of `heads` heads,
-    /// row-major f32, through one strided-batched cuBLAS call (column-major: `c^T = op(b)^T
-    /// op(a)^T`, so b comes first).
-    fn gemm_heads(
-        &mut self,
-        (n, k, m): (u64, u64, u64),
-        a: Rm,
-        b: Rm,
-        c: Rm,
-        alpha: f64,
-        heads: u64,
-    ) {
-        if n == 0 || m == 0 || heads == 0 {
-            return;
-        }
-        let tf32 = self.tf32();
-        self.commands.push(Command::Gemm(Gemm {
-            ty: GemmType::F32,
-            tf32,
-            trans_a: b.trans,
-            trans_b: a.trans,
-            m: m as i32,
-            n: n as i32,
-            k: k as i32,
-            alpha: alpha as f32,
-            a: b.ptr,
-            lda: b.ld as i32,
-            stride_a: b.stride as i64,
-            b: a.ptr,
-            ldb: a.ld as i32,
-            stride_b: a.stride as i64,
-            beta: 0.0,
-            c: c.ptr,
-            ldc: c.ld as i32,
-            stride_c: c.stride as i64,
-            batch: heads as i32,
-        }));
-    }
-
     /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value,
     /// out, logsumexp, attn_mask?)`.
     pub(super) fn attention_backward(&mut self, node: &Node) -> Lowered {
@@ -280,65 +208,78 @@ impl Lowering<'_> {
         }
         let p = self.attention_params()?;
         let need = delta_bytes(&p);
-        let (delta, len) = self.attention_scratch();
+        let (delta, len) = self.scratch();
         if through_cublas(&p, q.ty.dtype) && len >= need + 2 * scores_bytes(&p) {
             args.delta = delta;
             args.s = delta + need;
             args.dp = args.s + scores_bytes(&p);
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
-            let (probs, dscores) = (Rm::heads(args.s, s, l), Rm::heads(args.dp, s, l));
+            let (probs, dscores) = (
+                Matrix::batched(args.s, s, l),
+                Matrix::batched(args.dp, s, l),
+            );
             let rows = heads * l;
             // D, then P again from the scores and the log-sum-exp.
             self.launch_blocks(Kernel::AttentionDeltaRows, row_blocks(rows, ev), args);
-            self.gemm_heads(
+            self.gemm_row_major(
+                F32,
                 (l, e, s),
-                Rm::heads(q.ptr, e, l),
-                Rm::heads(k.ptr, e, s).t(),
+                Matrix::batched(q.ptr, e, l),
+                Matrix::batched(k.ptr, e, s).t(),
                 probs,
                 p.scale,
+                0.0,
                 heads,
             );
             self.launch_blocks(Kernel::AttentionProbsRows, row_blocks(rows, s), args);
             if args.dv != 0 {
                 // grad_value = P^T grad_out.
-                self.gemm_heads(
+                self.gemm_row_major(
+                    F32,
                     (s, l, ev),
                     probs.t(),
-                    Rm::heads(go.ptr, ev, l),
-                    Rm::heads(args.dv, ev, s),
+                    Matrix::batched(go.ptr, ev, l),
+                    Matrix::batched(args.dv, ev, s),
                     1.0,
+                    0.0,
                     heads,
                 );
             }
             // dP = grad_out v^T, then dS = P (dP - D) scale in place.
-            self.gemm_heads(
+            self.gemm_row_major(
+                F32,
                 (l, ev, s),
-                Rm::heads(go.ptr, ev, l),
-                Rm::heads(v.ptr, ev, s).t(),
+                Matrix::batched(go.ptr, ev, l),
+                Matrix::batched(v.ptr, ev, s).t(),
                 dscores,
                 1.0,
+                0.0,
                 heads,
             );
             self.launch_blocks(Kernel::AttentionScoreGradRows, row_blocks(rows, s), args);
             if args.dq != 0 {
                 // grad_query = dS k.
-                self.gemm_heads(
+                self.gemm_row_major(
+                    F32,
                     (l, s, e),
                     dscores,
-                    Rm::heads(k.ptr, e, s),
-                    Rm::heads(args.dq, e, l),
+                    Matrix::batched(k.ptr, e, s),
+                    Matrix::batched(args.dq, e, l),
                     1.0,
+                    0.0,
                     heads,
                 );
             }
             if args.dk != 0 {
                 // grad_key = dS^T q.
-                self.gemm_heads(
+                self.gemm_row_major(
+                    F32,
                     (s, l, e),
                     dscores.t(),
-                    Rm::heads(q.ptr, e, l),
-                    Rm::heads(args.dk, e, s),
+                    Matrix::batched(q.ptr, e, l),
+                    Matrix::batched(args.dk, e, s),
                     1.0,
+                    0.0,
                     heads,
                 );
             }

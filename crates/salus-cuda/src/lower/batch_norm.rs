@@ -80,11 +80,7 @@ impl Lowering<'_> {
         };
         let plan = BatchNormPlan::new(batch, channels, inner);
         let need = plan.scratch_bytes(channels);
-        let (part, len) = self
-            .program
-            .plan()
-            .scratch(self.index)
-            .map_or((0, 0), |(off, len)| (self.lane + off, len));
+        let (part, len) = self.scratch();
         if len < need {
             return Err(format!(
                 "batch norm needs {need} bytes of scratch and was planned with {len}: \
@@ -105,12 +101,27 @@ impl Lowering<'_> {
         Ok((args, plan.splits * channels))
     }
 
-    /// Blocks of the element pass: `BLOCK / inner` rows of (image, channel) a block when
-    /// rows are short, else a block per row.
-    fn batch_norm_apply_blocks(args: &BatchNormArgs) -> u64 {
-        let rows = (args.batch * args.channels) as u64;
-        let per = (u64::from(crate::abi::BLOCK) / args.inner.max(1) as u64).max(1);
-        rows.div_ceil(per)
+    /// Launches one direction's three kernels (`[part, finish, apply]`): the partial sums
+    /// on `part_blocks` blocks, a thread per channel, then (when the element output is
+    /// used) the element pass, `BLOCK / inner` rows of (image, channel) a block when rows
+    /// are short, else a block per row. The element walks (input, gradient, output) move
+    /// four f32 at a time where [`vec4`] allows.
+    fn launch_batch_norm(
+        &mut self,
+        mut args: BatchNormArgs,
+        part_blocks: u64,
+        kernels: [Kernel; 3],
+    ) {
+        let [part, finish, apply] = kernels;
+        let walked = [(args.x, args.xdt), (args.g, args.gdt), (args.y, args.ydt)];
+        args.vec4 = vec4(args.inner, &walked);
+        self.launch_blocks(part, part_blocks, args);
+        self.launch(finish, args.channels as u64, args);
+        if args.y != 0 {
+            let rows = (args.batch * args.channels) as u64;
+            let per = (u64::from(crate::abi::BLOCK) / args.inner.max(1) as u64).max(1);
+            self.launch_blocks(apply, rows.div_ceil(per), args);
+        }
     }
 
     /// `_native_batch_norm_legit_functional(input, weight?, bias?, running_mean,
@@ -134,13 +145,13 @@ impl Lowering<'_> {
         if x.numel() == 0 {
             return Ok(());
         }
-        args.vec4 = vec4(args.inner, &[(args.x, args.xdt), (args.y, args.ydt)]);
-        self.launch_blocks(Kernel::BatchNormForwardPart, part_blocks, args);
-        self.launch(Kernel::BatchNormForwardFinish, args.channels as u64, args);
-        if args.y != 0 {
-            let blocks = Self::batch_norm_apply_blocks(&args);
-            self.launch_blocks(Kernel::BatchNormForwardApply, blocks, args);
-        }
+        use Kernel::{BatchNormForwardApply, BatchNormForwardFinish, BatchNormForwardPart};
+        let kernels = [
+            BatchNormForwardPart,
+            BatchNormForwardFinish,
+            BatchNormForwardApply,
+        ];
+        self.launch_batch_norm(args, part_blocks, kernels);
         Ok(())
     }
 
@@ -167,14 +178,13 @@ impl Lowering<'_> {
         if total == 0 {
             return Ok(());
         }
-        let walked = [(args.g, args.gdt), (args.x, args.xdt), (args.y, args.ydt)];
-        args.vec4 = vec4(args.inner, &walked);
-        self.launch_blocks(Kernel::BatchNormBackwardPart, part_blocks, args);
-        self.launch(Kernel::BatchNormBackwardFinish, args.channels as u64, args);
-        if args.y != 0 {
-            let blocks = Self::batch_norm_apply_blocks(&args);
-            self.launch_blocks(Kernel::BatchNormBackwardApply, blocks, args);
-        }
+        use Kernel::{BatchNormBackwardApply, BatchNormBackwardFinish, BatchNormBackwardPart};
+        let kernels = [
+            BatchNormBackwardPart,
+            BatchNormBackwardFinish,
+            BatchNormBackwardApply,
+        ];
+        self.launch_batch_norm(args, part_blocks, kernels);
         Ok(())
     }
 }

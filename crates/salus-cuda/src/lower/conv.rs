@@ -84,14 +84,6 @@ fn im2col_args(conv: &ConvParams, n0: u64, count: u64, g: u64, x: u64, col: u64)
 }
 
 impl Lowering<'_> {
-    /// The node's scratch in the lane: (address, bytes).
-    fn scratch(&self) -> (u64, u64) {
-        self.program
-            .plan()
-            .scratch(self.index)
-            .map_or((0, 0), |(off, len)| (self.lane + off, len))
-    }
-
     /// Lowers the node to the cuDNN calls the device planned for it, each call's operands
     /// from `operands`; false (and nothing lowered) when it has none, or when its scratch
     /// cannot hold their workspace (a program planned without the device's scratch sizes).
@@ -169,6 +161,7 @@ impl Lowering<'_> {
                                 ptr: x.ptr + ((n0 * c_in + g * conv.in_per_group()) * l) * 4,
                                 ld: l,
                                 batch_stride: (c_in * l) as i64,
+                                trans: false,
                             }
                         } else {
                             let args = im2col_args(conv, n0, count, g, x.ptr, scratch);
@@ -177,6 +170,7 @@ impl Lowering<'_> {
                                 ptr: scratch,
                                 ld: l,
                                 batch_stride: (k * l) as i64,
+                                trans: false,
                             }
                         };
                         // y[n, g, cout_g, L] = W_g [cout_g, K] @ col [K, L], per image.
@@ -184,11 +178,13 @@ impl Lowering<'_> {
                             ptr: w.ptr + g * cout_g * k * 4,
                             ld: k,
                             batch_stride: 0,
+                            trans: false,
                         };
                         let out = Matrix {
                             ptr: o.ptr + ((n0 * c_out + g * cout_g) * l) * 4,
                             ld: l,
                             batch_stride: (c_out * l) as i64,
+                            trans: false,
                         };
                         let shape = (cout_g, k, l);
                         let f32 = GemmType::F32;

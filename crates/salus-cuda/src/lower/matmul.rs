@@ -7,12 +7,35 @@ use crate::abi::{ElementwiseOp, Kernel, MatmulArgs};
 use crate::driver::{Gemm, GemmType};
 
 /// One row-major operand of a product: address, row stride (leading dimension) and
-/// stride between the matrices of a batch, in elements.
+/// stride between the matrices of a batch, in elements; `trans`: the product reads the
+/// stored matrices transposed.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Matrix {
     pub ptr: u64,
     pub ld: u64,
     pub batch_stride: i64,
+    pub trans: bool,
+}
+
+impl Matrix {
+    /// Matrices of `rows` rows of `ld` elements at `ptr`, one after another, read as
+    /// stored.
+    pub(super) fn batched(ptr: u64, ld: u64, rows: u64) -> Matrix {
+        Matrix {
+            ptr,
+            ld,
+            batch_stride: (rows * ld) as i64,
+            trans: false,
+        }
+    }
+
+    /// The same matrices, read transposed.
+    pub(super) fn t(self) -> Matrix {
+        Matrix {
+            trans: true,
+            ..self
+        }
+    }
 }
 
 /// The cuBLAS element type of operands that all share one dtype cuBLAS takes.
@@ -42,8 +65,9 @@ impl Lowering<'_> {
         }
     }
 
-    /// `c[b] = alpha * a[b] (n x k) @ bm[b] (k x m) + beta * c[b]`, row-major, through
-    /// cuBLAS (column-major: c^T = bm^T a^T).
+    /// `c[b] = alpha * op(a[b]) (n x k) @ op(bm[b]) (k x m) + beta * c[b]`, row-major (op:
+    /// transposed where the operand says so), through cuBLAS (column-major: c^T = op(bm)^T
+    /// op(a)^T, so bm comes first).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm_row_major(
         &mut self,
@@ -63,8 +87,8 @@ impl Lowering<'_> {
         self.commands.push(Command::Gemm(Gemm {
             ty,
             tf32,
-            trans_a: false,
-            trans_b: false,
+            trans_a: bm.trans,
+            trans_b: a.trans,
             m: m as i32,
             n: n as i32,
             k: k as i32,
@@ -111,17 +135,12 @@ impl Lowering<'_> {
                 self.ew(ElementwiseOp::MulScalar, o, &[bias], [beta, 0.0, 0.0])?;
                 acc = 1.0;
             }
-            let matrix = |ptr, ld, rows| Matrix {
-                ptr,
-                ld,
-                batch_stride: (rows * ld) as i64,
-            };
             self.gemm_row_major(
                 ty,
                 (n, k, m),
-                matrix(a.ptr, k, n),
-                matrix(b.ptr, m, k),
-                matrix(o.ptr, m, n),
+                Matrix::batched(a.ptr, k, n),
+                Matrix::batched(b.ptr, m, k),
+                Matrix::batched(o.ptr, m, n),
                 alpha,
                 acc,
                 batch,

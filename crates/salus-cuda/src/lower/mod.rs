@@ -224,6 +224,14 @@ impl<'a> Lowering<'a> {
         self.program.params(self.index)
     }
 
+    /// The node's scratch in the lane: (address, bytes); (0, 0) without any.
+    fn scratch(&self) -> (u64, u64) {
+        self.program
+            .plan()
+            .scratch(self.index)
+            .map_or((0, 0), |(off, len)| (self.lane + off, len))
+    }
+
     /// Launches `kernel` with a thread per element of `n` (nothing when `n` is 0).
     fn launch<A: KernelArgs>(&mut self, kernel: Kernel, n: u64, args: A) {
         if n > 0 {

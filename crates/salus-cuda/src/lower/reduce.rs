@@ -269,10 +269,7 @@ impl Lowering<'_> {
         if node_reduction(node.op, self.params()).is_none() {
             return (0, 0);
         }
-        self.program
-            .plan()
-            .scratch(self.index)
-            .map_or((0, 0), |(off, len)| (self.lane + off, len))
+        self.scratch()
     }
 
     /// Reduces `x` over `dims` into `out` (kept dims in order).

@@ -939,3 +939,106 @@ fn unet_ops_lower_to_their_kernels() {
     assert_eq!(reflect.p, [2, 1]);
     assert_eq!((reflect.oh, reflect.ow), (6, 8));
 }
+
+/// Plans attention nodes' scratch as the CUDA device does (the rest portably).
+struct AttentionSizer;
+
+impl salus_graph::ScratchSizer for AttentionSizer {
+    fn scratch_bytes(&self, graph: &Graph, node: usize, params: &salus_graph::OpParams) -> u64 {
+        attention::attention_scratch_bytes(graph, node, params)
+    }
+}
+
+/// A command as the checks below read it: a kernel by name, or a product as cuBLAS is
+/// called (transposes of its first and second operand, m, n, k, and the three leading
+/// dimensions).
+#[derive(Debug, PartialEq)]
+enum Step {
+    Kernel(&'static str),
+    Gemm([bool; 2], [i32; 3], [i32; 3]),
+}
+
+/// f32 attention and its backward go through cuBLAS: each product reads q, k, v, grad_out,
+/// the probabilities and the score gradients in the layout and orientation the formulas
+/// ask for (row-major operands handed to column-major cuBLAS, the second factor first).
+#[test]
+fn f32_attention_lowers_to_products_around_row_kernels() {
+    let (b, h, l, s, e, ev) = (2u64, 3u64, 5u64, 7u64, 8u64, 4u64);
+    let absent_mask = |inputs: &[usize]| {
+        let mut all: Vec<Option<usize>> = inputs.iter().map(|&i| Some(i)).collect();
+        all.push(None);
+        all
+    };
+    let flags = [
+        ("dropout_p", Attr::Float(0.0)),
+        ("is_causal", Attr::Bool(false)),
+    ];
+    let mut forward = node(Op::ScaledDotProductAttention, &[], &[3, 4], &flags);
+    forward.inputs = absent_mask(&[0, 1, 2]);
+    let mut backward = node(
+        Op::ScaledDotProductAttentionBackward,
+        &[],
+        &[6, 7, 8],
+        &flags,
+    );
+    backward.inputs = absent_mask(&[5, 0, 1, 2, 3, 4]);
+    let graph = Graph {
+        tensors: vec![
+            f32t("q", &[b, h, l, e], Role::Feed),
+            f32t("k", &[b, h, s, e], Role::Feed),
+            f32t("v", &[b, h, s, ev], Role::Feed),
+            f32t("out", &[b, h, l, ev], Role::Intermediate),
+            f32t("lse", &[b, h, l], Role::Intermediate),
+            f32t("grad_out", &[b, h, l, ev], Role::Feed),
+            f32t("dq", &[b, h, l, e], Role::Intermediate),
+            f32t("dk", &[b, h, s, e], Role::Intermediate),
+            f32t("dv", &[b, h, s, ev], Role::Intermediate),
+        ],
+        nodes: vec![forward, backward],
+        fetches: vec![3, 6, 7, 8],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let program =
+        Program::with_scratch(graph, &Limits::default(), &AttentionSizer).expect("a valid graph");
+    let (commands, _) = lower_fused(&program, &FusionPlan::none());
+    let steps: Vec<Step> = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Launch(launch) => Some(Step::Kernel(launch.kernel.name())),
+            Command::Gemm(g) => {
+                assert_eq!(g.batch, (b * h) as i32, "one call for every head");
+                Some(Step::Gemm(
+                    [g.trans_a, g.trans_b],
+                    [g.m, g.n, g.k],
+                    [g.lda, g.ldb, g.ldc],
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    let (l, s, e, ev) = (l as i32, s as i32, e as i32, ev as i32);
+    // The scores q k^T: [l, s] per head from q [l, e] and k [s, e] read transposed.
+    let scores = Step::Gemm([true, false], [s, l, e], [e, e, s]);
+    assert_eq!(
+        steps,
+        vec![
+            scores,
+            Step::Kernel("attn_softmax_rows"),
+            // out = P v: [l, ev] from P [l, s] and v [s, ev].
+            Step::Gemm([false, false], [ev, l, s], [ev, s, ev]),
+            Step::Kernel("attn_delta_rows"),
+            Step::Gemm([true, false], [s, l, e], [e, e, s]),
+            Step::Kernel("attn_probs_rows"),
+            // grad_value = P^T grad_out: [s, ev] from P [l, s] read transposed.
+            Step::Gemm([false, true], [ev, s, l], [ev, s, ev]),
+            // dP = grad_out v^T: [l, s] from v [s, ev] read transposed.
+            Step::Gemm([true, false], [s, l, ev], [ev, ev, s]),
+            Step::Kernel("attn_dscores_rows"),
+            // grad_query = dS k: [l, e] from dS [l, s] and k [s, e].
+            Step::Gemm([false, false], [e, l, s], [e, s, e]),
+            // grad_key = dS^T q: [s, e] from dS [l, s] read transposed and q [l, e].
+            Step::Gemm([false, true], [e, s, l], [e, s, e]),
+        ]
+    );
+}
