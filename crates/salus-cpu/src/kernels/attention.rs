@@ -2,6 +2,7 @@
 //! over the keys, their softmax, and the weighted values; the backward recomputes the
 //! softmax from the forward's log-sum-exp.
 
+use rayon::prelude::*;
 use salus_graph::AttentionParams;
 
 use super::{Arg, Out, Result, load, numel, store_results, tensor};
@@ -112,38 +113,43 @@ pub(super) fn attention(
         k: &k,
         mask: mask.as_ref().map(|(m, b)| (&m[..], *b)),
     };
-    let mut out = vec![0.0; bh * l * ev];
-    let mut lse = vec![0.0; bh * l];
-    let mut row = vec![0.0; s];
-    for head in 0..bh {
-        let (b, h) = (head / p.heads as usize, head % p.heads as usize);
-        for i in 0..l {
-            for (j, r) in row.iter_mut().enumerate() {
-                *r = scores.at(b, h, i, j);
-            }
-            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let o = &mut out[(head * l + i) * ev..(head * l + i + 1) * ev];
-            if m == f64::NEG_INFINITY {
-                o.fill(f64::NAN);
-                lse[head * l + i] = f64::NEG_INFINITY;
-                continue;
-            }
-            let mut sum = 0.0;
-            for (j, r) in row.iter().enumerate() {
-                let w = (r - m).exp();
-                sum += w;
-                let vj = &v[(head * s + j) * ev..(head * s + j + 1) * ev];
-                for (od, vd) in o.iter_mut().zip(vj) {
-                    *od += w * vd;
+    // Heads in parallel, each with its own outputs, joined in order after.
+    let heads: Vec<(Vec<f64>, Vec<f64>)> = (0..bh)
+        .into_par_iter()
+        .map(|head| {
+            let (b, h) = (head / p.heads as usize, head % p.heads as usize);
+            let (mut out, mut lse) = (vec![0.0; l * ev], vec![0.0; l]);
+            let mut row = vec![0.0; s];
+            for i in 0..l {
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r = scores.at(b, h, i, j);
                 }
+                let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let o = &mut out[i * ev..(i + 1) * ev];
+                if m == f64::NEG_INFINITY {
+                    o.fill(f64::NAN);
+                    lse[i] = f64::NEG_INFINITY;
+                    continue;
+                }
+                let mut sum = 0.0;
+                for (j, r) in row.iter().enumerate() {
+                    let w = (r - m).exp();
+                    sum += w;
+                    let vj = &v[(head * s + j) * ev..(head * s + j + 1) * ev];
+                    for (od, vd) in o.iter_mut().zip(vj) {
+                        *od += w * vd;
+                    }
+                }
+                for od in o.iter_mut() {
+                    *od /= sum;
+                }
+                lse[i] = m + sum.ln();
             }
-            for od in o.iter_mut() {
-                *od /= sum;
-            }
-            lse[head * l + i] = m + sum.ln();
-        }
-    }
-    store_results(vec![out, lse], outs)
+            (out, lse)
+        })
+        .collect();
+    let (out, lse): (Vec<Vec<f64>>, Vec<Vec<f64>>) = heads.into_iter().unzip();
+    store_results(vec![out.concat(), lse.concat()], outs)
 }
 
 /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
@@ -168,36 +174,47 @@ pub(super) fn attention_backward(
         k: &k,
         mask: mask.as_ref().map(|(m, b)| (&m[..], *b)),
     };
-    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    for head in 0..bh {
-        let (b, h) = (head / p.heads as usize, head % p.heads as usize);
-        for i in 0..l {
-            let row = head * l + i;
-            let goi = &go[row * ev..(row + 1) * ev];
-            let di: f64 = goi
-                .iter()
-                .zip(&o[row * ev..(row + 1) * ev])
-                .map(|(a, b)| a * b)
-                .sum();
-            for j in 0..s {
-                let sc = scores.at(b, h, i, j);
-                if sc == f64::NEG_INFINITY {
-                    continue;
-                }
-                let pij = (sc - lse[row]).exp();
-                let kv = head * s + j;
-                let vj = &v[kv * ev..(kv + 1) * ev];
-                let dp: f64 = goi.iter().zip(vj).map(|(a, b)| a * b).sum();
-                let ds = pij * (dp - di) * p.scale;
-                for d in 0..e {
-                    dq[row * e + d] += ds * k[kv * e + d];
-                    dk[kv * e + d] += ds * q[row * e + d];
-                }
-                for d in 0..ev {
-                    dv[kv * ev + d] += pij * goi[d];
+    // Heads in parallel, each with its own gradients, joined in order after.
+    let heads: Vec<[Vec<f64>; 3]> = (0..bh)
+        .into_par_iter()
+        .map(|head| {
+            let (b, h) = (head / p.heads as usize, head % p.heads as usize);
+            let (mut dq, mut dk, mut dv) = (vec![0.0; l * e], vec![0.0; s * e], vec![0.0; s * ev]);
+            for i in 0..l {
+                let row = head * l + i;
+                let goi = &go[row * ev..(row + 1) * ev];
+                let di: f64 = goi
+                    .iter()
+                    .zip(&o[row * ev..(row + 1) * ev])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                for j in 0..s {
+                    let sc = scores.at(b, h, i, j);
+                    if sc == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let pij = (sc - lse[row]).exp();
+                    let kv = head * s + j;
+                    let vj = &v[kv * ev..(kv + 1) * ev];
+                    let dp: f64 = goi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                    let ds = pij * (dp - di) * p.scale;
+                    for d in 0..e {
+                        dq[i * e + d] += ds * k[kv * e + d];
+                        dk[j * e + d] += ds * q[row * e + d];
+                    }
+                    for d in 0..ev {
+                        dv[j * ev + d] += pij * goi[d];
+                    }
                 }
             }
-        }
+            [dq, dk, dv]
+        })
+        .collect();
+    let [mut dq, mut dk, mut dv] = [Vec::new(), Vec::new(), Vec::new()];
+    for [q_h, k_h, v_h] in heads {
+        dq.extend(q_h);
+        dk.extend(k_h);
+        dv.extend(v_h);
     }
     store_results(vec![dq, dk, dv], outs)
 }

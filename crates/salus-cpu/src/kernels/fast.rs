@@ -15,6 +15,7 @@ use salus_graph::{DType, GeluApproximate, Op, OpParams, TensorType};
 
 use super::{Arg, Out, Result, number_or};
 
+pub(super) mod batch_norm;
 mod conv;
 mod copy;
 mod matmul;
@@ -413,6 +414,29 @@ pub(crate) fn run(
             },
         ) => {
             return reduce::layer_norm(normalized_shape, *eps, args, outs);
+        }
+        (
+            NativeBatchNorm | NativeBatchNormBackward,
+            &OpParams::BatchNorm {
+                batch,
+                channels,
+                inner,
+                momentum,
+                eps,
+            },
+        ) => {
+            let g = (
+                batch as usize,
+                channels as usize,
+                inner as usize,
+                momentum,
+                eps,
+            );
+            return if op == NativeBatchNorm {
+                batch_norm::forward(g, args, outs)
+            } else {
+                batch_norm::backward(g, args, outs)
+            };
         }
         _ => {}
     }

@@ -7,7 +7,7 @@ use super::{MAX_RANK, for_chunks, input, numel, typed_mut};
 use crate::kernels::{Arg, Out, Result};
 
 /// The sum of a run, accumulated in f64 over eight lanes.
-fn sum(x: &[f32]) -> f64 {
+pub(super) fn sum(x: &[f32]) -> f64 {
     let mut acc = [0f64; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
