@@ -136,6 +136,11 @@ def daemon():
 
 
 def test_accumulation_on_salusd_matches_eager_in_a_micro_batchs_memory(daemon):
+    # A fixed draw: with the global generator's state left by earlier tests, some draws
+    # put a ReLU's input within float32 rounding of zero (seed 42: 3e-8 in the second
+    # layer), where any other order of the sum may flip that unit's gradient; no rounding
+    # rule bounds that jump, and which draw the suite reaches depended on the tests before.
+    torch.manual_seed(0)
     model = MLP(64, (256, 256), 10)
     x, y = vector_batch(2048, 64, 10)
     make = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
