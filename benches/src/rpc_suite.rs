@@ -177,6 +177,20 @@ impl pb::sessions_server::Sessions for Echo {
     ) -> Result<Response<pb::AttachBufferResponse>, Status> {
         Err(Status::unimplemented("echo"))
     }
+
+    async fn serve(
+        &self,
+        _: Request<pb::ServeRequest>,
+    ) -> Result<Response<pb::ServeResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
+
+    async fn infer(
+        &self,
+        _: Request<pb::InferRequest>,
+    ) -> Result<Response<pb::InferResponse>, Status> {
+        Err(Status::unimplemented("echo"))
+    }
 }
 
 /// Serves [`Echo`] on `socket` from its own multi-threaded runtime (as the daemon is

@@ -287,6 +287,16 @@ impl Client {
         })
     }
 
+    /// One request to a served model (any session of the caller's that `Serve` made
+    /// one): its answer once its batch has run.
+    pub async fn infer(&self, request: pb::InferRequest) -> Result<pb::InferResponse, Error> {
+        Ok(self
+            .sessions()
+            .infer(self.request(request))
+            .await?
+            .into_inner())
+    }
+
     /// The daemon's status.
     pub async fn status(&self) -> Result<pb::StatusResponse, Error> {
         Ok(self
@@ -442,6 +452,33 @@ impl Session {
             .client
             .sessions()
             .run_stream(self.client.request(stream))
+            .await?
+            .into_inner())
+    }
+
+    /// Adds a program to the session: its step for other feed shapes (another batch
+    /// size to serve). Returns its number and E.
+    pub async fn add_program(&self, graph: pb::Graph) -> Result<pb::AddProgramResponse, Error> {
+        Ok(self
+            .client
+            .sessions()
+            .add_program(self.client.request(pb::AddProgramRequest {
+                session: self.id,
+                graph: Some(graph),
+            }))
+            .await?
+            .into_inner())
+    }
+
+    /// Makes this inference session a served model (`request.session` is set to its
+    /// id): salusd batches the requests [`Client::infer`] brings. Returns what salusd
+    /// measured of each program.
+    pub async fn serve(&self, mut request: pb::ServeRequest) -> Result<pb::ServeResponse, Error> {
+        request.session = self.id;
+        Ok(self
+            .client
+            .sessions()
+            .serve(self.client.request(request))
             .await?
             .into_inner())
     }

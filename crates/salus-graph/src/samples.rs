@@ -1,6 +1,7 @@
 //! Small real graphs for tests, benchmarks and examples that need a training step without
-//! a framework: linear regression trained by SGD, and an embedding lookup whose indices
-//! come from the client (for index checks).
+//! a framework: linear regression trained by SGD, an embedding lookup whose indices
+//! come from the client (for index checks), and a served model whose running time its
+//! input decides (a decoding step).
 
 use std::collections::BTreeMap;
 
@@ -103,6 +104,55 @@ pub fn embedding_sum() -> Graph {
     }
 }
 
+/// One step of a served model whose running time its input decides, for serving tests
+/// and benchmarks: `h: f32[batch, width]` goes through `used` of `layers` layers
+/// `h = tanh(h · w_l)` (parameters `w_0..w_{layers-1}`, tensors 0..layers, each
+/// `[width, width]`; the others stay unread, so that programs using fewer layers hold the
+/// same persistent tensors), `left: f32[batch]` counts down by one, and `done: bool[batch]`
+/// says `left <= 0`. Fetches: `h`, `left`, `done`. Served decoding carries fetch 0 into
+/// feed 0 and fetch 1 into feed 1 until `done`: a request fed `left = n` takes `n` steps.
+pub fn countdown(batch: u64, width: u64, layers: usize, used: usize) -> Graph {
+    assert!((1..=layers).contains(&used), "1 <= used <= layers");
+    let mut tensors: Vec<Tensor> = (0..layers)
+        .map(|l| tensor(&format!("w_{l}"), &[width, width], Role::Parameter))
+        .collect();
+    let h = tensors.len();
+    tensors.push(tensor("h", &[batch, width], Role::Feed));
+    tensors.push(tensor("left", &[batch], Role::Feed));
+    let mut nodes = Vec::new();
+    let mut last = h;
+    for (l, w) in (0..used).enumerate() {
+        let product = tensors.len();
+        tensors.push(tensor(&format!("mm_{l}"), &[batch, width], Role::Intermediate));
+        tensors.push(tensor(&format!("h_{l}"), &[batch, width], Role::Intermediate));
+        nodes.push(node(Op::Mm, &[last, w], product, &[]));
+        nodes.push(node(Op::Tanh, &[product], product + 1, &[]));
+        last = product + 1;
+    }
+    let next = tensors.len();
+    tensors.push(tensor("left_next", &[batch], Role::Intermediate));
+    tensors.push(typed("done", DType::Bool, &[batch], Role::Intermediate));
+    nodes.push(node(
+        Op::AddScalar,
+        &[h + 1],
+        next,
+        &[("other", Attr::Float(-1.0))],
+    ));
+    nodes.push(node(
+        Op::LeScalar,
+        &[next],
+        next + 1,
+        &[("other", Attr::Float(0.0))],
+    ));
+    Graph {
+        tensors,
+        nodes,
+        fetches: vec![last, next, next + 1],
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +163,12 @@ mod tests {
         let checked = check(&regression(8, 16, 16, 0.1), &Limits::default()).unwrap();
         assert_eq!(checked.plan.persistent_bytes, 16 * 16 * 4);
         assert!(checked.plan.ephemeral_bytes > 0);
+    }
+
+    #[test]
+    fn countdown_is_valid_with_unread_parameters() {
+        let checked = check(&countdown(4, 8, 3, 1), &Limits::default()).unwrap();
+        assert_eq!(checked.plan.persistent_bytes, 3 * 8 * 8 * 4);
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod keeper;
 pub mod metrics;
 pub mod service;
+pub mod serving;
 pub mod state;
 
 use std::future::Future;

@@ -161,15 +161,15 @@ pub enum Command {
         /// (id, bytes) per tensor.
         reply: Reply<Vec<(u32, Vec<u8>)>>,
     },
-    /// The program of a session the principal may use: what a write checks its chunks
-    /// against before keeping their bytes.
-    Program {
+    /// The programs of a session the principal may use, the one it opened with first:
+    /// what a write checks its chunks against, what `Serve` checks a served model against.
+    Programs {
         /// Who asks.
         principal: Principal,
         /// Which session.
         session: u64,
-        /// Its program.
-        reply: Reply<Arc<Program>>,
+        /// Its programs.
+        reply: Reply<Vec<Arc<Program>>>,
     },
     /// Overwrite persistent tensors between iterations.
     Write {
@@ -366,15 +366,15 @@ impl State {
                 Ok(entry) if entry.running => entry.deferred.push(Deferred::Read(tensors, reply)),
                 Ok(_) => drop(reply.send(self.read(SessionId(session), &tensors))),
             },
-            Command::Program {
+            Command::Programs {
                 principal,
                 session,
                 reply,
             } => {
-                let program = self
+                let programs = self
                     .attached(principal, session)
-                    .map(|e| e.program().clone());
-                let _ = reply.send(program);
+                    .map(|e| e.programs.clone());
+                let _ = reply.send(programs);
             }
             Command::Write {
                 principal,

@@ -11,6 +11,7 @@ mod iterations;
 mod missing;
 mod open;
 mod pipeline;
+mod serve;
 mod transfer;
 
 use std::pin::Pin;
@@ -24,6 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Access, Principal};
 use crate::engine::{Command, Engine, NewSession};
+use crate::serving::Servers;
 use buffers::{Buffers, FeedBuffer};
 use convert::run_response;
 pub use convert::{MAX_STATUS_MESSAGE, bounded, bounded_message, code, micros};
@@ -42,6 +44,7 @@ pub struct Service {
     engine: Engine,
     access: Access,
     buffers: Buffers,
+    servers: Servers,
 }
 
 impl Service {
@@ -51,7 +54,13 @@ impl Service {
             engine,
             access,
             buffers: Buffers::default(),
+            servers: Servers::default(),
         }
+    }
+
+    /// The served models, for status and metrics.
+    pub fn servers(&self) -> &Servers {
+        &self.servers
     }
 
     fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
@@ -81,6 +90,7 @@ fn panicked(error: tokio::task::JoinError) -> Option<Status> {
 struct Lease {
     engine: Engine,
     buffers: Buffers,
+    servers: Servers,
     owner: Principal,
     session: Option<u64>,
     updates: UnboundedReceiverStream<Result<pb::SessionUpdate, Status>>,
@@ -104,8 +114,9 @@ impl Stream for Lease {
     }
 }
 
-fn end_lease(engine: &Engine, buffers: &Buffers, owner: Principal, session: u64) {
+fn end_lease(engine: &Engine, buffers: &Buffers, servers: &Servers, owner: Principal, session: u64) {
     buffers.detach(session);
+    servers.stop(session);
     let _ = engine.send(Command::Close {
         principal: owner,
         session,
@@ -116,7 +127,7 @@ fn end_lease(engine: &Engine, buffers: &Buffers, owner: Principal, session: u64)
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(session) = self.session {
-            end_lease(&self.engine, &self.buffers, self.owner, session);
+            end_lease(&self.engine, &self.buffers, &self.servers, self.owner, session);
         }
     }
 }
@@ -180,6 +191,7 @@ async fn receive(
 async fn hold_lease(
     engine: Engine,
     buffers: Buffers,
+    servers: Servers,
     owner: Principal,
     stream: Streaming<pb::OpenRequest>,
     updates: UpdateSender,
@@ -232,7 +244,7 @@ async fn hold_lease(
     drop(updates);
     // The lease holds until the client ends its side or the connection breaks.
     while let Some(Ok(_)) = stream.next().await {}
-    end_lease(&engine, &buffers, owner, id);
+    end_lease(&engine, &buffers, &servers, owner, id);
 }
 
 #[tonic::async_trait]
@@ -248,6 +260,7 @@ impl pb::sessions_server::Sessions for Service {
         let lease = Lease {
             engine: self.engine.clone(),
             buffers: self.buffers.clone(),
+            servers: self.servers.clone(),
             owner,
             session: None,
             updates: UnboundedReceiverStream::new(rx),
@@ -255,6 +268,7 @@ impl pb::sessions_server::Sessions for Service {
         tokio::spawn(hold_lease(
             self.engine.clone(),
             self.buffers.clone(),
+            self.servers.clone(),
             owner,
             request.into_inner(),
             updates,
@@ -332,12 +346,13 @@ impl pb::sessions_server::Sessions for Service {
         // its program bounds what the write may hold.
         let program = self
             .engine
-            .ask(|reply| Command::Program {
+            .ask(|reply| Command::Programs {
                 principal,
                 session,
                 reply,
             })
-            .await?;
+            .await?
+            .swap_remove(0);
         let mut assembly = transfer::WriteAssembly::new(program);
         while let Some(message) = stream.next().await {
             let Some(pb::write_tensors_request::Item::Chunk(chunk)) =
@@ -376,6 +391,7 @@ impl pb::sessions_server::Sessions for Service {
                 reply: Some(reply),
             })
             .await?;
+        self.servers.stop(session);
         Ok(Response::new(pb::CloseResponse {}))
     }
 
@@ -435,6 +451,27 @@ impl pb::sessions_server::Sessions for Service {
         let size = buffer.size();
         self.buffers.attach(session, buffer);
         Ok(Response::new(pb::AttachBufferResponse { size }))
+    }
+
+    async fn serve(
+        &self,
+        request: Request<pb::ServeRequest>,
+    ) -> Result<Response<pb::ServeResponse>, Status> {
+        let principal = self.principal(&request)?;
+        serve::serve(&self.engine, &self.servers, principal, request.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn infer(
+        &self,
+        request: Request<pb::InferRequest>,
+    ) -> Result<Response<pb::InferResponse>, Status> {
+        let arrived = std::time::Instant::now();
+        let principal = self.principal(&request)?;
+        serve::infer(&self.servers, principal, request.into_inner(), arrived)
+            .await
+            .map(Response::new)
     }
 }
 
