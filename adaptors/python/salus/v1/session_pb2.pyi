@@ -256,3 +256,105 @@ class CloseRequest(_message.Message):
 class CloseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ServeRequest(_message.Message):
+    __slots__ = ("session", "scheduler", "variants", "decode", "default_slo_ms", "variant_feed")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FEED_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    scheduler: str
+    variants: _containers.RepeatedCompositeFieldContainer[ServedVariant]
+    decode: Decode
+    default_slo_ms: float
+    variant_feed: int
+    def __init__(self, session: _Optional[int] = ..., scheduler: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[ServedVariant, _Mapping]]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., default_slo_ms: _Optional[float] = ..., variant_feed: _Optional[int] = ...) -> None: ...
+
+class ServedVariant(_message.Message):
+    __slots__ = ("name", "programs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    programs: _containers.RepeatedCompositeFieldContainer[BatchProgram]
+    def __init__(self, name: _Optional[str] = ..., programs: _Optional[_Iterable[_Union[BatchProgram, _Mapping]]] = ...) -> None: ...
+
+class BatchProgram(_message.Message):
+    __slots__ = ("batch_size", "program")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    program: int
+    def __init__(self, batch_size: _Optional[int] = ..., program: _Optional[int] = ...) -> None: ...
+
+class Decode(_message.Message):
+    __slots__ = ("carry", "done", "max_steps")
+    CARRY_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    carry: _containers.RepeatedCompositeFieldContainer[Carry]
+    done: int
+    max_steps: int
+    def __init__(self, carry: _Optional[_Iterable[_Union[Carry, _Mapping]]] = ..., done: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class Carry(_message.Message):
+    __slots__ = ("fetch", "feed")
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    FEED_FIELD_NUMBER: _ClassVar[int]
+    fetch: int
+    feed: int
+    def __init__(self, fetch: _Optional[int] = ..., feed: _Optional[int] = ...) -> None: ...
+
+class ServeResponse(_message.Message):
+    __slots__ = ("calibration",)
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    calibration: _containers.RepeatedCompositeFieldContainer[ProgramTime]
+    def __init__(self, calibration: _Optional[_Iterable[_Union[ProgramTime, _Mapping]]] = ...) -> None: ...
+
+class ProgramTime(_message.Message):
+    __slots__ = ("variant", "batch_size", "ms")
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    variant: int
+    batch_size: int
+    ms: float
+    def __init__(self, variant: _Optional[int] = ..., batch_size: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("session", "feeds", "variant", "slo_ms", "app")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    APP_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    feeds: _containers.RepeatedScalarFieldContainer[bytes]
+    variant: int
+    slo_ms: float
+    app: int
+    def __init__(self, session: _Optional[int] = ..., feeds: _Optional[_Iterable[bytes]] = ..., variant: _Optional[int] = ..., slo_ms: _Optional[float] = ..., app: _Optional[int] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("fetches", "latency_us", "queue_us", "batch_size", "batch_requests", "batch_variant", "steps", "done", "met_deadline")
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_US_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_VARIANT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MET_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    fetches: _containers.RepeatedScalarFieldContainer[bytes]
+    latency_us: int
+    queue_us: int
+    batch_size: int
+    batch_requests: int
+    batch_variant: int
+    steps: int
+    done: bool
+    met_deadline: bool
+    def __init__(self, fetches: _Optional[_Iterable[bytes]] = ..., latency_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_requests: _Optional[int] = ..., batch_variant: _Optional[int] = ..., steps: _Optional[int] = ..., done: _Optional[bool] = ..., met_deadline: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,16 @@ class SessionsStub:
                 request_serializer=salus_dot_v1_dot_session__pb2.AttachBufferRequest.SerializeToString,
                 response_deserializer=salus_dot_v1_dot_session__pb2.AttachBufferResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.unary_unary(
+                '/salus.v1.Sessions/Serve',
+                request_serializer=salus_dot_v1_dot_session__pb2.ServeRequest.SerializeToString,
+                response_deserializer=salus_dot_v1_dot_session__pb2.ServeResponse.FromString,
+                _registered_method=True)
+        self.Infer = channel.unary_unary(
+                '/salus.v1.Sessions/Infer',
+                request_serializer=salus_dot_v1_dot_session__pb2.InferRequest.SerializeToString,
+                response_deserializer=salus_dot_v1_dot_session__pb2.InferResponse.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -130,6 +140,24 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Serve(self, request, context):
+        """Makes an open inference session a served model (docs/serving.md): from then on
+        salusd batches the requests Infer brings, by the request scheduler named, runs each
+        batch as the session's program for that batch size, and answers each request alone.
+        Before it answers, it times every program once on a batch of zeros.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Infer(self, request, context):
+        """One request to a served model, from any client of the session's owner. Answered when
+        its batch has run; DEADLINE_EXCEEDED when the scheduler dropped it unrun.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +200,16 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.AttachBuffer,
                     request_deserializer=salus_dot_v1_dot_session__pb2.AttachBufferRequest.FromString,
                     response_serializer=salus_dot_v1_dot_session__pb2.AttachBufferResponse.SerializeToString,
+            ),
+            'Serve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=salus_dot_v1_dot_session__pb2.ServeRequest.FromString,
+                    response_serializer=salus_dot_v1_dot_session__pb2.ServeResponse.SerializeToString,
+            ),
+            'Infer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Infer,
+                    request_deserializer=salus_dot_v1_dot_session__pb2.InferRequest.FromString,
+                    response_serializer=salus_dot_v1_dot_session__pb2.InferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +428,60 @@ class Sessions:
             '/salus.v1.Sessions/AttachBuffer',
             salus_dot_v1_dot_session__pb2.AttachBufferRequest.SerializeToString,
             salus_dot_v1_dot_session__pb2.AttachBufferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salus.v1.Sessions/Serve',
+            salus_dot_v1_dot_session__pb2.ServeRequest.SerializeToString,
+            salus_dot_v1_dot_session__pb2.ServeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Infer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salus.v1.Sessions/Infer',
+            salus_dot_v1_dot_session__pb2.InferRequest.SerializeToString,
+            salus_dot_v1_dot_session__pb2.InferResponse.FromString,
             options,
             channel_credentials,
             insecure,
