@@ -378,6 +378,7 @@ fn sessions_json(sessions: &[pb::SessionInfo]) -> Value {
                     "attained_service_ms": i.attained_service_ms, "preemptions": i.preemptions,
                     "suspensions": i.suspensions, "age_ms": i.age_ms,
                     "class": class_name(i.class), "slo_ms": i.slo_ms,
+                    "serving": i.serving.as_ref().map(serving_json),
                 })
             })
             .collect(),
@@ -434,8 +435,52 @@ fn sessions_text(sessions: &[pb::SessionInfo]) -> String {
         if !i.reason.is_empty() {
             out += &format!("      waiting: {}\n", i.reason);
         }
+        if let Some(s) = &i.serving {
+            out += &format!("      {}\n", serving_text(s));
+        }
     }
     out
+}
+
+fn serving_json(s: &pb::ServingInfo) -> Value {
+    json!({
+        "scheduler": s.scheduler, "pending": s.pending, "finished": s.finished,
+        "met_deadline": s.met_deadline, "dropped": s.dropped, "failed": s.failed,
+        "batches": s.batches.iter().map(|(b, n)| (b.to_string(), json!(n)))
+            .collect::<serde_json::Map<_, _>>(),
+        "p50_latency_ms": s.p50_latency_ms, "p99_latency_ms": s.p99_latency_ms,
+        "scheduling_us_per_event": s.scheduling_us_per_event,
+    })
+}
+
+/// One line for a served model: its scheduler, requests, batch sizes used, latency.
+fn serving_text(s: &pb::ServingInfo) -> String {
+    let answered = s.finished + s.dropped + s.failed;
+    let rate = if answered == 0 {
+        "-".to_string()
+    } else {
+        format!("{:.1}%", 100.0 * s.met_deadline as f64 / answered as f64)
+    };
+    let mut sizes: Vec<_> = s.batches.iter().collect();
+    sizes.sort();
+    let sizes = sizes
+        .iter()
+        .map(|(b, n)| format!("{b}x{n}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "serving ({}): {} pending, {} finished, {} dropped, {} failed, {rate} on time; \
+         batches {}; latency p50 {:.2} ms p99 {:.2} ms; scheduling {:.1} us/event",
+        s.scheduler,
+        s.pending,
+        s.finished,
+        s.dropped,
+        s.failed,
+        if sizes.is_empty() { "-".into() } else { sizes },
+        s.p50_latency_ms,
+        s.p99_latency_ms,
+        s.scheduling_us_per_event
+    )
 }
 
 fn event_json(e: &pb::Event) -> Value {
@@ -556,6 +601,27 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_served_model_reads_on_one_line() {
+        let s = pb::ServingInfo {
+            scheduler: "orloj".into(),
+            pending: 2,
+            finished: 9,
+            met_deadline: 8,
+            dropped: 1,
+            batches: [(1, 3), (4, 2)].into_iter().collect(),
+            p50_latency_ms: 1.5,
+            p99_latency_ms: 4.25,
+            scheduling_us_per_event: 2.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            serving_text(&s),
+            "serving (orloj): 2 pending, 9 finished, 1 dropped, 0 failed, 80.0% on time; \
+             batches 1x3 4x2; latency p50 1.50 ms p99 4.25 ms; scheduling 2.0 us/event"
+        );
+    }
 
     #[test]
     fn sizes_read_at_a_glance() {

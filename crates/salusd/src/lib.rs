@@ -235,11 +235,12 @@ fn tls_identity(config: &Config) -> Result<Option<ServerTlsConfig>, DaemonError>
 pub fn services(
     engine: &Engine,
     access: &auth::Access,
+    servers: &serving::Servers,
 ) -> (
     AnswerMissingMessage<pb::sessions_server::SessionsServer<service::Service>>,
     AnswerMissingMessage<pb::admin_server::AdminServer<service::Service>>,
 ) {
-    let service = service::Service::new(engine.clone(), access.clone());
+    let service = service::Service::new(engine.clone(), access.clone(), servers.clone());
     (
         AnswerMissingMessage::new(
             pb::sessions_server::SessionsServer::new(service.clone())
@@ -253,6 +254,7 @@ pub fn services(
 fn router(
     engine: &Engine,
     access: &auth::Access,
+    servers: &serving::Servers,
     tls: Option<ServerTlsConfig>,
 ) -> Result<tonic::transport::server::Router, DaemonError> {
     let mut server = Server::builder();
@@ -261,7 +263,7 @@ fn router(
             .tls_config(tls)
             .map_err(|e| DaemonError::Settings(format!("--tls-cert: {e}")))?;
     }
-    let (sessions, admin) = services(engine, access);
+    let (sessions, admin) = services(engine, access, servers);
     Ok(server
         .tcp_nodelay(true)
         .add_service(sessions)
@@ -320,6 +322,8 @@ pub async fn run_with(
         token,
         insecure_tcp: config.insecure_tcp,
     };
+    // One registry of served models for every listener and the metrics endpoint.
+    let served = serving::Servers::default();
     let listener = bind_socket(&config.socket)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -327,7 +331,7 @@ pub async fn run_with(
     };
     let mut servers = Vec::new();
     servers.push(tokio::spawn(
-        router(&engine, &access, None)?.serve_with_incoming_shutdown(
+        router(&engine, &access, &served, None)?.serve_with_incoming_shutdown(
             UnixListenerStream::new(listener),
             stopped(stop_rx.clone()),
         ),
@@ -338,7 +342,7 @@ pub async fn run_with(
             .map_err(|e| failure(format!("binding {addr}: {e}")))?;
         tracing::info!(%addr, insecure = config.insecure_tcp, tls = tls.is_some(), "listening on TCP");
         servers.push(tokio::spawn(
-            router(&engine, &access, tls)?.serve_with_incoming_shutdown(
+            router(&engine, &access, &served, tls)?.serve_with_incoming_shutdown(
                 TcpListenerStream::new(tcp),
                 stopped(stop_rx.clone()),
             ),
@@ -350,7 +354,7 @@ pub async fn run_with(
                 .await
                 .map_err(|e| failure(format!("binding the metrics address {addr}: {e}")))?;
             tracing::info!(%addr, "metrics at http://{addr}/metrics");
-            Some(tokio::spawn(metrics::serve(listener, engine.clone())))
+            Some(tokio::spawn(metrics::serve(listener, engine.clone(), served.clone())))
         }
         None => None,
     };

@@ -10,6 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::engine::{Command, Engine, HISTOGRAM_BOUNDS, Metrics, SessionMetrics, UserUsage};
+use crate::serving::{Servers, ServingStats};
 
 /// A per-session family: name, type, help, and the sample's value.
 type SessionFamily = (
@@ -24,7 +25,7 @@ type UserFamily = (&'static str, &'static str, fn(&UserUsage) -> u64);
 
 /// The exposition text for the engine's current numbers: each family's HELP and TYPE,
 /// then all its samples.
-pub fn render(engine: &Engine, metrics: Metrics) -> String {
+pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
     let Metrics {
         sessions,
         lane_bytes,
@@ -258,6 +259,57 @@ pub fn render(engine: &Engine, metrics: Metrics) -> String {
             }
         },
     );
+    let mut served: Vec<(u64, ServingStats)> = serving.stats().into_iter().collect();
+    served.sort_by_key(|s| s.0);
+    family(
+        "salus_serving_requests_total",
+        "counter",
+        "Requests of a served model by outcome: finished (met_deadline of them on time), \
+         dropped by its scheduler, failed.",
+        &mut |out: &mut String| {
+            for (id, s) in &served {
+                for (outcome, n) in [
+                    ("finished", s.finished),
+                    ("met_deadline", s.met_deadline),
+                    ("dropped", s.dropped),
+                    ("failed", s.failed),
+                ] {
+                    let _ = writeln!(
+                        out,
+                        "salus_serving_requests_total{{session=\"{id}\",outcome=\"{outcome}\"}} {n}"
+                    );
+                }
+            }
+        },
+    );
+    family(
+        "salus_serving_pending_requests",
+        "gauge",
+        "Requests of a served model waiting for a batch.",
+        &mut |out: &mut String| {
+            for (id, s) in &served {
+                let _ = writeln!(out, "salus_serving_pending_requests{{session=\"{id}\"}} {}", s.pending);
+            }
+        },
+    );
+    family(
+        "salus_serving_latency_seconds",
+        "summary",
+        "Latency (arrival to answer) of a served model's recent finished requests.",
+        &mut |out: &mut String| {
+            for (id, s) in &served {
+                for q in [0.5, 0.99] {
+                    if let Some(l) = s.latency_quantile(q) {
+                        let _ = writeln!(
+                            out,
+                            "salus_serving_latency_seconds{{session=\"{id}\",quantile=\"{q}\"}} {}",
+                            l.as_secs_f64()
+                        );
+                    }
+                }
+            }
+        },
+    );
     out
 }
 
@@ -268,12 +320,12 @@ fn escape(s: &str) -> String {
 }
 
 /// Serves `GET /metrics` (and `/`) on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, engine: Engine) {
+pub async fn serve(listener: TcpListener, engine: Engine, serving: Servers) {
     loop {
         let Ok((mut socket, _)) = listener.accept().await else {
             continue;
         };
-        let engine = engine.clone();
+        let (engine, serving) = (engine.clone(), serving.clone());
         tokio::spawn(async move {
             let mut request = vec![0u8; 4096];
             let n = match socket.read(&mut request).await {
@@ -284,7 +336,7 @@ pub async fn serve(listener: TcpListener, engine: Engine) {
             let path = head.split_whitespace().nth(1).unwrap_or("/");
             let (status, body) = if path == "/metrics" || path == "/" {
                 match engine.ask(Command::Metrics).await {
-                    Ok(metrics) => ("200 OK", render(&engine, metrics)),
+                    Ok(metrics) => ("200 OK", render(&engine, metrics, &serving)),
                     Err(error) => ("503 Service Unavailable", format!("{error}\n")),
                 }
             } else {

@@ -820,7 +820,7 @@ fn daemon(
         token: (!setup.insecure).then(|| TOKEN.to_string()),
         insecure_tcp: setup.insecure,
     };
-    let (sessions, admin) = salusd::services(&engine, &access);
+    let (sessions, admin) = salusd::services(&engine, &access, &salusd::serving::Servers::default());
     (engine, sessions, admin)
 }
 

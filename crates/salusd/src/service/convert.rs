@@ -203,6 +203,27 @@ pub fn event(event: EngineEvent) -> pb::Event {
 }
 
 /// One session's report as a `SessionInfo`.
+/// A served model's numbers.
+pub fn serving_info(s: &crate::serving::ServingStats) -> pb::ServingInfo {
+    let ms = |d: Option<Duration>| d.map_or(0.0, millis);
+    pb::ServingInfo {
+        scheduler: s.scheduler.clone(),
+        pending: s.pending,
+        finished: s.finished,
+        met_deadline: s.met_deadline,
+        dropped: s.dropped,
+        failed: s.failed,
+        batches: s.batches.iter().map(|(&b, &n)| (b as u32, n)).collect(),
+        p50_latency_ms: ms(s.latency_quantile(0.5)),
+        p99_latency_ms: ms(s.latency_quantile(0.99)),
+        scheduling_us_per_event: if s.scheduling_events == 0 {
+            0.0
+        } else {
+            s.scheduling.as_secs_f64() * 1e6 / s.scheduling_events as f64
+        },
+    }
+}
+
 pub fn session_info(r: SessionReport) -> pb::SessionInfo {
     pb::SessionInfo {
         id: r.id.0,
@@ -238,6 +259,7 @@ pub fn session_info(r: SessionReport) -> pb::SessionInfo {
             SessionClass::Offline => pb::SessionClass::Offline,
         } as i32,
         slo_ms: r.slo.map_or(0.0, millis),
+        serving: None,
     }
 }
 

@@ -48,19 +48,15 @@ pub struct Service {
 }
 
 impl Service {
-    /// Services answering from `engine`, authenticating with `access`.
-    pub fn new(engine: Engine, access: Access) -> Service {
+    /// Services answering from `engine`, authenticating with `access`, serving models
+    /// in `servers`.
+    pub fn new(engine: Engine, access: Access, servers: Servers) -> Service {
         Service {
             engine,
             access,
             buffers: Buffers::default(),
-            servers: Servers::default(),
+            servers,
         }
-    }
-
-    /// The served models, for status and metrics.
-    pub fn servers(&self) -> &Servers {
-        &self.servers
     }
 
     fn principal<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
@@ -491,12 +487,18 @@ impl pb::admin_server::Admin for Service {
         request: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         self.principal(&request)?;
+        let serving = self.servers.stats();
         let sessions = self
             .engine
             .ask(Command::Sessions)
             .await?
             .into_iter()
-            .map(convert::session_info)
+            .map(|report| {
+                let stats = serving.get(&report.id.0);
+                let mut info = convert::session_info(report);
+                info.serving = stats.map(convert::serving_info);
+                info
+            })
             .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
