@@ -240,7 +240,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("id", "name", "owner_uid", "kind", "state", "reason", "lane", "persistent_bytes", "ephemeral_bytes", "priority", "total_iterations", "iterations", "pending", "mean_iteration_ms", "p99_iteration_ms", "queue_wait_ms", "attained_service_ms", "preemptions", "suspensions", "age_ms", "slo_ms")
+    __slots__ = ("id", "name", "owner_uid", "kind", "state", "reason", "lane", "persistent_bytes", "ephemeral_bytes", "priority", "total_iterations", "iterations", "pending", "mean_iteration_ms", "p99_iteration_ms", "queue_wait_ms", "attained_service_ms", "preemptions", "suspensions", "age_ms", "slo_ms", "serving")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_UID_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class SessionInfo(_message.Message):
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
     CLASS_FIELD_NUMBER: _ClassVar[int]
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     owner_uid: int
@@ -284,7 +285,39 @@ class SessionInfo(_message.Message):
     suspensions: int
     age_ms: float
     slo_ms: float
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ..., slo_ms: _Optional[float] = ..., **kwargs) -> None: ...
+    serving: ServingInfo
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ..., slo_ms: _Optional[float] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., **kwargs) -> None: ...
+
+class ServingInfo(_message.Message):
+    __slots__ = ("scheduler", "pending", "finished", "met_deadline", "dropped", "failed", "batches", "p50_latency_ms", "p99_latency_ms", "scheduling_us_per_event")
+    class BatchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MET_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    P50_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_US_PER_EVENT_FIELD_NUMBER: _ClassVar[int]
+    scheduler: str
+    pending: int
+    finished: int
+    met_deadline: int
+    dropped: int
+    failed: int
+    batches: _containers.ScalarMap[int, int]
+    p50_latency_ms: float
+    p99_latency_ms: float
+    scheduling_us_per_event: float
+    def __init__(self, scheduler: _Optional[str] = ..., pending: _Optional[int] = ..., finished: _Optional[int] = ..., met_deadline: _Optional[int] = ..., dropped: _Optional[int] = ..., failed: _Optional[int] = ..., batches: _Optional[_Mapping[int, int]] = ..., p50_latency_ms: _Optional[float] = ..., p99_latency_ms: _Optional[float] = ..., scheduling_us_per_event: _Optional[float] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
