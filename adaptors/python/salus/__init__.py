@@ -10,7 +10,8 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``):
 - :mod:`salus.models`: the target models and their example batches;
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
 - :mod:`salus.client`: the gRPC client of ``salusd`` (:class:`Client`, sessions, admin);
-- :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd.
+- :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd;
+- :mod:`salus.serving`: ``ServedModel``, a PyTorch model whose requests salusd batches.
 
 ``salus.Client`` is imported on first use, so tracing and the reference tools
 (``salus.trace``, ``salus.reference``) work without gRPC (or with a grpcio the generated
@@ -18,9 +19,9 @@ stubs do not accept).
 """
 
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
-                     LoweringError, SalusError, SessionClosedError, SessionResumedError,
-                     TraceError, UnsupportedMixedPrecisionError, UnsupportedOpError,
-                     UnsupportedOptimizerError)
+                     LoweringError, RequestDroppedError, SalusError, SessionClosedError,
+                     SessionResumedError, TraceError, UnsupportedMixedPrecisionError,
+                     UnsupportedOpError, UnsupportedOptimizerError)
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 
@@ -39,6 +40,7 @@ __all__ = [
     "DaemonUnavailableError",
     "GradientRecipe",
     "LoweringError",
+    "RequestDroppedError",
     "SalusError",
     "SessionClosedError",
     "SessionResumedError",

@@ -17,9 +17,13 @@ the Rust client (``crates/salus-client``) speaks it:
   ``suspended``) so that :attr:`Session.state` and :attr:`Session.reason` are always
   current. :meth:`Session.run`, :meth:`Session.read` and :meth:`Session.write` are the
   ``Run``, ``ReadTensors`` and ``WriteTensors`` calls.
+- **A served model**: :meth:`Session.serve` makes an inference session one
+  (``docs/serving.md``); :meth:`Client.infer` and :meth:`Client.infer_future` bring it
+  requests, which salusd batches and answers one by one.
 - **Errors**: every ``grpc.RpcError`` becomes a :class:`~salus.errors.DaemonError` (or
   :class:`~salus.errors.DaemonUnavailableError` when the daemon cannot be reached)
-  carrying the status code's name and the daemon's message.
+  carrying the status code's name and the daemon's message; a request a served model's
+  scheduler dropped is a :class:`~salus.errors.RequestDroppedError`.
 
 Tensors travel as raw little-endian, row-major bytes keyed by their id in the session's
 graph; :mod:`salus.torch` maps PyTorch tensors and names onto them.
@@ -27,6 +31,7 @@ graph; :mod:`salus.torch` maps PyTorch tensors and names onto them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import mmap
 import os
@@ -39,8 +44,8 @@ from typing import Callable, Iterable, Iterator, Mapping, TypeVar
 
 import grpc
 
-from .errors import (AdmissionTimeoutError, DaemonError, DaemonUnavailableError, SalusError,
-                     SessionClosedError)
+from .errors import (AdmissionTimeoutError, DaemonError, DaemonUnavailableError,
+                     RequestDroppedError, SalusError, SessionClosedError)
 from .v1 import admin_pb2, admin_pb2_grpc, graph_pb2, session_pb2, session_pb2_grpc
 
 ADDRESS_ENV = "SALUS_ADDRESS"
@@ -148,6 +153,18 @@ def rpc_error(error: grpc.RpcError, operation: str, address: str) -> DaemonError
             code=code, details=details, operation=operation, address=address)
     return DaemonError(f"salusd refused to {operation}: {code}: {details}", code=code,
                        details=details, operation=operation, address=address)
+
+
+def infer_error(error: grpc.RpcError, operation: str, address: str) -> DaemonError:
+    """The salus exception for a failed ``Infer``: :class:`RequestDroppedError` when the
+    request scheduler dropped the request (``DEADLINE_EXCEEDED``), else as
+    :func:`rpc_error`."""
+    failed = rpc_error(error, operation, address)
+    if failed.code != "DEADLINE_EXCEEDED":
+        return failed
+    return RequestDroppedError(f"salusd dropped the request ({operation}): {failed.details}",
+                               code=failed.code, details=failed.details, operation=operation,
+                               address=address)
 
 
 def failure_error(failure: session_pb2.Failure, operation: str, address: str,
@@ -303,6 +320,42 @@ class Client:
         first = session_pb2.OpenRequest(reattach=session_pb2.Reattach(session=session,
                                                                       token=token))
         return Session(self, first, (), f"reattach session {session}")
+
+    # -- served models --------------------------------------------------------------------
+
+    def infer(self, request: session_pb2.InferRequest) -> session_pb2.InferResponse:
+        """One request to a served model (:meth:`Session.serve`): its rows, one byte string
+        per feed but the variant feed, each without the batch dimension and in its
+        variant's shapes. Returns its fetch rows and how it ran (latency, its batch,
+        decode steps, whether it met its deadline). Raises
+        :class:`~salus.errors.RequestDroppedError` when the request scheduler dropped
+        it."""
+        return self.infer_future(request).result()
+
+    def infer_future(self, request: session_pb2.InferRequest
+                     ) -> "concurrent.futures.Future[session_pb2.InferResponse]":
+        """:meth:`infer` without waiting: a future of its response (or of its exception).
+        Cancelling the future cancels the call."""
+        operation = f"answer a request to session {request.session}"
+        address = str(self.address)
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        call = self.sessions_stub.Infer.future(request, metadata=self.metadata)
+
+        def settle(call) -> None:
+            try:
+                if call.cancelled():
+                    answer.cancel()
+                    return
+                try:
+                    answer.set_result(call.result())
+                except grpc.RpcError as e:
+                    answer.set_exception(infer_error(e, operation, address))
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled by its owner meanwhile
+
+        answer.add_done_callback(lambda f: f.cancelled() and call.cancel())
+        call.add_done_callback(settle)
+        return answer
 
     # -- admin --------------------------------------------------------------------------
 
@@ -666,6 +719,26 @@ class Session:
         return self._rpc(f"add a program to session {self.id}",
                          self.client.sessions_stub.AddProgram,
                          session_pb2.AddProgramRequest(session=self.id, graph=graph))
+
+    def serve(self, variants: Iterable[session_pb2.ServedVariant], *, scheduler: str = "",
+              decode: session_pb2.Decode | None = None, default_slo_ms: float = 0.0,
+              variant_feed: int | None = None) -> session_pb2.ServeResponse:
+        """Makes this inference session a served model (``docs/serving.md``): from then on
+        salusd batches the requests :meth:`Client.infer` brings, by the request
+        ``scheduler`` (``orloj`` when empty, ``clockwork``, ``nexus``, ``clipper``,
+        ``edf`` or ``fifo``), and runs each batch as the program ``variants`` name for its
+        size. ``variants``: cheapest first, each with a program per batch size, every
+        variant the same sizes; a batch runs the costliest variant among its requests.
+        ``decode``: the program repeats, carrying fetches into feeds, until every request
+        of the batch is done. ``default_slo_ms``: the SLO of a request that gives none
+        (0: the session's ``slo_ms`` hint). ``variant_feed``: the feed (one i64 or i32
+        per request) salusd fills with each request's variant. Returns what salusd
+        measured of each program (one batch of zeros each)."""
+        request = session_pb2.ServeRequest(session=self.id, scheduler=scheduler,
+                                           variants=list(variants), decode=decode,
+                                           default_slo_ms=default_slo_ms,
+                                           variant_feed=variant_feed)
+        return self._rpc(f"serve session {self.id}", self.client.sessions_stub.Serve, request)
 
     def close(self) -> None:
         """Closes the session (a running iteration finishes) and ends the lease.

@@ -115,6 +115,12 @@ class AdmissionTimeoutError(DaemonError):
         self.reason = reason
 
 
+class RequestDroppedError(DaemonError):
+    """A served model's request scheduler gave the request up unrun: it could no longer
+    meet its deadline (salusd's ``DEADLINE_EXCEEDED``); ``details`` is the scheduler's
+    reason."""
+
+
 class BatchError(SalusError, ValueError):
     """A batch does not match the traced example: count, shape or dtype of a tensor."""
 
