@@ -7,7 +7,9 @@ uploading the parameters, buffers and optimizer state, and then runs one iterati
 :meth:`TrainSession.step`. The model's tensors live on the daemon while the session is
 open; :meth:`TrainSession.state_dict` / :meth:`TrainSession.load_state_dict` move them
 both ways and :meth:`TrainSession.update_model` writes them back into the user's model
-(and optimizer) in place. :class:`InferenceSession` does the same for a forward pass.
+(and optimizer) in place. :class:`InferenceSession` does the same for a forward pass;
+:class:`ServedModel` (:mod:`salus.serving`) serves one request at a time, salusd batching
+them.
 
 Porting a training loop::
 
@@ -39,14 +41,14 @@ import torch.utils._pytree as pytree
 
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
-                     SalusError, SessionClosedError, SessionResumedError)
+                     RequestDroppedError, SalusError, SessionClosedError, SessionResumedError)
 from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
-           "InferenceSession", "SalusError", "SessionClosedError", "SessionResumedError",
-           "TrainSession",
-           "tensor_bytes", "tensor_from_bytes"]
+           "InferenceSession", "InferInfo", "RequestDroppedError", "SalusError",
+           "ServedModel", "SessionClosedError", "SessionResumedError", "TrainSession",
+           "Variant", "tensor_bytes", "tensor_from_bytes"]
 
 @dataclass(frozen=True)
 class _Program:
@@ -580,3 +582,11 @@ class InferenceSession(_SalusSession):
 
     def __repr__(self) -> str:
         return f"<salus.torch.InferenceSession {type(self.model).__name__} session {self.id}>"
+
+
+def __getattr__(name: str):
+    # ServedModel and Variant live in salus.serving, which builds on this module.
+    if name in ("ServedModel", "Variant", "InferInfo"):
+        from . import serving
+        return getattr(serving, name)
+    raise AttributeError(f"module 'salus.torch' has no attribute {name!r}")
