@@ -58,3 +58,15 @@ def test_share_gpu_runs_four_jobs_at_once():
     status = out.split("$ salusctl status", 1)[1]
     for name in ("mlp-small", "cnn", "gpt", "mlp-large"):
         assert f"({name})" in status, status
+
+
+def test_serve_dynamic_answers_early_exits_and_decoding():
+    with Daemon() as daemon:
+        out = run_example(daemon, "examples/serve_dynamic.py", "--seconds", "1", "--rate",
+                          "100", "--slo-ms", "200")
+    for name in ("early-exit", "decoder"):
+        sent, rate = re.search(rf"{name}: (\d+) requests, finish rate (\S+)", out).groups()
+        assert int(sent) > 0 and float(rate) > 0, out
+    error, wrong = re.search(r"early exits within (\S+) of eager PyTorch .*; (\d+) decoded",
+                             out).groups()
+    assert float(error) < 1e-5 and int(wrong) == 0, out
