@@ -8,6 +8,7 @@
 //! cargo run --release -p salus-bench -- cuda --json     # on a host with a GPU
 //! cargo run --release -p salus-bench -- profile --model resnet50   # where the GPU time goes
 //! cargo build --release -p salusd && cargo run --release -p salus-bench -- soak --json
+//! cargo build --release -p salusd && cargo run --release -p salus-bench -- serve --json
 //! ```
 
 mod core_suite;
@@ -16,6 +17,7 @@ mod engine_suite;
 mod plan_suite;
 mod profile_suite;
 mod rpc_suite;
+mod serve_suite;
 mod soak_suite;
 mod soak_worker;
 
@@ -33,6 +35,40 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Suite {
+    /// A served model whose running time its input decides, under open-loop load through a
+    /// real salusd: finish rate per SLO, latency and throughput for each request scheduler.
+    Serve {
+        /// The salusd binary (default: the one beside this binary).
+        #[arg(long)]
+        salusd: Option<std::path::PathBuf>,
+        /// salusd's device: cpu or cuda.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Seconds of arrivals per scheduler and SLO.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Request schedulers, comma-separated.
+        #[arg(long, default_value = "orloj,clockwork,nexus,clipper,edf,fifo", value_delimiter = ',')]
+        schedulers: Vec<String>,
+        /// SLOs as multiples of the P99 solo execution time, comma-separated.
+        #[arg(long, default_value = "1.5,2,3,5", value_delimiter = ',')]
+        slo: Vec<f64>,
+        /// Arrival rate over what one worker running requests one at a time sustains.
+        #[arg(long, default_value_t = 1.0)]
+        load: f64,
+        /// The model's width.
+        #[arg(long, default_value_t = 128)]
+        width: u64,
+        /// The model's layers per step.
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+        /// Seed of the weights, the arrivals and the steps.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The scheduling core: decision throughput with many sessions, lane-finding latency.
     Core {
         /// Open sessions during the measurement.
@@ -206,6 +242,33 @@ fn main() -> ExitCode {
         } => core_suite::run(sessions, events, json),
         Suite::Plan { graphs, json } => plan_suite::run(&graphs, json),
         Suite::Rpc { iterations, json } => rpc_suite::run(iterations, json),
+        Suite::Serve {
+            salusd,
+            device,
+            seconds,
+            schedulers,
+            slo,
+            load,
+            width,
+            layers,
+            seed,
+            json,
+        } => salusd.map_or_else(beside_this_binary, Ok).and_then(|salusd| {
+            serve_suite::run(
+                &serve_suite::Options {
+                    salusd,
+                    device,
+                    seconds,
+                    schedulers,
+                    slos: slo,
+                    load,
+                    width,
+                    layers,
+                    seed,
+                },
+                json,
+            )
+        }),
         Suite::Soak {
             sessions,
             clients,

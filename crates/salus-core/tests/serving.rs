@@ -432,7 +432,7 @@ fn kind() -> impl Strategy<Value = RequestSchedulerKind> {
 /// Every scheduler's promises, checked after every event: one batch at a time, at a
 /// supported size holding its requests; only pending requests run or are dropped, each
 /// once; timers only in the future; and once the events stop and the worker keeps
-/// finishing batches, every request is run or dropped.
+/// finishing batches, every request is run or dropped, by the scheduler's own timers.
 fn check_promises(kind: RequestSchedulerKind, ops: Vec<Op>) {
     let config = ServingConfig::default();
     let mut s = kind.build(config.clone()).unwrap();
@@ -519,7 +519,11 @@ fn check_promises(kind: RequestSchedulerKind, ops: Vec<Op>) {
                 duration: now - started,
             }
         } else {
-            now = s.poll_timeout().unwrap_or(now + ms(1000));
+            // Nothing else will happen: a scheduler holding requests must ask to be woken
+            // (a daemon's last request of a burst would otherwise wait forever).
+            now = s.poll_timeout().unwrap_or_else(|| {
+                panic!("{kind}: {} requests pending, the worker idle and no timer", pending.len())
+            });
             RequestEvent::Tick
         };
         apply(&mut s, now, event, &mut running, &mut pending);

@@ -1,9 +1,12 @@
 //! What every request scheduler shares: checking events, the pending requests, the
 //! worker, the profiler, turning decisions into actions. A [`Policy`] only decides which
 //! requests form the next batch and which to drop; it cannot start a batch while another
-//! runs, run a request twice or drop one that is not pending.
+//! runs, run a request twice or drop one that is not pending. Whatever the policy, a
+//! request still pending past its deadline is dropped ([`DropReason::Expired`]), and the
+//! scheduler asks to be woken just after the earliest pending deadline: no request waits
+//! for an event that may never come.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use super::{
@@ -64,6 +67,9 @@ struct Server<P> {
     policy: P,
     profiler: Profiler,
     pending: HashMap<RequestId, Request>,
+    /// The pending requests by deadline: a tick follows the earliest, so that no request
+    /// waits past its deadline for an event that may never come.
+    deadlines: BTreeSet<(Duration, RequestId)>,
     running: Option<(Batch, Duration)>,
     next_batch: u64,
     actions: Vec<RequestAction>,
@@ -81,6 +87,7 @@ pub(crate) fn boxed<P: Policy + 'static>(
         config,
         policy,
         pending: HashMap::new(),
+        deadlines: BTreeSet::new(),
         running: None,
         next_batch: 0,
         actions: Vec::new(),
@@ -88,8 +95,40 @@ pub(crate) fn boxed<P: Policy + 'static>(
     })
 }
 
+/// How long after a pending request's deadline the scheduler is woken to drop it, if its
+/// policy has not decided on it by then.
+const PAST_DEADLINE: Duration = Duration::from_micros(1);
+
 impl<P: Policy> Server<P> {
+    /// Removes a pending request; false when it was not pending.
+    fn take(&mut self, id: RequestId) -> bool {
+        match self.pending.remove(&id) {
+            Some(request) => {
+                self.deadlines.remove(&(request.deadline, id));
+                true
+            }
+            None => false,
+        }
+    }
+
     fn decide(&mut self, now: Duration) {
+        self.decide_policy(now);
+        // A request past its deadline can no longer finish on time: dropped here whatever
+        // the policy's queues make of it (a policy that looks only at their fronts could
+        // otherwise hold it, and the tick after its deadline would be the last event).
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            if deadline >= now {
+                break;
+            }
+            self.take(id);
+            self.actions.push(RequestAction::Drop {
+                request: id,
+                reason: DropReason::Expired,
+            });
+        }
+    }
+
+    fn decide_policy(&mut self, now: Duration) {
         let worker = match &self.running {
             None => Worker::Idle,
             Some((batch, started)) => Worker::Busy {
@@ -104,13 +143,12 @@ impl<P: Policy> Server<P> {
         let mut decision = Decision::default();
         self.policy.decide(now, worker, &view, &mut decision);
         for (request, reason) in decision.drops {
-            let known = self.pending.remove(&request).is_some();
-            debug_assert!(known, "{request} dropped but not pending");
-            if known {
+            // Not pending: this server dropped it past its deadline already.
+            if self.take(request) {
                 self.actions.push(RequestAction::Drop { request, reason });
             }
         }
-        let Some((batch_size, requests)) = decision.batch else {
+        let Some((batch_size, mut requests)) = decision.batch else {
             return;
         };
         debug_assert!(worker == Worker::Idle, "a batch decided while one runs");
@@ -121,12 +159,12 @@ impl<P: Policy> Server<P> {
             "batch of {} at size {batch_size}",
             requests.len()
         );
-        if self.running.is_some() || requests.is_empty() {
+        if self.running.is_some() {
             return;
         }
-        for request in &requests {
-            let known = self.pending.remove(request).is_some();
-            debug_assert!(known, "{request} batched but not pending");
+        requests.retain(|&request| self.take(request));
+        if requests.is_empty() {
+            return;
         }
         let batch = Batch {
             id: BatchId(self.next_batch),
@@ -161,6 +199,7 @@ impl<P: Policy> RequestScheduler for Server<P> {
                     return Err(ServingError::DuplicateRequest(request.id));
                 }
                 self.pending.insert(request.id, request);
+                self.deadlines.insert((request.deadline, request.id));
                 self.profiler.arrival(request.app);
                 let view = View {
                     config: &self.config,
@@ -192,7 +231,16 @@ impl<P: Policy> RequestScheduler for Server<P> {
 
     fn poll_timeout(&self) -> Option<Duration> {
         // Only the future: a driver that ticks at a time already handled would loop.
-        self.policy.wake_at().filter(|&t| t > self.last)
+        let deadline = self
+            .deadlines
+            .first()
+            .map(|&(d, _)| d + PAST_DEADLINE)
+            .filter(|&t| t > self.last);
+        let wake = self.policy.wake_at().filter(|&t| t > self.last);
+        match (wake, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     fn pending(&self) -> usize {

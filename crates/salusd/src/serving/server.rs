@@ -174,8 +174,12 @@ impl BatchJob {
     }
 }
 
-/// Times every program of `shapes` on a batch of zeros (once to warm up, then measured):
-/// (variant, batch size, time). Waits for the session's admission.
+/// Runs each program times `Serve` measures, after one to warm up.
+const CALIBRATION_RUNS: usize = 5;
+
+/// Times every program of `shapes` on a batch of zeros (the median of
+/// [`CALIBRATION_RUNS`] after one to warm up): (variant, batch size, time). Waits for the
+/// session's admission.
 pub(super) async fn calibrate(
     engine: &Engine,
     principal: Principal,
@@ -200,9 +204,14 @@ pub(super) async fn calibrate(
                     .collect::<Vec<_>>()
             };
             job.run(program, zeros()).await?;
-            let started = Instant::now();
-            job.run(program, zeros()).await?;
-            times.push((v, size, started.elapsed()));
+            let mut runs = Vec::with_capacity(CALIBRATION_RUNS);
+            for _ in 0..CALIBRATION_RUNS {
+                let started = Instant::now();
+                job.run(program, zeros()).await?;
+                runs.push(started.elapsed());
+            }
+            runs.sort_unstable();
+            times.push((v, size, runs[CALIBRATION_RUNS / 2]));
         }
     }
     Ok(times)
