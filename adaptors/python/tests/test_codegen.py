@@ -37,7 +37,7 @@ def test_service_stubs_import_inside_the_package():
     assert open_session.graph.version == 1
     assert set(session_pb2.DESCRIPTOR.services_by_name["Sessions"].methods_by_name) == {
         "Open", "Run", "RunStream", "ReadTensors", "WriteTensors", "Close", "AddProgram",
-        "AttachBuffer"}
+        "AttachBuffer", "Serve", "Infer"}
     assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {
         "Status", "ListSessions", "SetPolicy", "Drain", "Watch", "SetOffline"}
     assert hasattr(session_pb2_grpc, "SessionsStub") and hasattr(admin_pb2_grpc, "AdminStub")
