@@ -764,8 +764,9 @@ fn cases() -> Vec<Case> {
 }
 
 /// Fused attention and its backward at lengths around the kernels' tiles (16 and 8
-/// queries a block, 32 keys a tile), head dims up to the largest (128), causal, with bool
-/// and float masks.
+/// queries a block, 32 keys a tile), head dims up to the fused kernels' largest (128) and
+/// past it (f32 attention runs as cuBLAS products, which have no such bound), causal,
+/// with bool and float masks.
 fn attention_cases(rng: &mut Rng) -> Vec<Case> {
     let mut cases = Vec::new();
     for (b, h, l, s, e, ev, causal, mask) in [
@@ -774,6 +775,7 @@ fn attention_cases(rng: &mut Rng) -> Vec<Case> {
         (2, 2, 33, 40, 128, 128, false, 1),
         (1, 3, 17, 17, 8, 24, true, 2),
         (3, 1, 1, 1, 4, 4, false, 0),
+        (1, 2, 20, 24, 160, 192, true, 2),
     ] {
         let q = rng.f32s(&[b, h, l, e], -1.0, 1.0);
         let k = rng.f32s(&[b, h, s, e], -1.0, 1.0);
