@@ -48,7 +48,11 @@ enum Suite {
         #[arg(long, default_value_t = 5.0)]
         seconds: f64,
         /// Request schedulers, comma-separated.
-        #[arg(long, default_value = "orloj,clockwork,nexus,clipper,edf,fifo", value_delimiter = ',')]
+        #[arg(
+            long,
+            default_value = "orloj,clockwork,nexus,clipper,edf,fifo",
+            value_delimiter = ','
+        )]
         schedulers: Vec<String>,
         /// SLOs as multiples of the P99 solo execution time, comma-separated.
         #[arg(long, default_value = "1.5,2,3,5", value_delimiter = ',')]
@@ -253,22 +257,24 @@ fn main() -> ExitCode {
             layers,
             seed,
             json,
-        } => salusd.map_or_else(beside_this_binary, Ok).and_then(|salusd| {
-            serve_suite::run(
-                &serve_suite::Options {
-                    salusd,
-                    device,
-                    seconds,
-                    schedulers,
-                    slos: slo,
-                    load,
-                    width,
-                    layers,
-                    seed,
-                },
-                json,
-            )
-        }),
+        } => salusd
+            .map_or_else(beside_this_binary, Ok)
+            .and_then(|salusd| {
+                serve_suite::run(
+                    &serve_suite::Options {
+                        salusd,
+                        device,
+                        seconds,
+                        schedulers,
+                        slos: slo,
+                        load,
+                        width,
+                        layers,
+                        seed,
+                    },
+                    json,
+                )
+            }),
         Suite::Soak {
             sessions,
             clients,

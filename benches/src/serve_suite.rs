@@ -96,7 +96,10 @@ impl Rng {
     fn request(&mut self) -> (u32, u32) {
         let app = (self.uniform() * APPS.len() as f64) as usize % APPS.len();
         let (mean, std) = APPS[app];
-        (app as u32, (mean + std * self.normal()).round().max(1.0) as u32)
+        (
+            app as u32,
+            (mean + std * self.normal()).round().max(1.0) as u32,
+        )
     }
 }
 
@@ -166,7 +169,9 @@ async fn serve(client: &Client, options: &Options, scheduler: &str) -> Result<(u
             0
         } else {
             session
-                .add_program(countdown(size, options.width, options.layers, options.layers).to_proto())
+                .add_program(
+                    countdown(size, options.width, options.layers, options.layers).to_proto(),
+                )
                 .await
                 .map_err(e)?
                 .program
@@ -184,7 +189,10 @@ async fn serve(client: &Client, options: &Options, scheduler: &str) -> Result<(u
                 programs,
             }],
             decode: Some(pb::Decode {
-                carry: vec![pb::Carry { fetch: 0, feed: 0 }, pb::Carry { fetch: 1, feed: 1 }],
+                carry: vec![
+                    pb::Carry { fetch: 0, feed: 0 },
+                    pb::Carry { fetch: 1, feed: 1 },
+                ],
                 done: 2,
                 max_steps: 1000,
             }),
@@ -205,40 +213,49 @@ async fn serve(client: &Client, options: &Options, scheduler: &str) -> Result<(u
 
 /// One request's end: latency, whether on time, its batch's size in requests.
 enum End {
-    Answered { latency: Duration, on_time: bool, batch: u32 },
+    Answered {
+        latency: Duration,
+        on_time: bool,
+        batch: u32,
+    },
     Dropped,
     Failed,
 }
 
 /// Sends requests at Poisson arrivals for `seconds` from a thread that sleeps between
 /// them (finer than the runtime's timer) and waits for every answer.
-fn phase(
-    runtime: &tokio::runtime::Runtime,
-    client: &Client,
+/// One phase's open-loop load on a served session.
+struct Load {
     session: u64,
     width: u64,
     mean_gap: f64,
     slo_ms: f64,
     seconds: f64,
+}
+
+fn phase(
+    runtime: &tokio::runtime::Runtime,
+    client: &Client,
+    load: &Load,
     rng: &mut Rng,
 ) -> (Vec<End>, Duration) {
     let ends = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     let start = Instant::now();
     let mut next = 0.0;
-    while next < seconds {
+    while next < load.seconds {
         let at = start + Duration::from_secs_f64(next);
         if let Some(wait) = at.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
         }
         let (app, steps) = rng.request();
-        let h: Vec<u8> = (0..width)
+        let h: Vec<u8> = (0..load.width)
             .flat_map(|i| (((i % 13) as f32 - 6.0) / 8.0).to_le_bytes())
             .collect();
         let request = pb::InferRequest {
-            session,
+            session: load.session,
             feeds: vec![h, (steps as f32).to_le_bytes().to_vec()],
-            slo_ms,
+            slo_ms: load.slo_ms,
             app,
             ..Default::default()
         };
@@ -250,14 +267,16 @@ fn phase(
                     on_time: a.met_deadline,
                     batch: a.batch_requests,
                 },
-                Err(salus_client::Error::Status(s)) if s.code() == tonic::Code::DeadlineExceeded => {
+                Err(salus_client::Error::Status(s))
+                    if s.code() == tonic::Code::DeadlineExceeded =>
+                {
                     End::Dropped
                 }
                 Err(_) => End::Failed,
             };
             ends.lock().expect("ends").push(end);
         }));
-        next += rng.exponential(mean_gap);
+        next += rng.exponential(load.mean_gap);
     }
     runtime.block_on(async {
         for task in tasks {
@@ -310,7 +329,9 @@ fn measure(options: &Options, dir: &Path) -> Result<Report, String> {
         if report.step_ms == 0.0 {
             // The workload is fixed by the first scheduler's measured step time.
             let mut rng = Rng(options.seed ^ 0x5eed);
-            let mut solo: Vec<f64> = (0..20_000).map(|_| rng.request().1 as f64 * step_ms).collect();
+            let mut solo: Vec<f64> = (0..20_000)
+                .map(|_| rng.request().1 as f64 * step_ms)
+                .collect();
             solo.sort_by(f64::total_cmp);
             report.step_ms = step_ms;
             report.mean_execution_ms = solo.iter().sum::<f64>() / solo.len() as f64;
@@ -321,16 +342,14 @@ fn measure(options: &Options, dir: &Path) -> Result<Report, String> {
         for &multiple in &options.slos {
             let slo_ms = multiple * report.p99_execution_ms;
             let mut rng = Rng(options.seed.wrapping_add((multiple * 1000.0) as u64));
-            let (ends, elapsed) = phase(
-                &runtime,
-                &client,
+            let load = Load {
                 session,
-                options.width,
-                1.0 / report.rate_per_s,
+                width: options.width,
+                mean_gap: 1.0 / report.rate_per_s,
                 slo_ms,
-                options.seconds,
-                &mut rng,
-            );
+                seconds: options.seconds,
+            };
+            let (ends, elapsed) = phase(&runtime, &client, &load, &mut rng);
             let info = runtime
                 .block_on(client.list_sessions())
                 .map_err(|e| e.to_string())?
@@ -381,7 +400,10 @@ fn measure(options: &Options, dir: &Path) -> Result<Report, String> {
 
 fn print(options: &Options, report: &Report, json: bool) -> Result<(), String> {
     if json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+        );
         return Ok(());
     }
     println!(
@@ -397,8 +419,18 @@ fn print(options: &Options, report: &Report, json: bool) -> Result<(), String> {
     );
     println!(
         "{:<10} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>8} {:>8} {:>9} {:>6} {:>8}",
-        "scheduler", "SLO ms", "sent", "finish", "drop", "late", "fail", "p50 ms", "p99 ms",
-        "answers/s", "batch", "sched us"
+        "scheduler",
+        "SLO ms",
+        "sent",
+        "finish",
+        "drop",
+        "late",
+        "fail",
+        "p50 ms",
+        "p99 ms",
+        "answers/s",
+        "batch",
+        "sched us"
     );
     for (scheduler, phases) in &report.schedulers {
         for p in phases {

@@ -522,7 +522,10 @@ fn check_promises(kind: RequestSchedulerKind, ops: Vec<Op>) {
             // Nothing else will happen: a scheduler holding requests must ask to be woken
             // (a daemon's last request of a burst would otherwise wait forever).
             now = s.poll_timeout().unwrap_or_else(|| {
-                panic!("{kind}: {} requests pending, the worker idle and no timer", pending.len())
+                panic!(
+                    "{kind}: {} requests pending, the worker idle and no timer",
+                    pending.len()
+                )
             });
             RequestEvent::Tick
         };

@@ -123,8 +123,16 @@ pub fn countdown(batch: u64, width: u64, layers: usize, used: usize) -> Graph {
     let mut last = h;
     for (l, w) in (0..used).enumerate() {
         let product = tensors.len();
-        tensors.push(tensor(&format!("mm_{l}"), &[batch, width], Role::Intermediate));
-        tensors.push(tensor(&format!("h_{l}"), &[batch, width], Role::Intermediate));
+        tensors.push(tensor(
+            &format!("mm_{l}"),
+            &[batch, width],
+            Role::Intermediate,
+        ));
+        tensors.push(tensor(
+            &format!("h_{l}"),
+            &[batch, width],
+            Role::Intermediate,
+        ));
         nodes.push(node(Op::Mm, &[last, w], product, &[]));
         nodes.push(node(Op::Tanh, &[product], product + 1, &[]));
         last = product + 1;

@@ -354,7 +354,11 @@ pub async fn run_with(
                 .await
                 .map_err(|e| failure(format!("binding the metrics address {addr}: {e}")))?;
             tracing::info!(%addr, "metrics at http://{addr}/metrics");
-            Some(tokio::spawn(metrics::serve(listener, engine.clone(), served.clone())))
+            Some(tokio::spawn(metrics::serve(
+                listener,
+                engine.clone(),
+                served.clone(),
+            )))
         }
         None => None,
     };

@@ -288,7 +288,11 @@ pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
         "Requests of a served model waiting for a batch.",
         &mut |out: &mut String| {
             for (id, s) in &served {
-                let _ = writeln!(out, "salus_serving_pending_requests{{session=\"{id}\"}} {}", s.pending);
+                let _ = writeln!(
+                    out,
+                    "salus_serving_pending_requests{{session=\"{id}\"}} {}",
+                    s.pending
+                );
             }
         },
     );

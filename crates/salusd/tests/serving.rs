@@ -1,6 +1,8 @@
 //! Served models on a real salusd: requests batched by the daemon, decoding until each
 //! request says stop, variants, drops and refusals.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{Daemon, bytes, floats, values};
@@ -24,7 +26,12 @@ fn reference(h: &[f32], steps: u32, used: usize) -> Vec<f64> {
     for _ in 0..steps {
         for w in &w[..used] {
             h = (0..d)
-                .map(|c| (0..d).map(|j| h[j] * w[j * d + c] as f64).sum::<f64>().tanh())
+                .map(|c| {
+                    (0..d)
+                        .map(|j| h[j] * w[j * d + c] as f64)
+                        .sum::<f64>()
+                        .tanh()
+                })
                 .collect();
         }
     }
@@ -33,7 +40,11 @@ fn reference(h: &[f32], steps: u32, used: usize) -> Vec<f64> {
 
 /// An inference session of `countdown` with a program per batch size in `sizes` for each
 /// variant (`used` layers 1..=variants); the largest batch of the last variant opens it.
-async fn open(client: &Client, sizes: &[u64], variants: usize) -> (Session, Vec<pb::ServedVariant>) {
+async fn open(
+    client: &Client,
+    sizes: &[u64],
+    variants: usize,
+) -> (Session, Vec<pb::ServedVariant>) {
     let largest = *sizes.iter().max().unwrap();
     let initial = weights()
         .iter()
@@ -80,7 +91,10 @@ async fn open(client: &Client, sizes: &[u64], variants: usize) -> (Session, Vec<
 
 fn decode(max_steps: u32) -> pb::Decode {
     pb::Decode {
-        carry: vec![pb::Carry { fetch: 0, feed: 0 }, pb::Carry { fetch: 1, feed: 1 }],
+        carry: vec![
+            pb::Carry { fetch: 0, feed: 0 },
+            pb::Carry { fetch: 1, feed: 1 },
+        ],
         done: 2,
         max_steps,
     }
@@ -101,7 +115,10 @@ fn close_to(got: &[f32], want: &[f64], what: &str) {
     // Each step is a width-8 f32 dot product and a tanh: a few f32 roundings per element,
     // contracted by tanh, so 1e-5 bounds many steps' worth of them.
     for (g, w) in got.iter().zip(want) {
-        assert!((*g as f64 - w).abs() < 1e-5, "{what}: {got:?} against {want:?}");
+        assert!(
+            (*g as f64 - w).abs() < 1e-5,
+            "{what}: {got:?} against {want:?}"
+        );
     }
 }
 
@@ -124,15 +141,27 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
     for i in 0..12u64 {
         let (h, request) = request(session.id, i, (i % 6 + 1) as f32, 0);
         let client = client.clone();
-        asked.push((h, i % 6 + 1, tokio::spawn(async move { client.infer(request).await })));
+        asked.push((
+            h,
+            i % 6 + 1,
+            tokio::spawn(async move { client.infer(request).await }),
+        ));
     }
     let mut batched = 0;
     for (h, left, answer) in asked {
         let answer = answer.await.unwrap().unwrap();
         assert_eq!((answer.steps, answer.done), (left as u32, true));
-        assert_eq!(floats(&answer.fetches[1]), vec![0.0], "left counted down to 0");
+        assert_eq!(
+            floats(&answer.fetches[1]),
+            vec![0.0],
+            "left counted down to 0"
+        );
         assert_eq!(answer.fetches[2], vec![1], "done");
-        close_to(&floats(&answer.fetches[0]), &reference(&h, left as u32, 1), "h");
+        close_to(
+            &floats(&answer.fetches[0]),
+            &reference(&h, left as u32, 1),
+            "h",
+        );
         assert!(answer.batch_requests as u32 <= answer.batch_size);
         batched += (answer.batch_requests > 1) as u32;
         assert!(answer.met_deadline, "no SLO: no deadline to miss");
@@ -154,7 +183,11 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
     let answer = client.infer(slow).await.unwrap();
     assert_eq!((answer.steps, answer.done), (5, false));
     assert_eq!(floats(&answer.fetches[1]), vec![95.0]);
-    close_to(&floats(&answer.fetches[0]), &reference(&h, 5, 1), "h after 5 steps");
+    close_to(
+        &floats(&answer.fetches[0]),
+        &reference(&h, 5, 1),
+        "h after 5 steps",
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,7 +261,10 @@ async fn bad_serving_requests_are_refused_by_name_and_others_go_on() {
             .await
             .unwrap_err(),
     );
-    assert!(refused.message().contains("done flag is fetch 7"), "{refused:?}");
+    assert!(
+        refused.message().contains("done flag is fetch 7"),
+        "{refused:?}"
+    );
     let refused = status(
         session
             .serve(pb::ServeRequest {
@@ -239,7 +275,10 @@ async fn bad_serving_requests_are_refused_by_name_and_others_go_on() {
             .await
             .unwrap_err(),
     );
-    assert!(refused.message().contains("unknown request scheduler"), "{refused:?}");
+    assert!(
+        refused.message().contains("unknown request scheduler"),
+        "{refused:?}"
+    );
 
     session
         .serve(pb::ServeRequest {
@@ -276,7 +315,10 @@ async fn bad_serving_requests_are_refused_by_name_and_others_go_on() {
     assert_eq!(short.code(), tonic::Code::InvalidArgument);
     assert!(short.message().contains("feed 0 has 31 bytes"), "{short:?}");
     let unknown = status(unknown.unwrap_err());
-    assert!(unknown.message().contains("variant 3 does not exist"), "{unknown:?}");
+    assert!(
+        unknown.message().contains("variant 3 does not exist"),
+        "{unknown:?}"
+    );
     let good = good.unwrap();
     close_to(&floats(&good.fetches[0]), &reference(&h, 2, 1), "h");
 
@@ -293,5 +335,9 @@ async fn bad_serving_requests_are_refused_by_name_and_others_go_on() {
     session.close().await.unwrap();
     let (_, after) = request(id, 6, 2.0, 0);
     let refused = status(client.infer(after).await.unwrap_err());
-    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
 }

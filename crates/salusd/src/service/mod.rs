@@ -110,7 +110,13 @@ impl Stream for Lease {
     }
 }
 
-fn end_lease(engine: &Engine, buffers: &Buffers, servers: &Servers, owner: Principal, session: u64) {
+fn end_lease(
+    engine: &Engine,
+    buffers: &Buffers,
+    servers: &Servers,
+    owner: Principal,
+    session: u64,
+) {
     buffers.detach(session);
     servers.stop(session);
     let _ = engine.send(Command::Close {
@@ -123,7 +129,13 @@ fn end_lease(engine: &Engine, buffers: &Buffers, servers: &Servers, owner: Princ
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(session) = self.session {
-            end_lease(&self.engine, &self.buffers, &self.servers, self.owner, session);
+            end_lease(
+                &self.engine,
+                &self.buffers,
+                &self.servers,
+                self.owner,
+                session,
+            );
         }
     }
 }

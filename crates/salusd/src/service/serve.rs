@@ -27,7 +27,7 @@ impl From<ServeError> for Status {
 
 /// A duration from milliseconds a client gave: `None` for 0.
 fn millis(what: &str, ms: f64) -> Result<Option<Duration>, Status> {
-    if !(ms.is_finite() && ms >= 0.0 && ms < 1e12) {
+    if !(0.0..1e12).contains(&ms) {
         return Err(Status::invalid_argument(format!(
             "{what} must be a finite, non-negative number of milliseconds, not {ms}"
         )));

@@ -206,7 +206,10 @@ impl ServingStats {
 struct Handle {
     owner: Principal,
     shapes: Arc<Shapes>,
-    arrivals: mpsc::UnboundedSender<(InferRequest, oneshot::Sender<Result<InferAnswer, ServeError>>)>,
+    arrivals: mpsc::UnboundedSender<(
+        InferRequest,
+        oneshot::Sender<Result<InferAnswer, ServeError>>,
+    )>,
     stats: Arc<Mutex<ServingStats>>,
 }
 
@@ -294,7 +297,9 @@ impl Servers {
         let (reply, answer) = oneshot::channel();
         {
             let servers = self.inner.lock().expect("servers");
-            let handle = servers.get(&session).ok_or(ServeError::NotServed(session))?;
+            let handle = servers
+                .get(&session)
+                .ok_or(ServeError::NotServed(session))?;
             principal
                 .check_session(session, handle.owner)
                 .map_err(EngineError::from)?;

@@ -78,7 +78,12 @@ impl BatchJob {
             let own = &self.shapes.variants[*v];
             for (&f, row) in given.iter().zip(rows.iter()) {
                 let n = shapes::row_bytes(&at.feeds[f]);
-                shapes::pad_into(row, &own.feeds[f], &at.feeds[f], &mut feeds[f][i * n..(i + 1) * n]);
+                shapes::pad_into(
+                    row,
+                    &own.feeds[f],
+                    &at.feeds[f],
+                    &mut feeds[f][i * n..(i + 1) * n],
+                );
             }
         }
         if let Some(f) = self.shapes.variant_feed {
@@ -147,12 +152,19 @@ impl BatchJob {
 
     /// Runs a batch; when a batch of several fails in the program (one request's values
     /// can make it fail), runs each request alone, so that only the one at fault fails.
-    async fn execute(self, variant: usize, size: usize, requests: Vec<(usize, Vec<Vec<u8>>)>) -> Outcome {
+    async fn execute(
+        self,
+        variant: usize,
+        size: usize,
+        requests: Vec<(usize, Vec<Vec<u8>>)>,
+    ) -> Outcome {
         let views: Vec<(usize, &[Vec<u8>])> =
             requests.iter().map(|(v, r)| (*v, r.as_slice())).collect();
         match self.batch(variant, size, &views).await {
             Ok(rows) => rows.into_iter().map(Ok).collect(),
-            Err(error @ EngineError::Exec(salus_exec::ExecError::Node { .. })) if views.len() > 1 => {
+            Err(error @ EngineError::Exec(salus_exec::ExecError::Node { .. }))
+                if views.len() > 1 =>
+            {
                 tracing::info!(session = self.session, %error, "a batch failed; its requests run alone");
                 let smallest = self.shapes.batch_sizes[0];
                 let mut outcome = Vec::with_capacity(views.len());
@@ -225,7 +237,11 @@ fn fit_cost(times: &[(usize, usize, Duration)], variants: usize) -> BatchCost {
         .filter(|t| t.0 == variants - 1)
         .map(|t| (t.1 as f64, t.2.as_secs_f64()))
         .collect();
-    let one = last.iter().find(|p| p.0 == 1.0).or(last.first()).map_or(1.0, |p| p.1 / p.0);
+    let one = last
+        .iter()
+        .find(|p| p.0 == 1.0)
+        .or(last.first())
+        .map_or(1.0, |p| p.1 / p.0);
     let ratios: Vec<(f64, f64)> = last.iter().map(|&(k, t)| (k, t / one.max(1e-12))).collect();
     let n = ratios.len() as f64;
     let (mk, mr) = (
@@ -426,7 +442,11 @@ impl Server {
                         .iter()
                         .filter_map(|id| self.waiting.remove(id).map(|w| (*id, w)))
                         .collect();
-                    let variant = requests.iter().map(|r| r.1.request.variant).max().unwrap_or(0);
+                    let variant = requests
+                        .iter()
+                        .map(|r| r.1.request.variant)
+                        .max()
+                        .unwrap_or(0);
                     let rows = requests
                         .iter()
                         .map(|(_, w)| (w.request.variant, w.request.feeds.clone()))
@@ -434,7 +454,13 @@ impl Server {
                     let job = self.job.clone();
                     let size = batch.batch_size;
                     started = Some(tokio::spawn(job.execute(variant, size, rows)));
-                    *self.stats.lock().expect("stats").batches.entry(size).or_default() += 1;
+                    *self
+                        .stats
+                        .lock()
+                        .expect("stats")
+                        .batches
+                        .entry(size)
+                        .or_default() += 1;
                     self.running = Some(Running {
                         batch: batch.id,
                         variant,
@@ -490,14 +516,22 @@ impl Server {
         for ((_, waiting), result) in running.requests.into_iter().zip(outcome) {
             let variant = waiting.request.variant;
             let answered = self.now();
-            let latency = answered.saturating_sub(waiting.request.arrived.saturating_duration_since(self.start));
-            let queued = running.started.saturating_duration_since(waiting.request.arrived);
+            let latency = answered.saturating_sub(
+                waiting
+                    .request
+                    .arrived
+                    .saturating_duration_since(self.start),
+            );
+            let queued = running
+                .started
+                .saturating_duration_since(waiting.request.arrived);
             match result {
                 Ok(rows) => {
                     // Its solo time: its share of the batch's steps, at its variant's batch of one.
                     let solo = duration.as_secs_f64()
                         * (rows.steps as f64 / batch_steps as f64)
-                        * (self.calibration[&(variant, self.job.shapes.batch_sizes[0])] / batch_ms.max(1e-9));
+                        * (self.calibration[&(variant, self.job.shapes.batch_sizes[0])]
+                            / batch_ms.max(1e-9));
                     self.event(RequestEvent::Profiled {
                         app: AppId(waiting.request.app),
                         execution: Duration::from_secs_f64(solo.max(0.0)),
@@ -542,7 +576,9 @@ impl Server {
     fn close_waiting(&mut self) {
         let session = self.job.session;
         for (_, waiting) in self.waiting.drain() {
-            let _ = waiting.reply.send(Err(EngineError::Closing(session).into()));
+            let _ = waiting
+                .reply
+                .send(Err(EngineError::Closing(session).into()));
         }
         self.actions.clear();
     }

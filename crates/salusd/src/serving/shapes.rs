@@ -64,8 +64,7 @@ impl Shapes {
             let what = format!("variant {v} ('{}')", variant.name);
             let mut sized: Vec<(usize, u32)> = variant.programs.clone();
             sized.sort_unstable();
-            if sized.is_empty() || sized.windows(2).any(|w| w[0].0 == w[1].0) || sized[0].0 == 0
-            {
+            if sized.is_empty() || sized.windows(2).any(|w| w[0].0 == w[1].0) || sized[0].0 == 0 {
                 return Err(format!(
                     "{what} needs one program for each of its batch sizes, distinct and \
                      positive: got {:?}",
@@ -146,8 +145,14 @@ impl Shapes {
                      [batch]); it is {ty} per request"
                 ));
             }
-            if spec.decode.iter().any(|d| d.carry.iter().any(|c| c.1 == feed)) {
-                return Err(format!("decoding carries a fetch into the variant feed {feed}"));
+            if spec
+                .decode
+                .iter()
+                .any(|d| d.carry.iter().any(|c| c.1 == feed))
+            {
+                return Err(format!(
+                    "decoding carries a fetch into the variant feed {feed}"
+                ));
             }
         }
         let batch_sizes = variants[0].programs.iter().map(|p| p.0).collect();
@@ -182,7 +187,7 @@ fn rows(program: &Program, size: usize) -> Result<(Vec<TensorType>, Vec<TensorTy
         .iter()
         .enumerate()
         .map(|(i, &id)| {
-            let t = &graph.tensors[id as usize];
+            let t = &graph.tensors[id];
             row(format!("fetch {i} ('{}')", t.name), &t.ty)
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -190,7 +195,12 @@ fn rows(program: &Program, size: usize) -> Result<(Vec<TensorType>, Vec<TensorTy
 }
 
 fn describe(feeds: &[TensorType], fetches: &[TensorType]) -> String {
-    let list = |l: &[TensorType]| l.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ");
+    let list = |l: &[TensorType]| {
+        l.iter()
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     format!("feeds {}; fetches {}", list(feeds), list(fetches))
 }
 
@@ -266,7 +276,14 @@ pub fn row_bytes(ty: &TensorType) -> usize {
 /// Copies a row of shape `from` into `out`, a row of shape `to` at least as large in every
 /// dimension, at the start of each dimension; the rest of `out` is left as it is.
 pub fn pad_into(row: &[u8], from: &TensorType, to: &TensorType, out: &mut [u8]) {
-    copy_block(row, &from.shape, out, &to.shape, &from.shape, from.dtype.size() as usize);
+    copy_block(
+        row,
+        &from.shape,
+        out,
+        &to.shape,
+        &from.shape,
+        from.dtype.size() as usize,
+    );
 }
 
 /// The part of `row` (shape `from`) at the start of each dimension, of shape `to`.
@@ -275,14 +292,21 @@ pub fn cut(row: &[u8], from: &TensorType, to: &TensorType) -> Vec<u8> {
         return row.to_vec();
     }
     let mut out = vec![0; row_bytes(to)];
-    copy_block(row, &from.shape, &mut out, &to.shape, &to.shape, to.dtype.size() as usize);
+    copy_block(
+        row,
+        &from.shape,
+        &mut out,
+        &to.shape,
+        &to.shape,
+        to.dtype.size() as usize,
+    );
     out
 }
 
 /// Copies the block `extent` (the smaller of the two shapes) between `src` (shape `a`) and
 /// `dst` (shape `b`), both row-major from index 0.
 fn copy_block(src: &[u8], a: &[u64], dst: &mut [u8], b: &[u64], extent: &[u64], element: usize) {
-    if extent.iter().any(|&d| d == 0) {
+    if extent.contains(&0) {
         return;
     }
     if a == b {
@@ -381,7 +405,10 @@ mod tests {
 
     #[test]
     fn done_flags_read_each_dtype() {
-        let f = [0.0f32, 2.5].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>();
+        let f = [0.0f32, 2.5]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<_>>();
         assert!(!flag(&f, DType::F32, 0) && flag(&f, DType::F32, 1));
         assert!(flag(&[0, 1], DType::Bool, 1) && !flag(&[0, 1], DType::Bool, 0));
         let i = ints(&[0, -3]);
