@@ -131,12 +131,19 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
         .serve(pb::ServeRequest {
             scheduler: "edf".into(),
             variants,
-            decode: Some(decode(64)),
+            decode: Some(decode(4000)),
             ..Default::default()
         })
         .await
         .unwrap();
     assert_eq!(served.calibration.len(), 3, "{served:?}");
+    // A long request first: the others arrive while its batch runs (3,000 steps, tens of
+    // milliseconds on any machine), so they queue and run batched once it is done.
+    let (_, first) = request(session.id, 1000, 3000.0, 0);
+    let long = tokio::spawn({
+        let client = client.clone();
+        async move { client.infer(first).await }
+    });
     let mut asked = Vec::new();
     for i in 0..12u64 {
         let (h, request) = request(session.id, i, (i % 6 + 1) as f32, 0);
@@ -166,7 +173,9 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
         batched += (answer.batch_requests > 1) as u32;
         assert!(answer.met_deadline, "no SLO: no deadline to miss");
     }
-    assert!(batched > 0, "12 concurrent requests ran one at a time");
+    assert!(batched > 0, "12 requests queued behind a long one ran one at a time");
+    let long = long.await.unwrap().unwrap();
+    assert_eq!((long.steps, long.done), (3000, true));
 
     // A request not done within max_steps is answered with its last step, not done.
     let (session2, variants) = open(&client, &[1, 2], 1).await;
