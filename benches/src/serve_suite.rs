@@ -58,7 +58,7 @@ struct Phase {
     p99_ms: f64,
     throughput: f64,
     mean_batch_requests: f64,
-    scheduling_us_per_event: f64,
+    scheduling_us_per_request: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -390,7 +390,7 @@ fn measure(options: &Options, dir: &Path) -> Result<Report, String> {
                 p99_ms: quantile(&latencies, 0.99),
                 throughput: latencies.len() as f64 / elapsed.as_secs_f64(),
                 mean_batch_requests: batch as f64 / latencies.len().max(1) as f64,
-                scheduling_us_per_event: info.map_or(0.0, |i| i.scheduling_us_per_event),
+                scheduling_us_per_request: info.map_or(0.0, |i| i.scheduling_us_per_request),
             });
         }
         report.schedulers.insert(scheduler.clone(), phases);
@@ -418,7 +418,7 @@ fn print(options: &Options, report: &Report, json: bool) -> Result<(), String> {
         options.seconds
     );
     println!(
-        "{:<10} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>8} {:>8} {:>9} {:>6} {:>8}",
+        "{:<10} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>8} {:>8} {:>9} {:>6} {:>12}",
         "scheduler",
         "SLO ms",
         "sent",
@@ -430,12 +430,12 @@ fn print(options: &Options, report: &Report, json: bool) -> Result<(), String> {
         "p99 ms",
         "answers/s",
         "batch",
-        "sched us"
+        "sched us/req"
     );
     for (scheduler, phases) in &report.schedulers {
         for p in phases {
             println!(
-                "{:<10} {:>8.2} {:>6} {:>8.3} {:>6} {:>6} {:>6} {:>8.2} {:>8.2} {:>9.0} {:>6.2} {:>8.2}",
+                "{:<10} {:>8.2} {:>6} {:>8.3} {:>6} {:>6} {:>6} {:>8.2} {:>8.2} {:>9.0} {:>6.2} {:>12.2}",
                 scheduler,
                 p.slo_ms,
                 p.sent,
@@ -447,7 +447,7 @@ fn print(options: &Options, report: &Report, json: bool) -> Result<(), String> {
                 p.p99_ms,
                 p.throughput,
                 p.mean_batch_requests,
-                p.scheduling_us_per_event
+                p.scheduling_us_per_request
             );
         }
     }

@@ -449,7 +449,7 @@ fn serving_json(s: &pb::ServingInfo) -> Value {
         "batches": s.batches.iter().map(|(b, n)| (b.to_string(), json!(n)))
             .collect::<serde_json::Map<_, _>>(),
         "p50_latency_ms": s.p50_latency_ms, "p99_latency_ms": s.p99_latency_ms,
-        "scheduling_us_per_event": s.scheduling_us_per_event,
+        "scheduling_us_per_request": s.scheduling_us_per_request,
     })
 }
 
@@ -470,7 +470,7 @@ fn serving_text(s: &pb::ServingInfo) -> String {
         .join(" ");
     format!(
         "serving ({}): {} pending, {} finished, {} dropped, {} failed, {rate} on time; \
-         batches {}; latency p50 {:.2} ms p99 {:.2} ms; scheduling {:.1} us/event",
+         batches {}; latency p50 {:.2} ms p99 {:.2} ms; scheduling {:.1} us/request",
         s.scheduler,
         s.pending,
         s.finished,
@@ -479,7 +479,7 @@ fn serving_text(s: &pb::ServingInfo) -> String {
         if sizes.is_empty() { "-".into() } else { sizes },
         s.p50_latency_ms,
         s.p99_latency_ms,
-        s.scheduling_us_per_event
+        s.scheduling_us_per_request
     )
 }
 
@@ -613,13 +613,13 @@ mod tests {
             batches: [(1, 3), (4, 2)].into_iter().collect(),
             p50_latency_ms: 1.5,
             p99_latency_ms: 4.25,
-            scheduling_us_per_event: 2.0,
+            scheduling_us_per_request: 2.0,
             ..Default::default()
         };
         assert_eq!(
             serving_text(&s),
             "serving (orloj): 2 pending, 9 finished, 1 dropped, 0 failed, 80.0% on time; \
-             batches 1x3 4x2; latency p50 1.50 ms p99 4.25 ms; scheduling 2.0 us/event"
+             batches 1x3 4x2; latency p50 1.50 ms p99 4.25 ms; scheduling 2.0 us/request"
         );
     }
 

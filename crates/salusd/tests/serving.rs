@@ -173,7 +173,10 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
         batched += (answer.batch_requests > 1) as u32;
         assert!(answer.met_deadline, "no SLO: no deadline to miss");
     }
-    assert!(batched > 0, "12 requests queued behind a long one ran one at a time");
+    assert!(
+        batched > 0,
+        "12 requests queued behind a long one ran one at a time"
+    );
     let long = long.await.unwrap().unwrap();
     assert_eq!((long.steps, long.done), (3000, true));
 

@@ -289,7 +289,7 @@ class SessionInfo(_message.Message):
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., owner_uid: _Optional[int] = ..., kind: _Optional[_Union[_session_pb2.SessionKind, str]] = ..., state: _Optional[_Union[SessionState, str]] = ..., reason: _Optional[str] = ..., lane: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., ephemeral_bytes: _Optional[int] = ..., priority: _Optional[int] = ..., total_iterations: _Optional[int] = ..., iterations: _Optional[int] = ..., pending: _Optional[int] = ..., mean_iteration_ms: _Optional[float] = ..., p99_iteration_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., attained_service_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., suspensions: _Optional[int] = ..., age_ms: _Optional[float] = ..., slo_ms: _Optional[float] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., **kwargs) -> None: ...
 
 class ServingInfo(_message.Message):
-    __slots__ = ("scheduler", "pending", "finished", "met_deadline", "dropped", "failed", "batches", "p50_latency_ms", "p99_latency_ms", "scheduling_us_per_event")
+    __slots__ = ("scheduler", "pending", "finished", "met_deadline", "dropped", "failed", "batches", "p50_latency_ms", "p99_latency_ms", "scheduling_us_per_request")
     class BatchesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -306,7 +306,7 @@ class ServingInfo(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     P50_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     P99_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULING_US_PER_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_US_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     scheduler: str
     pending: int
     finished: int
@@ -316,8 +316,8 @@ class ServingInfo(_message.Message):
     batches: _containers.ScalarMap[int, int]
     p50_latency_ms: float
     p99_latency_ms: float
-    scheduling_us_per_event: float
-    def __init__(self, scheduler: _Optional[str] = ..., pending: _Optional[int] = ..., finished: _Optional[int] = ..., met_deadline: _Optional[int] = ..., dropped: _Optional[int] = ..., failed: _Optional[int] = ..., batches: _Optional[_Mapping[int, int]] = ..., p50_latency_ms: _Optional[float] = ..., p99_latency_ms: _Optional[float] = ..., scheduling_us_per_event: _Optional[float] = ...) -> None: ...
+    scheduling_us_per_request: float
+    def __init__(self, scheduler: _Optional[str] = ..., pending: _Optional[int] = ..., finished: _Optional[int] = ..., met_deadline: _Optional[int] = ..., dropped: _Optional[int] = ..., failed: _Optional[int] = ..., batches: _Optional[_Mapping[int, int]] = ..., p50_latency_ms: _Optional[float] = ..., p99_latency_ms: _Optional[float] = ..., scheduling_us_per_request: _Optional[float] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)

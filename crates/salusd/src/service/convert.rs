@@ -216,10 +216,10 @@ pub fn serving_info(s: &crate::serving::ServingStats) -> pb::ServingInfo {
         batches: s.batches.iter().map(|(&b, &n)| (b as u32, n)).collect(),
         p50_latency_ms: ms(s.latency_quantile(0.5)),
         p99_latency_ms: ms(s.latency_quantile(0.99)),
-        scheduling_us_per_event: if s.scheduling_events == 0 {
+        scheduling_us_per_request: if s.requests == 0 {
             0.0
         } else {
-            s.scheduling.as_secs_f64() * 1e6 / s.scheduling_events as f64
+            s.scheduling.as_secs_f64() * 1e6 / s.requests as f64
         },
     }
 }

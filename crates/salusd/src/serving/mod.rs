@@ -180,10 +180,10 @@ pub struct ServingStats {
     pub batches: BTreeMap<usize, u64>,
     /// Recent latencies (arrival to answer) of finished requests.
     pub recent: VecDeque<Duration>,
-    /// Time spent in the scheduler's decisions.
+    /// Requests that arrived.
+    pub requests: u64,
+    /// Time spent in the scheduler's decisions, over every event.
     pub scheduling: Duration,
-    /// Events it decided on.
-    pub scheduling_events: u64,
 }
 
 impl ServingStats {

@@ -403,7 +403,6 @@ impl Server {
         self.actions.extend(self.scheduler.poll());
         let mut stats = self.stats.lock().expect("stats");
         stats.scheduling += started.elapsed();
-        stats.scheduling_events += 1;
     }
 
     fn arrived(&mut self, request: InferRequest, reply: Reply) {
@@ -413,6 +412,7 @@ impl Server {
         let slo = request.slo.or(self.default_slo).unwrap_or(NO_DEADLINE);
         let deadline = arrival + slo;
         let app = AppId(request.app);
+        self.stats.lock().expect("stats").requests += 1;
         self.waiting.insert(
             id,
             Waiting {
