@@ -204,7 +204,8 @@ async fn decoding_requests_take_their_own_steps_and_are_answered_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_runs_its_costliest_variant_and_cuts_rows_back() {
-    let daemon = Daemon::start(&["--memory", "64MiB"]);
+    let metrics = common::free_address();
+    let daemon = Daemon::start(&["--memory", "64MiB", "--metrics", &metrics]);
     let client = daemon.client().await;
     let (session, variants) = open(&client, &[1, 4], 2).await;
     session
@@ -228,6 +229,39 @@ async fn a_batch_runs_its_costliest_variant_and_cuts_rows_back() {
         assert_eq!(floats(&answer.fetches[1]), vec![2.0]);
         assert_eq!(answer.steps, 1);
     }
+    // What salusctl and the metrics endpoint show of it.
+    let info = client
+        .list_sessions()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.id == session.id)
+        .and_then(|s| s.serving)
+        .unwrap();
+    assert_eq!(
+        (info.scheduler.as_str(), info.finished, info.pending),
+        ("orloj", 10, 0)
+    );
+    // Ten requests in batches of at most 4.
+    let batches: u64 = info.batches.values().sum();
+    assert!((3..=10).contains(&batches), "{info:?}");
+    assert!(info.p99_latency_ms >= info.p50_latency_ms && info.p50_latency_ms > 0.0);
+    let body = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(metrics).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    })
+    .await
+    .unwrap();
+    let finished = format!(
+        "salus_serving_requests_total{{session=\"{}\",outcome=\"finished\"}} 10",
+        session.id
+    );
+    assert!(body.contains(&finished), "{body}");
 }
 
 fn status(error: Error) -> tonic::Status {
