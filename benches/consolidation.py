@@ -101,8 +101,13 @@ def send(served, rows, events, slo_ms) -> tuple[list[tuple], float]:
             due = start + at
             if (wait := due - time.monotonic()) > 0:
                 time.sleep(wait)
-            future = served[i].submit(rows[i][n % len(rows[i])], slo_ms=slo_ms[i],
-                                      with_info=True)
+            try:
+                future = served[i].submit(rows[i][n % len(rows[i])], slo_ms=slo_ms[i],
+                                          with_info=True)
+            except Exception as error:  # noqa: BLE001  (counted as an error)
+                results[n] = (i, None, 0.0, 0, error, time.monotonic())
+                answered.release()
+                continue
             future.add_done_callback(lambda f, n=n, i=i, due=due: done(n, i, due, f))
 
     threads = [threading.Thread(target=sender, args=(k,)) for k in range(SENDERS)]
@@ -155,37 +160,36 @@ def main(argv: list[str] | None = None) -> int:
     models = [model(i) for i in range(args.models)]
     rows = [r for _, _, r in models]
     served: list[ServedModel] = []
+    client = Client(daemon.address)
     try:
-        with Client(daemon.address) as client:
-            opening = time.monotonic()
-            for name, module, inputs in models:
-                served.append(ServedModel(module, inputs[0], batch_sizes=BATCH_SIZES,
-                                          scheduler=args.scheduler, client=client, name=name))
-            open_s = time.monotonic() - opening
-            for s, inputs in zip(served, rows):
-                for x in inputs[:3]:
-                    s.infer(x)
-            status = client.status()
-            lanes = len(status.lanes)
-            admitted = sum(1 for s in client.list_sessions() if s.state == 2)
-            used = status.memory.persistent_bytes + status.memory.lane_bytes
-            # Alone: each model the only one with requests, without deadlines.
-            no_slo = [0.0] * len(models)
-            alone = [send(served, rows, [(t, i) for t in arrivals(i, args.rate,
-                                                                   args.alone_seconds)],
-                          no_slo)[0] for i in range(len(models))]
-            alone_p99 = [p99([r[1] for r in a if r[1] is not None]) for a in alone]
-            slo = [factor * p if factor is not None else float(args.slo_ms)
-                   for p in alone_p99]
-            # Together: every model at once, the same arrivals (longer), with deadlines.
-            events = sorted((t, i) for i in range(len(models))
-                            for t in arrivals(i, args.rate, args.seconds))
-            records, wall = send(served, rows, events,
-                                 [s if s == s else 0.0 for s in slo])  # nan: no deadline
-            load = os.getloadavg()
+        opening = time.monotonic()
+        for name, module, inputs in models:
+            served.append(ServedModel(module, inputs[0], batch_sizes=BATCH_SIZES,
+                                      scheduler=args.scheduler, client=client, name=name))
+        open_s = time.monotonic() - opening
+        for s, inputs in zip(served, rows):
+            for x in inputs[:3]:
+                s.infer(x)
+        status = client.status()
+        lanes = len(status.lanes)
+        admitted = sum(1 for s in client.list_sessions() if s.state == 2)
+        used = status.memory.persistent_bytes + status.memory.lane_bytes
+        # Alone: each model the only one with requests, without deadlines.
+        no_slo = [0.0] * len(models)
+        alone = [send(served, rows, [(t, i) for t in arrivals(i, args.rate, args.alone_seconds)],
+                      no_slo)[0] for i in range(len(models))]
+        alone_p99 = [p99([r[1] for r in a if r[1] is not None]) for a in alone]
+        slo = [factor * p if factor is not None else float(args.slo_ms) for p in alone_p99]
+        # Together: every model at once, the same arrivals (longer), with deadlines.
+        events = sorted((t, i) for i in range(len(models))
+                        for t in arrivals(i, args.rate, args.seconds))
+        records, wall = send(served, rows, events,
+                             [s if s == s else 0.0 for s in slo])  # nan: no deadline
+        load = os.getloadavg()
     finally:
         for s in served:
             s.close()
+        client.close()
         daemon.stop()
     together = [[r for r in records if r[0] == i] for i in range(len(models))]
     rows_out, errors = [], []
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "finish_rate_together": finished / sent if sent else 1.0,
         "finish_rate_together_per_model": spread("finish_rate_together"),
         "finish_rate_alone_per_model": spread("finish_rate_alone"),
-        "requests_per_batch": sum(r["batched"] for r in rows_out) / max(1, answered),
+        "batch_requests_mean": sum(r["batched"] for r in rows_out) / max(1, answered),
         "within_slack": sum(r["within_slack"] for r in rows_out),
         "delta_ms": spread("delta_ms"), "p99_alone_ms": spread("p99_alone_ms"),
         "p99_together_ms": spread("p99_together_ms"),
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.models} models ({args.scheduler}, batch sizes {BATCH_SIZES}) opened in "
           f"{open_s:.1f} s; {admitted} admitted side by side in {lanes} lanes "
           f"({used / 2**20:.1f} MiB); {report['requests_per_s']:.0f} requests/s served, "
-          f"{report['requests_per_batch']:.2f} per batch")
+          f"{report['batch_requests_mean']:.2f} requests in a request's batch on average")
     print(f"{report['within_slack']} of {args.models} within {args.slack_ms} ms of their "
           f"p99 alone (salusd's latency); worst {d['worst']:+.2f} ms, median "
           f"{d['median']:+.2f} ms; client p99 together worst {c['worst']:.2f} ms, median "

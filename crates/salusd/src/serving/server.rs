@@ -117,8 +117,23 @@ impl BatchJob {
         };
         let mut answers: Vec<Option<Rows>> = (0..requests.len()).map(|_| None).collect();
         let done_ty = &at.fetches[decode.done];
+        // Carried feeds move into each step; the others are sent again.
+        let carried: Vec<bool> = (0..feeds.len())
+            .map(|f| decode.carry.iter().any(|c| c.1 == f))
+            .collect();
         for step in 1..=decode.max_steps {
-            let result = self.run(program, feeds.clone()).await?;
+            let inputs = feeds
+                .iter_mut()
+                .zip(&carried)
+                .map(|(bytes, &moved)| {
+                    if moved {
+                        std::mem::take(bytes)
+                    } else {
+                        bytes.clone()
+                    }
+                })
+                .collect();
+            let result = self.run(program, inputs).await?;
             let flags = &result.fetches[decode.done];
             for (i, answer) in answers.iter_mut().enumerate() {
                 if answer.is_none() && shapes::flag(flags, done_ty.dtype, i) {
@@ -437,7 +452,7 @@ impl Server {
                 RequestAction::Drop { request, reason } => self.drop_request(request, reason),
                 RequestAction::RunBatch(batch) => {
                     debug_assert!(started.is_none() && self.running.is_none());
-                    let requests: Vec<(RequestId, Waiting)> = batch
+                    let mut requests: Vec<(RequestId, Waiting)> = batch
                         .requests
                         .iter()
                         .filter_map(|id| self.waiting.remove(id).map(|w| (*id, w)))
@@ -447,9 +462,10 @@ impl Server {
                         .map(|r| r.1.request.variant)
                         .max()
                         .unwrap_or(0);
+                    // The rows move to the batch; the answer needs only the rest.
                     let rows = requests
-                        .iter()
-                        .map(|(_, w)| (w.request.variant, w.request.feeds.clone()))
+                        .iter_mut()
+                        .map(|(_, w)| (w.request.variant, std::mem::take(&mut w.request.feeds)))
                         .collect();
                     let job = self.job.clone();
                     let size = batch.batch_size;
