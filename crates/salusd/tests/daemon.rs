@@ -443,17 +443,7 @@ async fn metrics_and_events_describe_what_happened() {
             Closed
         ]
     );
-    let body = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    })
-    .await
-    .unwrap();
+    let body = common::scrape(metrics).await;
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(
         body.contains("salus_memory_capacity_bytes 4294967296"),
@@ -645,17 +635,7 @@ async fn one_user_cannot_hold_every_session_or_the_host_memory() {
     assert_eq!((me.sessions, me.limited), (4, false));
     assert_eq!(status.host_bytes, limited.host_bytes + me.host_bytes);
 
-    let body = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    })
-    .await
-    .unwrap();
+    let body = common::scrape(metrics).await;
     for line in [
         "salus_user_sessions{uid=\"65534\"} 2",
         "salus_limit_sessions_per_user 2",

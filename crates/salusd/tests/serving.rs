@@ -246,17 +246,7 @@ async fn a_batch_runs_its_costliest_variant_and_cuts_rows_back() {
     let batches: u64 = info.batches.values().sum();
     assert!((3..=10).contains(&batches), "{info:?}");
     assert!(info.p99_latency_ms >= info.p50_latency_ms && info.p50_latency_ms > 0.0);
-    let body = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(metrics).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body
-    })
-    .await
-    .unwrap();
+    let body = common::scrape(metrics).await;
     let finished = format!(
         "salus_serving_requests_total{{session=\"{}\",outcome=\"finished\"}} 10",
         session.id

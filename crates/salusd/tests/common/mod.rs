@@ -119,6 +119,21 @@ impl Drop for Daemon {
     }
 }
 
+/// The metrics endpoint's whole answer (status line, headers, body) at `address`.
+pub async fn scrape(address: String) -> String {
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(address).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    })
+    .await
+    .unwrap()
+}
+
 /// A free TCP address on the loopback interface.
 pub fn free_address() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
