@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         used = status.memory.persistent_bytes + status.memory.lane_bytes
         # Alone: each model the only one with requests, without deadlines.
         no_slo = [0.0] * len(models)
-        alone = [send(served, rows, [(t, i) for t in arrivals(i, args.rate, args.alone_seconds)],
+        alone = [send(served, rows, [(t, i) for t in arrivals(i, args.rate,
+                                                               args.alone_seconds)],
                       no_slo)[0] for i in range(len(models))]
         alone_p99 = [p99([r[1] for r in a if r[1] is not None]) for a in alone]
         slo = [factor * p if factor is not None else float(args.slo_ms) for p in alone_p99]
