@@ -26,7 +26,7 @@ served per second, the opening time and the load average.
     python benches/consolidation.py [--json] [--models 42] [--rate 5] [--seconds 10]
         [--alone-seconds 3] [--slo-ms 3x] [--scheduler orloj] [--device cpu]
 
-salusd is ``target/release/salusd`` (built if missing).
+salusd is ``$SALUSD``, else ``target/release/salusd`` (built if missing).
 """
 
 from __future__ import annotations
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     factor = float(args.slo_ms[:-1]) if args.slo_ms.endswith("x") else None
-    binary = ROOT / "target" / "release" / "salusd"
-    if not binary.exists():
+    binary = Path(os.environ.get("SALUSD") or ROOT / "target" / "release" / "salusd")
+    if not binary.exists() and not os.environ.get("SALUSD"):
         subprocess.run(["cargo", "build", "--release", "--locked", "-p", "salusd"], cwd=ROOT,
                        check=True)
     torch.set_num_threads(1)
