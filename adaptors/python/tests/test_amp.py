@@ -234,13 +234,21 @@ def test_twenty_steps_train_as_eager_autocast(daemon, name, dtype):
     spec = _long_models()[name]
     batches = [spec.batch(k) for k in range(LONG_STEPS)]
     model = spec.model(0)
+    # resnet50 at SGD's lr 0.05 (momentum 0.9, 8 images) is chaotic within 20 steps:
+    # eager bf16's own distance from float64 reaches 1.5 times a batch norm weight's
+    # momentum, which leaves no rounding yardstick to compare against.
+    lr = 0.01 if name == "resnet50" else 0.05
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+
     scaler = (lambda: torch.amp.GradScaler("cpu")) if dtype == torch.float16 else None
-    eager = _eager(model, _sgd, spec.loss_fn, batches, dtype=dtype,
+    eager = _eager(model, sgd, spec.loss_fn, batches, dtype=dtype,
                    scaler=scaler and scaler())
     scales = [2.0**16] + [scale for scale, _ in eager[2]]
     skipped = {k for k in range(LONG_STEPS) if scaler and scales[k + 1] < scales[k]}
-    exact = _eager(model, _sgd, spec.loss_fn, batches, exact=True, skip=skipped)
-    with st.TrainSession(model, spec.loss_fn, _sgd(model), batches[0], autocast=dtype,
+    exact = _eager(model, sgd, spec.loss_fn, batches, exact=True, skip=skipped)
+    with st.TrainSession(model, spec.loss_fn, sgd(model), batches[0], autocast=dtype,
                          scaler=scaler and scaler(), address=daemon.address) as session:
         losses, decisions = [], []
         for batch in batches:
