@@ -8,6 +8,7 @@ mod common;
 use common::{Daemon, bytes, floats, values};
 use salus_client::{Client, Error, OpenOptions, Session, v1 as pb};
 use salus_graph::samples::countdown;
+use salus_graph::{DType, Graph, Node, Op, Precision, Role, Tensor, TensorType};
 
 const WIDTH: u64 = 8;
 const LAYERS: usize = 2;
@@ -376,4 +377,119 @@ async fn bad_serving_requests_are_refused_by_name_and_others_go_on() {
         tonic::Code::FailedPrecondition,
         "{refused:?}"
     );
+}
+
+/// `rows = embedding(table, ids)` for a batch of `batch` ids: an id outside the table's 4
+/// rows fails the iteration.
+fn lookup(batch: u64) -> Graph {
+    let tensor = |name: &str, dtype, shape: &[u64], role| Tensor {
+        name: name.into(),
+        ty: TensorType::new(dtype, shape.to_vec()),
+        role,
+        data: vec![],
+    };
+    Graph {
+        tensors: vec![
+            tensor("table", DType::F32, &[4, 2], Role::Parameter),
+            tensor("ids", DType::I64, &[batch], Role::Feed),
+            tensor("rows", DType::F32, &[batch, 2], Role::Intermediate),
+        ],
+        nodes: vec![Node {
+            name: "lookup".into(),
+            op: Op::Embedding,
+            inputs: vec![Some(0), Some(1)],
+            outputs: vec![Some(2)],
+            attrs: Default::default(),
+            source: String::new(),
+        }],
+        fetches: vec![2],
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_values_fail_its_batch_fails_alone() {
+    let daemon = Daemon::start(&["--memory", "64MiB"]);
+    let client = daemon.client().await;
+    let table: Vec<f32> = (0..8).map(|v| v as f32).collect();
+    let session = client
+        .open(OpenOptions {
+            graph: lookup(8).to_proto(),
+            kind: pb::SessionKind::Inference,
+            hints: pb::Hints::default(),
+            initial: vec![(0, bytes(&table))],
+        })
+        .await
+        .unwrap();
+    let one = session
+        .add_program(lookup(1).to_proto())
+        .await
+        .unwrap()
+        .program;
+    session
+        .serve(pb::ServeRequest {
+            scheduler: "fifo".into(),
+            variants: vec![pb::ServedVariant {
+                name: "lookup".into(),
+                programs: vec![
+                    pb::BatchProgram {
+                        batch_size: 1,
+                        program: one,
+                    },
+                    pb::BatchProgram {
+                        batch_size: 8,
+                        program: 0,
+                    },
+                ],
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // Sent together, so that some share a batch with the bad one (id 9) whenever the
+    // worker is busy as they arrive; whatever the batches, only the bad one fails.
+    let ids = [0i64, 3, 9, 1, 2, 3, 0, 1];
+    let answers = futures_join(&client, session.id, &ids).await;
+    for (&id, answer) in ids.iter().zip(answers) {
+        match answer {
+            Ok(a) => {
+                assert!(id < 4, "id {id} answered");
+                assert_eq!(
+                    floats(&a.fetches[0]),
+                    vec![2.0 * id as f32, 2.0 * id as f32 + 1.0]
+                );
+            }
+            Err(e) => {
+                assert_eq!(id, 9, "id {id} failed: {e}");
+                let status = status(e);
+                assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+            }
+        }
+    }
+}
+
+async fn futures_join(
+    client: &Client,
+    session: u64,
+    ids: &[i64],
+) -> Vec<Result<pb::InferResponse, Error>> {
+    let calls = ids.iter().map(|&id| {
+        let client = client.clone();
+        async move {
+            client
+                .infer(pb::InferRequest {
+                    session,
+                    feeds: vec![id.to_le_bytes().to_vec()],
+                    ..Default::default()
+                })
+                .await
+        }
+    });
+    let handles: Vec<_> = calls.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
 }
