@@ -230,6 +230,30 @@ enum Suite {
     },
 }
 
+/// Waits until the salusd `child` answers on `socket`, at most `within`; says why it
+/// never will when it exits first (its stderr is in `log`).
+fn await_daemon(
+    child: &mut std::process::Child,
+    socket: &std::path::Path,
+    within: std::time::Duration,
+    log: &std::path::Path,
+) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + within;
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return Err(format!(
+                "salusd exited at start ({status}); see {}",
+                log.display()
+            ));
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("salusd did not start within {within:?}"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
 /// The salusd binary beside this one (cargo puts both in the same target folder).
 fn beside_this_binary() -> Result<std::path::PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;

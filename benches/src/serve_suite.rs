@@ -114,7 +114,8 @@ impl Drop for Daemon {
 
 fn start(options: &Options, dir: &Path) -> Result<(Daemon, String), String> {
     let socket = dir.join("salusd.sock");
-    let log = std::fs::File::create(dir.join("salusd.log")).map_err(|e| e.to_string())?;
+    let log_path = dir.join("salusd.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
     let child = Command::new(&options.salusd)
         .arg("--socket")
         .arg(&socket)
@@ -124,16 +125,7 @@ fn start(options: &Options, dir: &Path) -> Result<(Daemon, String), String> {
         .spawn()
         .map_err(|e| format!("starting {}: {e}", options.salusd.display()))?;
     let mut daemon = Daemon(child);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        if let Some(status) = daemon.0.try_wait().map_err(|e| e.to_string())? {
-            return Err(format!("salusd exited at start ({status})"));
-        }
-        if Instant::now() > deadline {
-            return Err("salusd did not start within 60 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    crate::await_daemon(&mut daemon.0, &socket, Duration::from_secs(60), &log_path)?;
     Ok((daemon, socket.display().to_string()))
 }
 
@@ -299,9 +291,9 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 pub fn run(options: &Options, json: bool) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("salus-serve-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let result = measure(options, &dir);
+    // Kept when it fails: salusd's log is there.
+    let report = measure(options, &dir)?;
     let _ = std::fs::remove_dir_all(&dir);
-    let report = result?;
     print(options, &report, json)
 }
 

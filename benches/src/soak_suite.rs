@@ -140,7 +140,8 @@ impl Drop for Daemon {
 
 fn start_daemon(options: &Options, dir: &Path, instance: u64) -> Result<Daemon, String> {
     let socket = dir.join("salusd.sock");
-    let log = std::fs::File::create(dir.join(format!("salusd-{instance}.log"))).map_err(err)?;
+    let log_path = dir.join(format!("salusd-{instance}.log"));
+    let log = std::fs::File::create(&log_path).map_err(err)?;
     let child = Command::new(&options.salusd)
         .arg("--socket")
         .arg(&socket)
@@ -155,19 +156,12 @@ fn start_daemon(options: &Options, dir: &Path, instance: u64) -> Result<Daemon, 
         .spawn()
         .map_err(|e| format!("starting {}: {e}", options.salusd.display()))?;
     let mut daemon = Daemon { child, instance };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        if let Some(status) = daemon.child.try_wait().map_err(err)? {
-            return Err(format!(
-                "salusd exited at start ({status}); see {}",
-                dir.join(format!("salusd-{instance}.log")).display()
-            ));
-        }
-        if Instant::now() > deadline {
-            return Err("salusd did not start within 30 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    crate::await_daemon(
+        &mut daemon.child,
+        &socket,
+        Duration::from_secs(30),
+        &log_path,
+    )?;
     Ok(daemon)
 }
 

@@ -244,11 +244,20 @@ impl Servers {
         let shapes = Arc::new(
             Shapes::check(&spec, &programs).map_err(|why| ServeError::Spec { session, why })?,
         );
-        let calibration = server::calibrate(engine, principal, session, &shapes).await?;
+        let job = server::BatchJob {
+            engine: engine.clone(),
+            principal,
+            session,
+            shapes: shapes.clone(),
+            decode: spec.decode.clone(),
+        };
+        let calibration = job.calibrate().await?;
         let stats = Arc::new(Mutex::new(ServingStats {
             scheduler: spec.scheduler.name().to_string(),
             ..ServingStats::default()
         }));
+        let server = server::Server::new(job, &spec, slo_hint, &calibration, stats.clone())
+            .map_err(|why| ServeError::Spec { session, why })?;
         let (arrivals, rx) = mpsc::unbounded_channel();
         {
             let mut servers = self.inner.lock().expect("servers");
@@ -259,26 +268,12 @@ impl Servers {
                 session,
                 Handle {
                     owner: principal,
-                    shapes: shapes.clone(),
+                    shapes,
                     arrivals,
-                    stats: stats.clone(),
+                    stats,
                 },
             );
         }
-        let server = server::Server::new(
-            engine.clone(),
-            principal,
-            session,
-            &spec,
-            slo_hint,
-            shapes,
-            &calibration,
-            stats,
-        )
-        .map_err(|why| {
-            self.stop(session);
-            ServeError::Spec { session, why }
-        })?;
         let servers = self.clone();
         tokio::spawn(async move {
             server.run(rx).await;
@@ -339,12 +334,8 @@ fn check_request(shapes: &Shapes, request: &InferRequest) -> Result<(), String> 
             shapes.variants.len()
         )
     })?;
-    let given: Vec<(usize, &salus_graph::TensorType)> = variant
-        .feeds
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| Some(*i) != shapes.variant_feed)
-        .collect();
+    let given: Vec<(usize, &salus_graph::TensorType)> =
+        shapes.request_feeds(request.variant).collect();
     if request.feeds.len() != given.len() {
         return Err(format!(
             "it gives {} feeds; variant '{}' takes {}{}",

@@ -24,14 +24,14 @@ const NO_DEADLINE: Duration = Duration::from_secs(3600);
 
 type Reply = oneshot::Sender<Result<InferAnswer, ServeError>>;
 
-/// What one batch needs to run, owned by its task.
+/// What a served model's batches need to run: each batch's task owns a copy.
 #[derive(Clone)]
-struct BatchJob {
-    engine: Engine,
-    principal: Principal,
-    session: u64,
-    shapes: Arc<Shapes>,
-    decode: Option<DecodeSpec>,
+pub(super) struct BatchJob {
+    pub engine: Engine,
+    pub principal: Principal,
+    pub session: u64,
+    pub shapes: Arc<Shapes>,
+    pub decode: Option<DecodeSpec>,
 }
 
 /// A request's rows out of its batch.
@@ -71,12 +71,9 @@ impl BatchJob {
             .iter()
             .map(|ty| vec![0; size * shapes::row_bytes(ty)])
             .collect();
-        let given: Vec<usize> = (0..at.feeds.len())
-            .filter(|&f| Some(f) != self.shapes.variant_feed)
-            .collect();
         for (i, (v, rows)) in requests.iter().enumerate() {
             let own = &self.shapes.variants[*v];
-            for (&f, row) in given.iter().zip(rows.iter()) {
+            for ((f, _), row) in self.shapes.request_feeds(variant).zip(rows.iter()) {
                 let n = shapes::row_bytes(&at.feeds[f]);
                 shapes::pad_into(
                     row,
@@ -204,44 +201,33 @@ impl BatchJob {
 /// Runs each program times `Serve` measures, after one to warm up.
 const CALIBRATION_RUNS: usize = 5;
 
-/// Times every program of `shapes` on a batch of zeros (the median of
-/// [`CALIBRATION_RUNS`] after one to warm up): (variant, batch size, time). Waits for the
-/// session's admission.
-pub(super) async fn calibrate(
-    engine: &Engine,
-    principal: Principal,
-    session: u64,
-    shapes: &Shapes,
-) -> Result<Vec<(usize, usize, Duration)>, ServeError> {
-    let job = BatchJob {
-        engine: engine.clone(),
-        principal,
-        session,
-        shapes: Arc::new(shapes.clone()),
-        decode: None,
-    };
-    let mut times = Vec::new();
-    for (v, variant) in shapes.variants.iter().enumerate() {
-        for &(size, program) in &variant.programs {
-            let zeros = || {
-                variant
-                    .feeds
-                    .iter()
-                    .map(|ty| vec![0; size * shapes::row_bytes(ty)])
-                    .collect::<Vec<_>>()
-            };
-            job.run(program, zeros()).await?;
-            let mut runs = Vec::with_capacity(CALIBRATION_RUNS);
-            for _ in 0..CALIBRATION_RUNS {
-                let started = Instant::now();
-                job.run(program, zeros()).await?;
-                runs.push(started.elapsed());
+impl BatchJob {
+    /// Times every program on a batch of zeros (the median of [`CALIBRATION_RUNS`] after
+    /// one to warm up): (variant, batch size, time). Waits for the session's admission.
+    pub(super) async fn calibrate(&self) -> Result<Vec<(usize, usize, Duration)>, ServeError> {
+        let mut times = Vec::new();
+        for (v, variant) in self.shapes.variants.iter().enumerate() {
+            for &(size, program) in &variant.programs {
+                let zeros = || {
+                    variant
+                        .feeds
+                        .iter()
+                        .map(|ty| vec![0; size * shapes::row_bytes(ty)])
+                        .collect::<Vec<_>>()
+                };
+                self.run(program, zeros()).await?;
+                let mut runs = Vec::with_capacity(CALIBRATION_RUNS);
+                for _ in 0..CALIBRATION_RUNS {
+                    let started = Instant::now();
+                    self.run(program, zeros()).await?;
+                    runs.push(started.elapsed());
+                }
+                runs.sort_unstable();
+                times.push((v, size, runs[CALIBRATION_RUNS / 2]));
             }
-            runs.sort_unstable();
-            times.push((v, size, runs[CALIBRATION_RUNS / 2]));
         }
+        Ok(times)
     }
-    Ok(times)
 }
 
 /// `BatchCost` fitted to the costliest variant's times: a batch of `k` takes
@@ -314,31 +300,21 @@ pub(super) struct Server {
 }
 
 impl Server {
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
-        engine: Engine,
-        principal: Principal,
-        session: u64,
+        job: BatchJob,
         spec: &ServeSpec,
         slo_hint: Option<Duration>,
-        shapes: Arc<Shapes>,
         calibration: &[(usize, usize, Duration)],
         stats: Arc<Mutex<ServingStats>>,
     ) -> Result<Server, String> {
         let config = ServingConfig {
-            batch_sizes: shapes.batch_sizes.clone(),
-            cost: fit_cost(calibration, shapes.variants.len()),
+            batch_sizes: job.shapes.batch_sizes.clone(),
+            cost: fit_cost(calibration, job.shapes.variants.len()),
             ..ServingConfig::default()
         };
         let scheduler = spec.scheduler.build(config).map_err(|e| e.to_string())?;
         Ok(Server {
-            job: BatchJob {
-                engine,
-                principal,
-                session,
-                shapes,
-                decode: spec.decode.clone(),
-            },
+            job,
             kind: spec.scheduler,
             scheduler,
             default_slo: spec.default_slo.or(slo_hint),
@@ -532,12 +508,7 @@ impl Server {
         for ((_, waiting), result) in running.requests.into_iter().zip(outcome) {
             let variant = waiting.request.variant;
             let answered = self.now();
-            let latency = answered.saturating_sub(
-                waiting
-                    .request
-                    .arrived
-                    .saturating_duration_since(self.start),
-            );
+            let latency = waiting.request.arrived.elapsed();
             let queued = running
                 .started
                 .saturating_duration_since(waiting.request.arrived);

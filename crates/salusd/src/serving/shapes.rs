@@ -51,6 +51,16 @@ pub struct Shapes {
 }
 
 impl Shapes {
+    /// The feeds a request of `variant` gives, by index with their row types: every feed
+    /// but the variant feed, which salusd fills.
+    pub fn request_feeds(&self, variant: usize) -> impl Iterator<Item = (usize, &TensorType)> {
+        self.variants[variant]
+            .feeds
+            .iter()
+            .enumerate()
+            .filter(move |(f, _)| Some(*f) != self.variant_feed)
+    }
+
     /// Checks `spec` against `programs` (the session's, by number).
     pub fn check(spec: &ServeSpec, programs: &[Arc<Program>]) -> Result<Shapes, String> {
         if spec.variants.is_empty() || spec.variants.len() > MAX_VARIANTS {
