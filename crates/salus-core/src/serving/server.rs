@@ -237,10 +237,7 @@ impl<P: Policy> RequestScheduler for Server<P> {
             .map(|&(d, _)| d + PAST_DEADLINE)
             .filter(|&t| t > self.last);
         let wake = self.policy.wake_at().filter(|&t| t > self.last);
-        match (wake, deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        wake.into_iter().chain(deadline).min()
     }
 
     fn pending(&self) -> usize {
