@@ -526,6 +526,13 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                 "values; compute it with tensor ops (torch.where), or pass the value in "
                 "(for Hugging Face models, attn_implementation=\"eager\" avoids the attention "
                 "mask check)") from None
+    return tidy(gm)
+
+
+def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A recorded graph made ready to lower: layout-only ops rewritten, dead nodes gone,
+    input-free computations folded into constants; raises :class:`TraceError` if a
+    mutation survived."""
     _drop_layouts(gm)
     _drop_legacy_empty_cat_inputs(gm)
     gm.graph.eliminate_dead_code()

@@ -1,0 +1,215 @@
+"""Running an HLO module with PyTorch ops, so ``make_fx`` records it as Core ATen.
+
+Each HLO instruction becomes the PyTorch ops that compute exactly what XLA's semantics
+say (``docs/frontends.md`` lists them). Two kinds of values flow:
+
+- **computed** values (torch tensors that depend on a parameter): their ops are traced;
+- **constants** (:class:`Const`): instructions whose operands are all constants run at
+  once outside the trace (shape arithmetic, iotas, masks), so the graph receives only
+  their results. A constant whose elements are all equal (a broadcast scalar) reaches an
+  elementwise op as a 0-dim tensor and broadcasts there, never as a full-size array.
+
+Instructions nothing reads (TensorFlow leaves some) are not run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+from ..errors import LoweringError, MissingOp, UnsupportedOpError
+from .ops import CONSTANT_RULES, RULES, Const, torch_dtype
+from .parse import Computation, Instruction, Module, Shape
+
+aten = torch.ops.aten
+
+# -- what the interpreter can run on computed values --------------------------------------
+
+ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "power",
+               "and", "or", "xor", "not", "negate", "abs", "sign", "exponential", "log",
+               "sqrt", "rsqrt", "tanh", "logistic", "erf", "exponential-minus-one",
+               "log-plus-one", "is-finite", "compare", "select", "clamp", "convert"}
+STRUCTURAL = {"parameter", "constant", "broadcast", "reshape", "transpose", "copy",
+              "reverse", "slice", "concatenate", "pad", "iota", "tuple",
+              "get-tuple-element", "call", "optimization-barrier", "bitcast"}
+COMPUTE = {"dot", "convolution", "reduce", "reduce-window", "select-and-scatter"}
+SUPPORTED = ELEMENTWISE | STRUCTURAL | COMPUTE
+# Run only on constants (their results fold into the graph); on computed values the IR has
+# no op for them.
+CONSTANT_ONLY = {"floor", "ceil", "round-nearest-afz", "round-nearest-even", "remainder",
+                 "cosine", "sine", "shift-left", "shift-right-logical",
+                 "shift-right-arithmetic"}
+_HINTS = {
+    "rng-bit-generator": "random numbers (dropout, random augmentation) are not supported "
+                         "yet: train without dropout, or with rate 0",
+    "rng": "random numbers are not supported yet",
+    "custom-call": "an XLA custom call has no IR op",
+    "while": "loops are not supported: unroll them, or keep them outside the step",
+    "conditional": "branches on values are not supported: compute both sides and select",
+    "gather": "gathers (embedding lookups, indexing by a tensor) are not supported yet",
+    "scatter": "scatters (embedding gradients, indexed updates) are not supported yet",
+    "dynamic-slice": "slices at computed offsets are not supported yet",
+    "dynamic-update-slice": "updates at computed offsets are not supported yet",
+    "sort": "sorting is not supported",
+}
+
+
+def unsupported(module: Module) -> UnsupportedOpError | None:
+    """Every instruction of ``module`` that cannot run on salusd, in one error (None when
+    all can); constant-only ops are checked as the interpreter meets them."""
+    missing = [MissingOp(f"HLO {i.opcode}", i.name, i.source, tuple(i.operands),
+                         _HINTS.get(i.opcode, "no IR op"))
+               for computation in _reachable(module) for i in computation.instructions
+               if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY]
+    return UnsupportedOpError(missing) if missing else None
+
+
+def _reachable(module: Module) -> list[Computation]:
+    """The entry computation and the computations it calls (not the reducers, which
+    :func:`_reducer` reads by their root)."""
+    seen, todo = [], [module.entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        for i in module.computations[name].instructions:
+            if i.opcode == "call":
+                todo.append(i.attributes["to_apply"].lstrip("%"))
+    return [module.computations[n] for n in seen]
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+class Interpreter:
+    def __init__(self, module: Module):
+        self.module = module
+
+    def run(self, args: Sequence[Any]) -> Any:
+        """The entry computation's result for ``args`` (torch tensors or :class:`Const`):
+        a value or a tuple of values."""
+        return self.computation(self.module.entry_computation, list(args))
+
+    def computation(self, computation: Computation, args: list[Any]) -> Any:
+        by_name = computation.by_name()
+        needed = _needed(computation, by_name)
+        values: dict[str, Any] = {}
+        for instruction in computation.instructions:
+            if instruction.name not in needed:
+                continue
+            operands = [values[o] for o in instruction.operands]
+            try:
+                values[instruction.name] = self.instruction(instruction, operands, args)
+            except LoweringError as error:
+                raise LoweringError(f"{_where(instruction)}: {error}") from None
+            except (RuntimeError, ValueError, IndexError, KeyError) as error:
+                raise LoweringError(f"{_where(instruction)}: cannot run "
+                                    f"{instruction.opcode}: {error}") from error
+        return values[computation.root]
+
+    def instruction(self, i: Instruction, operands: list[Any], args: list[Any]) -> Any:
+        if i.opcode == "parameter":
+            return args[int(i.literal)]
+        if i.opcode == "tuple":
+            return tuple(operands)
+        if i.opcode == "get-tuple-element":
+            return operands[0][int(i.attributes["index"])]
+        if i.opcode in ("copy", "optimization-barrier"):
+            return operands[0]
+        if i.opcode == "call":
+            callee = self.module.computations[i.attributes["to_apply"].lstrip("%")]
+            return self.computation(callee, operands)
+        if i.opcode == "constant":
+            return Const(_literal(i.literal, i.shape, i.name))
+        if i.opcode == "iota":
+            return Const(_iota(i), lambda: _iota(i))
+        rule = RULES.get(i.opcode)
+        if rule is None:
+            if i.opcode in CONSTANT_ONLY:
+                if not all(isinstance(o, Const) for o in operands):
+                    raise LoweringError(f"{i.opcode} of a computed value has no IR op")
+                rule = CONSTANT_RULES[i.opcode]
+            else:
+                raise LoweringError(f"{i.opcode} is not supported"
+                                    + (f": {_HINTS[i.opcode]}" if i.opcode in _HINTS else ""))
+        if all(isinstance(o, Const) for o in operands):
+            with disable_proxy_modes_tracing():
+                folded = rule(self, i, [o.tensor for o in operands], True)
+            return Const(folded, lambda: rule(self, i, operands, False))
+        return rule(self, i, operands, False)
+
+    def reducer(self, i: Instruction, attribute: str = "to_apply") -> str:
+        """What the computation named by ``attribute`` of ``i`` computes: ``add``,
+        ``maximum``, ``minimum``, ``multiply``, ``and``, ``or``, or ``compare-GE``..."""
+        return _reducer(self.module.computations[i.attributes[attribute].lstrip("%")])
+
+
+def _needed(computation: Computation, by_name: dict[str, Instruction]) -> set[str]:
+    needed, todo = set(), [computation.root]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo.extend(by_name[name].operands)
+    return needed
+
+
+def _where(i: Instruction) -> str:
+    return f"HLO {i.opcode} {i.name}" + (f" ({i.source})" if i.source else "")
+
+
+def _reducer(computation: Computation) -> str:
+    root = computation.by_name()[computation.root]
+    params = {p.name for p in computation.parameters()}
+    if len(computation.instructions) != 3 or set(root.operands) != params:
+        ops = ", ".join(i.opcode for i in computation.instructions if i.opcode != "parameter")
+        raise LoweringError(f"reducer {computation.name} computes {ops}: only a single add, "
+                            "maximum, minimum, and, or or compare is supported")
+    if root.opcode == "compare":
+        return f"compare-{root.attributes['direction']}"
+    return root.opcode
+
+
+# -- values -------------------------------------------------------------------------------
+
+
+def _literal(text: str, shape: Shape, name: str) -> torch.Tensor:
+    dtype = torch_dtype(shape, name)
+    if "..." in text:
+        raise LoweringError(f"constant {name} was printed elided ({{...}}); print the module "
+                            "with large constants")
+    words = text.replace("{", " ").replace("}", " ").replace(",", " ").split()
+    values = [_number(w) for w in words]
+    count = math.prod(shape.dims)
+    if len(values) == 1 and count != 1:
+        values = values * count
+    if len(values) != count:
+        raise LoweringError(f"constant {name} has {len(values)} values for {shape}")
+    if dtype == torch.bool:
+        return torch.tensor([bool(v) for v in values], dtype=dtype).reshape(shape.dims)
+    work = torch.float64 if dtype.is_floating_point else torch.int64
+    return torch.tensor(values, dtype=work).to(dtype).reshape(shape.dims)
+
+
+def _number(word: str) -> float | int | bool:
+    lowered = word.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("inf", "+inf", "-inf", "nan", "-nan"):
+        return float(lowered.replace("+", ""))
+    return int(word) if re.fullmatch(r"[-+]?\d+", word) else float(word)
+
+
+def _iota(i: Instruction) -> torch.Tensor:
+    dim = int(i.attributes["iota_dimension"])
+    dims = i.shape.dims
+    line = torch.arange(dims[dim], dtype=torch.int64)
+    view = [1] * len(dims)
+    view[dim] = dims[dim]
+    return line.reshape(view).expand(dims).to(torch_dtype(i.shape, i.name)).contiguous()

@@ -1,0 +1,344 @@
+"""TensorFlow (Keras 3) jobs on salusd: ``TrainSession``, ``InferenceSession`` and ``fit``.
+
+A Keras training step (the model's forward in training mode, the loss and the model's own
+regularization losses, the gradients, and the optimizer's own update: any Keras optimizer,
+its schedule and gradient clipping included) is written as one pure function of the
+variables' values through Keras' stateless API, compiled by TensorFlow to XLA's HLO
+(``tf.function(jit_compile=True)``), and lowered to the salus IR by :mod:`salus.hlo`. So
+salusd runs exactly the computation TensorFlow would, and the session behaves as a
+:mod:`salus.torch` session does: one program per batch shape, persistent state, a
+checkpoint as :meth:`state_dict`.
+
+Persistent tensors are named by their Keras variable paths (``dense/kernel``,
+``adam/iteration``). An optimizer variable the step never changes (``learning_rate``) is
+a hyperparameter: the Keras optimizer stays its truth, and a change to it
+(``optimizer.learning_rate = 0.01``, a callback) reaches the next step.
+
+Not supported yet (refused before anything is sent, naming the op): random numbers in the
+step (dropout with a rate above 0), embedding lookups (gathers), loops.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .client import Client
+from .hlo import trace_hlo
+from .errors import LoweringError
+from .hlo.parse import parse_module
+from .torch import _default_name, _SalusSession
+from .trace import InputSlot, OutputSlot, TracedStep
+
+# TensorFlow's XLA and Triton (which PyTorch's compiler stack imports) both carry LLVM;
+# the second to load aborts the process. Triton loaded first is fine; when TensorFlow
+# came first, PyTorch is told Triton is absent (salus never needs it to trace).
+if "tensorflow" not in sys.modules:
+    import torch._dynamo  # noqa: F401  (loads Triton before TensorFlow)
+elif "triton" not in sys.modules:
+    sys.modules["triton"] = None  # type: ignore[assignment]
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+__all__ = ["InferenceSession", "TrainSession", "fit"]
+
+
+def _torch(value: Any) -> torch.Tensor:
+    array = np.array(value, copy=True, order="C")  # owned: torch keeps a view of it
+    return torch.from_numpy(array)
+
+
+def _path_names(variables: Sequence[Any]) -> dict[int, str]:
+    """Keras variable path by the id of its TensorFlow variable's handle (a name taken
+    twice gets a prime)."""
+    names: dict[int, str] = {}
+    taken: set[str] = set()
+    for v in variables:
+        name = v.path
+        while name in taken:
+            name += "'"
+        taken.add(name)
+        names[id(v.value.handle)] = name
+    return names
+
+
+class _Step:
+    """A Keras step as ``tf.function(jit_compile=True)`` compiles it, in salus' terms.
+
+    The step reads and assigns the variables themselves, as Keras' own ``train_step``
+    does. TensorFlow compiles it with the batch as the first parameters and every
+    variable it captures after them, in ``captured_inputs`` order; its result is the
+    step's return value followed by the new value of every variable it assigned, each
+    marked by ``input_output_alias`` with the parameter it replaces."""
+
+    def __init__(self, fn, groups: dict[str, Sequence[Any]], training: bool):
+        self.function = tf.function(fn, jit_compile=True, autograph=False)
+        self.groups = groups
+        self.training = training
+
+    def trace(self, batch: Sequence[Any], kind: str) -> TracedStep:
+        """The step for a batch of these shapes: a training step returns the loss, a
+        forward pass its outputs (``output.<k>``)."""
+        tensors = [tf.convert_to_tensor(np.asarray(b)) for b in batch]
+        concrete = self.function.get_concrete_function(*tensors)
+        module = parse_module(self.function.experimental_get_compiler_ir(*tensors)(
+            stage="hlo"))
+        inputs = [InputSlot(f"batch.{k}", "feed", "batch") for k in range(len(batch))]
+        state: dict[str, torch.Tensor] = {}
+        known = {}
+        for group, variables in self.groups.items():
+            role = "parameter" if group == "param" and self.training else "state"
+            for handle_id, name in _path_names(variables).items():
+                known[handle_id] = (name, role, group)
+        by_handle = {id(v.value.handle): v for vs in self.groups.values() for v in vs}
+        for captured in concrete.captured_inputs:
+            if id(captured) not in known:
+                raise LoweringError(
+                    f"the step captures {getattr(captured, 'name', captured)!r}, which is "
+                    "not a variable of the model or the optimizer: pass tensors the "
+                    "step needs as inputs")
+            name, role, group = known[id(captured)]
+            inputs.append(InputSlot(name, role, group))
+            state[name] = _torch(by_handle[id(captured)].value)
+        root = module.entry_computation.by_name()[module.entry_computation.root]
+        count = len(root.shape.elements) if root.shape.dtype == "tuple" else 1
+        returned = count - len(module.aliases)
+        outputs = ([OutputSlot("loss", "loss")] if kind == "train" else
+                   [OutputSlot("output", f"output.{k}") for k in range(returned)])
+        for index in range(len(outputs), count):
+            param = module.aliases.get(index)
+            if param is None or inputs[param].role == "feed":
+                raise LoweringError(f"TensorFlow's result {index} is neither the step's "
+                                    "value nor a variable's update")
+            outputs.append(OutputSlot("update", inputs[param].name))
+        return trace_hlo(module, inputs, outputs, state, _batch(batch), kind)
+
+
+def _model_input(inputs: Sequence[Any]):
+    return inputs[0] if len(inputs) == 1 else list(inputs)
+
+
+def _train_step(model: keras.Model, loss: Any, optimizer: keras.optimizers.Optimizer
+                ) -> _Step:
+    """One training step of a Keras model on ``(inputs..., target)``: the loss (plus the
+    model's own losses), the gradients, the optimizer's update."""
+    loss_fn = keras.losses.get(loss)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+
+    def step(*batch):
+        *inputs, target = batch
+        with tf.GradientTape() as tape:
+            prediction = model(_model_input(inputs), training=True)
+            value = loss_fn(target, prediction)
+            if model.losses:
+                value = value + tf.add_n(model.losses)
+        gradients = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return value
+
+    return _Step(step, {"param": model.trainable_variables,
+                        "buffer": model.non_trainable_variables,
+                        "optimizer": optimizer.variables}, training=True)
+
+
+def _forward(model: keras.Model) -> _Step:
+    def forward(*inputs):
+        return tuple(tf.nest.flatten(model(_model_input(inputs), training=False)))
+
+    return _Step(forward, {"param": model.trainable_variables,
+                           "buffer": model.non_trainable_variables}, training=False)
+
+
+def _batch(batch: Sequence[Any]) -> list[torch.Tensor]:
+    return [_torch(b) for b in batch]
+
+
+class _KerasSession(_SalusSession):
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every persistent tensor of the session as it is on salusd now, by Keras variable
+        path (a checkpoint; :meth:`load_state_dict` takes it back)."""
+        return {name: value.numpy() for name, value in super().state_dict().items()}
+
+    def update_model(self, model: keras.Model | None = None) -> keras.Model:
+        """Copies every variable from salusd into the Keras model (and, for a training
+        session, its optimizer) in place; returns the model."""
+        values = self.state_dict()
+        for name, variable in self._variables().items():
+            if name in values:
+                variable.assign(values[name])
+        return self.model
+
+    def _variables(self) -> dict[str, Any]:
+        """The Keras variables of the step by name."""
+        return {name: v for vs in self._step.groups.values()
+                for v, name in zip(vs, _path_names(vs).values())}
+
+
+class TrainSession(_KerasSession):
+    """A Keras training job on salusd.
+
+    Traces one training step of ``model`` under ``loss`` (a Keras loss object, function
+    or name, called as ``loss(target, prediction)``) and ``optimizer`` (a Keras
+    optimizer: its own update rule, schedule and clipping are traced) with
+    ``example_batch = (inputs..., target)`` (arrays or tensors), opens a session on the
+    daemon and uploads the model's and the optimizer's variables. Scheduling hints,
+    ``client``/``address``, ``offline``/``slo_ms``, ``admission_timeout``,
+    ``feed_buffer`` and ``reattach_timeout`` are those of
+    :class:`salus.torch.TrainSession`. A batch of another size (the last of an epoch)
+    runs a program traced for its shapes on first use.
+    """
+
+    kind = "training"
+
+    def __init__(self, model: keras.Model, loss: Any,
+                 optimizer: keras.optimizers.Optimizer, example_batch: Sequence[Any], *,
+                 address: str | None = None, client: Client | None = None, name: str = "",
+                 priority: int = 0, total_iterations: int = 0,
+                 expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+                 offline: bool = False, slo_ms: float = 0.0):
+        started = time.perf_counter()
+        if len(example_batch) < 2:
+            raise ValueError("example_batch is (inputs..., target): at least two arrays")
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self._step = _train_step(model, loss, optimizer)
+        traced = self._step.trace(example_batch, "train")
+        updated = {s.name for s in traced.outputs if s.kind == "update"}
+        # Optimizer variables no step changes (the learning rate): the Keras optimizer
+        # holds their truth; a changed value is written before the next step.
+        self._hyperparameters = {
+            name: variable for name, variable in self._variables().items()
+            if name in traced.initial_state and name not in updated
+            and any(v is variable for v in optimizer.variables)}
+        self._sent = {name: np.asarray(v.value).copy()
+                      for name, v in self._hyperparameters.items()}
+        self._open(traced, client=client, address=address,
+                   name=name or _default_name(f"{model.name} (keras)"), priority=priority,
+                   total_iterations=total_iterations,
+                   expected_iteration_ms=expected_iteration_ms,
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
+
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        return self._step.trace([b.numpy() for b in batch], "train")
+
+    def step(self, *batch: Any) -> np.ndarray:
+        """Runs one training iteration on salusd with ``batch = (inputs..., target)``;
+        returns the loss."""
+        self._ensure_slots(2)
+        program, leaves = self._program_for(_batch(batch), "step()")
+        writes = {}
+        for name, variable in self._hyperparameters.items():
+            value = np.asarray(variable.value)
+            if name not in self._sent or not np.array_equal(value, self._sent[name]):
+                writes[self.layout.state[name].id] = value.tobytes()
+        iteration, answer = self._submission(program, leaves, "step()", writes or None)
+        try:
+            response = self._session().run(iteration)
+        except BaseException as error:
+            if self._resumed(error):
+                return self.step(*batch)
+            raise
+        for name, variable in self._hyperparameters.items():
+            self._sent[name] = np.asarray(variable.value).copy()
+        self.iterations += 1
+        self.last_device_ms = response.device_us / 1e3
+        return self._outputs(response, answer)[0].numpy()
+
+    def _state_written(self) -> None:
+        # The Keras optimizer stays the truth for hyperparameters: written again next step.
+        self._sent = {}
+
+    def __repr__(self) -> str:
+        return (f"<salus.tf.TrainSession {self.model.name} session {self.id}, "
+                f"{self.iterations} steps>")
+
+
+class InferenceSession(_KerasSession):
+    """A Keras model's forward pass (inference mode) on salusd: ``session(*inputs)``
+    returns its outputs as numpy arrays (one array, or a list for several outputs).
+    Other arguments as :class:`TrainSession`."""
+
+    kind = "inference"
+
+    def __init__(self, model: keras.Model, example_inputs: Sequence[Any] | Any, *,
+                 address: str | None = None, client: Client | None = None, name: str = "",
+                 priority: int = 0, admission_timeout: float | None = None,
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+                 offline: bool = False, slo_ms: float = 0.0):
+        started = time.perf_counter()
+        if not isinstance(example_inputs, (list, tuple)):
+            example_inputs = (example_inputs,)
+        self.model = model
+        self._step = _forward(model)
+        traced = self._step.trace(example_inputs, "inference")
+        self._open(traced, client=client, address=address,
+                   name=name or _default_name(f"{model.name} (keras inference)"),
+                   priority=priority, total_iterations=0, expected_iteration_ms=0.0,
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
+
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        return self._step.trace([b.numpy() for b in batch], "inference")
+
+    def __call__(self, *inputs: Any):
+        what = "the inference session"
+        self._ensure_slots(2)
+        program, leaves = self._program_for(_batch(inputs), what)
+        iteration, answer = self._submission(program, leaves, what)
+        try:
+            response = self._session().run(iteration)
+        except BaseException as error:
+            if self._resumed(error):
+                return self(*inputs)
+            raise
+        self.iterations += 1
+        outputs = [t.numpy() for t in self._outputs(response, answer)]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def __repr__(self) -> str:
+        return f"<salus.tf.InferenceSession {self.model.name} session {self.id}>"
+
+
+def fit(model: keras.Model, data: Iterable[Sequence[Any]], *, epochs: int = 1,
+        steps_per_epoch: int | None = None, verbose: bool = False,
+        **session_options: Any) -> dict[str, list[float]]:
+    """``model.fit(data, epochs=...)`` with the steps on salusd: ``model`` is compiled
+    (``model.compile(optimizer=..., loss=...)``), ``data`` yields ``(inputs..., target)``
+    batches (a ``tf.data.Dataset``, a list). Trains with :class:`TrainSession`
+    (``session_options`` go to it), copies the trained variables back into the model
+    and the optimizer, and returns ``{"loss": [mean loss of each epoch]}`` as Keras'
+    ``History.history`` does."""
+    if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+        raise ValueError("fit needs a compiled model: model.compile(optimizer=..., loss=...)")
+    session = None
+    history: list[float] = []
+    try:
+        for epoch in range(epochs):
+            losses = []
+            for number, batch in enumerate(data):
+                if steps_per_epoch is not None and number >= steps_per_epoch:
+                    break
+                batch = tuple(np.asarray(b) for b in batch)
+                if session is None:
+                    session = TrainSession(model, model.loss, model.optimizer, batch,
+                                           **session_options)
+                losses.append(float(session.step(*batch)))
+            if not losses:
+                raise ValueError("fit: the data gave no batch")
+            history.append(float(np.mean(losses)))
+            if verbose:
+                print(f"epoch {epoch + 1}/{epochs}: loss {history[-1]:.6g}")
+        session.update_model()
+    finally:
+        if session is not None:
+            session.close()
+    return {"loss": history}
