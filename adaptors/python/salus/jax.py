@@ -1,0 +1,188 @@
+"""JAX jobs on salusd: a pure training step (or forward function) run as a session.
+
+JAX code is already functional, so the session takes the user's own step::
+
+    def train_step(state, x, y):          # state: any pytree (params, optimizer state)
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        ...
+        return new_state, loss              # new_state has state's structure
+
+    session = salus.jax.TrainSession(train_step, state, (x, y))
+    loss = session.step(x, y)
+
+``jax.jit(train_step).lower(...)`` gives XLA's HLO, which :mod:`salus.hlo` lowers to the
+salus IR: salusd runs exactly the computation JAX would, with ``state`` resident between
+steps. ``session.state()`` reads it back with ``state``'s structure. Persistent tensors
+are named by their pytree paths (``state['params']['w']``). A batch of other shapes runs
+a step traced for them on first use (``jax.jit`` retraces the same way).
+
+Not supported yet (refused before anything is sent, naming the op): random numbers inside
+the step (pass dropout masks in as inputs), gathers and scatters (``x[idx]`` with an
+array ``idx``), loops (``lax.scan``, ``fori_loop`` with a traced bound).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .client import Client
+from .errors import LoweringError
+from .hlo import trace_hlo
+from .torch import _default_name, _SalusSession
+from .trace import InputSlot, OutputSlot, TracedStep
+
+# jaxlib's XLA and Triton (which PyTorch's compiler stack imports) both carry LLVM; the
+# second to load aborts the process. Triton loaded first is fine; when JAX came first,
+# PyTorch is told Triton is absent (salus never needs it to trace).
+if "jax" not in sys.modules:
+    import torch._dynamo  # noqa: F401  (loads Triton before jaxlib)
+elif "triton" not in sys.modules:
+    sys.modules["triton"] = None  # type: ignore[assignment]
+
+import jax  # noqa: E402
+
+__all__ = ["InferenceSession", "TrainSession"]
+
+
+def _torch(value: Any) -> torch.Tensor:
+    return torch.from_numpy(np.array(value, copy=True, order="C"))
+
+
+def _paths(tree: Any, prefix: str) -> list[str]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [prefix + jax.tree_util.keystr(path) for path, _ in leaves]
+
+
+def trace_jax(fn: Callable, state: Any, batch: Sequence[Any], kind: str) -> TracedStep:
+    """``fn(state, *batch)`` as a :class:`TracedStep`: for ``kind="train"`` it returns
+    ``(new_state, loss)`` with ``new_state`` structured as ``state``; for
+    ``"inference"``, any pytree of arrays (``output.<k>``, in leaf order)."""
+    lowered = jax.jit(fn, keep_unused=True).lower(state, *batch)
+    text = lowered.as_text(dialect="hlo")
+    names = _paths(state, "state")
+    leaves = jax.tree.leaves(state)
+    batch_leaves = jax.tree.leaves(tuple(batch))
+    inputs = ([InputSlot(n, "state", "state") for n in names]
+              + [InputSlot(f"batch.{k}", "feed", "batch") for k in range(len(batch_leaves))])
+    out_tree = lowered.out_info
+    if kind == "train":
+        if not (isinstance(out_tree, tuple) and len(out_tree) == 2):
+            raise LoweringError("a training step returns (new_state, loss)")
+        structure = jax.tree.structure(state)
+        if jax.tree.structure(out_tree[0]) != structure:
+            raise LoweringError(f"the step's new state is structured as "
+                                f"{jax.tree.structure(out_tree[0])}, but the state as "
+                                f"{structure}")
+        if len(jax.tree.leaves(out_tree[1])) != 1:
+            raise LoweringError("the step's loss must be one array")
+        outputs = [OutputSlot("update", n) for n in names] + [OutputSlot("loss", "loss")]
+    else:
+        outputs = [OutputSlot("output", f"output.{k}")
+                   for k in range(len(jax.tree.leaves(out_tree)))]
+    initial = {n: _torch(v) for n, v in zip(names, leaves)}
+    return trace_hlo(text, inputs, outputs, initial, [_torch(b) for b in batch_leaves], kind)
+
+
+class _JaxSession(_SalusSession):
+    def _numpy_batch(self, batch: Sequence[Any]) -> list[torch.Tensor]:
+        leaves = jax.tree.leaves(tuple(batch))
+        return [_torch(b) for b in leaves]
+
+    def _run(self, batch: Sequence[Any], what: str) -> list[np.ndarray]:
+        self._ensure_slots(2)
+        self._batches = tuple(batch)
+        program, leaves = self._program_for(self._numpy_batch(batch), what)
+        iteration, answer = self._submission(program, leaves, what)
+        try:
+            response = self._session().run(iteration)
+        except BaseException as error:
+            if self._resumed(error):
+                return self._run(batch, what)
+            raise
+        self.iterations += 1
+        self.last_device_ms = response.device_us / 1e3
+        return [t.numpy() for t in self._outputs(response, answer)]
+
+    def _trace_for(self, batch: tuple) -> TracedStep:
+        # The batch the caller gave (its structure), not its flattened tensors.
+        return trace_jax(self.fn, self._state_like, self._batches, self._traced_kind)
+
+    def state(self) -> Any:
+        """The session's state as it is on salusd now, structured as the ``state`` the
+        session was made with (numpy arrays)."""
+        values = {name: value.numpy() for name, value in self.state_dict().items()}
+        names = _paths(self._state_like, "state")
+        return jax.tree.unflatten(jax.tree.structure(self._state_like),
+                                  [values[n] for n in names])
+
+
+class TrainSession(_JaxSession):
+    """A JAX training job on salusd: ``step_fn(state, *batch) -> (new_state, loss)``, a
+    pure function as one would ``jax.jit``, with ``state`` (any pytree of arrays: the
+    parameters, the optimizer's state, a step counter) kept on salusd between steps.
+    ``example_batch``: a tuple of arrays (or pytrees of them). Scheduling hints and
+    connection options are those of :class:`salus.torch.TrainSession`."""
+
+    kind = "training"
+    _traced_kind = "train"
+
+    def __init__(self, step_fn: Callable, state: Any, example_batch: Sequence[Any], *,
+                 address: str | None = None, client: Client | None = None, name: str = "",
+                 priority: int = 0, total_iterations: int = 0,
+                 expected_iteration_ms: float = 0.0, admission_timeout: float | None = None,
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+                 offline: bool = False, slo_ms: float = 0.0):
+        started = time.perf_counter()
+        self.fn, self._state_like = step_fn, state
+        traced = trace_jax(step_fn, state, tuple(example_batch), "train")
+        self._open(traced, client=client, address=address,
+                   name=name or _default_name(f"{getattr(step_fn, '__name__', 'step')} (jax)"),
+                   priority=priority, total_iterations=total_iterations,
+                   expected_iteration_ms=expected_iteration_ms,
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
+
+    def step(self, *batch: Any) -> np.ndarray:
+        """Runs ``step_fn(state, *batch)`` on salusd; returns the loss."""
+        return self._run(batch, "step()")[0]
+
+    def __repr__(self) -> str:
+        return f"<salus.jax.TrainSession session {self.id}, {self.iterations} steps>"
+
+
+class InferenceSession(_JaxSession):
+    """``fn(params, *inputs)`` on salusd, ``params`` resident: ``session(*inputs)`` returns
+    the outputs with the structure ``fn`` gives them (numpy arrays)."""
+
+    kind = "inference"
+    _traced_kind = "inference"
+
+    def __init__(self, fn: Callable, params: Any, example_inputs: Sequence[Any], *,
+                 address: str | None = None, client: Client | None = None, name: str = "",
+                 priority: int = 0, admission_timeout: float | None = None,
+                 feed_buffer: bool | None = None, reattach_timeout: float = 60.0,
+                 offline: bool = False, slo_ms: float = 0.0):
+        started = time.perf_counter()
+        self.fn, self._state_like = fn, params
+        example_inputs = tuple(example_inputs)
+        traced = trace_jax(fn, params, example_inputs, "inference")
+        self._open(traced, client=client, address=address,
+                   name=name or _default_name(f"{getattr(fn, '__name__', 'fn')} (jax)"),
+                   priority=priority, total_iterations=0, expected_iteration_ms=0.0,
+                   admission_timeout=admission_timeout, started=started,
+                   feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
+                   offline=offline, slo_ms=slo_ms)
+
+    def __call__(self, *inputs: Any):
+        outputs = self._run(inputs, "the inference session")
+        structure = jax.tree.structure(jax.eval_shape(self.fn, self._state_like, *inputs))
+        return jax.tree.unflatten(structure, outputs)
+
+    def __repr__(self) -> str:
+        return f"<salus.jax.InferenceSession session {self.id}>"
