@@ -63,7 +63,7 @@ def trace_jax(fn: Callable, state: Any, batch: Sequence[Any], kind: str) -> Trac
     ``(new_state, loss)`` with ``new_state`` structured as ``state``; for
     ``"inference"``, any pytree of arrays (``output.<k>``, in leaf order)."""
     lowered = jax.jit(fn, keep_unused=True).lower(state, *batch)
-    text = lowered.as_text(dialect="hlo")
+    text = lowered.as_text(dialect="hlo", debug_info=True)
     names = _paths(state, "state")
     leaves = jax.tree.leaves(state)
     batch_leaves = jax.tree.leaves(tuple(batch))

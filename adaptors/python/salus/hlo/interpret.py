@@ -58,11 +58,19 @@ _HINTS = {
 }
 
 
+_RANDOM = ("random numbers (dropout, random augmentation) are not supported yet: train "
+           "without dropout (rate 0), or pass random masks in with the batch")
+# Where the framework says an op came from, when that is its random number generator.
+_RANDOM_SOURCE = re.compile(r"threefry|philox|random|rng|dropout|bernoulli", re.IGNORECASE)
+
+
 def unsupported(module: Module) -> UnsupportedOpError | None:
     """Every instruction of ``module`` that cannot run on salusd, in one error (None when
     all can); constant-only ops are checked as the interpreter meets them."""
-    missing = [MissingOp(f"HLO {i.opcode}", i.name, i.source, tuple(i.operands),
-                         _HINTS.get(i.opcode, "no IR op"))
+    missing = [MissingOp(f"HLO {i.opcode}", i.name,
+                         i.source or f"computation {computation.name}", tuple(i.operands),
+                         _RANDOM if _RANDOM_SOURCE.search(f"{i.source} {computation.name}")
+                         else _HINTS.get(i.opcode, "no IR op"))
                for computation in _reachable(module) for i in computation.instructions
                if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY]
     return UnsupportedOpError(missing) if missing else None

@@ -46,6 +46,8 @@ class Instruction:
     attributes: dict[str, str]
     # Where the framework says it came from (TensorFlow's op name, JAX's source line).
     source: str = ""
+    # JAX's stack frame (a debug section of the module), 0 for none.
+    frame: int = 0
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Module:
 
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
+_SECTION = re.compile(r"^[A-Z]\w*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"^([a-z]+[0-9]*)\[([^\]]*)\](\{[^}]*\})?$")
 
@@ -94,9 +97,23 @@ def parse_module(text: str) -> Module:
     computations: dict[str, Computation] = {}
     entry = ""
     current: Computation | None = None
+    # Debug sections (JAX's FileNames, FileLocations, StackFrames...): id -> text.
+    sections: dict[str, dict[int, str]] = {}
+    section: str | None = None
     for number, line in enumerate(lines[1:], start=2):
         stripped = _COMMENT.sub("", line).strip()
-        if not stripped or stripped.startswith("//"):
+        if not stripped:
+            section = None
+            continue
+        if stripped.startswith("//"):
+            continue
+        if section is not None:
+            key, _, value = stripped.partition(" ")
+            sections[section][int(key)] = value
+            continue
+        if current is None and _SECTION.match(stripped):
+            section = stripped
+            sections[section] = {}
             continue
         if current is None:
             header = _HEADER.match(stripped)
@@ -124,7 +141,26 @@ def parse_module(text: str) -> Module:
     for computation in computations.values():
         if not computation.root and computation.instructions:
             computation.root = computation.instructions[-1].name
+    if "StackFrames" in sections:
+        _resolve_frames(computations.values(), sections)
     return Module(module_name, computations, entry, aliases)
+
+
+def _resolve_frames(computations, sections: dict[str, dict[int, str]]) -> None:
+    """Adds ``file:line`` to the source of each instruction that names a stack frame."""
+    def fields(text: str) -> dict[str, str]:
+        return dict(re.findall(r"(\w+)=([^\s}]+)", text))
+    files = {k: v.strip('"') for k, v in sections.get("FileNames", {}).items()}
+    places = {k: fields(v) for k, v in sections.get("FileLocations", {}).items()}
+    frames = {k: fields(v) for k, v in sections["StackFrames"].items()}
+    for computation in computations:
+        for i in computation.instructions:
+            frame = frames.get(i.frame)
+            place = places.get(int(frame["file_location_id"])) if frame else None
+            if place is None:
+                continue
+            where = f"{files.get(int(place['file_name_id']), '?')}:{place.get('line', '?')}"
+            i.source = f"{i.source} ({where})" if i.source else where
 
 
 def _instruction(line: str) -> tuple[Instruction, bool]:
@@ -149,8 +185,9 @@ def _instruction(line: str) -> tuple[Instruction, bool]:
     operands = [] if literal or not inside.strip() else [
         operand.split()[-1].lstrip("%") for operand in split_top(inside)]
     metadata = attributes.pop("metadata", "")
+    frame = re.search(r"stack_frame_id=(\d+)", metadata)
     return Instruction(name, shape, opcode, operands, literal.strip(), attributes,
-                       _source(metadata)), root
+                       _source(metadata), int(frame.group(1)) if frame else 0), root
 
 
 def _source(metadata: str) -> str:

@@ -1,0 +1,172 @@
+"""JAX steps on a real salusd (salus.jax, through XLA's HLO): training with the user's own
+pure step, inference, partial batches, and clear refusals.
+
+Each result is checked by the rule of ``harness.assert_as_exact_as_pytorch`` with JAX in
+PyTorch's place: the exact reference is the same step run by JAX in float64
+(``enable_x64``), the rounding noise is JAX's own float32 run's distance from it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax import enable_x64  # noqa: E402
+
+import salus.jax as sj  # noqa: E402
+from salus.errors import LoweringError, UnsupportedOpError  # noqa: E402
+
+from daemon import Daemon  # noqa: E402
+from harness import assert_as_exact_as_pytorch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--policy", "pack", "--memory", "256MiB") as d:
+        yield d
+
+
+def cnn(p, x):
+    h = jax.lax.conv_general_dilated(x, p["conv"], (2, 2), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.nn.gelu(h + p["conv_b"], approximate=False)
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    h = h.reshape(h.shape[0], -1)
+    return h @ p["w"] + p["b"]
+
+
+def encoder(p, x):
+    """One pre-norm attention block and a feed-forward, on [batch, seq, d]."""
+    def norm(h, g, b):
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+    h = norm(x, p["g1"], p["b1"])
+    q, k, v = (jnp.einsum("bsd,hde->bhse", h, p[n]) for n in ("q", "k", "v"))
+    scores = jnp.einsum("bhse,bhte->bhst", q, k) / np.sqrt(q.shape[-1])
+    attended = jnp.einsum("bhst,bhte->bhse", jax.nn.softmax(scores, -1), v)
+    x = x + jnp.einsum("bhse,hed->bsd", attended, p["o"])
+    h = norm(x, p["g2"], p["b2"])
+    x = x + jnp.tanh(h @ p["f1"]) @ p["f2"]
+    return x.mean(1) @ p["head"]
+
+
+def init(name: str, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    r = lambda *s: (rs.randn(*s) * 0.3).astype(np.float32)  # noqa: E731
+    if name == "cnn":
+        return {"conv": r(3, 3, 3, 4), "conv_b": r(4), "w": r(4 * 2 * 2, 5), "b": r(5)}
+    d, heads, e = 8, 2, 4
+    return {"g1": 1 + r(d), "b1": r(d), "q": r(heads, d, e), "k": r(heads, d, e),
+            "v": r(heads, d, e), "o": r(heads, e, d), "g2": 1 + r(d), "b2": r(d),
+            "f1": r(d, 16), "f2": r(16, d), "head": r(d, 5)}
+
+
+MODELS = {"cnn": (cnn, (8, 8, 3)), "encoder": (encoder, (6, 8))}
+
+
+def batches(name: str, sizes=(4, 4, 4)):
+    rs = np.random.RandomState(1)
+    shape = MODELS[name][1]
+    return [(rs.randn(n, *shape).astype(np.float32), rs.randint(0, 5, n).astype(np.int32))
+            for n in sizes]
+
+
+def train_step(model):
+    """Adam with bias correction, on the user's side: the state holds everything."""
+    def loss_fn(p, x, y):
+        logits = model(p, x)
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 5), -1))
+
+    def step(state, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        t = state["t"] + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], g)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, state["v"], g)
+        lr = 0.05 * jnp.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
+        p = jax.tree.map(lambda p, m, v: p - lr * m / (jnp.sqrt(v) + 1e-8),
+                         state["params"], m, v)
+        return {"params": p, "m": m, "v": v, "t": t}, loss
+    return step
+
+
+def initial_state(name: str):
+    params = init(name)
+    zeros = jax.tree.map(np.zeros_like, params)
+    return {"params": params, "m": zeros, "v": zeros, "t": np.zeros((), np.float32)}
+
+
+def run_jax(step, state, data, dtype=None):
+    """The step run by JAX itself (float32, or float64 under enable_x64)."""
+    losses = []
+    f = jax.jit(step)
+    cast = (lambda a: a.astype(np.float64) if a.dtype == np.float32 else a) if dtype else (
+        lambda a: a)
+    state = jax.tree.map(lambda a: jnp.asarray(cast(np.asarray(a))), state)
+    for x, y in data:
+        state, loss = f(state, jnp.asarray(cast(x)), jnp.asarray(y))
+        losses.append(float(loss))
+    return losses, state
+
+
+def as_named(state) -> dict[str, torch.Tensor]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(p): torch.from_numpy(np.array(v, dtype=np.float64))
+            for p, v in leaves}
+
+
+@pytest.mark.parametrize("name", ["cnn", "encoder"])
+def test_a_jax_step_trains_on_salusd_as_jax_computes_it(daemon, name):
+    model = MODELS[name][0]
+    step, state = train_step(model), initial_state(name)
+    data = batches(name, (4, 4, 3))  # the last batch is partial: a second program
+    with sj.TrainSession(step, state, data[0], address=daemon.address) as session:
+        losses = [float(session.step(x, y)) for x, y in data]
+        final = session.state()
+        assert session.programs == 2
+    jax_losses, jax_state = run_jax(step, state, data)
+    with enable_x64(True):
+        exact_losses, exact_state = run_jax(step, state, data, np.float64)
+    assert_as_exact_as_pytorch(losses, exact_losses, jax_losses, label=f"{name} losses: ",
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(as_named(final), as_named(exact_state), as_named(jax_state),
+                               label=f"{name}: ", dtype=torch.float32)
+
+
+def test_a_jax_forward_function_serves_on_salusd(daemon):
+    params = init("encoder")
+    (x, _), (x2, _) = batches("encoder", (4, 2))
+    with sj.InferenceSession(encoder, params, (x,), address=daemon.address) as serve:
+        got = [serve(x), serve(x2)]
+    for inputs, out in zip((x, x2), got):
+        want = np.asarray(encoder(params, inputs))
+        with enable_x64(True):
+            exact = np.asarray(encoder(jax.tree.map(lambda a: a.astype(np.float64), params),
+                                       inputs.astype(np.float64)))
+        assert out.shape == want.shape and out.dtype == np.float32
+        assert_as_exact_as_pytorch({"out": torch.from_numpy(out)},
+                                   {"out": torch.from_numpy(np.array(exact))},
+                                   {"out": torch.from_numpy(np.array(want))})
+
+
+def test_random_numbers_in_a_step_are_refused_before_anything_is_sent(daemon):
+    def noisy(state, x):
+        keep = jax.random.bernoulli(jax.random.PRNGKey(0), 0.5, x.shape)
+        return state, jnp.sum(jnp.where(keep, x, 0.0)) * state["w"]
+
+    with pytest.raises(UnsupportedOpError) as error:
+        sj.TrainSession(noisy, {"w": np.ones((), np.float32)}, (np.ones((3,), np.float32),),
+                        address=daemon.address)
+    assert "random" in str(error.value) or "rng" in str(error.value)
+
+
+def test_a_step_whose_new_state_differs_in_structure_is_refused(daemon):
+    def wrong(state, x):
+        return {"w": state["w"], "extra": x.sum()}, x.sum()
+
+    with pytest.raises(LoweringError, match="structured"):
+        sj.TrainSession(wrong, {"w": np.ones((2,), np.float32)},
+                        (np.ones((3,), np.float32),), address=daemon.address)
