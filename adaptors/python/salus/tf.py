@@ -49,8 +49,8 @@ __all__ = ["InferenceSession", "TrainSession", "fit"]
 
 
 def _torch(value: Any) -> torch.Tensor:
-    array = np.array(value, copy=True, order="C")  # owned: torch keeps a view of it
-    return torch.from_numpy(array)
+    array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    return torch.from_numpy(np.array(array, copy=True, order="C"))  # owned by the tensor
 
 
 def _path_names(variables: Sequence[Any]) -> dict[int, str]:

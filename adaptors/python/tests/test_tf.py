@@ -1,0 +1,168 @@
+"""Keras steps on a real salusd (salus.tf, through XLA's HLO): TrainSession, fit,
+InferenceSession, learning-rate changes, checkpoints and refusals.
+
+Each result is checked by the rule of ``harness.assert_as_exact_as_pytorch`` with
+TensorFlow in PyTorch's place: the exact reference is the same model trained eagerly by
+TensorFlow in float64, the rounding noise is TensorFlow's own float32 eager run's
+distance from it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+pytest.importorskip("tensorflow")
+import salus.tf as stf  # noqa: E402  (before TensorFlow: see salus.tf)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from salus.errors import UnsupportedOpError  # noqa: E402
+
+from daemon import Daemon  # noqa: E402
+from harness import assert_as_exact_as_pytorch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--policy", "pack", "--memory", "256MiB") as d:
+        yield d
+
+
+def cnn(dtype: str = "float32", dropout: float = 0.0) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((8, 8, 3), dtype=dtype),
+              keras.layers.Conv2D(6, 3, strides=2, padding="same", dtype=dtype),
+              keras.layers.BatchNormalization(dtype=dtype), keras.layers.ReLU(dtype=dtype),
+              keras.layers.MaxPooling2D(dtype=dtype), keras.layers.Flatten(dtype=dtype)]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, dtype=dtype))
+    layers.append(keras.layers.Dense(5, dtype=dtype,
+                                     kernel_regularizer=keras.regularizers.L2(1e-3)))
+    return keras.Sequential(layers)
+
+
+def batches(sizes=(4, 4, 3)):
+    rs = np.random.RandomState(1)
+    return [(rs.randn(n, 8, 8, 3).astype(np.float32), rs.randint(0, 5, n)) for n in sizes]
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def eager(model: keras.Model, optimizer, data, dtype=np.float32, lr_at=None):
+    """Keras' own training loop, eagerly: the losses and every variable after it."""
+    losses = []
+    for number, (x, y) in enumerate(data):
+        if lr_at is not None and number in lr_at:
+            optimizer.learning_rate = lr_at[number]
+        with tf.GradientTape() as tape:
+            prediction = model(x.astype(dtype), training=True)
+            loss = keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, dtype=np.dtype(dtype).name)(y, prediction)
+            loss = loss + tf.add_n(model.losses)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, variables(model, optimizer)
+
+
+def variables(model, optimizer=None) -> dict[str, torch.Tensor]:
+    """Every variable by its place (paths differ between twins): ``model.<k>``,
+    ``optimizer.<k>``."""
+    out = {}
+    for group, vs in (("model", model.variables),
+                      ("optimizer", optimizer.variables if optimizer else [])):
+        for k, v in enumerate(vs):
+            value = np.array(v.numpy())
+            out[f"{group}.{k}"] = torch.from_numpy(
+                value.astype(np.float64 if value.dtype.kind == "f" else value.dtype))
+    return out
+
+
+def twin(model: keras.Model, dtype: str, dropout: float = 0.0) -> keras.Model:
+    other = cnn(dtype, dropout)
+    other.set_weights([w.astype(dtype) for w in model.get_weights()])
+    return other
+
+
+def test_a_keras_step_trains_on_salusd_as_tensorflow_computes_it(daemon):
+    data = batches()  # the last batch is partial: a second program
+    model = cnn()
+    f32, f64 = twin(model, "float32"), twin(model, "float64")
+    optimizer = keras.optimizers.Adam(0.01)
+    # The learning rate changes between steps, as a callback would change it.
+    lr_at = {2: 0.003}
+    with stf.TrainSession(model, LOSS, optimizer, data[0], address=daemon.address) as s:
+        losses = []
+        for number, (x, y) in enumerate(data):
+            if number in lr_at:
+                optimizer.learning_rate = lr_at[number]
+            losses.append(float(s.step(x, y)))
+        assert s.programs == 2
+        s.update_model()
+    got = variables(model, optimizer)
+    tf_losses, tf_state = eager(f32, keras.optimizers.Adam(0.01), data, lr_at=lr_at)
+    exact_losses, exact_state = eager(f64, keras.optimizers.Adam(0.01), data, np.float64,
+                                      lr_at=lr_at)
+    assert_as_exact_as_pytorch(losses, exact_losses, tf_losses, label="losses: ",
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(got, exact_state, tf_state, dtype=torch.float32)
+
+
+def test_fit_trains_a_compiled_model_on_salusd_and_hands_it_back(daemon):
+    data = batches((4, 4))
+    model = cnn()
+    f32, f64 = twin(model, "float32"), twin(model, "float64")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
+    history = stf.fit(model, data, epochs=2, address=daemon.address)
+    assert len(history["loss"]) == 2
+
+    def run(reference, dtype):
+        losses, state = eager(reference, keras.optimizers.SGD(0.05, momentum=0.9),
+                              data + data, dtype)
+        return [np.mean(losses[:2]), np.mean(losses[2:])], state
+    tf_losses, tf_state = run(f32, np.float32)
+    exact_losses, exact_state = run(f64, np.float64)
+    got = variables(model)
+    model_only = {name: value for name, value in exact_state.items() if name in got}
+    assert_as_exact_as_pytorch(history["loss"], exact_losses, tf_losses, label="losses: ",
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(got, model_only, tf_state, dtype=torch.float32)
+
+
+def test_a_checkpoint_round_trips_and_inference_serves_the_trained_model(daemon):
+    data = batches((4, 4))
+    model = cnn()
+    optimizer = keras.optimizers.Adam(0.01)
+    with stf.TrainSession(model, LOSS, optimizer, data[0], address=daemon.address) as s:
+        s.step(*data[0])
+        checkpoint = s.state_dict()
+        first = float(s.step(*data[1]))
+        s.load_state_dict(checkpoint)
+        assert float(s.step(*data[1])) == first  # the same step from the same state
+        assert set(checkpoint) >= {v.path for v in model.variables}
+        s.update_model()
+    x = data[1][0]
+    with stf.InferenceSession(model, x, address=daemon.address) as serve:
+        got = serve(x)
+        partial = serve(x[:2])
+    want = model(x, training=False).numpy()
+    exact = twin(model, "float64")(x.astype(np.float64), training=False).numpy()
+    assert_as_exact_as_pytorch({"out": torch.from_numpy(got)},
+                               {"out": torch.from_numpy(exact)},
+                               {"out": torch.from_numpy(want)})
+    assert partial.shape == (2, 5)
+    assert np.abs(partial - got[:2]).max() <= 1e-5 * np.abs(got).max()
+
+
+def test_dropout_is_refused_by_name_before_anything_is_sent(daemon):
+    model = cnn(dropout=0.5)
+    data = batches((4,))
+    with pytest.raises(UnsupportedOpError) as error:
+        stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.1), data[0],
+                         address=daemon.address)
+    assert "random numbers" in str(error.value)
