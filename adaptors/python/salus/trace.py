@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -68,6 +69,10 @@ FEED = "feed"
 #: step draws random numbers (dropout): an i64 scalar the step advances by one, so every
 #: iteration draws new values and a checkpoint captures the generator.
 GENERATOR = "salus.generator"
+
+#: Held while ``make_fx`` records a step: it patches process-wide state, so two threads
+#: tracing at once (sessions opened from several threads) would corrupt each other.
+TRACE_LOCK = threading.RLock()
 
 #: The ``group`` of the optimizer's hyperparameter tensors: persistent, read by the step,
 #: never updated by it (the session writes them when the torch optimizer's change).
@@ -512,7 +517,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
-    with (_inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
+    with (TRACE_LOCK, _inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
         try:
             gm = traced(*args)

@@ -17,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ..errors import LoweringError
 from ..lower import MODULE_META
-from ..trace import FEED, InputSlot, OutputSlot, Scope, TracedStep, decomposition_table, tidy
+from ..trace import (FEED, TRACE_LOCK, InputSlot, OutputSlot, Scope, TracedStep,
+                     decomposition_table, tidy)
 from .interpret import Interpreter, unsupported
 from .ops import DTYPES, Const, dense
 from .parse import Instruction, Module, parse_module
@@ -64,7 +65,9 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
             results.append(dense(value) if isinstance(value, Const) else value)
         return results
 
-    gm = make_fx(step, decomposition_table=decomposition_table(), tracing_mode="real")(*args)
+    with TRACE_LOCK:
+        gm = make_fx(step, decomposition_table=decomposition_table(),
+                     tracing_mode="real")(*args)
     return TracedStep(kind=kind, graph_module=tidy(gm), inputs=list(inputs),
                       outputs=list(kept), initial_state=dict(initial_state))
 
