@@ -170,3 +170,29 @@ def test_a_step_whose_new_state_differs_in_structure_is_refused(daemon):
     with pytest.raises(LoweringError, match="structured"):
         sj.TrainSession(wrong, {"w": np.ones((2,), np.float32)},
                         (np.ones((3,), np.float32),), address=daemon.address)
+
+
+def test_embedding_lookups_and_their_gradients_train_on_salusd(daemon):
+    """Gathers (``emb[ids]``, ``take_along_axis``) and the scatters of their gradients."""
+    def loss_fn(p, ids, y):
+        h = jnp.tanh(p["emb"][ids].mean(1) @ p["w"])
+        return -jnp.take_along_axis(jax.nn.log_softmax(h), y[:, None], axis=1).mean()
+
+    def step(state, ids, y):
+        loss, g = jax.value_and_grad(loss_fn)(state, ids, y)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, state, g), loss
+
+    rs = np.random.RandomState(2)
+    state = {"emb": rs.randn(12, 6).astype(np.float32), "w": rs.randn(6, 5).astype(np.float32)}
+    data = [(rs.randint(0, 12, (4, 7)).astype(np.int32), rs.randint(0, 5, 4).astype(np.int32))
+            for _ in range(3)]
+    with sj.TrainSession(step, state, data[0], address=daemon.address) as session:
+        losses = [float(session.step(*b)) for b in data]
+        final = session.state()
+    jax_losses, jax_state = run_jax(step, state, data)
+    with enable_x64(True):
+        exact_losses, exact_state = run_jax(step, state, data, np.float64)
+    assert_as_exact_as_pytorch(losses, exact_losses, jax_losses, label="losses: ",
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(as_named(final), as_named(exact_state), as_named(jax_state),
+                               dtype=torch.float32)

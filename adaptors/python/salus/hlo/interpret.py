@@ -22,7 +22,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ..errors import LoweringError, MissingOp, UnsupportedOpError
-from .ops import CONSTANT_RULES, RULES, Const, torch_dtype
+from . import indexing
+from .ops import CONSTANT_RULES, Const, torch_dtype
+from .ops import RULES as OP_RULES
 from .parse import Computation, Instruction, Module, Shape
 
 aten = torch.ops.aten
@@ -36,7 +38,9 @@ ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "p
 STRUCTURAL = {"parameter", "constant", "broadcast", "reshape", "transpose", "copy",
               "reverse", "slice", "concatenate", "pad", "iota", "tuple",
               "get-tuple-element", "call", "optimization-barrier", "bitcast"}
-COMPUTE = {"dot", "convolution", "reduce", "reduce-window", "select-and-scatter"}
+COMPUTE = {"dot", "convolution", "reduce", "reduce-window", "select-and-scatter", "gather",
+           "scatter"}
+RULES = {**OP_RULES, **indexing.RULES}
 SUPPORTED = ELEMENTWISE | STRUCTURAL | COMPUTE
 # Run only on constants (their results fold into the graph); on computed values the IR has
 # no op for them.
@@ -50,8 +54,6 @@ _HINTS = {
     "custom-call": "an XLA custom call has no IR op",
     "while": "loops are not supported: unroll them, or keep them outside the step",
     "conditional": "branches on values are not supported: compute both sides and select",
-    "gather": "gathers (embedding lookups, indexing by a tensor) are not supported yet",
-    "scatter": "scatters (embedding gradients, indexed updates) are not supported yet",
     "dynamic-slice": "slices at computed offsets are not supported yet",
     "dynamic-update-slice": "updates at computed offsets are not supported yet",
     "sort": "sorting is not supported",
