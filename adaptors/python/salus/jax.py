@@ -17,8 +17,8 @@ are named by their pytree paths (``state['params']['w']``). A batch of other sha
 a step traced for them on first use (``jax.jit`` retraces the same way).
 
 Not supported yet (refused before anything is sent, naming the op): random numbers inside
-the step (pass dropout masks in as inputs), gathers and scatters (``x[idx]`` with an
-array ``idx``), loops (``lax.scan``, ``fori_loop`` with a traced bound).
+the step (pass dropout masks in as inputs), loops (``lax.scan``, ``fori_loop`` with a
+traced bound); ``docs/frontends.md`` lists the rest.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ a hyperparameter: the Keras optimizer stays its truth, and a change to it
 (``optimizer.learning_rate = 0.01``, a callback) reaches the next step.
 
 Not supported yet (refused before anything is sent, naming the op): random numbers in the
-step (dropout with a rate above 0), embedding lookups (gathers), loops.
+step (dropout with a rate above 0), loops; ``docs/frontends.md`` lists the rest.
 """
 
 from __future__ import annotations
