@@ -60,7 +60,7 @@ def eager(model: keras.Model, optimizer, data, dtype=np.float32, lr_at=None):
         if lr_at is not None and number in lr_at:
             optimizer.learning_rate = lr_at[number]
         with tf.GradientTape() as tape:
-            prediction = model(x.astype(dtype), training=True)
+            prediction = model(x.astype(dtype) if x.dtype.kind == "f" else x, training=True)
             loss = keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, dtype=np.dtype(dtype).name)(y, prediction)
             loss = loss + tf.add_n(model.losses)
@@ -83,8 +83,8 @@ def variables(model, optimizer=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def twin(model: keras.Model, dtype: str, dropout: float = 0.0) -> keras.Model:
-    other = cnn(dtype, dropout)
+def twin(model: keras.Model, dtype: str, build=None) -> keras.Model:
+    other = (build or cnn)(dtype)
     other.set_weights([w.astype(dtype) for w in model.get_weights()])
     return other
 
@@ -166,3 +166,30 @@ def test_dropout_is_refused_by_name_before_anything_is_sent(daemon):
         stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.1), data[0],
                          address=daemon.address)
     assert "random numbers" in str(error.value)
+
+
+def text_model(dtype: str = "float32") -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((7,), dtype="int32"),
+                             keras.layers.Embedding(20, 8, dtype=dtype),
+                             keras.layers.GlobalAveragePooling1D(dtype=dtype),
+                             keras.layers.Dense(3, dtype=dtype,
+                                                kernel_regularizer=keras.regularizers.L2(1e-3))])
+
+
+def test_an_embedding_model_trains_on_salusd_as_tensorflow_computes_it(daemon):
+    rs = np.random.RandomState(3)
+    data = [(rs.randint(0, 20, (4, 7)).astype(np.int32), rs.randint(0, 3, 4))
+            for _ in range(3)]
+    model = text_model()
+    f32, f64 = twin(model, "float32", text_model), twin(model, "float64", text_model)
+    optimizer = keras.optimizers.Adam(0.01)
+    with stf.TrainSession(model, LOSS, optimizer, data[0], address=daemon.address) as s:
+        losses = [float(s.step(*b)) for b in data]
+        s.update_model()
+    tf_losses, tf_state = eager(f32, keras.optimizers.Adam(0.01), data)
+    exact_losses, exact_state = eager(f64, keras.optimizers.Adam(0.01), data, np.float64)
+    assert_as_exact_as_pytorch(losses, exact_losses, tf_losses, label="losses: ",
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(variables(model, optimizer), exact_state, tf_state,
+                               dtype=torch.float32)

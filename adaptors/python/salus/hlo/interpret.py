@@ -75,6 +75,12 @@ def unsupported(module: Module) -> UnsupportedOpError | None:
                          else _HINTS.get(i.opcode, "no IR op"))
                for computation in _reachable(module) for i in computation.instructions
                if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY]
+    missing += [MissingOp(f"HLO {i.opcode} of a dynamic shape", i.name,
+                          i.source or f"computation {computation.name}", tuple(i.operands),
+                          f"{i.shape} is known only at run time; salus plans memory for "
+                          "fixed shapes")
+                for computation in _reachable(module) for i in computation.instructions
+                if i.shape.dynamic]
     return UnsupportedOpError(missing) if missing else None
 
 

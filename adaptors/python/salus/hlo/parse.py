@@ -28,6 +28,8 @@ class Shape:
     dtype: str
     dims: tuple[int, ...] = ()
     elements: tuple["Shape", ...] = ()
+    # Some dimension is only bounded (``<=N``, its bound in ``dims``): known at run time.
+    dynamic: bool = False
 
     def __str__(self) -> str:
         if self.dtype == "tuple":
@@ -208,9 +210,10 @@ def parse_shape(text: str) -> Shape:
     if array is None:
         raise ValueError(f"not a shape: {text!r}")
     dims = array.group(2).strip()
-    if "?" in dims or "<=" in dims:
-        raise ValueError(f"dynamic shapes are not supported: {text!r}")
-    return Shape(array.group(1), tuple(int(d) for d in dims.split(",")) if dims else ())
+    if "?" in dims:
+        raise ValueError(f"unbounded dynamic shapes are not supported: {text!r}")
+    sizes = tuple(int(d.replace("<=", "")) for d in dims.split(",")) if dims else ()
+    return Shape(array.group(1), sizes, dynamic="<=" in dims)
 
 
 def _closing(text: str, at: int) -> int:
