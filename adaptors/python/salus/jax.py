@@ -23,9 +23,10 @@ traced bound); ``docs/frontends.md`` lists the rest.
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -93,11 +94,14 @@ class _JaxSession(_SalusSession):
         leaves = jax.tree.leaves(tuple(batch))
         return [_torch(b) for b in leaves]
 
-    def _run(self, batch: Sequence[Any], what: str) -> list[np.ndarray]:
-        self._ensure_slots(2)
+    def _iteration(self, batch: Sequence[Any], what: str):
         self._batches = tuple(batch)
         program, leaves = self._program_for(self._numpy_batch(batch), what)
-        iteration, answer = self._submission(program, leaves, what)
+        return self._submission(program, leaves, what)
+
+    def _run(self, batch: Sequence[Any], what: str) -> list[np.ndarray]:
+        self._ensure_slots(2)
+        iteration, answer = self._iteration(batch, what)
         try:
             response = self._session().run(iteration)
         except BaseException as error:
@@ -151,6 +155,21 @@ class TrainSession(_JaxSession):
     def step(self, *batch: Any) -> np.ndarray:
         """Runs ``step_fn(state, *batch)`` on salusd; returns the loss."""
         return self._run(batch, "step()")[0]
+
+    def steps(self, batches: Iterable[Sequence[Any]], depth: int = 4) -> Iterator[np.ndarray]:
+        """Pipelined training, as :meth:`salus.torch.TrainSession.steps`: one iteration
+        per batch, up to ``depth`` submitted ahead; yields each loss in order."""
+        answers: collections.deque = collections.deque()
+        self._ensure_slots(depth + 2)
+
+        def iterations():
+            for batch in batches:
+                iteration, answer = self._iteration(tuple(batch), "steps()")
+                answers.append(answer)
+                yield iteration
+        for response in self._session().run_pipelined(iterations(), depth):
+            self.iterations += 1
+            yield self._outputs(response, answers.popleft())[0].numpy()
 
     def __repr__(self) -> str:
         return f"<salus.jax.TrainSession session {self.id}, {self.iterations} steps>"

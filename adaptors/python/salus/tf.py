@@ -20,9 +20,10 @@ step (dropout with a rate above 0), loops; ``docs/frontends.md`` lists the rest.
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -174,6 +175,24 @@ class _KerasSession(_SalusSession):
                 variable.assign(values[name])
         return self.model
 
+    def get_weights(self) -> list[np.ndarray]:
+        """The model's weights as they are on salusd, in ``model.get_weights()`` order."""
+        values = self.state_dict()
+        return [values[name] for name in self._weight_names()]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Overwrites the model's weights on salusd, as ``model.set_weights`` takes them."""
+        names = self._weight_names()
+        if len(weights) != len(names):
+            raise ValueError(f"set_weights: {len(weights)} arrays for the model's "
+                             f"{len(names)} weights")
+        self.load_state_dict({n: np.asarray(w) for n, w in zip(names, weights)},
+                             strict=False)
+
+    def _weight_names(self) -> list[str]:
+        by_variable = {id(v): name for name, v in self._variables().items()}
+        return [by_variable[id(v)] for v in self.model.weights]
+
     def _variables(self) -> dict[str, Any]:
         """The Keras variables of the step by name."""
         return {name: v for vs in self._step.groups.values()
@@ -233,21 +252,47 @@ class TrainSession(_KerasSession):
         """Runs one training iteration on salusd with ``batch = (inputs..., target)``;
         returns the loss."""
         self._ensure_slots(2)
-        program, leaves = self._program_for(_batch(batch), "step()")
+        iteration, answer = self._iteration(batch, "step()")
+        try:
+            response = self._session().run(iteration)
+        except BaseException as error:
+            self._sent = {}  # the hyperparameters may not have arrived: send them again
+            if self._resumed(error):
+                return self.step(*batch)
+            raise
+        return self._stepped(response, answer)
+
+    def steps(self, batches: Iterable[Sequence[Any]], depth: int = 4) -> Iterator[np.ndarray]:
+        """Pipelined training, as :meth:`salus.torch.TrainSession.steps`: one iteration
+        per batch, up to ``depth`` submitted ahead; yields each loss in order. A
+        hyperparameter changed while iterations are in flight reaches the next one
+        submitted."""
+        answers: collections.deque = collections.deque()
+        self._ensure_slots(depth + 2)
+
+        def iterations():
+            for batch in batches:
+                iteration, answer = self._iteration(tuple(batch), "steps()")
+                answers.append(answer)
+                yield iteration
+        try:
+            for response in self._session().run_pipelined(iterations(), depth):
+                yield self._stepped(response, answers.popleft())
+        except BaseException:
+            self._sent = {}
+            raise
+
+    def _iteration(self, batch: Sequence[Any], what: str):
+        program, leaves = self._program_for(_batch(batch), what)
         writes = {}
         for name, variable in self._hyperparameters.items():
             value = np.asarray(variable.value)
             if name not in self._sent or not np.array_equal(value, self._sent[name]):
                 writes[self.layout.state[name].id] = value.tobytes()
-        iteration, answer = self._submission(program, leaves, "step()", writes or None)
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            if self._resumed(error):
-                return self.step(*batch)
-            raise
-        for name, variable in self._hyperparameters.items():
-            self._sent[name] = np.asarray(variable.value).copy()
+                self._sent[name] = value.copy()
+        return self._submission(program, leaves, what, writes or None)
+
+    def _stepped(self, response, answer) -> np.ndarray:
         self.iterations += 1
         self.last_device_ms = response.device_us / 1e3
         return self._outputs(response, answer)[0].numpy()

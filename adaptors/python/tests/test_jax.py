@@ -124,9 +124,12 @@ def test_a_jax_step_trains_on_salusd_as_jax_computes_it(daemon, name):
     step, state = train_step(model), initial_state(name)
     data = batches(name, (4, 4, 3))  # the last batch is partial: a second program
     with sj.TrainSession(step, state, data[0], address=daemon.address) as session:
+        start = session.state_dict()
         losses = [float(session.step(x, y)) for x, y in data]
         final = session.state()
         assert session.programs == 2
+        session.load_state_dict(start)  # from the same state, pipelined: the same steps
+        assert [float(loss) for loss in session.steps(data, depth=2)] == losses
     jax_losses, jax_state = run_jax(step, state, data)
     with enable_x64(True):
         exact_losses, exact_state = run_jax(step, state, data, np.float64)

@@ -145,7 +145,15 @@ def test_a_checkpoint_round_trips_and_inference_serves_the_trained_model(daemon)
         s.load_state_dict(checkpoint)
         assert float(s.step(*data[1])) == first  # the same step from the same state
         assert set(checkpoint) >= {v.path for v in model.variables}
+        # Keras' weight lists round trip, and pipelined steps are the same steps.
+        weights, everything = s.get_weights(), s.state_dict()
+        again = [float(s.step(*b)) for b in data]
+        s.load_state_dict(everything)
+        assert [float(loss) for loss in s.steps(data, depth=2)] == again
+        s.set_weights(weights)
+        assert all(np.array_equal(a, b) for a, b in zip(s.get_weights(), weights))
         s.update_model()
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), s.get_weights()))
     x = data[1][0]
     with stf.InferenceSession(model, x, address=daemon.address) as serve:
         got = serve(x)
