@@ -1,7 +1,8 @@
 """salus: share one GPU between many deep-learning jobs.
 
 The Python adaptor traces PyTorch training steps and forward passes into the salus graph
-IR (``salus.v1.Graph``, see ``docs/ir.md``):
+IR (``salus.v1.Graph``, see ``docs/ir.md``), and TensorFlow and JAX steps through XLA's
+HLO (``docs/frontends.md``):
 
 - :mod:`salus.trace`: ``trace_train_step`` / ``trace_inference`` -> :class:`TracedStep`;
 - :mod:`salus.optim`: SGD, Adam and AdamW updates as functional tensor math;
@@ -11,7 +12,10 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``):
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
 - :mod:`salus.client`: the gRPC client of ``salusd`` (:class:`Client`, sessions, admin);
 - :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd;
-- :mod:`salus.serving`: ``ServedModel``, a PyTorch model whose requests salusd batches.
+- :mod:`salus.serving`: ``ServedModel``, a PyTorch model whose requests salusd batches;
+- :mod:`salus.hlo`: XLA HLO text -> the same traced step (run with PyTorch ops);
+- :mod:`salus.tf`: Keras 3 ``TrainSession``, ``InferenceSession`` and ``fit`` on salusd;
+- :mod:`salus.jax`: a pure JAX step or forward function as a session on salusd.
 
 ``salus.Client`` is imported on first use, so tracing and the reference tools
 (``salus.trace``, ``salus.reference``) work without gRPC (or with a grpcio the generated
