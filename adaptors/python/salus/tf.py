@@ -21,27 +21,21 @@ step (dropout with a rate above 0), loops; ``docs/frontends.md`` lists the rest.
 from __future__ import annotations
 
 import collections
-import sys
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from ._llvm import triton_first
 from .client import Client
-from .hlo import trace_hlo
 from .errors import LoweringError
+from .hlo import trace_hlo
 from .hlo.parse import parse_module
 from .torch import _default_name, _SalusSession
 from .trace import InputSlot, OutputSlot, TracedStep
 
-# TensorFlow's XLA and Triton (which PyTorch's compiler stack imports) both carry LLVM;
-# the second to load aborts the process. Triton loaded first is fine; when TensorFlow
-# came first, PyTorch is told Triton is absent (salus never needs it to trace).
-if "tensorflow" not in sys.modules:
-    import torch._dynamo  # noqa: F401  (loads Triton before TensorFlow)
-elif "triton" not in sys.modules:
-    sys.modules["triton"] = None  # type: ignore[assignment]
+triton_first()  # before TensorFlow and JAX: see salus._llvm
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
