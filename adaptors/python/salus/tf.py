@@ -121,8 +121,10 @@ def _model_input(inputs: Sequence[Any]):
 def _train_step(model: keras.Model, loss: Any, optimizer: keras.optimizers.Optimizer
                 ) -> _Step:
     """One training step of a Keras model on ``(inputs..., target)``: the loss (plus the
-    model's own losses), the gradients, the optimizer's update."""
-    loss_fn = keras.losses.get(loss)
+    model's own losses), the gradients, the optimizer's update. ``loss=None``: the loss the
+    model was compiled with, computed by ``model.compute_loss`` as Keras' own
+    ``train_step`` does (its loss tracker's variables are then session state too)."""
+    loss_fn = None if loss is None else _loss_object(loss)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
 
@@ -130,16 +132,35 @@ def _train_step(model: keras.Model, loss: Any, optimizer: keras.optimizers.Optim
         *inputs, target = batch
         with tf.GradientTape() as tape:
             prediction = model(_model_input(inputs), training=True)
-            value = loss_fn(target, prediction)
-            if model.losses:
-                value = value + tf.add_n(model.losses)
+            if loss_fn is None:
+                value = model.compute_loss(x=_model_input(inputs), y=target,
+                                           y_pred=prediction, training=True)
+            else:
+                value = loss_fn(target, prediction)
+                if model.losses:
+                    value = value + tf.add_n(model.losses)
         gradients = tape.gradient(value, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return value
 
-    return _Step(step, {"param": model.trainable_variables,
-                        "buffer": model.non_trainable_variables,
-                        "optimizer": optimizer.variables}, training=True)
+    groups = {"param": model.trainable_variables, "buffer": model.non_trainable_variables,
+              "optimizer": optimizer.variables}
+    if loss_fn is None:
+        groups["metric"] = model.metrics_variables
+    return _Step(step, groups, training=True)
+
+
+def _loss_object(loss: Any) -> keras.losses.Loss:
+    """A Keras loss as ``model.compile`` takes it (a name, a function, a ``Loss``), as a
+    ``Loss`` that reduces to the batch mean, as ``compile`` reduces it."""
+    if isinstance(loss, keras.losses.Loss):
+        return loss
+    fn = keras.losses.get(loss)
+    if isinstance(fn, keras.losses.Loss):
+        return fn
+    if fn is None or not callable(fn):
+        raise ValueError(f"not a Keras loss: {loss!r}")
+    return keras.losses.LossFunctionWrapper(fn)
 
 
 def _forward(model: keras.Model) -> _Step:
@@ -197,7 +218,8 @@ class TrainSession(_KerasSession):
     """A Keras training job on salusd.
 
     Traces one training step of ``model`` under ``loss`` (a Keras loss object, function
-    or name, called as ``loss(target, prediction)``) and ``optimizer`` (a Keras
+    or name, called as ``loss(target, prediction)`` and reduced to the batch mean as
+    ``model.compile`` does; ``None``: the loss the model was compiled with) and ``optimizer`` (a Keras
     optimizer: its own update rule, schedule and clipping are traced) with
     ``example_batch = (inputs..., target)`` (arrays or tensors), opens a session on the
     daemon and uploads the model's and the optimizer's variables. Scheduling hints,
@@ -354,26 +376,29 @@ def fit(model: keras.Model, data: Iterable[Sequence[Any]], *, epochs: int = 1,
     (``model.compile(optimizer=..., loss=...)``), ``data`` yields ``(inputs..., target)``
     batches (a ``tf.data.Dataset``, a list). Trains with :class:`TrainSession`
     (``session_options`` go to it), copies the trained variables back into the model
-    and the optimizer, and returns ``{"loss": [mean loss of each epoch]}`` as Keras'
-    ``History.history`` does."""
+    and the optimizer, and returns ``{"loss": [each epoch's loss]}`` as Keras'
+    ``History.history`` does (the mean over the epoch's samples)."""
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise ValueError("fit needs a compiled model: model.compile(optimizer=..., loss=...)")
     session = None
     history: list[float] = []
     try:
         for epoch in range(epochs):
-            losses = []
+            total, count = 0.0, 0
             for number, batch in enumerate(data):
                 if steps_per_epoch is not None and number >= steps_per_epoch:
                     break
                 batch = tuple(np.asarray(b) for b in batch)
                 if session is None:
-                    session = TrainSession(model, model.loss, model.optimizer, batch,
+                    session = TrainSession(model, None, model.optimizer, batch,
                                            **session_options)
-                losses.append(float(session.step(*batch)))
-            if not losses:
+                # Keras' loss tracker: the mean over samples (a partial batch weighs less).
+                size = len(batch[0])
+                total += float(session.step(*batch)) * size
+                count += size
+            if not count:
                 raise ValueError("fit: the data gave no batch")
-            history.append(float(np.mean(losses)))
+            history.append(total / count)
             if verbose:
                 print(f"epoch {epoch + 1}/{epochs}: loss {history[-1]:.6g}")
         session.update_model()
