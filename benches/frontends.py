@@ -15,7 +15,8 @@ The framework and salus steps alternate in rounds; each figure is the median ove
 rounds, so a machine that gets busier slows both alike. salusd is started from
 ``target/release/salusd`` (built if missing) on a temporary socket.
 
-    python benches/frontends.py [--json] [--rounds 5] [--steps 5] [--models cnn,resnet50,jax_encoder]
+    python benches/frontends.py [--json] [--rounds 5] [--steps 5]
+        [--models cnn,resnet50,jax_encoder]
 """
 
 from __future__ import annotations

@@ -219,8 +219,9 @@ class TrainSession(_KerasSession):
 
     Traces one training step of ``model`` under ``loss`` (a Keras loss object, function
     or name, called as ``loss(target, prediction)`` and reduced to the batch mean as
-    ``model.compile`` does; ``None``: the loss the model was compiled with) and ``optimizer`` (a Keras
-    optimizer: its own update rule, schedule and clipping are traced) with
+    ``model.compile`` does; ``None``: the loss the model was compiled with) and
+    ``optimizer`` (a Keras optimizer: its own update rule, schedule and clipping are
+    traced) with
     ``example_batch = (inputs..., target)`` (arrays or tensors), opens a session on the
     daemon and uploads the model's and the optimizer's variables. Scheduling hints,
     ``client``/``address``, ``offline``/``slo_ms``, ``admission_timeout``,

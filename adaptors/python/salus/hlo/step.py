@@ -27,9 +27,10 @@ from .parse import Instruction, Module, parse_module
 def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence[OutputSlot],
               initial_state: dict[str, torch.Tensor], example_feeds: Sequence[torch.Tensor],
               kind: str) -> TracedStep:
-    """The step whose HLO is ``text`` (or the module read from it): entry parameter ``k`` is ``inputs[k]`` (its value a
-    tensor of ``initial_state``, or the next of ``example_feeds`` for a feed), element
-    ``k`` of the result (a tuple, or one value) is ``outputs[k]``. An update whose value
+    """The step whose HLO is ``text`` (or the module read from it): entry parameter ``k``
+    is ``inputs[k]`` (its value a tensor of ``initial_state``, or the next of
+    ``example_feeds`` for a feed), element ``k`` of the result (a tuple, or one value) is
+    ``outputs[k]``. An update whose value
     is its own parameter, unchanged, is left out."""
     module = parse_module(text) if isinstance(text, str) else text
     missing = unsupported(module)
