@@ -328,13 +328,17 @@ def _convolution(_, i, operands, constant):
     kernel_part, out_labels = labels.split("->")
     lhs_labels, rhs_labels = kernel_part.split("_")
     spatial = len(lhs_labels) - 2
-    if int(i.attributes.get("batch_group_count", "1")) != 1:
-        raise LoweringError("convolutions with batch_group_count > 1 (depthwise filter "
-                            "gradients) are not supported yet")
     groups = int(i.attributes.get("feature_group_count", "1"))
+    batch_groups = int(i.attributes.get("batch_group_count", "1"))
     dims = window(i.attributes.get("window", "{}"), spatial)
     x = _permuted(lhs, [lhs_labels.index("b"), lhs_labels.index("f")]
                   + [lhs_labels.index(str(k)) for k in range(spatial)])
+    if batch_groups != 1:
+        # The batch splits into batch_groups runs and the output features into as many
+        # runs: output feature run g convolves batch run g. That is a convolution grouped
+        # by features once batch run g becomes the g-th run of input features.
+        x = _batch_groups_as_features(x, batch_groups)
+        groups = batch_groups
     w = _permuted(rhs, [rhs_labels.index("o"), rhs_labels.index("i")]
                   + [rhs_labels.index(str(k)) for k in range(spatial)])
     flips = [2 + k for k, d in enumerate(dims) if d.reversal]
@@ -350,6 +354,17 @@ def _convolution(_, i, operands, constant):
                            [d.rhs_dilate for d in dims], False, [0] * spatial, groups)
     where = {"b": 0, "f": 1, **{str(k): 2 + k for k in range(spatial)}}
     return _permuted(out, [where[c] for c in out_labels])
+
+
+def _batch_groups_as_features(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``x`` (``[batch, features, spatial...]``) with its batch cut into ``count`` runs
+    laid side by side along the features: ``[batch / count, count * features, ...]``."""
+    batch, features, *spatial = x.shape
+    if batch % count:
+        raise LoweringError(f"batch_group_count {count} does not divide the batch {batch}")
+    x = x.reshape(count, batch // count, features, *spatial)
+    x = x.permute(1, 0, *range(2, x.dim()))
+    return x.reshape(batch // count, count * features, *spatial)
 
 
 def _reduce(interpreter, i, operands, constant):

@@ -30,8 +30,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
     """The step whose HLO is ``text`` (or the module read from it): entry parameter ``k``
     is ``inputs[k]`` (its value a tensor of ``initial_state``, or the next of
     ``example_feeds`` for a feed), element ``k`` of the result (a tuple, or one value) is
-    ``outputs[k]``. An update whose value
-    is its own parameter, unchanged, is left out."""
+    ``outputs[k]``. An update whose value is its own parameter, unchanged, is left
+    out."""
     module = parse_module(text) if isinstance(text, str) else text
     missing = unsupported(module)
     if missing is not None:
