@@ -91,15 +91,24 @@ class _Step:
             for handle_id, name in _path_names(variables).items():
                 known[handle_id] = (name, role, group)
         by_handle = {id(v.value.handle): v for vs in self.groups.values() for v in vs}
+        constants = 0
         for captured in concrete.captured_inputs:
-            if id(captured) not in known:
+            if id(captured) in known:
+                name, role, group = known[id(captured)]
+                inputs.append(InputSlot(name, role, group))
+                state[name] = _torch(by_handle[id(captured)].value)
+            elif captured.dtype != tf.resource:
+                # A tensor the model keeps outside its variables (a Normalization layer's
+                # mean): session state that no step changes.
+                name = f"captured.{constants}"
+                constants += 1
+                inputs.append(InputSlot(name, "state", "captured"))
+                state[name] = _torch(captured)
+            else:
                 raise LoweringError(
-                    f"the step captures {getattr(captured, 'name', captured)!r}, which is "
-                    "not a variable of the model or the optimizer: pass tensors the "
-                    "step needs as inputs")
-            name, role, group = known[id(captured)]
-            inputs.append(InputSlot(name, role, group))
-            state[name] = _torch(by_handle[id(captured)].value)
+                    f"the step captures the variable {captured.name!r}, which is not one "
+                    "of the model's or the optimizer's: salus keeps only those between "
+                    "steps")
         root = module.entry_computation.by_name()[module.entry_computation.root]
         count = len(root.shape.elements) if root.shape.dtype == "tuple" else 1
         returned = count - len(module.aliases)

@@ -1,10 +1,31 @@
 //! Reductions (sum, mean, amax, var), softmax and layer norm over f32, walking the input
-//! once in contiguous runs.
+//! once in contiguous runs. Sums accumulate in f64 whichever dimensions they reduce.
+
+use std::cell::RefCell;
 
 use salus_graph::{Op, Reduction};
 
 use super::{MAX_RANK, for_chunks, input, numel, typed_mut};
 use crate::kernels::{Arg, Out, Result};
+
+thread_local! {
+    /// f64 accumulators of sums that add rows into their outputs; grown on first use,
+    /// then reused by every iteration on this thread.
+    static ACCUMULATORS: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `f` with `len` zeroed f64 accumulators of this thread.
+fn with_accumulators<R>(len: usize, f: impl FnOnce(&mut [f64]) -> R) -> R {
+    ACCUMULATORS.with(|cell| {
+        let mut buffer = cell.borrow_mut();
+        if buffer.len() < len {
+            buffer.resize(len, 0.0);
+        }
+        let acc = &mut buffer[..len];
+        acc.fill(0.0);
+        f(acc)
+    })
+}
 
 /// The sum of a run, accumulated in f64 over eight lanes.
 pub(super) fn sum(x: &[f32]) -> f64 {
@@ -149,53 +170,63 @@ pub(super) fn reduce(
         // [reduced, kept]: rows added into the output, split by columns.
         let rows = g.sizes[0];
         for_chunks(dst, 1, rows, |start, chunk| {
-            chunk.fill(if is_max { f32::NEG_INFINITY } else { 0.0 });
-            for r in 0..rows {
-                let row = &x[r * inner + start..r * inner + start + chunk.len()];
-                if is_max {
+            let width = chunk.len();
+            let row = |r: usize| &x[r * inner + start..r * inner + start + width];
+            if is_max {
+                chunk.fill(f32::NEG_INFINITY);
+                for r in 0..rows {
                     chunk
                         .iter_mut()
-                        .zip(row)
+                        .zip(row(r))
                         .for_each(|(a, &v)| *a = larger(*a, v));
-                } else {
-                    chunk.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
                 }
+                return;
             }
-            if scale != 1.0 {
+            with_accumulators(width, |acc| {
+                for r in 0..rows {
+                    acc.iter_mut()
+                        .zip(row(r))
+                        .for_each(|(a, &v)| *a += f64::from(v));
+                }
                 chunk
                     .iter_mut()
-                    .for_each(|a| *a = (f64::from(*a) * scale) as f32);
+                    .zip(acc.iter())
+                    .for_each(|(c, &a)| *c = (a * scale) as f32);
+            });
+        });
+        return Some(Ok(()));
+    }
+    if is_max {
+        dst.fill(f32::NEG_INFINITY);
+        g.walk(|xi, oi| {
+            let run = &x[xi..xi + inner];
+            if g.inner_reduced() {
+                dst[oi] = larger(dst[oi], max(run));
+            } else {
+                dst[oi..oi + inner]
+                    .iter_mut()
+                    .zip(run)
+                    .for_each(|(a, &v)| *a = larger(*a, v));
             }
         });
         return Some(Ok(()));
     }
-    dst.fill(if is_max { f32::NEG_INFINITY } else { 0.0 });
-    if g.inner_reduced() {
+    with_accumulators(dst.len(), |acc| {
         g.walk(|xi, oi| {
             let run = &x[xi..xi + inner];
-            dst[oi] = if is_max {
-                larger(dst[oi], max(run))
+            if g.inner_reduced() {
+                acc[oi] += sum(run);
             } else {
-                dst[oi] + sum(run) as f32
-            };
-        });
-    } else {
-        g.walk(|xi, oi| {
-            let out = &mut dst[oi..oi + inner];
-            let run = &x[xi..xi + inner];
-            if is_max {
-                out.iter_mut()
+                acc[oi..oi + inner]
+                    .iter_mut()
                     .zip(run)
-                    .for_each(|(a, &v)| *a = larger(*a, v));
-            } else {
-                out.iter_mut().zip(run).for_each(|(a, &v)| *a += v);
+                    .for_each(|(a, &v)| *a += f64::from(v));
             }
         });
-    }
-    if scale != 1.0 {
         dst.iter_mut()
-            .for_each(|a| *a = (f64::from(*a) * scale) as f32);
-    }
+            .zip(acc.iter())
+            .for_each(|(d, &a)| *d = (a * scale) as f32);
+    });
     Some(Ok(()))
 }
 
