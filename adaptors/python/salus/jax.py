@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -40,6 +41,14 @@ from .trace import InputSlot, OutputSlot, TracedStep
 triton_first()  # before TensorFlow and JAX: see salus._llvm
 
 import jax  # noqa: E402
+
+# salusd owns the GPU; JAX here only lowers steps. On a GPU it would preallocate most of
+# the device's memory on first use, beside salusd's lanes: steps lower on the CPU.
+try:
+    jax.config.update("jax_platforms", "cpu")
+except RuntimeError:  # JAX already chose its backends
+    warnings.warn("salus.jax was imported after JAX started, which may hold GPU memory "
+                  "beside salusd's: import salus.jax first", stacklevel=2)
 
 __all__ = ["InferenceSession", "TrainSession"]
 

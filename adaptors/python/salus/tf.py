@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -39,6 +40,15 @@ triton_first()  # before TensorFlow and JAX: see salus._llvm
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+# salusd owns the GPU; TensorFlow here only builds and compiles steps. By default it would
+# reserve nearly all of every GPU's memory on first use, beside salusd's lanes.
+try:
+    tf.config.set_visible_devices([], "GPU")
+except RuntimeError:  # TensorFlow already runs on them: too late to hide them
+    warnings.warn("salus.tf was imported after TensorFlow started using the GPU, whose "
+                  "memory it may now hold beside salusd's: import salus.tf first",
+                  stacklevel=2)
 
 __all__ = ["InferenceSession", "TrainSession", "fit"]
 
