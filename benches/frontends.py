@@ -16,7 +16,7 @@ rounds, so a machine that gets busier slows both alike. salusd is started from
 ``target/release/salusd`` (built if missing) on a temporary socket.
 
     python benches/frontends.py [--json] [--rounds 5] [--steps 5]
-        [--models cnn,resnet50,jax_encoder]
+        [--models cnn,resnet50,mobilenetv2,jax_encoder]
 """
 
 from __future__ import annotations
@@ -58,7 +58,13 @@ def keras_cnn() -> keras.Model:
 
 
 def keras_resnet50() -> keras.Model:
-    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    return keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10,
+                                       classifier_activation=None)
+
+
+def keras_mobilenetv2() -> keras.Model:
+    return keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10,
+                                          classifier_activation=None)
 
 
 def keras_batch(rs):
@@ -141,6 +147,7 @@ def alternate(runs: dict, rounds: int, steps: int) -> dict:
 
 MODELS = {"cnn": lambda r, s, a: time_keras(keras_cnn, r, s, a),
           "resnet50": lambda r, s, a: time_keras(keras_resnet50, r, s, a),
+          "mobilenetv2": lambda r, s, a: time_keras(keras_mobilenetv2, r, s, a),
           "jax_encoder": time_jax_encoder}
 
 
