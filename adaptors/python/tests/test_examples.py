@@ -70,3 +70,14 @@ def test_serve_dynamic_answers_early_exits_and_decoding():
     error, wrong = re.search(r"early exits within (\S+) of eager PyTorch .*; (\d+) decoded",
                              out).groups()
     assert float(error) < 1e-5 and int(wrong) == 0, out
+
+
+def test_keras_example_matches_tensorflow():
+    """examples/keras_train.py: a compiled Keras model trained by salus.tf.fit, against
+    Keras' own fit and float64 by the suite's rule."""
+    with Daemon() as daemon:
+        out = run_example(daemon, "examples/keras_train.py", "--epochs", "2", "--compare")
+    salus_error, keras_error, scale = map(float, re.search(
+        r"against float64: salus (\S+), keras float32 (\S+) \(largest weight (\S+)\)",
+        out).groups())
+    assert salus_error <= tolerance(keras_error, scale), out
