@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,10 +39,12 @@ GENERATED = ([p.replace(".proto", suffix) for p in PROTOS for suffix in ("_pb2.p
 
 
 def _protoc(args: list[str]) -> None:
-    from grpc_tools import protoc
-
-    if protoc.main(["protoc", f"-I{PROTO_ROOT}", *args]) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    # In its own process: grpc_tools links its own protobuf, which crashes beside another
+    # copy loaded in this one (TensorFlow's, once salus.tf was imported).
+    out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}", *args],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}: {out.stderr}")
 
 
 # protoc's check that the protobuf runtime is at least the generator's version.
