@@ -23,7 +23,6 @@ traced bound); ``docs/frontends.md`` lists the rest.
 
 from __future__ import annotations
 
-import collections
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -89,7 +88,8 @@ def trace_jax(fn: Callable, state: Any, batch: Sequence[Any], kind: str) -> Trac
         outputs = [OutputSlot("output", f"output.{k}")
                    for k in range(len(jax.tree.leaves(out_tree)))]
     initial = {n: _torch(v) for n, v in zip(names, leaves)}
-    return trace_hlo(text, inputs, outputs, initial, [_torch(b) for b in batch_leaves], kind)
+    return trace_hlo(text, inputs, outputs, initial, [_torch(b) for b in batch_leaves], kind,
+                     output_spec=jax.tree.structure(out_tree) if kind == "inference" else None)
 
 
 class _JaxSession(_SalusSession):
@@ -97,23 +97,25 @@ class _JaxSession(_SalusSession):
         leaves = jax.tree.leaves(tuple(batch))
         return [_torch(b) for b in leaves]
 
-    def _iteration(self, batch: Sequence[Any], what: str):
+    def _submitted(self, batch: Sequence[Any], what: str):
+        """The program for ``batch``, the iteration and what reading its answer needs."""
         self._batches = tuple(batch)
         program, leaves = self._program_for(self._numpy_batch(batch), what)
-        return self._submission(program, leaves, what)
+        return (program, *self._submission(program, leaves, what))
 
-    def _run(self, batch: Sequence[Any], what: str) -> list[np.ndarray]:
+    def _iteration(self, batch: Sequence[Any], what: str):
+        return self._submitted(batch, what)[1:]
+
+    def _run(self, batch: Sequence[Any], what: str) -> tuple[list[np.ndarray], Any]:
+        """The outputs of one iteration on ``batch``, and its program."""
         self._ensure_slots(2)
-        iteration, answer = self._iteration(batch, what)
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            if self._resumed(error):
-                return self._run(batch, what)
-            raise
+        program, iteration, answer = self._submitted(batch, what)
+        response = self._run_or_resume(iteration)
+        if response is None:
+            return self._run(batch, what)  # the iteration did not run: on the session back
         self.iterations += 1
         self.last_device_ms = response.device_us / 1e3
-        return [t.numpy() for t in self._outputs(response, answer)]
+        return [t.numpy() for t in self._outputs(response, answer)], program
 
     def _trace_for(self, batch: tuple) -> TracedStep:
         # The batch the caller gave (its structure), not its flattened tensors.
@@ -157,22 +159,14 @@ class TrainSession(_JaxSession):
 
     def step(self, *batch: Any) -> np.ndarray:
         """Runs ``step_fn(state, *batch)`` on salusd; returns the loss."""
-        return self._run(batch, "step()")[0]
+        return self._run(batch, "step()")[0][0]
 
     def steps(self, batches: Iterable[Sequence[Any]], depth: int = 4) -> Iterator[np.ndarray]:
         """Pipelined training, as :meth:`salus.torch.TrainSession.steps`: one iteration
         per batch, up to ``depth`` submitted ahead; yields each loss in order."""
-        answers: collections.deque = collections.deque()
-        self._ensure_slots(depth + 2)
-
-        def iterations():
-            for batch in batches:
-                iteration, answer = self._iteration(tuple(batch), "steps()")
-                answers.append(answer)
-                yield iteration
-        for response in self._session().run_pipelined(iterations(), depth):
+        for response, answer in self._pipelined(batches, depth):
             self.iterations += 1
-            yield self._outputs(response, answers.popleft())[0].numpy()
+            yield self._outputs(response, answer)[0].numpy()
 
     def __repr__(self) -> str:
         return f"<salus.jax.TrainSession session {self.id}, {self.iterations} steps>"
@@ -202,9 +196,8 @@ class InferenceSession(_JaxSession):
                    offline=offline, slo_ms=slo_ms)
 
     def __call__(self, *inputs: Any):
-        outputs = self._run(inputs, "the inference session")
-        structure = jax.tree.structure(jax.eval_shape(self.fn, self._state_like, *inputs))
-        return jax.tree.unflatten(structure, outputs)
+        outputs, program = self._run(inputs, "the inference session")
+        return jax.tree.unflatten(program.traced.output_spec, outputs)
 
     def __repr__(self) -> str:
         return f"<salus.jax.InferenceSession session {self.id}>"

@@ -20,7 +20,6 @@ step (dropout with a rate above 0), loops; ``docs/frontends.md`` lists the rest.
 
 from __future__ import annotations
 
-import collections
 import time
 import warnings
 from typing import Any, Iterable, Iterator, Sequence
@@ -289,13 +288,9 @@ class TrainSession(_KerasSession):
         returns the loss."""
         self._ensure_slots(2)
         iteration, answer = self._iteration(batch, "step()")
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            self._sent = {}  # the hyperparameters may not have arrived: send them again
-            if self._resumed(error):
-                return self.step(*batch)
-            raise
+        response = self._run_or_resume(iteration)
+        if response is None:
+            return self.step(*batch)  # the iteration did not run: on the session back
         return self._stepped(response, answer)
 
     def steps(self, batches: Iterable[Sequence[Any]], depth: int = 4) -> Iterator[np.ndarray]:
@@ -303,20 +298,8 @@ class TrainSession(_KerasSession):
         per batch, up to ``depth`` submitted ahead; yields each loss in order. A
         hyperparameter changed while iterations are in flight reaches the next one
         submitted."""
-        answers: collections.deque = collections.deque()
-        self._ensure_slots(depth + 2)
-
-        def iterations():
-            for batch in batches:
-                iteration, answer = self._iteration(tuple(batch), "steps()")
-                answers.append(answer)
-                yield iteration
-        try:
-            for response in self._session().run_pipelined(iterations(), depth):
-                yield self._stepped(response, answers.popleft())
-        except BaseException:
-            self._sent = {}
-            raise
+        for response, answer in self._pipelined(batches, depth):
+            yield self._stepped(response, answer)
 
     def _iteration(self, batch: Sequence[Any], what: str):
         program, leaves = self._program_for(_batch(batch), what)
@@ -336,6 +319,9 @@ class TrainSession(_KerasSession):
     def _state_written(self) -> None:
         # The Keras optimizer stays the truth for hyperparameters: written again next step.
         self._sent = {}
+
+    def _iteration_failed(self) -> None:
+        self._sent = {}  # the hyperparameters may not have arrived: send them again
 
     def __repr__(self) -> str:
         return (f"<salus.tf.TrainSession {self.model.name} session {self.id}, "
@@ -375,12 +361,9 @@ class InferenceSession(_KerasSession):
         self._ensure_slots(2)
         program, leaves = self._program_for(_batch(inputs), what)
         iteration, answer = self._submission(program, leaves, what)
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            if self._resumed(error):
-                return self(*inputs)
-            raise
+        response = self._run_or_resume(iteration)
+        if response is None:
+            return self(*inputs)
         self.iterations += 1
         outputs = [t.numpy() for t in self._outputs(response, answer)]
         return outputs[0] if len(outputs) == 1 else outputs

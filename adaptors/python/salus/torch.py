@@ -242,6 +242,49 @@ class _SalusSession:
             return layout.fetch_tensors(response)
         return self._slots.fetch_tensors(layout, placed)
 
+    # -- running ------------------------------------------------------------------------
+
+    def _iteration_failed(self) -> None:
+        """Hook: an iteration failed, so what it carried (written hyperparameters) may not
+        have reached salusd."""
+
+    def _run_or_resume(self, iteration: Iteration):
+        """The iteration's response; None when salusd restarted and gave the session back
+        before the iteration ran (run it again)."""
+        try:
+            return self._session().run(iteration)
+        except BaseException as error:
+            self._iteration_failed()
+            if self._resumed(error):
+                return None
+            raise
+
+    def _pipelined(self, batches: Iterable[Sequence[Any]], depth: int
+                   ) -> Iterator[tuple[Any, Any]]:
+        """``(response, answer)`` of one iteration per batch (a subclass's ``_iteration``),
+        in order, keeping up to ``depth`` submitted ahead; after a restart of salusd,
+        :class:`SessionResumedError` says which batches did not run."""
+        answers: collections.deque = collections.deque()
+        self._ensure_slots(depth + 2)
+
+        def iterations():
+            for batch in batches:
+                iteration, answer = self._iteration(tuple(batch), "steps()")
+                answers.append(answer)
+                yield iteration
+        try:
+            for response in self._session().run_pipelined(iterations(), depth):
+                yield response, answers.popleft()
+        except BaseException as error:
+            self._iteration_failed()
+            if self._resumed(error):
+                raise SessionResumedError(
+                    f"salusd restarted; session {self.id} resumes after iteration "
+                    f"{self.iterations}, the last one this loop received; the batches "
+                    "submitted after it did not run: call steps() again with them",
+                    resumed_from=self.iterations) from error
+            raise
+
     @property
     def programs(self) -> int:
         """How many programs the session holds (one per distinct batch shape used)."""
@@ -429,13 +472,9 @@ class TrainSession(_SalusSession):
         ``step()``) travel with it."""
         self._ensure_slots(2)
         iteration, answer = self._iteration(batch, "step()")
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            self.traced.rule.resend()
-            if self._resumed(error):
-                return self.step(*batch)  # the iteration did not run: on the session back
-            raise
+        response = self._run_or_resume(iteration)
+        if response is None:
+            return self.step(*batch)  # the iteration did not run: on the session back
         return self._stepped(response, answer)
 
     def _trace_for(self, batch: tuple) -> TracedStep:
@@ -464,6 +503,9 @@ class TrainSession(_SalusSession):
         # writes them again.
         self.traced.rule.resend()
 
+    def _iteration_failed(self) -> None:
+        self.traced.rule.resend()
+
     def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
               ) -> Iterator[torch.Tensor]:
         """Pipelined training: runs one iteration per batch of ``batches`` and yields each
@@ -473,26 +515,8 @@ class TrainSession(_SalusSession):
         are read as iterations are submitted: a scheduler stepped once per loss yielded
         reaches the iteration submitted next, ``depth`` iterations later than in an
         unpipelined loop (use :meth:`step` where a schedule must act at once)."""
-        def iterations():
-            for batch in batches:
-                iteration, answer = self._iteration(tuple(batch), "steps()")
-                answers.append(answer)
-                yield iteration
-
-        answers: collections.deque = collections.deque()
-        self._ensure_slots(depth + 2)
-        try:
-            for response in self._session().run_pipelined(iterations(), depth):
-                yield self._stepped(response, answers.popleft())
-        except BaseException as error:
-            self.traced.rule.resend()
-            if self._resumed(error):
-                raise SessionResumedError(
-                    f"salusd restarted; session {self.id} resumes after iteration "
-                    f"{self.iterations}, the last one this loop received; the batches "
-                    "submitted after it did not run: call steps() again with them",
-                    resumed_from=self.iterations) from error
-            raise
+        for response, answer in self._pipelined(batches, depth):
+            yield self._stepped(response, answer)
 
     def update_model(self, model: torch.nn.Module | None = None, *,
                      optimizer: bool = True) -> torch.nn.Module:
@@ -570,12 +594,9 @@ class InferenceSession(_SalusSession):
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
         iteration, answer = self._submission(program, leaves, what)
-        try:
-            response = self._session().run(iteration)
-        except BaseException as error:
-            if self._resumed(error):
-                return self(*inputs)
-            raise
+        response = self._run_or_resume(iteration)
+        if response is None:
+            return self(*inputs)
         self.iterations += 1
         return pytree.tree_unflatten(self._outputs(response, answer),
                                      program.traced.output_spec)

@@ -10,7 +10,7 @@ sessions and the same checks serve every framework.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -26,12 +26,12 @@ from .parse import Instruction, Module, parse_module
 
 def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence[OutputSlot],
               initial_state: dict[str, torch.Tensor], example_feeds: Sequence[torch.Tensor],
-              kind: str) -> TracedStep:
+              kind: str, output_spec: Any = None) -> TracedStep:
     """The step whose HLO is ``text`` (or the module read from it): entry parameter ``k``
     is ``inputs[k]`` (its value a tensor of ``initial_state``, or the next of
     ``example_feeds`` for a feed), element ``k`` of the result (a tuple, or one value) is
     ``outputs[k]``. An update whose value is its own parameter, unchanged, is left
-    out."""
+    out. ``output_spec``: how the front end structures a forward pass's outputs."""
     module = parse_module(text) if isinstance(text, str) else text
     missing = unsupported(module)
     if missing is not None:
@@ -70,7 +70,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
         gm = make_fx(step, decomposition_table=decomposition_table(),
                      tracing_mode="real")(*args)
     return TracedStep(kind=kind, graph_module=tidy(gm), inputs=list(inputs),
-                      outputs=list(kept), initial_state=dict(initial_state))
+                      outputs=list(kept), initial_state=dict(initial_state),
+                      output_spec=output_spec)
 
 
 def _flatten(value) -> list:
