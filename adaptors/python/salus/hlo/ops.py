@@ -10,6 +10,7 @@ them where the IR has no single op (``docs/frontends.md``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,8 +41,9 @@ class Const:
     tensor: torch.Tensor
     recipe: Callable[[], torch.Tensor] | None = field(default=None, compare=False)
 
+    @functools.cached_property
     def splat(self) -> Any:
-        """The one value of every element, or None."""
+        """The one value of every element, or None (looked at once per constant)."""
         t = self.tensor
         if t.numel() == 0:
             return None
@@ -67,7 +69,7 @@ def dense(value: Any) -> torch.Tensor:
     constant by its recipe (a literal as a captured tensor)."""
     if not isinstance(value, Const):
         return value
-    splat = value.splat()
+    splat = value.splat
     if splat is not None:
         return torch.full(tuple(value.tensor.shape), splat, dtype=value.tensor.dtype)
     return value.recipe() if value.recipe is not None else value.tensor
@@ -75,14 +77,14 @@ def dense(value: Any) -> torch.Tensor:
 
 def _broadcastable(value: Any) -> torch.Tensor:
     """For elementwise ops: a splat constant as a 0-dim ``full``, broadcast by the op."""
-    if isinstance(value, Const) and value.splat() is not None:
-        return torch.full((), value.splat(), dtype=value.tensor.dtype)
+    if isinstance(value, Const) and value.splat is not None:
+        return torch.full((), value.splat, dtype=value.tensor.dtype)
     return dense(value)
 
 
 def _splat(value: Any) -> Any:
     """The Python number of a splat constant, else None (a computed value)."""
-    return value.splat() if isinstance(value, Const) else None
+    return value.splat if isinstance(value, Const) else None
 
 
 def _scalar(value: Any, constant: bool, what: str) -> Any:
@@ -183,8 +185,8 @@ def _compare(_, i, operands, constant):
 
 def _select(_, i, operands, constant):
     pred, on_true, on_false = operands
-    if not constant and isinstance(pred, Const) and pred.splat() is not None:
-        return dense(on_true if pred.splat() else on_false)
+    if not constant and isinstance(pred, Const) and pred.splat is not None:
+        return dense(on_true if pred.splat else on_false)
     if constant:
         return torch.where(pred, on_true, on_false)
     return torch.where(dense(pred), _broadcastable(on_true), _broadcastable(on_false))

@@ -216,38 +216,37 @@ def parse_shape(text: str) -> Shape:
     return Shape(array.group(1), sizes, dynamic="<=" in dims)
 
 
-def _closing(text: str, at: int) -> int:
-    """The index of the bracket closing the one at ``at``."""
-    depth = 0
-    quoted = False
-    for i in range(at, len(text)):
+def _unquoted(text: str, start: int = 0):
+    """``(index, character, bracket depth after it)`` of each character of ``text`` from
+    ``start`` that is outside double quotes."""
+    depth, quoted = 0, False
+    for i in range(start, len(text)):
         c = text[i]
         if c == '"':
             quoted = not quoted
-        elif quoted:
             continue
-        elif c in "({[":
+        if quoted:
+            continue
+        if c in "({[":
             depth += 1
         elif c in ")}]":
             depth -= 1
-            if depth == 0:
-                return i
+        yield i, c, depth
+
+
+def _closing(text: str, at: int) -> int:
+    """The index of the bracket closing the one at ``at``."""
+    for i, c, depth in _unquoted(text, at):
+        if c in ")}]" and depth == 0:
+            return i
     raise ValueError(f"unbalanced brackets in {text[at:at + 80]!r}")
 
 
 def split_top(text: str) -> list[str]:
     """``text`` split at the commas outside brackets and quotes."""
-    parts, depth, quoted, start = [], 0, False, 0
-    for i, c in enumerate(text):
-        if c == '"':
-            quoted = not quoted
-        elif quoted:
-            continue
-        elif c in "({[":
-            depth += 1
-        elif c in ")}]":
-            depth -= 1
-        elif c == "," and depth == 0:
+    parts, start = [], 0
+    for i, c, depth in _unquoted(text):
+        if c == "," and depth == 0:
             parts.append(text[start:i].strip())
             start = i + 1
     if text[start:].strip():
