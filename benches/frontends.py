@@ -93,16 +93,9 @@ def time_keras(build, rounds: int, steps: int, address: str) -> dict:
     xla = tf.function(step_of(xla_model, xla_opt), jit_compile=True)
     session = stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.01, momentum=0.9), batch,
                                address=address)
-    runs = {"tf_eager_ms": lambda: float(eager(*batch)),
-            "tf_xla_ms": lambda: float(xla(*batch)),
-            "salus_ms": lambda: float(session.step(*batch))}
-    try:
-        result = alternate(runs, rounds, steps)
-    finally:
-        session.close()
-    result["ratio"] = result["salus_ms"] / result["tf_eager_ms"]
-    result["open_session_ms"] = session.open_ms
-    return result
+    return against(session, batch, {"tf_eager_ms": lambda: float(eager(*batch)),
+                                     "tf_xla_ms": lambda: float(xla(*batch))},
+                   "tf_eager_ms", rounds, steps)
 
 
 def time_jax_encoder(rounds: int, steps: int, address: str) -> dict:
@@ -121,12 +114,20 @@ def time_jax_encoder(rounds: int, steps: int, address: str) -> dict:
         holder["state"], loss = jitted(holder["state"], *batch)
         return float(loss)
     session = sj.TrainSession(step, state, batch, address=address)
-    runs = {"framework_ms": framework, "salus_ms": lambda: float(session.step(*batch))}
+    return against(session, batch, {"framework_ms": framework}, "framework_ms", rounds,
+                   steps)
+
+
+def against(session, batch, framework: dict, baseline: str, rounds: int, steps: int
+            ) -> dict:
+    """The framework's runs and ``session``'s steps, alternating (:func:`alternate`); the
+    ratio of salus to ``baseline``. Closes the session."""
+    runs = {**framework, "salus_ms": lambda: float(session.step(*batch))}
     try:
         result = alternate(runs, rounds, steps)
     finally:
         session.close()
-    result["ratio"] = result["salus_ms"] / result["framework_ms"]
+    result["ratio"] = result["salus_ms"] / result[baseline]
     result["open_session_ms"] = session.open_ms
     return result
 
