@@ -779,15 +779,15 @@ async fn a_write_is_refused_before_its_chunks_when_the_session_is_not_the_caller
 /// A one-node graph: `y = ones * x` with `ones: f32[n]` constant and `x: f32[1]` fed, so a
 /// small request fetches n floats.
 fn broadcast_graph(n: u64) -> salus_graph::Graph {
-    use salus_graph::{DType, Graph, Node, Op, Role, Tensor, TensorType};
+    use salus_graph::{DType, Op, Role, Tensor, TensorType};
     let tensor = |name: &str, shape: Vec<u64>, role, data| Tensor {
         name: name.into(),
         ty: TensorType::new(DType::F32, shape),
         role,
         data,
     };
-    Graph {
-        tensors: vec![
+    common::one_node_graph(
+        vec![
             tensor(
                 "ones",
                 vec![n],
@@ -797,18 +797,9 @@ fn broadcast_graph(n: u64) -> salus_graph::Graph {
             tensor("x", vec![1], Role::Feed, vec![]),
             tensor("y", vec![n], Role::Intermediate, vec![]),
         ],
-        nodes: vec![Node {
-            name: "scale".into(),
-            op: Op::MulTensor,
-            inputs: vec![Some(0), Some(1)],
-            outputs: vec![Some(2)],
-            attrs: Default::default(),
-            source: String::new(),
-        }],
-        fetches: vec![2],
-        updates: vec![],
-        precision: Default::default(),
-    }
+        "scale",
+        Op::MulTensor,
+    )
 }
 
 /// A RunStream whose answers were never read had them all kept (1,000 requests fetching

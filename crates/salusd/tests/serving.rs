@@ -8,7 +8,7 @@ mod common;
 use common::{Daemon, bytes, floats, values};
 use salus_client::{Client, Error, OpenOptions, Session, v1 as pb};
 use salus_graph::samples::countdown;
-use salus_graph::{DType, Graph, Node, Op, Precision, Role, Tensor, TensorType};
+use salus_graph::{DType, Graph, Op, Role, Tensor, TensorType};
 
 const WIDTH: u64 = 8;
 const LAYERS: usize = 2;
@@ -388,24 +388,15 @@ fn lookup(batch: u64) -> Graph {
         role,
         data: vec![],
     };
-    Graph {
-        tensors: vec![
+    common::one_node_graph(
+        vec![
             tensor("table", DType::F32, &[4, 2], Role::Parameter),
             tensor("ids", DType::I64, &[batch], Role::Feed),
             tensor("rows", DType::F32, &[batch, 2], Role::Intermediate),
         ],
-        nodes: vec![Node {
-            name: "lookup".into(),
-            op: Op::Embedding,
-            inputs: vec![Some(0), Some(1)],
-            outputs: vec![Some(2)],
-            attrs: Default::default(),
-            source: String::new(),
-        }],
-        fetches: vec![2],
-        updates: vec![],
-        precision: Precision::IEEE,
-    }
+        "lookup",
+        Op::Embedding,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

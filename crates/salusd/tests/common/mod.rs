@@ -294,3 +294,22 @@ pub async fn eventually(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A graph of the one node `name`: `op(tensors[0], tensors[1]) -> tensors[2]`, fetching its
+/// result.
+pub fn one_node_graph(tensors: Vec<salus_graph::Tensor>, name: &str, op: salus_graph::Op) -> Graph {
+    Graph {
+        tensors,
+        nodes: vec![salus_graph::Node {
+            name: name.into(),
+            op,
+            inputs: vec![Some(0), Some(1)],
+            outputs: vec![Some(2)],
+            attrs: Default::default(),
+            source: String::new(),
+        }],
+        fetches: vec![2],
+        updates: vec![],
+        precision: salus_graph::Precision::IEEE,
+    }
+}
