@@ -27,6 +27,9 @@ struct ModelResult {
 struct EngineResult {
     sgemm_gflops: f64,
     conv_gflops: f64,
+    /// Convolutions with small output planes (the last stages of a CNN at low
+    /// resolution, weight gradients written as convolutions), by shape.
+    small_plane_conv_gflops: BTreeMap<String, f64>,
     threads: u64,
     batch_size: u64,
     models: BTreeMap<String, ModelResult>,
@@ -120,15 +123,31 @@ fn sgemm_gflops() -> Result<f64, String> {
 }
 
 fn conv_gflops() -> Result<f64, String> {
-    let (batch, c, hw) = (8u64, 64u64, 32u64);
+    conv_shape_gflops([8, 64, 32, 32], 64, 3, 1)
+}
+
+/// GFLOP/s of a convolution of a `[n, c, h, w]` input by `c_out` `kernel x kernel`
+/// filters, stride 1, `padding` on each side.
+fn conv_shape_gflops(
+    input: [u64; 4],
+    c_out: u64,
+    kernel: u64,
+    padding: u64,
+) -> Result<f64, String> {
+    let [n, c, h, w] = input;
+    let (oh, ow) = (h + 2 * padding + 1 - kernel, w + 2 * padding + 1 - kernel);
     let f32_ty = |s: Vec<u64>| TensorType::new(DType::F32, s);
-    let graph = one_node(
+    let pad = padding as i64;
+    let mut graph = one_node(
         Op::Convolution,
-        vec![f32_ty(vec![batch, c, hw, hw]), f32_ty(vec![c, c, 3, 3])],
-        f32_ty(vec![batch, c, hw, hw]),
+        vec![
+            f32_ty(input.to_vec()),
+            f32_ty(vec![c_out, c, kernel, kernel]),
+        ],
+        f32_ty(vec![n, c_out, oh, ow]),
         vec![
             ("stride", Attr::Ints(vec![1, 1])),
-            ("padding", Attr::Ints(vec![1, 1])),
+            ("padding", Attr::Ints(vec![pad, pad])),
             ("dilation", Attr::Ints(vec![1, 1])),
             ("transposed", Attr::Bool(false)),
             ("output_padding", Attr::Ints(vec![0, 0])),
@@ -136,9 +155,34 @@ fn conv_gflops() -> Result<f64, String> {
         ],
     );
     // The bias input is absent: add it as a third, optional input.
-    let mut graph = graph;
     graph.nodes[0].inputs.push(None);
-    op_gflops(graph, 2.0 * (batch * c * c * 9 * hw * hw) as f64, 5)
+    op_gflops(
+        graph,
+        2.0 * (n * c_out * c * kernel * kernel * oh * ow) as f64,
+        5,
+    )
+}
+
+/// [`conv_shape_gflops`] of convolutions whose output planes have 1 to 16 positions.
+fn small_plane_conv_gflops() -> Result<BTreeMap<String, f64>, String> {
+    let shapes = [
+        ([32, 256, 2, 2], 1024, 1, 0),
+        ([32, 128, 4, 4], 128, 3, 1),
+        ([32, 512, 1, 1], 512, 3, 1),
+        // resnet50's weight gradient of a 1x1 convolution at a 2x2 stage, as the HLO of
+        // TensorFlow and JAX writes it: input channels as images, the batch as channels.
+        ([256, 32, 2, 2], 1024, 2, 0),
+    ];
+    shapes
+        .into_iter()
+        .map(|(input, c_out, kernel, padding)| {
+            let name = format!(
+                "{}x{}x{}x{} {kernel}x{kernel} -> {c_out}",
+                input[0], input[1], input[2], input[3]
+            );
+            Ok((name, conv_shape_gflops(input, c_out, kernel, padding)?))
+        })
+        .collect()
 }
 
 pub(crate) fn python() -> PathBuf {
@@ -206,6 +250,7 @@ pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
     let result = EngineResult {
         sgemm_gflops: sgemm_gflops()?,
         conv_gflops: conv_gflops()?,
+        small_plane_conv_gflops: small_plane_conv_gflops()?,
         threads: torch["threads"].as_u64().unwrap_or(0),
         batch_size: torch["batch_size"].as_u64().unwrap_or(0),
         models,
@@ -221,6 +266,9 @@ pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
         "CPU device: sgemm 1024^3 {:.1} GFLOP/s, conv 8x64x32x32 3x3 {:.1} GFLOP/s ({} threads)",
         result.sgemm_gflops, result.conv_gflops, result.threads
     );
+    for (shape, gflops) in &result.small_plane_conv_gflops {
+        println!("conv {shape}: {gflops:.1} GFLOP/s");
+    }
     println!(
         "training step, batch {}: {:<10} {:>10} {:>10} {:>7}",
         result.batch_size, "model", "salus ms", "torch ms", "ratio"

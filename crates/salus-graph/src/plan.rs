@@ -299,11 +299,16 @@ pub const CONV_SLOTS: u64 = 4;
 /// Bytes of lane scratch the kernel of `node` works in: the contract between the planner
 /// and the kernels, which check that what they are given is this large.
 ///
-/// With `slots = min(batch, CONV_SLOTS)`:
-/// - `convolution` (f32): per slot, one image and group unfolded, `k x l` f32 (none when
-///   direct), `k`, `l` and `direct` as [`crate::ConvParams::unfold_2d`] gives them;
-/// - `convolution_backward` (f32): per slot, that, the gradient of the unfolded input
-///   (`2 k l` f32, none when direct) and a partial weight gradient (`c_out k` f32);
+/// A 2-d f32 convolution runs its batch in products of `m` = [`crate::ConvParams::fold`]
+/// images side by side, split over `slots` = [`conv_slots`] tasks, each with its own
+/// scratch. With `k`, `l` and `direct` as [`crate::ConvParams::unfold_2d`] gives them,
+/// `cols = m l` and `C_out/groups` output channels per group, per slot:
+/// - `convolution` (f32): the unfolded input of one product and group, `k x cols` f32
+///   (none when direct and `m` = 1), and, when `m` > 1, its result before it is spread
+///   over the images, `C_out/groups x cols`;
+/// - `convolution_backward` (f32): twice the unfolded input (it and its gradient), the
+///   output gradient of one product and group gathered when `m` > 1, and a partial
+///   weight gradient (`C_out k` f32);
 /// - either over f16 or bf16 (every operand and result of one 16-bit type): its operands
 ///   and results widened to f32 and the f32 kernel's scratch ([`widened_conv_bytes`]).
 pub fn scratch_bytes(graph: &Graph, node: &Node, params: &OpParams) -> u64 {
@@ -333,18 +338,32 @@ pub fn scratch_bytes(graph: &Graph, node: &Node, params: &OpParams) -> u64 {
     conv_f32_scratch_bytes(node.op, conv, weight_rows)
 }
 
+/// Tasks a 2-d f32 convolution's batch is split over, each in its own slot of scratch:
+/// one per product of [`crate::ConvParams::fold`] images, at most [`CONV_SLOTS`].
+pub fn conv_slots(conv: &crate::ConvParams) -> u64 {
+    conv.batch.div_ceil(conv.fold()).min(CONV_SLOTS)
+}
+
 /// The f32 kernel's scratch of a 2-d convolution or its backward (see [`scratch_bytes`]);
 /// `weight_rows` is the weight's first dimension.
 fn conv_f32_scratch_bytes(op: Op, conv: &crate::ConvParams, weight_rows: u64) -> u64 {
-    let slots = conv.batch.min(CONV_SLOTS);
-    match (op, conv.unfold_2d()) {
-        (Op::Convolution, Some((k, l, false))) => slots * k * l * 4,
-        (Op::ConvolutionBackward, Some((k, l, direct))) => {
-            let unfold = if direct { 0 } else { 2 * k * l };
-            slots * (unfold + weight_rows * k) * 4
-        }
-        _ => 0,
-    }
+    let Some((k, l, direct)) = conv.unfold_2d() else {
+        return 0;
+    };
+    let m = conv.fold();
+    let cols = m * l;
+    let unfold = if direct && m == 1 { 0 } else { k * cols };
+    let gathered = if m > 1 {
+        conv.out_per_group() * cols
+    } else {
+        0
+    };
+    let slot = match op {
+        Op::Convolution => unfold + gathered,
+        Op::ConvolutionBackward => 2 * unfold + gathered + weight_rows * k,
+        _ => return 0,
+    };
+    conv_slots(conv) * slot * 4
 }
 
 /// The scratch of a 2-d, not transposed `convolution` or `convolution_backward` whose

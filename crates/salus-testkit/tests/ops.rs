@@ -1612,6 +1612,39 @@ fn conv_specs() -> Vec<ConvSpec> {
             3,
             false,
         ),
+        // Small output planes: images side by side in one product, the last product
+        // short (4x4 planes: 16 images a product, 37 images), direct 1x1 ones too, and a
+        // 1x1 plane over 300 "images" (a weight gradient written as a convolution).
+        spec(
+            &[37, 4, 4, 4],
+            &[6, 2, 3, 3],
+            &[1, 1],
+            &[1, 1],
+            &[1, 1],
+            &[0, 0],
+            2,
+            false,
+        ),
+        spec(
+            &[37, 3, 4, 4],
+            &[5, 3, 1, 1],
+            &[1, 1],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            false,
+        ),
+        spec(
+            &[300, 1, 2, 2],
+            &[3, 1, 2, 2],
+            &[1, 1],
+            &[0, 0],
+            &[1, 1],
+            &[0, 0],
+            1,
+            false,
+        ),
         // 1-d and 3-d.
         spec(&[2, 3, 11], &[4, 3, 3], &[2], &[1], &[2], &[0], 1, false),
         spec(

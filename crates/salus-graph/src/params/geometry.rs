@@ -85,7 +85,25 @@ impl ConvParams {
         let l = self.output[0] * self.output[1];
         Some((k, l, self.is_pointwise()))
     }
+
+    /// Images whose unfolded inputs one matrix product of the CPU's 2-d kernel takes side
+    /// by side: 1 when one image's output plane has [`FOLD_COLUMNS`] positions or more,
+    /// else as many as make that many columns, at most the batch. A product one column
+    /// per image (a 1x1 output plane, or a weight gradient written as a convolution, whose
+    /// "images" are channels) would otherwise be a matrix-vector product, bound by memory.
+    pub fn fold(&self) -> u64 {
+        let l: u64 = self.output.iter().product();
+        if l == 0 || l >= FOLD_COLUMNS {
+            1
+        } else {
+            FOLD_COLUMNS.div_ceil(l).min(self.batch).max(1)
+        }
+    }
 }
+
+/// The fewest columns (output positions) a convolution's matrix product is given when
+/// images can be put side by side ([`ConvParams::fold`]).
+pub const FOLD_COLUMNS: u64 = 256;
 
 /// A 2-d pooling window (`max_pool2d_with_indices`, `avg_pool2d` and their backwards) and
 /// its geometry over the input's last two dimensions.

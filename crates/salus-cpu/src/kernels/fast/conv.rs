@@ -1,13 +1,15 @@
-//! 2-d convolutions over f32: one matrix product per image and group over the unfolded
-//! input (im2col), in the lane scratch the plan reserved
-//! (`salus_graph::plan::scratch_bytes`): `slots` = min(batch, `CONV_SLOTS`) unfolding
-//! buffers, so that groups of images run on different cores at once. 1x1 convolutions with
-//! stride 1 and no padding ("direct") multiply the input as it is. The unfolded matrix's
-//! size and whether it is direct come from [`ConvParams::unfold_2d`], as the planner's do.
+//! 2-d convolutions over f32: matrix products over the unfolded input (im2col), in the
+//! lane scratch the plan reserved (`salus_graph::plan::scratch_bytes`). The batch runs in
+//! products of `fold` images side by side ([`ConvParams::fold`]: one image, unless its
+//! output plane is small), split over `slots` tasks ([`conv_slots`]) that run on
+//! different cores at once, each in its own buffers. 1x1 convolutions with stride 1 and
+//! no padding ("direct"), one image per product, multiply the input as it is. The
+//! unfolded matrix's size and whether it is direct come from [`ConvParams::unfold_2d`],
+//! as the planner's do.
 
 use rayon::prelude::*;
 use salus_graph::ConvParams;
-use salus_graph::plan::CONV_SLOTS;
+use salus_graph::plan::conv_slots;
 
 use super::matmul::{gemm, rows, transposed};
 use super::{PARALLEL_WORK, input, typed_mut};
@@ -32,8 +34,12 @@ struct Geometry {
     k: usize,
     /// Its columns: `oh * ow`.
     l: usize,
-    /// The unfolded input is the input itself.
+    /// The unfolded input is the input itself (for one image per product).
     direct: bool,
+    /// Images side by side in one product ([`ConvParams::fold`]).
+    fold: usize,
+    /// Tasks the batch is split over, each with its own scratch ([`conv_slots`]).
+    slots: usize,
 }
 
 impl Geometry {
@@ -63,6 +69,8 @@ impl Geometry {
             k: size(k),
             l: size(l),
             direct,
+            fold: size(conv.fold()),
+            slots: size(conv_slots(conv)),
         })
     }
 
@@ -74,8 +82,46 @@ impl Geometry {
         self.c_out / self.groups
     }
 
-    fn slots(&self) -> usize {
-        self.n.min(CONV_SLOTS as usize)
+    /// Columns of one product: `fold` images' output planes.
+    fn cols(&self) -> usize {
+        self.fold * self.l
+    }
+
+    /// Whether a product multiplies the input itself (one image, direct).
+    fn in_place(&self) -> bool {
+        self.direct && self.fold == 1
+    }
+
+    /// The unfolded input of one product and group, in f32 (none when in place).
+    fn unfold_len(&self) -> usize {
+        if self.in_place() {
+            0
+        } else {
+            self.k * self.cols()
+        }
+    }
+
+    /// One product's result (or output gradient) of one group, gathered from the images'
+    /// planes (none for one image, whose planes it is).
+    fn gathered_len(&self) -> usize {
+        if self.fold > 1 {
+            self.cout_g() * self.cols()
+        } else {
+            0
+        }
+    }
+
+    /// Images of one task: whole products, as evenly over the slots as they go.
+    fn per_task(&self) -> usize {
+        self.n.div_ceil(self.fold).div_ceil(self.slots) * self.fold
+    }
+
+    /// Unfolds (im2col) each of `images` (each `c_in` planes) for group `g` into `col`:
+    /// image `j` in columns `j l..(j + 1) l` of rows `ld` long.
+    fn unfold(&self, images: &[f32], g: usize, col: &mut [f32], ld: usize) {
+        for (j, image) in images.chunks_exact(self.image_in()).enumerate() {
+            self.im2col(image, g, &mut col[j * self.l..], ld);
+        }
     }
 
     fn image_in(&self) -> usize {
@@ -125,12 +171,13 @@ impl Geometry {
         }
     }
 
-    /// Unfolds group `g` of one image (`x`: its `c_in` planes) into `col` (`k x l`).
-    fn im2col(&self, x: &[f32], g: usize, col: &mut [f32]) {
-        let (l, ow, s) = (self.l, self.ow, self.stride[1]);
+    /// Unfolds group `g` of one image (`x`: its `c_in` planes) into `col`: `k` rows of
+    /// `l` columns, `ld` apart.
+    fn im2col(&self, x: &[f32], g: usize, col: &mut [f32], ld: usize) {
+        let (ow, s) = (self.ow, self.stride[1]);
         let planes = &x[g * self.cin_g() * self.h * self.w..];
         self.rows(|row, oy, inside, (lo, hi, dx)| {
-            let dst = &mut col[row * l + oy * ow..row * l + (oy + 1) * ow];
+            let dst = &mut col[row * ld + oy * ow..row * ld + (oy + 1) * ow];
             let Some(at) = inside else {
                 dst.fill(0.0);
                 return;
@@ -153,9 +200,10 @@ impl Geometry {
         });
     }
 
-    /// Adds the unfolded gradient `col` of group `g` back into one image's planes `x`.
-    fn col2im(&self, col: &[f32], g: usize, x: &mut [f32]) {
-        let (l, ow, s, w) = (self.l, self.ow, self.stride[1], self.w);
+    /// Adds the unfolded gradient `col` of group `g` (`k` rows of `l` columns, `ld` apart)
+    /// back into one image's planes `x`.
+    fn col2im(&self, col: &[f32], g: usize, x: &mut [f32], ld: usize) {
+        let (ow, s, w) = (self.ow, self.stride[1], self.w);
         let planes = &mut x[g * self.cin_g() * self.h * w..];
         self.rows(|row, oy, inside, (lo, hi, dx)| {
             let Some(at) = inside else {
@@ -164,7 +212,7 @@ impl Geometry {
             if lo == hi {
                 return;
             }
-            let src = &col[row * l + oy * ow + lo..row * l + oy * ow + hi];
+            let src = &col[row * ld + oy * ow + lo..row * ld + oy * ow + hi];
             let dst = &mut planes[at..at + w];
             if s == 1 {
                 let from = (lo as isize + dx) as usize;
@@ -221,40 +269,54 @@ pub(super) fn forward(
     {
         return None;
     }
-    let slots = geo.slots();
-    let slot_len = if geo.direct { 0 } else { k * l };
-    let cols = match scratch_f32(scratch, slots * slot_len) {
-        Ok(c) => c,
+    let slot_len = geo.unfold_len() + geo.gathered_len();
+    let space = match scratch_f32(scratch, geo.slots * slot_len) {
+        Ok(s) => s,
         Err(e) => return Some(Err(e)),
     };
-    let per = geo.n.div_ceil(slots);
-    let task = |t: usize, out: &mut [f32], col: &mut [f32]| -> Result<()> {
-        for (i, out) in out.chunks_exact_mut(geo.image_out()).enumerate() {
-            let image = &x[(t * per + i) * geo.image_in()..][..geo.image_in()];
+    let per = geo.per_task();
+    // Task `t` runs images `t * per..`, `fold` at a time.
+    let task = |t: usize, out: &mut [f32], slot: &mut [f32]| -> Result<()> {
+        let (col, gathered) = slot.split_at_mut(geo.unfold_len());
+        for (p, out) in out.chunks_mut(geo.fold * geo.image_out()).enumerate() {
+            let m = out.len() / geo.image_out();
+            let n0 = t * per + p * geo.fold;
+            let images = &x[n0 * geo.image_in()..(n0 + m) * geo.image_in()];
             for g in 0..geo.groups {
-                let unfolded = if geo.direct {
-                    &image[g * k * l..(g + 1) * k * l]
-                } else {
-                    geo.im2col(image, g, col);
-                    &*col
-                };
-                gemm(
-                    rows(&w[g * cout_g * k..(g + 1) * cout_g * k], cout_g, k),
-                    rows(unfolded, k, l),
-                    &mut out[g * cout_g * l..(g + 1) * cout_g * l],
-                    false,
-                    1.0,
-                )?;
+                let weight = rows(&w[g * cout_g * k..(g + 1) * cout_g * k], cout_g, k);
+                if geo.fold == 1 {
+                    let unfolded = if geo.in_place() {
+                        &images[g * k * l..(g + 1) * k * l]
+                    } else {
+                        geo.unfold(images, g, col, l);
+                        &*col
+                    };
+                    let out = &mut out[g * cout_g * l..(g + 1) * cout_g * l];
+                    gemm(weight, rows(unfolded, k, l), out, false, 1.0)?;
+                    continue;
+                }
+                // The product's columns are the images' planes side by side: spread them.
+                let ml = m * l;
+                geo.unfold(images, g, col, ml);
+                gemm(weight, rows(col, k, ml), gathered, false, 1.0)?;
+                for (j, image) in out.chunks_exact_mut(geo.image_out()).enumerate() {
+                    let planes = &mut image[g * cout_g * l..(g + 1) * cout_g * l];
+                    for (o, plane) in planes.chunks_exact_mut(l).enumerate() {
+                        plane.copy_from_slice(&gathered[o * ml + j * l..o * ml + (j + 1) * l]);
+                    }
+                }
             }
             if let Some(b) = bias {
-                for (row, &b) in out.chunks_exact_mut(l).zip(b) {
-                    row.iter_mut().for_each(|v| *v += b);
+                for image in out.chunks_exact_mut(geo.image_out()) {
+                    for (row, &b) in image.chunks_exact_mut(l).zip(b) {
+                        row.iter_mut().for_each(|v| *v += b);
+                    }
                 }
             }
         }
         Ok(())
     };
-    let parallel = slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
+    let parallel = geo.slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     let chunk = per * geo.image_out();
     let result = match (parallel, slot_len) {
         (true, 0) => dst
@@ -263,13 +325,13 @@ pub(super) fn forward(
             .try_for_each(|(t, out)| task(t, out, &mut [])),
         (true, _) => dst
             .par_chunks_mut(chunk)
-            .zip(cols.par_chunks_mut(slot_len))
+            .zip(space.par_chunks_mut(slot_len))
             .enumerate()
-            .try_for_each(|(t, (out, col))| task(t, out, col)),
+            .try_for_each(|(t, (out, slot))| task(t, out, slot)),
         (false, _) => dst
             .chunks_mut(chunk)
             .enumerate()
-            .try_for_each(|(t, out)| task(t, out, &mut cols[..slot_len])),
+            .try_for_each(|(t, out)| task(t, out, &mut space[..slot_len])),
     };
     Some(result)
 }
@@ -308,55 +370,74 @@ pub(super) fn backward(
     {
         return None;
     }
-    let slots = geo.slots();
-    let unfold = if geo.direct { 0 } else { k * l };
-    let slot_len = 2 * unfold + geo.c_out * k;
-    let space = match scratch_f32(scratch, slots * slot_len) {
+    let (unfold, gathered) = (geo.unfold_len(), geo.gathered_len());
+    let slot_len = 2 * unfold + gathered + geo.c_out * k;
+    let space = match scratch_f32(scratch, geo.slots * slot_len) {
         Ok(s) => s,
         Err(e) => return Some(Err(e)),
     };
-    let per = geo.n.div_ceil(slots);
+    let per = geo.per_task();
     let want_gw = gw.is_some();
-    // Task `t` runs images t*per.., adding its grad_weight into its slot's partial sum.
+    // Task `t` runs images `t * per..`, `fold` at a time, adding its grad_weight into its
+    // slot's partial sum.
     let task = |t: usize, gi: Option<&mut [f32]>, slot: &mut [f32]| -> Result<()> {
         let (col, rest) = slot.split_at_mut(unfold);
-        let (gcol, partial) = rest.split_at_mut(unfold);
+        let (gcol, rest) = rest.split_at_mut(unfold);
+        let (g_buf, partial) = rest.split_at_mut(gathered);
         partial.fill(0.0);
-        let images = (geo.n - (t * per).min(geo.n)).min(per);
+        let first = t * per;
+        let images = (geo.n - first.min(geo.n)).min(per);
         let mut gi = gi;
         if let Some(gi) = gi.as_deref_mut() {
             gi.fill(0.0);
         }
-        for i in 0..images {
-            let n = t * per + i;
-            let image = &x[n * geo.image_in()..][..geo.image_in()];
+        for n0 in (first..first + images).step_by(geo.fold) {
+            let m = geo.fold.min(first + images - n0);
+            let ml = m * l;
+            let xs = &x[n0 * geo.image_in()..(n0 + m) * geo.image_in()];
             for g in 0..geo.groups {
-                let g_at = (n * geo.c_out + g * cout_g) * l;
-                let g_mat = rows(&gout[g_at..g_at + cout_g * l], cout_g, l);
+                let g_mat = if geo.fold == 1 {
+                    let at = (n0 * geo.c_out + g * cout_g) * l;
+                    rows(&gout[at..at + cout_g * l], cout_g, l)
+                } else {
+                    // The images' output-gradient planes side by side, as the product's
+                    // columns.
+                    for j in 0..m {
+                        for o in 0..cout_g {
+                            let at = ((n0 + j) * geo.c_out + g * cout_g + o) * l;
+                            g_buf[o * ml + j * l..o * ml + (j + 1) * l]
+                                .copy_from_slice(&gout[at..at + l]);
+                        }
+                    }
+                    rows(&g_buf[..cout_g * ml], cout_g, ml)
+                };
                 if want_gw {
-                    let unfolded = if geo.direct {
-                        &image[g * k * l..(g + 1) * k * l]
+                    let unfolded = if geo.in_place() {
+                        &xs[g * k * l..(g + 1) * k * l]
                     } else {
-                        geo.im2col(image, g, col);
+                        geo.unfold(xs, g, col, ml);
                         &*col
                     };
                     gemm(
                         g_mat,
-                        transposed(unfolded, l, k),
+                        transposed(unfolded, ml, k),
                         &mut partial[g * cout_g * k..(g + 1) * cout_g * k],
                         true,
                         1.0,
                     )?;
                 }
                 if let Some(gi) = gi.as_deref_mut() {
-                    let gi_img = &mut gi[i * geo.image_in()..(i + 1) * geo.image_in()];
+                    let at = (n0 - first) * geo.image_in();
+                    let gi_images = &mut gi[at..at + m * geo.image_in()];
                     let w_t = transposed(&w[g * cout_g * k..(g + 1) * cout_g * k], k, cout_g);
-                    if geo.direct {
+                    if geo.in_place() {
                         let at = g * cin_g * geo.h * geo.w;
-                        gemm(w_t, g_mat, &mut gi_img[at..at + k * l], false, 1.0)?;
+                        gemm(w_t, g_mat, &mut gi_images[at..at + k * l], false, 1.0)?;
                     } else {
                         gemm(w_t, g_mat, gcol, false, 1.0)?;
-                        geo.col2im(gcol, g, gi_img);
+                        for (j, image) in gi_images.chunks_exact_mut(geo.image_in()).enumerate() {
+                            geo.col2im(&gcol[j * l..], g, image, ml);
+                        }
                     }
                 }
             }
@@ -393,7 +474,7 @@ pub(super) fn backward(
     if let Some(gw) = gw {
         gw.fill(0.0);
         for slot in slots_used.chunks_exact(slot_len) {
-            let partial = &slot[2 * unfold..];
+            let partial = &slot[2 * unfold + gathered..];
             gw.iter_mut().zip(partial).for_each(|(a, &p)| *a += p);
         }
     }
