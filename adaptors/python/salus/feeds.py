@@ -68,12 +68,14 @@ class Layout:
         self.fetches = [TensorSpec(t, graph.tensors[t].name, graph.tensors[t].dtype,
                                     tuple(graph.tensors[t].shape)) for t in graph.fetches]
 
-    def check(self, batch: Sequence[Any], what: str) -> None:
-        """Raises :class:`BatchError` unless ``batch`` (the leaves) matches the feeds."""
-        if len(batch) != len(self.feeds):
-            raise BatchError(f"{what} takes {len(self.feeds)} tensor(s), as the example it "
+    def check(self, batch: Sequence[Any], what: str, count: int | None = None) -> None:
+        """Raises :class:`BatchError` unless ``batch`` (the leaves) matches the feeds (the
+        first ``count`` of them: those of the batch, without drawn random numbers)."""
+        feeds = self.feeds if count is None else self.feeds[:count]
+        if len(batch) != len(feeds):
+            raise BatchError(f"{what} takes {len(feeds)} tensor(s), as the example it "
                              f"was traced with, but got {len(batch)}")
-        for index, (spec, value) in enumerate(zip(self.feeds, batch)):
+        for index, (spec, value) in enumerate(zip(feeds, batch)):
             if not isinstance(value, torch.Tensor):
                 raise BatchError(f"{what}: batch element {index} is a "
                                  f"{type(value).__name__}, not a tensor")
@@ -82,10 +84,6 @@ class Layout:
                 raise BatchError(
                     f"{what}: batch element {index} is {got} but the session was traced "
                     f"with {spec.describe()}")
-
-    def feed_bytes(self, batch: Sequence[Any], what: str) -> list[bytes]:
-        self.check(batch, what)
-        return [tensor_bytes(value) for value in batch]
 
     def fetch_tensors(self, response) -> list[torch.Tensor]:
         return [tensor_from_bytes(data, spec.dtype, spec.shape)

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ._llvm import triton_first
 from .client import Client
-from .errors import LoweringError
+from .errors import LoweringError, SalusError
 from .hlo import trace_hlo
 from .hlo.parse import parse_module
 from .torch import _default_name, _SalusSession
@@ -101,11 +101,14 @@ class _Step:
                 known[handle_id] = (name, role, group)
         by_handle = {id(v.value.handle): v for vs in self.groups.values() for v in vs}
         constants = 0
+        seeds = []
         for captured in concrete.captured_inputs:
             if id(captured) in known:
                 name, role, group = known[id(captured)]
                 inputs.append(InputSlot(name, role, group))
                 state[name] = _torch(by_handle[id(captured)].value)
+                if _is_seed(by_handle[id(captured)]):
+                    seeds.append(name)
             elif captured.dtype != tf.resource:
                 # A tensor the model keeps outside its variables (a Normalization layer's
                 # mean): session state that no step changes.
@@ -129,7 +132,13 @@ class _Step:
                 raise LoweringError(f"TensorFlow's result {index} is neither the step's "
                                     "value nor a variable's update")
             outputs.append(OutputSlot("update", inputs[param].name))
-        return trace_hlo(module, inputs, outputs, state, _batch(batch), kind)
+        return trace_hlo(module, inputs, outputs, state, _batch(batch), kind, seeds=seeds)
+
+
+def _is_seed(variable) -> bool:
+    """Whether ``variable`` is the state of a Keras ``SeedGenerator`` (a Dropout layer's
+    random numbers come from one): salus draws what it seeds on the client."""
+    return variable.path.split("/")[-1] == "seed_generator_state"
 
 
 def _model_input(inputs: Sequence[Any]):
@@ -194,10 +203,43 @@ def _batch(batch: Sequence[Any]) -> list[torch.Tensor]:
 
 
 class _KerasSession(_SalusSession):
+    # The seeds of the step's random numbers (SeedGenerator states, by path): the client
+    # keeps them, draws each step's random numbers from them and advances them as the step
+    # does (salus.hlo.draws).
+    _seeds: dict[str, np.ndarray]
+
+    def _keep_seeds(self) -> None:
+        self._seeds = {name: np.array(variable.numpy())
+                       for name, variable in self._variables().items() if _is_seed(variable)}
+
+    def _drawn(self, traced: TracedStep) -> list[torch.Tensor]:
+        """This step's random numbers, as feeds; the seeds advance."""
+        if traced.draws is None:
+            return []
+        values, advanced = traced.draws.draw(self._seeds)
+        self._seeds.update(advanced)
+        return [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every persistent tensor of the session as it is on salusd now, by Keras variable
-        path (a checkpoint; :meth:`load_state_dict` takes it back)."""
-        return {name: value.numpy() for name, value in super().state_dict().items()}
+        path (a checkpoint; :meth:`load_state_dict` takes it back), and the seeds of its
+        random numbers as they are on the client."""
+        values = {name: value.numpy() for name, value in super().state_dict().items()}
+        values.update({name: seed.copy() for name, seed in self._seeds.items()})
+        return values
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Overwrites the session's tensors (and the seeds of its random numbers) from
+        ``state_dict``, as :meth:`salus.torch.TrainSession.load_state_dict` does."""
+        rest = dict(state_dict)
+        for name, seed in self._seeds.items():
+            if name in rest:
+                value = np.asarray(rest.pop(name))
+                if value.shape != seed.shape:
+                    raise SalusError(f"load_state_dict: {name} is {list(value.shape)} but "
+                                     f"the session's seed is {list(seed.shape)}")
+                self._seeds[name] = value.astype(seed.dtype)
+        super().load_state_dict(rest, strict)
 
     def update_model(self, model: keras.Model | None = None) -> keras.Model:
         """Copies every variable from salusd into the Keras model (and, for a training
@@ -272,6 +314,7 @@ class TrainSession(_KerasSession):
             and any(v is variable for v in optimizer.variables)}
         self._sent = {name: np.asarray(v.value).copy()
                       for name, v in self._hyperparameters.items()}
+        self._keep_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{model.name} (keras)"), priority=priority,
                    total_iterations=total_iterations,
@@ -303,6 +346,7 @@ class TrainSession(_KerasSession):
 
     def _iteration(self, batch: Sequence[Any], what: str):
         program, leaves = self._program_for(_batch(batch), what)
+        leaves = leaves + self._drawn(program.traced)
         writes = {}
         for name, variable in self._hyperparameters.items():
             value = np.asarray(variable.value)
@@ -346,6 +390,7 @@ class InferenceSession(_KerasSession):
         self.model = model
         self._step = _forward(model)
         traced = self._step.trace(example_inputs, "inference")
+        self._keep_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{model.name} (keras inference)"),
                    priority=priority, total_iterations=0, expected_iteration_ms=0.0,
@@ -360,6 +405,7 @@ class InferenceSession(_KerasSession):
         what = "the inference session"
         self._ensure_slots(2)
         program, leaves = self._program_for(_batch(inputs), what)
+        leaves = leaves + self._drawn(program.traced)
         iteration, answer = self._submission(program, leaves, what)
         response = self._run_or_resume(iteration)
         if response is None:

@@ -177,28 +177,30 @@ class _SalusSession:
         leaves, spec = pytree.tree_flatten(tuple(batch))
         first = _Program(0, self.traced, self.layout)
         key = _shapes_key(leaves, spec)
+        batch_feeds = self.layout.feeds[:self.traced.batch_feeds]
         if not self._programs:
             example = self.traced.batch_spec
             self._programs[_shapes_key(
-                [torch.empty(s.shape, dtype=s.torch_dtype) for s in self.layout.feeds],
+                [torch.empty(s.shape, dtype=s.torch_dtype) for s in batch_feeds],
                 example if example is not None else spec)] = first
         program = self._programs.get(key)
         if program is not None:
             return program, leaves
         if self.traced.batch_spec is not None and spec != self.traced.batch_spec \
-                and len(leaves) == len(self.layout.feeds):
+                and len(leaves) == len(batch_feeds):
             raise BatchError(f"{what}: the batch is structured as {spec}, but the session "
                              f"was traced with {self.traced.batch_spec}")
-        if len(leaves) != len(self.layout.feeds) or any(
+        if len(leaves) != len(batch_feeds) or any(
                 not isinstance(v, torch.Tensor) or v.dtype != s.torch_dtype
-                for v, s in zip(leaves, self.layout.feeds)):
-            self.layout.feed_bytes(leaves, what)  # raises, naming what does not match
+                for v, s in zip(leaves, batch_feeds)):
+            # Raises, naming what does not match.
+            self.layout.check(leaves, what, count=len(batch_feeds))
         # Only shapes differ: the same step for these shapes.
         try:
             traced = self._trace_for(pytree.tree_unflatten(leaves, spec))
         except Exception as error:  # noqa: BLE001  (reported with the batch that caused it)
             index, value, s = next((i, v, s) for i, (v, s) in
-                                   enumerate(zip(leaves, self.layout.feeds))
+                                   enumerate(zip(leaves, batch_feeds))
                                    if tuple(v.shape) != s.shape)
             raise BatchError(
                 f"{what}: batch element {index} is {dtype_name(value.dtype)}"

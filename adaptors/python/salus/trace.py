@@ -136,6 +136,9 @@ class TracedStep:
     # The dtype the forward was traced under CPU autocast with (None: none).
     autocast: torch.dtype | None = None
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)
+    # Random numbers the client draws for each step from seeds it keeps
+    # (:class:`salus.hlo.draws.Draws`), fed after the batch (``random.<k>``).
+    draws: Any = field(default=None, repr=False)
     # The structure of a batch (a training step): feeds are its leaves, in pytree order.
     batch_spec: pytree.TreeSpec | None = field(default=None, repr=False)
     # Whether f32 convolutions and matrix products may use TF32, as PyTorch was set when
@@ -150,6 +153,12 @@ class TracedStep:
     @property
     def feed_names(self) -> list[str]:
         return [s.name for s in self.inputs if s.role == FEED]
+
+    @property
+    def batch_feeds(self) -> int:
+        """How many feeds come from the batch (the first ones; drawn random numbers
+        follow them)."""
+        return len(self.feed_names) - (len(self.draws.fed) if self.draws is not None else 0)
 
     def ops(self) -> list[str]:
         """The distinct ops of the graph, named as the lowering emits them."""

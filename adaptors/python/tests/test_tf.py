@@ -1,10 +1,11 @@
 """Keras steps on a real salusd (salus.tf, through XLA's HLO): TrainSession, fit,
-InferenceSession, learning-rate changes, checkpoints and refusals.
+InferenceSession, learning-rate changes, checkpoints, dropout and refusals.
 
 Each result is checked by the rule of ``harness.assert_as_exact_as_pytorch`` with
 TensorFlow in PyTorch's place: the exact reference is the same model trained eagerly by
 TensorFlow in float64, the rounding noise is TensorFlow's own float32 eager run's
-distance from it.
+distance from it. With dropout both runs are compiled by XLA instead, whose random
+numbers salus draws (TensorFlow's eager kernels draw others for the same seed).
 """
 
 from __future__ import annotations
@@ -32,14 +33,19 @@ def daemon():
         yield d
 
 
-def cnn(dtype: str = "float32", dropout: float = 0.0) -> keras.Model:
+def cnn(dtype: str = "float32", dropout: float = 0.0, f32_masks: bool = False) -> keras.Model:
+    """A small CNN; with ``dropout``, a per-example one over the feature maps (as
+    EfficientNet's drop-connect) and an elementwise one before the classifier."""
     keras.utils.set_random_seed(0)
+    kind = F32MaskDropout if f32_masks else keras.layers.Dropout
     layers = [keras.Input((8, 8, 3), dtype=dtype),
               keras.layers.Conv2D(6, 3, strides=2, padding="same", dtype=dtype),
-              keras.layers.BatchNormalization(dtype=dtype), keras.layers.ReLU(dtype=dtype),
-              keras.layers.MaxPooling2D(dtype=dtype), keras.layers.Flatten(dtype=dtype)]
+              keras.layers.BatchNormalization(dtype=dtype), keras.layers.ReLU(dtype=dtype)]
     if dropout:
-        layers.append(keras.layers.Dropout(dropout, dtype=dtype))
+        layers.append(kind(dropout, noise_shape=(None, 1, 1, 1), dtype=dtype))
+    layers += [keras.layers.MaxPooling2D(dtype=dtype), keras.layers.Flatten(dtype=dtype)]
+    if dropout:
+        layers.append(kind(dropout, dtype=dtype))
     layers.append(keras.layers.Dense(5, dtype=dtype,
                                      kernel_regularizer=keras.regularizers.L2(1e-3)))
     return keras.Sequential(layers)
@@ -84,9 +90,18 @@ def variables(model, optimizer=None) -> dict[str, torch.Tensor]:
 
 
 def twin(model: keras.Model, dtype: str, build=None) -> keras.Model:
+    """A copy of ``model`` in ``dtype`` (its random seeds included)."""
     other = (build or cnn)(dtype)
-    other.set_weights([w.astype(dtype) for w in model.get_weights()])
+    other.set_weights([w.astype(dtype) if w.dtype.kind == "f" else w
+                       for w in model.get_weights()])
+    for mine, theirs in zip(seeds(other), seeds(model)):
+        mine.assign(theirs.numpy())
     return other
+
+
+def seeds(model: keras.Model) -> list:
+    """The states of the model's random-number generators (set_weights leaves them)."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
 def test_a_keras_step_trains_on_salusd_as_tensorflow_computes_it(daemon):
@@ -171,13 +186,89 @@ def test_a_checkpoint_round_trips_and_inference_serves_the_trained_model(daemon)
     assert np.abs(partial - got[:2]).max() <= 1e-5 * np.abs(got).max()
 
 
-def test_dropout_is_refused_by_name_before_anything_is_sent(daemon):
+class F32MaskDropout(keras.layers.Layer):
+    """Keras' Dropout for a float64 twin, with the masks its float32 model draws (float64
+    dropout draws 64-bit random numbers: other masks), applied in float64."""
+
+    def __init__(self, rate: float, noise_shape=None, **kwargs):
+        super().__init__(**kwargs)
+        self.rate, self.noise_shape = rate, noise_shape
+        self.seed_generator = keras.random.SeedGenerator()
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        shape = tf.shape(x) if self.noise_shape is None else [
+            x.shape[k] if n is None else n for k, n in enumerate(self.noise_shape)]
+        kept = keras.random.dropout(tf.ones(shape, tf.float32), self.rate,
+                                    seed=self.seed_generator)
+        return tf.where(kept != 0, x / (1 - self.rate), tf.zeros_like(x))
+
+
+def compiled(model: keras.Model, optimizer, data, dtype=np.float32):
+    """TensorFlow's own training steps compiled by XLA (whose random numbers salus draws;
+    TensorFlow's eager kernels draw others for the same seed): the losses and every
+    variable after them."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                         dtype=np.dtype(dtype).name)
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) + tf.add_n(model.losses)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(step(x.astype(dtype), y)) for x, y in data]
+    return losses, variables(model, optimizer)
+
+
+def test_dropout_trains_with_tensorflows_masks_drawn_on_the_client(daemon):
+    data = batches()  # the last batch is partial: a second program, with masks of its own
     model = cnn(dropout=0.5)
-    data = batches((4,))
+    f32 = twin(model, "float32", lambda d: cnn(d, dropout=0.5))
+    f64 = twin(model, "float64", lambda d: cnn(d, dropout=0.5, f32_masks=True))
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    with stf.TrainSession(model, LOSS, optimizer, data[0], address=daemon.address) as s:
+        # One mask per dropout: per example, and per element.
+        assert s.traced.feed_names == ["batch.0", "batch.1", "random.0", "random.1"]
+        masks, _ = s.traced.draws.draw(s.state_dict())
+        assert [m.shape for m in masks] == [(4, 1, 1, 1), (4, 24)]
+        assert not any("seed" in name for name in s.traced.state_names)
+        losses = [float(s.step(*data[0]))]
+        losses += [float(loss) for loss in s.steps(data[1:], depth=2)]
+        s.update_model()
+        got = variables(model, optimizer)
+        # A checkpoint carries the seed: the same step from it draws the same masks; the
+        # step after draws others.
+        checkpoint = s.state_dict()
+        first = float(s.step(*data[0]))
+        s.load_state_dict(checkpoint)
+        assert float(s.step(*data[0])) == first
+        assert float(s.step(*data[0])) != first
+    tf_losses, tf_state = compiled(f32, keras.optimizers.SGD(0.05, momentum=0.9), data)
+    exact_losses, exact_state = compiled(f64, keras.optimizers.SGD(0.05, momentum=0.9),
+                                         data, np.float64)
+    assert_as_exact_as_pytorch(losses, exact_losses, tf_losses, label="losses: ",
+                               dtype=torch.float32)
+    # The seeds (integers) are equal, the masks therefore too.
+    assert_as_exact_as_pytorch(got, exact_state, tf_state, dtype=torch.float32)
+
+
+def test_random_numbers_without_a_seed_in_the_state_are_refused(daemon):
+    class Noise(keras.layers.Layer):
+        def call(self, x, training=False):
+            return x + tf.random.uniform(tf.shape(x)) if training else x
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), Noise(), keras.layers.Dense(2)])
+    data = (np.ones((3, 4), np.float32), np.zeros(3, np.int64))
     with pytest.raises(UnsupportedOpError) as error:
-        stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.1), data[0],
+        stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.1), data,
                          address=daemon.address)
-    assert "random numbers" in str(error.value)
+    message = str(error.value)
+    assert "HLO rng" in message and "SeedGenerator" in message and "noise" in message
 
 
 def text_model(dtype: str = "float32") -> keras.Model:

@@ -212,8 +212,13 @@ fn conv_net() -> Graph {
 
 /// [`conv_net`] over `dtype`.
 fn conv_net_of(dtype: DType) -> Graph {
+    conv_net_sized(dtype, 16)
+}
+
+/// [`conv_net`] over `dtype`, on `hw x hw` images.
+fn conv_net_sized(dtype: DType, hw: u64) -> Graph {
     let mut g = Builder::default();
-    let x = g.tensor("x", dtype, &[8, 3, 16, 16], Role::Feed);
+    let x = g.tensor("x", dtype, &[8, 3, hw, hw], Role::Feed);
     let w = g.tensor("w", dtype, &[4, 3, 3, 3], Role::Parameter);
     let attrs = [
         ("stride", Attr::Ints(vec![1, 1])),
@@ -226,7 +231,7 @@ fn conv_net_of(dtype: DType) -> Graph {
     let y = g.node(
         Op::Convolution,
         &[Some(x), Some(w), None],
-        &[(dtype, &[8, 4, 16, 16])],
+        &[(dtype, &[8, 4, hw, hw])],
         &attrs,
     )[0];
     let mut back = attrs.to_vec();
@@ -235,7 +240,7 @@ fn conv_net_of(dtype: DType) -> Graph {
     let grads = g.node(
         Op::ConvolutionBackward,
         &[Some(y), Some(x), Some(w)],
-        &[(dtype, &[8, 3, 16, 16]), (dtype, &[4, 3, 3, 3])],
+        &[(dtype, &[8, 3, hw, hw]), (dtype, &[4, 3, 3, 3])],
         &back,
     );
     g.graph.nodes[1].outputs.push(None); // no bias gradient
@@ -262,6 +267,21 @@ fn the_portable_scratch_is_what_plain_planning_gives() {
     let backward = 4 * (2 * k * l + 4 * k) * 4;
     assert_eq!(plain.scratch(1).unwrap().1, backward.div_ceil(256) * 256);
     assert_eq!(plain.scratch_bytes, backward.div_ceil(256) * 256);
+}
+
+#[test]
+fn small_planes_plan_their_images_side_by_side() {
+    // 4x4 output planes (l = 16): the 8 images go into one product (256 columns wanted,
+    // 128 there are) in one slot, with room for the product's result before it is spread
+    // over the images (4 channels x 128 columns).
+    let plan = check(&conv_net_sized(DType::F32, 4), &Limits::default())
+        .unwrap()
+        .plan;
+    let (k, cols, c_out) = (27u64, 8 * 16u64, 4u64);
+    let forward = (k * cols + c_out * cols) * 4;
+    assert_eq!(plan.scratch(0).unwrap().1, forward.div_ceil(256) * 256);
+    let backward = (2 * k * cols + c_out * cols + c_out * k) * 4;
+    assert_eq!(plan.scratch(1).unwrap().1, backward.div_ceil(256) * 256);
 }
 
 #[test]

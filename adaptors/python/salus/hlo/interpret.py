@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -48,9 +48,8 @@ CONSTANT_ONLY = {"floor", "ceil", "round-nearest-afz", "round-nearest-even", "re
                  "cosine", "sine", "shift-left", "shift-right-logical",
                  "shift-right-arithmetic"}
 _HINTS = {
-    "rng-bit-generator": "random numbers (dropout, random augmentation) are not supported "
-                         "yet: train without dropout, or with rate 0",
-    "rng": "random numbers are not supported yet",
+    "rng-bit-generator": "random bits from a seed that is not the step's state",
+    "rng": "random numbers from XLA's own generator, not from a seed the step keeps",
     "custom-call": "an XLA custom call has no IR op",
     "while": "loops are not supported: unroll them, or keep them outside the step",
     "conditional": "branches on values are not supported: compute both sides and select",
@@ -60,21 +59,24 @@ _HINTS = {
 }
 
 
-_RANDOM = ("random numbers (dropout, random augmentation) are not supported yet: train "
-           "without dropout (rate 0), or pass random masks in with the batch")
+_RANDOM = ("random numbers are supported only when drawn from a seed the step keeps as "
+           "state (a Keras SeedGenerator, as Dropout's): this one is not; pass random "
+           "values in with the batch instead")
 # Where the framework says an op came from, when that is its random number generator.
 _RANDOM_SOURCE = re.compile(r"threefry|philox|random|rng|dropout|bernoulli", re.IGNORECASE)
 
 
-def unsupported(module: Module) -> UnsupportedOpError | None:
+def unsupported(module: Module, drawn: Collection[str] = ()) -> UnsupportedOpError | None:
     """Every instruction of ``module`` that cannot run on salusd, in one error (None when
-    all can); constant-only ops are checked as the interpreter meets them."""
+    all can); constant-only ops are checked as the interpreter meets them. ``drawn``:
+    entry instructions the client computes instead (:mod:`salus.hlo.draws`)."""
     missing = [MissingOp(f"HLO {i.opcode}", i.name,
                          i.source or f"computation {computation.name}", tuple(i.operands),
                          _RANDOM if _RANDOM_SOURCE.search(f"{i.source} {computation.name}")
                          else _HINTS.get(i.opcode, "no IR op"))
                for computation in _reachable(module) for i in computation.instructions
-               if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY]
+               if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY
+               and i.name not in drawn]
     missing += [MissingOp(f"HLO {i.opcode} of a dynamic shape", i.name,
                           i.source or f"computation {computation.name}", tuple(i.operands),
                           f"{i.shape} is known only at run time; salus plans memory for "
@@ -103,8 +105,12 @@ def _reachable(module: Module) -> list[Computation]:
 
 
 class Interpreter:
-    def __init__(self, module: Module):
+    """Runs ``module``; ``given``: values of entry instructions known already (fed random
+    numbers), which are not computed, nor what only they need."""
+
+    def __init__(self, module: Module, given: dict[str, Any] | None = None):
         self.module = module
+        self.given = given or {}
 
     def run(self, args: Sequence[Any]) -> Any:
         """The entry computation's result for ``args`` (torch tensors or :class:`Const`):
@@ -113,10 +119,11 @@ class Interpreter:
 
     def computation(self, computation: Computation, args: list[Any]) -> Any:
         by_name = computation.by_name()
-        needed = _needed(computation, by_name)
-        values: dict[str, Any] = {}
+        given = self.given if computation is self.module.entry_computation else {}
+        needed = _needed(computation, by_name, given)
+        values: dict[str, Any] = dict(given)
         for instruction in computation.instructions:
-            if instruction.name not in needed:
+            if instruction.name not in needed or instruction.name in given:
                 continue
             operands = [values[o] for o in instruction.operands]
             try:
@@ -165,14 +172,16 @@ class Interpreter:
         return _reducer(self.module.computations[i.attributes[attribute].lstrip("%")])
 
 
-def _needed(computation: Computation, by_name: dict[str, Instruction]) -> set[str]:
+def _needed(computation: Computation, by_name: dict[str, Instruction],
+            given: Collection[str] = ()) -> set[str]:
     needed, todo = set(), [computation.root]
     while todo:
         name = todo.pop()
         if name in needed:
             continue
         needed.add(name)
-        todo.extend(by_name[name].operands)
+        if name not in given:
+            todo.extend(by_name[name].operands)
     return needed
 
 

@@ -10,7 +10,9 @@ sessions and the same checks serve every framework.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
+
+import numpy as np
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -19,6 +21,7 @@ from ..errors import LoweringError
 from ..lower import MODULE_META
 from ..trace import (FEED, TRACE_LOCK, InputSlot, OutputSlot, Scope, TracedStep,
                      decomposition_table, tidy)
+from .draws import find_draws
 from .interpret import Interpreter, unsupported
 from .ops import DTYPES, Const, dense
 from .parse import Instruction, Module, parse_module
@@ -26,20 +29,27 @@ from .parse import Instruction, Module, parse_module
 
 def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence[OutputSlot],
               initial_state: dict[str, torch.Tensor], example_feeds: Sequence[torch.Tensor],
-              kind: str, output_spec: Any = None) -> TracedStep:
+              kind: str, output_spec: Any = None, seeds: Collection[str] = ()) -> TracedStep:
     """The step whose HLO is ``text`` (or the module read from it): entry parameter ``k``
     is ``inputs[k]`` (its value a tensor of ``initial_state``, or the next of
     ``example_feeds`` for a feed), element ``k`` of the result (a tuple, or one value) is
     ``outputs[k]``. An update whose value is its own parameter, unchanged, is left
-    out. ``output_spec``: how the front end structures a forward pass's outputs."""
+    out. ``output_spec``: how the front end structures a forward pass's outputs.
+
+    ``seeds``: names of inputs that seed random numbers. The values computed from them
+    alone are drawn on the client for each step (:mod:`salus.hlo.draws`) and reach the
+    graph as feeds after the others (``random.<k>``); the seeds are neither inputs nor
+    updates of the graph (the step's ``draws`` keeps them)."""
     module = parse_module(text) if isinstance(text, str) else text
-    missing = unsupported(module)
-    if missing is not None:
-        raise missing
     params = module.entry_computation.parameters()
     if len(params) != len(inputs):
         raise LoweringError(f"the HLO entry takes {len(params)} parameters, but the step "
                             f"has {len(inputs)} inputs")
+    draws = find_draws(module, {k: slot.name for k, slot in enumerate(inputs)
+                                if slot.name in seeds})
+    missing = unsupported(module, draws.part if draws is not None else ())
+    if missing is not None:
+        raise missing
     feeds = iter(example_feeds)
     args = [next(feeds) if slot.role == FEED else initial_state[slot.name]
             for slot in inputs]
@@ -48,19 +58,39 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
         if expect != value.dtype or tuple(param.shape.dims) != tuple(value.shape):
             raise LoweringError(f"HLO parameter {int(param.literal)} is {param.shape}, but "
                                 f"{slot.name} is {value.dtype}{list(value.shape)}")
+    fed: list[str] = []
+    traced_inputs = list(inputs)
+    if draws is not None:
+        drawn, _ = draws.draw({n: initial_state[n].numpy() for n in draws.seeds.values()})
+        fed = draws.fed
+        keep = [k for k, slot in enumerate(inputs) if slot.name not in seeds]
+        traced_inputs = ([inputs[k] for k in keep]
+                         + [InputSlot(f"random.{k}", FEED, "random") for k in range(len(fed))])
+        args = [args[k] for k in keep] + [torch.from_numpy(np.ascontiguousarray(v))
+                                          for v in drawn]
     kept: list[OutputSlot] = []
 
     def step(*values: torch.Tensor) -> list[torch.Tensor]:
-        result = _Stamping(module).run(values)
+        given = dict(zip(fed, values[len(values) - len(fed):]))
+        by_name = {slot.name: value for slot, value in zip(traced_inputs, values)}
+        entry_args: list[Any] = []
+        for param, slot in zip(params, inputs):
+            if slot.name in seeds:  # read only by the random part, which is not run
+                entry_args.append(None)
+            else:
+                entry_args.append(by_name[slot.name])
+        if draws is not None:
+            given.update({name: None for name in draws.advances.values()})
+        result = _Stamping(module, given).run(entry_args)
         flat = _flatten(result)
         if len(flat) != len(outputs):
             raise LoweringError(f"the HLO result has {len(flat)} elements, but the step "
                                 f"has {len(outputs)} outputs")
-        by_name = {slot.name: value for slot, value in zip(inputs, values)}
         kept.clear()
         results = []
         for slot, value in zip(outputs, flat):
-            if slot.kind == "update" and value is by_name.get(slot.name):
+            if slot.kind == "update" and (slot.name in seeds
+                                          or value is by_name.get(slot.name)):
                 continue
             kept.append(slot)
             results.append(dense(value) if isinstance(value, Const) else value)
@@ -69,9 +99,10 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
     with TRACE_LOCK:
         gm = make_fx(step, decomposition_table=decomposition_table(),
                      tracing_mode="real")(*args)
-    return TracedStep(kind=kind, graph_module=tidy(gm), inputs=list(inputs),
-                      outputs=list(kept), initial_state=dict(initial_state),
-                      output_spec=output_spec)
+    state = {n: v for n, v in initial_state.items() if n not in seeds}
+    return TracedStep(kind=kind, graph_module=tidy(gm), inputs=traced_inputs,
+                      outputs=list(kept), initial_state=state, output_spec=output_spec,
+                      draws=draws)
 
 
 def _flatten(value) -> list:
@@ -84,8 +115,8 @@ class _Stamping(Interpreter):
     """Tags the FX nodes each instruction records with where it came from (the HLO op,
     and TensorFlow's op name or JAX's source line), which lowering errors show."""
 
-    def __init__(self, module: Module):
-        super().__init__(module)
+    def __init__(self, module: Module, given: dict[str, Any] | None = None):
+        super().__init__(module, given)
         self._last = None
 
     def instruction(self, i: Instruction, operands, args):
