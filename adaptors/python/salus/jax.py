@@ -16,9 +16,12 @@ steps. ``session.state()`` reads it back with ``state``'s structure. Persistent 
 are named by their pytree paths (``state['params']['w']``). A batch of other shapes runs
 a step traced for them on first use (``jax.jit`` retraces the same way).
 
-Not supported yet (refused before anything is sent, naming the op): random numbers inside
-the step (pass dropout masks in as inputs), loops (``lax.scan``, ``fori_loop`` with a
-traced bound); ``docs/frontends.md`` lists the rest.
+Random numbers come from PRNG keys in ``state`` (``jax.random.key``, or raw ``uint32``
+keys): every ``uint32`` leaf and every key of the state is a seed, kept on the client,
+which draws what the step computes from the seeds alone (:mod:`salus.hlo.draws`) and
+sends it with the batch, exactly as XLA computes it. Not supported yet (refused before
+anything is sent, naming the op): loops (``lax.scan``, ``fori_loop`` with a traced
+bound); ``docs/frontends.md`` lists the rest.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ._llvm import triton_first
 from .client import Client
 from .errors import LoweringError
 from .hlo import trace_hlo
+from .hlo.seeds import SeededSession
 from .torch import _default_name, _SalusSession
 from .trace import InputSlot, OutputSlot, TracedStep
 
@@ -53,7 +57,20 @@ __all__ = ["InferenceSession", "TrainSession"]
 
 
 def _torch(value: Any) -> torch.Tensor:
-    return torch.from_numpy(np.array(value, copy=True, order="C"))
+    return torch.from_numpy(np.array(_data(value), copy=True, order="C"))
+
+
+def _is_key(value: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
+
+
+def _data(value: Any) -> Any:
+    """An array's values; a typed PRNG key's data (``uint32`` words)."""
+    return jax.random.key_data(value) if _is_key(value) else value
+
+
+def _is_seed(value: Any) -> bool:
+    return _is_key(value) or np.dtype(getattr(value, "dtype", np.float32)) == np.uint32
 
 
 def _paths(tree: Any, prefix: str) -> list[str]:
@@ -89,10 +106,16 @@ def trace_jax(fn: Callable, state: Any, batch: Sequence[Any], kind: str) -> Trac
                    for k in range(len(jax.tree.leaves(out_tree)))]
     initial = {n: _torch(v) for n, v in zip(names, leaves)}
     return trace_hlo(text, inputs, outputs, initial, [_torch(b) for b in batch_leaves], kind,
-                     output_spec=jax.tree.structure(out_tree) if kind == "inference" else None)
+                     output_spec=jax.tree.structure(out_tree) if kind == "inference" else None,
+                     seeds=[n for n, v in zip(names, leaves) if _is_seed(v)])
 
 
-class _JaxSession(_SalusSession):
+class _JaxSession(SeededSession, _SalusSession):
+    def _keep_jax_seeds(self) -> None:
+        names = _paths(self._state_like, "state")
+        self._keep_seeds({n: np.asarray(_data(v)) for n, v in
+                          zip(names, jax.tree.leaves(self._state_like)) if _is_seed(v)})
+
     def _numpy_batch(self, batch: Sequence[Any]) -> list[torch.Tensor]:
         leaves = jax.tree.leaves(tuple(batch))
         return [_torch(b) for b in leaves]
@@ -101,6 +124,7 @@ class _JaxSession(_SalusSession):
         """The program for ``batch``, the iteration and what reading its answer needs."""
         self._batches = tuple(batch)
         program, leaves = self._program_for(self._numpy_batch(batch), what)
+        leaves = leaves + self._drawn(program.traced)
         return (program, *self._submission(program, leaves, what))
 
     def _iteration(self, batch: Sequence[Any], what: str):
@@ -126,8 +150,10 @@ class _JaxSession(_SalusSession):
         session was made with (numpy arrays)."""
         values = {name: value.numpy() for name, value in self.state_dict().items()}
         names = _paths(self._state_like, "state")
-        return jax.tree.unflatten(jax.tree.structure(self._state_like),
-                                  [values[n] for n in names])
+        leaves = [jax.random.wrap_key_data(values[n], impl=jax.random.key_impl(like))
+                  if _is_key(like) else values[n]
+                  for n, like in zip(names, jax.tree.leaves(self._state_like))]
+        return jax.tree.unflatten(jax.tree.structure(self._state_like), leaves)
 
 
 class TrainSession(_JaxSession):
@@ -149,6 +175,7 @@ class TrainSession(_JaxSession):
         started = time.perf_counter()
         self.fn, self._state_like = step_fn, state
         traced = trace_jax(step_fn, state, tuple(example_batch), "train")
+        self._keep_jax_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{getattr(step_fn, '__name__', 'step')} (jax)"),
                    priority=priority, total_iterations=total_iterations,
@@ -188,6 +215,7 @@ class InferenceSession(_JaxSession):
         self.fn, self._state_like = fn, params
         example_inputs = tuple(example_inputs)
         traced = trace_jax(fn, params, example_inputs, "inference")
+        self._keep_jax_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{getattr(fn, '__name__', 'fn')} (jax)"),
                    priority=priority, total_iterations=0, expected_iteration_ms=0.0,

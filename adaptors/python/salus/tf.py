@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ._llvm import triton_first
 from .client import Client
-from .errors import LoweringError, SalusError
+from .errors import LoweringError
 from .hlo import trace_hlo
 from .hlo.parse import parse_module
+from .hlo.seeds import SeededSession
 from .torch import _default_name, _SalusSession
 from .trace import InputSlot, OutputSlot, TracedStep
 
@@ -202,44 +203,18 @@ def _batch(batch: Sequence[Any]) -> list[torch.Tensor]:
     return [_torch(b) for b in batch]
 
 
-class _KerasSession(_SalusSession):
-    # The seeds of the step's random numbers (SeedGenerator states, by path): the client
-    # keeps them, draws each step's random numbers from them and advances them as the step
-    # does (salus.hlo.draws).
-    _seeds: dict[str, np.ndarray]
+class _KerasSession(SeededSession, _SalusSession):
+    # The seeds of the step's random numbers are the SeedGenerator states, by path.
 
-    def _keep_seeds(self) -> None:
-        self._seeds = {name: np.array(variable.numpy())
-                       for name, variable in self._variables().items() if _is_seed(variable)}
-
-    def _drawn(self, traced: TracedStep) -> list[torch.Tensor]:
-        """This step's random numbers, as feeds; the seeds advance."""
-        if traced.draws is None:
-            return []
-        values, advanced = traced.draws.draw(self._seeds)
-        self._seeds.update(advanced)
-        return [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+    def _keep_keras_seeds(self) -> None:
+        self._keep_seeds({name: variable.numpy() for name, variable in self._variables().items()
+                          if _is_seed(variable)})
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every persistent tensor of the session as it is on salusd now, by Keras variable
         path (a checkpoint; :meth:`load_state_dict` takes it back), and the seeds of its
         random numbers as they are on the client."""
-        values = {name: value.numpy() for name, value in super().state_dict().items()}
-        values.update({name: seed.copy() for name, seed in self._seeds.items()})
-        return values
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Overwrites the session's tensors (and the seeds of its random numbers) from
-        ``state_dict``, as :meth:`salus.torch.TrainSession.load_state_dict` does."""
-        rest = dict(state_dict)
-        for name, seed in self._seeds.items():
-            if name in rest:
-                value = np.asarray(rest.pop(name))
-                if value.shape != seed.shape:
-                    raise SalusError(f"load_state_dict: {name} is {list(value.shape)} but "
-                                     f"the session's seed is {list(seed.shape)}")
-                self._seeds[name] = value.astype(seed.dtype)
-        super().load_state_dict(rest, strict)
+        return {name: value.numpy() for name, value in super().state_dict().items()}
 
     def update_model(self, model: keras.Model | None = None) -> keras.Model:
         """Copies every variable from salusd into the Keras model (and, for a training
@@ -314,7 +289,7 @@ class TrainSession(_KerasSession):
             and any(v is variable for v in optimizer.variables)}
         self._sent = {name: np.asarray(v.value).copy()
                       for name, v in self._hyperparameters.items()}
-        self._keep_seeds()
+        self._keep_keras_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{model.name} (keras)"), priority=priority,
                    total_iterations=total_iterations,
@@ -390,7 +365,7 @@ class InferenceSession(_KerasSession):
         self.model = model
         self._step = _forward(model)
         traced = self._step.trace(example_inputs, "inference")
-        self._keep_seeds()
+        self._keep_keras_seeds()
         self._open(traced, client=client, address=address,
                    name=name or _default_name(f"{model.name} (keras inference)"),
                    priority=priority, total_iterations=0, expected_iteration_ms=0.0,

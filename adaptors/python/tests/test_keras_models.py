@@ -15,8 +15,7 @@ batch's examples in reverse order: the same mathematics, rounded differently).
   each on two cores;
 - a transformer encoder block (multi-head attention, layer norm, a dense feed-forward);
 - a small CNN of depthwise and grouped convolutions: ``batch_group_count`` in seconds;
-- EfficientNetB0 as Keras builds it, dropout on, is refused before anything is sent,
-  naming random numbers.
+- EfficientNetB0 as Keras builds it, dropout on, trains (its masks drawn on the client).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ pytest.importorskip("tensorflow")
 import salus.tf as stf  # noqa: E402  (before TensorFlow: see salus.tf)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from salus.errors import UnsupportedOpError  # noqa: E402
 
 from daemon import Daemon  # noqa: E402
 from harness import assert_as_exact_as_pytorch  # noqa: E402
@@ -61,7 +59,8 @@ def _application(constructor, dropout: bool = False):
                             classifier_activation=None)
         for layer in model.layers:
             if isinstance(layer, keras.layers.Dropout) and not dropout:
-                layer.rate = 0.0  # random numbers have no IR op yet
+                layer.rate = 0.0  # the parity tests compare with eager TensorFlow,
+                # whose random numbers are not XLA's
         return model
     return build
 
@@ -237,14 +236,24 @@ def test_a_keras_model_trains_on_salusd_as_tensorflow_computes_it(daemon, name):
     check_model(name, daemon.address)
 
 
-def test_efficientnet_with_its_dropout_is_refused_naming_random_numbers(daemon):
+def test_efficientnet_as_keras_builds_it_trains_with_its_dropout(daemon):
+    """Drop-connect in each block (one mask per example) and dropout before the
+    classifier: their random numbers are drawn on the client from the layers' seeds,
+    which advance as Keras advances them (one draw per step). That the masks are
+    TensorFlow's own is checked on a small model (``test_tf.py``)."""
     keras.utils.set_random_seed(0)
     model = _application(keras.applications.EfficientNetB0, dropout=True)()
-    assert any(isinstance(layer, keras.layers.Dropout) and layer.rate > 0
-               for layer in model.layers)
-    with pytest.raises(UnsupportedOpError) as error:
-        stf.TrainSession(model, LOSS, keras.optimizers.SGD(0.1), batches("efficientnetb0")[0],
-                         address=daemon.address)
-    message = str(error.value)
-    assert "random numbers" in message and "rate 0" in message
-    assert "dropout" in message.lower()
+    dropouts = [layer for layer in model.layers
+                if isinstance(layer, keras.layers.Dropout) and layer.rate > 0]
+    assert len(dropouts) >= 2
+    seeds = {v.path: v.numpy() for v in model.variables
+             if v.path.endswith("seed_generator_state")}
+    data = batches("efficientnetb0")
+    with stf.TrainSession(model, LOSS, momentum_sgd(), data[0], address=daemon.address) as s:
+        assert len(s.traced.draws.fed) >= len(dropouts)
+        losses = [float(s.step(*b)) for b in data]
+        s.update_model()
+    assert all(np.isfinite(losses)), losses
+    for path, before in seeds.items():
+        after = next(v.numpy() for v in model.variables if v.path == path)
+        assert list(after) == [before[0], before[1] + STEPS], path

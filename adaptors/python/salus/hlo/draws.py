@@ -41,7 +41,7 @@ class Draws:
     seed's name -> the instruction of its new value (what the step returns for it);
     ``part``: every instruction of the random part."""
 
-    computation: Computation
+    module: Module
     seeds: dict[int, str]
     fed: list[str]
     advances: dict[str, str]
@@ -49,30 +49,60 @@ class Draws:
 
     def draw(self, seeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
         """The fed values for one step from the seeds' values, and the seeds' next values."""
-        wanted = self.fed + list(self.advances.values())
-        values: dict[str, Any] = {}
-        for i in _in_order(self.computation, wanted):
-            if i.opcode == "parameter":
-                name = self.seeds[int(i.literal)]
-                values[i.name] = np.asarray(seeds[name]).astype(_dtype(i)).reshape(i.shape.dims)
-                continue
-            rule = RULES.get(i.opcode)
-            if rule is None:
-                raise LoweringError(f"HLO {i.opcode} {i.name} ({i.source or 'no source'}): "
-                                    "salus cannot draw this random number on the client")
-            values[i.name] = rule(i, [values[o] for o in i.operands])
+        entry = self.module.entry_computation
+        args: dict[int, Any] = {}
+        for i in entry.parameters():
+            if int(i.literal) in self.seeds:
+                value = np.asarray(seeds[self.seeds[int(i.literal)]])
+                args[int(i.literal)] = value.astype(_dtype(i)).reshape(i.shape.dims)
+        values = _evaluate(self.module, entry, args, self.fed + list(self.advances.values()))
         return ([values[n] for n in self.fed],
                 {seed: values[n] for seed, n in self.advances.items()})
 
 
-def find_draws(module: Module, seeds: dict[int, str]) -> Draws | None:
+def _evaluate(module: Module, computation: Computation, args: dict[int, Any],
+              wanted: list[str]) -> dict[str, Any]:
+    """The values of ``wanted`` instructions of ``computation`` (and of what they need)
+    for parameter values ``args``, by XLA's definitions over numpy."""
+    values: dict[str, Any] = {}
+    for i in _in_order(computation, wanted):
+        operands = [values[o] for o in i.operands]
+        if i.opcode == "parameter":
+            values[i.name] = args[int(i.literal)]
+        elif i.opcode == "call":
+            values[i.name] = _call(module, i.attributes["to_apply"], operands)
+        elif i.opcode == "while":
+            state = operands[0]
+            while _call(module, i.attributes["condition"], [state]):
+                state = _call(module, i.attributes["body"], [state])
+            values[i.name] = state
+        elif i.opcode == "custom-call" and i.attributes.get(
+                "custom_call_target", "").strip('"') == "Sharding":
+            values[i.name] = operands[0]
+        elif i.opcode in RULES:
+            values[i.name] = RULES[i.opcode](i, operands)
+        else:
+            raise LoweringError(f"HLO {i.opcode} {i.name} ({i.source or 'no source'}): salus "
+                                "cannot draw this random number on the client")
+    return values
+
+
+def _call(module: Module, name: str, operands: list[Any]) -> Any:
+    callee = module.computations[name.lstrip("%")]
+    values = _evaluate(module, callee, dict(enumerate(operands)), [callee.root])
+    return values[callee.root]
+
+
+def find_draws(module: Module, seeds: dict[int, str], updates: dict[int, str]
+               ) -> Draws | None:
     """The random part of ``module``'s entry computation, given which parameters are
-    seeds (number -> name); None when the step reads no value computed from a seed.
+    seeds (number -> name) and which element of the result is which input's new value
+    (index -> name); None when the step reads no value computed from a seed.
 
     An instruction is *seeded* when some operand is seeded (a seed parameter is) and the
     others are constants; the step is fed each seeded value that an instruction outside
     the random part reads. The entry's result may return seeded values only as the
-    seeds' new values (``input_output_alias``)."""
+    seeds' new values, and a seed's new value must be seeded."""
     entry = module.entry_computation
     by_name = entry.by_name()
     kind: dict[str, str] = {}
@@ -83,7 +113,7 @@ def find_draws(module: Module, seeds: dict[int, str]) -> Draws | None:
             kind[i.name] = "constant"
         else:
             kinds = {kind[o] for o in i.operands}
-            kind[i.name] = ("computed" if "computed" in kinds or i.opcode == "call"
+            kind[i.name] = ("computed" if "computed" in kinds
                             else "seeded" if "seeded" in kinds else "constant")
     root = by_name[entry.root]
     results = root.operands if root.opcode == "tuple" else [root.name]
@@ -105,19 +135,25 @@ def find_draws(module: Module, seeds: dict[int, str]) -> Draws | None:
             if kind[o] == "seeded" and smallest(o) not in fed:
                 fed.append(smallest(o))
     advances: dict[str, str] = {}
+    seed_names = set(seeds.values())
     for index, name in enumerate(results):
+        updated = updates.get(index)
+        if kind[name] == "computed" and updated in seed_names:
+            raise LoweringError(f"the step's new {updated} depends on the batch or the "
+                                "parameters: salus keeps it on the client as a random seed, "
+                                "which only the seeds themselves may advance")
         if kind[name] != "seeded":
             continue
-        param = module.aliases.get(index)
-        if param not in seeds:
-            raise LoweringError(f"the step returns {name} ({by_name[name].source or 'no source'}), "
-                                "a random value that is not a seed's next value: salus draws "
-                                "random numbers on the client only for the step's own use")
-        advances[seeds[param]] = name
+        if updated not in seed_names:
+            source = by_name[name].source or "no source"
+            raise LoweringError(f"the step returns {name} ({source}), a random value that "
+                                "is not a seed's next value: salus draws random numbers on "
+                                "the client only for the step's own use")
+        advances[updated] = name
     if not fed and not advances:
         return None
     part = frozenset(name for name, k in kind.items() if k == "seeded")
-    return Draws(entry, dict(seeds), fed, advances, part)
+    return Draws(module, dict(seeds), fed, advances, part)
 
 
 # Ops whose result the graph computes from a fed random value as cheaply as from the

@@ -60,8 +60,8 @@ _HINTS = {
 
 
 _RANDOM = ("random numbers are supported only when drawn from a seed the step keeps as "
-           "state (a Keras SeedGenerator, as Dropout's): this one is not; pass random "
-           "values in with the batch instead")
+           "state (a Keras SeedGenerator, as Dropout's; a JAX PRNG key in the state): this "
+           "one is not; pass random values in with the batch instead")
 # Where the framework says an op came from, when that is its random number generator.
 _RANDOM_SOURCE = re.compile(r"threefry|philox|random|rng|dropout|bernoulli", re.IGNORECASE)
 
@@ -74,21 +74,21 @@ def unsupported(module: Module, drawn: Collection[str] = ()) -> UnsupportedOpErr
                          i.source or f"computation {computation.name}", tuple(i.operands),
                          _RANDOM if _RANDOM_SOURCE.search(f"{i.source} {computation.name}")
                          else _HINTS.get(i.opcode, "no IR op"))
-               for computation in _reachable(module) for i in computation.instructions
+               for computation in _reachable(module, drawn) for i in computation.instructions
                if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY
-               and i.name not in drawn]
+               and i.name not in drawn and not _annotation(i)]
     missing += [MissingOp(f"HLO {i.opcode} of a dynamic shape", i.name,
                           i.source or f"computation {computation.name}", tuple(i.operands),
                           f"{i.shape} is known only at run time; salus plans memory for "
                           "fixed shapes")
-                for computation in _reachable(module) for i in computation.instructions
-                if i.shape.dynamic]
+                for computation in _reachable(module, drawn) for i in computation.instructions
+                if i.shape.dynamic and i.name not in drawn]
     return UnsupportedOpError(missing) if missing else None
 
 
-def _reachable(module: Module) -> list[Computation]:
+def _reachable(module: Module, drawn: Collection[str] = ()) -> list[Computation]:
     """The entry computation and the computations it calls (not the reducers, which
-    :func:`_reducer` reads by their root)."""
+    :func:`_reducer` reads by their root; not those the client runs, ``drawn``)."""
     seen, todo = [], [module.entry]
     while todo:
         name = todo.pop()
@@ -96,9 +96,15 @@ def _reachable(module: Module) -> list[Computation]:
             continue
         seen.append(name)
         for i in module.computations[name].instructions:
-            if i.opcode == "call":
+            if i.opcode == "call" and i.name not in drawn:
                 todo.append(i.attributes["to_apply"].lstrip("%"))
     return [module.computations[n] for n in seen]
+
+
+def _annotation(i: Instruction) -> bool:
+    """A custom call that only annotates its operand (JAX's sharding of a PRNG key)."""
+    return (i.opcode == "custom-call" and len(i.operands) == 1
+            and i.attributes.get("custom_call_target", "").strip('"') == "Sharding")
 
 
 # -- running ------------------------------------------------------------------------------
@@ -142,7 +148,7 @@ class Interpreter:
             return tuple(operands)
         if i.opcode == "get-tuple-element":
             return operands[0][int(i.attributes["index"])]
-        if i.opcode in ("copy", "optimization-barrier"):
+        if i.opcode in ("copy", "optimization-barrier") or _annotation(i):
             return operands[0]
         if i.opcode == "call":
             callee = self.module.computations[i.attributes["to_apply"].lstrip("%")]

@@ -46,7 +46,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
         raise LoweringError(f"the HLO entry takes {len(params)} parameters, but the step "
                             f"has {len(inputs)} inputs")
     draws = find_draws(module, {k: slot.name for k, slot in enumerate(inputs)
-                                if slot.name in seeds})
+                                if slot.name in seeds},
+                       {k: slot.name for k, slot in enumerate(outputs) if slot.kind == "update"})
     missing = unsupported(module, draws.part if draws is not None else ())
     if missing is not None:
         raise missing
@@ -54,6 +55,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
     args = [next(feeds) if slot.role == FEED else initial_state[slot.name]
             for slot in inputs]
     for param, slot, value in zip(params, inputs, args):
+        if slot.name in seeds:  # the client's alone (its unsigned types included)
+            continue
         expect = DTYPES.get(param.shape.dtype)
         if expect != value.dtype or tuple(param.shape.dims) != tuple(value.shape):
             raise LoweringError(f"HLO parameter {int(param.literal)} is {param.shape}, but "
@@ -79,8 +82,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
                 entry_args.append(None)
             else:
                 entry_args.append(by_name[slot.name])
-        if draws is not None:
-            given.update({name: None for name in draws.advances.values()})
+        if draws is not None:  # the seeds' new values: the client's to compute
+            given.update({name: None for name in draws.advances.values() if name not in given})
         result = _Stamping(module, given).run(entry_args)
         flat = _flatten(result)
         if len(flat) != len(outputs):
