@@ -14,8 +14,11 @@ Persistent tensors are named by their Keras variable paths (``dense/kernel``,
 a hyperparameter: the Keras optimizer stays its truth, and a change to it
 (``optimizer.learning_rate = 0.01``, a callback) reaches the next step.
 
-Not supported yet (refused before anything is sent, naming the op): random numbers in the
-step (dropout with a rate above 0), loops; ``docs/frontends.md`` lists the rest.
+Dropout's random numbers come from the layers' ``SeedGenerator`` states, which the
+client keeps: it draws TensorFlow's (XLA's) own masks there for each step and sends them
+with the batch (:mod:`salus.hlo.draws`). Not supported yet (refused before anything is
+sent, naming the op): random numbers from no seed in the model, loops;
+``docs/frontends.md`` lists the rest.
 """
 
 from __future__ import annotations
