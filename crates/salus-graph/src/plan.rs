@@ -309,6 +309,8 @@ pub const CONV_SLOTS: u64 = 4;
 /// - `convolution_backward` (f32): twice the unfolded input (it and its gradient), the
 ///   output gradient of one product and group gathered when `m` > 1, and a partial
 ///   weight gradient (`C_out k` f32);
+/// - a transposed one (f32), either way: what its adjoint's backward needs
+///   ([`crate::ConvParams::adjoint`]);
 /// - either over f16 or bf16 (every operand and result of one 16-bit type): its operands
 ///   and results widened to f32 and the f32 kernel's scratch ([`widened_conv_bytes`]).
 pub fn scratch_bytes(graph: &Graph, node: &Node, params: &OpParams) -> u64 {
@@ -347,6 +349,12 @@ pub fn conv_slots(conv: &crate::ConvParams) -> u64 {
 /// The f32 kernel's scratch of a 2-d convolution or its backward (see [`scratch_bytes`]);
 /// `weight_rows` is the weight's first dimension.
 fn conv_f32_scratch_bytes(op: Op, conv: &crate::ConvParams, weight_rows: u64) -> u64 {
+    if conv.transposed {
+        // Either runs as its adjoint's gradients, whose backward needs the most.
+        return conv.adjoint().map_or(0, |adjoint| {
+            conv_f32_scratch_bytes(Op::ConvolutionBackward, &adjoint, weight_rows)
+        });
+    }
     let Some((k, l, direct)) = conv.unfold_2d() else {
         return 0;
     };

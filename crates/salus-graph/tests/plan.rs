@@ -285,6 +285,36 @@ fn small_planes_plan_their_images_side_by_side() {
 }
 
 #[test]
+fn a_transposed_convolution_plans_its_adjoints_backward() {
+    // [2, 4, 3, 3] up to [2, 3, 6, 6] (stride 2, padding 1, output padding 1): its
+    // adjoint maps 6x6 planes of 3 channels to 3x3 planes of 4 (k = 27, l = 9), both
+    // images in one product (18 columns), one slot: the unfolded input and its gradient,
+    // the gathered output gradient and a partial weight gradient.
+    let mut g = Builder::default();
+    let x = g.tensor("x", DType::F32, &[2, 4, 3, 3], Role::Feed);
+    let w = g.tensor("w", DType::F32, &[4, 3, 3, 3], Role::Parameter);
+    let attrs = [
+        ("stride", Attr::Ints(vec![2, 2])),
+        ("padding", Attr::Ints(vec![1, 1])),
+        ("dilation", Attr::Ints(vec![1, 1])),
+        ("transposed", Attr::Bool(true)),
+        ("output_padding", Attr::Ints(vec![1, 1])),
+        ("groups", Attr::Int(1)),
+    ];
+    let y = g.node(
+        Op::Convolution,
+        &[Some(x), Some(w), None],
+        &[(DType::F32, &[2, 3, 6, 6])],
+        &attrs,
+    );
+    g.graph.fetches = y;
+    let plan = check(&g.graph, &Limits::default()).unwrap().plan;
+    let (k, cols, c_out_adjoint) = (27u64, 18u64, 4u64);
+    let bytes = (2 * k * cols + c_out_adjoint * cols + c_out_adjoint * k) * 4;
+    assert_eq!(plan.scratch(0).unwrap().1, bytes.div_ceil(256) * 256);
+}
+
+#[test]
 fn a_16_bit_convolution_plans_its_operands_widened_to_f32() {
     // The CPU runs it with the f32 kernel: each input and used output in f32, then the
     // f32 kernel's own scratch (as in `the_portable_scratch_is_what_plain_planning_gives`).

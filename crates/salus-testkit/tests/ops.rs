@@ -1690,6 +1690,18 @@ fn conv_specs() -> Vec<ConvSpec> {
             2,
             true,
         ),
+        // Transposed over several images and groups with small input planes (the f32
+        // kernel runs it as its adjoint's gradients, images side by side).
+        spec(
+            &[9, 4, 3, 3],
+            &[4, 3, 3, 3],
+            &[2, 2],
+            &[1, 1],
+            &[1, 1],
+            &[1, 1],
+            2,
+            true,
+        ),
     ]
 }
 

@@ -86,6 +86,31 @@ impl ConvParams {
         Some((k, l, self.is_pointwise()))
     }
 
+    /// For a transposed convolution, the convolution whose input gradient it computes
+    /// (its adjoint): input and output swapped (sizes and channels), the same weight,
+    /// stride, padding, dilation and groups. `None` when not transposed, or when an output
+    /// padding reaches its stride (the adjoint's output would then be another size).
+    pub fn adjoint(&self) -> Option<ConvParams> {
+        if !self.transposed
+            || self
+                .output_padding
+                .iter()
+                .zip(&self.stride)
+                .any(|(&op, &s)| op >= s)
+        {
+            return None;
+        }
+        Some(ConvParams {
+            transposed: false,
+            output_padding: vec![0; self.spatial_dims()],
+            in_channels: self.out_channels,
+            out_channels: self.in_channels,
+            input: self.output.clone(),
+            output: self.input.clone(),
+            ..self.clone()
+        })
+    }
+
     /// Images whose unfolded inputs one matrix product of the CPU's 2-d kernel takes side
     /// by side: 1 when one image's output plane has [`FOLD_COLUMNS`] positions or more,
     /// else as many as make that many columns, at most the batch. A product one column

@@ -5,7 +5,10 @@
 //! different cores at once, each in its own buffers. 1x1 convolutions with stride 1 and
 //! no padding ("direct"), one image per product, multiply the input as it is. The
 //! unfolded matrix's size and whether it is direct come from [`ConvParams::unfold_2d`],
-//! as the planner's do.
+//! as the planner's do. A transposed convolution runs as the gradients of its adjoint
+//! ([`ConvParams::adjoint`]): its forward is the adjoint's input gradient, its input
+//! gradient the adjoint's forward, its weight gradient the adjoint's with the two
+//! operands' roles swapped.
 
 use rayon::prelude::*;
 use salus_graph::ConvParams;
@@ -109,6 +112,17 @@ impl Geometry {
         } else {
             0
         }
+    }
+
+    /// Scratch f32 of one slot of the forward pass.
+    fn forward_slot_len(&self) -> usize {
+        self.unfold_len() + self.gathered_len()
+    }
+
+    /// Scratch f32 of one slot of the backward pass: the unfolded input and its
+    /// gradient, the gathered output gradient and a partial weight gradient.
+    fn backward_slot_len(&self) -> usize {
+        2 * self.unfold_len() + self.gathered_len() + self.c_out * self.k
     }
 
     /// Images of one task: whole products, as evenly over the slots as they go.
@@ -259,21 +273,58 @@ pub(super) fn forward(
         None | Some(Arg::Absent) => None,
         Some(_) => Some(input::<f32>(args, 2)?.1),
     };
-    let geo = Geometry::new(conv)?;
     let dst = typed_mut::<f32>(o.ty, o.bytes)?;
-    let (k, l, cout_g) = (geo.k, geo.l, geo.cout_g());
+    if conv.transposed {
+        // The input gradient of its adjoint, whose output gradient `x` is.
+        let geo = Geometry::new(&conv.adjoint()?)?;
+        if bias.is_some_and(|b| b.len() != geo.c_in)
+            || w.len() != geo.c_out * geo.k
+            || x.len() != geo.n * geo.image_out()
+            || dst.len() != geo.n * geo.image_in()
+        {
+            return None;
+        }
+        let space = match scratch_f32(scratch, geo.slots * geo.backward_slot_len()) {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        let result = backward_core(&geo, x, &[], w, Some(&mut *dst), None, space);
+        if let (Ok(()), Some(b)) = (&result, bias) {
+            let plane = geo.h * geo.w;
+            for image in dst.chunks_exact_mut(geo.image_in()) {
+                for (channel, &b) in image.chunks_exact_mut(plane).zip(b) {
+                    channel.iter_mut().for_each(|v| *v += b);
+                }
+            }
+        }
+        return Some(result);
+    }
+    let geo = Geometry::new(conv)?;
     if bias.is_some_and(|b| b.len() != geo.c_out)
-        || w.len() != geo.c_out * k
+        || w.len() != geo.c_out * geo.k
         || x.len() != geo.n * geo.image_in()
         || dst.len() != geo.n * geo.image_out()
     {
         return None;
     }
-    let slot_len = geo.unfold_len() + geo.gathered_len();
-    let space = match scratch_f32(scratch, geo.slots * slot_len) {
+    let space = match scratch_f32(scratch, geo.slots * geo.forward_slot_len()) {
         Ok(s) => s,
         Err(e) => return Some(Err(e)),
     };
+    Some(forward_core(&geo, x, w, bias, dst, space))
+}
+
+/// `dst = conv(x, w) + bias` (the sizes checked), in slots of `space`.
+fn forward_core(
+    geo: &Geometry,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    dst: &mut [f32],
+    space: &mut [f32],
+) -> Result<()> {
+    let (k, l, cout_g) = (geo.k, geo.l, geo.cout_g());
+    let slot_len = geo.forward_slot_len();
     let per = geo.per_task();
     // Task `t` runs images `t * per..`, `fold` at a time.
     let task = |t: usize, out: &mut [f32], slot: &mut [f32]| -> Result<()> {
@@ -318,7 +369,7 @@ pub(super) fn forward(
     };
     let parallel = geo.slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     let chunk = per * geo.image_out();
-    let result = match (parallel, slot_len) {
+    match (parallel, slot_len) {
         (true, 0) => dst
             .par_chunks_mut(chunk)
             .enumerate()
@@ -332,8 +383,7 @@ pub(super) fn forward(
             .chunks_mut(chunk)
             .enumerate()
             .try_for_each(|(t, out)| task(t, out, &mut space[..slot_len])),
-    };
-    Some(result)
+    }
 }
 
 /// An optional output's f32 elements (`Some(None)`: unused).
@@ -353,29 +403,85 @@ pub(super) fn backward(
     let (_, gout) = input::<f32>(args, 0)?;
     let (_, x) = input::<f32>(args, 1)?;
     let (_, w) = input::<f32>(args, 2)?;
-    let geo = Geometry::new(conv)?;
     let [gi, gw, gb] = outs else {
         return None;
     };
     let (gi, gw, gb) = (typed_out(gi)?, typed_out(gw)?, typed_out(gb)?);
-    let (k, l, cout_g, cin_g) = (geo.k, geo.l, geo.cout_g(), geo.cin_g());
-    if w.len() != geo.c_out * k
-        || x.len() != geo.n * geo.image_in()
-        || gout.len() != geo.n * geo.image_out()
-        || gi
-            .as_ref()
-            .is_some_and(|g| g.len() != geo.n * geo.image_in())
-        || gw.as_ref().is_some_and(|g| g.len() != geo.c_out * k)
-        || gb.as_ref().is_some_and(|g| g.len() != geo.c_out)
+    let transposed = conv.transposed;
+    let geo = if transposed {
+        Geometry::new(&conv.adjoint()?)?
+    } else {
+        Geometry::new(conv)?
+    };
+    // Transposed, the adjoint's input is the output gradient and its output the input.
+    let (y_len, x_len) = (geo.n * geo.image_out(), geo.n * geo.image_in());
+    let (gout_len, input_len, bias_len) = if transposed {
+        (x_len, y_len, geo.c_in)
+    } else {
+        (y_len, x_len, geo.c_out)
+    };
+    if w.len() != geo.c_out * geo.k
+        || x.len() != input_len
+        || gout.len() != gout_len
+        || gi.as_ref().is_some_and(|g| g.len() != input_len)
+        || gw.as_ref().is_some_and(|g| g.len() != geo.c_out * geo.k)
+        || gb.as_ref().is_some_and(|g| g.len() != bias_len)
     {
         return None;
     }
-    let (unfold, gathered) = (geo.unfold_len(), geo.gathered_len());
-    let slot_len = 2 * unfold + gathered + geo.c_out * k;
-    let space = match scratch_f32(scratch, geo.slots * slot_len) {
+    let space = match scratch_f32(scratch, geo.slots * geo.backward_slot_len()) {
         Ok(s) => s,
         Err(e) => return Some(Err(e)),
     };
+    let result = if transposed {
+        // The input's gradient is the adjoint's forward of the output gradient; the
+        // weight's, the adjoint's weight gradient with the roles of the two swapped.
+        let mut result = Ok(());
+        if let Some(gi) = gi {
+            result = forward_core(&geo, gout, w, None, gi, space);
+        }
+        if result.is_ok() && gw.is_some() {
+            result = backward_core(&geo, x, gout, w, None, gw, space);
+        }
+        result
+    } else {
+        backward_core(&geo, gout, x, w, gi, gw, space)
+    };
+    if let Err(e) = result {
+        return Some(Err(e));
+    }
+    if let Some(gb) = gb {
+        let plane = gout.len() / (geo.n * bias_len).max(1);
+        for (c, b) in gb.iter_mut().enumerate() {
+            let mut total = 0f64;
+            for n in 0..geo.n {
+                let at = (n * bias_len + c) * plane;
+                total += gout[at..at + plane]
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .sum::<f64>();
+            }
+            *b = total as f32;
+        }
+    }
+    Some(Ok(()))
+}
+
+/// The input gradient `gi` and the weight gradient `gw` (each when given) of `conv(x, w)`
+/// for the output gradient `gout` (the sizes checked; `x` may be empty without `gw`), in
+/// slots of `space`.
+fn backward_core(
+    geo: &Geometry,
+    gout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    gi: Option<&mut [f32]>,
+    gw: Option<&mut [f32]>,
+    space: &mut [f32],
+) -> Result<()> {
+    let (k, l, cout_g, cin_g) = (geo.k, geo.l, geo.cout_g(), geo.cin_g());
+    let (unfold, gathered) = (geo.unfold_len(), geo.gathered_len());
+    let slot_len = geo.backward_slot_len();
     let per = geo.per_task();
     let want_gw = gw.is_some();
     // Task `t` runs images `t * per..`, `fold` at a time, adding its grad_weight into its
@@ -394,7 +500,6 @@ pub(super) fn backward(
         for n0 in (first..first + images).step_by(geo.fold) {
             let m = geo.fold.min(first + images - n0);
             let ml = m * l;
-            let xs = &x[n0 * geo.image_in()..(n0 + m) * geo.image_in()];
             for g in 0..geo.groups {
                 let g_mat = if geo.fold == 1 {
                     let at = (n0 * geo.c_out + g * cout_g) * l;
@@ -412,6 +517,7 @@ pub(super) fn backward(
                     rows(&g_buf[..cout_g * ml], cout_g, ml)
                 };
                 if want_gw {
+                    let xs = &x[n0 * geo.image_in()..(n0 + m) * geo.image_in()];
                     let unfolded = if geo.in_place() {
                         &xs[g * k * l..(g + 1) * k * l]
                     } else {
@@ -468,9 +574,7 @@ pub(super) fn backward(
             .enumerate()
             .try_for_each(|(t, slot)| task(t, None, slot)),
     };
-    if let Err(e) = result {
-        return Some(Err(e));
-    }
+    result?;
     if let Some(gw) = gw {
         gw.fill(0.0);
         for slot in slots_used.chunks_exact(slot_len) {
@@ -478,15 +582,5 @@ pub(super) fn backward(
             gw.iter_mut().zip(partial).for_each(|(a, &p)| *a += p);
         }
     }
-    if let Some(gb) = gb {
-        for (c, b) in gb.iter_mut().enumerate() {
-            let mut total = 0f64;
-            for n in 0..geo.n {
-                let at = (n * geo.c_out + c) * l;
-                total += gout[at..at + l].iter().map(|&v| f64::from(v)).sum::<f64>();
-            }
-            *b = total as f32;
-        }
-    }
-    Some(Ok(()))
+    Ok(())
 }
