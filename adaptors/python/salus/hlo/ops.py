@@ -343,6 +343,11 @@ def _convolution(_, i, operands, constant):
         groups = batch_groups
     w = _permuted(rhs, [rhs_labels.index("o"), rhs_labels.index("i")]
                   + [rhs_labels.index(str(k)) for k in range(spatial)])
+    where = {"b": 0, "f": 1, **{str(k): 2 + k for k in range(spatial)}}
+    if batch_groups == 1:
+        out = _as_transposed(x, w, dims, groups)
+        if out is not None:
+            return _permuted(out, [where[c] for c in out_labels])
     flips = [2 + k for k, d in enumerate(dims) if d.reversal]
     if flips:
         w = torch.flip(w, flips)
@@ -354,8 +359,43 @@ def _convolution(_, i, operands, constant):
     out = aten.convolution(x, w, None, [d.stride for d in dims],
                            [d.pad_lo if symmetric else 0 for d in dims],
                            [d.rhs_dilate for d in dims], False, [0] * spatial, groups)
-    where = {"b": 0, "f": 1, **{str(k): 2 + k for k in range(spatial)}}
     return _permuted(out, [where[c] for c in out_labels])
+
+
+def _as_transposed(x: torch.Tensor, w: torch.Tensor, dims: list[WindowDim], groups: int
+                   ) -> torch.Tensor | None:
+    """A convolution over a zero-dilated input (``lhs_dilate``: XLA's input gradient of a
+    strided convolution) as the transposed convolution it is, which never multiplies the
+    inserted zeros; None when its window is not one (a stride, or padding beyond what a
+    transposed convolution crops). ``x``: ``[batch, features, spatial...]``; ``w``:
+    ``[out, in / groups, spatial...]``, before any window reversal.
+
+    Output position ``y`` reads dilated position ``y + k d - lo``, which holds input ``a``
+    when it is ``a s``: so ``y = a s - (d (K - 1) - lo) + k' d`` for the flipped tap
+    ``k' = K - 1 - k``, a transposed convolution with padding ``d (K - 1) - lo``; its
+    output padding is ``hi - lo`` (a negative one crops)."""
+    if all(d.lhs_dilate == 1 for d in dims) or any(d.stride != 1 for d in dims):
+        return None
+    sizes = list(w.shape[2:])
+    pads = [d.rhs_dilate * (k - 1) - d.pad_lo for d, k in zip(dims, sizes)]
+    extra = [d.pad_hi - d.pad_lo for d in dims]
+    if any(p < 0 for p in pads) or any(e >= d.lhs_dilate for e, d in zip(extra, dims)):
+        return None
+    out_features, in_per_group = w.shape[:2]
+    # [out, in/g, K] as a transposed convolution's [in, out/g, K], each tap flipped (once
+    # more where the window already reverses it).
+    wt = (w.reshape(groups, out_features // groups, in_per_group, *sizes).transpose(1, 2)
+          .reshape(groups * in_per_group, out_features // groups, *sizes))
+    flips = [2 + k for k, d in enumerate(dims) if not d.reversal]
+    if flips:
+        wt = torch.flip(wt, flips)
+    out = aten.convolution(x, wt, None, [d.lhs_dilate for d in dims], pads,
+                           [d.rhs_dilate for d in dims], True, [max(e, 0) for e in extra],
+                           groups)
+    for k, e in enumerate(extra):
+        if e < 0:
+            out = out.narrow(2 + k, 0, out.shape[2 + k] + e)
+    return out
 
 
 def _batch_groups_as_features(x: torch.Tensor, count: int) -> torch.Tensor:
