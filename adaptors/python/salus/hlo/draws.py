@@ -17,7 +17,7 @@ random part for one step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -46,6 +46,10 @@ class Draws:
     fed: list[str]
     advances: dict[str, str]
     part: frozenset[str]
+    # The instructions each evaluation runs, in order, by computation and what it wants:
+    # found on the first step, the same on every other.
+    orders: dict[tuple[str, tuple[str, ...]], list[Instruction]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def draw(self, seeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
         """The fed values for one step from the seeds' values, and the seeds' next values."""
@@ -55,42 +59,42 @@ class Draws:
             if int(i.literal) in self.seeds:
                 value = np.asarray(seeds[self.seeds[int(i.literal)]])
                 args[int(i.literal)] = value.astype(_dtype(i)).reshape(i.shape.dims)
-        values = _evaluate(self.module, entry, args, self.fed + list(self.advances.values()))
+        values = self._evaluate(entry, args, self.fed + list(self.advances.values()))
         return ([values[n] for n in self.fed],
                 {seed: values[n] for seed, n in self.advances.items()})
 
+    def _evaluate(self, computation: Computation, args: dict[int, Any],
+                  wanted: list[str]) -> dict[str, Any]:
+        """The values of ``wanted`` instructions of ``computation`` (and of what they
+        need) for parameter values ``args``, by XLA's definitions over numpy."""
+        key = (computation.name, tuple(wanted))
+        if key not in self.orders:
+            needed = computation.needed(wanted)
+            self.orders[key] = [i for i in computation.instructions if i.name in needed]
+        values: dict[str, Any] = {}
+        for i in self.orders[key]:
+            operands = [values[o] for o in i.operands]
+            if i.opcode == "parameter":
+                values[i.name] = args[int(i.literal)]
+            elif i.opcode == "call":
+                values[i.name] = self._call(i.attributes["to_apply"], operands)
+            elif i.opcode == "while":
+                state = operands[0]
+                while self._call(i.attributes["condition"], [state]):
+                    state = self._call(i.attributes["body"], [state])
+                values[i.name] = state
+            elif i.annotates:
+                values[i.name] = operands[0]
+            elif i.opcode in RULES:
+                values[i.name] = RULES[i.opcode](i, operands)
+            else:
+                raise LoweringError(f"HLO {i.opcode} {i.name} ({i.source or 'no source'}): "
+                                    "salus cannot draw this random number on the client")
+        return values
 
-def _evaluate(module: Module, computation: Computation, args: dict[int, Any],
-              wanted: list[str]) -> dict[str, Any]:
-    """The values of ``wanted`` instructions of ``computation`` (and of what they need)
-    for parameter values ``args``, by XLA's definitions over numpy."""
-    values: dict[str, Any] = {}
-    for i in _in_order(computation, wanted):
-        operands = [values[o] for o in i.operands]
-        if i.opcode == "parameter":
-            values[i.name] = args[int(i.literal)]
-        elif i.opcode == "call":
-            values[i.name] = _call(module, i.attributes["to_apply"], operands)
-        elif i.opcode == "while":
-            state = operands[0]
-            while _call(module, i.attributes["condition"], [state]):
-                state = _call(module, i.attributes["body"], [state])
-            values[i.name] = state
-        elif i.opcode == "custom-call" and i.attributes.get(
-                "custom_call_target", "").strip('"') == "Sharding":
-            values[i.name] = operands[0]
-        elif i.opcode in RULES:
-            values[i.name] = RULES[i.opcode](i, operands)
-        else:
-            raise LoweringError(f"HLO {i.opcode} {i.name} ({i.source or 'no source'}): salus "
-                                "cannot draw this random number on the client")
-    return values
-
-
-def _call(module: Module, name: str, operands: list[Any]) -> Any:
-    callee = module.computations[name.lstrip("%")]
-    values = _evaluate(module, callee, dict(enumerate(operands)), [callee.root])
-    return values[callee.root]
+    def _call(self, name: str, operands: list[Any]) -> Any:
+        callee = self.module.computations[name.lstrip("%")]
+        return self._evaluate(callee, dict(enumerate(operands)), [callee.root])[callee.root]
 
 
 def find_draws(module: Module, seeds: dict[int, str], updates: dict[int, str]
@@ -161,18 +165,6 @@ def find_draws(module: Module, seeds: dict[int, str], updates: dict[int, str]
 _EXPANDING = ("broadcast", "reshape", "copy", "convert", "bitcast")
 
 
-def _in_order(computation: Computation, wanted: list[str]) -> list[Instruction]:
-    """The instructions ``wanted`` depends on, in the computation's order."""
-    by_name = computation.by_name()
-    needed, todo = set(), list(wanted)
-    while todo:
-        name = todo.pop()
-        if name not in needed:
-            needed.add(name)
-            todo.extend(by_name[name].operands)
-    return [i for i in computation.instructions if i.name in needed]
-
-
 def _dtype(i: Instruction) -> Any:
     if i.shape.dtype not in NUMPY:
         raise LoweringError(f"HLO {i.opcode} {i.name}: element type {i.shape.dtype} is not "
@@ -184,18 +176,7 @@ def _dtype(i: Instruction) -> Any:
 
 
 def _constant(i: Instruction, _) -> np.ndarray:
-    words = i.literal.replace("{", " ").replace("}", " ").replace(",", " ").split()
-    dtype = _dtype(i)
-    count = math.prod(i.shape.dims)
-    if dtype == np.bool_:
-        values = [w.lower() == "true" for w in words]
-    elif np.issubdtype(dtype, np.integer):
-        values = [int(w) for w in words]
-    else:
-        values = [float(w) for w in words]
-    if len(values) == 1 and count != 1:
-        values = values * count
-    return np.array(values, dtype=dtype).reshape(i.shape.dims)
+    return np.array(i.literal_values(), dtype=_dtype(i)).reshape(i.shape.dims)
 
 
 def _iota(i: Instruction, _) -> np.ndarray:

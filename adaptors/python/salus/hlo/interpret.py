@@ -14,7 +14,6 @@ Instructions nothing reads (TensorFlow leaves some) are not run.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Collection, Sequence
 
@@ -25,7 +24,7 @@ from ..errors import LoweringError, MissingOp, UnsupportedOpError
 from . import indexing
 from .ops import CONSTANT_RULES, Const, torch_dtype
 from .ops import RULES as OP_RULES
-from .parse import Computation, Instruction, Module, Shape
+from .parse import Computation, Instruction, Module
 
 aten = torch.ops.aten
 
@@ -76,7 +75,7 @@ def unsupported(module: Module, drawn: Collection[str] = ()) -> UnsupportedOpErr
                          else _HINTS.get(i.opcode, "no IR op"))
                for computation in _reachable(module, drawn) for i in computation.instructions
                if i.opcode not in SUPPORTED and i.opcode not in CONSTANT_ONLY
-               and i.name not in drawn and not _annotation(i)]
+               and i.name not in drawn and not i.annotates]
     missing += [MissingOp(f"HLO {i.opcode} of a dynamic shape", i.name,
                           i.source or f"computation {computation.name}", tuple(i.operands),
                           f"{i.shape} is known only at run time; salus plans memory for "
@@ -101,12 +100,6 @@ def _reachable(module: Module, drawn: Collection[str] = ()) -> list[Computation]
     return [module.computations[n] for n in seen]
 
 
-def _annotation(i: Instruction) -> bool:
-    """A custom call that only annotates its operand (JAX's sharding of a PRNG key)."""
-    return (i.opcode == "custom-call" and len(i.operands) == 1
-            and i.attributes.get("custom_call_target", "").strip('"') == "Sharding")
-
-
 # -- running ------------------------------------------------------------------------------
 
 
@@ -124,9 +117,8 @@ class Interpreter:
         return self.computation(self.module.entry_computation, list(args))
 
     def computation(self, computation: Computation, args: list[Any]) -> Any:
-        by_name = computation.by_name()
         given = self.given if computation is self.module.entry_computation else {}
-        needed = _needed(computation, by_name, given)
+        needed = computation.needed([computation.root], given)
         values: dict[str, Any] = dict(given)
         for instruction in computation.instructions:
             if instruction.name not in needed or instruction.name in given:
@@ -148,13 +140,13 @@ class Interpreter:
             return tuple(operands)
         if i.opcode == "get-tuple-element":
             return operands[0][int(i.attributes["index"])]
-        if i.opcode in ("copy", "optimization-barrier") or _annotation(i):
+        if i.opcode in ("copy", "optimization-barrier") or i.annotates:
             return operands[0]
         if i.opcode == "call":
             callee = self.module.computations[i.attributes["to_apply"].lstrip("%")]
             return self.computation(callee, operands)
         if i.opcode == "constant":
-            return Const(_literal(i.literal, i.shape, i.name))
+            return Const(_literal(i))
         if i.opcode == "iota":
             return Const(_iota(i), lambda: _iota(i))
         rule = RULES.get(i.opcode)
@@ -178,19 +170,6 @@ class Interpreter:
         return _reducer(self.module.computations[i.attributes[attribute].lstrip("%")])
 
 
-def _needed(computation: Computation, by_name: dict[str, Instruction],
-            given: Collection[str] = ()) -> set[str]:
-    needed, todo = set(), [computation.root]
-    while todo:
-        name = todo.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        if name not in given:
-            todo.extend(by_name[name].operands)
-    return needed
-
-
 def _where(i: Instruction) -> str:
     return f"HLO {i.opcode} {i.name}" + (f" ({i.source})" if i.source else "")
 
@@ -210,31 +189,13 @@ def _reducer(computation: Computation) -> str:
 # -- values -------------------------------------------------------------------------------
 
 
-def _literal(text: str, shape: Shape, name: str) -> torch.Tensor:
-    dtype = torch_dtype(shape, name)
-    if "..." in text:
-        raise LoweringError(f"constant {name} was printed elided ({{...}}); print the module "
-                            "with large constants")
-    words = text.replace("{", " ").replace("}", " ").replace(",", " ").split()
-    values = [_number(w) for w in words]
-    count = math.prod(shape.dims)
-    if len(values) == 1 and count != 1:
-        values = values * count
-    if len(values) != count:
-        raise LoweringError(f"constant {name} has {len(values)} values for {shape}")
+def _literal(i: Instruction) -> torch.Tensor:
+    dtype = torch_dtype(i.shape, i.name)
+    values = i.literal_values()
     if dtype == torch.bool:
-        return torch.tensor([bool(v) for v in values], dtype=dtype).reshape(shape.dims)
+        return torch.tensor([bool(v) for v in values], dtype=dtype).reshape(i.shape.dims)
     work = torch.float64 if dtype.is_floating_point else torch.int64
-    return torch.tensor(values, dtype=work).to(dtype).reshape(shape.dims)
-
-
-def _number(word: str) -> float | int | bool:
-    lowered = word.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("inf", "+inf", "-inf", "nan", "-nan"):
-        return float(lowered.replace("+", ""))
-    return int(word) if re.fullmatch(r"[-+]?\d+", word) else float(word)
+    return torch.tensor(values, dtype=work).to(dtype).reshape(i.shape.dims)
 
 
 def _iota(i: Instruction) -> torch.Tensor:

@@ -14,8 +14,10 @@ interpreter reads the ones its op needs with the helpers here.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 from ..errors import LoweringError
 
@@ -51,6 +53,28 @@ class Instruction:
     # JAX's stack frame (a debug section of the module), 0 for none.
     frame: int = 0
 
+    @property
+    def annotates(self) -> bool:
+        """A custom call that only annotates its operand (JAX's sharding of a PRNG key):
+        its value is the operand's."""
+        return (self.opcode == "custom-call" and len(self.operands) == 1
+                and self.attributes.get("custom_call_target", "").strip('"') == "Sharding")
+
+    def literal_values(self) -> list[int | float | bool]:
+        """A constant's elements in row-major order (one printed value stands for all)."""
+        if "..." in self.literal:
+            raise LoweringError(f"constant {self.name} was printed elided ({{...}}); print "
+                                "the module with large constants")
+        words = self.literal.replace("{", " ").replace("}", " ").replace(",", " ").split()
+        values = [_number(w) for w in words]
+        count = math.prod(self.shape.dims)
+        if len(values) == 1 and count != 1:
+            values = values * count
+        if len(values) != count:
+            raise LoweringError(f"constant {self.name} has {len(values)} values for "
+                                f"{self.shape}")
+        return values
+
 
 @dataclass
 class Computation:
@@ -65,6 +89,20 @@ class Computation:
         """The parameters in their number order."""
         params = [i for i in self.instructions if i.opcode == "parameter"]
         return sorted(params, key=lambda i: int(i.literal))
+
+    def needed(self, roots: Sequence[str], given: Collection[str] = ()) -> set[str]:
+        """The instructions ``roots`` depend on, themselves included; the operands of
+        ``given`` ones (known already) are not."""
+        by_name = self.by_name()
+        needed, todo = set(), list(roots)
+        while todo:
+            name = todo.pop()
+            if name in needed:
+                continue
+            needed.add(name)
+            if name not in given:
+                todo.extend(by_name[name].operands)
+        return needed
 
 
 @dataclass
@@ -289,3 +327,12 @@ def window(text: str, rank: int) -> list[WindowDim]:
             rhs_dilate=int(fields.get("rhs_dilate", ["1"] * rank)[d]),
             reversal=fields.get("rhs_reversal", ["0"] * rank)[d] == "1"))
     return dims
+
+
+def _number(word: str) -> int | float | bool:
+    lowered = word.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("inf", "+inf", "-inf", "nan", "-nan"):
+        return float(lowered.replace("+", ""))
+    return int(word) if re.fullmatch(r"[-+]?\d+", word) else float(word)

@@ -76,12 +76,8 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
     def step(*values: torch.Tensor) -> list[torch.Tensor]:
         given = dict(zip(fed, values[len(values) - len(fed):]))
         by_name = {slot.name: value for slot, value in zip(traced_inputs, values)}
-        entry_args: list[Any] = []
-        for param, slot in zip(params, inputs):
-            if slot.name in seeds:  # read only by the random part, which is not run
-                entry_args.append(None)
-            else:
-                entry_args.append(by_name[slot.name])
+        # A seed is read only by the random part, which is not run here.
+        entry_args = [None if slot.name in seeds else by_name[slot.name] for slot in inputs]
         if draws is not None:  # the seeds' new values: the client's to compute
             given.update({name: None for name in draws.advances.values() if name not in given})
         result = _Stamping(module, given).run(entry_args)

@@ -290,12 +290,7 @@ pub(super) fn forward(
         };
         let result = backward_core(&geo, x, &[], w, Some(&mut *dst), None, space);
         if let (Ok(()), Some(b)) = (&result, bias) {
-            let plane = geo.h * geo.w;
-            for image in dst.chunks_exact_mut(geo.image_in()) {
-                for (channel, &b) in image.chunks_exact_mut(plane).zip(b) {
-                    channel.iter_mut().for_each(|v| *v += b);
-                }
-            }
+            add_bias(dst, b, geo.h * geo.w);
         }
         return Some(result);
     }
@@ -312,6 +307,16 @@ pub(super) fn forward(
         Err(e) => return Some(Err(e)),
     };
     Some(forward_core(&geo, x, w, bias, dst, space))
+}
+
+/// Adds `bias[c]` to every element of channel `c` of whole images (`bias.len()` planes of
+/// `plane` elements each).
+fn add_bias(images: &mut [f32], bias: &[f32], plane: usize) {
+    for image in images.chunks_exact_mut(bias.len() * plane) {
+        for (channel, &b) in image.chunks_exact_mut(plane).zip(bias) {
+            channel.iter_mut().for_each(|v| *v += b);
+        }
+    }
 }
 
 /// `dst = conv(x, w) + bias` (the sizes checked), in slots of `space`.
@@ -358,11 +363,7 @@ fn forward_core(
                 }
             }
             if let Some(b) = bias {
-                for image in out.chunks_exact_mut(geo.image_out()) {
-                    for (row, &b) in image.chunks_exact_mut(l).zip(b) {
-                        row.iter_mut().for_each(|v| *v += b);
-                    }
-                }
+                add_bias(out, b, l);
             }
         }
         Ok(())
