@@ -51,9 +51,12 @@ pub struct ProtectionConfig {
     pub initial_duty: f64,
     /// The lowest offline duty while online sessions are active.
     pub min_duty: f64,
-    /// The share of the device's compute an offline iteration may use while online
-    /// sessions are active, in (0, 1] (MuxFlow's SM percentage for offline work; a CPU
-    /// device gives it that share of its cores, the others stay free for online work).
+    /// The share of the device's compute an offline iteration may use while an online
+    /// iteration runs, in [0, 1] (MuxFlow's SM percentage for offline work; a CPU device
+    /// gives it that share of its cores, the others stay free for online work; 0 holds it
+    /// between two kernels). While no online iteration runs it may use the whole device:
+    /// the share follows the online work at kernel granularity
+    /// ([`crate::Action::SetComputeShare`]).
     pub offline_compute_share: f64,
     /// Percentiles of online latency and slowdown are judged only over at least this
     /// many samples in the window: one slow iteration is not a 99th percentile.
@@ -128,7 +131,12 @@ impl ProtectionConfig {
         unit("offline_memory_share", self.offline_memory_share)?;
         unit("initial_duty", self.initial_duty)?;
         unit("min_duty", self.min_duty)?;
-        unit("offline_compute_share", self.offline_compute_share)?;
+        if !(0.0..=1.0).contains(&self.offline_compute_share) {
+            return Err(format!(
+                "offline_compute_share must be in [0, 1], got {}",
+                self.offline_compute_share
+            ));
+        }
         unit("clock_threshold", self.clock_threshold)?;
         if self.min_duty > self.initial_duty {
             return Err(format!(

@@ -107,6 +107,14 @@ impl Checked {
                     assert!(lane.is_some(), "abandon of {session}, which does not run");
                     abandon.push(session);
                 }
+                Action::SetComputeShare {
+                    session,
+                    compute_share,
+                } => {
+                    let lane = self.running.iter().find(|(_, s)| **s == session);
+                    assert!(lane.is_some(), "a share for {session}, which does not run");
+                    assert!((0.0..=1.0).contains(&compute_share));
+                }
                 Action::Admit { session, .. } => {
                     assert!(self.admitted.insert(session));
                 }

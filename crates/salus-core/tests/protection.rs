@@ -298,41 +298,94 @@ fn one_slow_iteration_is_not_a_percentile() {
     assert!(status.offline_duty < 0.5, "the controller reacts at once");
 }
 
-#[test]
-fn offline_iterations_get_a_share_of_the_compute_while_online_work_is_active() {
-    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
-    d.open(offline(2, 10 * MB, 10 * MB));
-    let share = |a: &[Action]| {
-        a.iter().find_map(|x| match x {
-            Action::StartIteration { compute_share, .. } => Some(*compute_share),
+fn start_share(a: &[Action]) -> Option<f64> {
+    a.iter().find_map(|x| match x {
+        Action::StartIteration { compute_share, .. } => Some(*compute_share),
+        _ => None,
+    })
+}
+
+fn set_shares(a: &[Action]) -> Vec<(u64, f64)> {
+    a.iter()
+        .filter_map(|x| match x {
+            Action::SetComputeShare {
+                session,
+                compute_share,
+            } => Some((session.0, *compute_share)),
             _ => None,
         })
-    };
+        .collect()
+}
+
+/// Submits an iteration of `id`, waking the core when the controller holds it.
+fn submit_through_hold(d: &mut Driver, id: u64) -> Vec<Action> {
+    let a = d.submit(id);
+    if start_share(&a).is_some() {
+        return a;
+    }
+    d.now = d.core.next_wakeup().unwrap();
+    d.feed(Event::Tick)
+}
+
+#[test]
+fn the_offline_compute_share_follows_online_iterations() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(2, 10 * MB, 10 * MB));
     // Alone, it has the whole device.
-    assert_eq!(share(&d.submit(2)), Some(1.0));
+    assert_eq!(start_share(&d.submit(2)), Some(1.0));
     run(&mut d, 2, 10);
     d.open(spec(1, 10 * MB, 10 * MB));
     d.submit(1);
-    assert_eq!(share(&run(&mut d, 1, 10)), None);
-    let a = d.submit(2);
-    let a = if a.is_empty() {
-        d.now = d.core.next_wakeup().unwrap();
-        d.feed(Event::Tick)
-    } else {
-        a
-    };
-    assert_eq!(share(&a), Some(0.3), "{a:?}");
-    // Online sessions silent for the window: the whole device again.
-    run(&mut d, 2, 10);
-    d.now += Duration::from_secs(11);
-    let a = d.submit(2);
-    assert_eq!(share(&a), Some(1.0), "{a:?}");
-    // An online iteration beside a running offline one gets the rest of the device; with
-    // none running, all of it.
-    assert_eq!(share(&d.submit(1)), Some(0.7));
-    run(&mut d, 2, 10);
     run(&mut d, 1, 10);
-    assert_eq!(share(&d.submit(1)), Some(1.0));
+    // With an online session active but no online iteration running: the whole device.
+    let a = submit_through_hold(&mut d, 2);
+    assert_eq!(start_share(&a), Some(1.0), "{a:?}");
+    // An online iteration starts beside it: it gets the rest of the offline share, and
+    // the running offline iteration is told to shrink from its next kernel on.
+    let a = d.submit(1);
+    assert_eq!(start_share(&a), Some(0.7), "{a:?}");
+    assert_eq!(set_shares(&a), vec![(2, 0.3)]);
+    // The last online iteration ends: the whole device again.
+    let a = run(&mut d, 1, 10);
+    assert_eq!(set_shares(&a), vec![(2, 1.0)]);
+    // Nothing to tell when online work starts with no offline iteration running.
+    run(&mut d, 2, 10);
+    let a = d.submit(1);
+    assert_eq!((start_share(&a), set_shares(&a)), (Some(1.0), vec![]));
+    // An offline iteration that starts while an online one runs gets the offline share.
+    let a = submit_through_hold(&mut d, 2);
+    assert_eq!(start_share(&a), Some(0.3), "{a:?}");
+    let a = run(&mut d, 1, 10);
+    assert_eq!(set_shares(&a), vec![(2, 1.0)]);
+    // An online session closing mid-iteration ends its online work too.
+    assert_eq!(set_shares(&d.submit(1)), vec![(2, 0.3)]);
+    assert_eq!(set_shares(&d.close(1)), vec![(2, 1.0)]);
+}
+
+#[test]
+fn an_offline_share_of_zero_holds_offline_work_while_online_work_runs() {
+    let config = ProtectionConfig {
+        offline_compute_share: 0.0,
+        ..ProtectionConfig::default()
+    };
+    config.validate().unwrap();
+    let mut d = driver(PolicyKind::Pack, config);
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.submit(1);
+    run(&mut d, 1, 10);
+    assert_eq!(start_share(&submit_through_hold(&mut d, 2)), Some(1.0));
+    let a = d.submit(1);
+    assert_eq!(start_share(&a), Some(1.0), "{a:?}");
+    assert_eq!(set_shares(&a), vec![(2, 0.0)]);
+    assert_eq!(set_shares(&run(&mut d, 1, 10)), vec![(2, 1.0)]);
+    // Without protection nothing is throttled.
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::disabled());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    assert_eq!(start_share(&d.submit(2)), Some(1.0));
+    let a = d.submit(1);
+    assert_eq!((start_share(&a), set_shares(&a)), (Some(1.0), vec![]));
 }
 
 #[test]

@@ -225,29 +225,55 @@ impl CpuDevice {
             .ok()
             .and_then(|mut spare| spare.pop())
             .unwrap_or_default();
-        let mut run_all = || {
-            for (index, node) in graph.nodes.iter().enumerate() {
-                if control.is_some_and(RunControl::abandoned) {
-                    // Updates are written only after the last node: nothing is kept.
-                    return Err(ExecError::Abandoned);
+        // Runs nodes from `next` on until the last, or until the control's share asks for
+        // another number of threads than `threads` (false then).
+        let all = rayon::current_num_threads();
+        let mut next = 0;
+        let mut run_from = |next: &mut usize, threads: usize| {
+            while let Some(node) = graph.nodes.get(*next) {
+                if let Some(control) = control {
+                    if control.abandoned() {
+                        // Updates are written only after the last node: nothing is kept.
+                        return Err(ExecError::Abandoned);
+                    }
+                    if share_threads(control.share(), all) != threads {
+                        return Ok(false);
+                    }
                 }
                 let node_start = times.is_some().then(Instant::now);
-                let result = run_node(program, index, node, &persistent, &mut lane, &mut lists);
+                let result = run_node(program, *next, node, &persistent, &mut lane, &mut lists);
                 if let (Some(times), Some(t)) = (times.as_deref_mut(), node_start) {
-                    times[index] = t.elapsed();
+                    times[*next] = t.elapsed();
                 }
                 result?;
+                *next += 1;
             }
-            Ok::<(), ExecError>(())
+            Ok::<bool, ExecError>(true)
         };
-        // The nodes run as one job on the kernels' thread pool: the kernels' parallel loops
-        // then split work from inside the pool, which hands nothing to another thread's
-        // queue per op (and allocates nothing for it). A graph of small tensors runs right
-        // here: it would not split, and the hop to the pool would cost more than its ops.
-        let result = if program.is_small() {
-            run_all()
-        } else {
-            rayon::scope(|_| run_all())
+        // The nodes run as one job on the kernels' thread pool, or on a smaller pool of
+        // the control's share of its threads (taken for as long as that share lasts, so
+        // that the other cores stay free for lanes on the full pool): the kernels'
+        // parallel loops then split work from inside the pool, which hands nothing to
+        // another thread's queue per op (and allocates nothing for it). A graph of small
+        // tensors runs right here: it would not split, and the hop to the pool would cost
+        // more than its ops. Held at share 0, the iteration waits between two nodes.
+        let result = loop {
+            let threads = match control {
+                Some(control) => share_threads(control.wait_for_share(), all),
+                None => all,
+            };
+            let ran = if program.is_small() || threads == 0 {
+                run_from(&mut next, threads)
+            } else if let Some(taken) = (threads < all).then(|| self.pool(threads)).flatten() {
+                taken.pool.install(|| run_from(&mut next, threads))
+            } else {
+                rayon::scope(|_| run_from(&mut next, threads))
+            };
+            match ran {
+                Ok(false) => continue,
+                Ok(true) => break Ok(()),
+                Err(e) => break Err(e),
+            }
         };
         if let Ok(mut spare) = self.spare.lock() {
             spare.push(lists);
@@ -331,11 +357,12 @@ impl Device for CpuDevice {
         self.iterate(program, at, feeds, None, None)
     }
 
-    /// Runs on the control's share of the kernels' threads (at least one): the kernels
-    /// split their work over the threads of the pool they run in, so the other cores stay
-    /// free for the lanes running on the full pool. The results are the same bit for bit:
-    /// every kernel gives the same answer on any number of threads. Abandoned, it stops
-    /// before its next node.
+    /// Runs on the control's share of the kernels' threads (at least one), following it
+    /// as the driver changes it, from the next node on (held between two nodes at share
+    /// 0): the kernels split their work over the threads of the pool they run in, so the
+    /// other cores stay free for the lanes running on the full pool. The results are the
+    /// same bit for bit: every kernel gives the same answer on any number of threads.
+    /// Abandoned, it stops before its next node.
     fn run_with(
         &self,
         program: &Program,
@@ -343,17 +370,17 @@ impl Device for CpuDevice {
         feeds: &[&[u8]],
         control: &RunControl,
     ) -> Result<Outcome, ExecError> {
-        let all = rayon::current_num_threads();
-        let threads = ((control.share * all as f64).round() as usize).clamp(1, all);
-        match (threads < all && !program.is_small())
-            .then(|| self.pool(threads))
-            .flatten()
-        {
-            Some(taken) => taken
-                .pool
-                .install(|| self.iterate(program, at, feeds, None, Some(control))),
-            None => self.iterate(program, at, feeds, None, Some(control)),
-        }
+        self.iterate(program, at, feeds, None, Some(control))
+    }
+}
+
+/// The kernel threads a share of `all` stands for: at least one where the share is above
+/// 0, none where it holds the iteration.
+fn share_threads(share: f64, all: usize) -> usize {
+    if share > 0.0 {
+        ((share * all as f64).round() as usize).clamp(1, all)
+    } else {
+        0
     }
 }
 

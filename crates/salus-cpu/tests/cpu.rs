@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use salus_cpu::CpuDevice;
 use salus_exec::{Device, ExecError, Location, Placement, Program, RunControl};
@@ -260,24 +262,43 @@ fn a_share_of_the_cores_gives_the_same_bits() {
     let x = f32_bytes(&values(1, 2048 * 256));
     let y = f32_bytes(&values(2, 2048 * 64));
     let w = f32_bytes(&values(3, 256 * 64));
-    let run = |share: Option<f64>| {
+    // `shares`: none (`Device::run`), or the shares the iteration is given in turn, the
+    // first at its start and each next one 200 us later from another thread.
+    let run = |shares: &[f64]| {
         let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
         device.write(0, &w).unwrap();
         let mut fetches = Vec::new();
         for _ in 0..3 {
             let feeds = [x.as_slice(), y.as_slice()];
-            let out = match share {
-                Some(share) => device.run_with(&program, at, &feeds, &RunControl::new(share)),
-                None => device.run(&program, at, &feeds),
-            }
-            .unwrap();
+            let Some((&first, later)) = shares.split_first() else {
+                fetches.push(device.run(&program, at, &feeds).unwrap().fetches);
+                continue;
+            };
+            let control = RunControl::new(first);
+            let released = AtomicBool::new(false);
+            let out = std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    for &share in later {
+                        std::thread::sleep(Duration::from_micros(200));
+                        released.store(share > 0.0, Ordering::SeqCst);
+                        control.set_share(share);
+                    }
+                });
+                device.run_with(&program, at, &feeds, &control).unwrap()
+            });
+            // Held at its start, it ran only once a later share let it.
+            assert!(first > 0.0 || released.load(Ordering::SeqCst));
             fetches.push(out.fetches);
         }
         (fetches, device.read(0, w.len() as u64).unwrap())
     };
-    let all = run(None);
-    assert_eq!(run(Some(0.5)), all);
-    assert_eq!(run(Some(0.01)), all);
+    let all = run(&[]);
+    assert_eq!(run(&[0.5]), all);
+    assert_eq!(run(&[0.01]), all);
+    // Shares changed while it runs (the offline share following online work), and held
+    // at 0 between two nodes.
+    assert_eq!(run(&[1.0, 0.5, 0.0, 1.0, 0.01, 0.0, 0.5]), all);
+    assert_eq!(run(&[0.0, 0.0, 1.0]), all);
 }
 
 /// An abandoned iteration stops and keeps nothing: the persistent block is as before, and
@@ -304,6 +325,17 @@ fn an_abandoned_iteration_changes_nothing() {
         device.run_with(&program, at, &feeds, &control),
         Err(ExecError::Abandoned)
     );
+    assert_eq!(device.read(0, w.len() as u64).unwrap(), w);
+    // Abandoned while held between two nodes, it stops there.
+    let held = RunControl::new(0.0);
+    let result = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(5));
+            held.abandon();
+        });
+        device.run_with(&program, at, &feeds, &held)
+    });
+    assert_eq!(result, Err(ExecError::Abandoned));
     assert_eq!(device.read(0, w.len() as u64).unwrap(), w);
     let again = device
         .run_with(&program, at, &feeds, &RunControl::new(1.0))

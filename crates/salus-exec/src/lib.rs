@@ -26,6 +26,8 @@ pub mod layout;
 pub mod random;
 pub mod sim;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use salus_graph::{
@@ -78,33 +80,72 @@ pub enum ExecError {
     Abandoned,
 }
 
-/// How one iteration runs, and the driver's hold on it while it runs.
+/// How one iteration runs, and the driver's hold on it while it runs: the share of the
+/// device it may use, which the driver may change while it runs (the device follows from
+/// its next kernel on), and abandonment.
 #[derive(Debug)]
 pub struct RunControl {
-    /// The share of the device's compute it may use, in (0, 1].
-    pub share: f64,
-    abandon: std::sync::atomic::AtomicBool,
+    /// The share, as the bits of an `f64` in [0, 1].
+    share: AtomicU64,
+    abandon: AtomicBool,
+    /// Wakes an iteration held at share 0.
+    changed: (Mutex<()>, Condvar),
 }
 
 impl RunControl {
-    /// An iteration on `share` of the device (1.0: all of it).
+    /// An iteration on `share` of the device (1.0: all of it; 0: held before its first
+    /// kernel until [`RunControl::set_share`] gives it more).
     pub fn new(share: f64) -> RunControl {
         RunControl {
-            share,
-            abandon: std::sync::atomic::AtomicBool::new(false),
+            share: AtomicU64::new(share.clamp(0.0, 1.0).to_bits()),
+            abandon: AtomicBool::new(false),
+            changed: (Mutex::new(()), Condvar::new()),
         }
+    }
+
+    /// The share of the device's compute it may use now, in [0, 1].
+    pub fn share(&self) -> f64 {
+        f64::from_bits(self.share.load(Ordering::Relaxed))
+    }
+
+    /// Changes the share from the iteration's next kernel on; 0 holds it between two
+    /// kernels (its results are the same whatever the shares: kernels give the same
+    /// answer on any number of threads).
+    pub fn set_share(&self, share: f64) {
+        self.share
+            .store(share.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+        self.wake();
     }
 
     /// Asks the device to stop the iteration at its next chance (between two nodes on
     /// the cpu device); it then fails with [`ExecError::Abandoned`], changing nothing.
     pub fn abandon(&self) {
-        self.abandon
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.abandon.store(true, Ordering::Relaxed);
+        self.wake();
     }
 
     /// True once [`RunControl::abandon`] was called.
     pub fn abandoned(&self) -> bool {
-        self.abandon.load(std::sync::atomic::Ordering::Relaxed)
+        self.abandon.load(Ordering::Relaxed)
+    }
+
+    /// Waits while the share is 0 and the iteration is not abandoned; returns the share.
+    pub fn wait_for_share(&self) -> f64 {
+        let (lock, changed) = &self.changed;
+        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let share = self.share();
+            if share > 0.0 || self.abandoned() {
+                return share;
+            }
+            guard = changed.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn wake(&self) {
+        // Taking the lock orders this change before a waiter's next look at the share.
+        drop(self.changed.0.lock());
+        self.changed.1.notify_all();
     }
 }
 

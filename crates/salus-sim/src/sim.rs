@@ -351,8 +351,8 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimReport, SimEr
                 }
                 Action::Suspend { .. } => suspensions += 1,
                 // These traces hold no offline sessions; an iteration asked to stop would
-                // run to its end, which the core takes as its answer.
-                Action::Abandon { .. } => {}
+                // run to its end, which the core takes as its answer, and no share changes.
+                Action::Abandon { .. } | Action::SetComputeShare { .. } => {}
                 Action::Reject { session, reason } => {
                     outcomes[session.0 as usize].rejected = Some(reason.to_string());
                     unresolved -= 1;

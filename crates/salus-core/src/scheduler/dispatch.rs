@@ -101,7 +101,7 @@ impl Scheduler {
             if let State::Admitted { running, .. } = &mut session.state {
                 *running = true;
             }
-            let compute_share = self.protect.started(session, self.now);
+            let compute_share = self.protect.started(session);
             let service = session.virtual_service;
             if let Some(lane) = self.lanes.get_mut(&lane_id) {
                 lane.running = Some(id);
@@ -116,6 +116,7 @@ impl Scheduler {
                 switched_from,
                 compute_share,
             });
+            self.sync_offline_share();
         }
     }
 

@@ -133,9 +133,19 @@ pub enum Action {
         lane_offset: u64,
         /// The session that ran last on this lane, when it was another one.
         switched_from: Option<SessionId>,
-        /// The share of the device's compute the iteration may use, in (0, 1]: below 1
-        /// for an offline iteration while online sessions are active (protection's
-        /// compute share; a CPU device runs it on that share of its cores).
+        /// The share of the device's compute the iteration may use, in [0, 1]: below 1
+        /// for an offline iteration while an online one runs (protection's compute share;
+        /// a CPU device runs it on that share of its cores, 0 holds it before its first
+        /// kernel) and for an online iteration beside offline ones.
+        compute_share: f64,
+    },
+    /// The running iteration of this (offline) session may now use `compute_share` of
+    /// the device, from its next kernel on: online work started or ended (protection's
+    /// kernel-level throttling). 0 holds it between two kernels until a later share.
+    SetComputeShare {
+        /// Whose iteration.
+        session: SessionId,
+        /// The share of the device's compute, in [0, 1].
         compute_share: f64,
     },
     /// Stop the running iteration of this offline session before its end, keeping
@@ -575,6 +585,7 @@ impl Scheduler {
             }
             None => self.on_abandoned(id),
         }
+        self.sync_offline_share();
         if closing {
             self.release(id);
         } else {
@@ -590,6 +601,7 @@ impl Scheduler {
             .ok_or(CoreError::UnknownSession(id))?;
         session.stats.pending_iterations = 0;
         self.forget_track(id);
+        self.sync_offline_share();
         let session = self
             .sessions
             .get_mut(&id)

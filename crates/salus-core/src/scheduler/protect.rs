@@ -49,6 +49,8 @@ pub(super) struct Protect {
     abandoned: u64,
     last_online: Option<Duration>,
     started: bool,
+    /// The share of the device running offline iterations were last given.
+    offline_share: f64,
 }
 
 impl Protect {
@@ -74,6 +76,7 @@ impl Protect {
             abandoned: 0,
             last_online: None,
             started: false,
+            offline_share: 1.0,
         }
     }
 }
@@ -382,6 +385,28 @@ impl Scheduler {
 }
 
 impl Scheduler {
+    /// Gives the running offline iterations the share of the device they may use now,
+    /// when it changed: an online iteration started or the last one ended
+    /// (`Action::SetComputeShare`, applied by the device at its next kernel).
+    pub(super) fn sync_offline_share(&mut self) {
+        let share = self.protect.offline_share_now();
+        if share == self.protect.offline_share {
+            return;
+        }
+        self.protect.offline_share = share;
+        let running = self
+            .lanes
+            .values()
+            .filter(|lane| lane.class == SessionClass::Offline)
+            .filter_map(|lane| lane.running);
+        for session in running {
+            self.actions.push(super::Action::SetComputeShare {
+                session,
+                compute_share: share,
+            });
+        }
+    }
+
     /// Forgets what protection follows of a closing session's iterations.
     pub(super) fn forget_track(&mut self, id: SessionId) {
         let Some(session) = self.sessions.get_mut(&id) else {
@@ -427,15 +452,28 @@ impl Protect {
         }
     }
 
+    /// The share of the device an offline iteration may use now: the offline compute
+    /// share while an online iteration runs, else the whole device.
+    fn offline_share_now(&self) -> f64 {
+        if self.config.enabled && self.online_running > 0 {
+            self.config.offline_compute_share
+        } else {
+            1.0
+        }
+    }
+
     /// An iteration of `session` starts: the share of the device's compute it may use.
-    /// While online sessions are active an offline iteration gets the offline share, and
-    /// an online iteration that starts while offline ones run gets the rest, so that the
-    /// two never ask for more than the device (on the cpu device, more threads than cores).
-    pub(super) fn started(&mut self, session: &mut Session, now: Duration) -> f64 {
+    /// An offline iteration gets the offline share while an online iteration runs (and
+    /// the whole device otherwise: [`Scheduler::sync_offline_share`] follows the online
+    /// work as it starts and ends), and an online iteration that starts while offline
+    /// ones run gets the rest, so that the two never ask for more than the device (on
+    /// the cpu device, more threads than cores).
+    pub(super) fn started(&mut self, session: &mut Session) -> f64 {
         match session.spec.class {
             SessionClass::Offline => {
                 self.offline_running += 1;
                 self.offline_starts += 1;
+                self.offline_share_now()
             }
             SessionClass::Online => {
                 let track = &mut session.track;
@@ -446,16 +484,13 @@ impl Protect {
                 track.probing = track.clean.is_none();
                 self.online_running += 1;
                 self.probing_running += usize::from(track.probing);
+                let offline = self.config.offline_compute_share;
+                if self.config.enabled && self.offline_running > 0 && offline < 1.0 {
+                    1.0 - offline
+                } else {
+                    1.0
+                }
             }
-        }
-        if !self.config.enabled {
-            return 1.0;
-        }
-        let offline = self.config.offline_compute_share;
-        match session.spec.class {
-            SessionClass::Offline if self.online_active(now) => offline,
-            SessionClass::Online if self.offline_running > 0 && offline < 1.0 => 1.0 - offline,
-            _ => 1.0,
         }
     }
 

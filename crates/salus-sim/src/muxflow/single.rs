@@ -35,7 +35,7 @@ use salus_core::{
 use serde::Serialize;
 
 use super::Knobs;
-use super::gpu::Latencies;
+use super::gpu::{Latencies, PB_KERNEL_S};
 use super::workload::{GPU_BYTES, OFFLINE_MEMORY_SHARE, QPS_RANGE, SERVICES, ServiceKind};
 use crate::catalog::{self, Workload};
 use crate::rng::Rng;
@@ -144,13 +144,20 @@ pub struct SingleExperiment {
 struct Running {
     session: SessionId,
     started: f64,
-    /// Seconds left at full rate under the iteration's share.
+    /// Seconds of copies and switches left, at full rate (no compute share slows them).
+    fixed_left: f64,
+    /// Solo seconds of compute left.
     work_left: f64,
+    /// The compute share it keeps busy alone.
+    wants: f64,
     /// Compute share it demands.
     share: f64,
     /// Its speed against running alone with the whole device (below 1 when held to a
-    /// compute share smaller than what it keeps busy alone).
+    /// compute share smaller than what it keeps busy alone; 0 while held).
     speed: f64,
+    /// A share the core gave it while it runs, and when its running kernel ends: the
+    /// device applies the share from there on.
+    reshare: Option<(f64, f64)>,
     /// Solo seconds of offline work it has added to the run's total (taken back if it is
     /// abandoned).
     counted: f64,
@@ -209,8 +216,43 @@ struct Offline {
     iterations_left: u64,
 }
 
+impl Running {
+    /// Held to `share` of the device.
+    fn set_share(&mut self, share: f64) {
+        self.share = self.wants.min(share.clamp(0.0, 1.0));
+        self.speed = if self.wants > 0.0 {
+            self.share / self.wants
+        } else {
+            1.0
+        };
+    }
+
+    /// Seconds to its end at processor-sharing `rate` (infinite while held).
+    fn time_left(&self, rate: f64) -> f64 {
+        let compute = if self.work_left <= 0.0 {
+            0.0
+        } else if self.speed > 0.0 {
+            self.work_left / self.speed
+        } else {
+            f64::INFINITY
+        };
+        (self.fixed_left + compute) / rate
+    }
+
+    /// Runs `dt` seconds at `rate`; returns the solo seconds of compute done.
+    fn advance(&mut self, dt: f64, rate: f64) -> f64 {
+        let units = dt * rate;
+        let fixed = units.min(self.fixed_left);
+        self.fixed_left -= fixed;
+        let done = ((units - fixed) * self.speed).min(self.work_left.max(0.0));
+        self.work_left -= (units - fixed) * self.speed;
+        done
+    }
+}
+
 /// Runs one system; returns its results and the request latencies.
 fn run(
+    seed: u64,
     system: &str,
     kind: &ServiceKind,
     reqs: &[Request],
@@ -267,6 +309,8 @@ fn run(
     let mut abandoned = 0u64;
     let mut next_sample = 0.0f64;
     let mut now = 0.0f64;
+    // Where the running offline kernel ends when the core changes an iteration's share.
+    let mut kernel_rng = Rng::new(seed ^ 0x6b65_726e);
     let a = kind.busy_share;
     let rate_at = |t: f64| {
         let (lo, hi) = QPS_RANGE;
@@ -344,16 +388,33 @@ fn run(
                     };
                     // Held to a share of the device below what it keeps busy alone, the
                     // iteration demands that share and runs slower in proportion.
-                    let share = wants.min(compute_share.clamp(f64::MIN_POSITIVE, 1.0));
-                    let speed = share / wants;
-                    running.push(Running {
+                    let mut r = Running {
                         session,
                         started: now,
-                        work_left: work / speed + fixed,
-                        share,
-                        speed,
+                        fixed_left: fixed,
+                        work_left: work,
+                        wants,
+                        share: wants,
+                        speed: 1.0,
+                        reshare: None,
                         counted: 0.0,
-                    });
+                    };
+                    r.set_share(compute_share);
+                    running.push(r);
+                }
+                Action::SetComputeShare {
+                    session,
+                    compute_share,
+                } => {
+                    // From the end of the kernel it runs now (uniform up to
+                    // `PB_KERNEL_S`, as a request waits for one under PB-time-sharing).
+                    if let Some(r) = running.iter_mut().find(|r| r.session == session) {
+                        let at = match r.reshare {
+                            Some((_, at)) => at,
+                            None => now + kernel_rng.unit() * PB_KERNEL_S,
+                        };
+                        r.reshare = Some((compute_share, at));
+                    }
                 }
                 Action::Admit {
                     session, resumed, ..
@@ -412,13 +473,18 @@ fn run(
         let rate = 1.0 / demand.max(1.0);
         let finish_at = running
             .iter()
-            .map(|r| now + r.work_left / rate)
+            .map(|r| now + r.time_left(rate))
+            .fold(f64::INFINITY, f64::min);
+        let reshare_at = running
+            .iter()
+            .filter_map(|r| r.reshare.map(|(_, at)| at.max(now)))
             .fold(f64::INFINITY, f64::min);
         let arrive_at = reqs.get(next_req).map_or(f64::INFINITY, |r| r.arrival);
         let wake_at = core
             .next_wakeup()
             .map_or(f64::INFINITY, |d| d.as_secs_f64().max(now));
         let t = finish_at
+            .min(reshare_at)
             .min(arrive_at)
             .min(wake_at)
             .min(next_sample.max(now));
@@ -429,22 +495,24 @@ fn run(
         if !t.is_finite() {
             break;
         }
-        // Account for [now, t) within the run.
+        // Run [now, t), and account for the part within the run.
         let (from, to) = (now.min(end), t.min(end));
+        let within = if t > now { (to - from).max(0.0) / (t - now) } else { 0.0 };
+        let mut any_offline = false;
+        for r in &mut running {
+            let done = r.advance(t - now, rate);
+            if r.session != online {
+                done_work += within * done;
+                r.counted += within * done;
+                any_offline = true;
+            }
+        }
         if to > from {
             let width = to - from;
-            if !running.is_empty() {
+            if demand > 0.0 {
                 busy += width;
             }
             sm += width * demand.min(1.0);
-            let mut any_offline = false;
-            for r in &mut running {
-                if r.session != online {
-                    done_work += width * rate * r.speed;
-                    r.counted += width * rate * r.speed;
-                    any_offline = true;
-                }
-            }
             if any_offline {
                 offline_running_s += width;
             }
@@ -452,9 +520,6 @@ fn run(
                 let u_on = (rate_at(from) * kind.request_s * a).min(1.0);
                 idle_allows += width * ((1.0 - u_on) / o.workload.compute_share).min(1.0);
             }
-        }
-        for r in &mut running {
-            r.work_left -= (t - now) * rate;
         }
         now = t;
         if now >= next_sample {
@@ -474,15 +539,28 @@ fn run(
             }
             next_sample += 1.0;
         }
+        // Shares the device applies now.
+        if now >= reshare_at {
+            for r in &mut running {
+                if let Some((share, at)) = r.reshare
+                    && at <= now
+                {
+                    r.reshare = None;
+                    r.set_share(share);
+                }
+            }
+            continue;
+        }
         // Finishes.
         if now >= finish_at {
             let tolerance = 1e-9 * now.max(1.0);
-            let (ended, still): (Vec<Running>, Vec<Running>) =
-                running.iter().partition(|r| r.work_left <= tolerance);
+            let (ended, still): (Vec<Running>, Vec<Running>) = running
+                .iter()
+                .partition(|r| r.fixed_left <= tolerance && r.work_left <= tolerance);
             running = still;
             let ended = if ended.is_empty() {
                 let i = (0..running.len())
-                    .min_by(|&x, &y| running[x].work_left.total_cmp(&running[y].work_left))
+                    .min_by(|&x, &y| running[x].time_left(1.0).total_cmp(&running[y].time_left(1.0)))
                     .unwrap_or(0);
                 vec![running.remove(i)]
             } else {
@@ -592,6 +670,7 @@ pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError
     let reqs = requests(seed, &kind);
     let jobs = offline_jobs(seed);
     let (alone, alone_lat) = run(
+        seed,
         "online_only",
         &kind,
         &reqs,
@@ -603,7 +682,15 @@ pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError
     let mut systems = BTreeMap::new();
     systems.insert("online_only".to_string(), alone.clone());
     for system in SYSTEMS.iter().filter(|s| **s != "online_only") {
-        let (mut r, _) = run(system, &kind, &reqs, &jobs, Some(slo), knobs.compute_share)?;
+        let (mut r, _) = run(
+            seed,
+            system,
+            &kind,
+            &reqs,
+            &jobs,
+            Some(slo),
+            knobs.compute_share,
+        )?;
         r.online_mean_slowdown = r.online_mean_ms / alone.online_mean_ms;
         r.online_p99_slowdown = r.online_p99_ms / alone.online_p99_ms;
         r.utilization_gain = r.utilization / alone.utilization;

@@ -170,6 +170,16 @@ impl State {
                     control.abandon();
                 }
             }
+            Action::SetComputeShare {
+                session,
+                compute_share,
+            } => {
+                if let Some(control) = self.sessions.get(&session).and_then(|e| e.control.as_ref())
+                {
+                    tracing::debug!(session = session.0, compute_share, "offline share");
+                    control.set_share(compute_share);
+                }
+            }
             Action::Closed { session } => {
                 // The lanes whose last iteration was the closed session's are forgotten
                 // with it (a switch from a session that is gone is no switch), so the map
