@@ -128,11 +128,9 @@ TRAIN_BATCH, TRAIN_LR = 8, 1e-3
 
 
 def _eager_steps(model, batch, dtype, steps: int) -> dict[str, torch.Tensor]:
-    """``steps`` eager SGD steps of a ``dtype`` copy of ``model``: its parameters, buffers
-    and optimizer state under the names salus gives them."""
-    import copy
-
-    m = copy.deepcopy(model).to(dtype)
+    """``steps`` eager SGD steps of ``model`` in ``dtype``: its parameters, buffers and
+    optimizer state under the names salus gives them."""
+    m = model.to(dtype)
     opt = torch.optim.SGD(m.parameters(), lr=TRAIN_LR, momentum=0.9)
     x, y = batch[0].to(dtype), batch[1]
     eager_steps(m, opt, F.cross_entropy, [(x, y)] * steps)
@@ -144,22 +142,45 @@ def _eager_steps(model, batch, dtype, steps: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def _in_file(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """Float64 copies of ``tensors`` backed by the file at ``path`` (shared pages the
+    kernel can write back and drop), not by the process' own memory."""
+    total = sum(t.numel() for t in tensors.values())
+    store = torch.from_file(path, shared=True, size=max(total, 1), dtype=torch.float64)
+    out, offset = {}, 0
+    for name, t in tensors.items():
+        out[name] = store[offset:offset + t.numel()].view(t.shape)
+        out[name].copy_(t)
+        offset += t.numel()
+    return out
+
+
 def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
     """Trains one model ``steps`` SGD steps on salusd and eagerly; the worst ratio of
     salus' error to the allowed one over every tensor (at most 1 passes).
 
-    Only the float64 run is kept whole: each other run (PyTorch's float32 one, salus',
-    the random-rounding ones) is reduced to its largest distance from it per tensor as
-    soon as it ends, so a model of 130M parameters (the VGGs) fits in memory."""
+    The float64 run is kept in a temporary file; each other run (PyTorch's float32 one,
+    salus', the random-rounding ones) is reduced to its largest distance from it per
+    tensor as soon as it ends, and each run builds the model afresh (the same draw), so
+    a model of 640M parameters (regnet_y_128gf) fits in 24 GB of memory."""
+    import tempfile
+
+    def build() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return _no_randomness(spec.build())
+
+    batch = image_batch(TRAIN_BATCH, spec.image_size, 10)
+    with tempfile.TemporaryDirectory(prefix="salus-coverage-") as scratch:
+        return _train_check(build, batch, address, steps, scratch + "/exact.f64")
+
+
+def _train_check(build, batch, address: str, steps: int, exact_path: str) -> dict:
     from .torch import TrainSession
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = _no_randomness(spec.build())
-    batch = image_batch(TRAIN_BATCH, spec.image_size, 10)
-    exact = {name: value.double() for name, value in
-             _eager_steps(model, batch, torch.float64, steps).items()
-             if value.is_floating_point()}
+    exact = _in_file({name: value for name, value in
+                      _eager_steps(build(), batch, torch.float64, steps).items()
+                      if value.is_floating_point()}, exact_path)
 
     def distances(state: dict[str, torch.Tensor]) -> dict[str, float]:
         out = {}
@@ -169,10 +190,8 @@ def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
             out[name] = (state[name].double() - want).abs().max().item()
         return out
 
-    noise = distances(_eager_steps(model, batch, torch.float32, steps))
-    import copy
-
-    m = copy.deepcopy(model)
+    noise = distances(_eager_steps(build(), batch, torch.float32, steps))
+    m = build()
     with TrainSession(m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=TRAIN_LR,
                                                           momentum=0.9),
                       batch, address=address, admission_timeout=600) as session:
@@ -199,8 +218,10 @@ def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
         from .rounding import RandomRounding
 
         for seed in (0, 1):
+            model = build()  # not under the rounding: the model is the same draw
             with RandomRounding(eps, seed):
                 run = distances(_eager_steps(model, batch, torch.float64, steps))
+            del model
             noise = {name: max(noise[name], run[name]) for name in noise}
         found = ratios()
     where = max(found, key=found.get, default="")
