@@ -21,7 +21,7 @@ ran on the device, from salusd's event stream) and ``utilization_gain`` (against
 ``online_only``), and the protection's state at the end.
 
     python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
-        [--device cpu] [--slo-ms MS | --slo-headroom 3]
+        [--device cpu] [--slo-ms MS | --slo-headroom 3] [--offline-compute-share S]
 
 salusd is ``target/release/salusd`` (built if missing).
 """
@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the online session's SLO [default: --slo-headroom x its p99 "
                         "alone]")
     parser.add_argument("--slo-headroom", type=float, default=3.0)
+    parser.add_argument("--offline-compute-share", type=float, default=None,
+                        help="salusd's --offline-compute-share for the salus system "
+                        "[default: salusd's]")
     args = parser.parse_args(argv)
     binary = ROOT / "target" / "release" / "salusd"
     if not binary.exists():
@@ -271,10 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     # The SLO: --slo-ms, else a multiple of the latency the service gets alone (its p99
     # under the same arrivals): the headroom an operator would give it.
     systems = {"online_only": run_system(binary, common, spec, arrivals, 0, 0.0)}
+    share = ([] if args.offline_compute_share is None
+             else ["--offline-compute-share", str(args.offline_compute_share)])
     slo_ms = args.slo_ms or args.slo_headroom * 1e3 * percentile(
         systems["online_only"]["latencies"], 0.99)
     systems |= {
-        "salus": run_system(binary, common, spec, arrivals, args.trainers, slo_ms),
+        "salus": run_system(binary, common + share, spec, arrivals, args.trainers, slo_ms),
         "no_protection": run_system(binary, [*common, "--protection", "off"], spec,
                                     arrivals, args.trainers, slo_ms),
     }

@@ -134,6 +134,7 @@ def _eager_steps(model, batch, dtype, steps: int) -> dict[str, torch.Tensor]:
     opt = torch.optim.SGD(m.parameters(), lr=TRAIN_LR, momentum=0.9)
     x, y = batch[0].to(dtype), batch[1]
     eager_steps(m, opt, F.cross_entropy, [(x, y)] * steps)
+    opt.zero_grad(set_to_none=True)  # the gradients are not compared: free them first
     state = {n: p.detach() for n, p in m.named_parameters()}
     state.update({n: b.detach() for n, b in m.named_buffers()})
     opt_state = functional_optimizer(opt, dict(m.named_parameters())).initial_state()

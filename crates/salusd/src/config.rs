@@ -163,6 +163,8 @@ pub struct FileConfig {
     pub policy: Option<String>,
     /// `--offline-share`.
     pub offline_share: Option<f64>,
+    /// `--offline-compute-share`.
+    pub offline_compute_share: Option<f64>,
     /// `--protection`.
     pub protection: Option<String>,
     /// `--offline-abandon-after`.

@@ -61,6 +61,10 @@ struct Args {
     /// memory [default: 0.4].
     #[arg(long, env = "SALUS_OFFLINE_SHARE")]
     offline_share: Option<f64>,
+    /// The share of the device's compute an offline iteration may use while an online
+    /// iteration runs, in [0, 1]; 0 holds it between two kernels [default: 0.3].
+    #[arg(long, env = "SALUS_OFFLINE_COMPUTE_SHARE")]
+    offline_compute_share: Option<f64>,
     /// Protection of online sessions from offline ones: on or off (offline sessions are
     /// then scheduled like online ones) [default: on].
     #[arg(long, env = "SALUS_PROTECTION")]
@@ -163,6 +167,9 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     if let Some(share) = args.offline_share.or(file.offline_share) {
         config.protection.offline_memory_share = share;
+    }
+    if let Some(share) = args.offline_compute_share.or(file.offline_compute_share) {
+        config.protection.offline_compute_share = share;
     }
     if let Some(after) = args.offline_abandon_after.or(file.offline_abandon_after) {
         config.protection.abandon_after =

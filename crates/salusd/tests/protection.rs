@@ -223,6 +223,9 @@ async fn bad_classes_and_targets_are_refused_by_name() {
     let (code, log) = common::refused_start(&["--offline-share", "1.5"]);
     assert_ne!(code, Some(0));
     assert!(log.contains("offline_memory_share"), "{log}");
+    let (code, log) = common::refused_start(&["--offline-compute-share", "1.5"]);
+    assert_ne!(code, Some(0));
+    assert!(log.contains("offline_compute_share"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
