@@ -497,7 +497,11 @@ fn run(
         }
         // Run [now, t), and account for the part within the run.
         let (from, to) = (now.min(end), t.min(end));
-        let within = if t > now { (to - from).max(0.0) / (t - now) } else { 0.0 };
+        let within = if t > now {
+            (to - from).max(0.0) / (t - now)
+        } else {
+            0.0
+        };
         let mut any_offline = false;
         for r in &mut running {
             let done = r.advance(t - now, rate);
@@ -560,7 +564,11 @@ fn run(
             running = still;
             let ended = if ended.is_empty() {
                 let i = (0..running.len())
-                    .min_by(|&x, &y| running[x].time_left(1.0).total_cmp(&running[y].time_left(1.0)))
+                    .min_by(|&x, &y| {
+                        running[x]
+                            .time_left(1.0)
+                            .total_cmp(&running[y].time_left(1.0))
+                    })
                     .unwrap_or(0);
                 vec![running.remove(i)]
             } else {
