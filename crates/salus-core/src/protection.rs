@@ -490,6 +490,12 @@ pub struct Controller {
     /// hold follows: the hold is convex in the duty, so following each noisy step would
     /// hold offline work longer on average than the average duty says.
     smoothed: f64,
+    /// The load averaged over recent steps (an exponential moving average): the
+    /// measurement the PID steers. One iteration's slowdown is mostly the size of its own
+    /// request (a 20% spread against a setpoint 5% above 1), which the proportional and
+    /// derivative terms would pass on to the duty, and the duty's clamp at 1 would turn
+    /// into a lower average duty than the integral asks for.
+    load: Option<f64>,
     /// The last two errors, newest first.
     errors: [f64; 2],
     steps: u64,
@@ -501,6 +507,7 @@ impl Controller {
         Controller {
             duty: config.initial_duty,
             smoothed: config.initial_duty,
+            load: None,
             errors: [0.0; 2],
             steps: 0,
         }
@@ -512,8 +519,17 @@ impl Controller {
     }
 
     /// One step for an online iteration whose load (slowdown x clock factor, Eq. 1) was
-    /// `load`: velocity-form PID towards the setpoint; returns the new duty.
+    /// `load`: velocity-form PID on the load's moving average (about ten steps) towards
+    /// the setpoint; returns the new duty.
     pub fn step(&mut self, load: f64, config: &ProtectionConfig) -> f64 {
+        if !load.is_finite() {
+            return self.duty;
+        }
+        let load = match self.load {
+            Some(average) => average + 0.1 * (load - average),
+            None => load,
+        };
+        self.load = Some(load);
         let error = config.target_load - load;
         let [e1, e2] = if self.steps == 0 {
             [error, error]
@@ -657,6 +673,22 @@ mod tests {
     }
 
     #[test]
+    fn the_duty_does_not_follow_the_spread_of_single_iterations() {
+        // Requests of other sizes: slowdown samples spread 20% around a mean below the
+        // setpoint. The duty stays at the top instead of swinging with each sample.
+        let c = ProtectionConfig::default();
+        let mut pid = Controller::new(&c);
+        let mut sum = 0.0;
+        for i in 0..400 {
+            let duty = pid.step(if i % 2 == 0 { 0.8 } else { 1.2 }, &c);
+            if i >= 200 {
+                sum += duty;
+            }
+        }
+        assert!(sum / 200.0 > 0.99, "{}", sum / 200.0);
+    }
+
+    #[test]
     fn the_controller_backs_off_under_load_and_recovers() {
         let c = ProtectionConfig::default();
         let mut pid = Controller::new(&c);
@@ -669,7 +701,7 @@ mod tests {
             c.min_duty,
             "a persistent 1.5x slowdown drives it down"
         );
-        for _ in 0..200 {
+        for _ in 0..400 {
             pid.step(1.0, &c);
         }
         assert_eq!(pid.duty(), 1.0, "clean online iterations let it back up");

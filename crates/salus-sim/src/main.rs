@@ -136,6 +136,10 @@ enum Experiment {
         /// active (the protection's offline_compute_share; default: the core's).
         #[arg(long)]
         compute_share: Option<f64>,
+        /// The protection controller's setpoint: the mean slowdown of online iterations
+        /// it steers to (default: the core's).
+        #[arg(long)]
+        target_load: Option<f64>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -265,6 +269,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 seed,
                 slo_factor,
                 compute_share,
+                target_load,
                 json,
             } => {
                 if !(slo_factor >= 1.0 && slo_factor.is_finite()) {
@@ -275,10 +280,16 @@ fn run(cli: Cli) -> Result<(), String> {
                     ..Default::default()
                 };
                 if let Some(share) = compute_share {
-                    if !(share > 0.0 && share <= 1.0) {
-                        return Err(format!("--compute-share must be in (0, 1], got {share}"));
+                    if !(0.0..=1.0).contains(&share) {
+                        return Err(format!("--compute-share must be in [0, 1], got {share}"));
                     }
                     knobs.compute_share = share;
+                }
+                if let Some(load) = target_load {
+                    if !(load >= 1.0 && load.is_finite()) {
+                        return Err(format!("--target-load must be at least 1, got {load}"));
+                    }
+                    knobs.target_load = load;
                 }
                 let result =
                     salus_sim::muxflow::experiment_with(seed, knobs).map_err(|e| e.to_string())?;

@@ -50,6 +50,9 @@ pub struct Knobs {
     /// `ProtectionConfig::offline_compute_share` (`--compute-share`): the share of the
     /// device an offline iteration gets while online sessions are active.
     pub compute_share: f64,
+    /// `ProtectionConfig::target_load` (`--target-load`): the controller's setpoint, the
+    /// mean slowdown of online iterations it steers to (one GPU through the core).
+    pub target_load: f64,
 }
 
 impl Default for Knobs {
@@ -57,6 +60,7 @@ impl Default for Knobs {
         Knobs {
             slo_factor: DEFAULT_SLO_FACTOR,
             compute_share: gpu::salus_compute_share(),
+            target_load: salus_core::protection::ProtectionConfig::default().target_load,
         }
     }
 }

@@ -258,7 +258,7 @@ fn run(
     reqs: &[Request],
     jobs: &[&'static Workload],
     slo_s: Option<f64>,
-    compute_share: f64,
+    knobs: Knobs,
 ) -> Result<(SingleResult, Latencies), SimError> {
     let (policy, mut protection) = match system {
         "salus_unprotected" => (PolicyKind::Share, ProtectionConfig::disabled()),
@@ -266,7 +266,8 @@ fn run(
         "salus_protection_slo" => (PolicyKind::Share, slo_only_protection()),
         _ => (PolicyKind::Share, ProtectionConfig::default()),
     };
-    protection.offline_compute_share = compute_share;
+    protection.offline_compute_share = knobs.compute_share;
+    protection.target_load = knobs.target_load;
     let with_offline = system != "online_only";
     let config = SimConfig::reference(policy);
     let mut core = Scheduler::with_protection(MemoryConfig::new(GPU_BYTES, 0), policy, protection)?;
@@ -684,7 +685,7 @@ pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError
         &reqs,
         &jobs,
         None,
-        knobs.compute_share,
+        knobs,
     )?;
     let slo = slo_factor * alone_lat.quantile(0.99);
     let mut systems = BTreeMap::new();
@@ -697,7 +698,7 @@ pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError
             &reqs,
             &jobs,
             Some(slo),
-            knobs.compute_share,
+            knobs,
         )?;
         r.online_mean_slowdown = r.online_mean_ms / alone.online_mean_ms;
         r.online_p99_slowdown = r.online_p99_ms / alone.online_p99_ms;
