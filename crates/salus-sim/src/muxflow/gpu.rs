@@ -52,7 +52,8 @@ pub fn salus_compute_share() -> f64 {
 pub struct SalusGpu {
     /// The controller's duty.
     pub duty: f64,
-    /// The compute share an offline iteration gets while the service is active.
+    /// The compute share an offline iteration gets while a request runs (the whole
+    /// device otherwise).
     pub compute_share: f64,
 }
 
@@ -110,20 +111,27 @@ pub fn share(sharing: Sharing, kind: &ServiceKind, qps: f64, c: f64, salus: Salu
         }
         Sharing::Salus => Share {
             duty: salus.duty.clamp(0.0, 1.0),
-            sm: c.min(salus.compute_share),
+            sm: c,
         },
     }
 }
 
-/// A request of busy share `a` beside an active offline job of SM demand `m`: how much
-/// longer it takes, and the offline job's speed meanwhile (against its speed alone at
-/// `m`). Processor sharing: both slow by `max(1, a + m)`; except that salus' protection
-/// with a compute share `s < 1` also holds an online iteration that starts beside offline
-/// work to the rest of the device, `1 - s`, so the two never ask for more than the device:
-/// the request takes `max(1, a / (1 - s))` and the offline job keeps its pace.
-pub fn overlap(sharing: Sharing, a: f64, m: f64, salus: SalusGpu) -> (f64, f64) {
+/// A request of busy share `a` and solo time `request_s` beside an active offline job of
+/// SM demand `m`: how much longer it takes, and the offline job's speed meanwhile
+/// (against its speed alone at `m`). Processor sharing: both slow by `max(1, a + m)`;
+/// except that salus' protection with a compute share `s < 1` holds the offline job to
+/// `min(m, s)` while a request runs, from the end of the offline kernel running when the
+/// request starts (half of `PB_KERNEL_S` on average, processor sharing meanwhile), and
+/// the request to the rest of the device, `1 - s`: the request takes
+/// `max(1, a / (1 - s))` times longer after the kernel, and the offline job runs at
+/// `min(m, s) / m` of its pace.
+pub fn overlap(sharing: Sharing, a: f64, m: f64, request_s: f64, salus: SalusGpu) -> (f64, f64) {
     if sharing == Sharing::Salus && salus.compute_share < 1.0 {
-        ((a / (1.0 - salus.compute_share)).max(1.0), 1.0)
+        let s = salus.compute_share;
+        let kernel = (PB_KERNEL_S / 2.0 / request_s).min(1.0);
+        let lost = kernel * (1.0 - 1.0 / (a + m).max(1.0));
+        let beside = if m > 0.0 { m.min(s) / m } else { 1.0 };
+        ((1.0 + lost) * (a / (1.0 - s)).max(1.0), beside)
     } else {
         let total = (a + m).max(1.0);
         (total, 1.0 / total)
@@ -190,7 +198,13 @@ pub fn step_model(
             }
         }
         _ => {
-            let (stretch, offline_beside) = overlap(sharing, a, s.sm, salus);
+            let (stretch, offline_beside) = overlap(sharing, a, s.sm, kind.request_s, salus);
+            // salus holds the offline job to its share while a request runs.
+            let beside_sm = if sharing == Sharing::Salus {
+                s.sm * offline_beside
+            } else {
+                s.sm
+            };
             let busy = (rho * (1.0 + s.duty * (stretch - 1.0))).min(1.0);
             let speed = if c > 0.0 {
                 s.duty * (s.sm / c) * ((1.0 - busy) + busy * offline_beside)
@@ -202,7 +216,8 @@ pub fn step_model(
                 stretch,
                 offline_speed: speed.clamp(0.0, 1.0),
                 gpu_busy: 1.0 - (1.0 - busy) * (1.0 - s.duty),
-                sm_activity: (busy * (a + s.duty * s.sm).min(1.0) + (1.0 - busy) * s.duty * s.sm)
+                sm_activity: (busy * (a + s.duty * beside_sm).min(1.0)
+                    + (1.0 - busy) * s.duty * s.sm)
                     .min(1.0),
                 share: s,
             }

@@ -80,7 +80,7 @@ pub fn salus_duty(kind: &ServiceKind, c: f64, slack: f64, compute_share: f64) ->
         duty: 0.0,
         compute_share,
     };
-    let over = overlap(Sharing::Salus, kind.busy_share, c.min(compute_share), salus).0 - 1.0;
+    let over = overlap(Sharing::Salus, kind.busy_share, c, kind.request_s, salus).0 - 1.0;
     if over <= 0.0 {
         1.0
     } else {
@@ -136,8 +136,15 @@ mod tests {
         let s = crate::muxflow::gpu::salus_compute_share();
         assert!(s < 1.0);
         // The recommendation service (a = 0.35) fits in the rest of the device: full duty
-        // whatever the job.
-        assert_eq!(salus_duty(&SERVICES[0], 0.95, 0.0, s), 1.0);
+        // beside a job that fits beside it; beside a heavier job each request loses part
+        // of the offline kernel running when it starts, which the slack must cover.
+        let r = SERVICES[0];
+        assert_eq!(salus_duty(&r, 0.6, 0.0, s), 1.0);
+        let kernel = crate::muxflow::gpu::PB_KERNEL_S / 2.0 / r.request_s;
+        let over = kernel * (1.0 - 1.0 / (r.busy_share + 0.95));
+        assert_eq!(salus_duty(&r, 0.95, 0.0, s), 0.0);
+        assert!((salus_duty(&r, 0.95, over / 2.0, s) - 0.5).abs() < 1e-12);
+        assert_eq!(salus_duty(&r, 0.95, 1.01 * over, s), 1.0);
         // The translation service (a = 0.75) is held to 1 - s beside any offline job.
         let k = SERVICES[2];
         let over = k.busy_share / (1.0 - s) - 1.0;
