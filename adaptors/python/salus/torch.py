@@ -305,9 +305,22 @@ class _SalusSession:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every persistent tensor of the session as it is on salusd now (a checkpoint:
         ``torch.save`` it, and :meth:`load_state_dict` it into a new session)."""
-        values = self._session().read([s.id for s in self.layout.state.values()])
+        return self.read_state(self.layout.state)
+
+    def read_state(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The persistent tensors ``names`` (see :attr:`state_names`) as they are on
+        salusd now: part of :meth:`state_dict`, for a state too large to hold twice."""
+        specs = {}
+        for name in names:
+            if name not in self.layout.state:
+                raise SalusError(f"read_state: the session has no tensor {name!r} (see "
+                                 f"state_names)")
+            specs[name] = self.layout.state[name]
+        if not specs:
+            return {}
+        values = self._session().read([s.id for s in specs.values()])
         return {name: tensor_from_bytes(values[spec.id], spec.dtype, spec.shape)
-                for name, spec in self.layout.state.items()}
+                for name, spec in specs.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
                         ) -> None:
