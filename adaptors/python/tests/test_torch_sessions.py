@@ -170,6 +170,13 @@ def test_checkpoint_and_restore_continue_exactly(daemon):
         second.load_state_dict(torch.load(buffer))
         losses += [second.step(*b).item() for b in batches[4:]]
         state = second.state_dict()
+        # Part of the state, as read_state gives it.
+        some = second.state_names[::3]
+        part = second.read_state(some)
+        assert list(part) == some and all(torch.equal(part[n], state[n]) for n in some)
+        assert second.read_state([]) == {}
+        with pytest.raises(st.SalusError, match="no tensor 'nope'"):
+            second.read_state(["nope"])
     assert losses == straight_losses
     assert set(state) == set(straight_state)
     for name, value in state.items():
