@@ -156,7 +156,8 @@ def _in_file(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Ten
     return out
 
 
-def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
+def train_check(spec: CoverageModel, address: str, steps: int = 3,
+                tracing_mode: str = "fake") -> dict:
     """Trains one model ``steps`` SGD steps on salusd and eagerly; the worst ratio of
     salus' error to the allowed one over every tensor (at most 1 passes).
 
@@ -173,10 +174,12 @@ def train_check(spec: CoverageModel, address: str, steps: int = 3) -> dict:
 
     batch = image_batch(TRAIN_BATCH, spec.image_size, 10)
     with tempfile.TemporaryDirectory(prefix="salus-coverage-") as scratch:
-        return _train_check(build, batch, address, steps, scratch + "/exact.f64")
+        return _train_check(build, batch, address, steps, scratch + "/exact.f64",
+                            tracing_mode)
 
 
-def _train_check(build, batch, address: str, steps: int, exact_path: str) -> dict:
+def _train_check(build, batch, address: str, steps: int, exact_path: str,
+                 tracing_mode: str) -> dict:
     from .torch import TrainSession
 
     exact = _in_file({name: value for name, value in
@@ -195,7 +198,8 @@ def _train_check(build, batch, address: str, steps: int, exact_path: str) -> dic
     m = build()
     with TrainSession(m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=TRAIN_LR,
                                                           momentum=0.9),
-                      batch, address=address, admission_timeout=600) as session:
+                      batch, address=address, admission_timeout=600,
+                      tracing_mode=tracing_mode) as session:
         for _ in range(steps):
             session.step(*batch)
         # Read back a few hundred megabytes at a time: the state of the largest models
@@ -259,7 +263,7 @@ def run(names: list[str] | None = None, tracing_mode: str = "fake",
             else:
                 start = time.perf_counter()
                 try:
-                    result["train"] = train_check(m, train)
+                    result["train"] = train_check(m, train, tracing_mode=tracing_mode)
                 except SalusError as e:
                     result["train"] = {"trained": False, "error": str(e)[:500]}
                 result["train"]["seconds"] = round(time.perf_counter() - start, 1)
