@@ -483,11 +483,16 @@ class Session:
     def _requests(self, first, initial) -> Iterator[session_pb2.OpenRequest]:
         yield first
         if first.HasField("open"):
+            # This generator lives as long as the lease: it lets go of each tensor once
+            # sent, so the process does not keep a copy of the initial state (P bytes).
+            initial = iter(initial)
             for tensor, data in initial:
                 for chunk in chunks(tensor, data):
                     if self._release.is_set():
                         return
                     yield session_pb2.OpenRequest(chunk=chunk)
+                data = chunk = None
+            initial = None
             yield session_pb2.OpenRequest(commit=session_pb2.Commit())
         # The request side stays open while the session is held: ending it ends the lease.
         self._release.wait()

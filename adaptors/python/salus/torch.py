@@ -101,8 +101,10 @@ class _SalusSession:
         self.client = client if client is not None else Client(address)
         self.session: Session | None = None
         try:
-            initial = [(spec.id, tensor_bytes(traced.initial_state[n]))
-                       for n, spec in self.layout.state.items()]
+            # Made as the stream sends them: one tensor's bytes at a time, not a copy of
+            # the whole state.
+            initial = ((spec.id, tensor_bytes(traced.initial_state[n]))
+                       for n, spec in self.layout.state.items())
             self.session = self.client.open(self.graph, initial, kind=self.kind, name=name,
                                             priority=priority,
                                             total_iterations=total_iterations,
