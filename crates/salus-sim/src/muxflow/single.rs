@@ -678,28 +678,12 @@ pub fn single_with(seed: u64, knobs: Knobs) -> Result<SingleExperiment, SimError
     let kind = SERVICES[1];
     let reqs = requests(seed, &kind);
     let jobs = offline_jobs(seed);
-    let (alone, alone_lat) = run(
-        seed,
-        "online_only",
-        &kind,
-        &reqs,
-        &jobs,
-        None,
-        knobs,
-    )?;
+    let (alone, alone_lat) = run(seed, "online_only", &kind, &reqs, &jobs, None, knobs)?;
     let slo = slo_factor * alone_lat.quantile(0.99);
     let mut systems = BTreeMap::new();
     systems.insert("online_only".to_string(), alone.clone());
     for system in SYSTEMS.iter().filter(|s| **s != "online_only") {
-        let (mut r, _) = run(
-            seed,
-            system,
-            &kind,
-            &reqs,
-            &jobs,
-            Some(slo),
-            knobs,
-        )?;
+        let (mut r, _) = run(seed, system, &kind, &reqs, &jobs, Some(slo), knobs)?;
         r.online_mean_slowdown = r.online_mean_ms / alone.online_mean_ms;
         r.online_p99_slowdown = r.online_p99_ms / alone.online_p99_ms;
         r.utilization_gain = r.utilization / alone.utilization;
