@@ -10,4 +10,4 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 python=$(./scripts/python-env.sh)
-"$python" -m pytest adaptors/python/tests -q
+"$python" -m pytest adaptors/python/tests -q --durations=15
