@@ -91,6 +91,12 @@ class _SalusSession:
               offline: bool = False, slo_ms: float = 0.0) -> None:
         self.traced = traced
         self.reattach_timeout = reattach_timeout
+        self._reopen = dict(name=name, priority=priority, total_iterations=total_iterations,
+                            expected_iteration_ms=expected_iteration_ms,
+                            admission_timeout=admission_timeout, feed_buffer=feed_buffer,
+                            reattach_timeout=reattach_timeout, offline=offline,
+                            slo_ms=slo_ms)
+        self._pipelining = False
         self._slots: Slots | None = None
         self.graph = traced.to_graph()
         self.trace_ms = (time.perf_counter() - started) * 1e3
@@ -171,20 +177,27 @@ class _SalusSession:
         """The step traced for a batch of other shapes (a subclass's own recipe)."""
         raise NotImplementedError
 
-    def _program_for(self, batch: Sequence[Any], what: str) -> tuple[_Program, list[Any]]:
-        """The program for ``batch`` and its leaves: the first program when the shapes
-        are those it was traced with; else one traced for these shapes on first use and
-        added to the session (the same persistent tensors; salusd refuses one that needs
-        more scratch than the first)."""
-        leaves, spec = pytree.tree_flatten(tuple(batch))
-        first = _Program(0, self.traced, self.layout)
-        key = _shapes_key(leaves, spec)
-        batch_feeds = self.layout.feeds[:self.traced.batch_feeds]
+    def _first_program(self, spec) -> None:
+        """Registers the program the session opened with under its batch shapes (its
+        batch structured as ``spec`` when the trace does not say)."""
         if not self._programs:
+            batch_feeds = self.layout.feeds[:self.traced.batch_feeds]
             example = self.traced.batch_spec
             self._programs[_shapes_key(
                 [torch.empty(s.shape, dtype=s.torch_dtype) for s in batch_feeds],
-                example if example is not None else spec)] = first
+                example if example is not None else spec)] = _Program(0, self.traced,
+                                                                      self.layout)
+
+    def _program_for(self, batch: Sequence[Any], what: str) -> tuple[_Program, list[Any]]:
+        """The program for ``batch`` and its leaves: the first program when the shapes
+        are those it was traced with; else one traced for these shapes on first use and
+        added to the session (the same persistent tensors). A program that needs more
+        scratch than the session was planned with (a batch larger than any before)
+        re-opens the session planned for it (:meth:`_grow`)."""
+        leaves, spec = pytree.tree_flatten(tuple(batch))
+        key = _shapes_key(leaves, spec)
+        batch_feeds = self.layout.feeds[:self.traced.batch_feeds]
+        self._first_program(spec)
         program = self._programs.get(key)
         if program is not None:
             return program, leaves
@@ -209,10 +222,48 @@ class _SalusSession:
                 f"{list(value.shape)} but the session was traced with {s.describe()}, and "
                 f"the step does not trace for these shapes: {error}") from error
         graph = traced.to_graph()
-        added = self._session().add_program(graph)
+        try:
+            added = self._session().add_program(graph)
+        except DaemonError as error:
+            if error.code != "RESOURCE_EXHAUSTED" or "scratch (E)" not in error.details:
+                raise
+            self._grow(traced, spec, what)
+            return self._programs[key], leaves
         program = _Program(added.program, traced, Layout(graph, traced))
         self._programs[key] = program
         return program, leaves
+
+    def _grow(self, traced: TracedStep, spec, what: str) -> None:
+        """Re-opens the session planned for ``traced``, a step that needs more scratch
+        than any program before: the state moves over exactly (read, then written into
+        the new session), the other programs are added again, and the old session is
+        closed first, so the device never holds both. Its id changes. Should the new
+        one fail to open, the error carries the state as ``error.state_dict``."""
+        if self._pipelining:
+            raise BatchError(
+                f"{what}: this batch needs more scratch memory than the session was planned "
+                "with, and the session cannot be re-opened for it while steps() has "
+                "iterations in flight: run it with step(), or open the session with the "
+                "largest batch")
+        state = self.state_dict()
+        others = [(k, p.traced) for k, p in self._programs.items()]
+        iterations, own_client = self.iterations, self._own_client
+        self.session.close()
+        try:
+            self._open(traced, client=self.client, address=None,
+                       started=time.perf_counter(), **self._reopen)
+        except SalusError as error:
+            error.state_dict = state
+            raise
+        finally:
+            self._own_client = own_client
+        self.iterations = iterations
+        self.load_state_dict(state)
+        self._first_program(spec)
+        for key, old in others:
+            graph = old.to_graph()
+            added = self._session().add_program(graph)
+            self._programs[key] = _Program(added.program, old, Layout(graph, old))
 
     # -- feeds ----------------------------------------------------------------------------
 
@@ -270,6 +321,7 @@ class _SalusSession:
         :class:`SessionResumedError` says which batches did not run."""
         answers: collections.deque = collections.deque()
         self._ensure_slots(depth + 2)
+        self._pipelining = True
 
         def iterations():
             for batch in batches:
@@ -288,6 +340,8 @@ class _SalusSession:
                     "submitted after it did not run: call steps() again with them",
                     resumed_from=self.iterations) from error
             raise
+        finally:
+            self._pipelining = False
 
     @property
     def programs(self) -> int:

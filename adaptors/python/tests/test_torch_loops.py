@@ -161,17 +161,39 @@ def test_a_partial_last_batch_just_works(daemon):
                                label="partial batches: ")
 
 
-def test_a_batch_larger_than_the_first_is_refused_with_the_remedy(daemon):
+def test_a_batch_larger_than_any_before_reopens_the_session_planned_for_it(daemon):
+    """The session opened with batches of 2 meets one of 64: it is opened again, planned
+    for 64, with its state moved over; it then computes what a session opened with the
+    batch of 16 computes, bit for bit, and steps() refuses to grow it mid-flight."""
     spec = reference_runs()["mlp"].spec
-    model = spec.model(0)
     x, y = spec.batch(0)
-    with st.TrainSession(model, spec.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
-                         (x[:2], y[:2]), address=daemon.address,
-                         admission_timeout=10) as session:
-        with pytest.raises(salus.DaemonError, match="RESOURCE_EXHAUSTED.*largest batch"):
-            session.step(x.repeat(8, 1), y.repeat(8))
-        session.step(x[:2], y[:2])  # the session goes on
-        assert session.iterations == 1
+    small, large, larger = (x[:2], y[:2]), (x.repeat(8, 1), y.repeat(8)), \
+        (x.repeat(64, 1), y.repeat(64))
+    loop = [small, large, small, large, (x[:3], y[:3])]
+
+    def run(first):
+        model = spec.model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with st.TrainSession(model, spec.loss_fn, optimizer, first,
+                             address=daemon.address, admission_timeout=10) as session:
+            opened = session.id
+            losses = []
+            for k, batch in enumerate(loop):
+                optimizer.param_groups[0]["lr"] = 0.1 / (k + 1)  # a schedule
+                losses.append(session.step(*batch).item())
+            with pytest.raises(st.BatchError, match="steps\\(\\).*largest batch"):
+                list(session.steps([larger], depth=2))
+            assert session.iterations == len(loop)
+            return losses, session.state_dict(), session.programs, opened != session.id
+
+    grown = run(small)
+    planned = run(large)
+    assert grown[2] == planned[2] == 3
+    assert grown[3] and not planned[3], "only the session opened small was opened again"
+    assert grown[0] == planned[0]
+    assert set(grown[1]) == set(planned[1])
+    for name, value in planned[1].items():
+        assert torch.equal(grown[1][name], value), name
 
 
 def test_inference_serves_other_batch_sizes(daemon):
