@@ -200,10 +200,19 @@ def test_inference_serves_other_batch_sizes(daemon):
     spec = reference_runs()["mlp"].spec
     model = spec.model(0)
     x, _ = spec.batch(0)
+    big = x.repeat(64, 1)
     with st.InferenceSession(model, x, address=daemon.address) as serve:
         outputs = {n: serve(x[:n]) for n in (len(x), 1, 3, 1)}
         assert serve.programs == 3
+        # Larger than any before: served by the session opened again for it.
+        opened = serve.id
+        served = serve(big)
+        assert serve.id != opened and serve.programs == 4
+        assert torch.equal(serve(x[:3]), outputs[3])
     model.eval()
+    with torch.no_grad():
+        assert_as_exact_as_pytorch({"out": served}, {"out": model.double()(big.double())},
+                                   label="batch 512: ")
     with torch.no_grad():
         for n, out in outputs.items():
             want = model.double()(x[:n].double())
