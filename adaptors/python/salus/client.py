@@ -483,9 +483,9 @@ class Session:
     def _requests(self, first, initial) -> Iterator[session_pb2.OpenRequest]:
         yield first
         if first.HasField("open"):
-            # This generator lives as long as the lease: it lets go of each tensor once
-            # sent, so the process does not keep a copy of the initial state (P bytes).
-            initial = iter(initial)
+            # This generator lives as long as the lease: it lets go of the initial tensors
+            # once sent (of each one as it goes, when `initial` makes them one at a time),
+            # so the process does not keep a copy of the initial state (P bytes).
             for tensor, data in initial:
                 for chunk in chunks(tensor, data):
                     if self._release.is_set():

@@ -157,6 +157,20 @@ def _in_file(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Ten
     return out
 
 
+def _groups(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """The names of ``tensors`` in order, in groups of at most ``limit`` float32 bytes
+    (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        if groups[-1] and size + 4 * t.numel() > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += 4 * t.numel()
+    return [g for g in groups if g]
+
+
 def train_check(spec: CoverageModel, address: str, steps: int = 3,
                 tracing_mode: str = "fake") -> dict:
     """Trains one model ``steps`` SGD steps on salusd and eagerly; the worst ratio of
@@ -187,12 +201,12 @@ def _train_check(build, batch, address: str, steps: int, exact_path: str,
                       _eager_steps(build(), batch, torch.float64, steps).items()
                       if value.is_floating_point()}, exact_path)
 
-    def distances(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    def distances(state: dict[str, torch.Tensor], names=exact) -> dict[str, float]:
         out = {}
-        for name, want in exact.items():
+        for name in names:
             if name not in state:
                 raise SalusError(f"the session has no tensor {name!r} to compare")
-            out[name] = (state[name].double() - want).abs().max().item()
+            out[name] = (state[name].double() - exact[name]).abs().max().item()
         return out
 
     noise = distances(_eager_steps(build(), batch, torch.float32, steps))
@@ -205,18 +219,9 @@ def _train_check(build, batch, address: str, steps: int, exact_path: str,
             session.step(*batch)
         # Read back a few hundred megabytes at a time: the state of the largest models
         # is 5 GB, and the process holds the model besides.
-        errors, group, size = {}, [], 0
-        for name in [*exact, None]:
-            if name is not None and name not in session.state_names:
-                raise SalusError(f"the session has no tensor {name!r} to compare")
-            if group and (name is None or size + exact[name].numel() * 4 > 256 << 20):
-                state = session.read_state(group)
-                errors.update({n: (state[n].double() - exact[n]).abs().max().item()
-                               for n in group})
-                group, size = [], 0
-            if name is not None:
-                group.append(name)
-                size += exact[name].numel() * 4
+        errors = {}
+        for names in _groups(exact, 256 << 20):
+            errors.update(distances(session.read_state(names), names))
     del m
     eps = torch.finfo(torch.float32).eps
     scales = {name: want.abs().max().item() for name, want in exact.items()}

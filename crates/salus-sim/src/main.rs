@@ -132,8 +132,8 @@ enum Experiment {
         /// salus' latency target (SLO) over each service's p99 alone.
         #[arg(long, default_value_t = salus_sim::muxflow::DEFAULT_SLO_FACTOR)]
         slo_factor: f64,
-        /// The share of the device an offline iteration gets while online sessions are
-        /// active (the protection's offline_compute_share; default: the core's).
+        /// The share of the device an offline iteration gets while an online iteration
+        /// runs (the protection's offline_compute_share; default: the core's).
         #[arg(long)]
         compute_share: Option<f64>,
         /// The protection controller's setpoint: the mean slowdown of online iterations

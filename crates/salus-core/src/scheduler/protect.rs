@@ -394,6 +394,10 @@ impl Scheduler {
             return;
         }
         self.protect.offline_share = share;
+        if self.protect.offline_running == 0 {
+            // Nothing to tell: an offline iteration that starts later gets the share then.
+            return;
+        }
         let running = self
             .lanes
             .values()

@@ -48,7 +48,7 @@ pub struct Knobs {
     /// The online SLO over each service's p99 alone (`--slo-factor`).
     pub slo_factor: f64,
     /// `ProtectionConfig::offline_compute_share` (`--compute-share`): the share of the
-    /// device an offline iteration gets while online sessions are active.
+    /// device an offline iteration gets while an online iteration runs.
     pub compute_share: f64,
     /// `ProtectionConfig::target_load` (`--target-load`): the controller's setpoint, the
     /// mean slowdown of online iterations it steers to (one GPU through the core).
