@@ -49,7 +49,8 @@ pub(super) struct Protect {
     abandoned: u64,
     last_online: Option<Duration>,
     started: bool,
-    /// The share of the device running offline iterations were last given.
+    /// The share of the device the running offline iterations were last given (they
+    /// all have the same).
     offline_share: f64,
 }
 
@@ -389,15 +390,15 @@ impl Scheduler {
     /// when it changed: an online iteration started or the last one ended
     /// (`Action::SetComputeShare`, applied by the device at its next kernel).
     pub(super) fn sync_offline_share(&mut self) {
+        if self.protect.offline_running == 0 {
+            // Nothing to tell: an offline iteration that starts later gets its share then.
+            return;
+        }
         let share = self.protect.offline_share_now();
         if share == self.protect.offline_share {
             return;
         }
         self.protect.offline_share = share;
-        if self.protect.offline_running == 0 {
-            // Nothing to tell: an offline iteration that starts later gets the share then.
-            return;
-        }
         let running = self
             .lanes
             .values()
@@ -477,7 +478,8 @@ impl Protect {
             SessionClass::Offline => {
                 self.offline_running += 1;
                 self.offline_starts += 1;
-                self.offline_share_now()
+                self.offline_share = self.offline_share_now();
+                self.offline_share
             }
             SessionClass::Online => {
                 let track = &mut session.track;
