@@ -2,7 +2,8 @@
 # Creates (or reuses) the Python environment in .venv: torch, torchvision, grpcio,
 # grpcio-tools, protobuf, pytest, and the salus package from adaptors/python (editable).
 # Reinstalls only when adaptors/python/requirements-dev.txt or pyproject.toml changed.
-# PyTorch's wheel pulls the CUDA runtime packages: the first run downloads about 3 GB.
+# PyTorch's wheel pulls the CUDA runtime packages: the first run downloads about 3 GB and
+# the environment takes about 8 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
@@ -13,6 +14,8 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    # No wheel cache: it would hold a second copy of those gigabytes on the same disk.
+    export PIP_NO_CACHE_DIR=1
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     "$venv/bin/python" -m pip install --quiet -r "$reqs"
     "$venv/bin/python" -m pip install --quiet --no-deps -e adaptors/python
