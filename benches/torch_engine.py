@@ -6,10 +6,17 @@ training steps of the same models on the CPU (or with ``--device cuda`` on GPU 0
 prints JSON: ``{"threads": n, "device": ..., "models": {"mlp": {"torch_ms": ...}, ...}}``.
 
     python benches/torch_engine.py OUT_DIR [--iterations N] [--device cpu|cuda]
-        [--model NAME ...]
+        [--model NAME ...] [--amp bf16|f16]
 
 ``--model`` (repeatable) picks models among the four and the large ones of
 ``salus.reference.large_runs`` (written unchecked: traced with fake tensors, no steps).
+
+``--amp`` makes both sides mixed-precision steps: the graph is traced under
+``torch.autocast("cpu", dtype)`` (salus' autocast, whose casts run on every salus device)
+and eager PyTorch trains under ``torch.autocast(device, dtype)``, as a user's loop on
+that device would; f16 adds a ``GradScaler`` to both. The two place their casts by their
+own device's autocast lists, which agree on the products and convolutions that carry
+the time. A model written with ``--amp`` is written unchecked.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from salus import models
 from salus.reference import ReferenceRun, large_runs, reference_runs, write_model
 
 BATCH = 32
+AMP = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
 def bench_runs() -> dict[str, ReferenceRun]:
@@ -38,10 +46,14 @@ def bench_runs() -> dict[str, ReferenceRun]:
             for name, run in reference_runs().items()}
 
 
-def torch_ms(run: ReferenceRun, iterations: int, device: str = "cpu") -> float:
+def torch_ms(run: ReferenceRun, iterations: int, device: str = "cpu",
+             amp: torch.dtype | None = None) -> float:
+    """The median time of eager PyTorch's training step on ``device``, under autocast
+    to ``amp`` when given (with a ``GradScaler`` for float16)."""
     spec = run.spec
     model = spec.model(0).to(device)
     optimizer = run.optimizer(model.parameters())
+    scaler = torch.amp.GradScaler(device) if amp == torch.float16 else None
     *inputs, target = (t.to(device) for t in spec.batch(0))
     times = []
     for i in range(iterations + 3):
@@ -49,9 +61,15 @@ def torch_ms(run: ReferenceRun, iterations: int, device: str = "cpu") -> float:
             torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss = spec.loss_fn(model(*inputs), target)
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = spec.loss_fn(model(*inputs), target)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         if device != "cpu":
             torch.cuda.synchronize()
         if i >= 3:
@@ -65,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", action="append", dest="models")
+    parser.add_argument("--amp", choices=sorted(AMP), help="mixed precision on both sides")
     args = parser.parse_args(argv)
+    amp = AMP.get(args.amp)
     small, large = bench_runs(), large_runs()
     names = args.models or list(small)
     unknown = [n for n in names if n not in small and n not in large]
@@ -74,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    result = {"threads": threads, "batch_size": BATCH, "device": device_name, "models": {}}
+    result = {"threads": threads, "batch_size": BATCH, "device": device_name,
+              "amp": args.amp, "models": {}}
     for name in dict.fromkeys(names):
         run = small.get(name) or large[name]
-        write_model(args.out / name, name, run, steps=1, check=name in small)
-        result["models"][name] = {"torch_ms": torch_ms(run, args.iterations, args.device)}
+        write_model(args.out / name, name, run, steps=1, check=name in small and amp is None,
+                    autocast=amp)
+        result["models"][name] = {"torch_ms": torch_ms(run, args.iterations, args.device, amp)}
     print(json.dumps(result))
     return 0
 

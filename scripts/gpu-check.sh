@@ -13,6 +13,9 @@
 #                                    # GPU against CPU eager autocast, the bench
 #   ./scripts/gpu-check.sh run --no-bench   # the same without the bench (a correctness
 #                                    # check that fits a short lease)
+#   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
+#                                    # and the GPT decoder against eager PyTorch autocast
+#                                    # on the same GPU (salus-bench cuda --amp bf16)
 #
 # Logs go to $OUT (or .gpu/out). PyTorch must be importable by python3 for the parity
 # check and the bench. If the loader cannot find libnvrtc/libcublas by itself, source
@@ -85,8 +88,18 @@ reference.main(['/tmp/salus-gpu-ref', '--steps', '10', '--device', 'cuda'])" > "
         > "$out/bench.json" 2> "$out/bench.err"
     echo "rc=$?"; cat "$out/bench.json"
     ;;
+amp-bench)
+    out=${OUT:-.gpu/out}
+    mkdir -p "$out"
+    echo "== salus-bench cuda --amp bf16"
+    SALUS_PYTHON=python3 timeout 400 .gpu/salus-bench cuda --amp bf16 --json \
+        --dir /tmp/salus-gpu-amp-bench --iterations 10 \
+        --model resnet50 --model vit_b_16 --model gpt512 \
+        > "$out/amp_bench.json" 2> "$out/amp_bench.err"
+    echo "rc=$?"; cat "$out/amp_bench.json"; tail -5 "$out/amp_bench.err"
+    ;;
 *)
-    echo "usage: $0 prepare|run" >&2
+    echo "usage: $0 prepare|run|amp-bench" >&2
     exit 2
     ;;
 esac

@@ -30,6 +30,8 @@ struct CudaResult {
     gpu: String,
     torch_device: String,
     batch_size: u64,
+    /// Mixed precision of both sides (bf16, f16), or none (f32).
+    amp: Option<String>,
     models: BTreeMap<String, ModelResult>,
     /// Mean extra time of an iteration that follows another session's on the same lane.
     switch_us: f64,
@@ -71,8 +73,14 @@ fn step_ms(
     Ok(median(times).as_secs_f64() * 1e3)
 }
 
-pub fn run(dir: &Path, iterations: usize, models: &[String], json: bool) -> Result<(), String> {
-    let result = measure(dir, iterations, models);
+pub fn run(
+    dir: &Path,
+    iterations: usize,
+    models: &[String],
+    amp: Option<&str>,
+    json: bool,
+) -> Result<(), String> {
+    let result = measure(dir, iterations, models, amp);
     match (&result, json) {
         (Err(e), true) => println!("{}", serde_json::json!({ "error": e })),
         (Ok(r), true) => println!(
@@ -81,8 +89,11 @@ pub fn run(dir: &Path, iterations: usize, models: &[String], json: bool) -> Resu
         ),
         (Ok(r), false) => {
             println!(
-                "GPU {} (PyTorch on {}), batch {}",
-                r.gpu, r.torch_device, r.batch_size
+                "GPU {} (PyTorch on {}), batch {}, {}",
+                r.gpu,
+                r.torch_device,
+                r.batch_size,
+                r.amp.as_deref().unwrap_or("f32")
             );
             println!(
                 "{:<10} {:>10} {:>10} {:>10} {:>7} {:>7}",
@@ -118,7 +129,12 @@ pub fn run(dir: &Path, iterations: usize, models: &[String], json: bool) -> Resu
 /// The salus arena in this benchmark: room for the four models with lanes to spare.
 const ARENA_BYTES: u64 = 16 << 30;
 
-fn measure(dir: &Path, iterations: usize, names: &[String]) -> Result<CudaResult, String> {
+fn measure(
+    dir: &Path,
+    iterations: usize,
+    names: &[String],
+    amp: Option<&str>,
+) -> Result<CudaResult, String> {
     let gpus = CudaDevice::probe().map_err(|e| format!("no usable GPU: {e}"))?;
     // PyTorch runs on the same GPU in the same run: leave it most of the memory.
     let mut options = CudaOptions::new(0);
@@ -133,6 +149,9 @@ fn measure(dir: &Path, iterations: usize, names: &[String]) -> Result<CudaResult
     ]);
     for name in names {
         cmd.args(["--model", name]);
+    }
+    if let Some(amp) = amp {
+        cmd.args(["--amp", amp]);
     }
     let out = cmd
         .output()
@@ -257,6 +276,7 @@ fn measure(dir: &Path, iterations: usize, names: &[String]) -> Result<CudaResult
         gpu: gpus.first().map(|g| g.name.clone()).unwrap_or_default(),
         torch_device: torch["device"].as_str().unwrap_or("").to_string(),
         batch_size: torch["batch_size"].as_u64().unwrap_or(0),
+        amp: amp.map(str::to_string),
         models,
         switch_us,
         packed_per_s: total / packed.as_secs_f64(),

@@ -32,6 +32,8 @@ struct EngineResult {
     small_plane_conv_gflops: BTreeMap<String, f64>,
     threads: u64,
     batch_size: u64,
+    /// Mixed precision of both sides (bf16, f16), or none (f32).
+    amp: Option<String>,
     models: BTreeMap<String, ModelResult>,
 }
 
@@ -213,16 +215,18 @@ fn model_ms(dir: &Path, iterations: usize) -> Result<f64, String> {
     Ok(median(times).as_secs_f64() * 1e3)
 }
 
-pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
-    let out = Command::new(python())
-        .arg("benches/torch_engine.py")
+pub fn run(dir: &Path, iterations: usize, amp: Option<&str>, json: bool) -> Result<(), String> {
+    let mut cmd = Command::new(python());
+    cmd.arg("benches/torch_engine.py")
         .arg(dir)
         .arg("--iterations")
-        .arg(iterations.to_string())
-        .output()
-        .map_err(|e| {
-            format!("cannot run benches/torch_engine.py: {e} (run ./scripts/python-env.sh first)")
-        })?;
+        .arg(iterations.to_string());
+    if let Some(amp) = amp {
+        cmd.args(["--amp", amp]);
+    }
+    let out = cmd.output().map_err(|e| {
+        format!("cannot run benches/torch_engine.py: {e} (run ./scripts/python-env.sh first)")
+    })?;
     if !out.status.success() {
         return Err(format!(
             "benches/torch_engine.py failed: {}",
@@ -253,6 +257,7 @@ pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
         small_plane_conv_gflops: small_plane_conv_gflops()?,
         threads: torch["threads"].as_u64().unwrap_or(0),
         batch_size: torch["batch_size"].as_u64().unwrap_or(0),
+        amp: amp.map(str::to_string),
         models,
     };
     if json {
@@ -270,8 +275,13 @@ pub fn run(dir: &Path, iterations: usize, json: bool) -> Result<(), String> {
         println!("conv {shape}: {gflops:.1} GFLOP/s");
     }
     println!(
-        "training step, batch {}: {:<10} {:>10} {:>10} {:>7}",
-        result.batch_size, "model", "salus ms", "torch ms", "ratio"
+        "training step, batch {}, {}: {:<10} {:>10} {:>10} {:>7}",
+        result.batch_size,
+        amp.unwrap_or("f32"),
+        "model",
+        "salus ms",
+        "torch ms",
+        "ratio"
     );
     for (name, m) in &result.models {
         println!(

@@ -6,6 +6,7 @@
 //! cargo run --release -p salus-bench -- plan target/reference/*/graph.pb
 //! cargo run --release -p salus-bench -- rpc --json
 //! cargo run --release -p salus-bench -- cuda --json     # on a host with a GPU
+//! cargo run --release -p salus-bench -- cuda --amp bf16 --model resnet50   # autocast
 //! cargo run --release -p salus-bench -- profile --model resnet50   # where the GPU time goes
 //! cargo build --release -p salusd && cargo run --release -p salus-bench -- soak --json
 //! cargo build --release -p salusd && cargo run --release -p salus-bench -- serve --json
@@ -94,6 +95,10 @@ enum Suite {
         /// Timed iterations per model.
         #[arg(long, default_value_t = 10)]
         iterations: usize,
+        /// Mixed precision on both sides: bf16 or f16 (the graph traced under autocast,
+        /// eager PyTorch under autocast on its device; f16 with a GradScaler).
+        #[arg(long, value_parser = ["bf16", "f16"])]
+        amp: Option<String>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -112,6 +117,10 @@ enum Suite {
         /// the large resnet50, vit_b_16, transformer, transformer_nodrop, gpt512.
         #[arg(long = "model")]
         models: Vec<String>,
+        /// Mixed precision on both sides: bf16 or f16 (the graph traced under autocast,
+        /// eager PyTorch under autocast on its device; f16 with a GradScaler).
+        #[arg(long, value_parser = ["bf16", "f16"])]
+        amp: Option<String>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -342,14 +351,16 @@ fn main() -> ExitCode {
         Suite::Engine {
             dir,
             iterations,
+            amp,
             json,
-        } => engine_suite::run(&dir, iterations, json),
+        } => engine_suite::run(&dir, iterations, amp.as_deref(), json),
         Suite::Cuda {
             dir,
             iterations,
             models,
+            amp,
             json,
-        } => cuda_suite::run(&dir, iterations, &models, json),
+        } => cuda_suite::run(&dir, iterations, &models, amp.as_deref(), json),
         Suite::Profile {
             dir,
             models,

@@ -1,8 +1,8 @@
 """``python -m salus.reference OUT_DIR``: reference runs of the target models for engines.
 
 ``--model NAME`` (repeatable) picks models, among the four below and the large ones of
-:func:`large_runs` (resnet50, vit_b_16, transformer, transformer_nodrop, gpt512: real sizes, written only when
-named). A large model is written unchecked: traced with fake tensors, with its graph, its
+:func:`large_runs` (resnet50, vit_b_16, transformer, transformer_nodrop, gpt512: real
+sizes, written only when named). A large model is written unchecked: traced with fake tensors, with its graph, its
 initial state and its batches, but no PyTorch steps, losses or final state (``"checked":
 false`` in its manifest); ``--check`` runs the steps anyway (slow: f64 on the CPU).
 
@@ -178,16 +178,23 @@ def _f64(batch):
 
 
 def write_model(out: Path, name: str, run: ReferenceRun, steps: int,
-                device: str = "cpu", check: bool = True) -> dict:
+                device: str = "cpu", check: bool = True,
+                autocast: torch.dtype | None = None) -> dict:
     """Traces, runs and writes one model; returns its manifest. PyTorch's f32 steps run
     on ``device`` ("cpu" or "cuda"); the f64 ones on the CPU. Without ``check``, traces
-    with fake tensors and writes the graph, the initial state and the batches only."""
+    with fake tensors and writes the graph, the initial state and the batches only.
+    ``autocast`` (torch.bfloat16 or torch.float16, unchecked only) traces a
+    mixed-precision step, float16 with a default ``GradScaler``."""
+    if autocast is not None and check:
+        raise ValueError("a mixed-precision reference run is written unchecked only")
     out.mkdir(parents=True, exist_ok=True)
     spec = run.spec
     model = spec.model(0)
     batches = [spec.batch(k) for k in range(steps)]
+    scaler = torch.amp.GradScaler("cpu") if autocast == torch.float16 else None
     traced = trace_train_step(model, spec.loss_fn, run.optimizer(model.parameters()),
-                              batches[0], tracing_mode="real" if check else "fake")
+                              batches[0], tracing_mode="real" if check else "fake",
+                              autocast=autocast, scaler=scaler)
     (out / "graph.pb").write_bytes(traced.to_graph().SerializeToString())
     if not check:
         return _write_unchecked(out, name, traced, batches)

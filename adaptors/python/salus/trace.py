@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 import traceback
 import warnings
@@ -49,6 +50,7 @@ import torch.utils._pytree as pytree
 from torch._decomp import core_aten_decompositions
 from torch._decomp import decomposition_table as _all_decompositions
 from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -228,21 +230,27 @@ _BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
 
 
 def _batch_norm_whole(decomposition: Callable, train_at: int, data: Sequence[int],
-                      stats: Sequence[int], required: Sequence[int]) -> Callable:
+                      stats: Sequence[int], required: Sequence[int],
+                      saved: Sequence[int] = ()) -> Callable:
     """``decomposition`` where the IR has no batch-norm op for the call; else the op stays
     whole (``NotImplemented`` tells make_fx to record it): training-mode batch norm whose
     fused kernels make one pass to gather each channel's statistics and one to normalise,
     where the decomposition makes many. ``train_at``: the index of the ``training`` /
     ``train`` flag; ``data``: the arguments shaped like the input (f32, or 16-bit as
     under autocast), of one dtype; ``stats``: the per-channel tensor arguments (f32 or
-    None), of which ``required`` (the running or the saved statistics) must be there."""
+    None), of which ``required`` (the running or the saved statistics) must be there.
+    ``saved``: the forward's saved statistics among ``stats``, which a fake trace gives
+    the input's dtype (the meta kernel's; :func:`_kernel_dtypes` makes them f32 after)."""
     def maybe_whole(*args, **kwargs):
         whole = (len(args) > train_at and args[train_at] is True and args[0].dim() >= 2
                  and all(isinstance(args[i], torch.Tensor) for i in data)
                  and args[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
                  and all(args[i].dtype == args[0].dtype for i in data)
-                 and all(args[i] is None or (isinstance(args[i], torch.Tensor)
-                                             and args[i].dtype == torch.float32)
+                 and all(args[i] is None or (
+                     isinstance(args[i], torch.Tensor)
+                     and (args[i].dtype == torch.float32
+                          or (i in saved and is_fake(args[i])
+                              and args[i].dtype == args[0].dtype)))
                          for i in stats)
                  and all(args[i] is not None for i in required))
         return NotImplemented if whole else decomposition(*args, **kwargs)
@@ -374,7 +382,7 @@ def decomposition_table() -> dict:
     forward = aten._native_batch_norm_legit_functional.default
     table[forward] = _batch_norm_whole(table[forward], 5, (0,), (1, 2, 3, 4), (3, 4))
     backward = aten.native_batch_norm_backward.default
-    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1), (2, 5, 6), (5, 6))
+    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1), (2, 5, 6), (5, 6), (5, 6))
     table[aten.var_mean.correction] = _var_mean
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.native_dropout.default] = _native_dropout
@@ -540,7 +548,28 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                 "values; compute it with tensor ops (torch.where), or pass the value in "
                 "(for Hugging Face models, attn_implementation=\"eager\" avoids the attention "
                 "mask check)") from None
+    _kernel_dtypes(gm)
     return tidy(gm)
+
+
+def _kernel_dtypes(gm: torch.fx.GraphModule) -> None:
+    """Makes recorded values carry the dtypes the kernels give where PyTorch's meta
+    kernels (what fake tensors run) differ: training-mode batch norm with a 16-bit input
+    and f32 per-channel tensors (as under autocast) saves its statistics in f32 on every
+    device, but its meta kernel gives them the input's dtype."""
+    for node in gm.graph.nodes:
+        if node.target is not aten._native_batch_norm_legit_functional.default:
+            continue
+        stats = node.args[3].meta["val"].dtype  # running_mean: always there when whole
+        values = list(node.meta["val"])
+        if all(values[i].dtype == stats for i in (1, 2)):
+            continue
+        for i in (1, 2):
+            values[i] = values[i].to(stats)
+        node.meta["val"] = tuple(values)
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] in (1, 2):
+                user.meta["val"] = values[user.args[1]]
 
 
 def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -143,6 +143,25 @@ def test_autocast_graphs_keep_f32_masters_and_use_only_tested_half_ops():
     assert not untested, f"half-precision paths without an op test: {untested}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tracing_with_fake_tensors_under_autocast_gives_the_real_traces_graph(dtype):
+    """Fake tensors run PyTorch's meta kernels, whose batch norm with a 16-bit input gives
+    the saved statistics the input's dtype; the kernels (and a real trace) give them f32.
+    A fake trace (large models, the coverage tool) must declare what the kernels give."""
+    spec = models.target_models()["resnet18"]
+    model = spec.model(0)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    graphs = [trace_train_step(model, spec.loss_fn, _sgd(model), spec.batch(0),
+                               autocast=dtype, scaler=scaler, tracing_mode=mode).to_graph()
+              for mode in ("real", "fake")]
+    real, fake = ([(t.name, t.dtype, list(t.shape)) for t in g.tensors] for g in graphs)
+    assert fake == real
+    assert [n.op for n in graphs[1].nodes] == [n.op for n in graphs[0].nodes]
+    stats = [graphs[1].tensors[n.outputs[i]].dtype for n in graphs[1].nodes
+             if n.op == "_native_batch_norm_legit_functional" for i in (1, 2)]
+    assert stats and set(stats) == {pb.DTYPE_F32}
+
+
 # ---------------------------------------------------------------------------------------
 # Parity with eager autocast
 
