@@ -34,11 +34,12 @@ def _eager(model, make_optimizer, spec, batches, dtype):
     return torch_state(model, optimizer), losses
 
 
-def _check(spec, make_optimizer, dtype=torch.float32, seed=0):
-    """Traces the step in ``dtype``, runs it and checks it against eager float64 by the
-    harness's rule (eager float32 and randomly rounded float64 runs as yardsticks)."""
+def _check(spec, make_optimizer, dtype=torch.float32, seed=0, steps=STEPS):
+    """Traces the step in ``dtype``, runs it ``steps`` times and checks it against eager
+    float64 by the harness's rule (eager float32 and randomly rounded float64 runs as
+    yardsticks)."""
     model = spec.model(seed)
-    batches = [spec.batch(s) for s in range(STEPS)]
+    batches = [spec.batch(s) for s in range(steps)]
 
     def exact_run():
         return _eager(f64_twin(model), make_optimizer, spec, batches, torch.float64)
@@ -76,6 +77,13 @@ def test_resnet18_f32_is_as_close_to_f64_as_eager(optimizer):
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_narrow_resnet18_matches_eager_in_f32(optimizer):
-    """The same topology at width 8 is well conditioned."""
+    """The same topology at width 8, one step. The traced graph runs on PyTorch's kernels
+    here: its first forward calls eager's kernels on eager's values up to the last ReLU,
+    so every ReLU and max-pool decision is eager's. From the second step on, the two
+    runs' weights differ by rounding, and a decision within rounding of its threshold
+    can go either way in any two float32 runs (eager on two CPUs too): with 4x4 and 2x2
+    planes at batch 8, one such decision moves a batch norm's bias gradient by about 1%
+    (seen with PyTorch's oldest CPU code paths, ``scripts/test-cpu-paths.sh oldest``).
+    Several steps are exact in float64 above."""
     _check(target_models(batch_size=8, resnet_size=64, resnet_width=8)["resnet18"],
-           OPTIMIZERS[optimizer])
+           OPTIMIZERS[optimizer], steps=1)
