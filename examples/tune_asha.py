@@ -1,5 +1,5 @@
 """ASHA over an MLP classifier, twice: plain Ray Tune (eager PyTorch, a CPU per trial)
-and salus.tune (the trials as sessions on salusd, Fluid's packing degree measured first).
+and salus.tune (the trials as sessions on salusd, Fluid's packing degree measured on them).
 Prints, for each: wall time, time until a trial first reaches the target validation
 accuracy, the best accuracy, and how busy the machine's CPUs were; for salus.tune also
 the packing degree and how busy salusd's device was (its iterations' time over the run).
@@ -154,7 +154,8 @@ def main():
     client.close()
     out["salus_tune"] = {**summarise(grid, t0, ended, cpu0, cpu_times(), args.target),
                          "profile_s": round(tuner.profile_s, 1), "packing": tuner.packing,
-                         "packing_times_s": [round(t, 3) for t in tuner.packing_times],
+                         "packing_decided": tuner.packing_decided,
+                         "step_times_ms": [round(t * 1e3, 2) for t in tuner.packing_times],
                          "device_busy": round(device_us[0] / 1e6 / (ended - t0), 3)}
     ray.shutdown()
     if args.json:
@@ -167,9 +168,11 @@ def main():
         print(f"{name:<12} {r['wall_s']:>8} {str(r['time_to_target_s']):>12} "
               f"{r['best_accuracy']:>7} {r['cpu_busy']:>9}")
     s = out["salus_tune"]
-    print(f"salus.tune: packing c = {s['packing']} from iteration times "
-          f"{s['packing_times_s']} s (profiling {s['profile_s']} s, included in "
-          f"wall s and time to target); salusd's device busy {s['device_busy']:.0%} of the run")
+    how = (f"decided {s['profile_s']} s into tuning" if s["packing_decided"]
+           else "not decided before tuning ended")
+    print(f"salus.tune: packing c = {s['packing']} from times per step "
+          f"{s['step_times_ms']} ms with 1, 2, ... trials on the device ({how}); "
+          f"salusd's device busy {s['device_busy']:.0%} of the run")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ decides how many trials share a device and which salusd each trial uses.
 
 How Fluid's decisions map onto Ray Tune and salusd (``docs/tune.md``):
 
-- **Packing degree c** (Eq. 3.1): measured by running 1, 2, ... copies of one trial side by
-  side on a device for a few iterations (:func:`profile_packing`), or given
-  (``packing=2``). Each trial then asks Ray for ``1/c`` of the custom resource
-  ``salus_device`` (one unit per salusd on a node), so Ray Tune starts at most ``c`` trials
-  per device and queues the rest, and each salusd packs its trials into lanes (PACK).
+- **Packing degree c** (Eq. 3.1): given (``packing=2``), or ``"auto"``: measured on the
+  trials themselves while they tune (:class:`PackingProbe`), one trial per device at
+  first and one more while the last one still paid. Each trial asks Ray for ``1/c`` of
+  the custom resource ``salus_device`` (one unit per salusd on a node; ``1/max_packing``
+  with ``"auto"``, where a gate actor admits trials to devices up to the measured limit),
+  so Ray Tune starts at most ``c`` trials per device and queues the rest, and each
+  salusd packs its trials into lanes (PACK).
 - **Device**: each trial's process gets ``SALUS_ADDRESS`` of a device of its node (the
   one with the fewest sessions) and ``SALUS_SESSION_NAME`` of its trial, so salusctl and
   the daemon's session list show trials by name.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -98,114 +100,189 @@ def _trial_name() -> str:
 
 def with_salus(trainable: Callable[[dict], Any], *, packing: int,
                devices: Sequence[str] | None = None,
-               cpus_per_trial: float | None = None) -> Any:
+               cpus_per_trial: float | None = None, gate: Any = None) -> Any:
     """``trainable`` as a Ray Tune trainable whose trials take ``1/packing`` of a salusd
     device each (and ``cpus_per_trial`` CPUs, default ``1/packing``: the device work runs
     in salusd, not in the trial's process) and open their sessions on that device,
-    named after the trial. For a ``ray.tune.Tuner`` built by hand."""
-    _, tune = _ray()
+    named after the trial. For a ``ray.tune.Tuner`` built by hand. ``gate``: a
+    ``_Gate`` actor that admits trials to devices (what :class:`Tuner` uses while it
+    measures the packing degree)."""
+    ray, tune = _ray()
     if packing < 1:
         raise ValueError(f"packing must be at least 1, not {packing}")
     addresses = local_devices(devices)
 
     @functools.wraps(trainable)
     def on_salus(config):
-        os.environ["SALUS_ADDRESS"] = _pick_device(addresses)
-        name = _trial_name()
-        if name:
-            os.environ[SESSION_NAME_ENV] = name
-        return trainable(config)
+        name = _trial_name() or f"trial-{os.getpid()}"
+        if gate is None:
+            address = _pick_device(addresses)
+        else:
+            node = ray.get_runtime_context().get_node_id()
+            while (address := ray.get(gate.enter.remote(name, node))) is None:
+                time.sleep(0.05)
+        os.environ["SALUS_ADDRESS"] = address
+        os.environ[SESSION_NAME_ENV] = name
+        try:
+            return trainable(config)
+        finally:
+            if gate is not None:
+                ray.get(gate.leave.remote(name))
 
     cpus = 1.0 / packing if cpus_per_trial is None else cpus_per_trial
     return tune.with_resources(on_salus, {"cpu": cpus, RESOURCE: 1.0 / packing})
 
 
-def _fixed(space: Any) -> Any:
-    """One configuration of a param space: grid searches' first value, a sample of each
-    distribution, constants as they are."""
-    if isinstance(space, Mapping):
-        if set(space) == {"grid_search"}:
-            return _fixed(list(space["grid_search"])[0])
-        return {k: _fixed(v) for k, v in space.items()}
-    if hasattr(space, "sample") and callable(space.sample):
-        return space.sample()
-    return space
+class PackingProbe:
+    """Fluid's profiling on the trials themselves: the packing degree ``c`` (Eq. 3.1)
+    measured in place, from the step rates of the trials one device runs, while tuning.
+
+    The device admits ``limit`` trials, starting at 1. Once exactly ``limit`` trial
+    sessions run there, each past ``warmup`` steps, a window opens; it closes when each
+    has taken ``window`` more steps (and ``min_window_s`` passed), and gives each trial
+    its time per step ``t``. A trial that ends or starts mid-window starts a new one. With
+    ``p = limit > 1``, the slowdown ``r = T^p / T^(p-1)`` is the mean of ``t^p / t^(p-1)``
+    over the trials measured in both windows (or of the windows' means when no trial
+    was: then different configurations are compared), and the marginal benefit is
+    ``O^p = 1 - (p-1)/p * r``. While it is above ``threshold`` and ``p < max_packing``,
+    the limit grows by one; then ``c`` is the last ``p`` above it and the limit is ``c``.
+
+    :meth:`observe` is fed samples (the time, and each trial session's steps so far); it
+    does no I/O, so the decisions are tested without Ray or a daemon.
+    """
+
+    def __init__(self, max_packing: int = 4, threshold: float = PACKING_THRESHOLD, *,
+                 window: int = 20, warmup: int = 2, min_window_s: float = 0.5):
+        if max_packing < 1 or window < 1:
+            raise ValueError("max_packing and window must be at least 1")
+        self.max_packing, self.threshold = max_packing, threshold
+        self.window, self.warmup, self.min_window_s = window, warmup, min_window_s
+        #: Trials admitted to the device now.
+        self.limit = 1
+        #: ``T^1, T^2, ...``: time per step with 1, 2, ... trials, T^p chained from T^1
+        #: by the measured slowdowns.
+        self.times: list[float] = []
+        #: Set once ``c`` is decided: the limit is then final.
+        self.decided = False
+        self._opened: tuple[float, dict[str, int]] | None = None
+        self._previous: dict[str, float] = {}
+
+    @property
+    def benefits(self) -> list[float]:
+        """Eq. 3.1's ``O^p`` for ``p = 2..len(times)``."""
+        return packing_marginal_benefit(self.times)
+
+    def observe(self, now: float, steps: Mapping[str, int]) -> int:
+        """One sample: ``steps`` maps each trial session on the profiled device to the
+        steps it has taken. Returns the limit in force after it."""
+        if self.decided:
+            return self.limit
+        if len(steps) != self.limit or min(steps.values(), default=0) < self.warmup:
+            self._opened = None
+            return self.limit
+        if self._opened is None or set(self._opened[1]) != set(steps):
+            self._opened = (now, dict(steps))
+            return self.limit
+        opened_at, before = self._opened
+        taken = {name: steps[name] - before[name] for name in steps}
+        if min(taken.values()) < self.window or now - opened_at < self.min_window_s:
+            return self.limit
+        per_step = {name: (now - opened_at) / n for name, n in taken.items()}
+        self._close(per_step)
+        return self.limit
+
+    def _close(self, per_step: dict[str, float]) -> None:
+        mean = sum(per_step.values()) / len(per_step)
+        self._opened = None
+        if not self.times:
+            self.times.append(mean)
+        else:
+            both = [per_step[n] / self._previous[n] for n in per_step if n in self._previous]
+            ratio = (sum(both) / len(both) if both
+                     else mean / (sum(self._previous.values()) / len(self._previous)))
+            self.times.append(self.times[-1] * ratio)
+        self._previous = per_step
+        p = len(self.times)
+        benefit = self.benefits[-1] if p > 1 else math.inf
+        if benefit > self.threshold and p < self.max_packing:
+            self.limit = p + 1
+        else:
+            self.limit = packing_degree(self.times, self.threshold)
+            self.decided = True
 
 
-def profile_packing(trainable: Callable[[dict], Any], config: Mapping[str, Any], *,
-                    devices: Sequence[str] | None = None, iterations: int = 5,
-                    max_packing: int = 4, threshold: float = PACKING_THRESHOLD,
-                    cpus_per_trial: float | None = None,
-                    storage_path: str | None = None) -> tuple[int, list[float]]:
-    """Fluid's profiling: runs ``p = 1, 2, ...`` copies of ``trainable(config)`` side by
-    side on one device for ``iterations`` reports each, measures the mean time between
-    reports (after the first, which includes tracing and opening the session), and stops
-    once Eq. 3.1's marginal benefit of the ``p``-th copy is at most ``threshold``. Returns
-    ``(c, times)``."""
-    ray, tune = _ray()
-    if not ray.is_initialized():
-        init_ray(devices)
-    storage = storage_path or tempfile.mkdtemp(prefix="salus-tune-profile-")
-    times: list[float] = []
-    for p in range(1, max_packing + 1):
-        copies = with_salus(trainable, packing=p, devices=devices[:1] if devices else None,
-                            cpus_per_trial=cpus_per_trial)
-        grid = tune.Tuner(copies, param_space=dict(config),
-                          tune_config=tune.TuneConfig(num_samples=p),
-                          run_config=tune.RunConfig(
-                              name=f"salus-profile-{p}", storage_path=storage, verbose=0,
-                              stop={"training_iteration": iterations})).fit()
-        per_copy = []
-        for result in grid:
-            if result.error is not None:
-                raise SalusError(f"profiling with {p} trials on a device failed: {result.error}")
-            frame = result.metrics_dataframe
-            steady = list(frame["time_this_iter_s"])[1:] if frame is not None else []
-            if steady:
-                per_copy.append(sum(steady) / len(steady))
-        if not per_copy:
-            raise SalusError("profiling measured nothing: the trainable must call "
-                             f"tune.report at least twice (it ran {iterations} iterations)")
-        times.append(sum(per_copy) / len(per_copy))
-        if p > 1 and packing_marginal_benefit(times)[-1] <= threshold:
-            break
-    return packing_degree(times, threshold), times
+class _Gate:
+    """A Ray actor: which trials run on which device of which node, at most ``limit`` per
+    device. Trials over the limit wait to enter (their Ray resources are already held)."""
+
+    def __init__(self, devices: Sequence[str], limit: int):
+        self.devices, self.limit = list(devices), limit
+        self.active: dict[tuple[str, str], set[str]] = {}
+
+    def enter(self, trial: str, node: str) -> str | None:
+        """The device of ``node`` that ``trial`` runs on (the one with the fewest trials),
+        or None: wait."""
+        keys = [(node, d) for d in self.devices]
+        for key in keys:
+            self.active.setdefault(key, set())
+        key = min(keys, key=lambda k: len(self.active[k]))
+        if len(self.active[key]) >= self.limit:
+            return None
+        self.active[key].add(trial)
+        return key[1]
+
+    def leave(self, trial: str) -> None:
+        for trials in self.active.values():
+            trials.discard(trial)
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+
+    def on(self, node: str, device: str) -> list[str]:
+        return sorted(self.active.get((node, device), ()))
 
 
 class Tuner:
     """``ray.tune.Tuner`` with its trials as sessions on salusd, ``packing`` to a device.
 
-    ``packing``: how many trials share a device; ``"auto"`` measures it first with
-    :func:`profile_packing` on ``profile_config`` (default: one configuration drawn from
-    ``param_space``). ``devices``: the salusd addresses of each node (default
-    ``SALUS_ADDRESS`` or the default socket). ``policy``: set on this node's daemons before
-    tuning (``pack`` runs every admitted trial in a lane of its own; ``None`` leaves the
-    daemon's). ``ray_init``: arguments of ``ray.init`` when Ray is not running yet (then a
-    local Ray starts with the ``salus_device`` resource). Everything else goes to
-    ``ray.tune.Tuner`` unchanged; :meth:`fit` returns its ``ResultGrid``.
+    ``packing``: how many trials share a device; ``"auto"`` measures it on the trials
+    themselves while they tune (:class:`PackingProbe`: one trial per device at first, one
+    more each time Eq. 3.1's marginal benefit stays above ``threshold``, up to
+    ``max_packing``; ``profile_steps`` steps per trial per measurement). ``devices``: the
+    salusd addresses of each node (default ``SALUS_ADDRESS`` or the default socket).
+    ``policy``: set on this node's daemons before tuning (``pack`` runs every admitted
+    trial in a lane of its own; ``None`` leaves the daemon's). ``ray_init``: arguments of
+    ``ray.init`` when Ray is not running yet (then a local Ray starts with the
+    ``salus_device`` resource). Everything else goes to ``ray.tune.Tuner`` unchanged;
+    :meth:`fit` returns its ``ResultGrid``.
     """
 
     def __init__(self, trainable: Callable[[dict], Any], *, param_space: dict | None = None,
                  tune_config: Any = None, run_config: Any = None,
                  packing: int | str = "auto", devices: Sequence[str] | None = None,
                  policy: str | None = "pack", cpus_per_trial: float | None = None,
-                 profile_config: Mapping[str, Any] | None = None, profile_iterations: int = 5,
                  max_packing: int = 4, threshold: float = PACKING_THRESHOLD,
-                 ray_init: Mapping[str, Any] | None = None):
+                 profile_steps: int = 20, ray_init: Mapping[str, Any] | None = None):
         if packing != "auto" and (not isinstance(packing, int) or packing < 1):
             raise ValueError(f"packing must be 'auto' or a positive int, not {packing!r}")
+        if max_packing < 1 or profile_steps < 1:
+            raise ValueError("max_packing and profile_steps must be at least 1")
         self.trainable, self.param_space = trainable, param_space or {}
         self.tune_config, self.run_config = tune_config, run_config
         self.devices = local_devices(devices)
         self.policy, self.cpus_per_trial = policy, cpus_per_trial
-        self.profile_config, self.profile_iterations = profile_config, profile_iterations
         self.max_packing, self.threshold = max_packing, threshold
+        self.profile_steps = profile_steps
         self.ray_init = dict(ray_init or {})
-        #: The packing degree in force (measured by :meth:`fit` with ``"auto"``).
+        self.auto = packing == "auto"
+        #: The packing degree in force (with ``"auto"``: what :meth:`fit` measured, or
+        #: the limit it had reached when tuning ended before the measurement did).
         self.packing: int | None = packing if isinstance(packing, int) else None
-        #: Mean iteration times with 1, 2, ... trials on a device, when measured.
+        #: Time per step with 1, 2, ... trials on a device, when measured.
         self.packing_times: list[float] = []
-        #: Seconds the profiling took.
+        #: Whether ``"auto"`` decided ``c`` before tuning ended.
+        self.packing_decided = False
+        #: Seconds from the start of tuning until ``c`` was decided (trials tune meanwhile).
         self.profile_s = 0.0
 
     def _ensure_ray(self) -> None:
@@ -219,26 +296,58 @@ class Tuner:
                 "let salus.tune start a local Ray")
 
     def fit(self):
-        """Sets the policy, measures the packing degree if asked, and runs the tuning."""
-        _, tune = _ray()
+        """Sets the policy and runs the tuning, measuring the packing degree meanwhile
+        with ``"auto"``."""
+        ray, tune = _ray()
         self._ensure_ray()
         if self.policy:
             for address in self.devices:
                 with Client(address) as client:
                     client.policy(self.policy)
-        if self.packing is None:
-            started = time.perf_counter()
-            config = self.profile_config or _fixed(self.param_space)
-            self.packing, self.packing_times = profile_packing(
-                self.trainable, config, devices=self.devices,
-                iterations=self.profile_iterations, max_packing=self.max_packing,
-                threshold=self.threshold, cpus_per_trial=self.cpus_per_trial)
-            self.profile_s = time.perf_counter() - started
-        wrapped = with_salus(self.trainable, packing=self.packing, devices=self.devices,
-                             cpus_per_trial=self.cpus_per_trial)
         kwargs = {"param_space": self.param_space}
         if self.tune_config is not None:
             kwargs["tune_config"] = self.tune_config
         if self.run_config is not None:
             kwargs["run_config"] = self.run_config
-        return tune.Tuner(wrapped, **kwargs).fit()
+        if not self.auto:
+            wrapped = with_salus(self.trainable, packing=self.packing, devices=self.devices,
+                                 cpus_per_trial=self.cpus_per_trial)
+            return tune.Tuner(wrapped, **kwargs).fit()
+        gate = ray.remote(num_cpus=0)(_Gate).remote(self.devices, 1)
+        probe = PackingProbe(self.max_packing, self.threshold, window=self.profile_steps)
+        stop = threading.Event()
+        prober = threading.Thread(target=self._probe, args=(probe, gate, stop), daemon=True,
+                                  name="salus-packing-probe")
+        wrapped = with_salus(self.trainable, packing=self.max_packing, devices=self.devices,
+                             cpus_per_trial=self.cpus_per_trial, gate=gate)
+        prober.start()
+        try:
+            return tune.Tuner(wrapped, **kwargs).fit()
+        finally:
+            stop.set()
+            prober.join(timeout=10)
+            self.packing, self.packing_times = probe.limit, list(probe.times)
+            self.packing_decided = probe.decided
+            ray.kill(gate)
+
+    def _probe(self, probe: PackingProbe, gate: Any, stop: threading.Event,
+               interval: float = 0.1) -> None:
+        """Feeds ``probe`` the steps of the trials on the first device of this node (on a
+        cluster, the node tuning runs from must run trials too) and passes its limit to
+        the gate, until it decides or tuning ends."""
+        ray, _ = _ray()
+        device = self.devices[0]
+        node = ray.get_runtime_context().get_node_id()
+        started = time.monotonic()
+        with Client(device) as client:
+            while not stop.wait(interval) and not probe.decided:
+                try:
+                    trials = set(ray.get(gate.on.remote(node, device)))
+                    steps = {s.name: s.iterations for s in client.list_sessions()
+                             if s.name in trials}
+                except (SalusError, ray.exceptions.RayError):
+                    continue  # a sample lost: the next one will do
+                limit = probe.observe(time.monotonic(), steps)
+                ray.get(gate.set_limit.remote(limit))
+        if probe.decided:
+            self.profile_s = time.monotonic() - started

@@ -18,6 +18,7 @@ from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 from tune_trainable import train_mlp  # noqa: E402
 
 import salus.tune  # noqa: E402
+from salus import fluid  # noqa: E402
 from salus.client import Client  # noqa: E402
 from salus.v1 import admin_pb2  # noqa: E402
 
@@ -71,7 +72,8 @@ def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
 
     # Every trial was a salusd session named after it, and ran every step it reported.
     kinds = admin_pb2.EventKind
-    names = {e.session: e.detail.split(" (P ")[0] for e in events if e.kind == kinds.EVENT_KIND_OPENED}
+    names = {e.session: e.detail.split(" (P ")[0] for e in events
+             if e.kind == kinds.EVENT_KIND_OPENED}
     finished = {s: sum(1 for e in events if e.kind == kinds.EVENT_KIND_ITERATION_FINISHED
                        and e.session == s) for s in names}
     assert len(on_salus) == 4
@@ -99,10 +101,57 @@ def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_one_configuration_of_a_param_space():
-    space = {"lr": tune.grid_search([0.1, 0.2]), "layers": tune.choice([2]), "seed": 3,
-             "nested": {"width": tune.grid_search([8, 16])}}
-    assert salus.tune._fixed(space) == {"lr": 0.1, "layers": 2, "seed": 3,
-                                        "nested": {"width": 8}}
+def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
+    """packing="auto": the first trial runs alone until the probe has measured it, the
+    second joins it, and c comes from the first trial's steps before and after."""
+    with Daemon("--device", "cpu") as daemon:
+        path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+        salus.tune.init_ray([daemon.address], num_cpus=2, log_to_driver=False,
+                            runtime_env={"env_vars": {"PYTHONPATH": path}})
+        client = Client(daemon.address)
+        watch = client.watch()
+        events: list[admin_pb2.Event] = []
+        collector = threading.Thread(target=lambda: events.extend(watch), daemon=True)
+        collector.start()
+        try:
+            # Each trial long enough (12 s) for the next to start up beside it.
+            space = {"lr": tune.grid_search([0.2, 0.1]), "seed": 0, "seconds": 12,
+                     "steps": 50, "salus": True}
+            tuner = salus.tune.Tuner(train_mlp, param_space=space, devices=[daemon.address],
+                                     max_packing=2, profile_steps=10,
+                                     run_config=tune.RunConfig(storage_path=str(tmp_path),
+                                                               name="auto", verbose=0))
+            grid = tuner.fit()
+        finally:
+            ray.shutdown()
+            watch.cancel()
+            collector.join(timeout=10)
+            client.close()
+    assert all(r.error is None for r in grid)
+    assert tuner.packing_decided, "trials of 12 s leave time to measure"
+    assert tuner.packing in (1, 2) and len(tuner.packing_times) == 2
+    assert tuner.packing == fluid.packing_degree(tuner.packing_times, tuner.threshold)
+    kinds = admin_pb2.EventKind
+    opened = [e.session for e in events if e.kind == kinds.EVENT_KIND_OPENED]
+    assert len(opened) == 2
+    # The second trial opened its session only after the first had run its warm-up and a
+    # window of 10 steps alone; never more than two trials at once.
+    first_steps, open_now, most = 0, set(), 0
+    for e in events:
+        if e.kind == kinds.EVENT_KIND_ITERATION_FINISHED and e.session == opened[0]:
+            first_steps += 1
+        if e.kind == kinds.EVENT_KIND_OPENED:
+            if e.session == opened[1]:
+                assert first_steps >= 2 + 10, first_steps
+            open_now.add(e.session)
+        elif e.kind == kinds.EVENT_KIND_CLOSED:
+            open_now.discard(e.session)
+        most = max(most, len(open_now))
+    assert most == 2
+
+
+def test_bad_packing_settings_are_refused():
     with pytest.raises(ValueError, match="packing"):
         salus.tune.Tuner(train_mlp, packing=0)
+    with pytest.raises(ValueError, match="max_packing"):
+        salus.tune.Tuner(train_mlp, max_packing=0)

@@ -33,7 +33,8 @@ def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
 
 
 def train_mlp(config: dict) -> None:
-    """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each."""
+    """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each (or as many
+    as ``config["seconds"]`` allow)."""
     torch.set_num_threads(1)
     torch.manual_seed(config["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
@@ -44,7 +45,8 @@ def train_mlp(config: dict) -> None:
     if config["salus"]:
         import salus.torch
         session = salus.torch.TrainSession(model, F.cross_entropy, optimizer, batches[0],
-                                           total_iterations=config["iterations"] * config["steps"])
+                                           total_iterations=config.get("iterations", 0)
+                                           * config["steps"])
         _rendezvous(config.get("rendezvous", 0))
 
     def step(xb, yb):
@@ -57,8 +59,12 @@ def train_mlp(config: dict) -> None:
         return loss.detach()
 
     k = 0
+    # With "seconds": reports until that long after the first step, however many.
+    deadline = time.monotonic() + config["seconds"] if "seconds" in config else None
     try:
-        for _ in range(config["iterations"]):
+        for i in range(10**9 if deadline else config["iterations"]):
+            if deadline and i > 0 and time.monotonic() > deadline:
+                break
             losses = []
             for _ in range(config["steps"]):
                 losses.append(float(step(*batches[k % len(batches)])))
