@@ -31,6 +31,7 @@ How Fluid's decisions map onto Ray Tune and salusd (``docs/tune.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -43,6 +44,7 @@ from .client import Client, address_from_env
 from .errors import SalusError
 from .fluid import packing_degree, packing_marginal_benefit
 from .torch import SESSION_NAME_ENV
+from .v1 import admin_pb2
 
 #: The custom Ray resource a node advertises, one unit per salusd device.
 RESOURCE = "salus_device"
@@ -98,6 +100,14 @@ def _trial_name() -> str:
         return ""
 
 
+def _trial_id() -> str:
+    _, tune = _ray()
+    try:
+        return tune.get_context().get_trial_id() or ""
+    except Exception:  # noqa: BLE001 - outside a trial (a direct call): no id
+        return ""
+
+
 def with_salus(trainable: Callable[[dict], Any], *, packing: int,
                devices: Sequence[str] | None = None,
                cpus_per_trial: float | None = None, gate: Any = None) -> Any:
@@ -114,12 +124,13 @@ def with_salus(trainable: Callable[[dict], Any], *, packing: int,
 
     @functools.wraps(trainable)
     def on_salus(config):
-        name = _trial_name() or f"trial-{os.getpid()}"
+        trial = _trial_id() or f"trial-{os.getpid()}"
+        name = _trial_name() or trial
         if gate is None:
             address = _pick_device(addresses)
         else:
             node = ray.get_runtime_context().get_node_id()
-            while (address := ray.get(gate.enter.remote(name, node))) is None:
+            while (address := ray.get(gate.enter.remote(trial, name, node))) is None:
                 time.sleep(0.05)
         os.environ["SALUS_ADDRESS"] = address
         os.environ[SESSION_NAME_ENV] = name
@@ -127,7 +138,7 @@ def with_salus(trainable: Callable[[dict], Any], *, packing: int,
             return trainable(config)
         finally:
             if gate is not None:
-                ray.get(gate.leave.remote(name))
+                ray.get(gate.leave.remote(trial))
 
     cpus = 1.0 / packing if cpus_per_trial is None else cpus_per_trial
     return tune.with_resources(on_salus, {"cpu": cpus, RESOURCE: 1.0 / packing})
@@ -139,7 +150,7 @@ class PackingProbe:
 
     The device admits ``limit`` trials, starting at 1. Once exactly ``limit`` trial
     sessions run there, each past ``warmup`` steps, a window opens; it closes when each
-    has taken ``window`` more steps (and ``min_window_s`` passed), and gives each trial
+    has taken ``window`` more steps, and gives each trial
     its time per step ``t``. A trial that ends or starts mid-window starts a new one. With
     ``p = limit > 1``, the slowdown ``r = T^p / T^(p-1)`` is the mean of ``t^p / t^(p-1)``
     over the trials measured in both windows (or of the windows' means when no trial
@@ -152,11 +163,11 @@ class PackingProbe:
     """
 
     def __init__(self, max_packing: int = 4, threshold: float = PACKING_THRESHOLD, *,
-                 window: int = 20, warmup: int = 2, min_window_s: float = 0.5):
+                 window: int = 20, warmup: int = 2):
         if max_packing < 1 or window < 1:
             raise ValueError("max_packing and window must be at least 1")
         self.max_packing, self.threshold = max_packing, threshold
-        self.window, self.warmup, self.min_window_s = window, warmup, min_window_s
+        self.window, self.warmup = window, warmup
         #: Trials admitted to the device now.
         self.limit = 1
         #: ``T^1, T^2, ...``: time per step with 1, 2, ... trials, T^p chained from T^1
@@ -185,7 +196,7 @@ class PackingProbe:
             return self.limit
         opened_at, before = self._opened
         taken = {name: steps[name] - before[name] for name in steps}
-        if min(taken.values()) < self.window or now - opened_at < self.min_window_s:
+        if min(taken.values()) < self.window:
             return self.limit
         per_step = {name: (now - opened_at) / n for name, n in taken.items()}
         self._close(per_step)
@@ -212,34 +223,52 @@ class PackingProbe:
 
 
 class _Gate:
-    """A Ray actor: which trials run on which device of which node, at most ``limit`` per
-    device. Trials over the limit wait to enter (their Ray resources are already held)."""
+    """A Ray actor: which trials (by id, with their names) run on which device of which
+    node, at most ``limit`` per device. Trials over the limit wait to enter (their Ray
+    resources are already held). A trial leaves when its function returns, or when Ray
+    Tune ends it otherwise (a scheduler's stop, an error: :func:`_leave_on_end`)."""
 
     def __init__(self, devices: Sequence[str], limit: int):
         self.devices, self.limit = list(devices), limit
-        self.active: dict[tuple[str, str], set[str]] = {}
+        self.active: dict[tuple[str, str], dict[str, str]] = {}
 
-    def enter(self, trial: str, node: str) -> str | None:
+    def enter(self, trial: str, name: str, node: str) -> str | None:
         """The device of ``node`` that ``trial`` runs on (the one with the fewest trials),
         or None: wait."""
         keys = [(node, d) for d in self.devices]
         for key in keys:
-            self.active.setdefault(key, set())
+            self.active.setdefault(key, {})
         key = min(keys, key=lambda k: len(self.active[k]))
         if len(self.active[key]) >= self.limit:
             return None
-        self.active[key].add(trial)
+        self.active[key][trial] = name
         return key[1]
 
     def leave(self, trial: str) -> None:
         for trials in self.active.values():
-            trials.discard(trial)
+            trials.pop(trial, None)
 
     def set_limit(self, limit: int) -> None:
         self.limit = limit
 
     def on(self, node: str, device: str) -> list[str]:
-        return sorted(self.active.get((node, device), ()))
+        """The names of the trials on ``device`` of ``node``."""
+        return sorted(self.active.get((node, device), {}).values())
+
+
+def _leave_on_end(gate: Any) -> Any:
+    """A Ray Tune callback that takes each trial out of ``gate`` when it ends, however it
+    ends: a trial a scheduler stops may never return from its function."""
+    _, tune = _ray()
+
+    class LeaveOnEnd(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            gate.leave.remote(trial.trial_id)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            gate.leave.remote(trial.trial_id)
+
+    return LeaveOnEnd()
 
 
 class Tuner:
@@ -314,40 +343,60 @@ class Tuner:
                                  cpus_per_trial=self.cpus_per_trial)
             return tune.Tuner(wrapped, **kwargs).fit()
         gate = ray.remote(num_cpus=0)(_Gate).remote(self.devices, 1)
+        run_config = kwargs.get("run_config") or tune.RunConfig()
+        kwargs["run_config"] = dataclasses.replace(
+            run_config, callbacks=[*(run_config.callbacks or []), _leave_on_end(gate)])
         probe = PackingProbe(self.max_packing, self.threshold, window=self.profile_steps)
-        stop = threading.Event()
-        prober = threading.Thread(target=self._probe, args=(probe, gate, stop), daemon=True,
+        client = Client(self.devices[0])
+        watch = client.watch()
+        prober = threading.Thread(target=self._probe, args=(probe, gate, watch), daemon=True,
                                   name="salus-packing-probe")
         wrapped = with_salus(self.trainable, packing=self.max_packing, devices=self.devices,
                              cpus_per_trial=self.cpus_per_trial, gate=gate)
+        self._started = time.monotonic()
         prober.start()
         try:
             return tune.Tuner(wrapped, **kwargs).fit()
         finally:
-            stop.set()
+            watch.cancel()
             prober.join(timeout=10)
+            client.close()
             self.packing, self.packing_times = probe.limit, list(probe.times)
             self.packing_decided = probe.decided
             ray.kill(gate)
 
-    def _probe(self, probe: PackingProbe, gate: Any, stop: threading.Event,
-               interval: float = 0.1) -> None:
-        """Feeds ``probe`` the steps of the trials on the first device of this node (on a
-        cluster, the node tuning runs from must run trials too) and passes its limit to
-        the gate, until it decides or tuning ends."""
+    def _probe(self, probe: PackingProbe, gate: Any, watch: Any) -> None:
+        """Feeds ``probe`` the steps of the trials on the first device of this node, at
+        the daemon's time of each step (its event stream), and passes its limit to the
+        gate, until it decides or ``watch`` is cancelled. On a cluster, the node tuning
+        runs from must run trials too."""
         ray, _ = _ray()
         device = self.devices[0]
         node = ray.get_runtime_context().get_node_id()
-        started = time.monotonic()
-        with Client(device) as client:
-            while not stop.wait(interval) and not probe.decided:
-                try:
-                    trials = set(ray.get(gate.on.remote(node, device)))
-                    steps = {s.name: s.iterations for s in client.list_sessions()
-                             if s.name in trials}
-                except (SalusError, ray.exceptions.RayError):
-                    continue  # a sample lost: the next one will do
-                limit = probe.observe(time.monotonic(), steps)
-                ray.get(gate.set_limit.remote(limit))
-        if probe.decided:
-            self.profile_s = time.monotonic() - started
+        kinds = admin_pb2.EventKind
+        names: dict[int, str] = {}      # the trials' open sessions on the device
+        steps: dict[int, int] = {}
+        limit = probe.limit
+        try:
+            for event in watch:
+                if event.kind == kinds.EVENT_KIND_OPENED:
+                    name = event.detail.rsplit(" (P ", 1)[0]
+                    if name not in ray.get(gate.on.remote(node, device)):
+                        continue  # a session of something else
+                    names[event.session], steps[event.session] = name, 0
+                elif event.kind == kinds.EVENT_KIND_CLOSED and event.session in names:
+                    del names[event.session], steps[event.session]
+                elif (event.kind == kinds.EVENT_KIND_ITERATION_FINISHED
+                      and event.session in steps):
+                    steps[event.session] += 1
+                else:
+                    continue
+                seconds = event.time_us / 1e6
+                if probe.observe(seconds, {names[s]: n for s, n in steps.items()}) != limit:
+                    limit = probe.limit
+                    ray.get(gate.set_limit.remote(limit))
+                if probe.decided:
+                    self.profile_s = time.monotonic() - self._started
+                    return
+        except (SalusError, ray.exceptions.RayError):
+            return  # tuning ended (the watch cancelled) or the daemon went away

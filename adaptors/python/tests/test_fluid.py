@@ -118,7 +118,7 @@ def test_a_trial_that_ends_mid_window_starts_a_new_window():
 
 def test_no_window_opens_before_every_trial_is_past_its_warmup():
     from salus.tune import PackingProbe
-    probe = PackingProbe(4, 0.1, window=5, warmup=3, min_window_s=0)
+    probe = PackingProbe(4, 0.1, window=5, warmup=3)
     for now, steps in [(0.0, {"a": 0}), (0.1, {"a": 2}), (0.2, {"a": 30})]:
         probe.observe(now, steps)
     assert not probe.times                 # the window opened at 0.2 s, not before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,10 @@ def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
 
 def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
     """packing="auto": the first trial runs alone until the probe has measured it, the
-    second joins it, and c comes from the first trial's steps before and after."""
+    second joins it, and c comes from the first trial's steps before and after. ASHA
+    stops each trial (after 10 s of its 60), and the third trial still gets the place of
+    the first. A trial whose process dies before it runs (the first) gives its place
+    back too."""
     with Daemon("--device", "cpu") as daemon:
         path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
         salus.tune.init_ray([daemon.address], num_cpus=2, log_to_driver=False,
@@ -114,26 +118,40 @@ def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
         collector = threading.Thread(target=lambda: events.extend(watch), daemon=True)
         collector.start()
         try:
-            # Each trial long enough (12 s) for the next to start up beside it.
-            space = {"lr": tune.grid_search([0.2, 0.1]), "seed": 0, "seconds": 12,
-                     "steps": 50, "salus": True}
+            # Each trial long enough (10 s) for the next to start up beside it.
+            space = {"lr": tune.grid_search([1.0, 0.2, 0.1, 0.05]), "seed": 0, "seconds": 60,
+                     "steps": 50, "salus": True,
+                     "exit": tune.sample_from(lambda spec: spec.config.lr == 1.0)}
+            asha = ASHAScheduler(time_attr="time_total_s", max_t=10, grace_period=10)
             tuner = salus.tune.Tuner(train_mlp, param_space=space, devices=[daemon.address],
                                      max_packing=2, profile_steps=10,
+                                     tune_config=tune.TuneConfig(metric="loss", mode="min",
+                                                                 scheduler=asha),
                                      run_config=tune.RunConfig(storage_path=str(tmp_path),
                                                                name="auto", verbose=0))
-            grid = tuner.fit()
+            started, grids = time.monotonic(), []
+            fit = threading.Thread(target=lambda: grids.append(tuner.fit()), daemon=True)
+            fit.start()
+            fit.join(timeout=120)
+            assert grids, "tuning hung: a trial that ended kept its place at the gate"
+            grid, took = grids[0], time.monotonic() - started
         finally:
             ray.shutdown()
             watch.cancel()
             collector.join(timeout=10)
             client.close()
+    died = [r for r in grid if r.config["exit"]]
+    assert len(died) == 1 and died[0].error is not None
+    grid = [r for r in grid if not r.config["exit"]]
     assert all(r.error is None for r in grid)
-    assert tuner.packing_decided, "trials of 12 s leave time to measure"
+    assert all(10 <= r.metrics["time_total_s"] < 30 for r in grid), "stopped by ASHA"
+    assert took < 60, "a stopped trial gave its place to the next"
+    assert tuner.packing_decided, "trials of 10 s leave time to measure"
     assert tuner.packing in (1, 2) and len(tuner.packing_times) == 2
     assert tuner.packing == fluid.packing_degree(tuner.packing_times, tuner.threshold)
     kinds = admin_pb2.EventKind
     opened = [e.session for e in events if e.kind == kinds.EVENT_KIND_OPENED]
-    assert len(opened) == 2
+    assert len(opened) == 3
     # The second trial opened its session only after the first had run its warm-up and a
     # window of 10 steps alone; never more than two trials at once.
     first_steps, open_now, most = 0, set(), 0

@@ -4,6 +4,7 @@ its own module so that Ray's worker processes can import it."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,7 +35,9 @@ def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
 
 def train_mlp(config: dict) -> None:
     """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each (or as many
-    as ``config["seconds"]`` allow)."""
+    as ``config["seconds"]`` allow). ``config["exit"]``: the process dies at once."""
+    if config.get("exit"):
+        os._exit(3)  # a trial process that dies without returning or raising
     torch.set_num_threads(1)
     torch.manual_seed(config["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
