@@ -92,20 +92,14 @@ def _pick_device(devices: Sequence[str]) -> str:
     return devices[min(load)[1]]
 
 
-def _trial_name() -> str:
+def _trial() -> tuple[str, str]:
+    """This trial's id and name, or empty strings outside a trial (a direct call)."""
     _, tune = _ray()
     try:
-        return tune.get_context().get_trial_name() or ""
-    except Exception:  # noqa: BLE001 - outside a trial (a direct call): no name
-        return ""
-
-
-def _trial_id() -> str:
-    _, tune = _ray()
-    try:
-        return tune.get_context().get_trial_id() or ""
-    except Exception:  # noqa: BLE001 - outside a trial (a direct call): no id
-        return ""
+        context = tune.get_context()
+        return context.get_trial_id() or "", context.get_trial_name() or ""
+    except Exception:  # noqa: BLE001 - outside a trial: no context
+        return "", ""
 
 
 def with_salus(trainable: Callable[[dict], Any], *, packing: int,
@@ -124,8 +118,9 @@ def with_salus(trainable: Callable[[dict], Any], *, packing: int,
 
     @functools.wraps(trainable)
     def on_salus(config):
-        trial = _trial_id() or f"trial-{os.getpid()}"
-        name = _trial_name() or trial
+        trial, name = _trial()
+        trial = trial or f"trial-{os.getpid()}"
+        name = name or trial
         if gate is None:
             address = _pick_device(addresses)
         else:

@@ -3,6 +3,7 @@ salusd sessions, two to the device, against the same search run eagerly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -33,15 +34,10 @@ def _asha_config():
                            scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2))
 
 
-def _history(grid) -> dict[float, list[float]]:
-    out = {}
-    for result in grid:
-        assert result.error is None, result.error
-        out[result.config["lr"]] = list(result.metrics_dataframe["loss"])
-    return out
-
-
-def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
+@contextlib.contextmanager
+def _ray_on_salusd():
+    """A salusd on the CPU device, a local Ray pointed at it, and the daemon's events
+    collected meanwhile: yields ``(daemon, client, events)``; Ray is shut down after."""
     with Daemon("--device", "cpu") as daemon:
         # Ray first: its processes start while no gRPC thread runs in this one.
         path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
@@ -53,23 +49,36 @@ def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
         collector = threading.Thread(target=lambda: events.extend(watch), daemon=True)
         collector.start()
         try:
-            tuner = salus.tune.Tuner(train_mlp,
-                                     param_space={**SPACE, "salus": True, "rendezvous": 2},
-                                     packing=2, devices=[daemon.address],
-                                     tune_config=_asha_config(),
-                                     run_config=tune.RunConfig(storage_path=str(tmp_path),
-                                                               name="salus", verbose=0))
-            on_salus = tuner.fit()
-            eager = tune.Tuner(train_mlp, param_space={**SPACE, "salus": False},
-                               tune_config=_asha_config(),
-                               run_config=tune.RunConfig(storage_path=str(tmp_path),
-                                                         name="eager", verbose=0)).fit()
+            yield daemon, client, events
         finally:
             ray.shutdown()
-            assert client.policy() == "pack"
             watch.cancel()
             collector.join(timeout=10)
             client.close()
+
+
+def _history(grid) -> dict[float, list[float]]:
+    out = {}
+    for result in grid:
+        assert result.error is None, result.error
+        out[result.config["lr"]] = list(result.metrics_dataframe["loss"])
+    return out
+
+
+def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
+    with _ray_on_salusd() as (daemon, client, events):
+        tuner = salus.tune.Tuner(train_mlp,
+                                 param_space={**SPACE, "salus": True, "rendezvous": 2},
+                                 packing=2, devices=[daemon.address],
+                                 tune_config=_asha_config(),
+                                 run_config=tune.RunConfig(storage_path=str(tmp_path),
+                                                           name="salus", verbose=0))
+        on_salus = tuner.fit()
+        eager = tune.Tuner(train_mlp, param_space={**SPACE, "salus": False},
+                           tune_config=_asha_config(),
+                           run_config=tune.RunConfig(storage_path=str(tmp_path),
+                                                     name="eager", verbose=0)).fit()
+        assert client.policy() == "pack"
 
     # Every trial was a salusd session named after it, and ran every step it reported.
     kinds = admin_pb2.EventKind
@@ -108,38 +117,24 @@ def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
     stops each trial (after 10 s of its 60), and the third trial still gets the place of
     the first. A trial whose process dies before it runs (the first) gives its place
     back too."""
-    with Daemon("--device", "cpu") as daemon:
-        path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-        salus.tune.init_ray([daemon.address], num_cpus=2, log_to_driver=False,
-                            runtime_env={"env_vars": {"PYTHONPATH": path}})
-        client = Client(daemon.address)
-        watch = client.watch()
-        events: list[admin_pb2.Event] = []
-        collector = threading.Thread(target=lambda: events.extend(watch), daemon=True)
-        collector.start()
-        try:
-            # Each trial long enough (10 s) for the next to start up beside it.
-            space = {"lr": tune.grid_search([1.0, 0.2, 0.1, 0.05]), "seed": 0, "seconds": 60,
-                     "steps": 50, "salus": True,
-                     "exit": tune.sample_from(lambda spec: spec.config.lr == 1.0)}
-            asha = ASHAScheduler(time_attr="time_total_s", max_t=10, grace_period=10)
-            tuner = salus.tune.Tuner(train_mlp, param_space=space, devices=[daemon.address],
-                                     max_packing=2, profile_steps=10,
-                                     tune_config=tune.TuneConfig(metric="loss", mode="min",
-                                                                 scheduler=asha),
-                                     run_config=tune.RunConfig(storage_path=str(tmp_path),
-                                                               name="auto", verbose=0))
-            started, grids = time.monotonic(), []
-            fit = threading.Thread(target=lambda: grids.append(tuner.fit()), daemon=True)
-            fit.start()
-            fit.join(timeout=120)
-            assert grids, "tuning hung: a trial that ended kept its place at the gate"
-            grid, took = grids[0], time.monotonic() - started
-        finally:
-            ray.shutdown()
-            watch.cancel()
-            collector.join(timeout=10)
-            client.close()
+    with _ray_on_salusd() as (daemon, _, events):
+        # Each trial long enough (10 s) for the next to start up beside it.
+        space = {"lr": tune.grid_search([1.0, 0.2, 0.1, 0.05]), "seed": 0, "seconds": 60,
+                 "steps": 50, "salus": True,
+                 "exit": tune.sample_from(lambda spec: spec.config.lr == 1.0)}
+        asha = ASHAScheduler(time_attr="time_total_s", max_t=10, grace_period=10)
+        tuner = salus.tune.Tuner(train_mlp, param_space=space, devices=[daemon.address],
+                                 max_packing=2, profile_steps=10,
+                                 tune_config=tune.TuneConfig(metric="loss", mode="min",
+                                                             scheduler=asha),
+                                 run_config=tune.RunConfig(storage_path=str(tmp_path),
+                                                           name="auto", verbose=0))
+        started, grids = time.monotonic(), []
+        fit = threading.Thread(target=lambda: grids.append(tuner.fit()), daemon=True)
+        fit.start()
+        fit.join(timeout=120)
+        assert grids, "tuning hung: a trial that ended kept its place at the gate"
+        grid, took = grids[0], time.monotonic() - started
     died = [r for r in grid if r.config["exit"]]
     assert len(died) == 1 and died[0].error is not None
     grid = [r for r in grid if not r.config["exit"]]
