@@ -676,9 +676,11 @@ async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
         .await
         .unwrap()
         .into_inner();
+    // The open is counted as it arrives and its upload's bytes a moment later, once
+    // the graph is read: wait for both.
     let opening = loop {
         let status = client.status().await.unwrap();
-        if status.opening_sessions == 1 {
+        if status.opening_sessions == 1 && status.opening_bytes > 0 {
             break status;
         }
         assert!(started.elapsed() < Duration::from_secs(1), "{status:?}");
