@@ -16,6 +16,10 @@
 #   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
 #                                    # and the GPT decoder against eager PyTorch autocast
 #                                    # on the same GPU (salus-bench cuda --amp bf16)
+#   ./scripts/gpu-check.sh host-cpu  # there: the numerical tests on the host's own CPU
+#                                    # (another vendor than the development machine's,
+#                                    # perhaps), with its CPU model; needs pytest and
+#                                    # torchvision
 #
 # Logs go to $OUT (or .gpu/out). PyTorch must be importable by python3 for the parity
 # check and the bench. If the loader cannot find libnvrtc/libcublas by itself, source
@@ -98,8 +102,20 @@ amp-bench)
         > "$out/amp_bench.json" 2> "$out/amp_bench.err"
     echo "rc=$?"; cat "$out/amp_bench.json"; tail -5 "$out/amp_bench.err"
     ;;
+host-cpu)
+    out=${OUT:-.gpu/out}
+    mkdir -p "$out"
+    export PYTHONPATH=adaptors/python
+    echo "== the numerical tests on this host's CPU"
+    grep -m1 "model name" /proc/cpuinfo
+    python3 -c "import torch; print('torch', torch.__version__, torch.backends.cpu.get_cpu_capability())"
+    SALUSD=.gpu/salusd CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q \
+        adaptors/python/tests/test_parity.py adaptors/python/tests/test_optimizers.py \
+        adaptors/python/tests/test_torch_loops.py > "$out/host_cpu.log" 2>&1
+    echo "rc=$?"; tail -5 "$out/host_cpu.log"
+    ;;
 *)
-    echo "usage: $0 prepare|run|amp-bench" >&2
+    echo "usage: $0 prepare|run|amp-bench|host-cpu" >&2
     exit 2
     ;;
 esac
