@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,7 +13,7 @@ use salus_exec::{Device, Placement};
 use salus_testkit::reference::ReferenceRun;
 use serde::Serialize;
 
-use crate::engine_suite::{median, python};
+use crate::engine_suite::{median, torch_side};
 
 #[derive(Debug, Serialize)]
 struct ModelResult {
@@ -140,30 +139,11 @@ fn measure(
     let mut options = CudaOptions::new(0);
     options.cap = Some(ARENA_BYTES);
     let device = Arc::new(CudaDevice::new(&options)?);
-    let mut cmd = Command::new(python());
-    cmd.arg("benches/torch_engine.py").arg(dir).args([
-        "--iterations",
-        &iterations.to_string(),
-        "--device",
-        "cuda",
-    ]);
+    let mut args = vec!["--device", "cuda"];
     for name in names {
-        cmd.args(["--model", name]);
+        args.extend(["--model", name.as_str()]);
     }
-    if let Some(amp) = amp {
-        cmd.args(["--amp", amp]);
-    }
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run benches/torch_engine.py: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "benches/torch_engine.py failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let torch: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+    let torch = torch_side(dir, iterations, &args, amp)?;
     let mut models = BTreeMap::new();
     let mut runs = Vec::new();
     for (name, t) in torch["models"]

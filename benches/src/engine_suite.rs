@@ -215,12 +215,20 @@ fn model_ms(dir: &Path, iterations: usize) -> Result<f64, String> {
     Ok(median(times).as_secs_f64() * 1e3)
 }
 
-pub fn run(dir: &Path, iterations: usize, amp: Option<&str>, json: bool) -> Result<(), String> {
+/// PyTorch's side of the model benchmarks: runs `benches/torch_engine.py`, which writes
+/// the traced models into `dir` and times eager PyTorch on them (`args`: its options
+/// beyond the directory and the iterations; `--amp` added when `amp` is given); its JSON.
+pub(crate) fn torch_side(
+    dir: &Path,
+    iterations: usize,
+    args: &[&str],
+    amp: Option<&str>,
+) -> Result<serde_json::Value, String> {
     let mut cmd = Command::new(python());
     cmd.arg("benches/torch_engine.py")
         .arg(dir)
-        .arg("--iterations")
-        .arg(iterations.to_string());
+        .args(["--iterations", &iterations.to_string()])
+        .args(args);
     if let Some(amp) = amp {
         cmd.args(["--amp", amp]);
     }
@@ -233,8 +241,11 @@ pub fn run(dir: &Path, iterations: usize, amp: Option<&str>, json: bool) -> Resu
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    let torch: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+    serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+}
+
+pub fn run(dir: &Path, iterations: usize, amp: Option<&str>, json: bool) -> Result<(), String> {
+    let torch = torch_side(dir, iterations, &[], amp)?;
     let mut models = BTreeMap::new();
     for (name, t) in torch["models"]
         .as_object()
