@@ -2,9 +2,10 @@
 
 ``--model NAME`` (repeatable) picks models, among the four below and the large ones of
 :func:`large_runs` (resnet50, vit_b_16, transformer, transformer_nodrop, gpt512: real
-sizes, written only when named). A large model is written unchecked: traced with fake tensors, with its graph, its
-initial state and its batches, but no PyTorch steps, losses or final state (``"checked":
-false`` in its manifest); ``--check`` runs the steps anyway (slow: f64 on the CPU).
+sizes, written only when named). A large model is written unchecked: traced with fake
+tensors, with its graph, its initial state and its batches, but no PyTorch steps, losses
+or final state (``"checked": false`` in its manifest); ``--check`` runs the steps anyway
+(slow: f64 on the CPU).
 
 For each target model (``salus.models``, at small sizes) this traces one training step,
 runs N steps (``--steps``, default 3) of eager PyTorch from the same initial state on the

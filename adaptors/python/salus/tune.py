@@ -145,8 +145,8 @@ class PackingProbe:
 
     The device admits ``limit`` trials, starting at 1. Once exactly ``limit`` trial
     sessions run there, each past ``warmup`` steps, a window opens; it closes when each
-    has taken ``window`` more steps, and gives each trial
-    its time per step ``t``. A trial that ends or starts mid-window starts a new one. With
+    has taken ``window`` more steps, and gives each trial its time per step ``t``. A
+    trial that ends or starts mid-window starts a new one. With
     ``p = limit > 1``, the slowdown ``r = T^p / T^(p-1)`` is the mean of ``t^p / t^(p-1)``
     over the trials measured in both windows (or of the windows' means when no trial
     was: then different configurations are compared), and the marginal benefit is
@@ -344,11 +344,11 @@ class Tuner:
         probe = PackingProbe(self.max_packing, self.threshold, window=self.profile_steps)
         client = Client(self.devices[0])
         watch = client.watch()
-        prober = threading.Thread(target=self._probe, args=(probe, gate, watch), daemon=True,
+        prober = threading.Thread(target=self._probe,
+                                  args=(probe, gate, watch, time.monotonic()), daemon=True,
                                   name="salus-packing-probe")
         wrapped = with_salus(self.trainable, packing=self.max_packing, devices=self.devices,
                              cpus_per_trial=self.cpus_per_trial, gate=gate)
-        self._started = time.monotonic()
         prober.start()
         try:
             return tune.Tuner(wrapped, **kwargs).fit()
@@ -360,11 +360,11 @@ class Tuner:
             self.packing_decided = probe.decided
             ray.kill(gate)
 
-    def _probe(self, probe: PackingProbe, gate: Any, watch: Any) -> None:
+    def _probe(self, probe: PackingProbe, gate: Any, watch: Any, started: float) -> None:
         """Feeds ``probe`` the steps of the trials on the first device of this node, at
         the daemon's time of each step (its event stream), and passes its limit to the
-        gate, until it decides or ``watch`` is cancelled. On a cluster, the node tuning
-        runs from must run trials too."""
+        gate, until it decides (``profile_s`` then counts from ``started``) or ``watch``
+        is cancelled. On a cluster, the node tuning runs from must run trials too."""
         ray, _ = _ray()
         device = self.devices[0]
         node = ray.get_runtime_context().get_node_id()
@@ -391,7 +391,7 @@ class Tuner:
                     limit = probe.limit
                     ray.get(gate.set_limit.remote(limit))
                 if probe.decided:
-                    self.profile_s = time.monotonic() - self._started
+                    self.profile_s = time.monotonic() - started
                     return
         except (SalusError, ray.exceptions.RayError):
             return  # tuning ended (the watch cancelled) or the daemon went away

@@ -57,6 +57,19 @@ def _ray_on_salusd():
             client.close()
 
 
+def _most_open_at_once(events) -> int:
+    """The most sessions the daemon had open at once, from its events."""
+    kinds = admin_pb2.EventKind
+    open_now, most = set(), 0
+    for e in events:
+        if e.kind == kinds.EVENT_KIND_OPENED:
+            open_now.add(e.session)
+        elif e.kind == kinds.EVENT_KIND_CLOSED:
+            open_now.discard(e.session)
+        most = max(most, len(open_now))
+    return most
+
+
 def _history(grid) -> dict[float, list[float]]:
     out = {}
     for result in grid:
@@ -93,14 +106,7 @@ def test_asha_trials_run_as_salusd_sessions_two_to_a_device(tmp_path):
         assert len(sessions) == 1, (trial_id, names)
         assert finished[sessions[0]] == result.metrics["steps"]
     # Two trials shared the device at a time, never more (packing=2).
-    open_now, most = set(), 0
-    for e in events:
-        if e.kind == kinds.EVENT_KIND_OPENED:
-            open_now.add(e.session)
-        elif e.kind == kinds.EVENT_KIND_CLOSED:
-            open_now.discard(e.session)
-        most = max(most, len(open_now))
-    assert most == 2
+    assert _most_open_at_once(events) == 2
     # ASHA stopped some trials early, and each trial's losses are PyTorch's.
     salus_losses, eager_losses = _history(on_salus), _history(eager)
     assert min(len(v) for v in salus_losses.values()) < 4
@@ -149,18 +155,13 @@ def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
     assert len(opened) == 3
     # The second trial opened its session only after the first had run its warm-up and a
     # window of 10 steps alone; never more than two trials at once.
-    first_steps, open_now, most = 0, set(), 0
-    for e in events:
-        if e.kind == kinds.EVENT_KIND_ITERATION_FINISHED and e.session == opened[0]:
-            first_steps += 1
-        if e.kind == kinds.EVENT_KIND_OPENED:
-            if e.session == opened[1]:
-                assert first_steps >= 2 + 10, first_steps
-            open_now.add(e.session)
-        elif e.kind == kinds.EVENT_KIND_CLOSED:
-            open_now.discard(e.session)
-        most = max(most, len(open_now))
-    assert most == 2
+    second = next(i for i, e in enumerate(events)
+                  if e.kind == kinds.EVENT_KIND_OPENED and e.session == opened[1])
+    first_steps = sum(1 for e in events[:second]
+                      if e.kind == kinds.EVENT_KIND_ITERATION_FINISHED
+                      and e.session == opened[0])
+    assert first_steps >= 2 + 10, first_steps
+    assert _most_open_at_once(events) == 2
 
 
 def test_bad_packing_settings_are_refused():

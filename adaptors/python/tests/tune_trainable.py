@@ -4,6 +4,7 @@ its own module so that Ray's worker processes can import it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -65,8 +66,9 @@ def train_mlp(config: dict) -> None:
     # With "seconds": reports until that long after the first step, however many.
     deadline = time.monotonic() + config["seconds"] if "seconds" in config else None
     try:
-        for i in range(10**9 if deadline else config["iterations"]):
-            if deadline and i > 0 and time.monotonic() > deadline:
+        for i in itertools.count():
+            if (i >= config["iterations"] if deadline is None
+                    else i > 0 and time.monotonic() > deadline):
                 break
             losses = []
             for _ in range(config["steps"]):
