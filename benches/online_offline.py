@@ -22,8 +22,9 @@ ran on the device, from salusd's event stream) and ``utilization_gain`` (against
 
     python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
         [--device cpu] [--slo-ms MS | --slo-headroom 3] [--offline-compute-share S]
+        [--salusd PATH]
 
-salusd is ``target/release/salusd`` (built if missing).
+salusd is ``target/release/salusd`` (built if missing) unless ``--salusd`` names another.
 """
 
 from __future__ import annotations
@@ -239,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline-compute-share", type=float, default=None,
                         help="salusd's --offline-compute-share for the salus system "
                         "[default: salusd's]")
+    parser.add_argument("--salusd", type=Path, default=None,
+                        help="the salusd binary [default: target/release/salusd]")
     args = parser.parse_args(argv)
-    binary = ROOT / "target" / "release" / "salusd"
-    if not binary.exists():
+    binary = args.salusd or ROOT / "target" / "release" / "salusd"
+    if args.salusd is None and not binary.exists():
         subprocess.run(["cargo", "build", "--release", "--locked", "-p", "salusd"], cwd=ROOT,
                        check=True)
     common = ["--device", args.device, "--memory", "2GiB", "--policy", "share"]

@@ -58,6 +58,13 @@ pub struct ProtectionConfig {
     /// the share follows the online work at kernel granularity
     /// ([`crate::Action::SetComputeShare`]).
     pub offline_compute_share: f64,
+    /// The device runs offline iterations at a priority below online ones, on the compute
+    /// online work leaves (`Action::StartIteration`'s `background`; the cpu device runs
+    /// them on threads the OS schedules only on otherwise idle cores). Online iterations
+    /// then keep the whole device while offline ones run; without it they get the rest of
+    /// `offline_compute_share`. Set from the device, not by the operator.
+    #[serde(default)]
+    pub background_priority: bool,
     /// Percentiles of online latency and slowdown are judged only over at least this
     /// many samples in the window: one slow iteration is not a 99th percentile.
     pub min_samples: usize,
@@ -97,6 +104,7 @@ impl Default for ProtectionConfig {
             initial_duty: 0.5,
             min_duty: 0.02,
             offline_compute_share: 0.3,
+            background_priority: false,
             min_samples: 20,
             abandon_after: Duration::from_millis(200),
             window: Duration::from_secs(10),

@@ -388,6 +388,43 @@ fn an_offline_share_of_zero_holds_offline_work_while_online_work_runs() {
     assert_eq!((start_share(&a), set_shares(&a)), (Some(1.0), vec![]));
 }
 
+fn start_background(a: &[Action]) -> Option<bool> {
+    a.iter().find_map(|x| match x {
+        Action::StartIteration { background, .. } => Some(*background),
+        _ => None,
+    })
+}
+
+#[test]
+fn offline_iterations_run_in_the_background_and_online_ones_keep_a_prioritizing_device() {
+    let config = ProtectionConfig {
+        background_priority: true,
+        ..ProtectionConfig::default()
+    };
+    let mut d = driver(PolicyKind::Pack, config);
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    assert_eq!(start_background(&d.submit(1)), Some(false));
+    run(&mut d, 1, 10);
+    let a = submit_through_hold(&mut d, 2);
+    assert_eq!(
+        (start_share(&a), start_background(&a)),
+        (Some(1.0), Some(true))
+    );
+    // An online iteration beside it keeps the whole device; the offline one still gets
+    // the offline share while it runs.
+    let a = d.submit(1);
+    assert_eq!(
+        (start_share(&a), start_background(&a)),
+        (Some(1.0), Some(false))
+    );
+    assert_eq!(set_shares(&a), vec![(2, 0.3)]);
+    // Without protection no iteration runs in the background.
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::disabled());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    assert_eq!(start_background(&d.submit(2)), Some(false));
+}
+
 #[test]
 fn an_offline_iteration_is_abandoned_for_an_online_session_past_the_deadline() {
     let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());

@@ -332,6 +332,7 @@ fn srtf_preempts_the_longer_job_at_the_next_boundary() {
             lane_offset: 500 * MB,
             switched_from: Some(SessionId(1)),
             compute_share: 1.0,
+            background: false,
         })
     );
     assert_eq!(d.core.session(SessionId(1)).unwrap().stats.preemptions, 1);
@@ -452,6 +453,7 @@ fn lanes_below_an_emptied_lane_move_up_at_their_next_boundary() {
                 lane_offset: 700 * MB,
                 switched_from: None,
                 compute_share: 1.0,
+                background: false,
             }
         ]
     );
@@ -844,6 +846,7 @@ fn share_runs_the_shortest_first_in_a_shared_lane() {
             lane_offset: 500 * MB,
             switched_from: Some(SessionId(1)),
             compute_share: 1.0,
+            background: false,
         }),
         "the shorter job goes first at the boundary"
     );

@@ -6,8 +6,9 @@
 //! dtype, typed f32 fast paths in `kernels::fast`) and the f32 matrix products (`blas`).
 //! Must not touch: the device contract, programs, placements or the arena's rules (those
 //! are `salus-exec`'s; this crate only uses them), other backends, sessions and policies.
-//! `unsafe` is allowed in one module only, `kernels::fast::simd` (calling a function
-//! compiled for a CPU feature detected at run time).
+//! `unsafe` is allowed in `kernels::fast::simd` (calling a function compiled for a CPU
+//! feature detected at run time), `blas` and `idle` (the system call that moves a thread
+//! into the OS's idle scheduling class) only.
 //!
 //! An iteration borrows its session's persistent block and its lane from the arena, copies
 //! the feeds into the lane, runs every node with its inputs and outputs carved out of those
@@ -21,6 +22,7 @@
 //! scratch the plan reserved for them.
 
 mod blas;
+mod idle;
 mod kernels;
 
 use std::ops::Range;
@@ -39,11 +41,14 @@ pub struct CpuDevice {
     /// Argument lists kept between iterations (one set per concurrent iteration), so that
     /// running a node allocates nothing.
     spare: Mutex<Vec<ArgLists>>,
-    /// Thread pools smaller than the kernels' own, with their thread counts, made when
-    /// first needed: an iteration given a share of the device runs on one of them, which
-    /// no other iteration uses meanwhile (two lanes with a share each never queue behind
-    /// one another on one pool's threads).
+    /// Thread pools other than the kernels' own, made when first needed: an iteration
+    /// given a share of the device, or running in the background, runs on one of them,
+    /// which no other iteration uses meanwhile (two lanes with a share each never queue
+    /// behind one another on one pool's threads).
     shares: Mutex<Vec<SharePool>>,
+    /// Threads can enter the OS's idle class: background iterations run on pools of
+    /// such threads ([`Device::has_background_priority`]).
+    idle_class: bool,
 }
 
 impl CpuDevice {
@@ -53,23 +58,34 @@ impl CpuDevice {
             arena: Arena::new(capacity)?,
             spare: Mutex::new(Vec::new()),
             shares: Mutex::new(Vec::new()),
+            idle_class: idle::available(),
         })
     }
 
-    /// A pool of `threads` threads that no iteration is using, made when none is free;
-    /// given back when the returned guard drops.
-    fn pool(&self, threads: usize) -> Option<PoolGuard<'_>> {
+    /// A pool of `threads` threads (in the OS's idle class for a `background` one) that
+    /// no iteration is using, made when none is free; given back when the returned guard
+    /// drops.
+    fn pool(&self, threads: usize, background: bool) -> Option<PoolGuard<'_>> {
         let mut shares = self.shares.lock().ok()?;
-        let index = match shares.iter().position(|p| p.threads == threads && !p.busy) {
+        let free = |p: &SharePool| p.threads == threads && p.background == background && !p.busy;
+        let index = match shares.iter().position(free) {
             Some(index) => index,
             None => {
+                let tag = if background { "idle" } else { "share" };
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
-                    .thread_name(move |i| format!("salus-cpu-{threads}-{i}"))
+                    .thread_name(move |i| format!("salus-cpu-{tag}{threads}-{i}"))
+                    .start_handler(move |_| {
+                        if background && let Err(e) = idle::lower_this_thread() {
+                            // Checked when the device was made: not expected.
+                            eprintln!("salus-cpu: a background thread stays in its class: {e}");
+                        }
+                    })
                     .build()
                     .ok()?;
                 shares.push(SharePool {
                     threads,
+                    background,
                     pool: Arc::new(pool),
                     busy: false,
                 });
@@ -228,6 +244,7 @@ impl CpuDevice {
         // Runs nodes from `next` on until the last, or until the control's share asks for
         // another number of threads than `threads` (false then).
         let all = rayon::current_num_threads();
+        let background = self.idle_class && control.is_some_and(RunControl::is_background);
         let mut next = 0;
         let mut run_from = |next: &mut usize, threads: usize| {
             while let Some(node) = graph.nodes.get(*next) {
@@ -256,15 +273,21 @@ impl CpuDevice {
         // parallel loops then split work from inside the pool, which hands nothing to
         // another thread's queue per op (and allocates nothing for it). A graph of small
         // tensors runs right here: it would not split, and the hop to the pool would cost
-        // more than its ops. Held at share 0, the iteration waits between two nodes.
+        // more than its ops. Held at share 0, the iteration waits between two nodes. A
+        // background iteration always runs on a pool of idle-class threads (one thread for
+        // a graph of small tensors), so that any other thread that wants a core takes it.
         let result = loop {
             let threads = match control {
                 Some(control) => share_threads(control.wait_for_share(), all),
                 None => all,
             };
-            let ran = if program.is_small() || threads == 0 {
+            let size = if program.is_small() { 1 } else { threads };
+            let ran = if threads == 0 || (program.is_small() && !background) {
                 run_from(&mut next, threads)
-            } else if let Some(taken) = (threads < all).then(|| self.pool(threads)).flatten() {
+            } else if let Some(taken) = (background || threads < all)
+                .then(|| self.pool(size, background))
+                .flatten()
+            {
                 taken.pool.install(|| run_from(&mut next, threads))
             } else {
                 rayon::scope(|_| run_from(&mut next, threads))
@@ -312,6 +335,8 @@ impl CpuDevice {
 /// A thread pool for iterations on a share of the device.
 struct SharePool {
     threads: usize,
+    /// Its threads are in the OS's idle class.
+    background: bool,
     pool: Arc<rayon::ThreadPool>,
     /// An iteration runs on it.
     busy: bool,
@@ -357,12 +382,20 @@ impl Device for CpuDevice {
         self.iterate(program, at, feeds, None, None)
     }
 
+    /// True where threads can enter the OS's idle class (Linux's `SCHED_IDLE`, which
+    /// needs no privilege): a background iteration then runs on idle-class threads, which
+    /// get a core only when no other thread of the host wants it.
+    fn has_background_priority(&self) -> bool {
+        self.idle_class
+    }
+
     /// Runs on the control's share of the kernels' threads (at least one), following it
     /// as the driver changes it, from the next node on (held between two nodes at share
     /// 0): the kernels split their work over the threads of the pool they run in, so the
-    /// other cores stay free for the lanes running on the full pool. The results are the
-    /// same bit for bit: every kernel gives the same answer on any number of threads.
-    /// Abandoned, it stops before its next node.
+    /// other cores stay free for the lanes running on the full pool; a background
+    /// iteration runs on threads of the OS's idle class. The results are the same bit for
+    /// bit: every kernel gives the same answer on any number of threads. Abandoned, it
+    /// stops before its next node.
     fn run_with(
         &self,
         program: &Program,

@@ -263,8 +263,9 @@ fn a_share_of_the_cores_gives_the_same_bits() {
     let y = f32_bytes(&values(2, 2048 * 64));
     let w = f32_bytes(&values(3, 256 * 64));
     // `shares`: none (`Device::run`), or the shares the iteration is given in turn, the
-    // first at its start and each next one 200 us later from another thread.
-    let run = |shares: &[f64]| {
+    // first at its start and each next one 200 us later from another thread; in the
+    // background or not.
+    let run_as = |shares: &[f64], background: bool| {
         let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
         device.write(0, &w).unwrap();
         let mut fetches = Vec::new();
@@ -274,7 +275,11 @@ fn a_share_of_the_cores_gives_the_same_bits() {
                 fetches.push(device.run(&program, at, &feeds).unwrap().fetches);
                 continue;
             };
-            let control = RunControl::new(first);
+            let control = if background {
+                RunControl::background(first)
+            } else {
+                RunControl::new(first)
+            };
             let released = AtomicBool::new(false);
             let out = std::thread::scope(|scope| {
                 scope.spawn(|| {
@@ -292,6 +297,7 @@ fn a_share_of_the_cores_gives_the_same_bits() {
         }
         (fetches, device.read(0, w.len() as u64).unwrap())
     };
+    let run = |shares: &[f64]| run_as(shares, false);
     let all = run(&[]);
     assert_eq!(run(&[0.5]), all);
     assert_eq!(run(&[0.01]), all);
@@ -299,6 +305,60 @@ fn a_share_of_the_cores_gives_the_same_bits() {
     // at 0 between two nodes.
     assert_eq!(run(&[1.0, 0.5, 0.0, 1.0, 0.01, 0.0, 0.5]), all);
     assert_eq!(run(&[0.0, 0.0, 1.0]), all);
+    // In the background, on the idle class's threads.
+    assert_eq!(run_as(&[1.0], true), all);
+    assert_eq!(run_as(&[1.0, 0.5, 0.0, 1.0], true), all);
+}
+
+/// A background iteration runs on threads of the OS's idle class, which get a core only
+/// when no other thread wants it; the others stay as they were.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_background_iteration_runs_on_idle_class_threads() {
+    let graph = salus_graph::samples::regression(2048, 256, 64, 0.5);
+    let program = Program::new(graph, &Limits::default()).unwrap();
+    let plan = program.plan();
+    let lane = plan.persistent_bytes.next_multiple_of(256);
+    let at = Placement {
+        persistent: 0,
+        lane,
+    };
+    let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    assert!(
+        device.has_background_priority(),
+        "SCHED_IDLE needs no privilege"
+    );
+    let x = f32_bytes(&vec![0.5; 2048 * 256]);
+    let y = f32_bytes(&vec![1.0; 2048 * 64]);
+    let feeds = [x.as_slice(), y.as_slice()];
+    device
+        .run_with(&program, at, &feeds, &RunControl::background(1.0))
+        .unwrap();
+    // Field 41 of a thread's stat is its scheduling policy (5: SCHED_IDLE); its name
+    // (at most 15 bytes) says which pool it belongs to.
+    let mut policies = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = task.unwrap().path();
+        let (Ok(name), Ok(stat)) = (
+            std::fs::read_to_string(dir.join("comm")),
+            std::fs::read_to_string(dir.join("stat")),
+        ) else {
+            continue; // the thread ended meanwhile
+        };
+        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+        let policy: u32 = after_name.split(' ').nth(38).unwrap().parse().unwrap();
+        policies.push((name.trim().to_string(), policy));
+    }
+    let idle: Vec<_> = policies
+        .iter()
+        .filter(|(name, _)| name.starts_with("salus-cpu-idle"))
+        .collect();
+    assert!(!idle.is_empty(), "{policies:?}");
+    assert!(idle.iter().all(|(_, policy)| *policy == 5), "{policies:?}");
+    let mut others = policies
+        .iter()
+        .filter(|(name, _)| !name.starts_with("salus-cpu-idle"));
+    assert!(others.all(|(_, policy)| *policy != 5), "{policies:?}");
 }
 
 /// An abandoned iteration stops and keeps nothing: the persistent block is as before, and

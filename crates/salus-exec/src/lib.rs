@@ -82,11 +82,14 @@ pub enum ExecError {
 
 /// How one iteration runs, and the driver's hold on it while it runs: the share of the
 /// device it may use, which the driver may change while it runs (the device follows from
-/// its next kernel on), and abandonment.
+/// its next kernel on), whether it runs in the background, and abandonment.
 #[derive(Debug)]
 pub struct RunControl {
     /// The share, as the bits of an `f64` in [0, 1].
     share: AtomicU64,
+    /// Runs below every other iteration, on what they leave
+    /// ([`Device::has_background_priority`]).
+    background: bool,
     abandon: AtomicBool,
     /// Wakes an iteration held at share 0.
     changed: (Mutex<()>, Condvar),
@@ -98,9 +101,25 @@ impl RunControl {
     pub fn new(share: f64) -> RunControl {
         RunControl {
             share: AtomicU64::new(share.clamp(0.0, 1.0).to_bits()),
+            background: false,
             abandon: AtomicBool::new(false),
             changed: (Mutex::new(()), Condvar::new()),
         }
+    }
+
+    /// Like [`RunControl::new`], for an iteration that runs in the background: on a device
+    /// with a background priority ([`Device::has_background_priority`]) it uses only the
+    /// compute the other iterations leave (an offline iteration under protection).
+    pub fn background(share: f64) -> RunControl {
+        RunControl {
+            background: true,
+            ..RunControl::new(share)
+        }
+    }
+
+    /// True for an iteration made with [`RunControl::background`].
+    pub fn is_background(&self) -> bool {
+        self.background
     }
 
     /// The share of the device's compute it may use now, in [0, 1].
@@ -370,6 +389,15 @@ pub trait Device: Send + Sync {
     ) -> Result<Outcome, ExecError> {
         let _ = control;
         self.run(program, at, feeds)
+    }
+
+    /// True when [`Device::run_with`] runs background iterations ([`RunControl::background`])
+    /// at a priority below the others, so that they take only the compute the others leave
+    /// and yield it as soon as another iteration needs it (the cpu device: threads the OS
+    /// runs only on otherwise idle cores). Protection then leaves online iterations the
+    /// whole device beside offline ones.
+    fn has_background_priority(&self) -> bool {
+        false
     }
 
     /// How this device sizes a node's scratch when a program is planned for it

@@ -308,7 +308,10 @@ pub async fn run_with(
         device: device.clone(),
         memory,
         policy: config.policy,
-        protection: config.protection.clone(),
+        protection: salus_core::ProtectionConfig {
+            background_priority: device.has_background_priority(),
+            ..config.protection.clone()
+        },
         limits: salus_graph::Limits::default(),
         daemon_uid,
         host_memory,

@@ -102,6 +102,7 @@ impl Scheduler {
                 *running = true;
             }
             let compute_share = self.protect.started(session);
+            let background = self.protect.in_background(session);
             let service = session.virtual_service;
             if let Some(lane) = self.lanes.get_mut(&lane_id) {
                 lane.running = Some(id);
@@ -115,6 +116,7 @@ impl Scheduler {
                 lane_offset,
                 switched_from,
                 compute_share,
+                background,
             });
             self.sync_offline_share();
         }

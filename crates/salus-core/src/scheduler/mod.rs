@@ -136,8 +136,12 @@ pub enum Action {
         /// The share of the device's compute the iteration may use, in [0, 1]: below 1
         /// for an offline iteration while an online one runs (protection's compute share;
         /// a CPU device runs it on that share of its cores, 0 holds it before its first
-        /// kernel) and for an online iteration beside offline ones.
+        /// kernel) and for an online iteration beside offline ones (unless the device
+        /// has a background priority).
         compute_share: f64,
+        /// Run it in the background, on the compute other iterations leave, where the
+        /// device can (an offline iteration under protection).
+        background: bool,
     },
     /// The running iteration of this (offline) session may now use `compute_share` of
     /// the device, from its next kernel on: online work started or ended (protection's

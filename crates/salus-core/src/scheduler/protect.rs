@@ -467,12 +467,19 @@ impl Protect {
         }
     }
 
+    /// Whether an iteration of `session` runs in the background: offline, under
+    /// protection.
+    pub(super) fn in_background(&self, session: &Session) -> bool {
+        self.config.enabled && session.spec.class == SessionClass::Offline
+    }
+
     /// An iteration of `session` starts: the share of the device's compute it may use.
     /// An offline iteration gets the offline share while an online iteration runs (and
     /// the whole device otherwise: [`Scheduler::sync_offline_share`] follows the online
     /// work as it starts and ends), and an online iteration that starts while offline
     /// ones run gets the rest, so that the two never ask for more than the device (on
-    /// the cpu device, more threads than cores).
+    /// the cpu device, more threads than cores); on a device with a background priority
+    /// it keeps the whole device, the offline iterations yielding to it.
     pub(super) fn started(&mut self, session: &mut Session) -> f64 {
         match session.spec.class {
             SessionClass::Offline => {
@@ -491,7 +498,11 @@ impl Protect {
                 self.online_running += 1;
                 self.probing_running += usize::from(track.probing);
                 let offline = self.config.offline_compute_share;
-                if self.config.enabled && self.offline_running > 0 && offline < 1.0 {
+                if self.config.enabled
+                    && !self.config.background_priority
+                    && self.offline_running > 0
+                    && offline < 1.0
+                {
                     1.0 - offline
                 } else {
                     1.0

@@ -162,7 +162,15 @@ impl State {
                 lane_offset,
                 switched_from,
                 compute_share,
-            } => self.start(session, lane, lane_offset, switched_from, compute_share),
+                background,
+            } => {
+                let control = if background {
+                    RunControl::background(compute_share)
+                } else {
+                    RunControl::new(compute_share)
+                };
+                self.start(session, lane, lane_offset, switched_from, control)
+            }
             Action::Abandon { session } => {
                 if let Some(control) = self.sessions.get(&session).and_then(|e| e.control.as_ref())
                 {
@@ -216,7 +224,7 @@ impl State {
         lane: LaneId,
         lane_offset: u64,
         switched_from: Option<SessionId>,
-        compute_share: f64,
+        control: RunControl,
     ) {
         let started = Instant::now();
         let Some(entry) = self.sessions.get_mut(&id) else {
@@ -240,7 +248,7 @@ impl State {
             return;
         };
         entry.running = true;
-        let control = Arc::new(RunControl::new(compute_share));
+        let control = Arc::new(control);
         entry.control = Some(control.clone());
         if switched_from.is_some()
             && let Some(&(_, ended)) = self.lane_last_end.get(&lane)
