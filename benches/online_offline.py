@@ -2,10 +2,12 @@
 
 MuxFlow's experiment on one device, with real PyTorch models through real daemons:
 
-- the online job is an ``InferenceSession`` (the CNN of ``salus.models``) receiving
-  requests at Poisson arrival times (a fixed seed) at ``--load`` times the rate one
-  request's service time allows; a request waits for the one before it (one session runs
-  one iteration at a time), so its latency is its queueing plus its service;
+- the online job is an ``InferenceSession`` (the CNN of ``salus.models``) in its own
+  process, receiving requests at Poisson arrival times (a fixed seed) at ``--load`` times
+  the rate one request's service time allows; a request waits for the one before it (one
+  session runs one iteration at a time), so its latency is its queueing plus its service
+  (the measuring threads of this script, which hold Python's lock for whole switch
+  intervals, stay out of the served client's process);
 - the offline jobs are ``--trainers`` training loops (``offline=True``) in their own
   processes;
 - systems: ``online_only`` (the served model alone), ``salus`` (protection on, the
@@ -67,6 +69,34 @@ TRAINER = textwrap.dedent("""
     while True:
         session.step(*batch)
         print(time.monotonic(), flush=True)
+""")
+
+
+SERVER = textwrap.dedent("""
+    import json, sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    import salus.torch as st
+    from salus.models import target_models
+    torch.set_num_threads(1)
+    spec = target_models(batch_size=8, image_size=32)["cnn"]
+    session = st.InferenceSession(spec.model(0), spec.batch(0)[0], address=sys.argv[1],
+                                  name="served", slo_ms=float(sys.argv[3]))
+    inputs = spec.batch(0)[0]
+    for _ in range(5):
+        session(inputs)
+    print("ready", flush=True)
+    arrivals = json.loads(sys.stdin.readline())
+    # Each request at its arrival time, after the one before: latencies from arrival.
+    start = time.monotonic()
+    latencies = []
+    for at in arrivals:
+        wait = start + at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        session(inputs)
+        latencies.append(time.monotonic() - (start + at))
+    session.close()
+    print(json.dumps(latencies), flush=True)
 """)
 
 
@@ -155,17 +185,28 @@ class Busy:
         return busy / (last - first) if last > first else 0.0
 
 
-def serve(session, inputs, arrivals: list[float]) -> list[float]:
-    """Requests at `arrivals` (seconds from now), each after the one before: latencies."""
-    start = time.monotonic()
-    latencies = []
-    for at in arrivals:
-        wait = start + at - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        session(inputs)
-        latencies.append(time.monotonic() - (start + at))
-    return latencies
+class Server:
+    """The served model's client in its own process: ready once its session is open and
+    warm; `serve` sends it the arrival times and returns its latencies."""
+
+    def __init__(self, address: str, slo_ms: float):
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVER, address, str(ROOT / "adaptors" / "python"),
+             str(slo_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the served model's client did not start")
+
+    def serve(self, arrivals: list[float]) -> list[float]:
+        self.process.stdin.write(json.dumps(arrivals) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the served model's client failed")
+        return json.loads(line)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -173,28 +214,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
 
 
-def run_system(binary: Path, args: list[str], spec, arrivals, trainers: int, slo_ms: float
+def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: float
                ) -> dict:
     daemon = Daemon(binary, args)
     running: list[Trainer] = []
+    server = None
     try:
-        session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
-                                      address=daemon.address, name="served",
-                                      slo_ms=slo_ms)
-        inputs = spec.batch(0)[0]
-        for _ in range(5):
-            session(inputs)
+        server = Server(daemon.address, slo_ms)
         running = [Trainer(daemon.address, "cnn", seed + 1) for seed in range(trainers)]
         for t in running:
             t.wait_started()
         busy = Busy(daemon.address)
         start = time.monotonic()
-        latencies = serve(session, inputs, arrivals)
+        latencies = server.serve(arrivals)
         end = time.monotonic()
         utilization = busy.fraction()
         with Client(daemon.address) as client:
             protection = client.status().protection
-        session.close()
         return {
             "latencies": latencies,
             "offline_rate": sum(t.rate(start, end) for t in running),
@@ -206,6 +242,8 @@ def run_system(binary: Path, args: list[str], spec, arrivals, trainers: int, slo
     finally:
         for t in running:
             t.stop()
+        if server is not None:
+            server.stop()
         daemon.stop()
 
 
@@ -276,15 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         arrivals.append(t)
     # The SLO: --slo-ms, else a multiple of the latency the service gets alone (its p99
     # under the same arrivals): the headroom an operator would give it.
-    systems = {"online_only": run_system(binary, common, spec, arrivals, 0, 0.0)}
+    systems = {"online_only": run_system(binary, common, arrivals, 0, 0.0)}
     share = ([] if args.offline_compute_share is None
              else ["--offline-compute-share", str(args.offline_compute_share)])
     slo_ms = args.slo_ms or args.slo_headroom * 1e3 * percentile(
         systems["online_only"]["latencies"], 0.99)
     systems |= {
-        "salus": run_system(binary, common + share, spec, arrivals, args.trainers, slo_ms),
-        "no_protection": run_system(binary, [*common, "--protection", "off"], spec,
-                                    arrivals, args.trainers, slo_ms),
+        "salus": run_system(binary, common + share, arrivals, args.trainers, slo_ms),
+        "no_protection": run_system(binary, [*common, "--protection", "off"], arrivals,
+                                    args.trainers, slo_ms),
     }
     alone = offline_alone(binary, common, args.trainers, args.seconds)
     base = systems["online_only"]

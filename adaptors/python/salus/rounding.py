@@ -7,6 +7,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Integers up to this magnitude are exact in float16, bfloat16 (up to 256) and wider.
+EXACT_INTEGERS = 256
+
 
 class RandomRounding(TorchDispatchMode):
     """Runs PyTorch ops (forward, backward and the optimizer's) with every floating
@@ -14,7 +17,10 @@ class RandomRounding(TorchDispatchMode):
     ``u`` uniform in [-1, 1] from a generator seeded with ``seed``: rounding at ``eps``
     (another precision's epsilon), but at random. Views and scalars (optimizers count
     their steps in float tensors) are left alone; in-place ops have their result
-    perturbed in place."""
+    perturbed in place. Small integers (masks, counts, ones) are exact in every precision
+    and stay as they are: rounding makes no error on them, and jittered, ``1 - mask``
+    would leave ``1e-8`` where it is 0, which ``finfo.min`` as a mask value then blows
+    up to near infinity. Nor does rounding take a finite value past the largest one."""
 
     def __init__(self, eps: float, seed: int = 0):
         super().__init__()
@@ -25,7 +31,9 @@ class RandomRounding(TorchDispatchMode):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0):
             return t
         u = torch.rand(t.shape, dtype=t.dtype, generator=self.generator) * 2 - 1
-        return t * (1 + self.unit * u)
+        out = t * (1 + self.unit * u)
+        exact = (t == t.round()) & (t.abs() <= EXACT_INTEGERS)
+        return torch.where(exact | out.isinf(), t, out)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -38,4 +46,5 @@ class RandomRounding(TorchDispatchMode):
                     t.copy_(self._jitter(t))
             return out
         args, kwargs = pytree.tree_map(self._jitter, (args, kwargs))
-        return pytree.tree_map(self._jitter, func(*args, **kwargs))
+        out = func(*args, **kwargs)
+        return pytree.tree_map(self._jitter, out)

@@ -178,7 +178,11 @@ def assert_as_exact_as_pytorch(actual, exact, pytorch=None, rounded=(), *, label
             noise = ((ref - want).abs().max().item()
                      * torch.finfo(of).eps / torch.finfo(pytorch_dtype).eps)
         for r in rounded:
-            noise = max(noise, (r[name].detach().double() - want).abs().max().item())
+            off = (r[name].detach().double() - want).abs()
+            # A rounded run that is not finite where the exact one is measures nothing.
+            assert not off[want.isfinite()].isnan().any(), (
+                f"{label}{name}: the randomly rounded run is not finite")
+            noise = max(noise, off.max().item())
         scale = want.abs().max().item()
         error = (got.double() - want).abs().max().item()
         bound = tolerance(noise, scale, of)
