@@ -150,18 +150,22 @@ class Trainer:
 
 
 class Busy:
-    """The union of the intervals in which some iteration ran, from the event stream."""
+    """The union of the intervals in which some iteration ran, and protection's changes of
+    health with the metrics behind each, from the event stream."""
 
     def __init__(self, address: str):
         self.client = Client(address)
         self.watch = self.client.watch()
         self.intervals: list[tuple[float, float]] = []
+        self.health: list[tuple[float, str]] = []
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self):
         finished = admin_pb2.EVENT_KIND_ITERATION_FINISHED
         for event in self.watch:
+            if event.kind == admin_pb2.EVENT_KIND_PROTECTION:
+                self.health.append((time.monotonic(), event.detail))
             if event.kind == finished:
                 end = event.time_us / 1e6
                 self.intervals.append((end - event.duration_us / 1e6, end))
@@ -229,6 +233,8 @@ def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: f
         latencies = server.serve(arrivals)
         end = time.monotonic()
         utilization = busy.fraction()
+        # Seconds from the start of the requests (as this process saw the events).
+        health_changes = [[round(t - start, 2), d] for t, d in busy.health]
         with Client(daemon.address) as client:
             protection = client.status().protection
         return {
@@ -238,6 +244,7 @@ def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: f
             "health": protection.health if protection.enabled else "off",
             "offline_duty": protection.offline_duty,
             "offline_evictions": protection.offline_evictions,
+            "health_changes": health_changes,
         }
     finally:
         for t in running:
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             "health": r["health"],
             "offline_duty": r["offline_duty"],
             "offline_evictions": r["offline_evictions"],
+            "health_changes": r["health_changes"],
         }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -361,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['offline_throughput_fraction']:>9.2f}{r['offline_fraction_of_idle']:>9.2f}"
               f"{r['utilization']:>7.2f}{r['utilization_gain']:>7.2f}  {r['health']}"
               f" (duty {r['offline_duty']:.2f})")
+    for name, r in report["systems"].items():
+        for at, change in r["health_changes"]:
+            print(f"{name}: {at:.2f} s: {change}")
     return 0
 
 

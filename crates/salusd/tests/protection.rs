@@ -276,3 +276,24 @@ async fn an_offline_iteration_is_abandoned_for_an_online_session_and_runs_again_
         "the abandoned iteration ran again, exactly"
     );
 }
+
+/// A change of health is an event that names the metrics behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_health_is_an_event_naming_its_metrics() {
+    let daemon = Daemon::start(&[]);
+    let client = daemon.client().await;
+    let mut events = client.watch().await.unwrap();
+    assert_eq!(client.offline(Some(false)).await.unwrap(), "disabled");
+    let detail = loop {
+        let event = tokio::time::timeout(Duration::from_secs(5), events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        // The switch itself is an event too ("offline sessions disabled").
+        if event.kind == pb::EventKind::Protection as i32 && event.detail.starts_with("health") {
+            break event.detail;
+        }
+    };
+    assert_eq!(detail, "health healthy -> disabled (no metric yet)");
+}

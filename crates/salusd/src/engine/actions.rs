@@ -28,12 +28,13 @@ impl State {
         }
         let health = self.core.health();
         if health != self.health {
-            tracing::info!(from = %self.health, to = %health, "protection health changed");
+            let why = metrics_text(&self.core.protection_status().metrics);
+            tracing::info!(from = %self.health, to = %health, metrics = %why, "protection health changed");
             self.event(
                 EventKind::Protection,
                 None,
                 None,
-                format!("health {} -> {health}", self.health),
+                format!("health {} -> {health} ({why})", self.health),
                 Duration::ZERO,
             );
             self.health = health;
@@ -436,5 +437,24 @@ impl State {
                 }
             }
         }
+    }
+}
+
+/// The health metrics that have a value, for the log and the event stream: what moved the
+/// state machine.
+fn metrics_text(m: &salus_core::protection::HealthMetrics) -> String {
+    let parts: Vec<String> = [
+        ("online slowdown p99", m.online_slowdown),
+        ("SLO use p99", m.slo_use),
+        ("SM activity", m.sm_activity),
+        ("clock factor", m.clock_factor),
+    ]
+    .into_iter()
+    .filter_map(|(name, v)| v.map(|v| format!("{name} {v:.2}")))
+    .collect();
+    if parts.is_empty() {
+        "no metric yet".into()
+    } else {
+        parts.join(", ")
     }
 }
