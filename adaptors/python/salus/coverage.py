@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -248,6 +249,10 @@ def _train_check(build, batch, address: str, steps: int, exact_path: str,
             with RandomRounding(eps, seed):
                 run = distances(_eager_steps(model, batch, torch.float64, steps))
             del model
+            broken = [name for name in noise if math.isnan(run[name])]
+            if broken:
+                raise SalusError(f"random rounding gave NaN on {broken[0]!r} (and "
+                                 f"{len(broken) - 1} more): no yardstick for them")
             noise = {name: max(noise[name], run[name]) for name in noise}
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
