@@ -310,20 +310,27 @@ fn a_share_of_the_cores_gives_the_same_bits() {
     assert_eq!(run_as(&[1.0, 0.5, 0.0, 1.0], true), all);
 }
 
+/// The sample regression graph (`n` rows of `d` inputs, `k` outputs) planned, where it
+/// runs (its persistent block first, its lane after) and a device just large enough.
+fn regression(n: u64, d: u64, k: u64) -> (Program, Placement, CpuDevice) {
+    let graph = salus_graph::samples::regression(n, d, k, 0.5);
+    let program = Program::new(graph, &Limits::default()).unwrap();
+    let plan = program.plan();
+    let lane = plan.persistent_bytes.next_multiple_of(256);
+    let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    let at = Placement {
+        persistent: 0,
+        lane,
+    };
+    (program, at, device)
+}
+
 /// A background iteration runs on threads of the OS's idle class, which get a core only
 /// when no other thread wants it; the others stay as they were.
 #[cfg(target_os = "linux")]
 #[test]
 fn a_background_iteration_runs_on_idle_class_threads() {
-    let graph = salus_graph::samples::regression(2048, 256, 64, 0.5);
-    let program = Program::new(graph, &Limits::default()).unwrap();
-    let plan = program.plan();
-    let lane = plan.persistent_bytes.next_multiple_of(256);
-    let at = Placement {
-        persistent: 0,
-        lane,
-    };
-    let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    let (program, at, device) = regression(2048, 256, 64);
     assert!(
         device.has_background_priority(),
         "SCHED_IDLE needs no privilege"
@@ -365,15 +372,7 @@ fn a_background_iteration_runs_on_idle_class_threads() {
 /// the iteration run again gives what it would have.
 #[test]
 fn an_abandoned_iteration_changes_nothing() {
-    let graph = salus_graph::samples::regression(64, 16, 4, 0.5);
-    let program = Program::new(graph, &Limits::default()).unwrap();
-    let plan = program.plan();
-    let lane = plan.persistent_bytes.next_multiple_of(256);
-    let at = Placement {
-        persistent: 0,
-        lane,
-    };
-    let device = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    let (program, at, device) = regression(64, 16, 4);
     let w = f32_bytes(&vec![0.5; 16 * 4]);
     device.write(0, &w).unwrap();
     let x = f32_bytes(&vec![1.0; 64 * 16]);
@@ -400,7 +399,7 @@ fn an_abandoned_iteration_changes_nothing() {
     let again = device
         .run_with(&program, at, &feeds, &RunControl::new(1.0))
         .unwrap();
-    let fresh = CpuDevice::new(lane + plan.ephemeral_bytes + 256).unwrap();
+    let fresh = CpuDevice::new(device.capacity()).unwrap();
     fresh.write(0, &w).unwrap();
     assert_eq!(
         again.fetches,
