@@ -46,5 +46,4 @@ class RandomRounding(TorchDispatchMode):
                     t.copy_(self._jitter(t))
             return out
         args, kwargs = pytree.tree_map(self._jitter, (args, kwargs))
-        out = func(*args, **kwargs)
-        return pytree.tree_map(self._jitter, out)
+        return pytree.tree_map(self._jitter, func(*args, **kwargs))

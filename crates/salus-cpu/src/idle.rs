@@ -5,6 +5,7 @@
 #![allow(unsafe_code)]
 
 use std::io;
+use std::sync::OnceLock;
 
 /// Moves the calling thread into the idle scheduling class.
 #[cfg(target_os = "linux")]
@@ -29,10 +30,13 @@ pub(crate) fn lower_this_thread() -> io::Result<()> {
     ))
 }
 
-/// Whether threads of this process can enter the idle class (tried on a thread made for
-/// the purpose, so that the caller's own stays as it is).
+/// Whether threads of this process can enter the idle class (tried once per process, on
+/// a thread made for the purpose, so that the caller's own stays as it is).
 pub(crate) fn available() -> bool {
-    std::thread::spawn(lower_this_thread)
-        .join()
-        .is_ok_and(|r| r.is_ok())
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        std::thread::spawn(lower_this_thread)
+            .join()
+            .is_ok_and(|r| r.is_ok())
+    })
 }

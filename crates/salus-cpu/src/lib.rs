@@ -332,7 +332,7 @@ impl CpuDevice {
     }
 }
 
-/// A thread pool for iterations on a share of the device.
+/// A thread pool for iterations on a share of the device, or in the background.
 struct SharePool {
     threads: usize,
     /// Its threads are in the OS's idle class.
