@@ -18,8 +18,8 @@
 //!   time offline iterations may run. After an offline iteration of length `d`, the next
 //!   offline iteration waits `d * (1 - duty) / duty`.
 //! - **Compute, device level** ([`Health`], MuxFlow's SysMonitor): five states driven by
-//!   thresholds on the online sessions' slowdown and SLO use and the device's SM
-//!   activity and clock. Offline sessions are admitted only while `Healthy`, stopped and
+//!   thresholds on the slowdown and SLO use of online iterations that ran beside offline
+//!   ones (what offline work may have caused) and the device's SM activity and clock. Offline sessions are admitted only while `Healthy`, stopped and
 //!   evicted while `Overlimit` (which lasts a period doubling with each entry in the last
 //!   two hours) or `Disabled` (the operator's switch).
 //!
@@ -248,7 +248,8 @@ pub struct HealthThresholds {
     /// (duration against the same session's iterations with no offline iteration beside
     /// them), over the same percentile of the iterations with none beside them.
     pub online_slowdown: Thresholds,
-    /// 99th percentile of online latency (submission to finish) over the session's SLO.
+    /// 99th percentile of online latency (submission to finish) over the session's SLO,
+    /// of the iterations that ran beside offline ones.
     pub slo_use: Thresholds,
     /// SM activity reported by the device, 0 to 1.
     pub sm_activity: Thresholds,
@@ -355,7 +356,8 @@ impl fmt::Display for HealthState {
 pub struct HealthMetrics {
     /// 99th percentile of online slowdown, when online iterations ran.
     pub online_slowdown: Option<f64>,
-    /// 99th percentile of online latency over SLO, for sessions with an SLO.
+    /// 99th percentile of online latency over SLO, for sessions with an SLO, of the
+    /// iterations that ran beside offline ones.
     pub slo_use: Option<f64>,
     /// The device's SM activity.
     pub sm_activity: Option<f64>,
@@ -608,6 +610,11 @@ impl Window {
         self.samples
             .front()
             .map(|&(t, _)| t.saturating_add(window) + Duration::from_nanos(1))
+    }
+
+    /// Samples kept.
+    pub(crate) fn len(&self) -> usize {
+        self.samples.len()
     }
 
     /// The 99th percentile (nearest rank), if at least `min` samples are in the window.

@@ -39,6 +39,16 @@ fn run(d: &mut Driver, id: u64, ms: u64) -> Vec<Action> {
     d.finish(id, ms)
 }
 
+/// Runs online session `id` alone until protection has its clean reference (the
+/// session's clean time and a percentile of clean ratios): `min_samples + 1` iterations
+/// of `ms`.
+fn warm_up(d: &mut Driver, id: u64, ms: u64, min_samples: usize) {
+    for _ in 0..=min_samples {
+        d.submit(id);
+        run(d, id, ms);
+    }
+}
+
 #[test]
 fn offline_sessions_keep_to_their_share() {
     let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
@@ -196,8 +206,7 @@ fn overlimit_evicts_offline_work_until_calm_and_backs_off() {
     let mut d = driver(PolicyKind::Pack, config.clone());
     d.open(spec(1, 10 * MB, 10 * MB));
     d.open(offline(2, 10 * MB, 10 * MB));
-    d.submit(1);
-    run(&mut d, 1, 10);
+    warm_up(&mut d, 1, 10, 1);
     assert_eq!(d.core.protection_status().health, HealthState::Healthy);
     // The online session's iteration takes 3x its clean time: overlimit.
     d.submit(2);
@@ -264,8 +273,7 @@ fn once_offline_work_stops_online_iterations_are_clean_again() {
     let mut d = driver(PolicyKind::Share, config);
     d.open(spec(1, 10 * MB, 10 * MB));
     d.open(offline(2, 10 * MB, 10 * MB));
-    d.submit(1);
-    run(&mut d, 1, 10);
+    warm_up(&mut d, 1, 10, 1);
     d.submit(2);
     d.submit(1);
     run(&mut d, 1, 30); // 3x beside offline work: overlimit
@@ -335,8 +343,7 @@ fn the_offline_compute_share_follows_online_iterations() {
     assert_eq!(start_share(&d.submit(2)), Some(1.0));
     run(&mut d, 2, 10);
     d.open(spec(1, 10 * MB, 10 * MB));
-    d.submit(1);
-    run(&mut d, 1, 10);
+    warm_up(&mut d, 1, 10, ProtectionConfig::default().min_samples);
     // With an online session active but no online iteration running: the whole device.
     let a = submit_through_hold(&mut d, 2);
     assert_eq!(start_share(&a), Some(1.0), "{a:?}");
@@ -458,4 +465,77 @@ fn an_offline_iteration_is_abandoned_for_an_online_session_past_the_deadline() {
     let a = d.close(3);
     assert_eq!(admitted(&a)[0].0, 1);
     assert_eq!(started(&a), vec![1]);
+}
+
+#[test]
+fn a_service_missing_its_slo_alone_does_not_hold_offline_work_out() {
+    let config = ProtectionConfig {
+        min_samples: 1,
+        ..ProtectionConfig::default()
+    };
+    let mut d = driver(PolicyKind::Share, config);
+    let mut online = spec(1, 10 * MB, 10 * MB);
+    online.hints.slo = Some(Duration::from_millis(5));
+    d.open(online);
+    // Alone, every iteration takes twice its SLO (the service's own load).
+    for _ in 0..5 {
+        d.submit(1);
+        run(&mut d, 1, 10);
+    }
+    let status = d.core.protection_status();
+    assert_eq!(status.health, HealthState::Healthy, "{status:?}");
+    assert_eq!(
+        status.metrics.slo_use, None,
+        "no iteration ran beside offline work"
+    );
+    // So an offline session is admitted, and runs.
+    let a = d.open(offline(2, 10 * MB, 10 * MB));
+    assert_eq!(admitted(&a).len(), 1);
+    assert_eq!(started(&d.submit(2)), vec![2]);
+    // Beside it, the same latency is evidence: past the overlimit threshold (1.5 x SLO).
+    d.submit(1);
+    run(&mut d, 1, 10);
+    let status = d.core.protection_status();
+    assert_eq!(status.metrics.slo_use, Some(2.0));
+    assert_eq!(status.health, HealthState::Overlimit, "{status:?}");
+}
+
+#[test]
+fn offline_work_waits_for_a_clean_reference_before_slowdown_is_judged() {
+    let config = ProtectionConfig {
+        min_samples: 3,
+        ..ProtectionConfig::default()
+    };
+    let mut d = driver(PolicyKind::Pack, config);
+    d.open(spec(1, 10 * MB, 10 * MB));
+    d.open(offline(2, 10 * MB, 10 * MB));
+    // While online iterations probe (no clean reference, then fewer than three clean
+    // ratios), an offline iteration submitted meanwhile waits for them to end.
+    for i in 0..=3 {
+        d.submit(1);
+        assert!(started(&d.submit(2)).is_empty(), "probing iteration {i}");
+        let a = run(&mut d, 1, 10);
+        assert_eq!(started(&a), vec![2], "after probing iteration {i}");
+        run(&mut d, 2, 10);
+        // Past the controller's hold, the next online iteration runs alone again.
+        d.now += Duration::from_millis(100);
+        d.feed(Event::Tick);
+    }
+    // Now the reference is there: online iterations no longer hold offline ones back.
+    d.submit(1);
+    assert_eq!(started(&d.submit(2)), vec![2]);
+    // And a slowdown beside offline work is judged against the clean percentile.
+    run(&mut d, 1, 40);
+    let status = d.core.protection_status();
+    assert_eq!(
+        status.metrics.online_slowdown, None,
+        "one sample is no percentile"
+    );
+    for _ in 0..2 {
+        d.submit(1);
+        run(&mut d, 1, 40);
+    }
+    let status = d.core.protection_status();
+    assert_eq!(status.metrics.online_slowdown, Some(4.0));
+    assert_eq!(status.health, HealthState::Overlimit);
 }

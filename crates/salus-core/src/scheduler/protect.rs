@@ -22,7 +22,10 @@ pub(super) struct Protect {
     controller: Controller,
     slowdowns: Window,
     /// The same ratio for online iterations with no offline one beside them: how much
-    /// online iterations vary by themselves (requests of other sizes, a busy host).
+    /// online iterations vary by themselves (requests of other sizes, a busy host). A
+    /// property of the service and the host, not of the recent window: kept over the
+    /// last samples, however old, so that a stretch with offline work beside every
+    /// online iteration keeps its reference.
     clean_ratios: Window,
     slo_use: Window,
     device: Option<DeviceSample>,
@@ -34,8 +37,8 @@ pub(super) struct Protect {
     /// Offline iterations started so far: an online iteration that sees this move while it
     /// runs had an offline one beside it.
     offline_starts: u64,
-    /// Online iterations running now, and those of them whose session has no clean
-    /// reference yet (probing: no offline iteration starts meanwhile).
+    /// Online iterations running now, and those of them that run before there is a
+    /// clean reference (probing: no offline iteration starts meanwhile).
     online_running: usize,
     probing_running: usize,
     /// An online session waits for memory offline sessions hold: no offline iteration
@@ -196,7 +199,6 @@ impl Scheduler {
         self.protect.started = true;
         let window = self.protect.config.window;
         self.protect.slowdowns.expire(self.now, window);
-        self.protect.clean_ratios.expire(self.now, window);
         self.protect.slo_use.expire(self.now, window);
         let metrics = self.health_metrics();
         let before = self.protect.health.state();
@@ -222,15 +224,20 @@ impl Scheduler {
         let min = self.protect.config.min_samples;
         HealthMetrics {
             // Beside offline work against alone, percentile against percentile: online
-            // iterations that vary by themselves (requests of other sizes) are no
-            // slowdown. Until clean iterations give a percentile, the raw one.
-            online_slowdown: self.protect.slowdowns.p99(min).map(|beside| {
-                self.protect
-                    .clean_ratios
-                    .p99(min)
-                    .filter(|&alone| alone > 0.0)
-                    .map_or(beside, |alone| beside / alone)
-            }),
+            // iterations that vary by themselves (requests of other sizes, a noisy host)
+            // are no slowdown. Without a percentile of clean iterations there is no
+            // slowdown to judge: the raw ratio would read the host's noise as harm.
+            online_slowdown: self
+                .protect
+                .slowdowns
+                .p99(min)
+                .zip(
+                    self.protect
+                        .clean_ratios
+                        .p99(min)
+                        .filter(|&alone| alone > 0.0),
+                )
+                .map(|(beside, alone)| beside / alone),
             slo_use: self.protect.slo_use.p99(min),
             sm_activity: self.protect.device.and_then(|d| d.sm_activity),
             clock_factor: self.protect.clock_factor(),
@@ -494,7 +501,10 @@ impl Protect {
                 track.overlapped = self.offline_running > 0;
                 track.starts_seen = self.offline_starts;
                 track.running = true;
-                track.probing = track.clean.is_none();
+                // Until the session has a clean reference and the clean ratios a
+                // percentile, online iterations run without new offline ones beside them.
+                track.probing = track.clean.is_none()
+                    || self.clean_ratios.len() < self.config.min_samples.max(1);
                 self.online_running += 1;
                 self.probing_running += usize::from(track.probing);
                 let offline = self.config.offline_compute_share;
@@ -561,10 +571,17 @@ impl Protect {
                 };
                 let clean = !track.overlapped;
                 let submitted = track.running_submitted.take();
+                // SLO use, like the slowdown, is evidence against offline work only
+                // where offline work ran beside the iteration: a service that misses its
+                // SLO alone (its own peak load) is not hurt by offline work, and holding
+                // offline sessions out then only loses their work.
                 let slo = session.spec.hints.slo.filter(|s| !s.is_zero());
-                let slo_sample = submitted.zip(slo).map(|(submitted, slo)| {
-                    now.saturating_sub(submitted).as_secs_f64() / slo.as_secs_f64()
-                });
+                let slo_sample = submitted
+                    .zip(slo)
+                    .filter(|_| !clean)
+                    .map(|(submitted, slo)| {
+                        now.saturating_sub(submitted).as_secs_f64() / slo.as_secs_f64()
+                    });
                 if let Some(used) = slo_sample {
                     self.slo_use.push(now, used);
                 }
