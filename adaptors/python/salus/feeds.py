@@ -4,6 +4,7 @@ cut into slots of one iteration's feeds and fetches, so that a batch costs one c
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -128,6 +129,7 @@ class Slots:
         self.buffer: FeedBuffer = session.attach_buffer(self.slot_bytes * count)
         self._bytes = (torch.frombuffer(self.buffer.view, dtype=torch.uint8)
                        if self.buffer.size else torch.empty(0, dtype=torch.uint8))
+        self._address = self._bytes.data_ptr()
         self._next = 0
 
     @staticmethod
@@ -146,7 +148,7 @@ class Slots:
         for spec, value in zip(layout.feeds, batch):
             n = _nbytes(spec)
             if n:
-                self._view(at, spec).copy_(value)
+                self._copy_in(at, spec, value)
             feeds.append((at, n))
             at += _aligned(n)
         for spec in layout.fetches:
@@ -157,9 +159,23 @@ class Slots:
 
     def fetch_tensors(self, layout: Layout, placed: Placed) -> list[torch.Tensor]:
         """The fetches salusd wrote into ``placed``'s slot (copies)."""
-        return [self._view(at, spec).clone() if n else
-                torch.empty(spec.shape, dtype=spec.torch_dtype)
-                for spec, (at, n) in zip(layout.fetches, placed.fetch_ranges)]
+        fetched = []
+        for spec, (at, n) in zip(layout.fetches, placed.fetch_ranges):
+            tensor = torch.empty(spec.shape, dtype=spec.torch_dtype)
+            if n:
+                ctypes.memmove(tensor.data_ptr(), self._address + at, n)
+            fetched.append(tensor)
+        return fetched
+
+    def _copy_in(self, at: int, spec: TensorSpec, value: torch.Tensor) -> None:
+        # A contiguous tensor in host memory is one memmove on this thread. torch's
+        # `copy_` runs a parallel loop for a large tensor, and its OpenMP threads then
+        # spin for milliseconds: every iteration, a core taken from salusd and the other
+        # jobs on this host (the offline ones among them, beside online work).
+        if value.device.type == "cpu" and value.is_contiguous():
+            ctypes.memmove(self._address + at, value.data_ptr(), _nbytes(spec))
+        else:
+            self._view(at, spec).copy_(value)
 
     def _view(self, at: int, spec: TensorSpec) -> torch.Tensor:
         n = _nbytes(spec)

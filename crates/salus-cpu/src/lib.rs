@@ -389,6 +389,16 @@ impl Device for CpuDevice {
         self.idle_class
     }
 
+    /// Zero: cores that an online iteration leaves free are not free of it. They share
+    /// the last-level cache and memory bandwidth with its cores, and on most servers and
+    /// virtual machines are SMT siblings of them; an offline thread there slowed a
+    /// served model's requests threefold at the 99th percentile (`docs/benchmarks.md`).
+    /// An offline iteration waits between two nodes while online work runs, and fills the
+    /// cores between requests.
+    fn offline_compute_share(&self) -> Option<f64> {
+        Some(0.0)
+    }
+
     /// Runs on the control's share of the kernels' threads (at least one), following it
     /// as the driver changes it, from the next node on (held between two nodes at share
     /// 0): the kernels split their work over the threads of the pool they run in, so the

@@ -400,6 +400,14 @@ pub trait Device: Send + Sync {
         false
     }
 
+    /// The share of this device's compute an offline iteration should use while an online
+    /// iteration runs (`ProtectionConfig::offline_compute_share`), where the device knows
+    /// better than protection's default; `None` keeps the default. The operator's
+    /// `--offline-compute-share` overrides both.
+    fn offline_compute_share(&self) -> Option<f64> {
+        None
+    }
+
     /// How this device sizes a node's scratch when a program is planned for it
     /// ([`Program::for_device`]); `None`: the portable kernels' ([`PortableScratch`]).
     fn scratch_sizer(&self) -> Option<&dyn ScratchSizer> {

@@ -71,6 +71,9 @@ pub struct Config {
     pub policy: PolicyKind,
     /// How online sessions are protected from offline ones.
     pub protection: salus_core::ProtectionConfig,
+    /// The operator set `protection.offline_compute_share`; otherwise the device's own
+    /// share applies where it has one (`Device::offline_compute_share`).
+    pub offline_compute_share_given: bool,
     /// Where to serve Prometheus metrics.
     pub metrics: Option<SocketAddr>,
     /// The file holding the bearer token TCP clients must send.
@@ -125,6 +128,7 @@ impl Config {
             open_timeout: DEFAULT_OPEN_TIMEOUT,
             policy: PolicyKind::DEFAULT,
             protection: salus_core::ProtectionConfig::default(),
+            offline_compute_share_given: false,
             metrics: None,
             token_file: None,
             insecure_tcp: false,

@@ -102,6 +102,20 @@ fn cuda_options(config: &Config, n: u32) -> CudaOptions {
     options
 }
 
+/// The protection the core runs with on `device`: the configured one, with what only the
+/// device knows (whether it has a background priority) and, unless the operator set one,
+/// the device's own offline compute share.
+pub fn protection_for(config: &Config, device: &dyn Device) -> salus_core::ProtectionConfig {
+    salus_core::ProtectionConfig {
+        background_priority: device.has_background_priority(),
+        offline_compute_share: device
+            .offline_compute_share()
+            .filter(|_| !config.offline_compute_share_given)
+            .unwrap_or(config.protection.offline_compute_share),
+        ..config.protection.clone()
+    }
+}
+
 /// The reserve the core keeps inside the device's capacity: the configured one for the
 /// host devices; none for cuda, whose reserve stays outside its arena.
 fn core_reserve(config: &Config, device: &dyn Device) -> u64 {
@@ -308,10 +322,7 @@ pub async fn run_with(
         device: device.clone(),
         memory,
         policy: config.policy,
-        protection: salus_core::ProtectionConfig {
-            background_priority: device.has_background_priority(),
-            ..config.protection.clone()
-        },
+        protection: protection_for(&config, &*device),
         limits: salus_graph::Limits::default(),
         daemon_uid,
         host_memory,

@@ -170,6 +170,7 @@ fn config(args: Args) -> Result<(Config, String), String> {
     }
     if let Some(share) = args.offline_compute_share.or(file.offline_compute_share) {
         config.protection.offline_compute_share = share;
+        config.offline_compute_share_given = true;
     }
     if let Some(after) = args.offline_abandon_after.or(file.offline_abandon_after) {
         config.protection.abandon_after =

@@ -297,3 +297,32 @@ async fn a_change_of_health_is_an_event_naming_its_metrics() {
     };
     assert_eq!(detail, "health healthy -> disabled (no metric yet)");
 }
+
+#[test]
+fn the_device_sets_the_offline_compute_share_unless_the_operator_does() {
+    let mut config = salusd::config::Config::new("unused.sock".into());
+    config.memory = 1 << 20;
+    let cpu = salusd::open_device(&config).unwrap();
+    // The cpu device: offline work waits between two nodes while online work runs.
+    assert_eq!(cpu.offline_compute_share(), Some(0.0));
+    let protection = salusd::protection_for(&config, &*cpu);
+    assert_eq!(protection.offline_compute_share, 0.0);
+    assert_eq!(
+        protection.background_priority,
+        cpu.has_background_priority()
+    );
+    config.protection.offline_compute_share = 0.3;
+    config.offline_compute_share_given = true;
+    assert_eq!(
+        salusd::protection_for(&config, &*cpu).offline_compute_share,
+        0.3
+    );
+    // A device without its own share keeps protection's default.
+    let mut config = salusd::config::Config::new("unused.sock".into());
+    config.device = salusd::config::DeviceChoice::Sim;
+    let sim = salusd::open_device(&config).unwrap();
+    assert_eq!(
+        salusd::protection_for(&config, &*sim).offline_compute_share,
+        salus_core::ProtectionConfig::default().offline_compute_share
+    );
+}
