@@ -188,6 +188,7 @@ struct Run<'a> {
     profiles: &'a [LatencyProfile],
     slo: &'a [f64],
     compute_share: f64,
+    target_load: f64,
     jobs: &'a [OfflineJob],
     state: Vec<JobState>,
     on_gpu: Vec<Option<usize>>,
@@ -212,9 +213,20 @@ impl Run<'_> {
         }
     }
 
-    /// The latency slack of GPU `g`'s service at `qps`: its SLO over its p99 alone, less 1.
+    /// The p99 salus' controller steers GPU `g`'s service to at `qps`: its SLO, or where
+    /// the service alone is slower than that (its own peak), `target_load` times its p99
+    /// alone. The core's controller steers the slowdown offline work causes and its health
+    /// reads SLO use only beside offline work, so a service that misses its SLO by itself
+    /// still lets offline work run at that slowdown.
+    fn bound(&self, g: usize, qps: f64) -> f64 {
+        let alone = self.profiles[g].p99(qps);
+        self.slo[g].max(self.target_load * alone)
+    }
+
+    /// The latency slack of GPU `g`'s service at `qps`: [`Run::bound`] over its p99
+    /// alone, less 1.
     fn slack(&self, g: usize, qps: f64) -> f64 {
-        self.slo[g] / self.profiles[g].p99(qps) - 1.0
+        self.bound(g, qps) / self.profiles[g].p99(qps) - 1.0
     }
 
     /// Matches `gpus` with `jobs` on predicted speed at each GPU's rate `qps`.
@@ -258,16 +270,18 @@ impl Run<'_> {
 }
 
 /// Runs `system` on the traces; returns its results and each GPU's latencies over the
-/// day. `slo` is each service's latency target (salus' controller).
+/// day. `slo` is each service's latency target and `target_load` the slowdown salus'
+/// controller allows beside offline work (see [`Run::bound`]).
 fn run_system(
     system: System,
     seed: u64,
     online: &[Online],
     profiles: &[LatencyProfile],
     slo: &[f64],
-    compute_share: f64,
+    knobs: Knobs,
     jobs: &[OfflineJob],
 ) -> (ClusterResult, Vec<Latencies>) {
+    let compute_share = knobs.compute_share;
     let gpus = online.len();
     let mut run = Run {
         system,
@@ -275,6 +289,7 @@ fn run_system(
         profiles,
         slo,
         compute_share,
+        target_load: knobs.target_load,
         jobs,
         state: jobs
             .iter()
@@ -428,7 +443,8 @@ fn run_system(
                         let mut all: Vec<f64> = window[g].iter().flatten().copied().collect();
                         all.sort_by(f64::total_cmp);
                         let p99 = all[((all.len() as f64 * 0.99) as usize).min(all.len() - 1)];
-                        duty[g] = (duty[g] + CONTROL_GAIN * (1.0 - p99 / slo[g])).clamp(0.0, 1.0);
+                        let bound = run.bound(g, qps);
+                        duty[g] = (duty[g] + CONTROL_GAIN * (1.0 - p99 / bound)).clamp(0.0, 1.0);
                     }
                 }
             }
@@ -539,15 +555,7 @@ pub fn cluster_with(seed: u64, knobs: Knobs) -> ClusterExperiment {
     // Online-only first: each service's p99 alone sets its SLO.
     let mut slo = vec![f64::INFINITY; online.len()];
     for system in SYSTEMS {
-        let (result, per_gpu) = run_system(
-            system,
-            seed,
-            &online,
-            &profiles,
-            &slo,
-            knobs.compute_share,
-            &jobs,
-        );
+        let (result, per_gpu) = run_system(system, seed, &online, &profiles, &slo, knobs, &jobs);
         if system.sharing == Sharing::OnlineOnly {
             slo = per_gpu
                 .iter()
