@@ -148,7 +148,7 @@ class Slots:
         for spec, value in zip(layout.feeds, batch):
             n = _nbytes(spec)
             if n:
-                self._copy_in(at, spec, value)
+                self._copy_in(at, n, spec, value)
             feeds.append((at, n))
             at += _aligned(n)
         for spec in layout.fetches:
@@ -167,13 +167,13 @@ class Slots:
             fetched.append(tensor)
         return fetched
 
-    def _copy_in(self, at: int, spec: TensorSpec, value: torch.Tensor) -> None:
+    def _copy_in(self, at: int, n: int, spec: TensorSpec, value: torch.Tensor) -> None:
         # A contiguous tensor in host memory is one memmove on this thread. torch's
         # `copy_` runs a parallel loop for a large tensor, and its OpenMP threads then
         # spin for milliseconds: every iteration, a core taken from salusd and the other
         # jobs on this host (the offline ones among them, beside online work).
         if value.device.type == "cpu" and value.is_contiguous():
-            ctypes.memmove(self._address + at, value.data_ptr(), _nbytes(spec))
+            ctypes.memmove(self._address + at, value.data_ptr(), n)
         else:
             self._view(at, spec).copy_(value)
 

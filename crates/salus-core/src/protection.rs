@@ -19,9 +19,10 @@
 //!   offline iteration waits `d * (1 - duty) / duty`.
 //! - **Compute, device level** ([`Health`], MuxFlow's SysMonitor): five states driven by
 //!   thresholds on the slowdown and SLO use of online iterations that ran beside offline
-//!   ones (what offline work may have caused) and the device's SM activity and clock. Offline sessions are admitted only while `Healthy`, stopped and
-//!   evicted while `Overlimit` (which lasts a period doubling with each entry in the last
-//!   two hours) or `Disabled` (the operator's switch).
+//!   ones (what offline work may have caused) and the device's SM activity and clock.
+//!   Offline sessions are admitted only while `Healthy`, stopped and evicted while
+//!   `Overlimit` (which lasts a period doubling with each entry in the last two hours) or
+//!   `Disabled` (the operator's switch).
 //!
 //! Everything here is deterministic arithmetic on the times and durations the driver
 //! reports; the scheduler glue is in `scheduler/protect.rs`.
