@@ -157,6 +157,27 @@ fn offline_sessions_wait_while_an_online_one_waits() {
 }
 
 #[test]
+fn an_online_session_that_stops_waiting_no_longer_holds_offline_work() {
+    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    d.open(offline(1, 150 * MB, 200 * MB)); // 350 MB
+    d.submit(1);
+    assert_eq!(started(&d.log), vec![1]);
+    // 900 MB do not fit beside the running offline session: it is to stop at its boundary.
+    let a = d.open(spec(2, 500 * MB, 400 * MB));
+    assert!(
+        matches!(queued(&a, 2), Some(WaitReason::Memory { .. })),
+        "{a:?}"
+    );
+    // The online session gives up before then: nothing waits for the offline memory, so
+    // the offline session goes on rather than stopping at its boundary.
+    d.close(2);
+    d.submit(1);
+    let a = run(&mut d, 1, 50);
+    assert!(suspended(&a).is_empty(), "{a:?}");
+    assert_eq!(started(&a), vec![1], "{a:?}");
+}
+
+#[test]
 fn the_controller_holds_offline_iterations_while_online_ones_suffer() {
     let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
     d.open(spec(1, 10 * MB, 10 * MB));

@@ -59,6 +59,9 @@ impl Scheduler {
 
     /// Offers memory to waiting sessions in the policy's order.
     pub(super) fn admit_waiting(&mut self) {
+        // Set again below while an online session still waits for offline memory; one that
+        // closed while waiting leaves nothing to starve.
+        self.protect.online_starved = false;
         if self.queue.is_empty() {
             return;
         }
@@ -74,7 +77,6 @@ impl Scheduler {
             (Some(a), Some(b)) => policy.admission_order(&a.view(), &b.view()),
             _ => a.cmp(b),
         });
-        self.protect.online_starved = false;
         if self.draining {
             for id in order {
                 self.set_wait_reason(id, WaitReason::Draining);

@@ -141,13 +141,24 @@ impl Scheduler {
         self.protect.config.offline_limit(self.memory.usable())
     }
 
-    /// An offline iteration was abandoned: it ran for nothing.
+    /// An iteration was abandoned: it ran for nothing.
     pub(super) fn on_abandoned(&mut self, id: SessionId) {
         if self.protect.abandoning.remove(&id) {
             self.protect.abandoned += 1;
         }
         if self.class_of(id) == SessionClass::Offline {
             self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
+        } else if let Some(session) = self.sessions.get_mut(&id) {
+            // An online iteration abandoned runs again: it waits at the head of its queue
+            // with its submission time, and no longer counts as running.
+            let track = &mut session.track;
+            if let Some(submitted) = track.running_submitted.take() {
+                track.submitted.push_front(submitted);
+            }
+            if std::mem::take(&mut track.running) {
+                self.protect.online_running -= 1;
+                self.protect.probing_running -= usize::from(track.probing);
+            }
         }
         self.admission_due = true;
     }
