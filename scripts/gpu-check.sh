@@ -16,6 +16,9 @@
 #   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
 #                                    # and the GPT decoder against eager PyTorch autocast
 #                                    # on the same GPU (salus-bench cuda --amp bf16)
+#   ./scripts/gpu-check.sh protection # there: benches/online_offline.py with salusd on
+#                                    # the GPU (offline lanes on low-priority streams, NVML
+#                                    # load read where the host has it)
 #   ./scripts/gpu-check.sh host-cpu  # there: the numerical tests on the host's own CPU
 #                                    # (another vendor than the development machine's,
 #                                    # perhaps), with its CPU model; needs pytest and
@@ -54,7 +57,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     echo "== CUDA device tests"
     timeout 150 .gpu/cuda --test-threads=1 --nocapture > "$out/cuda.log" 2>&1
-    echo "rc=$?"; grep -E "^test |test result|panicked" "$out/cuda.log"
+    echo "rc=$?"; grep -E "^test |test result|panicked|^background lane" "$out/cuda.log"
     echo "== every op test on the GPU"
     SALUS_TEST_DEVICE=cuda timeout 100 .gpu/ops --test-threads=4 > "$out/ops.log" 2>&1
     echo "rc=$?"; grep -E "test result|panicked at" "$out/ops.log"
@@ -102,6 +105,15 @@ amp-bench)
         > "$out/amp_bench.json" 2> "$out/amp_bench.err"
     echo "rc=$?"; cat "$out/amp_bench.json"; tail -5 "$out/amp_bench.err"
     ;;
+protection)
+    out=${OUT:-.gpu/out}
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1
+    echo "== a served model under open-loop load beside two trainers, salusd on the GPU"
+    timeout 300 python3 benches/online_offline.py --device cuda:0 --seconds 15 --load 0.3 \
+        --trainers 2 --salusd .gpu/salusd --json > "$out/protection.json" 2> "$out/protection.err"
+    echo "rc=$?"; cat "$out/protection.json"; tail -5 "$out/protection.err"
+    ;;
 host-cpu)
     out=${OUT:-.gpu/out}
     mkdir -p "$out"
@@ -115,7 +127,7 @@ host-cpu)
     echo "rc=$?"; tail -5 "$out/host_cpu.log"
     ;;
 *)
-    echo "usage: $0 prepare|run|amp-bench|host-cpu" >&2
+    echo "usage: $0 prepare|run|amp-bench|protection|host-cpu" >&2
     exit 2
     ;;
 esac

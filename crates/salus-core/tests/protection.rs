@@ -264,11 +264,21 @@ fn overlimit_evicts_offline_work_until_calm_and_backs_off() {
 fn device_samples_and_the_operator_switch() {
     let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
     d.open(offline(1, 10 * MB, 10 * MB));
-    // A clock at half the highest: Equation 2 gives 1 + 4 * (1350 - 750) / 1350 = 2.78.
-    d.feed(Event::DeviceSampled(DeviceSample {
+    let slow_clock = DeviceSample {
         sm_activity: Some(0.5),
         sm_clock: Some((750.0, 1500.0)),
-    }));
+    };
+    // With no online work, the device's load harms no one: offline work goes on.
+    d.feed(Event::DeviceSampled(slow_clock));
+    assert_eq!(d.core.protection_status().health, HealthState::Healthy);
+    assert_eq!(d.core.protection_status().metrics.clock_factor, None);
+    assert!(d.core.waiting().is_empty());
+    // With an online session at work, a clock at half the highest: Equation 2 gives
+    // 1 + 4 * (1350 - 750) / 1350 = 2.78.
+    d.open(spec(2, 10 * MB, 10 * MB));
+    d.submit(2);
+    run(&mut d, 2, 5);
+    d.feed(Event::DeviceSampled(slow_clock));
     let status = d.core.protection_status();
     assert_eq!(status.health, HealthState::Overlimit);
     let expected = 1.0 + 4.0 * (1350.0 - 750.0) / 1350.0;

@@ -116,6 +116,24 @@ pub(crate) fn new_stream() -> DResult<Raw<sys::CUstream>> {
     cu::stream::create(cu::stream::StreamKind::NonBlocking).map(Raw)
 }
 
+/// The current context's stream priorities, `(least, greatest)`: a lower number is a
+/// higher priority, and the default (0) is the least.
+pub(crate) fn stream_priorities() -> DResult<(i32, i32)> {
+    let (mut least, mut greatest) = (0, 0);
+    // SAFETY: writes two ints; a context is bound to the thread.
+    unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest).result()? };
+    Ok((least, greatest))
+}
+
+/// A non-blocking stream at `priority` (within [`stream_priorities`]).
+pub(crate) fn new_stream_at(priority: i32) -> DResult<Raw<sys::CUstream>> {
+    let mut stream = std::ptr::null_mut();
+    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+    // SAFETY: writes one stream handle; destroyed by `destroy_stream`.
+    unsafe { sys::cuStreamCreateWithPriority(&mut stream, flags, priority).result()? };
+    Ok(Raw(stream))
+}
+
 pub(crate) fn destroy_stream(s: Raw<sys::CUstream>) {
     // SAFETY: destroyed once, by its lane's Drop, after the lane's last use.
     let _ = unsafe { cu::stream::destroy(s.0) };

@@ -23,7 +23,10 @@
 //!
 //! Each lane (keyed by its offset) gets a stream, a cuBLAS handle with its own workspace,
 //! a small error block and two events; iterations of one lane run in order, lanes run
-//! concurrently. A program at a placement is lowered once into a command list (see
+//! concurrently. A lane of background (offline) iterations gets a stream of the least
+//! priority and the others the greatest, so the GPU's block scheduler gives SMs to the
+//! others' blocks first. NVML, where the host has it, reports the GPU's SM activity and
+//! clock (`monitor`) for protection's health metrics. A program at a placement is lowered once into a command list (see
 //! `lower`); its first iteration runs the list eagerly, the second captures it into a CUDA
 //! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
 //!
@@ -45,6 +48,7 @@ mod cudnn;
 mod driver;
 mod image;
 mod lower;
+mod monitor;
 pub mod profile;
 
 pub use image::cache_dir;
@@ -58,7 +62,9 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys;
 
-use salus_exec::{Device, ExecError, Location, Outcome, Placement, Program};
+use salus_exec::{
+    Device, ExecError, LoadMonitor, Location, Outcome, Placement, Program, RunControl,
+};
 use salus_graph::{Graph, OpParams, PortableScratch, ScratchSizer};
 
 use self::abi::Kernel;
@@ -96,6 +102,9 @@ pub struct GpuInfo {
     pub compute_capability: (i32, i32),
     /// Total memory in bytes.
     pub total_bytes: u64,
+    /// Where it sits on the PCI bus (`domain:bus:device.function`, hexadecimal): how NVML
+    /// finds the same GPU.
+    pub pci_bus_id: String,
 }
 
 /// How to open a [`CudaDevice`].
@@ -169,6 +178,10 @@ impl Drop for Lane {
     }
 }
 
+/// A lane, and whether it runs background iterations (its stream has the least
+/// priority).
+type LaneSlot = (bool, Arc<Mutex<Lane>>);
+
 /// The CUDA device.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -176,7 +189,8 @@ pub struct CudaDevice {
     base: u64,
     capacity: u64,
     functions: Vec<Raw<sys::CUfunction>>,
-    lanes: Mutex<HashMap<u64, Arc<Mutex<Lane>>>>,
+    /// Lanes by offset.
+    lanes: Mutex<HashMap<u64, LaneSlot>>,
     transfer: Mutex<Raw<sys::CUstream>>,
     graphs: AtomicBool,
     poisoned: Mutex<Option<String>>,
@@ -188,6 +202,11 @@ pub struct CudaDevice {
     fused: Mutex<HashMap<String, Raw<sys::CUfunction>>>,
     /// cuDNN, or why the device runs its own convolution kernels.
     dnn: Result<cudnn::Dnn, String>,
+    /// The stream priorities of background and other lanes, where the GPU has more than
+    /// one: `(least, greatest)`.
+    priorities: Option<(i32, i32)>,
+    /// Its place on the PCI bus, for NVML.
+    pci_bus_id: String,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -245,11 +264,18 @@ impl CudaDevice {
                         sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                     )?;
                     let total = driver::device_total(dev)?;
+                    let pci_bus_id = format!(
+                        "{:08x}:{:02x}:{:02x}.0",
+                        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+                    );
                     Ok(GpuInfo {
                         ordinal: i as usize,
                         name,
                         compute_capability: (major, minor),
                         total_bytes: total,
+                        pci_bus_id,
                     })
                 })
                 .collect()
@@ -307,6 +333,9 @@ impl CudaDevice {
         }
         let base = driver::malloc(capacity as usize)
             .map_err(|e| driver_error(&format!("allocating the {capacity}-byte arena"), e))?;
+        let priorities = driver::stream_priorities()
+            .map_err(|e| driver_error("cuCtxGetStreamPriorityRange", e))?;
+        let priorities = (priorities.0 != priorities.1).then_some(priorities);
         let dnn = no_panic(cudnn::Dnn::open);
         let convolutions = match &dnn {
             Ok(dnn) => {
@@ -339,6 +368,8 @@ impl CudaDevice {
             fusion: AtomicBool::new(std::env::var("SALUS_CUDA_FUSION").as_deref() != Ok("0")),
             fused: Mutex::new(HashMap::new()),
             dnn,
+            priorities,
+            pci_bus_id: gpu.pci_bus_id,
         })
     }
 
@@ -423,15 +454,28 @@ impl CudaDevice {
         }
     }
 
-    fn lane(&self, offset: u64) -> Result<Arc<Mutex<Lane>>, ExecError> {
+    /// The lane at `offset`, made on first use. A background lane's stream has the least
+    /// priority and the others' the greatest, so that the GPU's block scheduler gives
+    /// SMs that free up to the others' kernels first. The core never mixes classes in a
+    /// lane; a lane at an offset where one of the other class was is a new lane.
+    fn lane(&self, offset: u64, background: bool) -> Result<Arc<Mutex<Lane>>, ExecError> {
         let mut lanes = self
             .lanes
             .lock()
             .map_err(|_| ExecError::Device("lane table lock poisoned".into()))?;
-        if let Some(l) = lanes.get(&offset) {
+        let background = background && self.priorities.is_some();
+        if let Some((b, l)) = lanes.get(&offset)
+            && *b == background
+        {
             return Ok(l.clone());
         }
-        let stream = driver::new_stream().map_err(|e| self.check("creating a stream", e))?;
+        let stream = match self.priorities {
+            Some((least, greatest)) => {
+                driver::new_stream_at(if background { least } else { greatest })
+            }
+            None => driver::new_stream(),
+        }
+        .map_err(|e| self.check("creating a stream", e))?;
         let workspace = driver::malloc(WORKSPACE)
             .map_err(|e| self.check("allocating a cuBLAS workspace", e))?;
         let err =
@@ -454,7 +498,7 @@ impl CudaDevice {
             entries: HashMap::new(),
             tick: 0,
         }));
-        lanes.insert(offset, lane.clone());
+        lanes.insert(offset, (background, lane.clone()));
         Ok(lane)
     }
 
@@ -681,7 +725,7 @@ impl CudaDevice {
     ) -> Result<Profile, ExecError> {
         program.check_feeds(feeds)?;
         self.bind()?;
-        let lane = self.lane(at.lane)?;
+        let lane = self.lane(at.lane, false)?;
         let lane = lane
             .lock()
             .map_err(|_| ExecError::Device("lane lock poisoned".into()))?;
@@ -758,10 +802,11 @@ impl CudaDevice {
         program: &Program,
         at: Placement,
         feeds: &[&[u8]],
+        background: bool,
     ) -> Result<Outcome, ExecError> {
         program.check_feeds(feeds)?;
         self.bind()?;
-        let lane = self.lane(at.lane)?;
+        let lane = self.lane(at.lane, background)?;
         let mut lane = lane
             .lock()
             .map_err(|_| ExecError::Device("lane lock poisoned".into()))?;
@@ -925,7 +970,32 @@ impl Device for CudaDevice {
     }
 
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
-        self.iterate(program, at, feeds)
+        self.iterate(program, at, feeds, false)
+    }
+
+    /// A background iteration runs on a stream of the least priority (where the GPU has
+    /// stream priorities); the compute share is not applied (the GPU's block scheduler
+    /// shares the SMs), and an abandoned iteration stops before it starts: a launched
+    /// one runs to its end.
+    fn run_with(
+        &self,
+        program: &Program,
+        at: Placement,
+        feeds: &[&[u8]],
+        control: &RunControl,
+    ) -> Result<Outcome, ExecError> {
+        if control.abandoned() {
+            return Err(ExecError::Abandoned);
+        }
+        self.iterate(program, at, feeds, control.is_background())
+    }
+
+    fn has_background_priority(&self) -> bool {
+        self.priorities.is_some()
+    }
+
+    fn load_monitor(&self) -> Result<Box<dyn LoadMonitor>, String> {
+        monitor::Monitor::open(&self.pci_bus_id).map(|m| Box::new(m) as Box<dyn LoadMonitor>)
     }
 
     fn health(&self) -> Result<(), String> {

@@ -357,6 +357,24 @@ pub struct Outcome {
     pub duration: Duration,
 }
 
+/// What a device reports of its own load over an interval (a GPU, through NVML), for
+/// protection's health metrics; `None` where it cannot tell.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    /// Fraction of the interval the device's compute units were busy, averaged over them,
+    /// 0 to 1 (a GPU's SM activity).
+    pub sm_activity: Option<f64>,
+    /// The compute clock now and the highest it reaches, in MHz (a GPU's SM clock: below
+    /// the highest when power or heat hold it back).
+    pub sm_clock: Option<(f64, f64)>,
+}
+
+/// Reads a device's [`Load`]; each reading covers the time since the one before.
+pub trait LoadMonitor: Send {
+    /// The load since the last reading (the first: since the monitor was made).
+    fn read(&mut self) -> Result<Load, String>;
+}
+
 /// A device: one arena of memory and a way to run iterations in it.
 pub trait Device: Send + Sync {
     /// What it is, for status output ("cpu", "cuda:0 (H100)").
@@ -394,8 +412,9 @@ pub trait Device: Send + Sync {
     /// True when [`Device::run_with`] runs background iterations ([`RunControl::background`])
     /// at a priority below the others, so that they take only the compute the others leave
     /// and yield it as soon as another iteration needs it (the cpu device: threads the OS
-    /// runs only on otherwise idle cores). Protection then leaves online iterations the
-    /// whole device beside offline ones.
+    /// runs only on otherwise idle cores; a GPU: streams of the least priority, whose
+    /// blocks get SMs only when no other lane's are waiting). Protection then leaves
+    /// online iterations the whole device beside offline ones.
     fn has_background_priority(&self) -> bool {
         false
     }
@@ -406,6 +425,12 @@ pub trait Device: Send + Sync {
     /// `--offline-compute-share` overrides both.
     fn offline_compute_share(&self) -> Option<f64> {
         None
+    }
+
+    /// A monitor of this device's load, or why there is none (the host devices report
+    /// none; a GPU needs NVML).
+    fn load_monitor(&self) -> Result<Box<dyn LoadMonitor>, String> {
+        Err(format!("the {} device reports no load", self.name()))
     }
 
     /// How this device sizes a node's scratch when a program is planned for it

@@ -1438,3 +1438,90 @@ fn split_reductions_match_the_cpu_and_repeat_bitwise() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+#[test]
+fn a_background_lane_computes_the_same_and_leaves_the_gpu_to_the_others() {
+    let Some(gpu) = gpu("background_lane", 512 << 20) else {
+        return;
+    };
+    // Every GPU CUDA supports has at least two stream priorities.
+    assert!(gpu.has_background_priority());
+    let gpu = Arc::new(gpu);
+    let (n, d, k) = (512, 1024, 512);
+    let program = Program::new(samples::regression(n, d, k, 0.01), &Limits::default()).unwrap();
+    let plan = program.plan().clone();
+    let lane_bytes = plan.ephemeral_bytes.div_ceil(256) * 256;
+    let block = plan.persistent_bytes.div_ceil(256) * 256;
+    let mut rng = Rng::new(5);
+    let mut data = |len: u64| {
+        bytes_f32(
+            &rng.vec(len as usize, -1.0, 1.0)
+                .iter()
+                .map(|&v| v as f32)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (x, y) = (data(n * d), data(n * k));
+    let foreground = Placement {
+        persistent: 0,
+        lane: 2 * block,
+    };
+    let background = Placement {
+        persistent: block,
+        lane: 2 * block + lane_bytes,
+    };
+    let zeros = vec![0u8; plan.persistent_bytes as usize];
+    gpu.write(0, &zeros).unwrap();
+    gpu.write(block, &zeros).unwrap();
+    let low = salus_exec::RunControl::background(1.0);
+    // The same steps from the same state give the same losses at either priority.
+    for _ in 0..3 {
+        let a = gpu.run(&program, foreground, &[&x, &y]).unwrap();
+        let b = gpu.run_with(&program, background, &[&x, &y], &low).unwrap();
+        assert_eq!(a.fetches, b.fetches);
+    }
+    // How much a background lane running flat out slows the foreground one (printed for
+    // scripts/gpu-check.sh; the GPU's block scheduler decides, so nothing is asserted).
+    let steps = 30;
+    let alone = Instant::now();
+    for _ in 0..steps {
+        gpu.run(&program, foreground, &[&x, &y]).unwrap();
+    }
+    let alone = alone.elapsed();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let beside = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                gpu.run_with(&program, background, &[&x, &y], &low).unwrap();
+            }
+        });
+        let t = Instant::now();
+        for _ in 0..steps {
+            gpu.run(&program, foreground, &[&x, &y]).unwrap();
+        }
+        let beside = t.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        beside
+    });
+    eprintln!(
+        "background lane: foreground {steps} steps alone {alone:?}, beside a background lane \
+         {beside:?} ({:.2}x)",
+        beside.as_secs_f64() / alone.as_secs_f64()
+    );
+    // NVML reads the GPU's load where the host has it.
+    match gpu.load_monitor() {
+        Ok(mut monitor) => {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let load = monitor.read().unwrap();
+            eprintln!("background lane: NVML load {load:?}");
+            assert!(load.sm_clock.is_some() || load.sm_activity.is_some());
+            if let Some((clock, highest)) = load.sm_clock {
+                assert!(clock > 0.0 && clock <= highest * 1.01, "{load:?}");
+            }
+            if let Some(activity) = load.sm_activity {
+                assert!((0.0..=1.0).contains(&activity), "{load:?}");
+            }
+        }
+        Err(why) => eprintln!("background lane: no NVML load ({why})"),
+    }
+}

@@ -102,6 +102,9 @@ fn cuda_options(config: &Config, n: u32) -> CudaOptions {
     options
 }
 
+/// How often salusd reads the device's load (SM activity and clock) for protection.
+pub const LOAD_INTERVAL: Duration = Duration::from_millis(500);
+
 /// The protection the core runs with on `device`: the configured one, with what only the
 /// device knows (whether it has a background priority) and, unless the operator set one,
 /// the device's own offline compute share.
@@ -331,6 +334,7 @@ pub async fn run_with(
         open_timeout: config.open_timeout,
     })
     .map_err(failure)?;
+    engine.watch_load(&*device, LOAD_INTERVAL);
     let access = auth::Access {
         daemon_uid,
         token,

@@ -472,3 +472,126 @@ async fn sessions_closed_by_the_shutdown_answer_shutting_down() {
         );
     }
 }
+
+/// The cpu device with a load sensor that reads an SM clock at half its highest: what a
+/// GPU held back by power reports through NVML.
+struct HalfClock(Arc<dyn salus_exec::Device>);
+
+struct HalfClockMonitor;
+
+impl salus_exec::LoadMonitor for HalfClockMonitor {
+    fn read(&mut self) -> Result<salus_exec::Load, String> {
+        Ok(salus_exec::Load {
+            sm_activity: Some(0.5),
+            sm_clock: Some((750.0, 1500.0)),
+        })
+    }
+}
+
+impl salus_exec::Device for HalfClock {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn capacity(&self) -> u64 {
+        self.0.capacity()
+    }
+    fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), salus_exec::ExecError> {
+        self.0.write(offset, bytes)
+    }
+    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, salus_exec::ExecError> {
+        self.0.read(offset, len)
+    }
+    fn run(
+        &self,
+        program: &Program,
+        at: salus_exec::Placement,
+        feeds: &[&[u8]],
+    ) -> Result<salus_exec::Outcome, salus_exec::ExecError> {
+        self.0.run(program, at, feeds)
+    }
+    fn load_monitor(&self) -> Result<Box<dyn salus_exec::LoadMonitor>, String> {
+        Ok(Box::new(HalfClockMonitor))
+    }
+}
+
+#[tokio::test]
+async fn the_device_load_reaches_protection_while_online_work_runs() {
+    let mut config = salusd::Config::new("unused.sock".into());
+    config.memory = 64 << 20;
+    let device: Arc<dyn salus_exec::Device> =
+        Arc::new(HalfClock(salusd::open_device(&config).unwrap()));
+    let engine = Engine::start(EngineConfig {
+        memory: MemoryConfig::new(device.capacity(), 0),
+        device: Arc::clone(&device),
+        policy: PolicyKind::Pack,
+        protection: salus_core::ProtectionConfig::default(),
+        limits: salus_graph::Limits::default(),
+        daemon_uid: DAEMON.uid,
+        host_memory: 1 << 30,
+        user_host_memory: 1 << 29,
+        max_sessions_per_user: 4,
+        open_timeout: std::time::Duration::from_secs(60),
+    })
+    .unwrap();
+    engine.watch_load(&*device, std::time::Duration::from_millis(5));
+    let status = || engine.ask(Command::Status);
+    // Read, but no online work yet: the device's load harms no one.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let report = status().await.unwrap();
+    assert_eq!(report.protection.metrics.clock_factor, None);
+    assert_eq!(report.protection.health, salus_core::HealthState::Healthy);
+
+    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
+    let p = program.plan().persistent_bytes;
+    let (tx, mut updates) = mpsc::unbounded_channel();
+    let id = engine.new_session_id();
+    engine
+        .send(Command::Open(Box::new(NewSession {
+            id,
+            owner: DAEMON,
+            image: salusd::engine::HostImage {
+                bytes: vec![0; p as usize],
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
+            },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
+            program,
+            kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
+            hints: Hints::default(),
+            updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
+        })))
+        .unwrap();
+    while !matches!(
+        updates.recv().await.unwrap().unwrap(),
+        SessionUpdate::Admitted { .. }
+    ) {}
+    engine
+        .ask(|reply| Command::Run {
+            principal: DAEMON,
+            session: id,
+            program: 0,
+            feeds: vec![f32s(&[1.0, 0.0, 0.0, 1.0]), f32s(&[1.0, 2.0])],
+            writes: vec![],
+            fetch_lengths: vec![],
+            reply,
+        })
+        .await
+        .unwrap();
+    // Equation 2 for a clock at half the highest: 1 + 4 * (1350 - 750) / 1350.
+    let expected = 1.0 + 4.0 * (1350.0 - 750.0) / 1350.0;
+    let mut report = status().await.unwrap();
+    for _ in 0..200 {
+        // The next reading after the online iteration moves the health state.
+        if report.protection.health != salus_core::HealthState::Healthy {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        report = status().await.unwrap();
+    }
+    let factor = report.protection.metrics.clock_factor.unwrap();
+    assert!((factor - expected).abs() < 1e-12, "{factor}");
+    assert_eq!(report.protection.metrics.sm_activity, Some(0.5));
+    assert_eq!(report.protection.health, salus_core::HealthState::Overlimit);
+}

@@ -250,9 +250,23 @@ impl Scheduler {
                 )
                 .map(|(beside, alone)| beside / alone),
             slo_use: self.protect.slo_use.p99(min),
-            sm_activity: self.protect.device.and_then(|d| d.sm_activity),
-            clock_factor: self.protect.clock_factor(),
+            // The device's own load speaks of online work only while there is some: a
+            // device busy (or its clock held back by power) with offline work alone
+            // harms no one.
+            sm_activity: self
+                .online_active()
+                .then(|| self.protect.device.and_then(|d| d.sm_activity))
+                .flatten(),
+            clock_factor: self
+                .online_active()
+                .then(|| self.protect.clock_factor())
+                .flatten(),
         }
+    }
+
+    /// True while an online session has had iterations within the window.
+    fn online_active(&self) -> bool {
+        self.protect.online_active(self.now)
     }
 
     /// True when an offline iteration may start now.
@@ -353,8 +367,14 @@ impl Scheduler {
                 p.slo_use.next_expiry(window),
             ]
         });
+        // Online work falling quiet ends what the device's load says.
+        let quiet = p
+            .device
+            .and(p.last_online)
+            .map(|last| last.saturating_add(p.config.window));
         [
             (!p.held.is_empty()).then_some(p.hold_until),
+            quiet,
             p.starved_since
                 .map(|since| since.saturating_add(p.config.abandon_after)),
             p.health.leaves_overlimit_at(&p.config),

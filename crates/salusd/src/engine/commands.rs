@@ -230,6 +230,8 @@ pub enum Command {
         /// The health state after the change.
         reply: Reply<salus_core::HealthState>,
     },
+    /// The device's load over the last interval (from [`super::Engine::watch_load`]).
+    DeviceLoad(salus_exec::Load),
     /// Start or stop draining.
     Drain {
         /// Who asks.
@@ -446,6 +448,15 @@ impl State {
                 }
                 .map(|()| self.core.health());
                 let _ = reply.send(result);
+            }
+            Command::DeviceLoad(load) => {
+                let sample = salus_core::DeviceSample {
+                    sm_activity: load.sm_activity,
+                    sm_clock: load.sm_clock,
+                };
+                if let Err(error) = self.core(Event::DeviceSampled(sample)) {
+                    tracing::error!(%error, "the core refused a device sample");
+                }
             }
             Command::Drain {
                 principal,

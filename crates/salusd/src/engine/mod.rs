@@ -267,6 +267,46 @@ impl Engine {
         Ok(engine)
     }
 
+    /// Reads the device's load every `interval` on a thread of its own and hands it to
+    /// protection (SM activity and clock: health metrics while online work runs), for
+    /// as long as the engine runs. Nothing to do when protection is off or the device
+    /// reports no load (logged).
+    pub fn watch_load(&self, device: &dyn Device, interval: Duration) {
+        if !self.protection.enabled {
+            return;
+        }
+        let mut monitor = match device.load_monitor() {
+            Ok(monitor) => monitor,
+            Err(why) => {
+                tracing::info!("protection reads no device load: {why}");
+                return;
+            }
+        };
+        let tx = self.tx.clone();
+        let watching = std::thread::Builder::new()
+            .name("salus-load".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(interval);
+                    match monitor.read() {
+                        Ok(load) => {
+                            if tx.send(Command::DeviceLoad(load)).is_err() {
+                                return;
+                            }
+                        }
+                        Err(why) => {
+                            tracing::warn!("reading the device's load failed ({why}); stopped");
+                            return;
+                        }
+                    }
+                }
+            });
+        match watching {
+            Ok(_) => tracing::info!(?interval, "protection reads the device's load"),
+            Err(error) => tracing::warn!(%error, "no thread to read the device's load"),
+        }
+    }
+
     /// Sends a command; fails only when the engine has stopped.
     pub fn send(&self, command: Command) -> Result<(), EngineError> {
         self.tx.send(command).map_err(|_| EngineError::ShuttingDown)
