@@ -395,15 +395,17 @@ fn check_steady_state(name: &str, small: Graph, large: Graph) {
             losses.iter().all(|l| l.is_finite()) && losses[3] < losses[0],
             "{name}: training does not train: {losses:?}"
         );
-        // The fetches' vectors (one per fetch and the list) and nothing else.
-        for &c in &counts[1..] {
-            assert!(
-                c <= fetches + 1,
-                "{name} ({nodes} nodes): iterations allocate {counts:?}, expected at most {} \
-                 after the first",
-                fetches + 1
-            );
-        }
+        // The fetches' vectors (one per fetch and the list) and nothing else, but for one
+        // allocation in all: an iteration hands one job to rayon's pool from outside it,
+        // and rayon's queue for such jobs takes a new block of slots every 63 jobs, which
+        // may fall in any iteration.
+        let steady = counts[1..].len() * (fetches + 1);
+        assert!(
+            counts[1..].iter().sum::<usize>() <= steady + 1,
+            "{name} ({nodes} nodes): iterations allocate {counts:?}, expected at most {} \
+             after the first (and one more in all)",
+            fetches + 1
+        );
     }
 }
 

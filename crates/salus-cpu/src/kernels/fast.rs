@@ -1,6 +1,7 @@
 //! Typed f32 kernels for the ops that dominate training steps: elementwise ops with
 //! broadcasting (here), reductions, softmax and layer norm (`reduce`), shape copies
-//! (`copy`), pooling (`pool`), convolutions (`conv`) and small matrix products (`matmul`).
+//! (`copy`), pooling (`pool`), convolutions (`conv`), small matrix products (`matmul`) and
+//! fused attention (`attention`).
 //!
 //! Each kernel reads its operands in place and writes its outputs directly: no scratch
 //! vector, no index vector. Shapes are collapsed into at most [`MAX_RANK`] dims held in
@@ -15,6 +16,7 @@ use salus_graph::{DType, GeluApproximate, Op, OpParams, TensorType};
 
 use super::{Arg, Out, Result, number_or};
 
+mod attention;
 pub(super) mod batch_norm;
 mod conv;
 mod copy;
@@ -405,6 +407,12 @@ pub(crate) fn run(
     match (op, params) {
         (ConvolutionBackward, OpParams::Conv(c)) => return conv::backward(c, args, outs, scratch),
         (MaxPool2dWithIndices, OpParams::Pool(p)) => return pool::max_pool2d(p, args, outs),
+        (ScaledDotProductAttention, OpParams::Attention(p)) => {
+            return attention::forward(p, args, outs);
+        }
+        (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
+            return attention::backward(p, args, outs);
+        }
         (
             NativeLayerNorm,
             OpParams::LayerNorm {

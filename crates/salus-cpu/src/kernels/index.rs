@@ -3,7 +3,7 @@
 //! `embedding_dense_backward`. Every index read from a tensor is checked before it is
 //! used; a bad one fails the node with the index and the bound it broke.
 
-use salus_graph::{AdvancedIndex, TensorType};
+use salus_graph::{AdvancedIndex, DType, TensorType};
 
 use super::{
     Arg, Out, Result, broadcast_strides, contiguous_strides, index_at, load, numel, store, tensor,
@@ -304,6 +304,36 @@ fn for_each_selected(
     Ok(())
 }
 
+/// Whole rows of `self`: one index tensor, on dimension 0, selecting rows into a selection
+/// of the index tensor's shape followed by the rows' (an embedding's lookup and its
+/// gradient's `index_put`). Its rows as `(first element, row)` pairs in the selection's
+/// order, each index checked; `None` for any other indexing.
+fn leading_rows(
+    index: &AdvancedIndex,
+    self_shape: &[u64],
+    args: &[Arg<'_>],
+    what: &str,
+) -> Result<Option<Vec<usize>>> {
+    let lone = index.dims.first() == Some(&Some(0))
+        && index.dims[1..].iter().all(Option::is_none)
+        && index.index_at == 0;
+    if !lone || self_shape.is_empty() {
+        return Ok(None);
+    }
+    let (ity, bytes) = tensor(args, 1)?;
+    let rows_shape = &self_shape[1..];
+    if ity.shape != index.index_shape
+        || index.shape.len() != ity.shape.len() + rows_shape.len()
+        || index.shape[ity.shape.len()..] != *rows_shape
+    {
+        return Ok(None);
+    }
+    (0..numel(&ity.shape))
+        .map(|j| index_at(bytes, ity.dtype, j, self_shape[0], what))
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 /// `index.Tensor(self, indices)`: the elements of `self` the index tensors select, in the
 /// selection's shape.
 pub(super) fn index(index: &AdvancedIndex, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
@@ -313,6 +343,13 @@ pub(super) fn index(index: &AdvancedIndex, args: &[Arg<'_>], o: &mut Out<'_>) ->
     }
     let size = ty.dtype.size() as usize;
     let out = &mut *o.bytes;
+    if let Some(rows) = leading_rows(index, &ty.shape, args, "index")? {
+        let row = numel(&ty.shape[1..]) * size;
+        for (p, r) in rows.into_iter().enumerate() {
+            out[p * row..(p + 1) * row].copy_from_slice(&bytes[r * row..(r + 1) * row]);
+        }
+        return Ok(());
+    }
     for_each_selected(index, &ty.shape, args, "index", |p, _, at| {
         out[p * size..(p + 1) * size].copy_from_slice(&bytes[at * size..(at + 1) * size]);
     })
@@ -342,6 +379,34 @@ pub(super) fn index_put(
     let size = ty.dtype.size() as usize;
     let dtype = o.ty.dtype;
     let out = &mut *o.bytes;
+    if vty.shape == *selection
+        && let Some(rows) = leading_rows(index, &ty.shape, args, "index_put index")?
+    {
+        // Row by row, in the selection's order (repeated rows add up in that order).
+        let n = numel(&ty.shape[1..]);
+        for (p, r) in rows.into_iter().enumerate() {
+            let (to, from) = (r * n, p * n);
+            if !accumulate {
+                out[to * size..(to + n) * size]
+                    .copy_from_slice(&vbytes[from * size..(from + n) * size]);
+            } else if let (Some(o), Some(v)) = (
+                bytemuck::try_cast_slice_mut::<u8, f32>(&mut out[to * 4..(to + n) * 4])
+                    .ok()
+                    .filter(|_| dtype == DType::F32),
+                bytemuck::try_cast_slice::<u8, f32>(&vbytes[from * 4..(from + n) * 4]).ok(),
+            ) {
+                for (o, v) in o.iter_mut().zip(v) {
+                    *o += v;
+                }
+            } else {
+                for k in 0..n {
+                    let v = load(out, dtype, to + k) + load(vbytes, dtype, from + k);
+                    store(out, dtype, to + k, v);
+                }
+            }
+        }
+        return Ok(());
+    }
     for_each_selected(index, &ty.shape, args, "index_put index", |_, coord, at| {
         let v: usize = coord.iter().zip(&value_strides).map(|(c, s)| c * s).sum();
         if accumulate {
