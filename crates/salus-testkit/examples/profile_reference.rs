@@ -1,6 +1,7 @@
 //! Times every node of a reference run's training step on the CPU device and prints where
 //! the time goes, per op and per node:
-//! `cargo run --release -p salus-testkit --example profile_reference -- target/engine-bench/cnn`.
+//! `cargo run --release -p salus-testkit --example profile_reference -- target/engine-bench/cnn
+//! [STEPS [NODES]]` (NODES: how many of the slowest nodes to list, 12 by default).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use salus_testkit::reference::ReferenceRun;
 
-fn run(dir: &Path, steps: usize) -> Result<(), String> {
+fn run(dir: &Path, steps: usize, listed: usize) -> Result<(), String> {
     let run = ReferenceRun::load(dir)?;
     let (device, at) = run.on_cpu()?;
     for k in 0..2 {
@@ -44,7 +45,7 @@ fn run(dir: &Path, steps: usize) -> Result<(), String> {
     let mut nodes: Vec<usize> = (0..graph.nodes.len()).collect();
     nodes.sort_by_key(|&i| std::cmp::Reverse(total[i]));
     println!("slowest nodes:");
-    for &i in nodes.iter().take(12) {
+    for &i in nodes.iter().take(listed) {
         let node = &graph.nodes[i];
         let shapes: Vec<String> = node
             .inputs
@@ -65,11 +66,12 @@ fn run(dir: &Path, steps: usize) -> Result<(), String> {
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(dir) = args.next() else {
-        eprintln!("usage: profile_reference DIR [STEPS]");
+        eprintln!("usage: profile_reference DIR [STEPS [NODES]]");
         return ExitCode::FAILURE;
     };
     let steps = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
-    match run(Path::new(&dir), steps) {
+    let listed = args.next().and_then(|s| s.parse().ok()).unwrap_or(12);
+    match run(Path::new(&dir), steps, listed) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{e}");

@@ -575,7 +575,16 @@ pub(crate) fn run(
             Arg::Tensor(ty, _) if ty.dtype == o.ty.dtype && ty.shape == o.ty.shape => {
                 copy::same(args, o)
             }
-            _ => unary(args, o, 1, |x: f32| x),
+            // Conversions as PyTorch's: true is 1, anything but 0 (NaN too) is true, an
+            // integer rounds to the nearest f32.
+            Arg::Tensor(ty, _) => match (ty.dtype, o.ty.dtype) {
+                (DType::Bool, DType::F32) => unary(args, o, 1, |x: u8| f32::from(x != 0)),
+                (DType::F32, DType::Bool) => unary(args, o, 1, |x: f32| u8::from(x != 0.0)),
+                (DType::I64, DType::F32) => unary(args, o, 1, |x: i64| x as f32),
+                (DType::I64, DType::Bool) => unary(args, o, 1, |x: i64| u8::from(x != 0)),
+                _ => unary(args, o, 1, |x: f32| x),
+            },
+            _ => None,
         },
         (Permute, OpParams::Permute { dims }) => copy::permute(dims, args, o),
         (Expand, _) => copy::expand(args, o),

@@ -87,6 +87,34 @@ pub(crate) fn store(bytes: &mut [u8], dtype: DType, i: usize, v: f64) {
     }
 }
 
+/// Fills `bytes` with copies of the element `one` (of 1, 2, 4 or 8 bytes).
+fn fill(bytes: &mut [u8], one: &[u8]) {
+    fn words<W: bytemuck::Pod>(bytes: &mut [u8], one: &[u8]) -> bool {
+        match (
+            bytemuck::try_cast_slice_mut::<u8, W>(bytes),
+            bytemuck::try_pod_read_unaligned::<W>(one),
+        ) {
+            (Ok(words), Ok(word)) => {
+                words.fill(word);
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match one.len() {
+        1 => words::<u8>(bytes, one),
+        2 => words::<u16>(bytes, one),
+        4 => words::<u32>(bytes, one),
+        8 => words::<u64>(bytes, one),
+        _ => false,
+    };
+    if !done {
+        for element in bytes.chunks_exact_mut(one.len()) {
+            element.copy_from_slice(one);
+        }
+    }
+}
+
 /// The bytes as `f32`s, when the dtype is f32 (always aligned: the arena is 16-byte
 /// aligned and the plan's offsets are multiples of 256).
 fn as_f32(bytes: &[u8], dtype: DType) -> Option<&[f32]> {
@@ -453,10 +481,10 @@ pub(crate) fn run(
         (WhereSelf, _) => elementwise(args, o, |v| if v[0] != 0.0 { v[1] } else { v[2] }),
         (ToCopy | Clone, _) => elementwise(args, o, |v| v[0]),
         (FullLike | Full | ScalarTensor, &OpParams::Fill { value, .. }) => {
-            let value = value.as_f64();
-            for i in 0..numel(&o.ty.shape) {
-                store(o.bytes, o.ty.dtype, i, value);
-            }
+            // One element's bytes, repeated.
+            let mut one = [0u8; 8];
+            store(&mut one, o.ty.dtype, 0, value.as_f64());
+            fill(o.bytes, &one[..o.ty.dtype.size() as usize]);
             Ok(())
         }
         (ArangeStartStep, &OpParams::Arange { start, step, .. }) => {

@@ -24,6 +24,10 @@ fn strided<T: Pod + Send + Sync>(
     if last >= src.len() {
         return None;
     }
+    if b.rank >= 2 && inner > 1 && b.strides[0][b.rank - 2] == 1 {
+        transposed(&b, src, dst);
+        return Some(());
+    }
     for_chunks(dst, 1, 1, |start, chunk| {
         b.segments(start, chunk.len(), |at, len, [off]| {
             let o = &mut chunk[at..at + len];
@@ -38,6 +42,46 @@ fn strided<T: Pod + Send + Sync>(
         });
     });
     Some(())
+}
+
+/// Rows and columns of a transposing copy done together, in tiles of this many.
+const TILE: usize = 32;
+
+/// The copy of [`strided`] where the output's last dim reads the input along a stride and
+/// the one before it reads it contiguously: matrices transposed, in tiles, so that both
+/// the reads (down a tile's rows) and the writes (along its columns) stay in cache.
+fn transposed<T: Pod + Send + Sync>(b: &Broadcast<1>, src: &[T], dst: &mut [T]) {
+    let r = b.rank;
+    let (rows, cols) = (b.dims[r - 2], b.dims[r - 1]);
+    let column = b.strides[0][r - 1];
+    // Whole rows per chunk; a tile never crosses from one matrix into the next.
+    for_chunks(dst, cols, 1, |start, chunk| {
+        let first = start / cols;
+        let count = chunk.len() / cols;
+        let mut at = 0;
+        while at < count {
+            let row = first + at;
+            let (matrix, r0) = (row / rows, row % rows);
+            let height = TILE.min(rows - r0).min(count - at);
+            // The matrix's first element in `src`, from its index over the outer dims.
+            let mut base = 0;
+            let mut rest = matrix;
+            for d in (0..r - 2).rev() {
+                base += rest % b.dims[d] * b.strides[0][d];
+                rest /= b.dims[d];
+            }
+            let tile = &mut chunk[at * cols..(at + height) * cols];
+            for c0 in (0..cols).step_by(TILE) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    let from = &src[base + r0 + c * column..][..height];
+                    for (i, &x) in from.iter().enumerate() {
+                        tile[i * cols + c] = x;
+                    }
+                }
+            }
+            at += height;
+        }
+    });
 }
 
 /// A strided copy of any element size.
