@@ -142,6 +142,9 @@ pub(super) fn forward(
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
     let (bh, l, s, e, ev) = dims(p);
+    if [bh, l, s, e, ev].contains(&0) {
+        return None; // Empty tensors: the generic path.
+    }
     let scores = Scores {
         p,
         q: input(args, 0, bh * l * e)?,
@@ -153,8 +156,8 @@ pub(super) fn forward(
     let (first, rest) = outs.split_at_mut(1.min(outs.len()));
     let out = output(first, 0, bh * l * ev, &mut spare_out)?;
     let lse = output(rest, 0, bh * l, &mut spare_lse)?;
-    out.par_chunks_mut(l * ev.max(1))
-        .zip(lse.par_chunks_mut(l.max(1)))
+    out.par_chunks_mut(l * ev)
+        .zip(lse.par_chunks_mut(l))
         .enumerate()
         .for_each(|(head, (out, lse))| {
             let mut row = vec![0.0f32; s];
@@ -195,6 +198,9 @@ pub(super) fn backward(
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
     let (bh, l, s, e, ev) = dims(p);
+    if [bh, l, s, e, ev].contains(&0) {
+        return None; // Empty tensors: the generic path.
+    }
     let go = input(args, 0, bh * l * ev)?;
     let scores = Scores {
         p,
@@ -214,9 +220,9 @@ pub(super) fn backward(
     let dv = output(rest, 0, bh * s * ev, s2)?;
     let scale = p.scale as f32;
     let (q, k) = (scores.q, scores.k);
-    dq.par_chunks_mut((l * e).max(1))
-        .zip(dk.par_chunks_mut((s * e).max(1)))
-        .zip(dv.par_chunks_mut((s * ev).max(1)))
+    dq.par_chunks_mut(l * e)
+        .zip(dk.par_chunks_mut(s * e))
+        .zip(dv.par_chunks_mut(s * ev))
         .enumerate()
         .for_each(|(head, ((dq, dk), dv))| {
             dq.fill(0.0);
