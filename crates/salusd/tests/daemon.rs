@@ -656,7 +656,8 @@ async fn one_user_cannot_hold_every_session_or_the_host_memory() {
 /// --open-timeout is dropped and its memory released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
-    let daemon = Daemon::start(&["--open-timeout", "1s"]);
+    // Long enough for a loaded machine to see the open before it times out.
+    let daemon = Daemon::start(&["--open-timeout", "3s"]);
     let client = daemon.client().await;
     let job = Job::new("slow", 4, 512, 256, 1); // P = 512 KiB
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -683,7 +684,7 @@ async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
         if status.opening_sessions == 1 && status.opening_bytes > 0 {
             break status;
         }
-        assert!(started.elapsed() < Duration::from_secs(1), "{status:?}");
+        assert!(started.elapsed() < Duration::from_secs(3), "{status:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(opening.opening_bytes, 512 << 10);
@@ -698,7 +699,7 @@ async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
         "not a session yet"
     );
     // The client keeps its side open and never commits.
-    let end = tokio::time::timeout(Duration::from_secs(5), updates.message())
+    let end = tokio::time::timeout(Duration::from_secs(10), updates.message())
         .await
         .expect("the open was not dropped")
         .unwrap_err();
@@ -713,7 +714,7 @@ async fn an_open_that_never_commits_is_dropped_and_shows_in_status() {
         "{}",
         end.message()
     );
-    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert!(started.elapsed() >= Duration::from_millis(2900));
     let status = client.status().await.unwrap();
     assert_eq!(
         (
