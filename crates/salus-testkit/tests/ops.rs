@@ -1267,6 +1267,46 @@ fn permute_and_expand() {
         });
         assert_close(&got, &want, EXACT, &format!("permute {dims:?}"));
     }
+    // Transposes copied in tiles: sizes not multiples of a tile, batches, matrices split
+    // across threads (the largest), and 8-byte elements.
+    for (shape, dims) in [
+        (vec![67u64, 129], vec![1i64, 0]),
+        (vec![3, 70, 45], vec![0, 2, 1]),
+        (vec![2, 130, 150], vec![0, 2, 1]),
+        (vec![5, 33, 2, 40], vec![0, 3, 2, 1]),
+    ] {
+        let x = rng.f32s(&shape, -1.0, 1.0);
+        let pos: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+        let out: Vec<u64> = pos.iter().map(|&d| shape[d]).collect();
+        let got = Case::new(Op::Permute)
+            .input(x.clone())
+            .ints("dims", &dims)
+            .output(Fp32, &out)
+            .run1();
+        let want = remap(&x, &out, |o| {
+            let mut src = vec![0; shape.len()];
+            for (k, &d) in pos.iter().enumerate() {
+                src[d] = o[k];
+            }
+            src
+        });
+        assert_close(
+            &got,
+            &want,
+            EXACT,
+            &format!("permute {shape:?} by {dims:?}"),
+        );
+    }
+    let wide: Vec<i64> = (0..40 * 50).map(|i| (i as i64) << 33).collect();
+    let got = Case::new(Op::Permute)
+        .input(i64v(&[40, 50], &wide))
+        .ints("dims", &[1, 0])
+        .output(I64, &[50, 40])
+        .run1();
+    let want: Vec<f64> = (0..50 * 40)
+        .map(|o| wide[(o % 40) * 50 + o / 40] as f64)
+        .collect();
+    assert_close(&got, &want, EXACT, "permute of i64");
     let b = i64v(&[2, 0, 3], &[]);
     Case::new(Op::Permute)
         .input(b)
@@ -3509,6 +3549,11 @@ fn index_tensor_selects_as_pytorch_does() {
         .output(Fp32, &[2, 3, 2, 5])
         .fails();
     assert_mentions(&err, &["index.Tensor", "index 4 is out of range", "size 4"]);
+    // Whole rows (an embedding's lookup) are checked the same way.
+    let err = indexed(Op::IndexTensor, &x, &[Some(&bad)])
+        .output(Fp32, &[2, 3, 4, 5])
+        .fails();
+    assert_mentions(&err, &["index.Tensor", "index 4 is out of range", "size 2"]);
     let mask = val(Bool, &[2], vec![1.0, 0.0]);
     let err = indexed(Op::IndexTensor, &x, &[Some(&mask)])
         .output(Fp32, &[1, 3, 4, 5])
@@ -3531,10 +3576,14 @@ fn index_put_accumulates_into_a_selection() {
     let x = f32v(&[2, 3, 3, 2], vec![0.0; 36]);
     let rows = i64v(&[6, 1], &[0, 0, 1, 1, 2, 2]);
     let cols = i64v(&[4], &[0, 0, 1, -1]);
+    let lead = i64v(&[5], &[0, 1, -1, 1, 0]);
     let cases: Vec<(Indices<'_>, Vec<u64>)> = vec![
         (vec![None, None, Some(&rows), Some(&cols)], vec![2, 3, 6, 4]),
         (vec![None, None, Some(&rows), Some(&cols)], vec![6, 1]),
         (vec![Some(&cols), None, Some(&cols)], vec![4, 3, 2]),
+        // Whole rows, repeated (an embedding's gradient), and a broadcast value.
+        (vec![Some(&lead)], vec![5, 3, 3, 2]),
+        (vec![Some(&lead)], vec![3, 1, 2]),
     ];
     for (indices, values_shape) in cases {
         let (shape, picks) = selection(&x.ty.shape, &indices);
