@@ -1243,29 +1243,37 @@ fn views_keep_the_elements() {
     );
 }
 
+/// `permute` of the f32 tensor `x` by `dims` (negative ones count from the end) against
+/// the elements moved one by one.
+fn assert_permutes(x: &Value, dims: &[i64]) {
+    let rank = x.ty.shape.len();
+    let pos: Vec<usize> = dims
+        .iter()
+        .map(|&d| (if d < 0 { d + rank as i64 } else { d }) as usize)
+        .collect();
+    let out: Vec<u64> = pos.iter().map(|&d| x.ty.shape[d]).collect();
+    let got = Case::new(Op::Permute)
+        .input(x.clone())
+        .ints("dims", dims)
+        .output(Fp32, &out)
+        .run1();
+    let want = remap(x, &out, |o| {
+        let mut src = vec![0; rank];
+        for (k, &d) in pos.iter().enumerate() {
+            src[d] = o[k];
+        }
+        src
+    });
+    let what = format!("permute {:?} by {dims:?}", x.ty.shape);
+    assert_close(&got, &want, EXACT, &what);
+}
+
 #[test]
 fn permute_and_expand() {
     let mut rng = Rng::new(29);
     let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
     for dims in [[2i64, 0, 1], [-1, -2, -3], [0, 2, 1], [1, 0, 2]] {
-        let pos: Vec<usize> = dims
-            .iter()
-            .map(|&d| (if d < 0 { d + 3 } else { d }) as usize)
-            .collect();
-        let out: Vec<u64> = pos.iter().map(|&d| x.ty.shape[d]).collect();
-        let got = Case::new(Op::Permute)
-            .input(x.clone())
-            .ints("dims", &dims)
-            .output(Fp32, &out)
-            .run1();
-        let want = remap(&x, &out, |o| {
-            let mut src = vec![0; 3];
-            for (k, &d) in pos.iter().enumerate() {
-                src[d] = o[k];
-            }
-            src
-        });
-        assert_close(&got, &want, EXACT, &format!("permute {dims:?}"));
+        assert_permutes(&x, &dims);
     }
     // Transposes copied in tiles: sizes not multiples of a tile, batches, matrices split
     // across threads (the largest), and 8-byte elements.
@@ -1275,27 +1283,7 @@ fn permute_and_expand() {
         (vec![2, 130, 150], vec![0, 2, 1]),
         (vec![5, 33, 2, 40], vec![0, 3, 2, 1]),
     ] {
-        let x = rng.f32s(&shape, -1.0, 1.0);
-        let pos: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
-        let out: Vec<u64> = pos.iter().map(|&d| shape[d]).collect();
-        let got = Case::new(Op::Permute)
-            .input(x.clone())
-            .ints("dims", &dims)
-            .output(Fp32, &out)
-            .run1();
-        let want = remap(&x, &out, |o| {
-            let mut src = vec![0; shape.len()];
-            for (k, &d) in pos.iter().enumerate() {
-                src[d] = o[k];
-            }
-            src
-        });
-        assert_close(
-            &got,
-            &want,
-            EXACT,
-            &format!("permute {shape:?} by {dims:?}"),
-        );
+        assert_permutes(&rng.f32s(&shape, -1.0, 1.0), &dims);
     }
     let wide: Vec<i64> = (0..40 * 50).map(|i| (i as i64) << 33).collect();
     let got = Case::new(Op::Permute)

@@ -27,10 +27,18 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-fn start() -> Engine {
+/// The cpu device of a 64 MiB arena.
+fn cpu() -> Arc<dyn salus_exec::Device> {
     let mut config = salusd::Config::new("unused.sock".into());
     config.memory = 64 << 20;
-    let device = salusd::open_device(&config).unwrap();
+    salusd::open_device(&config).unwrap()
+}
+
+fn start() -> Engine {
+    start_on(cpu())
+}
+
+fn start_on(device: Arc<dyn salus_exec::Device>) -> Engine {
     Engine::start(EngineConfig {
         memory: MemoryConfig::new(device.capacity(), 0),
         device: Arc::clone(&device),
@@ -44,6 +52,40 @@ fn start() -> Engine {
         open_timeout: std::time::Duration::from_secs(60),
     })
     .unwrap()
+}
+
+/// Opens an online training session of the regression sample (`rows` x 2 inputs, one
+/// SGD step): its id and its updates.
+fn open_regression(
+    engine: &Engine,
+    rows: u64,
+) -> (
+    u64,
+    mpsc::UnboundedReceiver<Result<SessionUpdate, EngineError>>,
+) {
+    let program = Program::new(samples::regression(rows, 2, 1, 0.1), engine.limits()).unwrap();
+    let p = program.plan().persistent_bytes;
+    let (tx, updates) = mpsc::unbounded_channel();
+    let id = engine.new_session_id();
+    engine
+        .send(Command::Open(Box::new(NewSession {
+            id,
+            owner: DAEMON,
+            image: salusd::engine::HostImage {
+                bytes: vec![0; p as usize],
+                held: engine.quotas().reserve(DAEMON, p).unwrap(),
+            },
+            slot: engine.quotas().open_session(DAEMON).unwrap(),
+            program,
+            kind: SessionKind::Training,
+            class: salus_core::SessionClass::Online,
+            hints: Hints::default(),
+            updates: Box::new(move |update| drop(tx.send(update))),
+            token: [7; 16],
+            restored: None,
+        })))
+        .unwrap();
+    (id, updates)
 }
 
 #[tokio::test]
@@ -227,28 +269,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
 #[tokio::test]
 async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
     let engine = start();
-    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
-    let p = program.plan().persistent_bytes;
-    let (tx, mut updates) = mpsc::unbounded_channel();
-    let id = engine.new_session_id();
-    engine
-        .send(Command::Open(Box::new(NewSession {
-            id,
-            owner: DAEMON,
-            image: salusd::engine::HostImage {
-                bytes: vec![0; p as usize],
-                held: engine.quotas().reserve(DAEMON, p).unwrap(),
-            },
-            slot: engine.quotas().open_session(DAEMON).unwrap(),
-            program,
-            kind: SessionKind::Training,
-            class: salus_core::SessionClass::Online,
-            hints: Hints::default(),
-            updates: Box::new(move |update| drop(tx.send(update))),
-            token: [7; 16],
-            restored: None,
-        })))
-        .unwrap();
+    let (id, mut updates) = open_regression(&engine, 2);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -318,28 +339,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
 #[tokio::test]
 async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
     let engine = start();
-    let program = Program::new(samples::regression(4, 2, 1, 0.1), engine.limits()).unwrap();
-    let p = program.plan().persistent_bytes;
-    let (tx, mut updates) = mpsc::unbounded_channel();
-    let id = engine.new_session_id();
-    engine
-        .send(Command::Open(Box::new(NewSession {
-            id,
-            owner: DAEMON,
-            image: salusd::engine::HostImage {
-                bytes: vec![0; p as usize],
-                held: engine.quotas().reserve(DAEMON, p).unwrap(),
-            },
-            slot: engine.quotas().open_session(DAEMON).unwrap(),
-            program,
-            kind: SessionKind::Training,
-            class: salus_core::SessionClass::Online,
-            hints: Hints::default(),
-            updates: Box::new(move |update| drop(tx.send(update))),
-            token: [7; 16],
-            restored: None,
-        })))
-        .unwrap();
+    let (id, mut updates) = open_regression(&engine, 4);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -426,28 +426,7 @@ async fn session_ids_start_anew_at_random_and_stay_json_safe() {
 #[tokio::test]
 async fn sessions_closed_by_the_shutdown_answer_shutting_down() {
     let engine = start();
-    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
-    let p = program.plan().persistent_bytes;
-    let (tx, mut updates) = mpsc::unbounded_channel();
-    let id = engine.new_session_id();
-    engine
-        .send(Command::Open(Box::new(NewSession {
-            id,
-            owner: DAEMON,
-            image: salusd::engine::HostImage {
-                bytes: vec![0; p as usize],
-                held: engine.quotas().reserve(DAEMON, p).unwrap(),
-            },
-            slot: engine.quotas().open_session(DAEMON).unwrap(),
-            program,
-            kind: SessionKind::Training,
-            class: salus_core::SessionClass::Online,
-            hints: Hints::default(),
-            updates: Box::new(move |update| drop(tx.send(update))),
-            token: [7; 16],
-            restored: None,
-        })))
-        .unwrap();
+    let (id, mut updates) = open_regression(&engine, 2);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -516,23 +495,8 @@ impl salus_exec::Device for HalfClock {
 
 #[tokio::test]
 async fn the_device_load_reaches_protection_while_online_work_runs() {
-    let mut config = salusd::Config::new("unused.sock".into());
-    config.memory = 64 << 20;
-    let device: Arc<dyn salus_exec::Device> =
-        Arc::new(HalfClock(salusd::open_device(&config).unwrap()));
-    let engine = Engine::start(EngineConfig {
-        memory: MemoryConfig::new(device.capacity(), 0),
-        device: Arc::clone(&device),
-        policy: PolicyKind::Pack,
-        protection: salus_core::ProtectionConfig::default(),
-        limits: salus_graph::Limits::default(),
-        daemon_uid: DAEMON.uid,
-        host_memory: 1 << 30,
-        user_host_memory: 1 << 29,
-        max_sessions_per_user: 4,
-        open_timeout: std::time::Duration::from_secs(60),
-    })
-    .unwrap();
+    let device: Arc<dyn salus_exec::Device> = Arc::new(HalfClock(cpu()));
+    let engine = start_on(Arc::clone(&device));
     engine.watch_load(&*device, std::time::Duration::from_millis(5));
     let status = || engine.ask(Command::Status);
     // Read, but no online work yet: the device's load harms no one.
@@ -541,28 +505,7 @@ async fn the_device_load_reaches_protection_while_online_work_runs() {
     assert_eq!(report.protection.metrics.clock_factor, None);
     assert_eq!(report.protection.health, salus_core::HealthState::Healthy);
 
-    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
-    let p = program.plan().persistent_bytes;
-    let (tx, mut updates) = mpsc::unbounded_channel();
-    let id = engine.new_session_id();
-    engine
-        .send(Command::Open(Box::new(NewSession {
-            id,
-            owner: DAEMON,
-            image: salusd::engine::HostImage {
-                bytes: vec![0; p as usize],
-                held: engine.quotas().reserve(DAEMON, p).unwrap(),
-            },
-            slot: engine.quotas().open_session(DAEMON).unwrap(),
-            program,
-            kind: SessionKind::Training,
-            class: salus_core::SessionClass::Online,
-            hints: Hints::default(),
-            updates: Box::new(move |update| drop(tx.send(update))),
-            token: [7; 16],
-            restored: None,
-        })))
-        .unwrap();
+    let (id, mut updates) = open_regression(&engine, 2);
     while !matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Admitted { .. }
