@@ -525,7 +525,7 @@ async fn the_device_load_reaches_protection_while_online_work_runs() {
     // Equation 2 for a clock at half the highest: 1 + 4 * (1350 - 750) / 1350.
     let expected = 1.0 + 4.0 * (1350.0 - 750.0) / 1350.0;
     let mut report = status().await.unwrap();
-    for _ in 0..200 {
+    for _ in 0..2000 {
         // The next reading after the online iteration moves the health state.
         if report.protection.health != salus_core::HealthState::Healthy {
             break;
