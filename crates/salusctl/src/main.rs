@@ -185,6 +185,7 @@ fn status_json(s: &pb::StatusResponse) -> Value {
             "offline_abandoned": p.offline_abandoned,
             "online_slowdown_p99": p.online_slowdown_p99, "slo_use_p99": p.slo_use_p99,
             "offline_held_ms": p.offline_held_ms,
+            "sm_activity": p.sm_activity, "clock_factor": p.clock_factor,
         })),
     })
 }
@@ -212,6 +213,12 @@ fn protection_text(s: &pb::StatusResponse) -> String {
     }
     if p.slo_use_p99 > 0.0 {
         out += &format!(", SLO use p99 {:.2}", p.slo_use_p99);
+    }
+    if p.sm_activity > 0.0 {
+        out += &format!("; SM activity {:.2}", p.sm_activity);
+    }
+    if p.clock_factor > 0.0 {
+        out += &format!(", clock factor {:.2}", p.clock_factor);
     }
     if p.offline_held_ms > 0.0 {
         out += &format!("; offline held {:.1} ms", p.offline_held_ms);
@@ -620,6 +627,36 @@ mod tests {
             serving_text(&s),
             "serving (orloj): 2 pending, 9 finished, 1 dropped, 0 failed, 80.0% on time; \
              batches 1x3 4x2; latency p50 1.50 ms p99 4.25 ms; scheduling 2.0 us/request"
+        );
+    }
+
+    #[test]
+    fn protection_reads_on_one_line_with_the_device_load_when_measured() {
+        let mut s = pb::StatusResponse {
+            protection: Some(pb::Protection {
+                enabled: true,
+                health: "unhealthy".into(),
+                offline_duty: 0.5,
+                offline_bytes: 1 << 20,
+                offline_limit: 4 << 20,
+                online_slowdown_p99: 1.25,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            protection_text(&s),
+            "protection unhealthy: offline duty 0.50, offline sessions hold 1.00 MiB of 4.00 \
+             MiB, 0 evicted, 0 iterations abandoned; online slowdown p99 1.25\n"
+        );
+        if let Some(p) = s.protection.as_mut() {
+            p.sm_activity = 0.93;
+            p.clock_factor = 1.2;
+        }
+        assert!(
+            protection_text(&s).ends_with("; SM activity 0.93, clock factor 1.20\n"),
+            "{}",
+            protection_text(&s)
         );
     }
 

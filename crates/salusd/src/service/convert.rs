@@ -369,6 +369,8 @@ fn protection(p: &ProtectionStatus, now: Duration) -> pb::Protection {
         overlimit_entries: p.overlimit_entries as u64,
         online_slowdown_p99: p.metrics.online_slowdown.unwrap_or(0.0),
         slo_use_p99: p.metrics.slo_use.unwrap_or(0.0),
+        sm_activity: p.metrics.sm_activity.unwrap_or(0.0),
+        clock_factor: p.metrics.clock_factor.unwrap_or(0.0),
         offline_held_ms: p
             .offline_held_until
             .map_or(0.0, |t| millis(t.saturating_sub(now))),
