@@ -3599,6 +3599,21 @@ fn index_put_accumulates_into_a_selection() {
             .collect();
         assert_within(&got, &want, &bound, &what);
     }
+    // Whole rows of a 2-byte dtype add up too: small integers, exact in f16.
+    let zeros = val(F16, &x.ty.shape, vec![0.0; 36]);
+    let ones: Vec<f64> = (0..90).map(|i| f64::from(i % 4)).collect();
+    let got = indexed(Op::IndexPut, &zeros, &[Some(&lead)])
+        .input(val(F16, &[5, 3, 3, 2], ones.clone()))
+        .flag("accumulate", true)
+        .output(F16, &x.ty.shape)
+        .run1();
+    let mut want = vec![0.0; 36];
+    for (p, &row) in [0usize, 1, 1, 1, 0].iter().enumerate() {
+        for k in 0..18 {
+            want[row * 18 + k] += ones[p * 18 + k];
+        }
+    }
+    assert_close(&got, &want, EXACT, "index_put of f16 rows");
     // Values that do not broadcast to the selection are refused.
     let values = rng.f32s(&[5], -1.0, 1.0);
     let err = indexed(Op::IndexPut, &x, &[None, None, Some(&rows), Some(&cols)])

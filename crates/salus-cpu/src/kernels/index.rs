@@ -3,10 +3,11 @@
 //! `embedding_dense_backward`. Every index read from a tensor is checked before it is
 //! used; a bad one fails the node with the index and the bound it broke.
 
-use salus_graph::{AdvancedIndex, DType, TensorType};
+use salus_graph::{AdvancedIndex, TensorType};
 
 use super::{
-    Arg, Out, Result, broadcast_strides, contiguous_strides, index_at, load, numel, store, tensor,
+    Arg, Out, Result, as_f32, as_f32_mut, broadcast_strides, contiguous_strides, index_at, load,
+    numel, store, tensor,
 };
 
 /// The tensor as `(outer, len, inner)` around dimension `d`: elements of the dims before
@@ -306,8 +307,8 @@ fn for_each_selected(
 
 /// Whole rows of `self`: one index tensor, on dimension 0, selecting rows into a selection
 /// of the index tensor's shape followed by the rows' (an embedding's lookup and its
-/// gradient's `index_put`). Its rows as `(first element, row)` pairs in the selection's
-/// order, each index checked; `None` for any other indexing.
+/// gradient's `index_put`). The row each index selects, in the selection's order, each
+/// index checked; `None` for any other indexing.
 fn leading_rows(
     index: &AdvancedIndex,
     self_shape: &[u64],
@@ -385,23 +386,17 @@ pub(super) fn index_put(
         // Row by row, in the selection's order (repeated rows add up in that order).
         let n = numel(&ty.shape[1..]);
         for (p, r) in rows.into_iter().enumerate() {
-            let (to, from) = (r * n, p * n);
+            let to = &mut out[r * n * size..(r + 1) * n * size];
+            let from = &vbytes[p * n * size..(p + 1) * n * size];
             if !accumulate {
-                out[to * size..(to + n) * size]
-                    .copy_from_slice(&vbytes[from * size..(from + n) * size]);
-            } else if let (Some(o), Some(v)) = (
-                bytemuck::try_cast_slice_mut::<u8, f32>(&mut out[to * 4..(to + n) * 4])
-                    .ok()
-                    .filter(|_| dtype == DType::F32),
-                bytemuck::try_cast_slice::<u8, f32>(&vbytes[from * 4..(from + n) * 4]).ok(),
-            ) {
+                to.copy_from_slice(from);
+            } else if let (Some(o), Some(v)) = (as_f32_mut(to, dtype), as_f32(from, dtype)) {
                 for (o, v) in o.iter_mut().zip(v) {
                     *o += v;
                 }
             } else {
                 for k in 0..n {
-                    let v = load(out, dtype, to + k) + load(vbytes, dtype, from + k);
-                    store(out, dtype, to + k, v);
+                    store(to, dtype, k, load(to, dtype, k) + load(from, dtype, k));
                 }
             }
         }
