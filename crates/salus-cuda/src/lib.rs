@@ -26,9 +26,10 @@
 //! concurrently. A lane of background (offline) iterations gets a stream of the least
 //! priority and the others the greatest, so the GPU's block scheduler gives SMs to the
 //! others' blocks first. NVML, where the host has it, reports the GPU's SM activity and
-//! clock (`monitor`) for protection's health metrics. A program at a placement is lowered once into a command list (see
-//! `lower`); its first iteration runs the list eagerly, the second captures it into a CUDA
-//! graph, and later ones replay the graph. A moved lane is a new placement: captured anew.
+//! clock (`monitor`) for protection's health metrics. A program at a placement is lowered
+//! once into a command list (see `lower`); its first iteration runs the list eagerly, the
+//! second captures it into a CUDA graph, and later ones replay the graph. A moved lane is a
+//! new placement: captured anew.
 //!
 //! Updates are written after the fetches have been read, by a kernel that does nothing
 //! when any kernel of the iteration reported an error (an out-of-range index), so a failed

@@ -233,6 +233,9 @@ impl Scheduler {
 
     fn health_metrics(&self) -> HealthMetrics {
         let min = self.protect.config.min_samples;
+        // The device's own load speaks of online work only while there is some: a device
+        // busy (or its clock held back by power) with offline work alone harms no one.
+        let online = self.protect.online_active(self.now);
         HealthMetrics {
             // Beside offline work against alone, percentile against percentile: online
             // iterations that vary by themselves (requests of other sizes, a noisy host)
@@ -250,23 +253,13 @@ impl Scheduler {
                 )
                 .map(|(beside, alone)| beside / alone),
             slo_use: self.protect.slo_use.p99(min),
-            // The device's own load speaks of online work only while there is some: a
-            // device busy (or its clock held back by power) with offline work alone
-            // harms no one.
             sm_activity: self
-                .online_active()
-                .then(|| self.protect.device.and_then(|d| d.sm_activity))
-                .flatten(),
-            clock_factor: self
-                .online_active()
-                .then(|| self.protect.clock_factor())
-                .flatten(),
+                .protect
+                .device
+                .and_then(|d| d.sm_activity)
+                .filter(|_| online),
+            clock_factor: self.protect.clock_factor().filter(|_| online),
         }
-    }
-
-    /// True while an online session has had iterations within the window.
-    fn online_active(&self) -> bool {
-        self.protect.online_active(self.now)
     }
 
     /// True when an offline iteration may start now.

@@ -21,10 +21,9 @@ enum Mask<'a> {
 
 /// Input `k` as f32 of `len` elements (`None`: another dtype or size, for the generic path).
 fn input<'a>(args: &'a [Arg<'a>], k: usize, len: usize) -> Option<&'a [f32]> {
-    match args.get(k)? {
-        Arg::Tensor(ty, bytes) => typed::<f32>(ty, bytes).filter(|v| v.len() == len),
-        _ => None,
-    }
+    super::input::<f32>(args, k)
+        .map(|(_, v)| v)
+        .filter(|v| v.len() == len)
 }
 
 /// The mask at input `k`: absent, bool or f32 (`None`: another dtype, for the generic path).
