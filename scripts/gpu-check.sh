@@ -16,9 +16,11 @@
 #   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
 #                                    # and the GPT decoder against eager PyTorch autocast
 #                                    # on the same GPU (salus-bench cuda --amp bf16)
-#   ./scripts/gpu-check.sh protection # there: benches/online_offline.py with salusd on
-#                                    # the GPU (offline lanes on low-priority streams, NVML
-#                                    # load read where the host has it)
+#   ./scripts/gpu-check.sh protection # there: background iterations in pieces, with SM
+#                                    # partitions and paced (tests/cuda_background.rs), then
+#                                    # benches/online_offline.py with salusd on the GPU
+#                                    # (offline lanes on low-priority streams and SM
+#                                    # partitions, NVML load read where the host has it)
 #   ./scripts/gpu-check.sh host-cpu  # there: the numerical tests on the host's own CPU
 #                                    # (another vendor than the development machine's,
 #                                    # perhaps), with its CPU model; needs pytest and
@@ -35,7 +37,7 @@ prepare)
     mkdir -p .gpu
     grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
     bins=$(cargo test --release --locked -p salus-testkit --test cuda --test cudnn --test ops \
-        --test half_ops --no-run \
+        --test half_ops --test cuda_background --no-run \
         --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -108,7 +110,13 @@ amp-bench)
 protection)
     out=${OUT:-.gpu/out}
     mkdir -p "$out"
-    export PYTHONUNBUFFERED=1
+    export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+    for green in 1 0; do
+        echo "== background iterations in pieces (SALUS_CUDA_GREEN=$green)"
+        SALUS_CUDA_GREEN=$green timeout 120 .gpu/cuda_background --test-threads=1 --nocapture \
+            > "$out/background_$green.log" 2>&1
+        echo "rc=$?"; grep -E "^test |test result|panicked|^background_" "$out/background_$green.log"
+    done
     echo "== a served model under open-loop load beside two trainers, salusd on the GPU"
     timeout 300 python3 benches/online_offline.py --device cuda:0 --seconds 15 --load 0.3 \
         --trainers 2 --salusd .gpu/salusd --json > "$out/protection.json" 2> "$out/protection.err"

@@ -5,6 +5,7 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod cudnn;
+pub(crate) mod green;
 
 use std::ffi::c_void;
 
@@ -158,6 +159,18 @@ pub(crate) fn record(e: Raw<sys::CUevent>, s: Raw<sys::CUstream>) -> DResult<()>
     unsafe { cu::event::record(e.0, s.0) }
 }
 
+/// Makes `s` wait, on the GPU, for the work before `e`'s last record.
+pub(crate) fn wait_event(s: Raw<sys::CUstream>, e: Raw<sys::CUevent>) -> DResult<()> {
+    // SAFETY: a live stream and event of this context.
+    unsafe { cu::stream::wait_event(s.0, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+}
+
+/// Waits on the host for the work before `e`'s last record.
+pub(crate) fn event_sync(e: Raw<sys::CUevent>) -> DResult<()> {
+    // SAFETY: a live event of this context.
+    unsafe { cu::event::synchronize(e.0) }
+}
+
 pub(crate) fn elapsed_ms(start: Raw<sys::CUevent>, end: Raw<sys::CUevent>) -> DResult<f32> {
     // SAFETY: both recorded on a stream that has been synchronised.
     unsafe { cu::event::elapsed(start.0, end.0) }
@@ -276,17 +289,28 @@ pub(crate) fn new_blas(
     workspace: u64,
     bytes: usize,
 ) -> Result<Raw<cublas_sys::cublasHandle_t>, String> {
-    let h = cublas::create_handle().map_err(|e| format!("cublasCreate: {e:?}"))?;
-    // SAFETY: a handle just created; the stream and the workspace live as long as the
-    // lane that owns all three.
+    let h = Raw(cublas::create_handle().map_err(|e| format!("cublasCreate: {e:?}"))?);
+    set_blas_stream(h, s, workspace, bytes)?;
+    Ok(h)
+}
+
+/// Orders a cuBLAS handle's later calls on `s`, in `workspace` (`bytes` long): setting
+/// the stream resets cuBLAS to its own workspace pool, which would allocate outside the
+/// arena (and cannot while a graph is captured), so the lane's is set again.
+pub(crate) fn set_blas_stream(
+    h: Raw<cublas_sys::cublasHandle_t>,
+    s: Raw<sys::CUstream>,
+    workspace: u64,
+    bytes: usize,
+) -> Result<(), String> {
+    // SAFETY: a live handle, and a stream and workspace of the lane that owns all three.
     unsafe {
-        cublas::set_stream(h, s.0 as cublas_sys::cudaStream_t)
+        cublas::set_stream(h.0, s.0 as cublas_sys::cudaStream_t)
             .map_err(|e| format!("cublasSetStream: {e:?}"))?;
-        cublas_sys::cublasSetWorkspace_v2(h, workspace as *mut c_void, bytes)
+        cublas_sys::cublasSetWorkspace_v2(h.0, workspace as *mut c_void, bytes)
             .result()
-            .map_err(|e| format!("cublasSetWorkspace: {e:?}"))?;
+            .map_err(|e| format!("cublasSetWorkspace: {e:?}"))
     }
-    Ok(Raw(h))
 }
 
 pub(crate) fn destroy_blas(h: Raw<cublas_sys::cublasHandle_t>) {

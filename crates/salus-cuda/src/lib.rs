@@ -25,11 +25,13 @@
 //! a small error block and two events; iterations of one lane run in order, lanes run
 //! concurrently. A lane of background (offline) iterations gets a stream of the least
 //! priority and the others the greatest, so the GPU's block scheduler gives SMs to the
-//! others' blocks first. NVML, where the host has it, reports the GPU's SM activity and
-//! clock (`monitor`) for protection's health metrics. A program at a placement is lowered
-//! once into a command list (see `lower`); its first iteration runs the list eagerly, the
-//! second captures it into a CUDA graph, and later ones replay the graph. A moved lane is a
-//! new placement: captured anew.
+//! others' blocks first; it runs each iteration in pieces, held to the share of the GPU
+//! the scheduler gives it, in SM partitions (green contexts) or paced (`pieces`). NVML,
+//! where the host has it, reports the GPU's SM activity and clock (`monitor`) for
+//! protection's health metrics. A program at a placement is lowered once into a command
+//! list (see `lower`); its first iteration runs the list eagerly, the second captures it
+//! into a CUDA graph (one per piece), and later ones replay it. A moved lane is a new
+//! placement: captured anew.
 //!
 //! Updates are written after the fetches have been read, by a kernel that does nothing
 //! when any kernel of the iteration reported an error (an out-of-range index), so a failed
@@ -51,6 +53,7 @@ mod image;
 mod lower;
 mod monitor;
 mod open;
+mod pieces;
 pub mod profile;
 
 pub use image::cache_dir;
@@ -93,16 +96,29 @@ const ENTRIES_PER_LANE: usize = 32;
 /// launch queue, so issuing never waits for the gated stream).
 const PROFILE_BATCH: usize = 128;
 
-/// A lowered program at one placement, and its captured graph.
+/// A lowered program at one placement, and its captured graphs.
 struct Entry {
     commands: Vec<Command>,
     /// The commands of each node, by node index (empty for a node that issues none).
     spans: Vec<std::ops::Range<usize>>,
+    /// The commands of each piece the iteration runs in: all of them on a foreground lane,
+    /// up to [`pieces::MAX_PIECES`] on a background lane (see `pieces`).
+    pieces: Vec<std::ops::Range<usize>>,
     updates: Vec<Command>,
     runs: u64,
-    graph: Option<Raw<sys::CUgraphExec>>,
+    /// Each piece's graph, by piece and the SM partition it was captured in (0: the
+    /// lane's own stream).
+    graphs: HashMap<(usize, u32), Raw<sys::CUgraphExec>>,
     capture_failed: bool,
     last_used: u64,
+}
+
+impl Entry {
+    fn destroy_graphs(&mut self) {
+        for (_, g) in self.graphs.drain() {
+            driver::destroy_exec(g);
+        }
+    }
 }
 
 /// One lane's stream and what goes with it.
@@ -117,15 +133,18 @@ struct Lane {
     end: Raw<sys::CUevent>,
     entries: HashMap<(u64, u64), Entry>,
     tick: u64,
+    /// A background lane's streams in SM partitions, by level, made on first use.
+    partitioned: pieces::PartitionStreams,
+    /// A background lane's events between pieces, made on first use.
+    marks: Option<driver::Events>,
 }
 
 impl Drop for Lane {
     fn drop(&mut self) {
         let _ = driver::sync(self.stream);
-        for e in self.entries.values() {
-            if let Some(g) = e.graph {
-                driver::destroy_exec(g);
-            }
+        self.partitioned.clear();
+        for e in self.entries.values_mut() {
+            e.destroy_graphs();
         }
         driver::destroy_blas(self.blas);
         if let Some(h) = self.dnn {
@@ -168,6 +187,8 @@ pub struct CudaDevice {
     priorities: Option<(i32, i32)>,
     /// Its place on the PCI bus, for NVML.
     pci_bus_id: String,
+    /// The SM partitions background iterations run in, made on first use.
+    partitions: pieces::Partitions,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -206,7 +227,7 @@ impl CudaDevice {
             persistent: 0,
             lane: 0,
         };
-        let entry = self.lower(program, at, 0)?;
+        let entry = self.lower(program, at, 0, 1)?;
         Ok(entry
             .commands
             .iter()
@@ -218,6 +239,13 @@ impl CudaDevice {
                 _ => None,
             })
             .collect())
+    }
+
+    /// How background iterations are held to their share of the GPU: "SM partitions ..."
+    /// (green contexts) or "paced (why)"; a partition that fails to be made turns it to
+    /// pacing from then on.
+    pub fn background_mode(&self) -> String {
+        self.partitions.describe()
     }
 
     /// Turns CUDA-graph capture and replay on or off (for measuring the difference).
@@ -280,7 +308,6 @@ impl CudaDevice {
             .lanes
             .lock()
             .map_err(|_| ExecError::Device("lane table lock poisoned".into()))?;
-        let background = background && self.priorities.is_some();
         if let Some((b, l)) = lanes.get(&offset)
             && *b == background
         {
@@ -314,14 +341,29 @@ impl CudaDevice {
             end,
             entries: HashMap::new(),
             tick: 0,
+            partitioned: pieces::PartitionStreams::default(),
+            marks: None,
         }));
         lanes.insert(offset, (background, lane.clone()));
         Ok(lane)
     }
 
     /// Lowers `program` at `at` for a lane whose error block is `err`, with its pointwise
-    /// regions fused when fusion is on (and unfused should their kernels fail to build).
-    fn lower(&self, program: &Program, at: Placement, err: u64) -> Result<Entry, ExecError> {
+    /// regions fused when fusion is on (and unfused should their kernels fail to build),
+    /// in as many pieces as `pieces` at most.
+    fn lower(
+        &self,
+        program: &Program,
+        at: Placement,
+        err: u64,
+        pieces: usize,
+    ) -> Result<Entry, ExecError> {
+        let mut entry = self.lower_fused(program, at, err)?;
+        entry.pieces = pieces::pieces(&entry.spans, entry.commands.len(), pieces);
+        Ok(entry)
+    }
+
+    fn lower_fused(&self, program: &Program, at: Placement, err: u64) -> Result<Entry, ExecError> {
         if self.fusion.load(Ordering::Relaxed) {
             let fusion = lower::fusion::plan(program);
             if !fusion.regions.is_empty() {
@@ -416,15 +458,49 @@ impl CudaDevice {
         Ok(Entry {
             commands: lower.commands,
             spans,
+            pieces: Vec::new(),
             updates: lower::guarded_copies(&updates, err),
             runs: 0,
-            graph: None,
+            graphs: HashMap::new(),
             capture_failed: false,
             last_used: 0,
         })
     }
 
-    fn issue(&self, lane: &Lane, commands: &[Command]) -> Result<(), ExecError> {
+    /// Issues `commands` on `stream`: the lane's own, or one of its SM partitions' (the
+    /// lane's cuBLAS and cuDNN handles follow it there and back).
+    fn issue(
+        &self,
+        lane: &Lane,
+        stream: Raw<sys::CUstream>,
+        commands: &[Command],
+    ) -> Result<(), ExecError> {
+        let moved = stream.0 != lane.stream.0;
+        if moved {
+            self.point_handles(lane, stream)?;
+        }
+        let issued = self.issue_on(lane, stream, commands);
+        if moved {
+            self.point_handles(lane, lane.stream)?;
+        }
+        issued
+    }
+
+    fn point_handles(&self, lane: &Lane, stream: Raw<sys::CUstream>) -> Result<(), ExecError> {
+        driver::set_blas_stream(lane.blas, stream, lane.workspace, WORKSPACE)
+            .map_err(ExecError::Device)?;
+        if let Some(h) = lane.dnn {
+            driver::cudnn::set_stream(h, stream).map_err(ExecError::Device)?;
+        }
+        Ok(())
+    }
+
+    fn issue_on(
+        &self,
+        lane: &Lane,
+        stream: Raw<sys::CUstream>,
+        commands: &[Command],
+    ) -> Result<(), ExecError> {
         for command in commands {
             match command {
                 Command::Launch(l) => driver::launch(
@@ -432,17 +508,17 @@ impl CudaDevice {
                     l.grid,
                     l.block,
                     &*l.args,
-                    lane.stream,
+                    stream,
                 )
                 .map_err(|e| self.check(l.kernel.name(), e))?,
-                Command::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, lane.stream)
+                Command::Zero { ptr, bytes } => driver::zero(*ptr, *bytes as usize, stream)
                     .map_err(|e| self.check("cuMemsetD8Async", e))?,
                 Command::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
                 Command::Fused(f) => {
                     let function = f.function.ok_or_else(|| {
                         ExecError::Device(format!("internal: {} is not loaded", f.name))
                     })?;
-                    driver::launch(function, (f.grid, 1), f.block, &*f.args, lane.stream)
+                    driver::launch(function, (f.grid, 1), f.block, &*f.args, stream)
                         .map_err(|e| self.check(&f.name, e))?
                 }
                 Command::Dnn(call) => {
@@ -455,54 +531,6 @@ impl CudaDevice {
             }
         }
         Ok(())
-    }
-
-    /// Runs an entry's node commands: replaying its graph, capturing one, or eagerly.
-    fn nodes(&self, lane: &mut Lane, key: (u64, u64)) -> Result<(), ExecError> {
-        let graphs = self.graphs.load(Ordering::Relaxed);
-        let stream = lane.stream;
-        let Some(entry) = lane.entries.get(&key) else {
-            return Err(ExecError::Device("internal: entry missing".into()));
-        };
-        if graphs && let Some(g) = entry.graph {
-            return driver::launch_graph(g, stream).map_err(|e| self.check("cuGraphLaunch", e));
-        }
-        let capture =
-            graphs && entry.runs >= 1 && !entry.capture_failed && !entry.commands.is_empty();
-        if !capture {
-            return self.issue(lane, &entry.commands);
-        }
-        driver::begin_capture(stream).map_err(|e| self.check("cuStreamBeginCapture", e))?;
-        let issued = self.issue(lane, &entry.commands);
-        let ended = driver::end_capture(stream);
-        let exec = match (issued, ended) {
-            (Ok(()), Ok(g)) => driver::instantiate(g).ok(),
-            (_, Ok(g)) => {
-                driver::destroy_graph(g);
-                None
-            }
-            _ => None,
-        };
-        let entry = lane
-            .entries
-            .get_mut(&key)
-            .ok_or_else(|| ExecError::Device("internal: entry missing".into()))?;
-        match exec {
-            Some(g) => {
-                entry.graph = Some(g);
-                driver::launch_graph(g, stream).map_err(|e| self.check("cuGraphLaunch", e))
-            }
-            None => {
-                entry.capture_failed = true;
-                let lane = &*lane;
-                let commands = lane
-                    .entries
-                    .get(&key)
-                    .map(|e| e.commands.clone())
-                    .unwrap_or_default();
-                self.issue(lane, &commands)
-            }
-        }
     }
 
     /// Clears the lane's error block and copies the feeds into the lane, on its stream.
@@ -546,7 +574,7 @@ impl CudaDevice {
         let lane = lane
             .lock()
             .map_err(|_| ExecError::Device("lane lock poisoned".into()))?;
-        let entry = self.lower(program, at, lane.err)?;
+        let entry = self.lower(program, at, lane.err, 1)?;
         let lane_base = self.range(at.lane, program.plan().ephemeral_bytes)?;
         let stream = lane.stream;
         self.start_iteration(program, &lane, lane_base, feeds)?;
@@ -567,7 +595,11 @@ impl CudaDevice {
             let issued = batch.clone().try_for_each(|j| {
                 driver::record(events.get(2 * j), stream)
                     .map_err(|e| self.check("cuEventRecord", e))?;
-                self.issue(&lane, &entry.commands[entry.spans[timed[j]].clone()])?;
+                self.issue(
+                    &lane,
+                    stream,
+                    &entry.commands[entry.spans[timed[j]].clone()],
+                )?;
                 driver::record(events.get(2 * j + 1), stream)
                     .map_err(|e| self.check("cuEventRecord", e))
             });
@@ -619,10 +651,11 @@ impl CudaDevice {
         program: &Program,
         at: Placement,
         feeds: &[&[u8]],
-        background: bool,
+        control: Option<&RunControl>,
     ) -> Result<Outcome, ExecError> {
         program.check_feeds(feeds)?;
         self.bind()?;
+        let background = control.is_some_and(RunControl::is_background);
         let lane = self.lane(at.lane, background)?;
         let mut lane = lane
             .lock()
@@ -631,17 +664,17 @@ impl CudaDevice {
         lane.tick += 1;
         let tick = lane.tick;
         if !lane.entries.contains_key(&key) {
-            let entry = self.lower(program, at, lane.err)?;
+            let pieces = if background { pieces::MAX_PIECES } else { 1 };
+            let entry = self.lower(program, at, lane.err, pieces)?;
             if lane.entries.len() >= ENTRIES_PER_LANE
                 && let Some(old) = lane
                     .entries
                     .iter()
                     .min_by_key(|(_, e)| e.last_used)
                     .map(|(k, _)| *k)
-                && let Some(e) = lane.entries.remove(&old)
-                && let Some(g) = e.graph
+                && let Some(mut e) = lane.entries.remove(&old)
             {
-                driver::destroy_exec(g);
+                e.destroy_graphs();
             }
             lane.entries.insert(key, entry);
         }
@@ -651,7 +684,10 @@ impl CudaDevice {
         let stream = lane.stream;
         self.start_iteration(program, &lane, lane_base, feeds)?;
         driver::record(lane.start, stream).map_err(|e| self.check("cuEventRecord", e))?;
-        self.nodes(&mut lane, key)?;
+        match control.filter(|_| background) {
+            Some(control) => self.run_pieces(&mut lane, key, control)?,
+            None => self.piece(&mut lane, key, 0, stream, 0)?,
+        }
         let graph = program.graph();
         let mut fetches: Vec<Vec<u8>> = graph
             .fetches
@@ -671,7 +707,7 @@ impl CudaDevice {
             .get(&key)
             .map(|e| e.updates.clone())
             .unwrap_or_default();
-        self.issue(&lane, &updates)?;
+        self.issue(&lane, stream, &updates)?;
         driver::record(lane.end, stream).map_err(|e| self.check("cuEventRecord", e))?;
         let mut err = [0u8; 40];
         driver::dtoh(&mut err, lane.err, stream)
@@ -746,6 +782,7 @@ impl Drop for CudaDevice {
         if let Ok(mut lanes) = self.lanes.lock() {
             lanes.clear();
         }
+        self.partitions.clear();
         if let Ok(t) = self.transfer.lock() {
             driver::destroy_stream(*t);
         }
@@ -787,13 +824,14 @@ impl Device for CudaDevice {
     }
 
     fn run(&self, program: &Program, at: Placement, feeds: &[&[u8]]) -> Result<Outcome, ExecError> {
-        self.iterate(program, at, feeds, false)
+        self.iterate(program, at, feeds, None)
     }
 
     /// A background iteration runs on a stream of the least priority (where the GPU has
-    /// stream priorities); the compute share is not applied (the GPU's block scheduler
-    /// shares the SMs), and an abandoned iteration stops before it starts: a launched
-    /// one runs to its end.
+    /// stream priorities), in pieces: between two it is held while its share is 0, stops
+    /// once abandoned, and runs in an SM partition of its share (or, without green
+    /// contexts, paced to it); see `pieces`. An abandoned iteration stops before it
+    /// starts. Other iterations run whole, on the whole GPU.
     fn run_with(
         &self,
         program: &Program,
@@ -804,7 +842,7 @@ impl Device for CudaDevice {
         if control.abandoned() {
             return Err(ExecError::Abandoned);
         }
-        self.iterate(program, at, feeds, control.is_background())
+        self.iterate(program, at, feeds, Some(control))
     }
 
     fn has_background_priority(&self) -> bool {

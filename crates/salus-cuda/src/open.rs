@@ -180,6 +180,7 @@ impl CudaDevice {
                 "no cuDNN".to_string()
             }
         };
+        let ctx_device = ctx.cu_device();
         Ok(CudaDevice {
             ctx,
             name: format!("cuda:{} ({}, {convolutions})", options.ordinal, gpu.name),
@@ -196,6 +197,7 @@ impl CudaDevice {
             dnn,
             priorities,
             pci_bus_id: gpu.pci_bus_id,
+            partitions: crate::pieces::Partitions::open(ctx_device),
         })
     }
 }

@@ -161,6 +161,25 @@ impl RunControl {
         }
     }
 
+    /// Waits `pause`, or less: until the share changes or the iteration is abandoned
+    /// (a device pacing an iteration below its whole share sleeps here between kernels).
+    pub fn pause(&self, pause: Duration) {
+        let deadline = std::time::Instant::now() + pause;
+        let share = self.share.load(Ordering::Relaxed);
+        let (lock, changed) = &self.changed;
+        let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let now = std::time::Instant::now();
+            if now >= deadline || self.abandoned() || self.share.load(Ordering::Relaxed) != share {
+                return;
+            }
+            guard = changed
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     fn wake(&self) {
         // Taking the lock orders this change before a waiter's next look at the share.
         drop(self.changed.0.lock());

@@ -102,6 +102,13 @@ pub(crate) fn new_handle(stream: Option<Raw<sys::CUstream>>) -> Result<Handle, S
     Ok(Raw(h))
 }
 
+/// Orders a handle's later calls on `s`.
+pub(crate) fn set_stream(h: Handle, s: Raw<sys::CUstream>) -> Result<(), String> {
+    // SAFETY: a live handle and stream of the lane that owns both.
+    unsafe { dnn::set_stream(h.0, s.0 as dnn_sys::cudaStream_t) }
+        .map_err(|e| status("cudnnSetStream", e))
+}
+
 pub(crate) fn destroy_handle(h: Handle) {
     // SAFETY: destroyed once, by its owner's Drop.
     let _ = unsafe { dnn::destroy_handle(h.0) };
