@@ -270,6 +270,16 @@ impl Facts<'_> {
         true
     }
 
+    /// `nodes` (ascending) as one region.
+    fn region(&self, nodes: &[usize]) -> Region {
+        Region {
+            shape: self.shape(self.output(nodes[0])).to_vec(),
+            inputs: self.external(nodes),
+            outputs: self.needed(nodes),
+            nodes: nodes.to_vec(),
+        }
+    }
+
     /// Rule 3 for a finished region.
     fn writes_are_safe(&self, region: &Region) -> bool {
         let count = numel(&region.shape);
@@ -298,7 +308,8 @@ impl Facts<'_> {
 }
 
 /// The fused regions of `program`: greedily, in program order, each fusible node joins the
-/// region that produced one of its inputs (the first that may take it) or starts one;
+/// regions that produced its inputs, merging them into one when it reads from several and
+/// the merged region may run as one, else the first that may take it, or starts one;
 /// regions of one node, and regions whose writes would overlap their reads, are dropped.
 pub(crate) fn plan(program: &Program) -> FusionPlan {
     let graph = program.graph();
@@ -399,15 +410,39 @@ pub(crate) fn plan(program: &Program) -> FusionPlan {
             continue;
         }
         let shape = facts.shape(facts.output(n)).to_vec();
-        let mut placed = None;
+        // The regions of n's shape that produced its inputs, in input order.
+        let mut producers: Vec<usize> = Vec::new();
         for t in facts.inputs(n) {
-            let Some(r) = facts.producer[t].and_then(|p| region_of[p]) else {
-                continue;
-            };
-            let first = building[r][0];
-            if facts.shape(facts.output(first)) != shape.as_slice() {
+            if let Some(r) = facts.producer[t].and_then(|p| region_of[p])
+                && !producers.contains(&r)
+                && facts.shape(facts.output(building[r][0])) == shape.as_slice()
+            {
+                producers.push(r);
+            }
+        }
+        // A node that joins two or more regions merges them all when it can (the update
+        // of a traced optimizer joins its moments' chains: one region, one pass).
+        if producers.len() > 1 {
+            let mut nodes: Vec<usize> = producers
+                .iter()
+                .flat_map(|&r| building[r].iter().copied())
+                .chain([n])
+                .collect();
+            nodes.sort_unstable();
+            if facts.may_run_together(&nodes) && facts.writes_are_safe(&facts.region(&nodes)) {
+                let keep = producers[0];
+                for &r in &producers[1..] {
+                    for m in std::mem::take(&mut building[r]) {
+                        region_of[m] = Some(keep);
+                    }
+                }
+                building[keep] = nodes;
+                region_of[n] = Some(keep);
                 continue;
             }
+        }
+        let mut placed = None;
+        for &r in &producers {
             let mut nodes = building[r].clone();
             nodes.push(n);
             if facts.may_run_together(&nodes) {
@@ -432,12 +467,7 @@ pub(crate) fn plan(program: &Program) -> FusionPlan {
         if nodes.len() < 2 {
             continue;
         }
-        let region = Region {
-            shape: facts.shape(facts.output(nodes[0])).to_vec(),
-            inputs: facts.external(&nodes),
-            outputs: facts.needed(&nodes),
-            nodes,
-        };
+        let region = facts.region(&nodes);
         if region.outputs.is_empty() || !facts.writes_are_safe(&region) {
             continue;
         }

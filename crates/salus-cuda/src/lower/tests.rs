@@ -481,6 +481,100 @@ fn non_adjacent_nodes_fuse_when_nothing_between_overwrites_their_inputs() {
 }
 
 #[test]
+fn a_node_joining_two_regions_merges_them() {
+    // An optimizer-like update: m = g * 0.1 + m0 * 0.9 and v = g * g * 0.001 + v0 * 0.999
+    // (two chains), then p = p0 - m / (sqrt(v) + eps), which reads both: one region, one
+    // launch, writing only m, v and p.
+    let t = |name: &str, role| f32t(name, &[64], role);
+    let graph = Graph {
+        tensors: vec![
+            t("g", Role::Feed),
+            t("m0", Role::Feed),
+            t("v0", Role::Feed),
+            t("p0", Role::Feed),
+            t("gm", Role::Intermediate),
+            t("mm", Role::Intermediate),
+            t("m", Role::Intermediate),
+            t("gg", Role::Intermediate),
+            t("gv", Role::Intermediate),
+            t("vv", Role::Intermediate),
+            t("v", Role::Intermediate),
+            t("sv", Role::Intermediate),
+            t("den", Role::Intermediate),
+            t("step", Role::Intermediate),
+            t("p", Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(0.1))]),
+            node(Op::MulScalar, &[1], &[5], &[("other", Attr::Float(0.9))]),
+            node(Op::AddTensor, &[4, 5], &[6], &[]),
+            node(Op::MulTensor, &[0, 0], &[7], &[]),
+            node(Op::MulScalar, &[7], &[8], &[("other", Attr::Float(0.001))]),
+            node(Op::MulScalar, &[2], &[9], &[("other", Attr::Float(0.999))]),
+            node(Op::AddTensor, &[8, 9], &[10], &[]),
+            node(Op::Sqrt, &[10], &[11], &[]),
+            node(Op::AddScalar, &[11], &[12], &[("other", Attr::Float(1e-8))]),
+            node(Op::DivTensor, &[6, 12], &[13], &[]),
+            node(Op::SubTensor, &[3, 13], &[14], &[]),
+        ],
+        fetches: vec![6, 10, 14],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let program = program(graph);
+    let fusion = plan(&program);
+    assert_eq!(fusion.regions.len(), 1, "{fusion:?}");
+    let r = &fusion.regions[0];
+    assert_eq!(r.nodes, (0..11).collect::<Vec<_>>());
+    assert_eq!(r.inputs, vec![0, 1, 2, 3]);
+    assert_eq!(r.outputs, vec![6, 10, 14]);
+    let (commands, kernels) = lower_fused(&program, &fusion);
+    assert_eq!(commands.len(), 1);
+    let source = crate::abi::fused_kernel_source(kernels.iter().map(|(_, t)| t.as_str()));
+    if let Some(r) = crate::abi::tests::host_compiles(&source) {
+        r.unwrap_or_else(|log| panic!("host C++ rejects\n{source}\n{log}"));
+    }
+}
+
+#[test]
+fn regions_that_cannot_run_together_stay_apart() {
+    // a = x * 3 + 1 is read by a sum before c = a + b2 reads it, so a's region must run
+    // before the sum: c cannot merge it with b2's region and joins b2's alone.
+    let graph = Graph {
+        tensors: vec![
+            f32t("x", &[4, 8], Role::Feed),
+            f32t("a0", &[4, 8], Role::Intermediate),
+            f32t("a", &[4, 8], Role::Intermediate),
+            f32t("s", &[4], Role::Intermediate),
+            f32t("b", &[4, 8], Role::Intermediate),
+            f32t("b2", &[4, 8], Role::Intermediate),
+            f32t("c", &[4, 8], Role::Intermediate),
+        ],
+        nodes: vec![
+            node(Op::MulScalar, &[0], &[1], &[("other", Attr::Float(3.0))]),
+            node(Op::AddScalar, &[1], &[2], &[("other", Attr::Float(1.0))]),
+            node(
+                Op::SumDimIntList,
+                &[2],
+                &[3],
+                &[("dim", Attr::Ints(vec![1]))],
+            ),
+            node(Op::MulScalar, &[0], &[4], &[("other", Attr::Float(2.0))]),
+            node(Op::AddScalar, &[4], &[5], &[("other", Attr::Float(5.0))]),
+            node(Op::AddTensor, &[2, 5], &[6], &[]),
+        ],
+        fetches: vec![3, 6],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let program = program(graph);
+    let fusion = plan(&program);
+    let nodes: Vec<Vec<usize>> = fusion.regions.iter().map(|r| r.nodes.clone()).collect();
+    assert_eq!(nodes, vec![vec![0, 1], vec![3, 4, 5]]);
+    assert_eq!(fusion.regions[0].outputs, vec![2], "a, read by the sum and by c");
+}
+
+#[test]
 fn fused_ops_and_scalars_are_the_unfused_lowering_s() {
     // Each single node lowered unfused (one `ew` launch) against `pointwise`.
     type Case = (Op, Vec<(&'static str, Attr)>, usize);
