@@ -571,7 +571,11 @@ fn regions_that_cannot_run_together_stay_apart() {
     let fusion = plan(&program);
     let nodes: Vec<Vec<usize>> = fusion.regions.iter().map(|r| r.nodes.clone()).collect();
     assert_eq!(nodes, vec![vec![0, 1], vec![3, 4, 5]]);
-    assert_eq!(fusion.regions[0].outputs, vec![2], "a, read by the sum and by c");
+    assert_eq!(
+        fusion.regions[0].outputs,
+        vec![2],
+        "a, read by the sum and by c"
+    );
 }
 
 #[test]
