@@ -663,6 +663,37 @@ device_struct! {
 
 impl KernelArgs for FusedArgs {}
 
+/// Most launches one batched fused launch takes (`FusedBatchArgs::seg`): its argument
+/// struct stays within the 4 KiB of parameters every driver takes.
+pub(crate) const FUSED_BATCH: usize = 24;
+
+device_struct! {
+    /// One launch of a fused kernel inside a batched one: `n` elements, from block `first`
+    /// of the grid on; operand `k` at `ptr[k]`, indexed by element where bit `k` of `full`
+    /// is set and else its one element (flat indexing, `IndexMode::Flat`).
+    #[derive(Default)]
+    struct FusedSegment {
+        n: i64,
+        full: i64,
+        first: i64,
+        ptr: [u64; MAX_FUSED_OPERANDS],
+    }
+}
+
+device_struct! {
+    /// A generated fused kernel's batched form: `count` launches (`seg`) of the same kernel
+    /// with the same scalars `s`, side by side in one grid of `blocks` blocks.
+    #[derive(Default)]
+    struct FusedBatchArgs {
+        count: i64,
+        blocks: i64,
+        s: [f64; 2 * MAX_FUSED_NODES],
+        seg: [FusedSegment; FUSED_BATCH],
+    }
+}
+
+impl KernelArgs for FusedBatchArgs {}
+
 /// The NVRTC program of generated fused kernels: the prelude, the files that define loads,
 /// stores and `apply` (common.cu, elementwise.cu), then the kernels.
 pub(crate) fn fused_kernel_source<'k>(kernels: impl IntoIterator<Item = &'k str>) -> String {
@@ -703,6 +734,8 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         AdvancedIndexArgs::layout(),
         BernoulliArgs::layout(),
         FusedArgs::layout(),
+        FusedSegment::layout(),
+        FusedBatchArgs::layout(),
     ]
 }
 

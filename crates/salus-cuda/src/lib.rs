@@ -402,8 +402,10 @@ impl CudaDevice {
             }
         }
         for command in commands {
-            if let Command::Fused(f) = command {
-                f.function = loaded.get(&f.name).copied();
+            match command {
+                Command::Fused(f) => f.function = loaded.get(&f.name).copied(),
+                Command::FusedBatch(f) => f.function = loaded.get(&f.name).copied(),
+                _ => {}
             }
         }
         Ok(())
@@ -443,8 +445,11 @@ impl CudaDevice {
             })?;
             spans.push(start..lower.commands.len());
         }
-        if !lower.kernels.is_empty() {
-            self.link(&mut lower.commands, &lower.kernels)
+        let (mut commands, batches) = lower::batch::batch_fused(lower.commands, &mut spans);
+        let mut kernels = lower.kernels;
+        kernels.extend(batches);
+        if !kernels.is_empty() {
+            self.link(&mut commands, &kernels)
                 .map_err(ExecError::Device)?;
         }
         let mut updates = Vec::new();
@@ -456,7 +461,7 @@ impl CudaDevice {
             }
         }
         Ok(Entry {
-            commands: lower.commands,
+            commands,
             spans,
             pieces: Vec::new(),
             updates: lower::guarded_copies(&updates, err),
@@ -515,6 +520,13 @@ impl CudaDevice {
                     .map_err(|e| self.check("cuMemsetD8Async", e))?,
                 Command::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
                 Command::Fused(f) => {
+                    let function = f.function.ok_or_else(|| {
+                        ExecError::Device(format!("internal: {} is not loaded", f.name))
+                    })?;
+                    driver::launch(function, (f.grid, 1), f.block, &*f.args, stream)
+                        .map_err(|e| self.check(&f.name, e))?
+                }
+                Command::FusedBatch(f) => {
                     let function = f.function.ok_or_else(|| {
                         ExecError::Device(format!("internal: {} is not loaded", f.name))
                     })?;

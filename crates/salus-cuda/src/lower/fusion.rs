@@ -45,6 +45,10 @@ pub(crate) struct FusedLaunch {
     pub block: u32,
     pub args: Arc<FusedArgs>,
     pub function: Option<Raw<cudarc::driver::sys::CUfunction>>,
+    /// Operands `args.ops[..inputs]` are read, the rest written.
+    pub inputs: usize,
+    /// The kernel, for its batched form (`batch`).
+    pub spec: Arc<KernelSpec>,
 }
 
 /// What one node of a region computes: `apply(op, in[0], in[1], in[2], s[0], s[1])`.
@@ -501,6 +505,7 @@ pub(crate) type SpecNode = (Pointwise, DeviceDType, Vec<Source>);
 
 /// The generated kernel of a region: inputs `ins` (dtype of each external input), the
 /// nodes, `outs` (node position and dtype of each written output).
+#[derive(Debug)]
 pub(crate) struct KernelSpec {
     pub ins: Vec<DeviceDType>,
     pub nodes: Vec<SpecNode>,
@@ -513,6 +518,33 @@ impl KernelSpec {
         let body = self.body();
         let name = format!("fused_{:016x}", crate::image::fnv1a(&[body.as_bytes()]));
         let text = format!("\nextern \"C\" __global__ void {name}(const FusedArgs a) {body}");
+        (name, text)
+    }
+
+    /// The source of the batched form (`FusedBatchArgs`), its name the kernel's with
+    /// `_batch`: each block finds its launch (segment) and walks that launch's elements,
+    /// flat, computing as the kernel does.
+    pub(crate) fn batch_source(&self) -> (String, String) {
+        let (name, _) = self.source();
+        let name = format!("{name}_batch");
+        let nops = self.ins.len() + self.outs.len();
+        let mut b = String::from("{\n    int g = 0;\n");
+        b.push_str(
+            "    while (g + 1 < (int)a.count && (i64)blockIdx.x >= a.seg[g + 1].first) ++g;\n",
+        );
+        b.push_str("    const i64 first = a.seg[g].first;\n");
+        b.push_str("    const i64 end = g + 1 < (int)a.count ? a.seg[g + 1].first : a.blocks;\n");
+        b.push_str("    const i64 n = a.seg[g].n, full = a.seg[g].full;\n");
+        b.push_str("    const i64 step = (end - first) * (i64)blockDim.x;\n");
+        b.push_str(
+            "    for (i64 i = ((i64)blockIdx.x - first) * blockDim.x + threadIdx.x; i < n; i += step) {\n",
+        );
+        for k in 0..nops {
+            let _ = writeln!(b, "        i64 p{k} = ((full >> {k}) & 1) ? i : 0;");
+        }
+        self.compute(&mut b, |k| format!("a.seg[g].ptr[{k}]"));
+        b.push_str("    }\n}\n");
+        let text = format!("\nextern \"C\" __global__ void {name}(const FusedBatchArgs a) {b}");
         (name, text)
     }
 
@@ -547,10 +579,19 @@ impl KernelSpec {
             let _ = writeln!(b, "                p{k} += c * a.ops[{k}].st[d];");
         }
         b.push_str("            }\n        }\n");
+        self.compute(&mut b, |k| format!("a.ops[{k}].ptr"));
+        b.push_str("    }\n}\n");
+        b
+    }
+
+    /// The loads (operand `k` at `ptr(k)`, element `p{k}`), the nodes and the stores, for
+    /// element `i`.
+    fn compute(&self, b: &mut String, ptr: impl Fn(usize) -> String) {
         for (k, dt) in self.ins.iter().enumerate() {
             let _ = writeln!(
                 b,
-                "        double x{k} = ld(a.ops[{k}].ptr, {}, p{k});",
+                "        double x{k} = ld({}, {}, p{k});",
+                ptr(k),
                 dt.c_name()
             );
         }
@@ -575,12 +616,11 @@ impl KernelSpec {
             let slot = self.ins.len() + k;
             let _ = writeln!(
                 b,
-                "        st(a.ops[{slot}].ptr, {}, p{slot}, v{node});",
+                "        st({}, {}, p{slot}, v{node});",
+                ptr(slot),
                 dt.c_name()
             );
         }
-        b.push_str("    }\n}\n");
-        b
     }
 }
 
@@ -698,6 +738,8 @@ impl Lowering<'_> {
             block: BLOCK,
             args: Arc::new(args),
             function: None,
+            inputs: region.inputs.len(),
+            spec: Arc::new(spec),
         }));
         Ok(())
     }

@@ -11,6 +11,7 @@
 //! and random draws).
 
 pub(crate) mod attention;
+pub(crate) mod batch;
 pub(crate) mod batch_norm;
 mod conv;
 mod elementwise;
@@ -71,6 +72,8 @@ pub(crate) enum Command {
     Gemm(Gemm),
     /// A generated kernel of a fused region (`fusion`).
     Fused(fusion::FusedLaunch),
+    /// Launches of one generated kernel, side by side (`batch`).
+    FusedBatch(batch::FusedBatchLaunch),
     /// A cuDNN convolution call.
     Dnn(DnnConv),
 }

@@ -1140,3 +1140,163 @@ fn f32_attention_lowers_to_products_around_row_kernels() {
         ]
     );
 }
+
+// ------------------------------------------------------------------------------------
+// Batched fused launches.
+
+use std::ops::Range;
+
+use super::batch::batch_fused;
+use crate::abi::{FUSED_BATCH, FusedBatchArgs};
+
+/// SGD-like updates of parameters of `sizes` elements, laid out as a traced optimizer
+/// lays them out: every `g * lr` first, then every `p - that`; with `feed_back` the k-th
+/// update also reads the (k-1)-th's result. `lrs` gives each parameter's rate.
+fn updates(sizes: &[u64], lrs: &[f64], feed_back: bool) -> Graph {
+    let k = sizes.len();
+    let mut tensors = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        tensors.push(f32t(&format!("p{i}"), &[n], Role::Feed));
+        tensors.push(f32t(&format!("g{i}"), &[n], Role::Feed));
+    }
+    for (i, &n) in sizes.iter().enumerate() {
+        tensors.push(f32t(&format!("step{i}"), &[n], Role::Intermediate));
+    }
+    for (i, &n) in sizes.iter().enumerate() {
+        tensors.push(f32t(&format!("new{i}"), &[n], Role::Intermediate));
+    }
+    let mut nodes = Vec::new();
+    for (i, &lr) in lrs.iter().enumerate() {
+        let lr = Attr::Float(lr);
+        nodes.push(node(
+            Op::MulScalar,
+            &[2 * i + 1],
+            &[2 * k + i],
+            &[("other", lr)],
+        ));
+    }
+    for i in 0..k {
+        let p = if feed_back && i > 0 {
+            3 * k + i - 1
+        } else {
+            2 * i
+        };
+        nodes.push(node(Op::SubTensor, &[p, 2 * k + i], &[3 * k + i], &[]));
+    }
+    Graph {
+        tensors,
+        nodes,
+        fetches: (3 * k..4 * k).collect(),
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+/// The commands and each node's span, lowered with fusion, then batched; and the fused
+/// launches before batching.
+fn lower_batched(graph: Graph) -> (Vec<Command>, Vec<Range<usize>>, Vec<fusion::FusedLaunch>) {
+    let program = program(graph);
+    let fusion = plan(&program);
+    let mut lowering = Lowering {
+        program: &program,
+        persistent: 1 << 20,
+        lane: 1 << 30,
+        err: 1 << 40,
+        dnn: None,
+        index: 0,
+        commands: Vec::new(),
+        fusion: &fusion,
+        kernels: Vec::new(),
+    };
+    let mut spans = Vec::new();
+    for (index, node) in program.graph().nodes.iter().enumerate() {
+        lowering.index = index;
+        let start = lowering.commands.len();
+        lowering.node(node).expect("lowered");
+        spans.push(start..lowering.commands.len());
+    }
+    let singles = lowering
+        .commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Fused(f) => Some(f.clone()),
+            _ => None,
+        })
+        .collect();
+    let (commands, kernels) = batch_fused(lowering.commands, &mut spans);
+    let source = crate::abi::fused_kernel_source(
+        lowering
+            .kernels
+            .iter()
+            .chain(&kernels)
+            .map(|(_, t)| t.as_str()),
+    );
+    if let Some(r) = crate::abi::tests::host_compiles(&source) {
+        r.unwrap_or_else(|log| panic!("host C++ rejects\n{source}\n{log}"));
+    }
+    if let Some(r) = crate::abi::tests::nvrtc_compiles(&source) {
+        r.unwrap_or_else(|log| panic!("NVRTC rejects\n{source}\n{log}"));
+    }
+    (commands, spans, singles)
+}
+
+fn batch_args(c: &Command) -> &FusedBatchArgs {
+    match c {
+        Command::FusedBatch(b) => &b.args,
+        other => panic!("not a batch: {other:?}"),
+    }
+}
+
+#[test]
+fn a_run_of_one_fused_kernel_over_flat_operands_becomes_one_launch() {
+    let sizes = [1000, 3, 262_144, 512, 1];
+    let (commands, spans, singles) = lower_batched(updates(&sizes, &[0.1; 5], false));
+    assert_eq!(singles.len(), 5, "one region per parameter");
+    assert_eq!(commands.len(), 1, "{commands:?}");
+    let a = batch_args(&commands[0]);
+    assert_eq!((a.count, a.s), (5, singles[0].args.s));
+    let mut block = 0;
+    for (seg, f) in a.seg.iter().zip(&singles) {
+        assert_eq!((seg.n, seg.first), (f.args.n, block));
+        for k in 0..3 {
+            assert_eq!(seg.ptr[k], f.args.ops[k].ptr);
+            assert_eq!(seg.full >> k & 1, i64::from(f.args.ops[k].q != 0));
+        }
+        if seg.n > 1 {
+            assert_eq!(seg.full, 0b111, "p, g in, the new value out: all full");
+        }
+        block += i64::from(f.grid);
+    }
+    assert_eq!(a.blocks, block);
+    let Command::FusedBatch(b) = &commands[0] else {
+        unreachable!()
+    };
+    assert_eq!(
+        (b.grid as i64, b.name.clone()),
+        (block, format!("{}_batch", singles[0].name))
+    );
+    // The first update's node holds the batch; every other node none.
+    let held: Vec<usize> = (0..spans.len()).filter(|&i| !spans[i].is_empty()).collect();
+    assert_eq!(held, vec![5]);
+    assert_eq!(spans[5], 0..1);
+}
+
+#[test]
+fn launches_batch_only_when_running_them_side_by_side_changes_nothing() {
+    // Each update reads the one before it: run in order, never batched.
+    let (commands, _, singles) = lower_batched(updates(&[64, 64, 64], &[0.1; 3], true));
+    assert_eq!(commands.len(), singles.len(), "{commands:?}");
+    assert!(commands.iter().all(|c| matches!(c, Command::Fused(_))));
+    // Other scalars (another learning rate) end a run.
+    let (commands, _, _) = lower_batched(updates(&[8, 8, 8, 8], &[0.1, 0.1, 0.2, 0.2], false));
+    let counts: Vec<i64> = commands.iter().map(|c| batch_args(c).count).collect();
+    assert_eq!(counts, vec![2, 2]);
+    // A run longer than a batch takes is cut.
+    let many = vec![16; FUSED_BATCH + 3];
+    let (commands, spans, _) = lower_batched(updates(&many, &vec![0.1; many.len()], false));
+    let counts: Vec<i64> = commands.iter().map(|c| batch_args(c).count).collect();
+    assert_eq!(counts, vec![FUSED_BATCH as i64, 3]);
+    let held = spans.iter().filter(|s| !s.is_empty()).count();
+    assert_eq!(held, 2);
+    assert_eq!(spans.last().unwrap().end, 2);
+}
