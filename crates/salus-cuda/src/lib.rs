@@ -422,6 +422,7 @@ impl CudaDevice {
         let plan = program.plan();
         let persistent = self.range(at.persistent, plan.persistent_bytes)?;
         let lane = self.range(at.lane, plan.ephemeral_bytes)?;
+        let folds = lower::folds::plan(program);
         let mut lower = Lowering {
             program,
             persistent,
@@ -431,6 +432,7 @@ impl CudaDevice {
             index: 0,
             commands: Vec::new(),
             fusion,
+            folds: &folds,
             kernels: Vec::new(),
         };
         let mut spans = Vec::with_capacity(graph.nodes.len());

@@ -396,9 +396,25 @@ impl Lowering<'_> {
     }
 
     /// `permute`: output dim i walks input dim `dims[i]`.
+    /// An input that is a folded transpose (`folds`) is read from its source.
     pub(super) fn permute(&mut self, node: &Node, dims: &[usize], o: &Operand) -> Lowered {
-        let a = self.need(node, 0)?;
-        let own = contiguous(a.shape());
+        let folded = node.inputs[0].and_then(|t| self.folds.source(t));
+        let (a, own) = match folded {
+            Some((root, transposed)) => {
+                let a = self.operand(root);
+                let mut own = contiguous(a.shape());
+                let r = own.len();
+                if transposed && r >= 2 {
+                    own.swap(r - 2, r - 1);
+                }
+                (a, own)
+            }
+            None => {
+                let a = self.need(node, 0)?;
+                let own = contiguous(a.shape());
+                (a, own)
+            }
+        };
         let st = dims.iter().map(|&d| own[d]).collect();
         self.copy_strided(o, &a, st, 0)
     }

@@ -311,6 +311,36 @@ impl Facts<'_> {
     }
 }
 
+/// Per node, the lane bytes it writes (its outputs and its scratch); nothing for a view.
+pub(crate) fn node_writes(program: &Program) -> Vec<Vec<Range<u64>>> {
+    let graph = program.graph();
+    let layouts = program.layouts();
+    let plan = program.plan();
+    graph
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(n, node)| {
+            if layouts[n].skip {
+                return Vec::new();
+            }
+            let mut w: Vec<Range<u64>> = node
+                .outputs
+                .iter()
+                .flatten()
+                .filter_map(|&t| match program.location(t) {
+                    Some(Location::Lane(off)) => Some(off..off + program.bytes(t)),
+                    _ => None,
+                })
+                .collect();
+            if let Some((off, len)) = plan.scratch(n) {
+                w.push(off..off + len);
+            }
+            w
+        })
+        .collect()
+}
+
 /// The fused regions of `program`: greedily, in program order, each fusible node joins the
 /// regions that produced its inputs, merging them into one when it reads from several and
 /// the merged region may run as one, else the first that may take it, or starts one;
@@ -337,30 +367,7 @@ pub(crate) fn plan(program: &Program) -> FusionPlan {
         .copied()
         .chain(graph.updates.iter().map(|u| u.value))
         .collect();
-    let plan = program.plan();
-    let writes: Vec<Vec<Range<u64>>> = graph
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(n, node)| {
-            if layouts[n].skip {
-                return Vec::new();
-            }
-            let mut w: Vec<Range<u64>> = node
-                .outputs
-                .iter()
-                .flatten()
-                .filter_map(|&t| match program.location(t) {
-                    Some(Location::Lane(off)) => Some(off..off + program.bytes(t)),
-                    _ => None,
-                })
-                .collect();
-            if let Some((off, len)) = plan.scratch(n) {
-                w.push(off..off + len);
-            }
-            w
-        })
-        .collect();
+    let writes = node_writes(program);
     let ops: Vec<Option<Pointwise>> = (0..count)
         .map(|n| {
             let node = &graph.nodes[n];

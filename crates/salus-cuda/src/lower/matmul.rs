@@ -129,6 +129,19 @@ impl Lowering<'_> {
         } else {
             (1, sh(&a, 0)?, sh(&a, 1)?, sh(&b, 1)?)
         };
+        // A factor that is a folded transpose (`folds`) is read from its source.
+        let slots = if node.op == Op::Addmm { [1, 2] } else { [0, 1] };
+        let folded = slots.map(|k| {
+            node.inputs[k]
+                .and_then(|t| self.folds.source(t))
+                .map(|(s, transposed)| (self.operand(s), transposed))
+        });
+        let factor =
+            |t: &Operand, folded: &Option<(Operand, bool)>, rows: u64, cols: u64| match folded {
+                Some((s, true)) => Matrix::batched(s.ptr, rows, cols).t(),
+                Some((s, false)) => Matrix::batched(s.ptr, cols, rows),
+                None => Matrix::batched(t.ptr, cols, rows),
+            };
         if let (Some(ty), true) = (gemm_type(&[&a, &b, o]), k > 0) {
             let mut acc = 0.0;
             if let Some(bias) = &bias {
@@ -138,14 +151,19 @@ impl Lowering<'_> {
             self.gemm_row_major(
                 ty,
                 (n, k, m),
-                Matrix::batched(a.ptr, k, n),
-                Matrix::batched(b.ptr, m, k),
+                factor(&a, &folded[0], n, k),
+                factor(&b, &folded[1], k, m),
                 Matrix::batched(o.ptr, m, n),
                 alpha,
                 acc,
                 batch,
             );
             return Ok(());
+        }
+        if folded.iter().any(Option::is_some) {
+            return Err(
+                "internal: a transpose was folded into a product cuBLAS does not run".into(),
+            );
         }
         let mut args = MatmulArgs {
             batch: batch as i64,

@@ -15,6 +15,7 @@ pub(crate) mod batch;
 pub(crate) mod batch_norm;
 mod conv;
 mod elementwise;
+pub(crate) mod folds;
 pub(crate) mod fusion;
 mod index;
 mod matmul;
@@ -184,6 +185,8 @@ pub(crate) struct Lowering<'a> {
     pub commands: Vec<Command>,
     /// The program's fused regions ([`fusion::FusionPlan::none`] for none).
     pub fusion: &'a fusion::FusionPlan,
+    /// The transposes folded into products ([`folds::Folds::none`] for none).
+    pub folds: &'a folds::Folds,
     /// The generated kernels the commands launch, (name, source), each once.
     pub kernels: Vec<(String, String)>,
 }
@@ -266,7 +269,7 @@ impl<'a> Lowering<'a> {
         if let Some(error) = &layout.error {
             return Err(error.clone());
         }
-        if layout.skip {
+        if layout.skip || self.folds.skips(self.index) {
             return Ok(());
         }
         let fusion = self.fusion;

@@ -738,6 +738,7 @@ mod tests {
             index: 0,
             commands: Vec::new(),
             fusion: &fusion::FusionPlan::none(),
+            folds: &super::super::folds::Folds::none(),
             kernels: Vec::new(),
         };
         for (index, node) in program.graph().nodes.iter().enumerate() {

@@ -113,6 +113,7 @@ fn lower(graph: Graph) -> Vec<Command> {
         index: 0,
         commands: Vec::new(),
         fusion: &fusion::FusionPlan::none(),
+        folds: &super::folds::Folds::none(),
         kernels: Vec::new(),
     };
     for (index, node) in program.graph().nodes.iter().enumerate() {
@@ -295,6 +296,7 @@ fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(St
         index: 0,
         commands: Vec::new(),
         fusion,
+        folds: &super::folds::Folds::none(),
         kernels: Vec::new(),
     };
     for (index, node) in program.graph().nodes.iter().enumerate() {
@@ -1206,6 +1208,7 @@ fn lower_batched(graph: Graph) -> (Vec<Command>, Vec<Range<usize>>, Vec<fusion::
         index: 0,
         commands: Vec::new(),
         fusion: &fusion,
+        folds: &super::folds::Folds::none(),
         kernels: Vec::new(),
     };
     let mut spans = Vec::new();
@@ -1299,4 +1302,142 @@ fn launches_batch_only_when_running_them_side_by_side_changes_nothing() {
     let held = spans.iter().filter(|s| !s.is_empty()).count();
     assert_eq!(held, 2);
     assert_eq!(spans.last().unwrap().end, 2);
+}
+// ------------------------------------------------------------------------------------
+// Transposes folded into products.
+
+use super::folds;
+
+/// `program` lowered with its folds (no fusion).
+fn lower_folding(program: &Program) -> (Vec<Command>, folds::Folds) {
+    let folds = folds::plan(program);
+    let mut lowering = Lowering {
+        program,
+        persistent: 1 << 20,
+        lane: 1 << 30,
+        err: 1 << 40,
+        dnn: None,
+        index: 0,
+        commands: Vec::new(),
+        fusion: &FusionPlan::none(),
+        folds: &folds,
+        kernels: Vec::new(),
+    };
+    for (index, node) in program.graph().nodes.iter().enumerate() {
+        lowering.index = index;
+        lowering.node(node).expect("lowered");
+    }
+    (lowering.commands, folds)
+}
+
+fn gemms(commands: &[Command]) -> Vec<&crate::driver::Gemm> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Gemm(g) => Some(g),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A linear layer's step: y = x @ w.t() (forward), dx = g @ w.t().t() (backward), with
+/// `extra` also reading w.t() elementwise.
+fn linear(extra: bool) -> Graph {
+    let mut tensors = vec![
+        f32t("x", &[4, 3], Role::Feed),
+        f32t("w", &[5, 3], Role::Parameter),
+        f32t("g", &[4, 5], Role::Feed),
+        f32t("wt", &[3, 5], Role::Intermediate),
+        f32t("y", &[4, 5], Role::Intermediate),
+        f32t("wtt", &[5, 3], Role::Intermediate),
+        f32t("dx", &[4, 3], Role::Intermediate),
+    ];
+    let perm = || ("dims", Attr::Ints(vec![1, 0]));
+    let mut nodes = vec![
+        node(Op::Permute, &[1], &[3], &[perm()]),
+        node(Op::Mm, &[0, 3], &[4], &[]),
+        node(Op::Permute, &[3], &[5], &[perm()]),
+        node(Op::Mm, &[2, 5], &[6], &[]),
+    ];
+    let mut fetches = vec![4, 6];
+    if extra {
+        tensors.push(f32t("wt2", &[3, 5], Role::Intermediate));
+        nodes.push(node(
+            Op::MulScalar,
+            &[3],
+            &[7],
+            &[("other", Attr::Float(2.0))],
+        ));
+        fetches.push(7);
+    }
+    Graph {
+        tensors,
+        nodes,
+        fetches,
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[test]
+fn a_weights_transposes_fold_into_the_products_that_read_them() {
+    let program = program(linear(false));
+    let (commands, folds) = lower_folding(&program);
+    assert!(folds.skips(0) && folds.skips(2), "{folds:?}");
+    assert_eq!(folds.source(3), Some((1, true)), "w.t() reads w transposed");
+    assert_eq!(
+        folds.source(5),
+        Some((1, false)),
+        "w.t().t() reads w as stored"
+    );
+    assert_eq!(commands.len(), 2, "two products, no copies: {commands:?}");
+    let w = 1 << 20; // the persistent block: w is its only tensor
+    let g = gemms(&commands);
+    // y = x @ w^T: cuBLAS's first operand is the right factor, w (3 per row) transposed.
+    assert_eq!((g[0].a, g[0].lda, g[0].trans_a), (w, 3, true));
+    assert_eq!((g[0].m, g[0].n, g[0].k), (5, 4, 3));
+    // dx = g @ w: w as stored.
+    assert_eq!((g[1].a, g[1].lda, g[1].trans_a), (w, 3, false));
+    assert_eq!((g[1].m, g[1].n, g[1].k), (3, 4, 5));
+    // Unfolded, the same products read the copies.
+    let (unfolded, _) = {
+        let mut lowering = Lowering {
+            program: &program,
+            persistent: 1 << 20,
+            lane: 1 << 30,
+            err: 1 << 40,
+            dnn: None,
+            index: 0,
+            commands: Vec::new(),
+            fusion: &FusionPlan::none(),
+            folds: &folds::Folds::none(),
+            kernels: Vec::new(),
+        };
+        for (index, node) in program.graph().nodes.iter().enumerate() {
+            lowering.index = index;
+            lowering.node(node).expect("lowered");
+        }
+        (lowering.commands, ())
+    };
+    assert_eq!(unfolded.len(), 4);
+    assert!(gemms(&unfolded).iter().all(|g| !g.trans_a && !g.trans_b));
+}
+
+#[test]
+fn a_transpose_something_else_reads_is_copied_and_a_transpose_of_it_copies_straight() {
+    let program = program(linear(true));
+    let (commands, folds) = lower_folding(&program);
+    assert!(!folds.skips(0), "w.t() is also read elementwise: copied");
+    assert_eq!(folds.source(3), None);
+    assert!(folds.skips(2), "w.t().t() still reads w");
+    assert_eq!(folds.source(5), Some((1, false)));
+    let g = gemms(&commands);
+    assert_eq!(g.len(), 2);
+    assert_eq!(
+        (g[1].a, g[1].trans_a),
+        (1 << 20, false),
+        "dx reads w itself"
+    );
+    // w.t() copied once (the first product reads the copy), then the elementwise op.
+    assert_eq!(commands.len(), 4, "{commands:?}");
 }
