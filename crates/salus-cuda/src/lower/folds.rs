@@ -30,6 +30,7 @@ pub(crate) struct Folds {
 
 impl Folds {
     /// Nothing folded.
+    #[cfg(test)]
     pub(crate) fn none() -> Folds {
         Folds::default()
     }
