@@ -289,6 +289,33 @@ def _adaptive_avg_pool2d(x, output_size):
     return aten._adaptive_avg_pool2d.default(x, output_size)
 
 
+def _adaptive_max_window(x, output_size) -> list[int] | None:
+    """The window (and stride) of the plain max pooling that equals adaptive max pooling
+    of ``x`` to ``output_size``: each output size must divide its input size (windows of
+    uneven sizes have no IR op; the op then stays and is reported unsupported)."""
+    sizes = list(x.shape[-2:])
+    out = list(output_size)
+    if len(out) != 2 or any(o <= 0 or s % o for s, o in zip(sizes, out)):
+        return None
+    return [s // o for s, o in zip(sizes, out)]
+
+
+def _adaptive_max_pool2d(x, output_size):
+    window = _adaptive_max_window(x, output_size)
+    if window is None:
+        return NotImplemented
+    # Both give each maximum's flat index within its input plane.
+    return aten.max_pool2d_with_indices.default(x, window, window, [0, 0], [1, 1], False)
+
+
+def _adaptive_max_pool2d_backward(grad, x, indices):
+    window = _adaptive_max_window(x, grad.shape[-2:])
+    if window is None:
+        return NotImplemented
+    return aten.max_pool2d_with_indices_backward.default(grad, x, window, window, [0, 0],
+                                                         [1, 1], False, indices)
+
+
 def _hardtanh(x, min_val=-1.0, max_val=1.0):
     return aten.clamp.default(x, min_val, max_val)
 
@@ -361,7 +388,9 @@ def decomposition_table() -> dict:
     draws, a ``var_mean`` that stays within aten, ``empty``/``empty_permuted`` as
     zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
     strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
-    ``slice_scatter`` as an ``index_put``; without the decompositions of the ops of
+    ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, adaptive max
+    pooling whose windows divide the input as plain max pooling; without the
+    decompositions of the ops of
     ``_KEPT_WHOLE`` (reflection padding, fused attention), which stay whole."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
@@ -391,6 +420,10 @@ def decomposition_table() -> dict:
     table[aten.slice_backward.default] = _slice_backward
     table[aten.slice_scatter.default] = _slice_scatter
     table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
+    # Core ATen keeps repeat whole; PyTorch's own decomposition is an expand and a copy.
+    table.setdefault(aten.repeat.default, _all_decompositions[aten.repeat.default])
+    table[aten.adaptive_max_pool2d.default] = _adaptive_max_pool2d
+    table[aten.adaptive_max_pool2d_backward.default] = _adaptive_max_pool2d_backward
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
     return table

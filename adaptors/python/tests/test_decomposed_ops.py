@@ -1,0 +1,103 @@
+"""Ops Core ATen keeps whole that salus runs through PyTorch's decompositions: ``repeat``
+(an expand and a copy) and adaptive max pooling whose windows divide the input (plain max
+pooling with its indices). Each model trains three Adam steps on salusd, every tensor
+against float64 by the suite's rule (harness.py); uneven adaptive windows are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from daemon import Daemon
+from harness import assert_as_exact_as_pytorch, randomly_rounded, torch_state, twin
+from torch import nn
+
+import salus.torch as st
+from salus.errors import UnsupportedOpError
+
+
+class Repeats(nn.Module):
+    """A learned position table repeated over the batch, then the sum tiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 6)
+        self.pos = nn.Parameter(torch.randn(1, 3, 6))
+
+    def forward(self, x):
+        h = self.linear(x) + self.pos.repeat(x.shape[0], 1, 1)
+        return h.repeat(1, 2, 3).sum(1)
+
+
+class AdaptiveMax(nn.Module):
+    """Adaptive max pooling in 1-d (10 to 5) and 2-d (4 x 5 to 2 x 5), then a classifier."""
+
+    def __init__(self, out2d=(2, 5)):
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(2, 4, 3, padding=1)
+        self.out2d = out2d
+        self.fc = nn.Linear(8 * 5 + 4 * out2d[0] * out2d[1], 5)
+
+    def forward(self, x):
+        a = nn.functional.adaptive_max_pool1d(self.c1(x), 5).flatten(1)
+        b = self.c2(x.reshape(x.shape[0], 2, 4, -1))
+        b = nn.functional.adaptive_max_pool2d(b, self.out2d).flatten(1)
+        return self.fc(torch.cat([a, b], 1))
+
+
+def _repeats():
+    g = torch.Generator().manual_seed(1)
+    return (Repeats(), (torch.randn(2, 3, 4, generator=g), torch.randn(2, 18, generator=g)),
+            lambda m, x, y: nn.functional.mse_loss(m(x), y))
+
+
+def _adaptive_max():
+    g = torch.Generator().manual_seed(2)
+    return (AdaptiveMax(), (torch.randn(3, 4, 10, generator=g),
+                            torch.randint(0, 5, (3,), generator=g)),
+            lambda m, x, y: nn.functional.cross_entropy(m(x), y))
+
+
+MODELS = {"repeat": _repeats, "adaptive_max_pool": _adaptive_max}
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--memory", "256MiB") as d:
+        yield d
+
+
+def _eager(model, batch, loss_of, dtype):
+    m = twin(model, dtype)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(m, *batch).backward()
+        opt.step()
+    return torch_state(m, opt)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_on_salusd_as_eagerly(daemon, name):
+    torch.manual_seed(0)
+    model, batch, loss_of = MODELS[name]()
+    exact = _eager(model, batch, loss_of, torch.float64)
+    eager = _eager(model, batch, loss_of, torch.float32)
+    rounded = randomly_rounded(lambda: _eager(model, batch, loss_of, torch.float64))
+    m = twin(model)
+    with st.TrainSession(m, None, torch.optim.Adam(m.parameters(), lr=1e-2), batch,
+                         loss_of=loss_of, address=daemon.address) as session:
+        for _ in range(3):
+            session.step(*batch)
+        state = session.state_dict()
+    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=f"{name}: ")
+
+
+def test_adaptive_max_pooling_with_uneven_windows_is_refused(daemon):
+    torch.manual_seed(0)
+    model = AdaptiveMax(out2d=(3, 2))  # 4 x 5 into 3 x 2: windows of uneven sizes
+    _, batch, loss_of = _adaptive_max()
+    with pytest.raises(UnsupportedOpError, match="adaptive_max_pool2d"):
+        st.TrainSession(model, None, torch.optim.Adam(model.parameters()), batch,
+                        loss_of=loss_of, address=daemon.address)
