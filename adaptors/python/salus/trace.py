@@ -316,6 +316,11 @@ def _adaptive_max_pool2d_backward(grad, x, indices):
                                                          [1, 1], False, indices)
 
 
+def _isnan(x):
+    # NaN is the one value not equal to itself.
+    return aten.logical_not.default(aten.eq.Tensor(x, x))
+
+
 def _hardtanh(x, min_val=-1.0, max_val=1.0):
     return aten.clamp.default(x, min_val, max_val)
 
@@ -388,7 +393,8 @@ def decomposition_table() -> dict:
     draws, a ``var_mean`` that stays within aten, ``empty``/``empty_permuted`` as
     zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
     strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
-    ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, adaptive max
+    ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, ``elu``
+    through ``expm1``, ``isnan`` as ``x != x``, adaptive max
     pooling whose windows divide the input as plain max pooling; without the
     decompositions of the ops of
     ``_KEPT_WHOLE`` (reflection padding, fused attention), which stay whole."""
@@ -420,8 +426,11 @@ def decomposition_table() -> dict:
     table[aten.slice_backward.default] = _slice_backward
     table[aten.slice_scatter.default] = _slice_scatter
     table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
-    # Core ATen keeps repeat whole; PyTorch's own decomposition is an expand and a copy.
-    table.setdefault(aten.repeat.default, _all_decompositions[aten.repeat.default])
+    # Core ATen keeps these whole; PyTorch's own decompositions are of IR ops (repeat: an
+    # expand and a copy; elu and its gradient: expm1, exp and selects).
+    for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
+        table.setdefault(op, _all_decompositions[op])
+    table[aten.isnan.default] = _isnan
     table[aten.adaptive_max_pool2d.default] = _adaptive_max_pool2d
     table[aten.adaptive_max_pool2d_backward.default] = _adaptive_max_pool2d_backward
     table[aten.empty.memory_format] = _empty

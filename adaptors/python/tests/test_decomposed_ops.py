@@ -1,7 +1,9 @@
-"""Ops Core ATen keeps whole that salus runs through PyTorch's decompositions: ``repeat``
-(an expand and a copy) and adaptive max pooling whose windows divide the input (plain max
-pooling with its indices). Each model trains three Adam steps on salusd, every tensor
-against float64 by the suite's rule (harness.py); uneven adaptive windows are refused."""
+"""Ops Core ATen keeps whole that salus runs through decompositions: ``repeat`` (an expand
+and a copy), adaptive max pooling whose windows divide the input (plain max pooling with
+its indices), ``elu`` (through ``expm1``) and ``isnan`` (``x != x``, inside
+``logsumexp``); and ``log1p``/``expm1`` themselves (binary cross-entropy with logits,
+softplus). Each model trains three Adam steps on salusd, every tensor against float64 by
+the suite's rule (harness.py); uneven adaptive windows are refused."""
 
 from __future__ import annotations
 
@@ -45,6 +47,26 @@ class AdaptiveMax(nn.Module):
         return self.fc(torch.cat([a, b], 1))
 
 
+class Smooth(nn.Module):
+    """elu, softplus, log1p, expm1 and logsumexp on a linear layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 6)
+
+    def forward(self, x):
+        h = self.linear(x)
+        h = nn.functional.elu(h) + nn.functional.softplus(h) + torch.expm1(h.tanh())
+        return h * torch.logsumexp(h, 1, keepdim=True) + torch.log1p(h.abs())
+
+
+def _smooth():
+    g = torch.Generator().manual_seed(3)
+    # Multi-label targets: binary cross-entropy with logits computes log1p(exp(-|x|)).
+    return (Smooth(), (torch.randn(4, 5, generator=g), torch.rand(4, 6, generator=g)),
+            lambda m, x, y: nn.functional.binary_cross_entropy_with_logits(m(x), y))
+
+
 def _repeats():
     g = torch.Generator().manual_seed(1)
     return (Repeats(), (torch.randn(2, 3, 4, generator=g), torch.randn(2, 18, generator=g)),
@@ -58,7 +80,7 @@ def _adaptive_max():
             lambda m, x, y: nn.functional.cross_entropy(m(x), y))
 
 
-MODELS = {"repeat": _repeats, "adaptive_max_pool": _adaptive_max}
+MODELS = {"repeat": _repeats, "adaptive_max_pool": _adaptive_max, "smooth": _smooth}
 
 
 @pytest.fixture(scope="module")

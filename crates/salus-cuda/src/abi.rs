@@ -163,6 +163,8 @@ device_codes! {
         EqTensor = 40 => OP_EQ_T,
         LtTensor = 41 => OP_LT_T,
         GtTensor = 42 => OP_GT_T,
+        Log1p = 43 => OP_LOG1P,
+        Expm1 = 44 => OP_EXPM1,
     }
 }
 

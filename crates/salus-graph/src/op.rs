@@ -45,6 +45,8 @@ ops! {
     Rsqrt = "rsqrt",
     Reciprocal = "reciprocal",
     Erf = "erf",
+    Log1p = "log1p",
+    Expm1 = "expm1",
     PowScalar = "pow.Scalar",
     PowTensorScalar = "pow.Tensor_Scalar",
     Clamp = "clamp",

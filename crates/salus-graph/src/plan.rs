@@ -127,6 +127,8 @@ fn elementwise(op: Op) -> bool {
             | Rsqrt
             | Reciprocal
             | Erf
+            | Log1p
+            | Expm1
             | PowTensorScalar
             | Clamp
             | Relu

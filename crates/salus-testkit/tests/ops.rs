@@ -144,6 +144,26 @@ fn unary_float_functions() {
         t,
         erf_ref,
     );
+    unary(
+        Op::Log1p,
+        &[],
+        Fp32,
+        Fp32,
+        (-0.9, 9.0),
+        &[-1.0, -2.0, 1e-10, -1e-10, 0.0, INF, NAN],
+        t,
+        f64::ln_1p,
+    );
+    unary(
+        Op::Expm1,
+        &[],
+        Fp32,
+        Fp32,
+        (-5.0, 5.0),
+        &[1e-10, -1e-10, 0.0, -INF, INF, NAN],
+        t,
+        f64::exp_m1,
+    );
     let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
     unary(Op::Sigmoid, &[], Fp32, Fp32, (-8.0, 8.0), sp, t, sigmoid);
     unary(Op::Tanh, &[], Fp32, Fp32, (-4.0, 4.0), sp, t, f64::tanh);

@@ -418,6 +418,8 @@ pub(crate) fn run(
             }),
         },
         (Erf, _) => elementwise(args, o, |v| erf(v[0])),
+        (Log1p, _) => elementwise(args, o, |v| v[0].ln_1p()),
+        (Expm1, _) => elementwise(args, o, |v| v[0].exp_m1()),
         (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
             let e = scalar.as_f64();
             elementwise(args, o, |v| v[0].powf(e))

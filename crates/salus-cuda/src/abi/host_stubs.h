@@ -24,4 +24,4 @@ float __shfl_xor_sync(unsigned, float, int);
 double __shfl_xor_sync(unsigned, double, int);
 float __shfl_sync(unsigned, float, int);
 void __syncthreads();
-using std::isnan; using std::fmax; using std::fmin; using std::fabs; using std::exp; using std::log; using std::sqrt; using std::tanh; using std::erf; using std::pow;
+using std::isnan; using std::fmax; using std::fmin; using std::fabs; using std::exp; using std::log; using std::sqrt; using std::tanh; using std::erf; using std::pow; using std::log1p; using std::expm1;

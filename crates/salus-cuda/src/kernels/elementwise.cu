@@ -25,6 +25,8 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
             return 0.5 * a * (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (a + 0.044715 * a * a * a)));
         case OP_GELU: return 0.5 * a * (1.0 + erf(a / 1.41421356237309504880));
         case OP_ERF: return erf(a);
+        case OP_LOG1P: return log1p(a);
+        case OP_EXPM1: return expm1(a);
         case OP_POW_TS: return pow(a, s0);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);

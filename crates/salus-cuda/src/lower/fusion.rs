@@ -112,6 +112,8 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Tanh, _) => p(E::Tanh, 1, [0.0; 2]),
         (Relu, _) => p(E::Relu, 1, [0.0; 2]),
         (Erf, _) => p(E::Erf, 1, [0.0; 2]),
+        (Log1p, _) => p(E::Log1p, 1, [0.0; 2]),
+        (Expm1, _) => p(E::Expm1, 1, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

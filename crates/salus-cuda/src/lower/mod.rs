@@ -341,6 +341,8 @@ impl<'a> Lowering<'a> {
             (Tanh, _) => self.unary(ElementwiseOp::Tanh, node, &o, none),
             (Relu, _) => self.unary(ElementwiseOp::Relu, node, &o, none),
             (Erf, _) => self.unary(ElementwiseOp::Erf, node, &o, none),
+            (Log1p, _) => self.unary(ElementwiseOp::Log1p, node, &o, none),
+            (Expm1, _) => self.unary(ElementwiseOp::Expm1, node, &o, none),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,

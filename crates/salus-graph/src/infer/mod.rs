@@ -196,9 +196,10 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             ins.input(0)?.shape.clone(),
         )]),
         (Neg | Abs | Sign | Relu | Clone | BitwiseNot, _) => unary_same(ins),
-        (Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Sigmoid | Tanh | Gelu, _) => {
-            unary_float(ins)
-        }
+        (
+            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sigmoid | Tanh | Gelu,
+            _,
+        ) => unary_float(ins),
         (LeakyRelu, _) => {
             ins.count(1)?;
             let t = ins.input(0)?;

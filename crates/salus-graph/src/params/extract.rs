@@ -400,6 +400,8 @@ pub(crate) fn extract(
         | Rsqrt
         | Reciprocal
         | Erf
+        | Log1p
+        | Expm1
         | Relu
         | Sigmoid
         | Tanh
