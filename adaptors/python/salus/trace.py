@@ -316,6 +316,85 @@ def _adaptive_max_pool2d_backward(grad, x, indices):
                                                          [1, 1], False, indices)
 
 
+# EmbeddingBag: the bag of each index, the rows gathered, summed into their bags by an
+# accumulating index_put (mean: divided by each bag's count); the gradient gathers each
+# bag's gradient back to its indices and accumulates it into the weight's rows. Max bags,
+# sparse gradients and scale_grad_by_freq have no decomposition here: the op then stays
+# and is reported unsupported. ``mode``: 0 sum, 1 mean, 2 max.
+
+
+def _zeros(shape, dtype, like):
+    return aten.full.default(list(shape), 0, dtype=dtype, device=like.device)
+
+
+def _bag_of_each_index(indices, offsets, bags):
+    """The bag each index belongs to: a one where each later bag starts, summed along
+    (one past the end, so that trailing empty bags start in range)."""
+    n = indices.shape[0]
+    starts = aten.slice.Tensor(offsets, 0, 1, bags)
+    marks = aten.index_put.default(
+        _zeros([n + 1], torch.int64, indices), [starts],
+        aten.full.default([bags - 1], 1, dtype=torch.int64, device=indices.device), True)
+    return aten.slice.Tensor(aten.cumsum.default(marks, 0), 0, 0, n)
+
+
+def _counted(indices, padding_idx):
+    """1 for each index that counts (not ``padding_idx``), as int64."""
+    if padding_idx is None or padding_idx < 0:
+        return aten.full.default([indices.shape[0]], 1, dtype=torch.int64,
+                                 device=indices.device)
+    return aten._to_copy.default(aten.ne.Scalar(indices, padding_idx), dtype=torch.int64)
+
+
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                   sparse=False, per_sample_weights=None, include_last_offset=False,
+                   padding_idx=-1):
+    if mode not in (0, 1) or indices.dim() != 1:
+        return NotImplemented
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    bag = _bag_of_each_index(indices, offsets, bags)
+    counted = _counted(indices, padding_idx)
+    rows = aten.embedding.default(weight, indices)
+    keep = aten._to_copy.default(counted, dtype=weight.dtype)
+    if per_sample_weights is not None:
+        keep = aten.mul.Tensor(keep, per_sample_weights)
+    rows = aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+    out = aten.index_put.default(_zeros([bags, weight.shape[1]], weight.dtype, weight), [bag],
+                                 rows, True)
+    size = aten.index_put.default(_zeros([bags], torch.int64, indices), [bag], counted, True)
+    if mode == 1:
+        count = aten.clamp.default(aten._to_copy.default(size, dtype=weight.dtype), 1)
+        out = aten.div.Tensor(out, aten.unsqueeze.default(count, 1))
+    return out, bag, size, _zeros([bags], torch.int64, indices)
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                  num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                                  padding_idx=-1):
+    if mode not in (0, 1) or scale_grad_by_freq:
+        return NotImplemented
+    rows = aten.index.Tensor(grad, [offset2bag])
+    keep = aten._to_copy.default(_counted(indices, padding_idx), dtype=grad.dtype)
+    if mode == 1:
+        count = aten.clamp.default(aten._to_copy.default(bag_size, dtype=grad.dtype), 1)
+        keep = aten.div.Tensor(keep, aten.index.Tensor(count, [offset2bag]))
+    if per_sample_weights is not None:
+        keep = aten.mul.Tensor(keep, per_sample_weights)
+    rows = aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+    return aten.index_put.default(_zeros([num_weights, grad.shape[1]], grad.dtype, grad),
+                                  [indices], rows, True)
+
+
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                            num_weights, scale_grad_by_freq, mode, sparse,
+                            per_sample_weights, padding_idx=-1):
+    if sparse:
+        return NotImplemented
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
+                                         maximum_indices, num_weights, scale_grad_by_freq,
+                                         mode, per_sample_weights, padding_idx)
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -394,7 +473,8 @@ def decomposition_table() -> dict:
     zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
     strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
     ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, ``elu``
-    through ``expm1``, ``isnan`` as ``x != x``, adaptive max
+    through ``expm1``, ``isnan`` as ``x != x``, ``EmbeddingBag`` (sum and mean) as
+    gathers and accumulating ``index_put``, adaptive max
     pooling whose windows divide the input as plain max pooling; without the
     decompositions of the ops of
     ``_KEPT_WHOLE`` (reflection padding, fused attention), which stay whole."""
@@ -431,6 +511,10 @@ def decomposition_table() -> dict:
     for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
         table.setdefault(op, _all_decompositions[op])
     table[aten.isnan.default] = _isnan
+    table[aten._embedding_bag.default] = _embedding_bag
+    table[aten._embedding_bag_forward_only.default] = _embedding_bag
+    table[aten._embedding_bag_backward.default] = _embedding_bag_backward
+    table[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
     table[aten.adaptive_max_pool2d.default] = _adaptive_max_pool2d
     table[aten.adaptive_max_pool2d_backward.default] = _adaptive_max_pool2d_backward
     table[aten.empty.memory_format] = _empty

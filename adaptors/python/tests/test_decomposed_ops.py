@@ -2,8 +2,9 @@
 and a copy), adaptive max pooling whose windows divide the input (plain max pooling with
 its indices), ``elu`` (through ``expm1``) and ``isnan`` (``x != x``, inside
 ``logsumexp``); and ``log1p``/``expm1`` themselves (binary cross-entropy with logits,
-softplus). Each model trains three Adam steps on salusd, every tensor against float64 by
-the suite's rule (harness.py); uneven adaptive windows are refused."""
+softplus); ``EmbeddingBag`` in sum and mean (gathers and accumulating ``index_put``).
+Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
+rule (harness.py); uneven adaptive windows and max bags are refused."""
 
 from __future__ import annotations
 
@@ -67,6 +68,36 @@ def _smooth():
             lambda m, x, y: nn.functional.binary_cross_entropy_with_logits(m(x), y))
 
 
+class Bags(nn.Module):
+    """The text classifier of PyTorch's tutorial: one flat tensor of token ids, the offset
+    where each text starts (a bag), an ``EmbeddingBag`` and a linear layer."""
+
+    def __init__(self, mode="mean", padding_idx=None, include_last_offset=False):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 6, mode=mode, padding_idx=padding_idx,
+                                   include_last_offset=include_last_offset)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, text, offsets, weights=None):
+        return self.fc(self.bag(text, offsets, per_sample_weights=weights))
+
+
+def _bags(mode="mean", padding_idx=None, include_last_offset=False, weighted=False):
+    g = torch.Generator().manual_seed(4)
+    text = torch.randint(0, 20, (13,), generator=g)
+    text[[2, 7]] = 0  # the padding index, where one is set
+    # Four texts, the third empty; with include_last_offset the end closes the last.
+    offsets = torch.tensor([0, 5, 9, 9] + ([13] if include_last_offset else []))
+    labels = torch.randint(0, 3, (4,), generator=g)
+    model = Bags(mode, padding_idx, include_last_offset)
+    if weighted:
+        weights = torch.rand(13, generator=g)
+        return (model, (text, offsets, weights, labels),
+                lambda m, t, o, w, y: nn.functional.cross_entropy(m(t, o, w), y))
+    return (model, (text, offsets, labels),
+            lambda m, t, o, y: nn.functional.cross_entropy(m(t, o), y))
+
+
 def _repeats():
     g = torch.Generator().manual_seed(1)
     return (Repeats(), (torch.randn(2, 3, 4, generator=g), torch.randn(2, 18, generator=g)),
@@ -80,7 +111,15 @@ def _adaptive_max():
             lambda m, x, y: nn.functional.cross_entropy(m(x), y))
 
 
-MODELS = {"repeat": _repeats, "adaptive_max_pool": _adaptive_max, "smooth": _smooth}
+MODELS = {
+    "repeat": _repeats,
+    "adaptive_max_pool": _adaptive_max,
+    "smooth": _smooth,
+    "bag_mean": _bags,
+    "bag_sum_padded_weighted": lambda: _bags("sum", padding_idx=0, weighted=True),
+    "bag_mean_last_offset_padded": lambda: _bags("mean", padding_idx=0,
+                                                 include_last_offset=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -121,5 +160,12 @@ def test_adaptive_max_pooling_with_uneven_windows_is_refused(daemon):
     model = AdaptiveMax(out2d=(3, 2))  # 4 x 5 into 3 x 2: windows of uneven sizes
     _, batch, loss_of = _adaptive_max()
     with pytest.raises(UnsupportedOpError, match="adaptive_max_pool2d"):
+        st.TrainSession(model, None, torch.optim.Adam(model.parameters()), batch,
+                        loss_of=loss_of, address=daemon.address)
+
+
+def test_max_bags_are_refused(daemon):
+    model, batch, loss_of = _bags("max")
+    with pytest.raises(UnsupportedOpError, match="_embedding_bag"):
         st.TrainSession(model, None, torch.optim.Adam(model.parameters()), batch,
                         loss_of=loss_of, address=daemon.address)
