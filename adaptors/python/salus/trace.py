@@ -395,6 +395,11 @@ def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximu
                                          mode, per_sample_weights, padding_idx)
 
 
+def _sub_scalar(x, other, alpha=1):
+    # x - alpha * other, as the IR's add with the opposite alpha.
+    return aten.add.Scalar(x, other, alpha=-alpha)
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -473,7 +478,8 @@ def decomposition_table() -> dict:
     zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
     strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
     ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, ``elu``
-    through ``expm1``, ``isnan`` as ``x != x``, ``EmbeddingBag`` (sum and mean) as
+    through ``expm1``, ``isnan`` as ``x != x``, ``sub.Scalar`` as ``add.Scalar``,
+    ``EmbeddingBag`` (sum and mean) as
     gathers and accumulating ``index_put``, adaptive max
     pooling whose windows divide the input as plain max pooling; without the
     decompositions of the ops of
@@ -511,6 +517,7 @@ def decomposition_table() -> dict:
     for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
         table.setdefault(op, _all_decompositions[op])
     table[aten.isnan.default] = _isnan
+    table[aten.sub.Scalar] = _sub_scalar
     table[aten._embedding_bag.default] = _embedding_bag
     table[aten._embedding_bag_forward_only.default] = _embedding_bag
     table[aten._embedding_bag_backward.default] = _embedding_bag_backward

@@ -1,7 +1,7 @@
 """Ops Core ATen keeps whole that salus runs through decompositions: ``repeat`` (an expand
 and a copy), adaptive max pooling whose windows divide the input (plain max pooling with
 its indices), ``elu`` (through ``expm1``) and ``isnan`` (``x != x``, inside
-``logsumexp``); and ``log1p``/``expm1`` themselves (binary cross-entropy with logits,
+``logsumexp``), ``sub.Scalar`` (an ``add.Scalar``); and ``log1p``/``expm1`` themselves (binary cross-entropy with logits,
 softplus); ``EmbeddingBag`` in sum and mean (gathers and accumulating ``index_put``).
 Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
 rule (harness.py); uneven adaptive windows and max bags are refused."""
@@ -61,6 +61,13 @@ class Smooth(nn.Module):
         return h * torch.logsumexp(h, 1, keepdim=True) + torch.log1p(h.abs())
 
 
+def _cosine_embedding():
+    # cosine_embedding_loss subtracts the similarity from a Python number (sub.Scalar).
+    g = torch.Generator().manual_seed(5)
+    return (nn.Linear(6, 4), (torch.randn(5, 6, generator=g), torch.tensor([1, -1, 1, 1, -1])),
+            lambda m, x, y: nn.functional.cosine_embedding_loss(m(x)[:, :2], m(x)[:, 2:], y))
+
+
 def _smooth():
     g = torch.Generator().manual_seed(3)
     # Multi-label targets: binary cross-entropy with logits computes log1p(exp(-|x|)).
@@ -115,6 +122,7 @@ MODELS = {
     "repeat": _repeats,
     "adaptive_max_pool": _adaptive_max,
     "smooth": _smooth,
+    "cosine_embedding": _cosine_embedding,
     "bag_mean": _bags,
     "bag_sum_padded_weighted": lambda: _bags("sum", padding_idx=0, weighted=True),
     "bag_mean_last_offset_padded": lambda: _bags("mean", padding_idx=0,
