@@ -60,6 +60,20 @@ def to_dtype(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
+def eager_state(model, batch, loss_of, dtype, optimizer, steps: int = 3):
+    """A copy of ``model`` in ``dtype`` trained eagerly for ``steps`` on ``batch`` (its
+    float tensors in ``dtype``) by ``loss_of(model, *batch)`` and ``optimizer(params)``:
+    its state and the optimizer's (:func:`torch_state`)."""
+    m = twin(model, dtype)
+    opt = optimizer(m.parameters())
+    batch = to_dtype(batch, dtype)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(m, *batch).backward()
+        opt.step()
+    return torch_state(m, opt)
+
+
 # ---------------------------------------------------------------------------------------
 # Numerical tolerances: how close is close enough, measured, not picked.
 #

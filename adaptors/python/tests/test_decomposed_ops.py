@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from daemon import Daemon
-from harness import assert_as_exact_as_pytorch, randomly_rounded, torch_state, twin
+from harness import assert_as_exact_as_pytorch, eager_state, randomly_rounded, twin
 from torch import nn
 
 import salus.torch as st
@@ -137,14 +137,7 @@ def daemon():
 
 
 def _eager(model, batch, loss_of, dtype):
-    m = twin(model, dtype)
-    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
-    for _ in range(3):
-        opt.zero_grad()
-        loss_of(m, *batch).backward()
-        opt.step()
-    return torch_state(m, opt)
+    return eager_state(model, batch, loss_of, dtype, lambda p: torch.optim.Adam(p, lr=1e-2))
 
 
 @pytest.mark.parametrize("name", MODELS)

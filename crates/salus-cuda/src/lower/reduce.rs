@@ -729,24 +729,10 @@ mod tests {
     }
 
     fn lowered(program: &Program) -> Vec<(Kernel, u32, ReduceArgs)> {
-        let mut lowering = Lowering {
-            program,
-            persistent: 1 << 20,
-            lane: 1 << 30,
-            err: 1 << 40,
-            dnn: None,
-            index: 0,
-            commands: Vec::new(),
-            fusion: &fusion::FusionPlan::none(),
-            folds: &super::super::folds::Folds::none(),
-            kernels: Vec::new(),
-        };
-        for (index, node) in program.graph().nodes.iter().enumerate() {
-            lowering.index = index;
-            lowering.node(node).expect("lowered");
-        }
-        lowering
-            .commands
+        let none = super::super::folds::Folds::none();
+        let super::super::tests::LoweredProgram(commands, _, _) =
+            super::super::tests::lower_all(program, &fusion::FusionPlan::none(), &none);
+        commands
             .iter()
             .filter_map(|c| match c {
                 Command::Launch(l) => {

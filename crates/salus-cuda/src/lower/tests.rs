@@ -104,23 +104,7 @@ fn index_mode_is_generic_otherwise() {
 /// The commands of `graph`, persistent block at 1 << 20, lane at 1 << 30.
 fn lower(graph: Graph) -> Vec<Command> {
     let program = Program::new(graph, &Limits::default()).expect("a valid graph");
-    let mut lowering = Lowering {
-        program: &program,
-        persistent: 1 << 20,
-        lane: 1 << 30,
-        err: 1 << 40,
-        dnn: None,
-        index: 0,
-        commands: Vec::new(),
-        fusion: &fusion::FusionPlan::none(),
-        folds: &super::folds::Folds::none(),
-        kernels: Vec::new(),
-    };
-    for (index, node) in program.graph().nodes.iter().enumerate() {
-        lowering.index = index;
-        lowering.node(node).expect("lowered");
-    }
-    lowering.commands
+    lower_fused(&program, &fusion::FusionPlan::none()).0
 }
 
 fn launches(commands: &[Command]) -> Vec<&Launch> {
@@ -285,8 +269,20 @@ fn program(graph: Graph) -> Program {
     Program::new(graph, &Limits::default()).expect("a valid graph")
 }
 
-/// The commands of `program` lowered with `fusion`, and the generated kernels.
-fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(String, String)>) {
+/// A lowered program: its commands, each node's commands, the generated kernels.
+pub(super) struct LoweredProgram(
+    pub Vec<Command>,
+    pub Vec<std::ops::Range<usize>>,
+    pub Vec<(String, String)>,
+);
+
+/// `program` lowered node by node with `fusion` and `folds` (persistent block at 1 << 20,
+/// lane at 1 << 30).
+pub(super) fn lower_all(
+    program: &Program,
+    fusion: &FusionPlan,
+    folds: &super::folds::Folds,
+) -> LoweredProgram {
     let mut lowering = Lowering {
         program,
         persistent: 1 << 20,
@@ -296,14 +292,24 @@ fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(St
         index: 0,
         commands: Vec::new(),
         fusion,
-        folds: &super::folds::Folds::none(),
+        folds,
         kernels: Vec::new(),
     };
+    let mut spans = Vec::new();
     for (index, node) in program.graph().nodes.iter().enumerate() {
         lowering.index = index;
+        let start = lowering.commands.len();
         lowering.node(node).expect("lowered");
+        spans.push(start..lowering.commands.len());
     }
-    (lowering.commands, lowering.kernels)
+    LoweredProgram(lowering.commands, spans, lowering.kernels)
+}
+
+/// The commands of `program` lowered with `fusion`, and the generated kernels.
+fn lower_fused(program: &Program, fusion: &FusionPlan) -> (Vec<Command>, Vec<(String, String)>) {
+    let LoweredProgram(commands, _, kernels) =
+        lower_all(program, fusion, &super::folds::Folds::none());
+    (commands, kernels)
 }
 
 /// x [4, 8] + b [8], * 2, relu (fetched), - x, tanh (fetched): five pointwise ops with a
@@ -1199,37 +1205,18 @@ fn updates(sizes: &[u64], lrs: &[f64], feed_back: bool) -> Graph {
 fn lower_batched(graph: Graph) -> (Vec<Command>, Vec<Range<usize>>, Vec<fusion::FusedLaunch>) {
     let program = program(graph);
     let fusion = plan(&program);
-    let mut lowering = Lowering {
-        program: &program,
-        persistent: 1 << 20,
-        lane: 1 << 30,
-        err: 1 << 40,
-        dnn: None,
-        index: 0,
-        commands: Vec::new(),
-        fusion: &fusion,
-        folds: &super::folds::Folds::none(),
-        kernels: Vec::new(),
-    };
-    let mut spans = Vec::new();
-    for (index, node) in program.graph().nodes.iter().enumerate() {
-        lowering.index = index;
-        let start = lowering.commands.len();
-        lowering.node(node).expect("lowered");
-        spans.push(start..lowering.commands.len());
-    }
-    let singles = lowering
-        .commands
+    let LoweredProgram(commands, mut spans, singles_kernels) =
+        lower_all(&program, &fusion, &super::folds::Folds::none());
+    let singles = commands
         .iter()
         .filter_map(|c| match c {
             Command::Fused(f) => Some(f.clone()),
             _ => None,
         })
         .collect();
-    let (commands, kernels) = batch_fused(lowering.commands, &mut spans);
+    let (commands, kernels) = batch_fused(commands, &mut spans);
     let source = crate::abi::fused_kernel_source(
-        lowering
-            .kernels
+        singles_kernels
             .iter()
             .chain(&kernels)
             .map(|(_, t)| t.as_str()),
@@ -1311,23 +1298,8 @@ use super::folds;
 /// `program` lowered with its folds (no fusion).
 fn lower_folding(program: &Program) -> (Vec<Command>, folds::Folds) {
     let folds = folds::plan(program);
-    let mut lowering = Lowering {
-        program,
-        persistent: 1 << 20,
-        lane: 1 << 30,
-        err: 1 << 40,
-        dnn: None,
-        index: 0,
-        commands: Vec::new(),
-        fusion: &FusionPlan::none(),
-        folds: &folds,
-        kernels: Vec::new(),
-    };
-    for (index, node) in program.graph().nodes.iter().enumerate() {
-        lowering.index = index;
-        lowering.node(node).expect("lowered");
-    }
-    (lowering.commands, folds)
+    let LoweredProgram(commands, _, _) = lower_all(program, &FusionPlan::none(), &folds);
+    (commands, folds)
 }
 
 fn gemms(commands: &[Command]) -> Vec<&crate::driver::Gemm> {
@@ -1400,25 +1372,8 @@ fn a_weights_transposes_fold_into_the_products_that_read_them() {
     assert_eq!((g[1].a, g[1].lda, g[1].trans_a), (w, 3, false));
     assert_eq!((g[1].m, g[1].n, g[1].k), (3, 4, 5));
     // Unfolded, the same products read the copies.
-    let (unfolded, _) = {
-        let mut lowering = Lowering {
-            program: &program,
-            persistent: 1 << 20,
-            lane: 1 << 30,
-            err: 1 << 40,
-            dnn: None,
-            index: 0,
-            commands: Vec::new(),
-            fusion: &FusionPlan::none(),
-            folds: &folds::Folds::none(),
-            kernels: Vec::new(),
-        };
-        for (index, node) in program.graph().nodes.iter().enumerate() {
-            lowering.index = index;
-            lowering.node(node).expect("lowered");
-        }
-        (lowering.commands, ())
-    };
+    let LoweredProgram(unfolded, _, _) =
+        lower_all(&program, &FusionPlan::none(), &folds::Folds::none());
     assert_eq!(unfolded.len(), 4);
     assert!(gemms(&unfolded).iter().all(|g| !g.trans_a && !g.trans_b));
 }
