@@ -6,7 +6,8 @@
 #                                    # ops, half_ops; scripts/gpu/cudnn.sh runs the cuDNN checks), the replay
 #                                    # example, salusd, salusctl and salus-bench into .gpu/
 #   ./scripts/gpu-check.sh run       # there, from the repository root (.gpu/ carried
-#                                    # along): CUDA tests, every op test on the GPU, salusd
+#                                    # along): CUDA tests (background pieces among them),
+#                                    # every op test on the GPU, salusd
 #                                    # on the GPU, 10-step parity of the four target models
 #                                    # with PyTorch on the same GPU (TF32 off), mixed
 #                                    # precision (tests/test_amp.py) through salusd on the
@@ -60,6 +61,9 @@ run)
     echo "== CUDA device tests"
     timeout 150 .gpu/cuda --test-threads=1 --nocapture > "$out/cuda.log" 2>&1
     echo "rc=$?"; grep -E "^test |test result|panicked|^background lane" "$out/cuda.log"
+    echo "== background iterations in pieces (SM partitions)"
+    timeout 120 .gpu/cuda_background --test-threads=1 --nocapture > "$out/background.log" 2>&1
+    echo "rc=$?"; grep -E "^test |test result|panicked|^background_" "$out/background.log"
     echo "== every op test on the GPU"
     SALUS_TEST_DEVICE=cuda timeout 100 .gpu/ops --test-threads=4 > "$out/ops.log" 2>&1
     echo "rc=$?"; grep -E "test result|panicked at" "$out/ops.log"
