@@ -275,11 +275,15 @@ impl CudaDevice {
                 // The piece two back has finished: at most two are queued.
                 driver::event_sync(after).map_err(|e| self.check("cuEventSynchronize", e))?;
             }
-            let (stream, level) = self.stream_for(lane, share);
+            let (mut stream, mut level) = self.stream_for(lane, share);
             if stream.0 != on.0 {
-                driver::record(switch, on).map_err(|e| self.check("cuEventRecord", e))?;
-                driver::wait_event(stream, switch)
-                    .map_err(|e| self.check("cuStreamWaitEvent", e))?;
+                if !self.order_after(on, stream, switch)? {
+                    // No event between the two: the partitions go, the lane's own stream
+                    // goes on after the last piece.
+                    self.partitions
+                        .disable("events do not order an SM partition's stream".into());
+                    (stream, level) = (home, 0);
+                }
                 on = stream;
             }
             driver::record(before, stream).map_err(|e| self.check("cuEventRecord", e))?;
@@ -302,8 +306,28 @@ impl CudaDevice {
             return Ok(());
         }
         let switch = lane.marks.as_ref().ok_or_else(missing)?.get(4);
-        driver::record(switch, on).map_err(|e| self.check("cuEventRecord", e))?;
-        driver::wait_event(lane.stream, switch).map_err(|e| self.check("cuStreamWaitEvent", e))
+        self.order_after(on, lane.stream, switch).map(|_| ())
+    }
+
+    /// Orders `next` after the work queued on `on`: by `event` on the GPU where the
+    /// driver takes it (true), else by waiting on the host for `on` to finish (false). A
+    /// sticky error (a broken context) fails.
+    fn order_after(
+        &self,
+        on: Raw<sys::CUstream>,
+        next: Raw<sys::CUstream>,
+        event: Raw<sys::CUevent>,
+    ) -> Result<bool, ExecError> {
+        let ordered = driver::record(event, on).and_then(|()| driver::wait_event(next, event));
+        match ordered {
+            Ok(()) => Ok(true),
+            Err(e) if driver::is_sticky(&e) => Err(self.check("ordering two streams", e)),
+            Err(e) => {
+                tracing::warn!("{}", driver_error("ordering two streams by an event", e));
+                driver::sync(on).map_err(|e| self.check("ordering two streams", e))?;
+                Ok(false)
+            }
+        }
     }
 
     /// The stream a piece at `share` runs on, and its partition's level (0: the lane's own
