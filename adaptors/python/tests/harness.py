@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+import salus.torch as st
 from salus.optim import STEP, functional_optimizer
 from salus.reference import eager_steps  # noqa: F401  (re-exported for the tests)
 from salus.rounding import RandomRounding
@@ -58,6 +59,25 @@ def twin(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.M
 
 def to_dtype(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def assert_trains_on_salusd_as_eagerly(model, batch, loss_of, optimizer, address: str, *,
+                                       steps: int = 3, label: str = "", **session) -> None:
+    """Trains a copy of ``model`` for ``steps`` on salusd at ``address`` (a
+    ``salus.torch.TrainSession`` with ``loss_of`` and ``session``'s options) and judges
+    its state by :func:`assert_as_exact_as_pytorch` against eager float64, eager float32
+    and float64 rounded at random, each trained the same way (:func:`eager_state`)."""
+    exact = eager_state(model, batch, loss_of, torch.float64, optimizer, steps)
+    eager = eager_state(model, batch, loss_of, torch.float32, optimizer, steps)
+    rounded = randomly_rounded(
+        lambda: eager_state(model, batch, loss_of, torch.float64, optimizer, steps))
+    m = twin(model)
+    with st.TrainSession(m, None, optimizer(m.parameters()), batch, loss_of=loss_of,
+                         address=address, **session) as s:
+        for _ in range(steps):
+            s.step(*batch)
+        state = s.state_dict()
+    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=label)
 
 
 def eager_state(model, batch, loss_of, dtype, optimizer, steps: int = 3):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from daemon import Daemon
-from harness import assert_as_exact_as_pytorch, eager_state, randomly_rounded, twin
+from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
 
 import salus.torch as st
@@ -136,24 +136,12 @@ def daemon():
         yield d
 
 
-def _eager(model, batch, loss_of, dtype):
-    return eager_state(model, batch, loss_of, dtype, lambda p: torch.optim.Adam(p, lr=1e-2))
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_trains_on_salusd_as_eagerly(daemon, name):
     torch.manual_seed(0)
     model, batch, loss_of = MODELS[name]()
-    exact = _eager(model, batch, loss_of, torch.float64)
-    eager = _eager(model, batch, loss_of, torch.float32)
-    rounded = randomly_rounded(lambda: _eager(model, batch, loss_of, torch.float64))
-    m = twin(model)
-    with st.TrainSession(m, None, torch.optim.Adam(m.parameters(), lr=1e-2), batch,
-                         loss_of=loss_of, address=daemon.address) as session:
-        for _ in range(3):
-            session.step(*batch)
-        state = session.state_dict()
-    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=f"{name}: ")
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of, lambda p: torch.optim.Adam(p, lr=1e-2),
+                                       daemon.address, label=f"{name}: ")
 
 
 def test_adaptive_max_pooling_with_uneven_windows_is_refused(daemon):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from daemon import Daemon
-from harness import assert_as_exact_as_pytorch, eager_state, randomly_rounded, twin
+from harness import assert_trains_on_salusd_as_eagerly
 
 import salus.torch as st
 from salus.errors import TraceError
@@ -63,25 +63,12 @@ def daemon():
         yield d
 
 
-def _eager(model, batch, loss_of, dtype):
-    return eager_state(model, batch, loss_of, dtype, lambda p: torch.optim.AdamW(p, lr=1e-3))
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_trains_on_salusd_as_eagerly(daemon, name):
     torch.manual_seed(0)
     model, batch, loss_of = MODELS[name]()
-    exact = _eager(model, batch, loss_of, torch.float64)
-    eager = _eager(model, batch, loss_of, torch.float32)
-    rounded = randomly_rounded(lambda: _eager(model, batch, loss_of, torch.float64))
-    m = twin(model)
-    with st.TrainSession(m, None, torch.optim.AdamW(m.parameters(), lr=1e-3), batch,
-                         loss_of=loss_of, address=daemon.address,
-                         admission_timeout=30) as session:
-        for _ in range(3):
-            session.step(*batch)
-        state = session.state_dict()
-    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=f"{name}: ")
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of, lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                       daemon.address, label=f"{name}: ", admission_timeout=30)
 
 
 def test_a_branch_on_a_tensors_value_is_refused_naming_the_line(daemon):
