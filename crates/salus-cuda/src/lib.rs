@@ -482,15 +482,26 @@ impl CudaDevice {
         stream: Raw<sys::CUstream>,
         commands: &[Command],
     ) -> Result<(), ExecError> {
+        self.with_handles_on(lane, stream, || self.issue_on(lane, stream, commands))?
+    }
+
+    /// Runs `f` with the lane's cuBLAS and cuDNN handles ordered on `stream` (pointed
+    /// there before and back at the lane's own stream after, when it is another).
+    fn with_handles_on<T>(
+        &self,
+        lane: &Lane,
+        stream: Raw<sys::CUstream>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, ExecError> {
         let moved = stream.0 != lane.stream.0;
         if moved {
             self.point_handles(lane, stream)?;
         }
-        let issued = self.issue_on(lane, stream, commands);
+        let out = f();
         if moved {
             self.point_handles(lane, lane.stream)?;
         }
-        issued
+        Ok(out)
     }
 
     fn point_handles(&self, lane: &Lane, stream: Raw<sys::CUstream>) -> Result<(), ExecError> {
@@ -522,18 +533,10 @@ impl CudaDevice {
                     .map_err(|e| self.check("cuMemsetD8Async", e))?,
                 Command::Gemm(g) => driver::gemm(lane.blas, g).map_err(ExecError::Device)?,
                 Command::Fused(f) => {
-                    let function = f.function.ok_or_else(|| {
-                        ExecError::Device(format!("internal: {} is not loaded", f.name))
-                    })?;
-                    driver::launch(function, (f.grid, 1), f.block, &*f.args, stream)
-                        .map_err(|e| self.check(&f.name, e))?
+                    self.launch_generated(&f.name, f.function, (f.grid, f.block), &*f.args, stream)?
                 }
                 Command::FusedBatch(f) => {
-                    let function = f.function.ok_or_else(|| {
-                        ExecError::Device(format!("internal: {} is not loaded", f.name))
-                    })?;
-                    driver::launch(function, (f.grid, 1), f.block, &*f.args, stream)
-                        .map_err(|e| self.check(&f.name, e))?
+                    self.launch_generated(&f.name, f.function, (f.grid, f.block), &*f.args, stream)?
                 }
                 Command::Dnn(call) => {
                     let h = lane.dnn.ok_or_else(|| {
@@ -545,6 +548,21 @@ impl CudaDevice {
             }
         }
         Ok(())
+    }
+
+    /// Launches generated kernel `name` (loaded as `function` by `link`), `grid` blocks of
+    /// `block` threads.
+    fn launch_generated(
+        &self,
+        name: &str,
+        function: Option<Raw<sys::CUfunction>>,
+        (grid, block): (u32, u32),
+        args: &dyn abi::LaunchArgs,
+        stream: Raw<sys::CUstream>,
+    ) -> Result<(), ExecError> {
+        let function =
+            function.ok_or_else(|| ExecError::Device(format!("internal: {name} is not loaded")))?;
+        driver::launch(function, (grid, 1), block, args, stream).map_err(|e| self.check(name, e))
     }
 
     /// Clears the lane's error block and copies the feeds into the lane, on its stream.

@@ -200,20 +200,14 @@ impl CudaDevice {
             }
             // The handles point at the capturing stream before the capture begins and back
             // after it ends (pointing cuBLAS resets its workspace, which is set again).
-            let moved = stream.0 != lane.stream.0;
-            if moved {
-                self.point_handles(lane, stream)?;
-            }
-            let issued = driver::begin_capture(stream)
-                .map_err(|e| self.check("cuStreamBeginCapture", e))
-                .map(|()| {
-                    let issued = self.issue_on(lane, stream, commands);
-                    (issued, driver::end_capture(stream))
-                });
-            if moved {
-                self.point_handles(lane, lane.stream)?;
-            }
-            let (issued, ended) = issued?;
+            let (issued, ended) = self.with_handles_on(lane, stream, || {
+                driver::begin_capture(stream)
+                    .map_err(|e| self.check("cuStreamBeginCapture", e))
+                    .map(|()| {
+                        let issued = self.issue_on(lane, stream, commands);
+                        (issued, driver::end_capture(stream))
+                    })
+            })??;
             let exec = match (issued, ended) {
                 (Ok(()), Ok(g)) => driver::instantiate(g).ok(),
                 (_, Ok(g)) => {
