@@ -55,13 +55,14 @@ fn start_on(device: Arc<dyn salus_exec::Device>) -> Engine {
 }
 
 /// Opens an online training session of the regression sample (`rows` x 2 inputs, one
-/// SGD step): its id and its updates.
+/// SGD step): its id, its updates and its persistent bytes.
 fn open_regression(
     engine: &Engine,
     rows: u64,
 ) -> (
     u64,
     mpsc::UnboundedReceiver<Result<SessionUpdate, EngineError>>,
+    u64,
 ) {
     let program = Program::new(samples::regression(rows, 2, 1, 0.1), engine.limits()).unwrap();
     let p = program.plan().persistent_bytes;
@@ -85,38 +86,14 @@ fn open_regression(
             restored: None,
         })))
         .unwrap();
-    (id, updates)
+    (id, updates, p)
 }
 
 #[tokio::test]
 async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
     let engine = start();
     // One SGD step of y ~ x w with w = 0: loss = mean(y^2), and w moves by 0.1 * x^T y.
-    let program = Program::new(samples::regression(2, 2, 1, 0.1), engine.limits()).unwrap();
-    let p = program.plan().persistent_bytes;
-    let (tx, mut updates) = mpsc::unbounded_channel();
-    let id = engine.new_session_id();
-    engine
-        .send(Command::Open(Box::new(NewSession {
-            id,
-            owner: DAEMON,
-            image: salusd::engine::HostImage {
-                bytes: vec![0; p as usize],
-                held: engine.quotas().reserve(DAEMON, p).unwrap(),
-            },
-            slot: engine.quotas().open_session(DAEMON).unwrap(),
-            program,
-            kind: SessionKind::Training,
-            class: salus_core::SessionClass::Online,
-            hints: Hints {
-                name: "regression".into(),
-                ..Hints::default()
-            },
-            updates: Box::new(move |update| drop(tx.send(update))),
-            token: [7; 16],
-            restored: None,
-        })))
-        .unwrap();
+    let (id, mut updates, p) = open_regression(&engine, 2);
 
     // open -> admit
     assert!(matches!(
@@ -269,7 +246,7 @@ async fn a_session_opens_is_admitted_runs_and_closes_without_grpc() {
 #[tokio::test]
 async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
     let engine = start();
-    let (id, mut updates) = open_regression(&engine, 2);
+    let (id, mut updates, _) = open_regression(&engine, 2);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -339,7 +316,7 @@ async fn writes_carried_by_an_iteration_apply_just_before_it_in_order() {
 #[tokio::test]
 async fn a_session_runs_further_programs_on_its_own_persistent_tensors() {
     let engine = start();
-    let (id, mut updates) = open_regression(&engine, 4);
+    let (id, mut updates, _) = open_regression(&engine, 4);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -426,7 +403,7 @@ async fn session_ids_start_anew_at_random_and_stay_json_safe() {
 #[tokio::test]
 async fn sessions_closed_by_the_shutdown_answer_shutting_down() {
     let engine = start();
-    let (id, mut updates) = open_regression(&engine, 2);
+    let (id, mut updates, _) = open_regression(&engine, 2);
     assert!(matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Opened { .. }
@@ -505,7 +482,7 @@ async fn the_device_load_reaches_protection_while_online_work_runs() {
     assert_eq!(report.protection.metrics.clock_factor, None);
     assert_eq!(report.protection.health, salus_core::HealthState::Healthy);
 
-    let (id, mut updates) = open_regression(&engine, 2);
+    let (id, mut updates, _) = open_regression(&engine, 2);
     while !matches!(
         updates.recv().await.unwrap().unwrap(),
         SessionUpdate::Admitted { .. }
