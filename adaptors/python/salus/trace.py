@@ -346,6 +346,18 @@ def _counted(indices, padding_idx):
     return aten._to_copy.default(aten.ne.Scalar(indices, padding_idx), dtype=torch.int64)
 
 
+def _bag_counts(size, dtype):
+    """Each bag's count of indices in ``dtype``, at least 1 (an empty bag's mean is 0)."""
+    return aten.clamp.default(aten._to_copy.default(size, dtype=dtype), 1)
+
+
+def _weighted_rows(rows, keep, per_sample_weights):
+    """``rows`` (one per index) scaled by ``keep`` and the per-sample weights, if any."""
+    if per_sample_weights is not None:
+        keep = aten.mul.Tensor(keep, per_sample_weights)
+    return aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+
+
 def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
                    sparse=False, per_sample_weights=None, include_last_offset=False,
                    padding_idx=-1):
@@ -354,17 +366,13 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
     bags = offsets.shape[0] - (1 if include_last_offset else 0)
     bag = _bag_of_each_index(indices, offsets, bags)
     counted = _counted(indices, padding_idx)
-    rows = aten.embedding.default(weight, indices)
-    keep = aten._to_copy.default(counted, dtype=weight.dtype)
-    if per_sample_weights is not None:
-        keep = aten.mul.Tensor(keep, per_sample_weights)
-    rows = aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+    rows = _weighted_rows(aten.embedding.default(weight, indices),
+                          aten._to_copy.default(counted, dtype=weight.dtype), per_sample_weights)
     out = aten.index_put.default(_zeros([bags, weight.shape[1]], weight.dtype, weight), [bag],
                                  rows, True)
     size = aten.index_put.default(_zeros([bags], torch.int64, indices), [bag], counted, True)
     if mode == 1:
-        count = aten.clamp.default(aten._to_copy.default(size, dtype=weight.dtype), 1)
-        out = aten.div.Tensor(out, aten.unsqueeze.default(count, 1))
+        out = aten.div.Tensor(out, aten.unsqueeze.default(_bag_counts(size, weight.dtype), 1))
     return out, bag, size, _zeros([bags], torch.int64, indices)
 
 
@@ -376,11 +384,9 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
     rows = aten.index.Tensor(grad, [offset2bag])
     keep = aten._to_copy.default(_counted(indices, padding_idx), dtype=grad.dtype)
     if mode == 1:
-        count = aten.clamp.default(aten._to_copy.default(bag_size, dtype=grad.dtype), 1)
-        keep = aten.div.Tensor(keep, aten.index.Tensor(count, [offset2bag]))
-    if per_sample_weights is not None:
-        keep = aten.mul.Tensor(keep, per_sample_weights)
-    rows = aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+        keep = aten.div.Tensor(keep, aten.index.Tensor(_bag_counts(bag_size, grad.dtype),
+                                                       [offset2bag]))
+    rows = _weighted_rows(rows, keep, per_sample_weights)
     return aten.index_put.default(_zeros([num_weights, grad.shape[1]], grad.dtype, grad),
                                   [indices], rows, True)
 
