@@ -67,8 +67,8 @@ fn overlaps(a: &[Range<u64>], b: &[Range<u64>]) -> bool {
 }
 
 /// The batched launch of `run` (two or more launches of one kernel, flat, one set of
-/// scalars).
-fn batched(run: &[&FusedLaunch]) -> FusedBatchLaunch {
+/// scalars), as kernel `name` (the kernel's batched form).
+fn batched(run: &[&FusedLaunch], name: String) -> FusedBatchLaunch {
     let first = run[0];
     let mut args = FusedBatchArgs {
         count: run.len() as i64,
@@ -95,7 +95,6 @@ fn batched(run: &[&FusedLaunch]) -> FusedBatchLaunch {
         block += i64::from(grid_for(a.n as u64));
     }
     args.blocks = block;
-    let (name, _) = first.spec.batch_source();
     FusedBatchLaunch {
         name,
         grid: block as u32,
@@ -149,11 +148,11 @@ pub(crate) fn batch_fused(
                     _ => None,
                 })
                 .collect();
-            let launch = batched(&run);
-            if !kernels.iter().any(|(n, _)| *n == launch.name) {
-                kernels.push(run[0].spec.batch_source());
+            let (name, text) = run[0].spec.batch_source();
+            if !kernels.iter().any(|(n, _)| *n == name) {
+                kernels.push((name.clone(), text));
             }
-            out.push(Command::FusedBatch(launch));
+            out.push(Command::FusedBatch(batched(&run, name)));
             for m in &mut moved[i + 1..end] {
                 *m = out.len();
             }
