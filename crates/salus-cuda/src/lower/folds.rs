@@ -17,7 +17,7 @@
 use salus_exec::{Location, Program};
 use salus_graph::{DType, Op, OpParams};
 
-use super::fusion::node_writes;
+use super::fusion::{node_writes, read_at_end, tensor_readers};
 
 /// The permutes not copied and the sources their outputs stand for.
 #[derive(Debug, Clone, Default)]
@@ -156,20 +156,8 @@ impl Facts<'_> {
 pub(crate) fn plan(program: &Program) -> Folds {
     let graph = program.graph();
     let layouts = program.layouts();
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.tensors.len()];
-    for (n, node) in graph.nodes.iter().enumerate() {
-        for &t in node.inputs.iter().flatten() {
-            if readers[t].last() != Some(&n) {
-                readers[t].push(n);
-            }
-        }
-    }
-    let read_at_end: Vec<usize> = graph
-        .fetches
-        .iter()
-        .copied()
-        .chain(graph.updates.iter().map(|u| u.value))
-        .collect();
+    let readers = tensor_readers(graph);
+    let read_at_end = read_at_end(graph);
     let mut transpose_of = vec![None; graph.tensors.len()];
     for (p, node) in graph.nodes.iter().enumerate() {
         let layout = &layouts[p];

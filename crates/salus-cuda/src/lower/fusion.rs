@@ -26,7 +26,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use salus_exec::{Location, Program};
-use salus_graph::{DType, GeluApproximate, Op, OpParams};
+use salus_graph::{DType, GeluApproximate, Graph, Op, OpParams};
 
 use super::elementwise::{StridedView, coalesce, index_mode};
 use super::{Command, Lowered, Lowering, broadcast, contiguous, grid_for, numel, padded, signed};
@@ -313,6 +313,29 @@ impl Facts<'_> {
     }
 }
 
+/// Per tensor, the nodes that read it (ascending, once each).
+pub(crate) fn tensor_readers(graph: &Graph) -> Vec<Vec<usize>> {
+    let mut readers = vec![Vec::new(); graph.tensors.len()];
+    for (n, node) in graph.nodes.iter().enumerate() {
+        for &t in node.inputs.iter().flatten() {
+            if readers[t].last() != Some(&n) {
+                readers[t].push(n);
+            }
+        }
+    }
+    readers
+}
+
+/// The tensors read after the last node: fetches and update values.
+pub(crate) fn read_at_end(graph: &Graph) -> BTreeSet<usize> {
+    graph
+        .fetches
+        .iter()
+        .copied()
+        .chain(graph.updates.iter().map(|u| u.value))
+        .collect()
+}
+
 /// Per node, the lane bytes it writes (its outputs and its scratch); nothing for a view.
 pub(crate) fn node_writes(program: &Program) -> Vec<Vec<Range<u64>>> {
     let graph = program.graph();
@@ -351,24 +374,14 @@ pub(crate) fn plan(program: &Program) -> FusionPlan {
     let graph = program.graph();
     let layouts = program.layouts();
     let count = graph.nodes.len();
-    let mut readers = vec![Vec::new(); graph.tensors.len()];
+    let readers = tensor_readers(graph);
     let mut producer = vec![None; graph.tensors.len()];
     for (n, node) in graph.nodes.iter().enumerate() {
-        for &t in node.inputs.iter().flatten() {
-            if readers[t].last() != Some(&n) {
-                readers[t].push(n);
-            }
-        }
         for &t in node.outputs.iter().flatten() {
             producer[t] = Some(n);
         }
     }
-    let at_end: BTreeSet<usize> = graph
-        .fetches
-        .iter()
-        .copied()
-        .chain(graph.updates.iter().map(|u| u.value))
-        .collect();
+    let at_end = read_at_end(graph);
     let writes = node_writes(program);
     let ops: Vec<Option<Pointwise>> = (0..count)
         .map(|n| {
