@@ -6,6 +6,7 @@
 
 pub(crate) mod cudnn;
 pub(crate) mod green;
+pub(crate) mod host;
 
 use std::ffi::c_void;
 

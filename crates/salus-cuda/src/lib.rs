@@ -49,6 +49,7 @@
 mod abi;
 mod cudnn;
 mod driver;
+pub mod emulator;
 mod image;
 mod lower;
 mod monitor;
@@ -56,6 +57,7 @@ mod open;
 mod pieces;
 pub mod profile;
 
+pub use emulator::Emulator;
 pub use image::cache_dir;
 use image::{cached_image, tracing_note};
 pub use open::{CudaOptions, GpuInfo};
@@ -74,7 +76,7 @@ use salus_exec::{
 use salus_graph::{Graph, OpParams, PortableScratch, ScratchSizer};
 
 use self::driver::{Raw, driver_error};
-use self::lower::{Command, Lowering};
+use self::lower::Command;
 use self::profile::{NodeTime, Profile};
 
 /// The CUDA version the bindings are built for (the `cuda-12080` feature of cudarc).
@@ -418,55 +420,25 @@ impl CudaDevice {
         err: u64,
         fusion: &lower::fusion::FusionPlan,
     ) -> Result<Entry, ExecError> {
-        let graph = program.graph();
         let plan = program.plan();
         let persistent = self.range(at.persistent, plan.persistent_bytes)?;
         let lane = self.range(at.lane, plan.ephemeral_bytes)?;
-        let folds = lower::folds::plan(program);
-        let mut lower = Lowering {
-            program,
-            persistent,
-            lane,
-            err,
-            dnn: self.dnn.as_ref().ok(),
-            index: 0,
-            commands: Vec::new(),
-            fusion,
-            folds: &folds,
-            kernels: Vec::new(),
-        };
-        let mut spans = Vec::with_capacity(graph.nodes.len());
-        for (index, node) in graph.nodes.iter().enumerate() {
-            lower.index = index;
-            let start = lower.commands.len();
-            lower.node(node).map_err(|message| ExecError::Node {
-                index,
-                name: node.name.clone(),
-                op: node.op.name().to_string(),
-                message,
-            })?;
-            spans.push(start..lower.commands.len());
-        }
-        let (mut commands, batches) = lower::batch::batch_fused(lower.commands, &mut spans);
-        let mut kernels = lower.kernels;
-        kernels.extend(batches);
+        let dnn = self.dnn.as_ref().ok();
+        let lower::CommandList {
+            mut commands,
+            spans,
+            kernels,
+            updates,
+        } = lower::lower_program(program, (persistent, lane, err), dnn, fusion)?;
         if !kernels.is_empty() {
             self.link(&mut commands, &kernels)
                 .map_err(ExecError::Device)?;
-        }
-        let mut updates = Vec::new();
-        for u in &graph.updates {
-            if let (Some(Location::Persistent(target)), Some(Location::Lane(value))) =
-                (program.location(u.target), program.location(u.value))
-            {
-                updates.push((persistent + target, lane + value, program.bytes(u.target)));
-            }
         }
         Ok(Entry {
             commands,
             spans,
             pieces: Vec::new(),
-            updates: lower::guarded_copies(&updates, err),
+            updates,
             runs: 0,
             graphs: HashMap::new(),
             capture_failed: false,
@@ -762,7 +734,7 @@ impl CudaDevice {
 }
 
 /// The error a kernel reported in a lane's error block (its first 40 bytes), if any.
-fn reported_error(program: &Program, err: &[u8; 40]) -> Option<ExecError> {
+pub(crate) fn reported_error(program: &Program, err: &[u8; 40]) -> Option<ExecError> {
     let word = |k: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&err[k * 8..k * 8 + 8]);
@@ -911,23 +883,30 @@ impl ScratchSizer for CudaDevice {
         {
             return plan.workspace();
         }
-        let partials = lower::reduce::reduce_scratch_bytes(graph, node, params);
-        if partials > 0 {
-            return partials;
-        }
-        let sums = lower::batch_norm::batch_norm_scratch_bytes(graph, node, params);
-        if sums > 0 {
-            return sums;
-        }
-        let delta = lower::attention::attention_scratch_bytes(graph, node, params);
-        if delta > 0 {
-            return delta;
-        }
-        if widened_conv(graph, node, params) {
-            return 0; // this device's direct kernels run it (`lower::conv`), with no scratch
-        }
-        PortableScratch.scratch_bytes(graph, node, params)
+        kernel_scratch_bytes(graph, node, params)
     }
+}
+
+/// The scratch of a node this backend's own kernels run (no cuDNN): a reduction's partial
+/// results, batch norm's sums, attention's per-query f32; what the portable planner gives
+/// every other node, less the widening of 16-bit convolutions the direct kernels need not.
+pub(crate) fn kernel_scratch_bytes(graph: &Graph, node: usize, params: &OpParams) -> u64 {
+    let partials = lower::reduce::reduce_scratch_bytes(graph, node, params);
+    if partials > 0 {
+        return partials;
+    }
+    let sums = lower::batch_norm::batch_norm_scratch_bytes(graph, node, params);
+    if sums > 0 {
+        return sums;
+    }
+    let delta = lower::attention::attention_scratch_bytes(graph, node, params);
+    if delta > 0 {
+        return delta;
+    }
+    if widened_conv(graph, node, params) {
+        return 0; // this device's direct kernels run it (`lower::conv`), with no scratch
+    }
+    PortableScratch.scratch_bytes(graph, node, params)
 }
 
 /// A 16-bit convolution the portable planner gives scratch to widen it to f32 (for the

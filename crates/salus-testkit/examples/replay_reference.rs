@@ -1,12 +1,13 @@
 //! Runs a reference run written by `python -m salus.reference` on the CPU device (or with
-//! `--device cuda`, GPU 0) and prints, as JSON, the loss of every step and how far each
+//! `--device cuda`, GPU 0; with `--device emulated`, the CUDA device's command lists and
+//! kernels on the host) and prints, as JSON, the loss of every step and how far each
 //! final persistent tensor is from PyTorch's:
 //! `cargo run -p salus-testkit --example replay_reference -- OUT_DIR/mlp [--device cuda]`.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use salus_cuda::{CudaDevice, CudaOptions};
+use salus_cuda::{CudaDevice, CudaOptions, Emulator};
 use salus_exec::{Device, Placement};
 use salus_testkit::reference::ReferenceRun;
 use serde_json::{Value, json};
@@ -18,30 +19,47 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-fn run(dir: &Path, cuda: bool) -> Result<Value, String> {
+/// Places the run after planning it for `device` (as salusd plans a session for its
+/// device: cuDNN workspaces and split sums in its scratch) and uploads its state.
+fn place(run: &mut ReferenceRun, device: &dyn Device) -> Result<Placement, String> {
+    run.plan_for(device)?;
+    let plan = run.program.plan();
+    let at = Placement {
+        persistent: 0,
+        lane: plan.persistent_bytes.next_multiple_of(256),
+    };
+    if at.lane + plan.ephemeral_bytes > device.capacity() {
+        return Err(format!(
+            "the run needs {} bytes, the device's arena holds {}",
+            at.lane + plan.ephemeral_bytes,
+            device.capacity()
+        ));
+    }
+    run.upload(device, at)?;
+    Ok(at)
+}
+
+fn run(dir: &Path, device: &str) -> Result<Value, String> {
     let mut run = ReferenceRun::load(dir)?;
-    let (device, at): (Box<dyn Device>, Placement) = if cuda {
-        // The whole GPU (less the reserve), then the program planned for it, as salusd
-        // plans a session for its device: cuDNN workspaces and split sums in its scratch.
-        let device = CudaDevice::new(&CudaOptions::new(0))?;
-        run.plan_for(&device)?;
-        let plan = run.program.plan();
-        let at = Placement {
-            persistent: 0,
-            lane: plan.persistent_bytes.next_multiple_of(256),
-        };
-        if at.lane + plan.ephemeral_bytes > device.capacity() {
-            return Err(format!(
-                "the run needs {} bytes, the GPU's arena holds {}",
-                at.lane + plan.ephemeral_bytes,
-                device.capacity()
-            ));
+    let (device, at): (Box<dyn Device>, Placement) = match device {
+        "cuda" => {
+            let device = CudaDevice::new(&CudaOptions::new(0))?;
+            let at = place(&mut run, &device)?;
+            (Box::new(device), at)
         }
-        run.upload(&device, at)?;
-        (Box::new(device), at)
-    } else {
-        let (device, at) = run.on_cpu()?;
-        (Box::new(device), at)
+        "emulated" => {
+            // Sized from the CPU's plan, with room for the CUDA kernels' larger scratch.
+            let plan = run.program.plan();
+            let bytes = 2 * (plan.persistent_bytes + plan.ephemeral_bytes) + (16 << 20);
+            let device = Emulator::new(bytes)?;
+            let at = place(&mut run, &device)?;
+            (Box::new(device), at)
+        }
+        "cpu" => {
+            let (device, at) = run.on_cpu()?;
+            (Box::new(device), at)
+        }
+        other => return Err(format!("unknown device {other:?} (cpu, cuda or emulated)")),
     };
     let device = &*device;
     let losses = (0..run.batches.len())
@@ -83,14 +101,15 @@ fn run(dir: &Path, cuda: bool) -> Result<Value, String> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let cuda = args
+    let device = args
         .windows(2)
-        .any(|w| w[0] == "--device" && w[1] == "cuda");
+        .find(|w| w[0] == "--device")
+        .map_or("cpu", |w| w[1].as_str());
     let Some(dir) = args.first().filter(|a| !a.starts_with("--")) else {
-        eprintln!("usage: replay_reference REFERENCE_DIR/<model> [--device cuda]");
+        eprintln!("usage: replay_reference REFERENCE_DIR/<model> [--device cpu|cuda|emulated]");
         return ExitCode::FAILURE;
     };
-    match run(Path::new(dir), cuda) {
+    match run(Path::new(dir), device) {
         Ok(v) => {
             println!("{v}");
             ExitCode::SUCCESS

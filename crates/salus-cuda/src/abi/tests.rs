@@ -228,7 +228,7 @@ fn every_kernel_file_ends_its_last_line() {
 }
 
 /// Compiles the kernels' source as host C++ with stand-ins for the CUDA built-ins
-/// (`host_stubs.h`), when a C++ compiler is there: a check of syntax, names and types of
+/// (the emulator's `runtime.h`), when a C++ compiler is there: a check of syntax, names and types of
 /// the generated prelude and the kernel files together on machines without NVRTC.
 #[test]
 fn the_kernel_source_compiles_as_host_cpp() {
@@ -239,7 +239,7 @@ fn the_kernel_source_compiles_as_host_cpp() {
     }
 }
 
-/// `Some(result)` of compiling `source` as host C++ with the stand-ins of `host_stubs.h`,
+/// `Some(result)` of compiling `source` as host C++ with the emulator's stand-ins (`runtime.h`),
 /// `None` without a C++ compiler (`$CXX`, else `c++`).
 pub(crate) fn host_compiles(source: &str) -> Option<Result<(), String>> {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -251,8 +251,8 @@ pub(crate) fn host_compiles(source: &str) -> Option<Result<(), String>> {
         RUN.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let (stubs, file) = (dir.join("host_stubs.h"), dir.join("kernels.cu"));
-    std::fs::write(&stubs, include_str!("host_stubs.h")).unwrap();
+    let (stubs, file) = (dir.join("runtime.h"), dir.join("kernels.cu"));
+    std::fs::write(&stubs, include_str!("../emulator/runtime.h")).unwrap();
     std::fs::write(&file, source).unwrap();
     let run = std::process::Command::new(&compiler)
         .args(["-std=c++14", "-fsyntax-only", "-include"])

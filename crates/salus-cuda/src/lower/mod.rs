@@ -496,6 +496,73 @@ impl<'a> Lowering<'a> {
     }
 }
 
+/// A program's command list at one placement.
+pub(crate) struct CommandList {
+    pub commands: Vec<Command>,
+    /// The commands of each node, by node index (empty for a node that issues none).
+    pub spans: Vec<std::ops::Range<usize>>,
+    /// The generated kernels the commands launch, (name, source), each once.
+    pub kernels: Vec<(String, String)>,
+    /// The guarded copies that write the updates, after the fetches are read.
+    pub updates: Vec<Command>,
+}
+
+/// Lowers every node of `program` with its persistent block, lane and error block at
+/// device addresses `(persistent, lane, err)`, fusing the regions of `fusion`, then
+/// batches adjacent fused launches (`batch`).
+pub(crate) fn lower_program(
+    program: &Program,
+    (persistent, lane, err): (u64, u64, u64),
+    dnn: Option<&Dnn>,
+    fusion: &fusion::FusionPlan,
+) -> Result<CommandList, salus_exec::ExecError> {
+    let graph = program.graph();
+    let folds = folds::plan(program);
+    let mut lower = Lowering {
+        program,
+        persistent,
+        lane,
+        err,
+        dnn,
+        index: 0,
+        commands: Vec::new(),
+        fusion,
+        folds: &folds,
+        kernels: Vec::new(),
+    };
+    let mut spans = Vec::with_capacity(graph.nodes.len());
+    for (index, node) in graph.nodes.iter().enumerate() {
+        lower.index = index;
+        let start = lower.commands.len();
+        lower
+            .node(node)
+            .map_err(|message| salus_exec::ExecError::Node {
+                index,
+                name: node.name.clone(),
+                op: node.op.name().to_string(),
+                message,
+            })?;
+        spans.push(start..lower.commands.len());
+    }
+    let (commands, batches) = batch::batch_fused(lower.commands, &mut spans);
+    let mut kernels = lower.kernels;
+    kernels.extend(batches);
+    let mut updates = Vec::new();
+    for u in &graph.updates {
+        if let (Some(Location::Persistent(target)), Some(Location::Lane(value))) =
+            (program.location(u.target), program.location(u.value))
+        {
+            updates.push((persistent + target, lane + value, program.bytes(u.target)));
+        }
+    }
+    Ok(CommandList {
+        commands,
+        spans,
+        kernels,
+        updates: guarded_copies(&updates, err),
+    })
+}
+
 /// The updates of an iteration, `(dst, src, bytes)` each, as launches of the guarded copy
 /// kernel: skipped on the device when the iteration reported an error.
 pub(crate) fn guarded_copies(updates: &[(u64, u64, u64)], err: u64) -> Vec<Command> {

@@ -4,7 +4,9 @@
 //!
 //! `SALUS_TEST_DEVICE=cuda` runs every case on GPU 0 instead (one device shared by all
 //! cases, one case at a time): `SALUS_TEST_DEVICE=cuda cargo test -p salus-testkit --test ops`
-//! checks the CUDA kernels against the same naive references.
+//! checks the CUDA kernels against the same naive references; `SALUS_TEST_DEVICE=emulated`
+//! runs the same kernels and command lists on the host (`salus_cuda::Emulator`), where
+//! there is no GPU.
 
 #![allow(dead_code)]
 
@@ -14,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use salus_cpu::CpuDevice;
-use salus_cuda::{CudaDevice, CudaOptions};
+use salus_cuda::{CudaDevice, CudaOptions, Emulator};
 use salus_exec::{Device, Placement, Program};
 use salus_graph::{Attr, DType, Graph, Limits, Node, Op, Role, ScratchSizer, Tensor, TensorType};
 
@@ -337,21 +339,30 @@ impl Case {
 /// Serialises the cases' runs on the shared GPU (they all use lane 256).
 static GPU_TURN: Mutex<()> = Mutex::new(());
 
-/// The GPU every case shares under `SALUS_TEST_DEVICE=cuda` (1 GiB arena); `None` runs
-/// each case on a CPU device of its own. Panics when cuda is asked for and unusable.
+/// The GPU every case shares under `SALUS_TEST_DEVICE=cuda` (1 GiB arena), or the CUDA
+/// device's kernels on the host under `SALUS_TEST_DEVICE=emulated` (`salus_cuda::Emulator`,
+/// 256 MiB); `None` runs each case on a CPU device of its own. Panics when the device asked
+/// for is unusable.
 pub fn shared_gpu() -> Option<Arc<dyn Device>> {
-    static GPU: OnceLock<Option<Arc<CudaDevice>>> = OnceLock::new();
+    static GPU: OnceLock<Option<Arc<dyn Device>>> = OnceLock::new();
     GPU.get_or_init(|| {
         let wanted = std::env::var("SALUS_TEST_DEVICE").ok()?;
-        assert_eq!(wanted, "cuda", "SALUS_TEST_DEVICE must be cuda (or unset)");
-        let mut options = CudaOptions::new(0);
-        options.cap = Some(1 << 30);
-        Some(Arc::new(CudaDevice::new(&options).unwrap_or_else(|e| {
-            panic!("SALUS_TEST_DEVICE=cuda but the GPU is unusable: {e}")
-        })))
+        let device: Arc<dyn Device> = match wanted.as_str() {
+            "cuda" => {
+                let mut options = CudaOptions::new(0);
+                options.cap = Some(1 << 30);
+                Arc::new(CudaDevice::new(&options).unwrap_or_else(|e| {
+                    panic!("SALUS_TEST_DEVICE=cuda but the GPU is unusable: {e}")
+                }))
+            }
+            "emulated" => Arc::new(Emulator::new(256 << 20).unwrap_or_else(|e| {
+                panic!("SALUS_TEST_DEVICE=emulated but the emulator is unusable: {e}")
+            })),
+            other => panic!("SALUS_TEST_DEVICE must be cuda or emulated (or unset), not {other:?}"),
+        };
+        Some(device)
     })
     .clone()
-    .map(|d| d as Arc<dyn Device>)
 }
 
 /// A planned one-node graph on its own device, to run with several feeds.
