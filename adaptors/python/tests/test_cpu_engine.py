@@ -1,4 +1,6 @@
-"""The Rust CPU device runs traced training steps and matches PyTorch.
+"""The Rust CPU device runs traced training steps and matches PyTorch; so does the CUDA
+device's lowering, run on the host by its emulator (the command list a GPU would run:
+fused regions, batched launches, folded transposes; the kernels' own source).
 
 Reference runs come from ``python -m salus.reference`` (eager PyTorch from the same initial
 state on the same batches); the Rust side replays them with ``cargo run -p salus-testkit
@@ -25,16 +27,22 @@ ENGINE_MODELS = ["mlp", "cnn", "gpt", "resnet18"]
 STEPS = 10
 
 
-def replay(model_dir: Path) -> dict:
-    """Runs ``replay_reference`` on one model's reference files: ``SALUS_REPLAY`` names
-    a built binary of it, else cargo builds and runs it."""
+# The CUDA lowering's models on the emulator: the small targets, and a stock
+# ``nn.TransformerEncoder`` (its fused in-projection, AdamW) at a size the host runs quickly.
+EMULATED_MODELS = ["mlp", "cnn", "gpt", "transformer_nodrop"]
+SMALL_LARGE = dict(batch_size=2, seq=16, d_model=32, layers=2)
+
+
+def replay(model_dir: Path, *args: str) -> dict:
+    """Runs ``replay_reference`` on one model's reference files (``args`` after it):
+    ``SALUS_REPLAY`` names a built binary of it, else cargo builds and runs it."""
     if os.environ.get("SALUS_REPLAY"):
-        command = [os.environ["SALUS_REPLAY"], str(model_dir)]
+        command = [os.environ["SALUS_REPLAY"], str(model_dir), *args]
     elif shutil.which("cargo") is None:
         pytest.skip("cargo is not installed and SALUS_REPLAY is not set")
     else:
         command = ["cargo", "run", "--quiet", "--locked", "-p", "salus-testkit", "--example",
-                   "replay_reference", "--", str(model_dir)]
+                   "replay_reference", "--", str(model_dir), *args]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -49,8 +57,26 @@ def test_cpu_device_matches_pytorch(tmp_path: Path, name: str) -> None:
     gradient that is zero in exact arithmetic, so AdamW trains it on rounding noise, and
     PyTorch's own float32 error there is as large as the engine's."""
     reference.write_all(tmp_path, steps=STEPS, names=[name])
-    manifest = json.loads((tmp_path / name / "manifest.json").read_text())
-    result = replay(tmp_path / name)
+    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name))
+
+
+@pytest.mark.parametrize("name", EMULATED_MODELS)
+def test_cuda_lowering_on_the_emulator_matches_pytorch(tmp_path: Path, name: str) -> None:
+    """The same rule for the CUDA device's command lists and kernels, run on the host."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("the emulator needs a C++ compiler ($CXX, else c++)")
+    if name in reference.reference_runs():
+        reference.write_all(tmp_path, steps=STEPS, names=[name])
+    else:
+        run = reference.large_runs(**SMALL_LARGE)[name]
+        reference.write_model(tmp_path / name, name, run, steps=STEPS)
+    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name, "--device", "emulated"))
+
+
+def assert_matches_pytorch(model_dir: Path, result: dict) -> None:
+    """Each loss and final tensor of ``result`` within ``tolerance`` of PyTorch's float32
+    results, by PyTorch's own float32 error against float64."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
     assert len(result["losses"]) == STEPS
     for k, (ours, theirs, exact) in enumerate(zip(result["losses"], manifest["losses"],
                                                   manifest["losses_f64"], strict=True)):

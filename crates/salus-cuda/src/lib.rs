@@ -7,7 +7,8 @@
 //! family), the interface between the two sides (`abi`: kernels, argument structs and
 //! codes, described once in Rust, from which the CUDA prelude is generated) and the
 //! kernels' source (`src/kernels/*.cu`, one file per op family, joined after the prelude
-//! into one NVRTC program). Must not touch: the device contract, programs, placements and node layouts
+//! into one NVRTC program), and the [`Emulator`] that runs the same command lists and
+//! kernel source on the host, for tests where there is no GPU. Must not touch: the device contract, programs, placements and node layouts
 //! (`salus-exec`'s; this crate only uses them), the CPU backend (whose results its kernels
 //! reproduce, checked by `salus-testkit`'s tests), sessions and policies. `unsafe` is
 //! allowed in one module only, `driver`.

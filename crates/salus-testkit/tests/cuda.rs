@@ -1,6 +1,9 @@
-//! The CUDA device against the CPU device. Every test here needs a GPU: where the CUDA
-//! driver or a GPU is missing (CI), each prints why and passes without running. The op
-//! tests of `tests/ops.rs` run on the GPU with `SALUS_TEST_DEVICE=cuda`.
+//! The CUDA device against the CPU device. The comparisons of results run on GPU 0, or
+//! where there is none (CI) on the emulator: the same command lists and kernel source,
+//! run on the host (`salus_cuda::Emulator`). The tests of what only a GPU has (graphs,
+//! profiles, concurrent lanes, memory, priorities) print why and pass without running
+//! there. The op tests of `tests/ops.rs` run on the GPU with `SALUS_TEST_DEVICE=cuda`, on
+//! the emulator with `SALUS_TEST_DEVICE=emulated`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -12,7 +15,7 @@ use std::time::Instant;
 
 use common::*;
 use salus_cpu::CpuDevice;
-use salus_cuda::{CudaDevice, CudaOptions};
+use salus_cuda::{CudaDevice, CudaOptions, Emulator};
 use salus_exec::{Device, ExecError, Placement, Program};
 use salus_graph::{
     Attr, DType, Graph, Limits, Node, Op, Precision, Role, Tensor, TensorType, Update, samples,
@@ -27,6 +30,55 @@ fn gpu(test: &str, cap: u64) -> Option<CudaDevice> {
         Err(reason) => {
             eprintln!("{test}: skipped: no usable GPU ({reason})");
             None
+        }
+    }
+}
+
+/// Where a comparison with the CPU runs: GPU 0, else the emulator.
+enum Kernels {
+    Gpu(Arc<CudaDevice>),
+    Host(Arc<Emulator>),
+}
+
+/// GPU 0 with an arena of `cap`, else the emulator with one (printed), else `None` with
+/// the reasons printed (the test then passes without running).
+fn kernels(test: &str, cap: u64) -> Option<Kernels> {
+    let mut options = CudaOptions::new(0);
+    options.cap = Some(cap);
+    match CudaDevice::new(&options) {
+        Ok(d) => Some(Kernels::Gpu(Arc::new(d))),
+        Err(no_gpu) => match Emulator::new(cap) {
+            Ok(e) => {
+                eprintln!("{test}: on the emulator: no usable GPU ({no_gpu})");
+                Some(Kernels::Host(Arc::new(e)))
+            }
+            Err(why) => {
+                eprintln!("{test}: skipped: no usable GPU ({no_gpu}), no emulator ({why})");
+                None
+            }
+        },
+    }
+}
+
+impl Kernels {
+    fn device(&self) -> Arc<dyn Device> {
+        match self {
+            Kernels::Gpu(d) => d.clone(),
+            Kernels::Host(e) => e.clone(),
+        }
+    }
+
+    fn set_fusion(&self, on: bool) {
+        match self {
+            Kernels::Gpu(d) => d.set_fusion(on),
+            Kernels::Host(e) => e.set_fusion(on),
+        }
+    }
+
+    /// CUDA graphs on the GPU; the emulator runs every iteration's commands as they are.
+    fn set_graphs(&self, on: bool) {
+        if let Kernels::Gpu(d) = self {
+            d.set_graphs(on);
         }
     }
 }
@@ -95,9 +147,10 @@ fn train(
 
 #[test]
 fn training_steps_match_the_cpu_with_and_without_graphs() {
-    let Some(gpu) = gpu("training_steps", 256 << 20) else {
+    let Some(kernels) = kernels("training_steps", 256 << 20) else {
         return;
     };
+    let gpu = kernels.device();
     let (n, d, k) = (64, 128, 32);
     let graph = samples::regression(n, d, k, 0.05);
     let mut rng = Rng::new(7);
@@ -120,9 +173,9 @@ fn training_steps_match_the_cpu_with_and_without_graphs() {
     let cpu = CpuDevice::new(64 << 20).unwrap();
     let (want, want_w) = train(&cpu, &graph, &bytes_f32(&w), &feeds, 5);
     for (graphs, fusion) in [(false, false), (true, false), (false, true), (true, true)] {
-        gpu.set_graphs(graphs);
-        gpu.set_fusion(fusion);
-        let (got, got_w) = train(&gpu, &graph, &bytes_f32(&w), &feeds, 5);
+        kernels.set_graphs(graphs);
+        kernels.set_fusion(fusion);
+        let (got, got_w) = train(&*gpu, &graph, &bytes_f32(&w), &feeds, 5);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_close(
                 &f32s(&g[0]),
@@ -214,9 +267,10 @@ fn fusable_step() -> Graph {
 
 #[test]
 fn fused_chains_match_the_cpu_with_fusion_on_and_off() {
-    let Some(gpu) = gpu("fused_chains", 64 << 20) else {
+    let Some(kernels) = kernels("fused_chains", 64 << 20) else {
         return;
     };
+    let gpu = kernels.device();
     let graph = fusable_step();
     let mut rng = Rng::new(19);
     let mut f32s_of = |n: usize, lo: f64, hi: f64| -> Vec<f32> {
@@ -236,9 +290,9 @@ fn fused_chains_match_the_cpu_with_fusion_on_and_off() {
     let cpu = CpuDevice::new(64 << 20).unwrap();
     let (want, want_state) = train(&cpu, &graph, &init, &feeds, 3);
     for (graphs, fusion) in [(false, false), (false, true), (true, true)] {
-        gpu.set_graphs(graphs);
-        gpu.set_fusion(fusion);
-        let (got, got_state) = train(&gpu, &graph, &init, &feeds, 3);
+        kernels.set_graphs(graphs);
+        kernels.set_fusion(fusion);
+        let (got, got_state) = train(&*gpu, &graph, &init, &feeds, 3);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             for k in 0..2 {
                 assert_close(
@@ -256,7 +310,7 @@ fn fused_chains_match_the_cpu_with_fusion_on_and_off() {
             &format!("parameters after 3 steps (graphs {graphs}, fusion {fusion})"),
         );
     }
-    gpu.set_fusion(true);
+    kernels.set_fusion(true);
 }
 
 /// A fused NCHW chain: x [4, 6, 5, 7] times a per-channel scale [1, 6, 1, 1], plus `e`,
@@ -311,9 +365,10 @@ fn the_nchw_chains_run_on_the_cpu() {
 
 #[test]
 fn fused_nchw_broadcasts_match_the_cpu() {
-    let Some(gpu) = gpu("fused_nchw", 64 << 20) else {
+    let Some(kernels) = kernels("fused_nchw", 64 << 20) else {
         return;
     };
+    let gpu = kernels.device();
     let mut rng = Rng::new(23);
     let mut f32s_of =
         |n: usize| -> Vec<f32> { rng.vec(n, -2.0, 2.0).iter().map(|&v| v as f32).collect() };
@@ -331,8 +386,8 @@ fn fused_nchw_broadcasts_match_the_cpu() {
         let cpu = CpuDevice::new(64 << 20).unwrap();
         let (want, _) = train(&cpu, &graph, &init, &feeds, 1);
         for fusion in [false, true] {
-            gpu.set_fusion(fusion);
-            let (got, _) = train(&gpu, &graph, &init, &feeds, 1);
+            kernels.set_fusion(fusion);
+            let (got, _) = train(&*gpu, &graph, &init, &feeds, 1);
             for k in 0..2 {
                 assert_close(
                     &f32s(&got[0][k]),
@@ -343,7 +398,7 @@ fn fused_nchw_broadcasts_match_the_cpu() {
             }
         }
     }
-    gpu.set_fusion(true);
+    kernels.set_fusion(true);
 }
 
 /// Softmax, log-softmax, layer norm (and their backward) and sums over the last dim and
@@ -427,10 +482,10 @@ fn the_row_cases_run_on_the_cpu() {
 /// The row kernels (a warp or a block per row, column sums) against the CPU.
 #[test]
 fn row_kernels_match_the_cpu() {
-    let Some(gpu) = gpu("row_kernels", 256 << 20) else {
+    let Some(kernels) = kernels("row_kernels", 256 << 20) else {
         return;
     };
-    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let gpu = kernels.device();
     let mut failures = Vec::new();
     for case in row_cases() {
         let shapes: Vec<_> = case
@@ -543,9 +598,10 @@ fn a_profiled_iteration_times_every_node_and_leaves_the_state() {
 
 #[test]
 fn a_bad_index_fails_the_iteration_and_leaves_the_state() {
-    let Some(gpu) = gpu("bad_index", 64 << 20) else {
+    let Some(kernels) = kernels("bad_index", 64 << 20) else {
         return;
     };
+    let gpu = kernels.device();
     let program = Program::new(samples::embedding_sum(), &Limits::default()).unwrap();
     let at = Placement {
         persistent: 0,
@@ -1007,10 +1063,10 @@ fn the_gpu_cases_run_on_the_cpu() {
 /// The cases above, GPU against CPU.
 #[test]
 fn ops_match_the_cpu_on_random_inputs() {
-    let Some(gpu) = gpu("ops_match", 256 << 20) else {
+    let Some(kernels) = kernels("ops_match", 256 << 20) else {
         return;
     };
-    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let gpu = kernels.device();
     let mut failures = Vec::new();
     for case in cases() {
         let want = case.try_run_on(None);
@@ -1168,10 +1224,10 @@ fn the_copy_cases_run_on_the_cpu() {
 /// Layout copies on the GPU, bit for bit against the CPU.
 #[test]
 fn layout_copies_match_the_cpu_bitwise() {
-    let Some(gpu) = gpu("layout_copies", 512 << 20) else {
+    let Some(kernels) = kernels("layout_copies", 512 << 20) else {
         return;
     };
-    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let gpu = kernels.device();
     let mut failures = Vec::new();
     for case in copy_cases() {
         let what = format!(
@@ -1297,10 +1353,10 @@ fn the_pointwise_mode_cases_run_on_the_cpu() {
 /// Pointwise ops in every index mode on the GPU, bit for bit against the CPU.
 #[test]
 fn pointwise_index_modes_match_the_cpu_bitwise() {
-    let Some(gpu) = gpu("pointwise_index_modes", 256 << 20) else {
+    let Some(kernels) = kernels("pointwise_index_modes", 256 << 20) else {
         return;
     };
-    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let gpu = kernels.device();
     let mut failures = Vec::new();
     for case in pointwise_mode_cases() {
         let what = format!(
@@ -1381,18 +1437,21 @@ fn the_split_reduction_cases_run_on_the_cpu() {
 /// The reductions against the CPU, and bit for bit the same on a second run.
 #[test]
 fn split_reductions_match_the_cpu_and_repeat_bitwise() {
-    let Some(gpu) = gpu("split_reductions", 1 << 30) else {
+    let Some(kernels) = kernels("split_reductions", 1 << 30) else {
         return;
     };
-    let gpu: Arc<dyn Device> = Arc::new(gpu);
+    let gpu = kernels.device();
     let mut failures = Vec::new();
     for case in split_reduction_cases() {
         let shape = case.input_values()[0].ty.shape.clone();
-        let runs = (
-            case.try_run_on(None),
-            case.try_run_on(Some(gpu.clone())),
-            case.try_run_on(Some(gpu.clone())),
-        );
+        let got = case.try_run_on(Some(gpu.clone()));
+        // A second run on the GPU, whose blocks may finish in any order; the emulator's
+        // run in a fixed order, so once is enough there.
+        let again = match kernels {
+            Kernels::Gpu(_) => case.try_run_on(Some(gpu.clone())),
+            Kernels::Host(_) => got.clone(),
+        };
+        let runs = (case.try_run_on(None), got, again);
         match runs {
             (Ok(want), Ok(got), Ok(again)) => {
                 for (k, (g, w)) in got.iter().zip(&want).enumerate() {

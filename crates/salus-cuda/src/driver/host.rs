@@ -120,6 +120,10 @@ impl HostKernels {
         let launch = unsafe { self.library.get::<Launcher>(symbol.as_bytes()) }
             .map_err(|e| format!("{name}: no such host kernel ({e})"))?;
         let param = args as *const dyn LaunchArgs as *const c_void;
+        // The runtime's fiber state is global in each library, and every emulator of the
+        // process loads the same libraries: one launch at a time.
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: `param` points at the `#[repr(C)]` struct the kernel takes (as
         // `driver::launch` hands it to the GPU), and every address inside it lies in the
         // emulator's host memory, which its lock keeps to this call.

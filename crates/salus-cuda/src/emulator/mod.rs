@@ -290,7 +290,7 @@ fn build(dir: &PathBuf, library: &PathBuf, text: &str, compiler: &str) -> Result
     let partial = dir.join(format!("build-{unique}.so"));
     std::fs::write(&source, text).map_err(|e| format!("{}: {e}", source.display()))?;
     let out = std::process::Command::new(compiler)
-        .args(["-std=c++14", "-O1", "-shared", "-fPIC", "-w", "-o"])
+        .args(["-std=c++14", "-O2", "-shared", "-fPIC", "-w", "-o"])
         .arg(&partial)
         .arg(&source)
         .output()

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
@@ -69,8 +71,6 @@ static const size_t EMU_STACK = 128 * 1024;
 
 static void (*emu_kernel)(const void*);
 static const void* emu_args;
-static ucontext_t emu_main;
-static ucontext_t emu_ctx[EMU_MAX_THREADS];
 static EmuState emu_state[EMU_MAX_THREADS];
 static char* emu_stacks;
 static unsigned emu_current;
@@ -79,6 +79,64 @@ static bool emu_waited;   // some thread of the block waited
 static bool emu_broken;   // a plain call waited, or the block deadlocked
 static double emu_slots[EMU_MAX_THREADS];
 
+static void emu_fiber();
+
+#if defined(__x86_64__)
+// A switch saves the callee-saved registers on the running stack, stores its pointer in
+// `*from` and continues on `to` (a stack saved the same way, or a new one from
+// `emu_start`): a few instructions, where swapcontext also makes a system call.
+extern "C" void emu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .hidden emu_switch
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+)");
+static void* emu_main;
+static void* emu_sp[EMU_MAX_THREADS];
+
+// A new stack for thread `t` whose first switch enters `emu_fiber` as if called.
+static void emu_start(unsigned t) {
+    char* top = emu_stacks + (size_t)(t + 1) * EMU_STACK;
+    void** sp = (void**)((uintptr_t)top & ~(uintptr_t)15);
+    *--sp = nullptr;                   // emu_fiber's return address (it never returns)
+    *--sp = (void*)&emu_fiber;         // where the switch's `ret` goes
+    for (int r = 0; r < 6; r++) *--sp = nullptr;  // rbp, rbx, r12-r15
+    emu_sp[t] = sp;
+}
+static void emu_to_main(unsigned t) { emu_switch(&emu_sp[t], emu_main); }
+static void emu_to_fiber(unsigned t) { emu_switch(&emu_main, emu_sp[t]); }
+#else
+static ucontext_t emu_main;
+static ucontext_t emu_ctx[EMU_MAX_THREADS];
+static void emu_start(unsigned t) {
+    getcontext(&emu_ctx[t]);
+    emu_ctx[t].uc_stack.ss_sp = emu_stacks + (size_t)t * EMU_STACK;
+    emu_ctx[t].uc_stack.ss_size = EMU_STACK;
+    emu_ctx[t].uc_link = nullptr;
+    makecontext(&emu_ctx[t], emu_fiber, 0);
+}
+static void emu_to_main(unsigned t) { swapcontext(&emu_ctx[t], &emu_main); }
+static void emu_to_fiber(unsigned t) { swapcontext(&emu_main, &emu_ctx[t]); }
+#endif
+
 static void emu_wait(EmuState why) {
     if (!emu_fibers) {
         emu_broken = true;
@@ -86,7 +144,7 @@ static void emu_wait(EmuState why) {
     }
     emu_waited = true;
     emu_state[emu_current] = why;
-    swapcontext(&emu_ctx[emu_current], &emu_main);
+    emu_to_main(emu_current);
 }
 
 static void __syncthreads() { emu_wait(EMU_BLOCK_WAIT); }
@@ -117,18 +175,14 @@ static float __shfl_sync(unsigned, float v, int src) { return (float)emu_exchang
 static void emu_fiber() {
     emu_kernel(emu_args);
     emu_state[emu_current] = EMU_DONE;
-    swapcontext(&emu_ctx[emu_current], &emu_main);
+    emu_to_main(emu_current);
 }
 
 // Runs one block as fibers; false on a deadlock (a barrier some live thread never reaches).
 static bool emu_block_fibers() {
     unsigned n = blockDim.x;
     for (unsigned t = 0; t < n; t++) {
-        getcontext(&emu_ctx[t]);
-        emu_ctx[t].uc_stack.ss_sp = emu_stacks + (size_t)t * EMU_STACK;
-        emu_ctx[t].uc_stack.ss_size = EMU_STACK;
-        emu_ctx[t].uc_link = nullptr;
-        makecontext(&emu_ctx[t], emu_fiber, 0);
+        emu_start(t);
         emu_state[t] = EMU_READY;
     }
     for (;;) {
@@ -138,7 +192,7 @@ static bool emu_block_fibers() {
             ran = true;
             emu_current = t;
             threadIdx = dim3{t, 0, 0};
-            swapcontext(&emu_main, &emu_ctx[t]);
+            emu_to_fiber(t);
         }
         // Nothing is ready: release each warp whose live threads all wait at a shuffle,
         // else the block if all its live threads wait at `__syncthreads`.
