@@ -70,7 +70,7 @@ def test_cuda_lowering_on_the_emulator_matches_pytorch(tmp_path: Path, name: str
     else:
         run = reference.large_runs(**SMALL_LARGE)[name]
         reference.write_model(tmp_path / name, name, run, steps=STEPS)
-    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name, "--device", "emulated"))
+    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name, "--device", "cuda-emulated"))
 
 
 def assert_matches_pytorch(model_dir: Path, result: dict) -> None:

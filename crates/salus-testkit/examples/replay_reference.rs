@@ -1,5 +1,5 @@
 //! Runs a reference run written by `python -m salus.reference` on the CPU device (or with
-//! `--device cuda`, GPU 0; with `--device emulated`, the CUDA device's command lists and
+//! `--device cuda`, GPU 0; with `--device cuda-emulated`, the CUDA device's command lists and
 //! kernels on the host) and prints, as JSON, the loss of every step and how far each
 //! final persistent tensor is from PyTorch's:
 //! `cargo run -p salus-testkit --example replay_reference -- OUT_DIR/mlp [--device cuda]`.
@@ -47,7 +47,7 @@ fn run(dir: &Path, device: &str) -> Result<Value, String> {
             let at = place(&mut run, &device)?;
             (Box::new(device), at)
         }
-        "emulated" => {
+        "cuda-emulated" => {
             // Sized from the CPU's plan, with room for the CUDA kernels' larger scratch.
             let plan = run.program.plan();
             let bytes = 2 * (plan.persistent_bytes + plan.ephemeral_bytes) + (16 << 20);
@@ -59,7 +59,11 @@ fn run(dir: &Path, device: &str) -> Result<Value, String> {
             let (device, at) = run.on_cpu()?;
             (Box::new(device), at)
         }
-        other => return Err(format!("unknown device {other:?} (cpu, cuda or emulated)")),
+        other => {
+            return Err(format!(
+                "unknown device {other:?} (cpu, cuda or cuda-emulated)"
+            ));
+        }
     };
     let device = &*device;
     let losses = (0..run.batches.len())
@@ -106,7 +110,9 @@ fn main() -> ExitCode {
         .find(|w| w[0] == "--device")
         .map_or("cpu", |w| w[1].as_str());
     let Some(dir) = args.first().filter(|a| !a.starts_with("--")) else {
-        eprintln!("usage: replay_reference REFERENCE_DIR/<model> [--device cpu|cuda|emulated]");
+        eprintln!(
+            "usage: replay_reference REFERENCE_DIR/<model> [--device cpu|cuda|cuda-emulated]"
+        );
         return ExitCode::FAILURE;
     };
     match run(Path::new(dir), device) {

@@ -3,7 +3,7 @@
 //! run on the host (`salus_cuda::Emulator`). The tests of what only a GPU has (graphs,
 //! profiles, concurrent lanes, memory, priorities) print why and pass without running
 //! there. The op tests of `tests/ops.rs` run on the GPU with `SALUS_TEST_DEVICE=cuda`, on
-//! the emulator with `SALUS_TEST_DEVICE=emulated`.
+//! the emulator with `SALUS_TEST_DEVICE=cuda-emulated`.
 
 #![allow(clippy::unwrap_used)]
 

@@ -18,6 +18,9 @@ pub enum DeviceChoice {
     Sim,
     /// A CUDA GPU by index.
     Cuda(u32),
+    /// The CUDA device's command lists and kernels run on the host (`salus_cuda::Emulator`):
+    /// slow, for checking the GPU path where there is no GPU.
+    CudaEmulated,
     /// GPU 0 when one is usable, the CPU otherwise (what `salusd` does without
     /// `--device`).
     Auto,
@@ -32,11 +35,16 @@ impl FromStr for DeviceChoice {
             "sim" => Ok(DeviceChoice::Sim),
             "cuda" => Ok(DeviceChoice::Cuda(0)),
             "auto" => Ok(DeviceChoice::Auto),
+            "cuda-emulated" => Ok(DeviceChoice::CudaEmulated),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .map(DeviceChoice::Cuda)
-                .ok_or_else(|| format!("unknown device {s:?}; expected cpu, sim, cuda:N or auto")),
+                .ok_or_else(|| {
+                    format!(
+                        "unknown device {s:?}; expected cpu, sim, cuda:N, cuda-emulated or auto"
+                    )
+                }),
         }
     }
 }
@@ -377,6 +385,7 @@ mod tests {
         assert_eq!("cpu".parse(), Ok(DeviceChoice::Cpu));
         assert_eq!("sim".parse(), Ok(DeviceChoice::Sim));
         assert_eq!("cuda:1".parse(), Ok(DeviceChoice::Cuda(1)));
+        assert_eq!("cuda-emulated".parse(), Ok(DeviceChoice::CudaEmulated));
         assert!("tpu".parse::<DeviceChoice>().is_err());
     }
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use salus_cpu::CpuDevice;
-use salus_cuda::{CudaDevice, CudaOptions};
+use salus_cuda::{CudaDevice, CudaOptions, Emulator};
 use salus_exec::{CostModel, Device, SimDevice};
 use salus_proto::{v1 as pb, wire};
 use tokio::net::{TcpListener, UnixListener};
@@ -77,6 +77,9 @@ pub fn open_device(config: &Config) -> Result<Arc<dyn Device>, String> {
         DeviceChoice::Cuda(n) => Ok(Arc::new(
             CudaDevice::new(&cuda_options(config, n))
                 .map_err(|e| format!("--device cuda:{n}: {e}"))?,
+        )),
+        DeviceChoice::CudaEmulated => Ok(Arc::new(
+            Emulator::new(config.memory).map_err(|e| format!("--device cuda-emulated: {e}"))?,
         )),
         DeviceChoice::Auto => match CudaDevice::new(&cuda_options(config, 0)) {
             Ok(device) => {

@@ -25,8 +25,9 @@ struct Args {
     /// Also listen on this TCP address (host:port); needs --token-file or --insecure-tcp.
     #[arg(long, env = "SALUS_LISTEN")]
     listen: Option<String>,
-    /// The device: cpu, sim (modeled time, accounted memory), cuda:N, or auto (GPU 0 when
-    /// one is usable, else cpu) [default: auto].
+    /// The device: cpu, sim (modeled time, accounted memory), cuda:N, cuda-emulated (the
+    /// CUDA device's kernels run on the host: slow, to check the GPU path without a GPU),
+    /// or auto (GPU 0 when one is usable, else cpu) [default: auto].
     #[arg(long, env = "SALUS_DEVICE")]
     device: Option<String>,
     /// Capacity C of the cpu and sim devices, e.g. 4GiB, 16GB [default: 4GiB]; caps the

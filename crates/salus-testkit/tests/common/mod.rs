@@ -4,7 +4,7 @@
 //!
 //! `SALUS_TEST_DEVICE=cuda` runs every case on GPU 0 instead (one device shared by all
 //! cases, one case at a time): `SALUS_TEST_DEVICE=cuda cargo test -p salus-testkit --test ops`
-//! checks the CUDA kernels against the same naive references; `SALUS_TEST_DEVICE=emulated`
+//! checks the CUDA kernels against the same naive references; `SALUS_TEST_DEVICE=cuda-emulated`
 //! runs the same kernels and command lists on the host (`salus_cuda::Emulator`), where
 //! there is no GPU.
 
@@ -340,7 +340,7 @@ impl Case {
 static GPU_TURN: Mutex<()> = Mutex::new(());
 
 /// The GPU every case shares under `SALUS_TEST_DEVICE=cuda` (1 GiB arena), or the CUDA
-/// device's kernels on the host under `SALUS_TEST_DEVICE=emulated` (`salus_cuda::Emulator`,
+/// device's kernels on the host under `SALUS_TEST_DEVICE=cuda-emulated` (`salus_cuda::Emulator`,
 /// 256 MiB); `None` runs each case on a CPU device of its own. Panics when the device asked
 /// for is unusable.
 pub fn shared_gpu() -> Option<Arc<dyn Device>> {
@@ -355,10 +355,12 @@ pub fn shared_gpu() -> Option<Arc<dyn Device>> {
                     panic!("SALUS_TEST_DEVICE=cuda but the GPU is unusable: {e}")
                 }))
             }
-            "emulated" => Arc::new(Emulator::new(256 << 20).unwrap_or_else(|e| {
-                panic!("SALUS_TEST_DEVICE=emulated but the emulator is unusable: {e}")
+            "cuda-emulated" => Arc::new(Emulator::new(256 << 20).unwrap_or_else(|e| {
+                panic!("SALUS_TEST_DEVICE=cuda-emulated but the emulator is unusable: {e}")
             })),
-            other => panic!("SALUS_TEST_DEVICE must be cuda or emulated (or unset), not {other:?}"),
+            other => {
+                panic!("SALUS_TEST_DEVICE must be cuda or cuda-emulated (or unset), not {other:?}")
+            }
         };
         Some(device)
     })
