@@ -261,6 +261,9 @@ def _batch_norm_whole(decomposition: Callable, train_at: int, data: Sequence[int
 # gathers: reflection padding becomes ``index.Tensor`` with reflected indices, and its
 # backward nine masked gathers of the whole gradient.
 _KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward",
+               # Layer norm's backward: one op (a pass over each row, column sums for the
+               # weight and bias), where the decomposition takes several passes.
+               "native_layer_norm_backward",
                # Attention: one fused op each way (the forward's log-sum-exp feeds the
                # backward), where the decomposition would build every score matrix.
                "_scaled_dot_product_flash_attention_for_cpu",
@@ -489,7 +492,8 @@ def decomposition_table() -> dict:
     gathers and accumulating ``index_put``, adaptive max
     pooling whose windows divide the input as plain max pooling; without the
     decompositions of the ops of
-    ``_KEPT_WHOLE`` (reflection padding, fused attention), which stay whole."""
+    ``_KEPT_WHOLE`` (reflection padding, layer norm's backward, fused attention), which
+    stay whole."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
         packet = getattr(aten, name)

@@ -42,12 +42,11 @@ pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 13] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
     ("reduce.cu", include_str!("kernels/reduce.cu")),
-    ("norm.cu", include_str!("kernels/norm.cu")),
     ("rows.cu", include_str!("kernels/rows.cu")),
     ("batch_norm.cu", include_str!("kernels/batch_norm.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
@@ -830,9 +829,6 @@ kernels! {
     ReduceByBlock = "red_block" (ReduceArgs),
     SoftmaxForward = "softmax_fwd" (SoftmaxArgs),
     SoftmaxBackward = "softmax_bwd" (SoftmaxArgs),
-    LayerNormForward = "layer_norm_fwd" (LayerNormArgs),
-    LayerNormBackwardInput = "layer_norm_bwd_input" (LayerNormBackwardArgs),
-    LayerNormBackwardParams = "layer_norm_bwd_params" (LayerNormBackwardArgs),
     MatmulNaive = "matmul_naive" (MatmulArgs),
     ConvForward = "conv_fwd" (ConvArgs),
     ConvBackwardInput = "conv_bwd_input" (ConvArgs),
@@ -875,7 +871,10 @@ kernels! {
     SoftmaxBackwardRows = "softmax_bwd_rows" (SoftmaxArgs),
     LayerNormForwardRows = "layer_norm_fwd_rows" (LayerNormArgs),
     LayerNormBackwardInputRows = "layer_norm_bwd_input_rows" (LayerNormBackwardArgs),
-    LayerNormBackwardParamsColumns = "layer_norm_bwd_params_cols" (LayerNormBackwardArgs),
+    /// Layer norm's weight and bias gradients: partial column sums of row chunks, then
+    /// each column's chunks added in order.
+    LayerNormBackwardParamsPart = "layer_norm_bwd_params_part" (LayerNormBackwardArgs),
+    LayerNormBackwardParamsFinish = "layer_norm_bwd_params_finish" (LayerNormBackwardArgs),
     // Training-mode batch norm (`batch_norm.cu`): partial sums per (channel, run of
     // images), per-channel results, then a pass over the elements.
     BatchNormForwardPart = "bn_fwd_part" (BatchNormArgs),

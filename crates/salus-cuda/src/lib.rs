@@ -874,7 +874,8 @@ impl Device for CudaDevice {
 /// splits its elements over many blocks in its partial results
 /// ([`lower::reduce::reduce_scratch_bytes`]); batch norm in its per-channel sums
 /// ([`lower::batch_norm::batch_norm_scratch_bytes`]); fused attention's backward in one f32
-/// per query ([`lower::attention::attention_scratch_bytes`]); every other node in what the backend's own kernels
+/// per query ([`lower::attention::attention_scratch_bytes`]); layer norm's backward in its
+/// column sums' partials ([`lower::reduce::layer_norm_backward_scratch_bytes`]); every other node in what the backend's own kernels
 /// need.
 impl ScratchSizer for CudaDevice {
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
@@ -903,6 +904,10 @@ pub(crate) fn kernel_scratch_bytes(graph: &Graph, node: usize, params: &OpParams
     let delta = lower::attention::attention_scratch_bytes(graph, node, params);
     if delta > 0 {
         return delta;
+    }
+    let columns = lower::reduce::layer_norm_backward_scratch_bytes(graph, node, params);
+    if columns > 0 {
+        return columns;
     }
     if widened_conv(graph, node, params) {
         return 0; // this device's direct kernels run it (`lower::conv`), with no scratch

@@ -469,6 +469,34 @@ fn row_cases() -> Vec<Case> {
             }
         }
     }
+    // Layer norm's weight and bias gradients over many rows: row chunks summed apart, then
+    // added (a last chunk short of the others), with either gradient alone.
+    for (rows, len, mask) in [
+        (1000u64, 96u64, [true, true, true]),
+        (2049, 33, [false, true, false]),
+        (64, 768, [true, false, true]),
+    ] {
+        let shape = [rows, len];
+        let stats = rng.f32s(&[rows, 1], 0.5, 1.5);
+        let mut case = Case::new(Op::NativeLayerNormBackward)
+            .input(rng.f32s(&shape, -1.0, 1.0))
+            .input(rng.f32s(&shape, -3.0, 3.0))
+            .input(stats.clone())
+            .input(stats)
+            .input(rng.f32s(&[len], 0.5, 1.5))
+            .input(rng.f32s(&[len], -1.0, 1.0))
+            .ints("normalized_shape", &[len as i64])
+            .attr("output_mask", Attr::Bools(mask.to_vec()));
+        for (k, wanted) in mask.into_iter().enumerate() {
+            let out = if k == 0 { vec![rows, len] } else { vec![len] };
+            case = if wanted {
+                case.output(DType::F32, &out)
+            } else {
+                case.unused()
+            };
+        }
+        cases.push(case);
+    }
     cases
 }
 

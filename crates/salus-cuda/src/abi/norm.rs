@@ -27,7 +27,10 @@ device_struct! {
 }
 
 device_struct! {
-    /// `layer_norm_bwd_input`, `layer_norm_bwd_params`.
+    /// Layer norm's backward (`rows.cu`): `layer_norm_bwd_input_rows` writes `gi`;
+    /// `layer_norm_bwd_params_part` sums `per` rows a chunk (`chunks` of them) into `part`
+    /// (the node's scratch: `chunks` rows of `inner` doubles for the weight, then as many
+    /// for the bias), `layer_norm_bwd_params_finish` adds them into `gw` and `gb`.
     #[derive(Default)]
     struct LayerNormBackwardArgs {
         rows: i64,
@@ -48,6 +51,9 @@ device_struct! {
         gwdt: i64,
         gb: u64,
         gbdt: i64,
+        part: u64,
+        chunks: i64,
+        per: i64,
     }
 }
 

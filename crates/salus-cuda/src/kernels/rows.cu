@@ -5,7 +5,7 @@
 // combined with warp shuffles, and across the block's warps through shared memory.
 // Softmax and layer norm compute in f32 (loads widened to f32, f32 sums); reductions sum
 // in double as the general kernels do (exact integer sums). The general kernels of
-// reduce.cu and norm.cu remain for other layouts.
+// reduce.cu remain for other layouts.
 
 #define ROW_WARPS (BLOCK / 32)
 
@@ -506,35 +506,55 @@ extern "C" __global__ void layer_norm_bwd_input_rows(const LayerNormBackwardArgs
     }
 }
 
-// The weight and bias gradients: 32 adjacent columns a block (a lane each, coalesced), the
-// rows split among its warps and combined through shared memory; sums in double.
-extern "C" __global__ void layer_norm_bwd_params_cols(const LayerNormBackwardArgs a) {
+// The weight and bias gradients in two steps, in double and in a fixed order (the same
+// result every run). `layer_norm_bwd_params_part`: chunk blockIdx.y of `per` rows, 32
+// adjacent columns a block (a lane each, coalesced), the chunk's rows split among its
+// warps and combined through shared memory, into part[y][j] (weight) and
+// part[chunks + y][j] (bias). `layer_norm_bwd_params_finish`: each column's chunks added.
+extern "C" __global__ void layer_norm_bwd_params_part(const LayerNormBackwardArgs a) {
     __shared__ double shw[ROW_WARPS][33];
     __shared__ double shb[ROW_WARPS][33];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (i64 c0 = (i64)blockIdx.x * 32; c0 < a.inner; c0 += (i64)gridDim.x * 32) {
-        i64 j = c0 + lane;
-        double gw = 0.0, gb = 0.0;
-        if (j < a.inner) {
-            for (i64 r = w; r < a.rows; r += ROW_WARPS) {
-                double dy = ld(a.g, a.gdt, r * a.inner + j);
-                double xhat = (ld(a.x, a.xdt, r * a.inner + j) - ld(a.mean, a.mdt, r)) * ld(a.rstd, a.rdt, r);
-                gw += dy * xhat;
-                gb += dy;
+    double* part = (double*)a.part;
+    for (i64 y = blockIdx.y; y < a.chunks; y += gridDim.y) {
+        i64 r0 = y * a.per, r1 = r0 + a.per < a.rows ? r0 + a.per : a.rows;
+        for (i64 c0 = (i64)blockIdx.x * 32; c0 < a.inner; c0 += (i64)gridDim.x * 32) {
+            i64 j = c0 + lane;
+            double gw = 0.0, gb = 0.0;
+            if (j < a.inner) {
+                for (i64 r = r0 + w; r < r1; r += ROW_WARPS) {
+                    double dy = ld(a.g, a.gdt, r * a.inner + j);
+                    double xhat = (ld(a.x, a.xdt, r * a.inner + j) - ld(a.mean, a.mdt, r)) * ld(a.rstd, a.rdt, r);
+                    gw += dy * xhat;
+                    gb += dy;
+                }
+            }
+            __syncthreads();
+            shw[w][lane] = gw;
+            shb[w][lane] = gb;
+            __syncthreads();
+            if (w == 0 && j < a.inner) {
+                double tw = 0.0, tb = 0.0;
+                for (int k = 0; k < ROW_WARPS; ++k) {
+                    tw += shw[k][lane];
+                    tb += shb[k][lane];
+                }
+                part[y * a.inner + j] = tw;
+                part[(a.chunks + y) * a.inner + j] = tb;
             }
         }
-        __syncthreads();
-        shw[w][lane] = gw;
-        shb[w][lane] = gb;
-        __syncthreads();
-        if (w == 0 && j < a.inner) {
-            double tw = 0.0, tb = 0.0;
-            for (int k = 0; k < ROW_WARPS; ++k) {
-                tw += shw[k][lane];
-                tb += shb[k][lane];
-            }
-            if (a.gw) st(a.gw, a.gwdt, j, tw);
-            if (a.gb) st(a.gb, a.gbdt, j, tb);
+    }
+}
+
+extern "C" __global__ void layer_norm_bwd_params_finish(const LayerNormBackwardArgs a) {
+    const double* part = (const double*)a.part;
+    GRID_LOOP(j, a.inner) {
+        double tw = 0.0, tb = 0.0;
+        for (i64 y = 0; y < a.chunks; ++y) {
+            tw += part[y * a.inner + j];
+            tb += part[(a.chunks + y) * a.inner + j];
         }
+        if (a.gw) st(a.gw, a.gwdt, j, tw);
+        if (a.gb) st(a.gb, a.gbdt, j, tb);
     }
 }

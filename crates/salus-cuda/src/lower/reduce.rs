@@ -4,7 +4,10 @@
 use salus_graph::{Graph, Node, Op, OpParams};
 
 use super::elementwise::{StridedView, coalesce};
-use super::{Lowered, Lowering, Operand, address, contiguous, numel, padded, signed};
+use super::{
+    Command, Launch, Lowered, Lowering, MAX_GRID, Operand, address, contiguous, numel, padded,
+    signed,
+};
 use crate::abi::ElementwiseOp;
 use crate::abi::{
     BLOCK, Kernel, LayerNormArgs, LayerNormBackwardArgs, MAX_RANK, ROW_WARP_MAX, ReduceArgs,
@@ -258,6 +261,52 @@ pub(crate) fn reduce_scratch_bytes(graph: &Graph, node: usize, params: &OpParams
         return 0;
     }
     reduce_plan(&layout, true).scratch_bytes(layout.nout, op)
+}
+
+/// Row chunks of layer norm's weight and bias gradients: (chunks, rows per chunk), enough
+/// blocks of 32 columns by a chunk to fill a large GPU (about 1024), chunks of at least
+/// 32 rows. A function of the shape only, so the plan and the lowering agree.
+fn layer_norm_chunks(rows: u64, inner: u64) -> (u64, u64) {
+    let columns = inner.div_ceil(32).max(1);
+    let chunks = 1024u64
+        .div_ceil(columns)
+        .min(rows.div_ceil(32))
+        .clamp(1, MAX_GRID);
+    (chunks, rows.div_ceil(chunks).max(1))
+}
+
+/// The scratch of a `native_layer_norm_backward` node that computes the weight or bias
+/// gradient: its chunks' partial sums ([`layer_norm_chunks`]), a double per column for
+/// each; 0 for any other node.
+pub(crate) fn layer_norm_backward_scratch_bytes(
+    graph: &Graph,
+    node: usize,
+    params: &OpParams,
+) -> u64 {
+    let Some(n) = graph.nodes.get(node) else {
+        return 0;
+    };
+    let (
+        Op::NativeLayerNormBackward,
+        OpParams::LayerNorm {
+            normalized_shape, ..
+        },
+    ) = (n.op, params)
+    else {
+        return 0;
+    };
+    let wanted = (1..3).any(|k| n.outputs.get(k).copied().flatten().is_some());
+    let Some(Some(x)) = n.inputs.get(1) else {
+        return 0;
+    };
+    let inner = numel(normalized_shape);
+    let total = graph.tensors[*x].ty.numel().unwrap_or(0);
+    let rows = total.checked_div(inner).unwrap_or(0);
+    if !wanted || rows == 0 {
+        return 0;
+    }
+    let (chunks, _) = layer_norm_chunks(rows, inner);
+    2 * chunks * inner * 8
 }
 
 impl Lowering<'_> {
@@ -561,8 +610,20 @@ impl Lowering<'_> {
                     self.zero(o);
                 }
             } else {
-                let blocks = inner.div_ceil(32);
-                self.launch_blocks(Kernel::LayerNormBackwardParamsColumns, blocks, args);
+                let (chunks, per) = layer_norm_chunks(rows, inner);
+                let (part, bytes) = self.scratch();
+                if bytes < 2 * chunks * inner * 8 {
+                    return Err(format!(
+                        "the weight and bias gradients need {} bytes of scratch, the plan gives {bytes}",
+                        2 * chunks * inner * 8
+                    ));
+                }
+                (args.part, args.chunks, args.per) = (part, chunks as i64, per as i64);
+                let columns = inner.div_ceil(32).clamp(1, MAX_GRID) as u32;
+                let grid = (columns, chunks.clamp(1, MAX_GRID) as u32);
+                let launch = Launch::new(Kernel::LayerNormBackwardParamsPart, grid, args);
+                self.commands.push(Command::Launch(launch));
+                self.launch(Kernel::LayerNormBackwardParamsFinish, inner, args);
             }
         }
         Ok(())
