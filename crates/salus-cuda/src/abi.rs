@@ -37,6 +37,9 @@ pub(crate) const ROW_WARP_MAX: u64 = 1024;
 /// shared-memory tiles are sized by it.
 pub(crate) const ATTENTION_MAX_DIM: u64 = 128;
 
+/// The longest query, key or value the register-tiled forward takes (`ATT_TD`).
+pub(crate) const ATTENTION_TILED_MAX_DIM: u64 = 64;
+
 /// Copies per launch of the guarded copy kernel (`GuardedCopyArgs::seg` holds 3 words each).
 pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
@@ -886,6 +889,8 @@ kernels! {
     // Fused attention (`attention.cu`): the forward, then the backward's query gradients
     // (and the per-query D it keeps in scratch) before its key and value gradients.
     AttentionForward = "attn_fwd" (AttentionArgs),
+    /// The forward in register tiles, head dims up to [`ATTENTION_TILED_MAX_DIM`].
+    AttentionForwardTiled = "attn_fwd_tiled" (AttentionArgs),
     AttentionBackwardQuery = "attn_bwd_dq" (AttentionArgs),
     AttentionBackwardKeyValue = "attn_bwd_dkv" (AttentionArgs),
     // Attention through cuBLAS products: the row kernels between them.
@@ -899,12 +904,13 @@ kernels! {
 // The prelude.
 
 /// Constants both sides size things by, by their C name.
-fn constants() -> [(&'static str, i64); 4] {
+fn constants() -> [(&'static str, i64); 5] {
     [
         ("MAXR", MAX_RANK as i64),
         ("BLOCK", i64::from(BLOCK)),
         ("ROW_WARP_MAX", ROW_WARP_MAX as i64),
         ("ATT_MAXD", ATTENTION_MAX_DIM as i64),
+        ("ATT_TD", ATTENTION_TILED_MAX_DIM as i64),
     ]
 }
 

@@ -181,6 +181,9 @@ pub struct CudaDevice {
     arch: u32,
     /// Fuse pointwise regions into generated kernels (`SALUS_CUDA_FUSION=0`: off).
     fusion: AtomicBool,
+    /// f32 attention runs the register-tiled forward rather than cuBLAS
+    /// (`set_tiled_attention`).
+    tiled_attention: AtomicBool,
     /// The generated kernels loaded so far, by name.
     fused: Mutex<HashMap<String, Raw<sys::CUfunction>>>,
     /// cuDNN, or why the device runs its own convolution kernels.
@@ -260,6 +263,13 @@ impl CudaDevice {
     /// (for comparison; `SALUS_CUDA_FUSION=0` starts with it off).
     pub fn set_fusion(&self, on: bool) {
         self.fusion.store(on, Ordering::Relaxed);
+    }
+
+    /// Runs f32 attention's forward in register tiles (head dims up to 64) rather than
+    /// through cuBLAS, for programs lowered from now on (for comparison;
+    /// `SALUS_CUDA_ATTENTION=tiled` starts with it on).
+    pub fn set_tiled_attention(&self, on: bool) {
+        self.tiled_attention.store(on, Ordering::Relaxed);
     }
 
     /// Bytes the GPU has in use now, by everyone (total minus free).
@@ -430,7 +440,13 @@ impl CudaDevice {
             spans,
             kernels,
             updates,
-        } = lower::lower_program(program, (persistent, lane, err), dnn, fusion)?;
+        } = lower::lower_program(
+            program,
+            (persistent, lane, err),
+            dnn,
+            fusion,
+            self.tiled_attention.load(Ordering::Relaxed),
+        )?;
         if !kernels.is_empty() {
             self.link(&mut commands, &kernels)
                 .map_err(ExecError::Device)?;

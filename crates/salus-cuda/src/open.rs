@@ -193,6 +193,7 @@ impl CudaDevice {
             poisoned: Mutex::new(None),
             arch,
             fusion: AtomicBool::new(std::env::var("SALUS_CUDA_FUSION").as_deref() != Ok("0")),
+            tiled_attention: AtomicBool::new(crate::lower::attention::tiled_by_default()),
             fused: Mutex::new(HashMap::new()),
             dnn,
             priorities,

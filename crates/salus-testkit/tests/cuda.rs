@@ -75,6 +75,13 @@ impl Kernels {
         }
     }
 
+    fn set_tiled_attention(&self, on: bool) {
+        match self {
+            Kernels::Gpu(d) => d.set_tiled_attention(on),
+            Kernels::Host(e) => e.set_tiled_attention(on),
+        }
+    }
+
     /// CUDA graphs on the GPU; the emulator runs every iteration's commands as they are.
     fn set_graphs(&self, on: bool) {
         if let Kernels::Gpu(d) = self {
@@ -860,6 +867,9 @@ fn attention_cases(rng: &mut Rng) -> Vec<Case> {
         (1, 3, 17, 17, 8, 24, true, 2),
         (3, 1, 1, 1, 4, 4, false, 0),
         (1, 2, 20, 24, 160, 192, true, 2),
+        // Past the register tiles' 64 queries and 32 keys, causal and not.
+        (2, 2, 130, 130, 64, 48, true, 0),
+        (1, 1, 65, 33, 33, 7, false, 2),
     ] {
         let q = rng.f32s(&[b, h, l, e], -1.0, 1.0);
         let k = rng.f32s(&[b, h, s, e], -1.0, 1.0);
@@ -1106,6 +1116,40 @@ fn ops_match_the_cpu_on_random_inputs() {
                     if g.len() != w.len()
                         || g.iter().zip(w).any(|(g, w)| (g - w).abs() > 1e-4 * scale)
                     {
+                        failures.push(format!("{}: output {k} differs", case.op()));
+                    }
+                }
+            }
+            (w, g) => failures.push(format!(
+                "{}: cpu {:?}, gpu {:?}",
+                case.op(),
+                w.err(),
+                g.err()
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// f32 attention with the register-tiled forward (not cuBLAS) against the CPU, and its
+/// backward from there.
+#[test]
+fn tiled_attention_matches_the_cpu() {
+    let Some(kernels) = kernels("tiled_attention", 256 << 20) else {
+        return;
+    };
+    kernels.set_tiled_attention(true);
+    let gpu = kernels.device();
+    let mut failures = Vec::new();
+    for case in attention_cases(&mut Rng::new(31)) {
+        match (case.try_run_on(None), case.try_run_on(Some(gpu.clone()))) {
+            (Ok(want), Ok(got)) => {
+                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
+                    let same = |g: &f64, w: &f64| {
+                        (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= 1e-5 * scale
+                    };
+                    if g.len() != w.len() || !g.iter().zip(w).all(|(g, w)| same(g, w)) {
                         failures.push(format!("{}: output {k} differs", case.op()));
                     }
                 }

@@ -38,6 +38,7 @@ const ERROR_BLOCK: u64 = 256;
 pub struct Emulator {
     capacity: u64,
     fusion: AtomicBool,
+    tiled_attention: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -63,6 +64,7 @@ impl Emulator {
         Ok(Emulator {
             capacity,
             fusion: AtomicBool::new(true),
+            tiled_attention: AtomicBool::new(crate::lower::attention::tiled_by_default()),
             state: Mutex::new(State {
                 memory,
                 kernels,
@@ -74,6 +76,12 @@ impl Emulator {
     /// Fuses pointwise regions (on by default), as [`crate::CudaDevice::set_fusion`].
     pub fn set_fusion(&self, on: bool) {
         self.fusion.store(on, Ordering::Relaxed);
+    }
+
+    /// Runs f32 attention's forward in register tiles, as
+    /// [`crate::CudaDevice::set_tiled_attention`].
+    pub fn set_tiled_attention(&self, on: bool) {
+        self.tiled_attention.store(on, Ordering::Relaxed);
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, State>, ExecError> {
@@ -198,7 +206,8 @@ impl Device for Emulator {
         } else {
             fusion::FusionPlan::none()
         };
-        let list = lower::lower_program(program, addresses, None, &plan_of_regions)?;
+        let tiled = self.tiled_attention.load(Ordering::Relaxed);
+        let list = lower::lower_program(program, addresses, None, &plan_of_regions, tiled)?;
         state.link(&list.kernels)?;
         let memory = &state.memory;
         memory

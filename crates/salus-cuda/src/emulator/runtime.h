@@ -15,6 +15,7 @@
 #define __global__
 #define __device__
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 struct dim3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };

@@ -106,6 +106,111 @@ extern "C" __global__ void attn_fwd(const AttentionArgs a) {
     }
 }
 
+// The forward in register tiles (head dims up to ATT_TD): a block of 256 threads per 64
+// queries of one head, key and value tiles of 32. Each thread holds a 4 x 2 tile of the
+// scores (rows ty*4.., keys tx*2..; ty = thread / 16, tx = thread % 16) summed over the
+// head dim from shared memory (the queries and keys stored dim-major, four rows or two
+// keys per load), and a 4 x 4 tile of the output (rows ty*4.., value dims tx*4..).
+// An online softmax per row (the 16 threads of a row combine by shuffles) rescales the
+// output; the probabilities go through shared memory (over the keys' tile) into
+// output += P v. Causal blocks stop at their last query's key. Sums in a fixed order.
+#define ATT_TQ 64
+#define ATT_TK 32
+#define ATT_PAD 4
+
+extern "C" __global__ void attn_fwd_tiled(const AttentionArgs a) {
+    __shared__ __align__(16) float qt[ATT_TD * (ATT_TQ + ATT_PAD)];  // qt[d][row]
+    __shared__ __align__(16) float kt[ATT_TD * (ATT_TK + ATT_PAD)];  // kt[d][key]; pt[key][row]
+    __shared__ __align__(16) float vs[ATT_TK * ATT_TD];              // vs[key][dim]
+    float* pt = kt;
+    const int QS = ATT_TQ + ATT_PAD, KS = ATT_TK + ATT_PAD;
+    int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+    float scale = (float)a.scale;
+    i64 qtiles = (a.lq + ATT_TQ - 1) / ATT_TQ;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
+        i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
+        i64 i0 = (blk % qtiles) * ATT_TQ;
+        __syncthreads();
+        for (i64 t = tid; t < ATT_TQ * ATT_TD; t += BLOCK) {
+            i64 r = t / ATT_TD, d = t % ATT_TD, i = i0 + r;
+            qt[d * QS + r] = (i < a.lq && d < a.e) ? (float)ld(a.q, a.qdt, (head * a.lq + i) * a.e + d) : 0.0f;
+        }
+        float m[4], l[4], acc[4][4];
+        for (int r = 0; r < 4; r++) {
+            m[r] = ATT_NEG_INF;
+            l[r] = 0.0f;
+            for (int c = 0; c < 4; c++) acc[r][c] = 0.0f;
+        }
+        i64 kend = a.lk;
+        if (a.causal && i0 + ATT_TQ < kend) kend = i0 + ATT_TQ;
+        for (i64 j0 = 0; j0 < kend; j0 += ATT_TK) {
+            __syncthreads();
+            for (i64 t = tid; t < ATT_TK * ATT_TD; t += BLOCK) {
+                i64 c = t / ATT_TD, d = t % ATT_TD, j = j0 + c;
+                bool in = j < a.lk;
+                kt[d * KS + c] = (in && d < a.e) ? (float)ld(a.k, a.kdt, (head * a.lk + j) * a.e + d) : 0.0f;
+                vs[c * ATT_TD + d] = (in && d < a.ev) ? (float)ld(a.v, a.vdt, (head * a.lk + j) * a.ev + d) : 0.0f;
+            }
+            __syncthreads();
+            float sc[4][2];
+            for (int r = 0; r < 4; r++) sc[r][0] = sc[r][1] = 0.0f;
+            for (i64 d = 0; d < a.e; d++) {
+                float4 qv = *(const float4*)&qt[d * QS + ty * 4];
+                float k0 = kt[d * KS + tx * 2], k1 = kt[d * KS + tx * 2 + 1];
+                sc[0][0] += qv.x * k0; sc[0][1] += qv.x * k1;
+                sc[1][0] += qv.y * k0; sc[1][1] += qv.y * k1;
+                sc[2][0] += qv.z * k0; sc[2][1] += qv.z * k1;
+                sc[3][0] += qv.w * k0; sc[3][1] += qv.w * k1;
+            }
+            __syncthreads();  // every score is in registers: kt becomes pt
+            for (int r = 0; r < 4; r++) {
+                i64 i = i0 + ty * 4 + r;
+                float tmax = ATT_NEG_INF;
+                for (int c = 0; c < 2; c++) {
+                    i64 j = j0 + tx * 2 + c;
+                    float x = (i < a.lq && j < a.lk) ? scale * sc[r][c] + att_mask(a, b, h, i, j) : ATT_NEG_INF;
+                    sc[r][c] = x;
+                    tmax = fmaxf(tmax, x);
+                }
+                for (int o = 1; o < 16; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+                float mnew = fmaxf(m[r], tmax);
+                float psum = 0.0f;
+                for (int c = 0; c < 2; c++) {
+                    float p = sc[r][c] == ATT_NEG_INF ? 0.0f : expf(sc[r][c] - mnew);
+                    pt[(tx * 2 + c) * QS + ty * 4 + r] = p;
+                    psum += p;
+                }
+                for (int o = 1; o < 16; o <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
+                float alpha = m[r] == ATT_NEG_INF ? 0.0f : expf(m[r] - mnew);
+                l[r] = l[r] * alpha + psum;
+                for (int c = 0; c < 4; c++) acc[r][c] *= alpha;
+                m[r] = mnew;
+            }
+            __syncthreads();
+            for (int c = 0; c < ATT_TK; c++) {
+                float4 pv = *(const float4*)&pt[c * QS + ty * 4];
+                float4 vv = *(const float4*)&vs[c * ATT_TD + tx * 4];
+                acc[0][0] += pv.x * vv.x; acc[0][1] += pv.x * vv.y; acc[0][2] += pv.x * vv.z; acc[0][3] += pv.x * vv.w;
+                acc[1][0] += pv.y * vv.x; acc[1][1] += pv.y * vv.y; acc[1][2] += pv.y * vv.z; acc[1][3] += pv.y * vv.w;
+                acc[2][0] += pv.z * vv.x; acc[2][1] += pv.z * vv.y; acc[2][2] += pv.z * vv.z; acc[2][3] += pv.z * vv.w;
+                acc[3][0] += pv.w * vv.x; acc[3][1] += pv.w * vv.y; acc[3][2] += pv.w * vv.z; acc[3][3] += pv.w * vv.w;
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            i64 i = i0 + ty * 4 + r;
+            if (i >= a.lq) continue;
+            for (int c = 0; c < 4; c++) {
+                i64 d = tx * 4 + c;
+                if (d < a.ev && a.o)
+                    st(a.o, a.odt, (head * a.lq + i) * a.ev + d,
+                       l[r] > 0.0f ? acc[r][c] / l[r] : __int_as_float(0x7fc00000));
+            }
+            if (tx == 0 && a.lse)
+                st(a.lse, a.lsedt, head * a.lq + i, l[r] > 0.0f ? m[r] + logf(l[r]) : ATT_NEG_INF);
+        }
+    }
+}
+
 extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
     __shared__ float ks[ATT_TILE * (ATT_MAXD + 1)];
     __shared__ float vs[ATT_TILE * (ATT_MAXD + 1)];

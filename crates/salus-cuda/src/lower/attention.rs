@@ -6,7 +6,10 @@
 //!   recomputes the probabilities from the log-sum-exp and runs its four products the
 //!   same way, with `dS = P (dP - D) scale` by a row kernel between them;
 //! - **fused** (16-bit inputs, or longer sequences): kernels that never form the score
-//!   matrix (an online softmax forward; a query pass and a key/value pass backward).
+//!   matrix (an online softmax forward; a query pass and a key/value pass backward). The
+//!   forward runs in register tiles (`attn_fwd_tiled`) where the head dims are at most
+//!   [`ATTENTION_TILED_MAX_DIM`], and f32 forwards too when the device asks for it
+//!   ([`crate::CudaDevice::set_tiled_attention`]); its backward stays as above.
 //!
 //! Either way the backward keeps one f32 per query (`D = grad_out . out`) in scratch.
 
@@ -15,7 +18,7 @@ use salus_graph::{AttentionParams, DType, Graph, Node, Op, OpParams};
 use super::matmul::Matrix;
 use super::reduce::row_blocks;
 use super::{Lowered, Lowering, Operand, address};
-use crate::abi::{ATTENTION_MAX_DIM, AttentionArgs, BLOCK, Kernel};
+use crate::abi::{ATTENTION_MAX_DIM, ATTENTION_TILED_MAX_DIM, AttentionArgs, BLOCK, Kernel};
 use crate::driver::GemmType::F32;
 
 /// The most bytes of f32 scores (`batch * heads * q_len * kv_len * 4`) the cuBLAS path
@@ -39,6 +42,18 @@ fn through_cublas(p: &AttentionParams, dtype: DType) -> bool {
 
 /// Queries per block of the forward (`ATT_QROWS`: two per warp).
 const FORWARD_QUERIES: u64 = BLOCK as u64 / 32 * 2;
+/// Queries per block of the register-tiled forward (`ATT_TQ`).
+const TILED_QUERIES: u64 = 64;
+
+/// Whether f32 attention starts with the register-tiled forward (`SALUS_CUDA_ATTENTION=tiled`)
+/// rather than cuBLAS.
+pub(crate) fn tiled_by_default() -> bool {
+    std::env::var("SALUS_CUDA_ATTENTION").as_deref() == Ok("tiled")
+}
+
+fn tiles_fit(p: &AttentionParams) -> bool {
+    p.head_dim <= ATTENTION_TILED_MAX_DIM && p.v_dim <= ATTENTION_TILED_MAX_DIM
+}
 /// Queries per block of the backward's query pass and keys per block of its key pass
 /// (one per warp).
 const BACKWARD_ROWS: u64 = BLOCK as u64 / 32;
@@ -66,6 +81,8 @@ pub(crate) fn attention_scratch_bytes(graph: &Graph, node: usize, params: &OpPar
     };
     let cublas = through_cublas(p, dtype);
     match n.op {
+        // Planned for cuBLAS whichever forward runs: the choice is the device's, at
+        // lowering, and the plan must hold either.
         Op::ScaledDotProductAttention if cublas => scores_bytes(p),
         Op::ScaledDotProductAttentionBackward if cublas => delta_bytes(p) + 2 * scores_bytes(p),
         Op::ScaledDotProductAttentionBackward => delta_bytes(p),
@@ -123,7 +140,12 @@ impl Lowering<'_> {
         let p = self.attention_params()?;
         let (scratch, len) = self.scratch();
         // (No keys: the fused kernels give every query NaN, as the CPU does.)
-        if through_cublas(&p, q.ty.dtype) && len >= scores_bytes(&p) && args.o != 0 && p.kv_len > 0
+        let tiled = tiles_fit(&p) && (self.tiled_attention || !through_cublas(&p, q.ty.dtype));
+        if !tiled
+            && through_cublas(&p, q.ty.dtype)
+            && len >= scores_bytes(&p)
+            && args.o != 0
+            && p.kv_len > 0
         {
             args.s = scratch;
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
@@ -150,6 +172,11 @@ impl Lowering<'_> {
                 0.0,
                 heads,
             );
+            return Ok(());
+        }
+        if tiled {
+            let blocks = heads * (args.lq as u64).div_ceil(TILED_QUERIES);
+            self.launch_blocks(Kernel::AttentionForwardTiled, blocks, args);
             return Ok(());
         }
         Self::fused_attention_fits(&p)?;

@@ -189,6 +189,8 @@ pub(crate) struct Lowering<'a> {
     pub folds: &'a folds::Folds,
     /// The generated kernels the commands launch, (name, source), each once.
     pub kernels: Vec<(String, String)>,
+    /// f32 attention's forward in register tiles rather than through cuBLAS.
+    pub tiled_attention: bool,
 }
 
 /// A node lowered, or why it cannot run on this device.
@@ -515,6 +517,7 @@ pub(crate) fn lower_program(
     (persistent, lane, err): (u64, u64, u64),
     dnn: Option<&Dnn>,
     fusion: &fusion::FusionPlan,
+    tiled_attention: bool,
 ) -> Result<CommandList, salus_exec::ExecError> {
     let graph = program.graph();
     let folds = folds::plan(program);
@@ -529,6 +532,7 @@ pub(crate) fn lower_program(
         fusion,
         folds: &folds,
         kernels: Vec::new(),
+        tiled_attention,
     };
     let mut spans = Vec::with_capacity(graph.nodes.len());
     for (index, node) in graph.nodes.iter().enumerate() {

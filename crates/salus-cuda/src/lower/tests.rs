@@ -294,6 +294,7 @@ pub(super) fn lower_all(
         fusion,
         folds,
         kernels: Vec::new(),
+        tiled_attention: false,
     };
     let mut spans = Vec::new();
     for (index, node) in program.graph().nodes.iter().enumerate() {
