@@ -9,6 +9,9 @@
 #
 #   ./scripts/gpu/profile.sh                 # the targets above: about 2-3 minutes
 #   ./scripts/gpu/profile.sh mlp gpt         # other models (see salus-bench profile --help)
+#   SALUS_CUDA_ATTENTION=tiled OUT=.gpu/out-tiled ./scripts/gpu/profile.sh transformer_nodrop gpt512
+#                                            # f32 attention's forward in register tiles,
+#                                            # to compare with the cuBLAS default
 #
 # Writes $OUT (default .gpu/out): profile.json (salus-bench profile --json), profile.err
 # (progress and PyTorch's log), profile.txt (the tables); prints the tables at the end.
