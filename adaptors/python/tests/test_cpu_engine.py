@@ -33,9 +33,10 @@ EMULATED_MODELS = ["mlp", "cnn", "gpt", "transformer_nodrop"]
 SMALL_LARGE = dict(batch_size=2, seq=16, d_model=32, layers=2)
 
 
-def replay(model_dir: Path, *args: str) -> dict:
-    """Runs ``replay_reference`` on one model's reference files (``args`` after it):
-    ``SALUS_REPLAY`` names a built binary of it, else cargo builds and runs it."""
+def replay(model_dir: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Runs ``replay_reference`` on one model's reference files (``args`` after it, ``env``
+    added to its environment): ``SALUS_REPLAY`` names a built binary of it, else cargo
+    builds and runs it."""
     if os.environ.get("SALUS_REPLAY"):
         command = [os.environ["SALUS_REPLAY"], str(model_dir), *args]
     elif shutil.which("cargo") is None:
@@ -43,7 +44,8 @@ def replay(model_dir: Path, *args: str) -> dict:
     else:
         command = ["cargo", "run", "--quiet", "--locked", "-p", "salus-testkit", "--example",
                    "replay_reference", "--", str(model_dir), *args]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False,
+                         env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -63,14 +65,29 @@ def test_cpu_device_matches_pytorch(tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize("name", EMULATED_MODELS)
 def test_cuda_lowering_on_the_emulator_matches_pytorch(tmp_path: Path, name: str) -> None:
     """The same rule for the CUDA device's command lists and kernels, run on the host."""
+    write_for_emulator(tmp_path, name)
+    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name, "--device", "cuda-emulated"))
+
+
+@pytest.mark.parametrize("name", ["gpt", "transformer_nodrop"])
+def test_tiled_attention_on_the_emulator_matches_pytorch(tmp_path: Path, name: str) -> None:
+    """The same with f32 attention in register tiles (``SALUS_CUDA_ATTENTION=tiled``)."""
+    write_for_emulator(tmp_path, name)
+    result = replay(tmp_path / name, "--device", "cuda-emulated",
+                    env={"SALUS_CUDA_ATTENTION": "tiled"})
+    assert_matches_pytorch(tmp_path / name, result)
+
+
+def write_for_emulator(out: Path, name: str) -> None:
+    """Writes model ``name``'s reference run under ``out``, or skips without a C++
+    compiler (the emulator builds the kernels with it)."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("the emulator needs a C++ compiler ($CXX, else c++)")
     if name in reference.reference_runs():
-        reference.write_all(tmp_path, steps=STEPS, names=[name])
+        reference.write_all(out, steps=STEPS, names=[name])
     else:
         run = reference.large_runs(**SMALL_LARGE)[name]
-        reference.write_model(tmp_path / name, name, run, steps=STEPS)
-    assert_matches_pytorch(tmp_path / name, replay(tmp_path / name, "--device", "cuda-emulated"))
+        reference.write_model(out / name, name, run, steps=STEPS)
 
 
 def assert_matches_pytorch(model_dir: Path, result: dict) -> None:

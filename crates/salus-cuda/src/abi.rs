@@ -891,6 +891,9 @@ kernels! {
     AttentionForward = "attn_fwd" (AttentionArgs),
     /// The forward in register tiles, head dims up to [`ATTENTION_TILED_MAX_DIM`].
     AttentionForwardTiled = "attn_fwd_tiled" (AttentionArgs),
+    /// The backward in register tiles: the query pass, then the key and value pass.
+    AttentionBackwardQueryTiled = "attn_bwd_dq_tiled" (AttentionArgs),
+    AttentionBackwardKeyValueTiled = "attn_bwd_dkv_tiled" (AttentionArgs),
     AttentionBackwardQuery = "attn_bwd_dq" (AttentionArgs),
     AttentionBackwardKeyValue = "attn_bwd_dkv" (AttentionArgs),
     // Attention through cuBLAS products: the row kernels between them.

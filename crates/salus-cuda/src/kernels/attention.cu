@@ -211,6 +211,185 @@ extern "C" __global__ void attn_fwd_tiled(const AttentionArgs a) {
     }
 }
 
+// The backward in register tiles (head dims up to ATT_TD), from D = grad_out . out per
+// query (attn_delta_rows, in `delta`) and the forward's log-sum-exp, in two passes with no
+// atomics (a fixed order, the same result every run):
+//   attn_bwd_dq_tiled: a block per 32 queries of one head over key tiles of 32: P and
+//     dS = P (dP - D) for a 2 x 2 tile a thread (queries qy*2.., keys kx*2..), then
+//     grad_query += dS k for a 2 x 4 tile (queries qy*2.., dims dx*4..);
+//   attn_bwd_dkv_tiled: a block per 32 keys over query tiles of 32: the same P and dS,
+//     then grad_value += P^T grad_out and grad_key += dS^T q for 2 x 4 tiles (keys ky*2..,
+//     dims dx*4..).
+#define ATT_TB 32
+#define ATT_RS (ATT_TD + ATT_PAD)  // row stride of a row-major tile
+#define ATT_CS (ATT_TB + ATT_PAD)  // row stride of a dim-major tile (or a P / dS tile)
+
+// Rows `first`.. of `len` elements of head `head` of p (a row past `limit`, or an element
+// past `len`, reads 0) into a row-major tile sh[row][d] of ATT_TB rows.
+__device__ void att_rows(float* sh, u64 p, i64 dt, i64 head, i64 first, i64 limit, i64 len) {
+    for (i64 t = threadIdx.x; t < ATT_TB * ATT_TD; t += BLOCK) {
+        i64 r = t / ATT_TD, d = t % ATT_TD, row = first + r;
+        sh[r * ATT_RS + d] = (row < limit && d < len) ? (float)ld(p, dt, (head * limit + row) * len + d) : 0.0f;
+    }
+}
+
+// The same rows into a dim-major tile sh[d][row].
+__device__ void att_cols(float* sh, u64 p, i64 dt, i64 head, i64 first, i64 limit, i64 len) {
+    for (i64 t = threadIdx.x; t < ATT_TB * ATT_TD; t += BLOCK) {
+        i64 r = t / ATT_TD, d = t % ATT_TD, row = first + r;
+        sh[d * ATT_CS + r] = (row < limit && d < len) ? (float)ld(p, dt, (head * limit + row) * len + d) : 0.0f;
+    }
+}
+
+// P and dS of queries i0 + qy*2.. and keys j0 + kx*2.. from row-major q and grad_out tiles
+// (qr, gr), a row-major key tile (kr) and a dim-major value tile (vt).
+__device__ void att_tile_grads(const AttentionArgs& a, i64 b, i64 h, i64 i0, i64 j0,
+                               const float* qr, const float* gr, const float* kr,
+                               const float* vt, const float lse[2], const float dl[2],
+                               float p[2][2], float ds[2][2]) {
+    int qy = threadIdx.x >> 4, kx = threadIdx.x & 15;
+    float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}}, dp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    for (i64 d = 0; d < a.e; d++) {
+        float q0 = qr[(qy * 2) * ATT_RS + d], q1 = qr[(qy * 2 + 1) * ATT_RS + d];
+        float k0 = kr[(kx * 2) * ATT_RS + d], k1 = kr[(kx * 2 + 1) * ATT_RS + d];
+        sc[0][0] += q0 * k0; sc[0][1] += q0 * k1;
+        sc[1][0] += q1 * k0; sc[1][1] += q1 * k1;
+    }
+    for (i64 d = 0; d < a.ev; d++) {
+        float g0 = gr[(qy * 2) * ATT_RS + d], g1 = gr[(qy * 2 + 1) * ATT_RS + d];
+        float v0 = vt[d * ATT_CS + kx * 2], v1 = vt[d * ATT_CS + kx * 2 + 1];
+        dp[0][0] += g0 * v0; dp[0][1] += g0 * v1;
+        dp[1][0] += g1 * v0; dp[1][1] += g1 * v1;
+    }
+    float scale = (float)a.scale;
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 2; c++) {
+            i64 i = i0 + qy * 2 + r, j = j0 + kx * 2 + c;
+            float x = (i < a.lq && j < a.lk) ? scale * sc[r][c] + att_mask(a, b, h, i, j) : ATT_NEG_INF;
+            p[r][c] = (x == ATT_NEG_INF || lse[r] == ATT_NEG_INF) ? 0.0f : expf(x - lse[r]);
+            ds[r][c] = p[r][c] * (dp[r][c] - dl[r]);
+        }
+}
+
+extern "C" __global__ void attn_bwd_dq_tiled(const AttentionArgs a) {
+    __shared__ __align__(16) float qr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float gr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float kr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float vt[ATT_TD * ATT_CS];
+    __shared__ __align__(16) float sq[ATT_TB * ATT_CS];  // dS[query][key]
+    int tid = threadIdx.x, qy = tid >> 4, kx = tid & 15, dx = tid & 15;
+    const float* delta = (const float*)a.delta;
+    i64 qtiles = (a.lq + ATT_TB - 1) / ATT_TB;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
+        i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
+        i64 i0 = (blk % qtiles) * ATT_TB;
+        __syncthreads();
+        att_rows(qr, a.q, a.qdt, head, i0, a.lq, a.e);
+        att_rows(gr, a.go, a.godt, head, i0, a.lq, a.ev);
+        float lse[2], dl[2], acc[2][4];
+        for (int r = 0; r < 2; r++) {
+            i64 i = i0 + qy * 2 + r;
+            lse[r] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : ATT_NEG_INF;
+            dl[r] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
+            for (int c = 0; c < 4; c++) acc[r][c] = 0.0f;
+        }
+        i64 kend = a.lk;
+        if (a.causal && i0 + ATT_TB < kend) kend = i0 + ATT_TB;
+        for (i64 j0 = 0; j0 < kend; j0 += ATT_TB) {
+            __syncthreads();
+            att_rows(kr, a.k, a.kdt, head, j0, a.lk, a.e);
+            att_cols(vt, a.v, a.vdt, head, j0, a.lk, a.ev);
+            __syncthreads();
+            float p[2][2], ds[2][2];
+            att_tile_grads(a, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
+            for (int r = 0; r < 2; r++)
+                for (int c = 0; c < 2; c++) sq[(qy * 2 + r) * ATT_CS + kx * 2 + c] = ds[r][c];
+            __syncthreads();
+            for (int k = 0; k < ATT_TB; k++) {
+                float s0 = sq[(qy * 2) * ATT_CS + k], s1 = sq[(qy * 2 + 1) * ATT_CS + k];
+                float4 kv = *(const float4*)&kr[k * ATT_RS + dx * 4];
+                acc[0][0] += s0 * kv.x; acc[0][1] += s0 * kv.y; acc[0][2] += s0 * kv.z; acc[0][3] += s0 * kv.w;
+                acc[1][0] += s1 * kv.x; acc[1][1] += s1 * kv.y; acc[1][2] += s1 * kv.z; acc[1][3] += s1 * kv.w;
+            }
+        }
+        float scale = (float)a.scale;
+        for (int r = 0; r < 2; r++) {
+            i64 i = i0 + qy * 2 + r;
+            for (int c = 0; c < 4; c++) {
+                i64 d = dx * 4 + c;
+                if (i < a.lq && d < a.e && a.dq)
+                    st(a.dq, a.dqdt, (head * a.lq + i) * a.e + d, scale * acc[r][c]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void attn_bwd_dkv_tiled(const AttentionArgs a) {
+    __shared__ __align__(16) float qr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float gr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float kr[ATT_TB * ATT_RS];
+    __shared__ __align__(16) float vt[ATT_TD * ATT_CS];
+    __shared__ __align__(16) float pq[ATT_TB * ATT_CS];  // P[query][key]
+    __shared__ __align__(16) float sq[ATT_TB * ATT_CS];  // dS[query][key]
+    __shared__ float lses[ATT_TB];
+    __shared__ float dls[ATT_TB];
+    int tid = threadIdx.x, qy = tid >> 4, kx = tid & 15, ky = tid >> 4, dx = tid & 15;
+    const float* delta = (const float*)a.delta;
+    i64 ktiles = (a.lk + ATT_TB - 1) / ATT_TB;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.heads * ktiles; blk += gridDim.x) {
+        i64 head = blk / ktiles, b = head / a.heads, h = head % a.heads;
+        i64 j0 = (blk % ktiles) * ATT_TB;
+        __syncthreads();
+        att_rows(kr, a.k, a.kdt, head, j0, a.lk, a.e);
+        att_cols(vt, a.v, a.vdt, head, j0, a.lk, a.ev);
+        float dk[2][4], dv[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int c = 0; c < 4; c++) dk[r][c] = dv[r][c] = 0.0f;
+        // Causal: queries before the block's first key see none of its keys.
+        i64 qstart = a.causal ? j0 : 0;
+        for (i64 i0 = qstart; i0 < a.lq; i0 += ATT_TB) {
+            __syncthreads();
+            att_rows(qr, a.q, a.qdt, head, i0, a.lq, a.e);
+            att_rows(gr, a.go, a.godt, head, i0, a.lq, a.ev);
+            if (tid < ATT_TB) {
+                i64 i = i0 + tid;
+                lses[tid] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : ATT_NEG_INF;
+                dls[tid] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
+            }
+            __syncthreads();
+            float lse[2] = {lses[qy * 2], lses[qy * 2 + 1]}, dl[2] = {dls[qy * 2], dls[qy * 2 + 1]};
+            float p[2][2], ds[2][2];
+            att_tile_grads(a, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
+            for (int r = 0; r < 2; r++)
+                for (int c = 0; c < 2; c++) {
+                    pq[(qy * 2 + r) * ATT_CS + kx * 2 + c] = p[r][c];
+                    sq[(qy * 2 + r) * ATT_CS + kx * 2 + c] = ds[r][c];
+                }
+            __syncthreads();
+            for (int q = 0; q < ATT_TB; q++) {
+                float p0 = pq[q * ATT_CS + ky * 2], p1 = pq[q * ATT_CS + ky * 2 + 1];
+                float s0 = sq[q * ATT_CS + ky * 2], s1 = sq[q * ATT_CS + ky * 2 + 1];
+                float4 gv = *(const float4*)&gr[q * ATT_RS + dx * 4];
+                float4 qv = *(const float4*)&qr[q * ATT_RS + dx * 4];
+                dv[0][0] += p0 * gv.x; dv[0][1] += p0 * gv.y; dv[0][2] += p0 * gv.z; dv[0][3] += p0 * gv.w;
+                dv[1][0] += p1 * gv.x; dv[1][1] += p1 * gv.y; dv[1][2] += p1 * gv.z; dv[1][3] += p1 * gv.w;
+                dk[0][0] += s0 * qv.x; dk[0][1] += s0 * qv.y; dk[0][2] += s0 * qv.z; dk[0][3] += s0 * qv.w;
+                dk[1][0] += s1 * qv.x; dk[1][1] += s1 * qv.y; dk[1][2] += s1 * qv.z; dk[1][3] += s1 * qv.w;
+            }
+        }
+        float scale = (float)a.scale;
+        for (int r = 0; r < 2; r++) {
+            i64 j = j0 + ky * 2 + r;
+            if (j >= a.lk) continue;
+            for (int c = 0; c < 4; c++) {
+                i64 d = dx * 4 + c;
+                if (d < a.e && a.dk) st(a.dk, a.dkdt, (head * a.lk + j) * a.e + d, scale * dk[r][c]);
+                if (d < a.ev && a.dv) st(a.dv, a.dvdt, (head * a.lk + j) * a.ev + d, dv[r][c]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
     __shared__ float ks[ATT_TILE * (ATT_MAXD + 1)];
     __shared__ float vs[ATT_TILE * (ATT_MAXD + 1)];

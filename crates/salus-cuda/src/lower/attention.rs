@@ -7,9 +7,10 @@
 //!   same way, with `dS = P (dP - D) scale` by a row kernel between them;
 //! - **fused** (16-bit inputs, or longer sequences): kernels that never form the score
 //!   matrix (an online softmax forward; a query pass and a key/value pass backward). The
-//!   forward runs in register tiles (`attn_fwd_tiled`) where the head dims are at most
-//!   [`ATTENTION_TILED_MAX_DIM`], and f32 forwards too when the device asks for it
-//!   ([`crate::CudaDevice::set_tiled_attention`]); its backward stays as above.
+//!   forward and backward run in register tiles (`attn_fwd_tiled`, `attn_bwd_dq_tiled`,
+//!   `attn_bwd_dkv_tiled`) where the head dims are at most [`ATTENTION_TILED_MAX_DIM`],
+//!   and f32 attention too when the device asks for it
+//!   ([`crate::CudaDevice::set_tiled_attention`]).
 //!
 //! Either way the backward keeps one f32 per query (`D = grad_out . out`) in scratch.
 
@@ -44,6 +45,8 @@ fn through_cublas(p: &AttentionParams, dtype: DType) -> bool {
 const FORWARD_QUERIES: u64 = BLOCK as u64 / 32 * 2;
 /// Queries per block of the register-tiled forward (`ATT_TQ`).
 const TILED_QUERIES: u64 = 64;
+/// Queries, or keys, per block of the register-tiled backward (`ATT_TB`).
+const TILED_BACKWARD_ROWS: u64 = 32;
 
 /// Whether f32 attention starts with the register-tiled forward (`SALUS_CUDA_ATTENTION=tiled`)
 /// rather than cuBLAS.
@@ -236,7 +239,8 @@ impl Lowering<'_> {
         let p = self.attention_params()?;
         let need = delta_bytes(&p);
         let (delta, len) = self.scratch();
-        if through_cublas(&p, q.ty.dtype) && len >= need + 2 * scores_bytes(&p) {
+        let tiled = tiles_fit(&p) && (self.tiled_attention || !through_cublas(&p, q.ty.dtype));
+        if !tiled && through_cublas(&p, q.ty.dtype) && len >= need + 2 * scores_bytes(&p) {
             args.delta = delta;
             args.s = delta + need;
             args.dp = args.s + scores_bytes(&p);
@@ -309,6 +313,29 @@ impl Lowering<'_> {
                     0.0,
                     heads,
                 );
+            }
+            return Ok(());
+        }
+        if tiled {
+            if len < need {
+                return Err(format!(
+                    "attention's backward needs {need} bytes of scratch and was planned with \
+                     {len}: plan the program with this device's scratch sizes"
+                ));
+            }
+            args.delta = delta;
+            self.launch_blocks(
+                Kernel::AttentionDeltaRows,
+                row_blocks(heads * lq, p.v_dim),
+                args,
+            );
+            if args.dq != 0 {
+                let blocks = heads * lq.div_ceil(TILED_BACKWARD_ROWS);
+                self.launch_blocks(Kernel::AttentionBackwardQueryTiled, blocks, args);
+            }
+            if args.dk != 0 || args.dv != 0 {
+                let blocks = heads * lk.div_ceil(TILED_BACKWARD_ROWS);
+                self.launch_blocks(Kernel::AttentionBackwardKeyValueTiled, blocks, args);
             }
             return Ok(());
         }
