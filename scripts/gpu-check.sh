@@ -14,6 +14,9 @@
 #                                    # GPU against CPU eager autocast, the bench
 #   ./scripts/gpu-check.sh run --no-bench   # the same without the bench (a correctness
 #                                    # check that fits a short lease)
+#   ./scripts/gpu-check.sh speed     # there: the transformer models' profiles (the stock
+#                                    # encoder, the GPT decoder) with f32 attention through
+#                                    # cuBLAS, then in register tiles (SALUS_CUDA_ATTENTION)
 #   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
 #                                    # and the GPT decoder against eager PyTorch autocast
 #                                    # on the same GPU (salus-bench cuda --amp bf16)
@@ -100,6 +103,14 @@ reference.main(['/tmp/salus-gpu-ref', '--steps', '10', '--device', 'cuda'])" > "
     SALUS_PYTHON=python3 timeout 300 .gpu/salus-bench cuda --json --dir /tmp/salus-gpu-bench \
         > "$out/bench.json" 2> "$out/bench.err"
     echo "rc=$?"; cat "$out/bench.json"
+    ;;
+speed)
+    out=${OUT:-.gpu/out}
+    for attention in cublas tiled; do
+        echo "== profile, f32 attention: $attention"
+        SALUS_CUDA_ATTENTION=$attention OUT="$out/speed-$attention" PROFILE_TIMEOUT=240 \
+            ./scripts/gpu/profile.sh transformer_nodrop gpt512
+    done
     ;;
 amp-bench)
     out=${OUT:-.gpu/out}
