@@ -909,21 +909,18 @@ impl ScratchSizer for CudaDevice {
 /// results, batch norm's sums, attention's per-query f32; what the portable planner gives
 /// every other node, less the widening of 16-bit convolutions the direct kernels need not.
 pub(crate) fn kernel_scratch_bytes(graph: &Graph, node: usize, params: &OpParams) -> u64 {
-    let partials = lower::reduce::reduce_scratch_bytes(graph, node, params);
-    if partials > 0 {
-        return partials;
-    }
-    let sums = lower::batch_norm::batch_norm_scratch_bytes(graph, node, params);
-    if sums > 0 {
-        return sums;
-    }
-    let delta = lower::attention::attention_scratch_bytes(graph, node, params);
-    if delta > 0 {
-        return delta;
-    }
-    let columns = lower::reduce::layer_norm_backward_scratch_bytes(graph, node, params);
-    if columns > 0 {
-        return columns;
+    let sizers: [fn(&Graph, usize, &OpParams) -> u64; 4] = [
+        lower::reduce::reduce_scratch_bytes,
+        lower::batch_norm::batch_norm_scratch_bytes,
+        lower::attention::attention_scratch_bytes,
+        lower::reduce::layer_norm_backward_scratch_bytes,
+    ];
+    if let Some(bytes) = sizers
+        .iter()
+        .map(|size| size(graph, node, params))
+        .find(|&b| b > 0)
+    {
+        return bytes;
     }
     if widened_conv(graph, node, params) {
         return 0; // this device's direct kernels run it (`lower::conv`), with no scratch

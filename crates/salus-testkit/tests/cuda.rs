@@ -1104,50 +1104,21 @@ fn ops_match_the_cpu_on_random_inputs() {
     let Some(kernels) = kernels("ops_match", 256 << 20) else {
         return;
     };
-    let gpu = kernels.device();
-    let mut failures = Vec::new();
-    for case in cases() {
-        let want = case.try_run_on(None);
-        let got = case.try_run_on(Some(gpu.clone()));
-        match (want, got) {
-            (Ok(want), Ok(got)) => {
-                for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
-                    if g.len() != w.len()
-                        || g.iter().zip(w).any(|(g, w)| (g - w).abs() > 1e-4 * scale)
-                    {
-                        failures.push(format!("{}: output {k} differs", case.op()));
-                    }
-                }
-            }
-            (w, g) => failures.push(format!(
-                "{}: cpu {:?}, gpu {:?}",
-                case.op(),
-                w.err(),
-                g.err()
-            )),
-        }
-    }
+    let failures = mismatches(&kernels.device(), cases(), 1e-4);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// f32 attention with the register-tiled forward (not cuBLAS) against the CPU, and its
-/// backward from there.
-#[test]
-fn tiled_attention_matches_the_cpu() {
-    let Some(kernels) = kernels("tiled_attention", 256 << 20) else {
-        return;
-    };
-    kernels.set_tiled_attention(true);
-    let gpu = kernels.device();
+/// The cases whose outputs on `gpu` differ from the CPU device's by more than `rtol` of
+/// each output's scale (at least 1), or that fail on either; NaN matches NaN.
+fn mismatches(gpu: &Arc<dyn Device>, cases: Vec<Case>, rtol: f64) -> Vec<String> {
     let mut failures = Vec::new();
-    for case in attention_cases(&mut Rng::new(31)) {
+    for case in cases {
         match (case.try_run_on(None), case.try_run_on(Some(gpu.clone()))) {
             (Ok(want), Ok(got)) => {
                 for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                     let scale = w.iter().fold(0.0f64, |s, v| s.max(v.abs())).max(1.0);
                     let same = |g: &f64, w: &f64| {
-                        (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= 1e-5 * scale
+                        (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= rtol * scale
                     };
                     if g.len() != w.len() || !g.iter().zip(w).all(|(g, w)| same(g, w)) {
                         failures.push(format!("{}: output {k} differs", case.op()));
@@ -1162,6 +1133,18 @@ fn tiled_attention_matches_the_cpu() {
             )),
         }
     }
+    failures
+}
+
+/// f32 attention with the register-tiled forward (not cuBLAS) against the CPU, and its
+/// backward from there.
+#[test]
+fn tiled_attention_matches_the_cpu() {
+    let Some(kernels) = kernels("tiled_attention", 256 << 20) else {
+        return;
+    };
+    kernels.set_tiled_attention(true);
+    let failures = mismatches(&kernels.device(), attention_cases(&mut Rng::new(31)), 1e-5);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
