@@ -30,7 +30,8 @@ device_struct! {
     /// Layer norm's backward (`rows.cu`): `layer_norm_bwd_input_rows` writes `gi`;
     /// `layer_norm_bwd_params_part` sums `per` rows a chunk (`chunks` of them) into `part`
     /// (the node's scratch: `chunks` rows of `inner` doubles for the weight, then as many
-    /// for the bias), `layer_norm_bwd_params_finish` adds them into `gw` and `gb`.
+    /// for the bias), `layer_norm_bwd_params_finish` adds them into `gw` and `gb`; `res`
+    /// (when not 0) is added into `gi` element by element (a folded residual add).
     #[derive(Default)]
     struct LayerNormBackwardArgs {
         rows: i64,
@@ -54,6 +55,8 @@ device_struct! {
         part: u64,
         chunks: i64,
         per: i64,
+        res: u64,
+        resdt: i64,
     }
 }
 

@@ -501,7 +501,9 @@ extern "C" __global__ void layer_norm_bwd_input_rows(const LayerNormBackwardArgs
         for (i64 j = t; j < a.inner; j += nt) {
             float xhat = (ldf(a.x, a.xdt, base + j) - m) * rs;
             float dyw = ldf(a.g, a.gdt, base + j) * (a.w ? ldf(a.w, a.wdt, j) : 1.0f);
-            stf(a.gi, a.gidt, base + j, rs * (dyw - mean_dyw - xhat * mean_dyw_xhat));
+            float v = rs * (dyw - mean_dyw - xhat * mean_dyw_xhat);
+            if (a.res) v += ldf(a.res, a.resdt, base + j);
+            stf(a.gi, a.gidt, base + j, v);
         }
     }
 }

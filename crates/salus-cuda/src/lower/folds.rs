@@ -17,6 +17,7 @@
 use salus_exec::{Location, Program};
 use salus_graph::{DType, Op, OpParams};
 
+use super::epilogues::Epilogues;
 use super::fusion::{node_writes, read_at_end, tensor_readers};
 
 /// The permutes not copied and the sources their outputs stand for.
@@ -152,8 +153,9 @@ impl Facts<'_> {
     }
 }
 
-/// The transposes of `program` to fold (see the module doc).
-pub(crate) fn plan(program: &Program) -> Folds {
+/// The transposes of `program` to fold (see the module doc). A producer with an epilogue
+/// writes its add's output when it runs (`epilogues`), so that is among its writes.
+pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
     let graph = program.graph();
     let layouts = program.layouts();
     let readers = tensor_readers(graph);
@@ -178,10 +180,18 @@ pub(crate) fn plan(program: &Program) -> Folds {
             transpose_of[*o] = Some(p);
         }
     }
+    let mut writes = node_writes(program);
+    for (p, w) in writes.iter_mut().enumerate() {
+        if let Some(e) = epilogues.of(p)
+            && let Some(Location::Lane(off)) = program.location(e.out)
+        {
+            w.push(off..off + program.bytes(e.out));
+        }
+    }
     let mut facts = Facts {
         program,
         readers,
-        writes: node_writes(program),
+        writes,
         transpose_of,
         decided: vec![None; graph.nodes.len()],
     };

@@ -143,22 +143,43 @@ impl Lowering<'_> {
                 None => Matrix::batched(t.ptr, cols, rows),
             };
         if let (Some(ty), true) = (gemm_type(&[&a, &b, o]), k > 0) {
+            // With an epilogue (`epilogues`) the product writes its add's output, starting
+            // from the add's other operand.
+            let epilogue = self.epilogues.of(self.index);
+            let target = epilogue.map_or_else(|| o.clone(), |e| self.operand(e.out));
+            let residual = epilogue.map(|e| self.operand(e.residual));
             let mut acc = 0.0;
-            if let Some(bias) = &bias {
-                self.ew(ElementwiseOp::MulScalar, o, &[bias], [beta, 0.0, 0.0])?;
-                acc = 1.0;
+            match (&bias, &residual) {
+                (Some(bias), Some(r)) => {
+                    self.ew(ElementwiseOp::Add, &target, &[r, bias], [beta, 0.0, 0.0])?;
+                    acc = 1.0;
+                }
+                (Some(bias), None) => {
+                    self.ew(ElementwiseOp::MulScalar, &target, &[bias], [beta, 0.0, 0.0])?;
+                    acc = 1.0;
+                }
+                (None, Some(r)) => {
+                    if r.ptr != target.ptr {
+                        self.copy_flat(&target, r)?;
+                    }
+                    acc = 1.0;
+                }
+                (None, None) => {}
             }
             self.gemm_row_major(
                 ty,
                 (n, k, m),
                 factor(&a, &folded[0], n, k),
                 factor(&b, &folded[1], k, m),
-                Matrix::batched(o.ptr, m, n),
+                Matrix::batched(target.ptr, m, n),
                 alpha,
                 acc,
                 batch,
             );
             return Ok(());
+        }
+        if self.epilogues.of(self.index).is_some() {
+            return Err("internal: an add was folded into a product cuBLAS does not run".into());
         }
         if folded.iter().any(Option::is_some) {
             return Err(

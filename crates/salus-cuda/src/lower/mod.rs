@@ -15,6 +15,7 @@ pub(crate) mod batch;
 pub(crate) mod batch_norm;
 mod conv;
 mod elementwise;
+pub(crate) mod epilogues;
 pub(crate) mod folds;
 pub(crate) mod fusion;
 mod index;
@@ -187,6 +188,8 @@ pub(crate) struct Lowering<'a> {
     pub fusion: &'a fusion::FusionPlan,
     /// The transposes folded into products ([`folds::Folds::none`] for none).
     pub folds: &'a folds::Folds,
+    /// The adds folded into their producers ([`epilogues::Epilogues::none`] for none).
+    pub epilogues: &'a epilogues::Epilogues,
     /// The generated kernels the commands launch, (name, source), each once.
     pub kernels: Vec<(String, String)>,
     /// f32 attention's forward in register tiles rather than through cuBLAS.
@@ -271,7 +274,7 @@ impl<'a> Lowering<'a> {
         if let Some(error) = &layout.error {
             return Err(error.clone());
         }
-        if layout.skip || self.folds.skips(self.index) {
+        if layout.skip || self.folds.skips(self.index) || self.epilogues.skips(self.index) {
             return Ok(());
         }
         let fusion = self.fusion;
@@ -520,7 +523,8 @@ pub(crate) fn lower_program(
     tiled_attention: bool,
 ) -> Result<CommandList, salus_exec::ExecError> {
     let graph = program.graph();
-    let folds = folds::plan(program);
+    let epilogues = epilogues::plan(program, fusion);
+    let folds = folds::plan(program, &epilogues);
     let mut lower = Lowering {
         program,
         persistent,
@@ -531,6 +535,7 @@ pub(crate) fn lower_program(
         commands: Vec::new(),
         fusion,
         folds: &folds,
+        epilogues: &epilogues,
         kernels: Vec::new(),
         tiled_attention,
     };

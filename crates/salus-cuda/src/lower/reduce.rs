@@ -574,7 +574,13 @@ impl Lowering<'_> {
             Some(w) => return Err(format!("weight {} must have {inner} elements", w.ty)),
             None => None,
         };
-        let outs: Vec<Option<Operand>> = (0..3).map(|k| self.output(node, k)).collect();
+        let mut outs: Vec<Option<Operand>> = (0..3).map(|k| self.output(node, k)).collect();
+        // With an epilogue (`epilogues`) the input gradient goes into its add's output, with
+        // the add's other operand added in.
+        let epilogue = self.epilogues.of(self.index);
+        if let Some(e) = epilogue {
+            outs[0] = Some(self.operand(e.out));
+        }
         for (k, o) in outs.iter().enumerate() {
             if let Some(o) = o {
                 let want = if k == 0 { total } else { inner };
@@ -600,6 +606,9 @@ impl Lowering<'_> {
         (args.gi, args.gidt) = address(outs[0].as_ref());
         (args.gw, args.gwdt) = address(outs[1].as_ref());
         (args.gb, args.gbdt) = address(outs[2].as_ref());
+        if let Some(e) = epilogue {
+            (args.res, args.resdt) = address(Some(&self.operand(e.residual)));
+        }
         if args.gi != 0 {
             let blocks = row_blocks(rows, inner);
             self.launch_blocks(Kernel::LayerNormBackwardInputRows, blocks, args);

@@ -293,6 +293,7 @@ pub(super) fn lower_all(
         commands: Vec::new(),
         fusion,
         folds,
+        epilogues: &super::epilogues::Epilogues::none(),
         kernels: Vec::new(),
         tiled_attention: false,
     };
@@ -1298,7 +1299,7 @@ use super::folds;
 
 /// `program` lowered with its folds (no fusion).
 fn lower_folding(program: &Program) -> (Vec<Command>, folds::Folds) {
-    let folds = folds::plan(program);
+    let folds = folds::plan(program, &super::epilogues::Epilogues::none());
     let LoweredProgram(commands, _, _) = lower_all(program, &FusionPlan::none(), &folds);
     (commands, folds)
 }
@@ -1396,4 +1397,68 @@ fn a_transpose_something_else_reads_is_copied_and_a_transpose_of_it_copies_strai
     );
     // w.t() copied once (the first product reads the copy), then the elementwise op.
     assert_eq!(commands.len(), 4, "{commands:?}");
+}
+
+// ------------------------------------------------------------------------------------
+// Adds folded into their producers.
+
+/// y = b + x @ w (addmm), z = r + y (fetched); with `fetch_y` y is fetched too.
+fn residual(fetch_y: bool) -> Graph {
+    let tensors = vec![
+        f32t("x", &[4, 3], Role::Feed),
+        f32t("w", &[3, 5], Role::Parameter),
+        f32t("b", &[5], Role::Parameter),
+        f32t("r", &[4, 5], Role::Feed),
+        f32t("y", &[4, 5], Role::Intermediate),
+        f32t("z", &[4, 5], Role::Intermediate),
+    ];
+    let nodes = vec![
+        node(Op::Addmm, &[2, 0, 1], &[4], &[]),
+        node(Op::AddTensor, &[3, 4], &[5], &[]),
+    ];
+    Graph {
+        tensors,
+        nodes,
+        fetches: if fetch_y { vec![5, 4] } else { vec![5] },
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[test]
+fn a_residual_add_folds_into_the_product_that_makes_its_operand() {
+    let program = program(residual(false));
+    let epilogues = super::epilogues::plan(&program, &FusionPlan::none());
+    let e = epilogues.of(0).expect("the add folds into the product");
+    assert_eq!((e.out, e.residual), (5, 3));
+    assert!(epilogues.skips(1));
+    let list = lower_program(
+        &program,
+        (1 << 20, 1 << 30, 1 << 40),
+        None,
+        &FusionPlan::none(),
+        false,
+    )
+    .expect("lowered");
+    let z = match program.location(5) {
+        Some(salus_exec::Location::Lane(off)) => (1 << 30) + off,
+        other => panic!("z at {other:?}"),
+    };
+    // z = r + b first (one elementwise launch), then the product accumulates into z.
+    assert_eq!(list.commands.len(), 2, "{:?}", list.commands);
+    assert_eq!(list.spans[1], 2..2, "the add issues nothing");
+    let g = gemms(&list.commands);
+    assert_eq!((g[0].c, g[0].beta), (z, 1.0));
+}
+
+#[test]
+fn an_add_whose_operand_is_read_elsewhere_runs_as_itself() {
+    let program = program(residual(true));
+    let epilogues = super::epilogues::plan(&program, &FusionPlan::none());
+    assert_eq!(
+        epilogues.of(0),
+        None,
+        "y is fetched: the product must write it"
+    );
+    assert!(!epilogues.skips(1));
 }
