@@ -18,7 +18,7 @@
 //! source, so later test processes load them without compiling.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -291,7 +291,7 @@ fn compile(source: &str, entries: &[(&str, &str)]) -> Result<HostKernels, String
 
 /// Compiles `text` into `library` through a file of this process's own, renamed into place
 /// when done (so concurrent test processes never load a half-written library).
-fn build(dir: &PathBuf, library: &PathBuf, text: &str, compiler: &str) -> Result<(), String> {
+fn build(dir: &Path, library: &Path, text: &str, compiler: &str) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let unique = format!("{}-{:?}", std::process::id(), std::thread::current().id());
     let unique: String = unique.chars().filter(char::is_ascii_alphanumeric).collect();

@@ -15,10 +15,12 @@
 
 use std::ops::Range;
 
-use salus_exec::{Location, Program};
+use salus_exec::Program;
 use salus_graph::{DType, Op, OpParams};
 
-use super::fusion::{FusionPlan, node_writes, read_at_end, tensor_readers};
+use super::fusion::{
+    FusionPlan, lane_range, node_writes, overlaps, read_at_end, tensor_producers, tensor_readers,
+};
 
 /// What a producer folds in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,30 +91,13 @@ fn can_add_into(program: &Program, p: usize, o: usize) -> bool {
     }
 }
 
-/// The lane bytes of tensor `t`, if it lives in the lane.
-fn lane_bytes(program: &Program, t: usize) -> Option<Range<u64>> {
-    match program.location(t) {
-        Some(Location::Lane(off)) => Some(off..off + program.bytes(t)),
-        _ => None,
-    }
-}
-
-fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
-    a.start < b.end && b.start < a.end
-}
-
 /// The adds of `program` to fold (see the module doc); none that `fusion` runs in a region.
 pub(crate) fn plan(program: &Program, fusion: &FusionPlan) -> Epilogues {
     let graph = program.graph();
     let layouts = program.layouts();
     let readers = tensor_readers(graph);
     let at_end = read_at_end(graph);
-    let mut producer = vec![None; graph.tensors.len()];
-    for (n, node) in graph.nodes.iter().enumerate() {
-        for &t in node.outputs.iter().flatten() {
-            producer[t] = Some(n);
-        }
-    }
+    let producer = tensor_producers(graph);
     let writes = node_writes(program);
     let reads: Vec<Vec<Range<u64>>> = graph
         .nodes
@@ -125,7 +110,7 @@ pub(crate) fn plan(program: &Program, fusion: &FusionPlan) -> Epilogues {
             node.inputs
                 .iter()
                 .flatten()
-                .filter_map(|&t| lane_bytes(program, t))
+                .filter_map(|&t| lane_range(program, t))
                 .collect()
         })
         .collect();
@@ -153,7 +138,7 @@ pub(crate) fn plan(program: &Program, fusion: &FusionPlan) -> Epilogues {
         {
             continue;
         }
-        let Some(out_bytes) = lane_bytes(program, *out) else {
+        let Some(out_bytes) = lane_range(program, *out) else {
             continue;
         };
         for (operand, residual) in [(*y, *x), (*x, *y)] {
@@ -193,7 +178,7 @@ pub(crate) fn plan(program: &Program, fusion: &FusionPlan) -> Epilogues {
                 continue;
             }
             // The output's bytes against everything the producer touches.
-            let residual_bytes = lane_bytes(program, residual);
+            let residual_bytes = lane_range(program, residual);
             let node = &graph.nodes[p];
             let touched = node
                 .inputs
@@ -201,7 +186,7 @@ pub(crate) fn plan(program: &Program, fusion: &FusionPlan) -> Epilogues {
                 .chain(&node.outputs)
                 .flatten()
                 .filter(|&&t| t != residual && t != o)
-                .filter_map(|&t| lane_bytes(program, t))
+                .filter_map(|&t| lane_range(program, t))
                 .chain(program.plan().scratch(p).map(|(off, len)| off..off + len));
             let clear = touched.into_iter().all(|b| !overlaps(&b, &out_bytes))
                 && residual_bytes

@@ -18,7 +18,7 @@ use salus_exec::{Location, Program};
 use salus_graph::{DType, Op, OpParams};
 
 use super::epilogues::Epilogues;
-use super::fusion::{node_writes, read_at_end, tensor_readers};
+use super::fusion::{lane_range, node_writes, overlaps, read_at_end, tensor_readers};
 
 /// The permutes not copied and the sources their outputs stand for.
 #[derive(Debug, Clone, Default)]
@@ -94,11 +94,7 @@ impl Facts<'_> {
             Some(Location::Persistent(_)) => true,
             Some(Location::Lane(off)) => {
                 let bytes = off..off + self.program.bytes(root);
-                (first + 1..=last).all(|m| {
-                    self.writes[m]
-                        .iter()
-                        .all(|w| w.end <= bytes.start || bytes.end <= w.start)
-                })
+                (first + 1..=last).all(|m| self.writes[m].iter().all(|w| !overlaps(w, &bytes)))
             }
             None => false,
         }
@@ -182,10 +178,8 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
     }
     let mut writes = node_writes(program);
     for (p, w) in writes.iter_mut().enumerate() {
-        if let Some(e) = epilogues.of(p)
-            && let Some(Location::Lane(off)) = program.location(e.out)
-        {
-            w.push(off..off + program.bytes(e.out));
+        if let Some(bytes) = epilogues.of(p).and_then(|e| lane_range(program, e.out)) {
+            w.push(bytes);
         }
     }
     let mut facts = Facts {

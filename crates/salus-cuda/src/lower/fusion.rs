@@ -169,8 +169,16 @@ impl FusionPlan {
     }
 }
 
-fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
+pub(crate) fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
     a.start < b.end && b.start < a.end
+}
+
+/// The lane bytes of tensor `id`, if it lives in the lane.
+pub(crate) fn lane_range(program: &Program, id: usize) -> Option<Range<u64>> {
+    match program.location(id) {
+        Some(Location::Lane(off)) => Some(off..off + program.bytes(id)),
+        _ => None,
+    }
 }
 
 /// What the region finder knows about a program.
@@ -189,10 +197,7 @@ struct Facts<'p> {
 
 impl Facts<'_> {
     fn lane_range(&self, id: usize) -> Option<Range<u64>> {
-        match self.program.location(id) {
-            Some(Location::Lane(off)) => Some(off..off + self.program.bytes(id)),
-            _ => None,
-        }
+        lane_range(self.program, id)
     }
 
     fn inputs(&self, node: usize) -> impl Iterator<Item = usize> + '_ {
@@ -326,6 +331,17 @@ pub(crate) fn tensor_readers(graph: &Graph) -> Vec<Vec<usize>> {
     readers
 }
 
+/// Per tensor, the node that makes it (`None` for feeds, parameters and constants).
+pub(crate) fn tensor_producers(graph: &Graph) -> Vec<Option<usize>> {
+    let mut producer = vec![None; graph.tensors.len()];
+    for (n, node) in graph.nodes.iter().enumerate() {
+        for &t in node.outputs.iter().flatten() {
+            producer[t] = Some(n);
+        }
+    }
+    producer
+}
+
 /// The tensors read after the last node: fetches and update values.
 pub(crate) fn read_at_end(graph: &Graph) -> BTreeSet<usize> {
     graph
@@ -353,10 +369,7 @@ pub(crate) fn node_writes(program: &Program) -> Vec<Vec<Range<u64>>> {
                 .outputs
                 .iter()
                 .flatten()
-                .filter_map(|&t| match program.location(t) {
-                    Some(Location::Lane(off)) => Some(off..off + program.bytes(t)),
-                    _ => None,
-                })
+                .filter_map(|&t| lane_range(program, t))
                 .collect();
             if let Some((off, len)) = plan.scratch(n) {
                 w.push(off..off + len);
@@ -375,12 +388,7 @@ pub(crate) fn plan(program: &Program) -> FusionPlan {
     let layouts = program.layouts();
     let count = graph.nodes.len();
     let readers = tensor_readers(graph);
-    let mut producer = vec![None; graph.tensors.len()];
-    for (n, node) in graph.nodes.iter().enumerate() {
-        for &t in node.outputs.iter().flatten() {
-            producer[t] = Some(n);
-        }
-    }
+    let producer = tensor_producers(graph);
     let at_end = read_at_end(graph);
     let writes = node_writes(program);
     let ops: Vec<Option<Pointwise>> = (0..count)
