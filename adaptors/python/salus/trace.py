@@ -50,7 +50,8 @@ import torch.utils._pytree as pytree
 from torch._decomp import core_aten_decompositions
 from torch._decomp import decomposition_table as _all_decompositions
 from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import is_fake
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -75,6 +76,21 @@ GENERATOR = "salus.generator"
 #: Held while ``make_fx`` records a step: it patches process-wide state, so two threads
 #: tracing at once (sessions opened from several threads) would corrupt each other.
 TRACE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def recording(tracing_mode: str) -> Iterator[None]:
+    """What ``make_fx`` records a step under: :data:`TRACE_LOCK`, and in real mode one
+    fake tensor mode for the whole trace. ``make_fx`` describes each recorded real value by
+    a fake tensor and, finding no fake mode about, builds a new one for every value (most
+    of a real trace's time); one shared mode describes them the same way."""
+    with TRACE_LOCK:
+        if tracing_mode != "real":
+            yield
+            return
+        shared = TracingContext(FakeTensorMode(allow_fallback_kernels=True))
+        with tracing(shared):
+            yield
 
 #: The ``group`` of the optimizer's hyperparameter tensors: persistent, read by the step,
 #: never updated by it (the session writes them when the torch optimizer's change).
@@ -677,7 +693,8 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
-    with (TRACE_LOCK, _inplace_off(model), _ModuleScopes(model), enable_python_dispatcher(),
+    with (recording(tracing_mode), _inplace_off(model), _ModuleScopes(model),
+          enable_python_dispatcher(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
         try:
             gm = traced(*args)

@@ -19,6 +19,14 @@ fn assert_all_met(what: &str, seed: u64, checks: &[TargetCheck]) {
 fn training_trace_meets_table_2_1_targets() {
     for seed in [1, 2, 3, 42] {
         let result = experiments::training(seed).expect("training runs");
+        if seed == 1 {
+            // Deterministic per seed: a second run gives the same report.
+            let again = experiments::training(seed).expect("training runs");
+            assert_eq!(
+                serde_json::to_string(&result).unwrap(),
+                serde_json::to_string(&again).unwrap()
+            );
+        }
         for summary in result.policies.values() {
             assert_eq!(
                 summary.completed,
@@ -62,13 +70,6 @@ fn fair_share_meets_fig_2_9_target() {
             .fold((f64::MAX, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
         assert!(hi - lo < 0.01 * hi, "throughput varies {lo}..{hi}");
     }
-}
-
-#[test]
-fn experiments_are_deterministic_per_seed() {
-    let a = serde_json::to_string(&experiments::training(9).unwrap()).unwrap();
-    let b = serde_json::to_string(&experiments::training(9).unwrap()).unwrap();
-    assert_eq!(a, b);
 }
 
 #[test]

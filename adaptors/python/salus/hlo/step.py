@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from ..errors import LoweringError
 from ..lower import MODULE_META
-from ..trace import (FEED, TRACE_LOCK, InputSlot, OutputSlot, Scope, TracedStep,
+from ..trace import (FEED, InputSlot, OutputSlot, Scope, TracedStep, recording,
                      decomposition_table, tidy)
 from .draws import find_draws
 from .interpret import Interpreter, unsupported
@@ -95,7 +95,7 @@ def trace_hlo(text: str | Module, inputs: Sequence[InputSlot], outputs: Sequence
             results.append(dense(value) if isinstance(value, Const) else value)
         return results
 
-    with TRACE_LOCK:
+    with recording("real"):
         gm = make_fx(step, decomposition_table=decomposition_table(),
                      tracing_mode="real")(*args)
     state = {n: v for n, v in initial_state.items() if n not in seeds}
