@@ -187,6 +187,8 @@ pub struct Job {
     pub d: u64,
     pub k: u64,
     pub seed: u64,
+    /// Whether the targets follow `x * w_true` (else they are the noise alone).
+    pub signal: bool,
 }
 
 impl Job {
@@ -197,6 +199,16 @@ impl Job {
             d,
             k,
             seed,
+            signal: true,
+        }
+    }
+
+    /// The same job with targets that are the noise alone: a large job whose batches cost
+    /// this (unoptimised) test process nothing to make, for iterations that take a while.
+    pub fn without_signal(self) -> Job {
+        Job {
+            signal: false,
+            ..self
         }
     }
 
@@ -209,12 +221,16 @@ impl Job {
         bytes(&values(self.seed, (self.d * self.k) as usize))
     }
 
-    /// Feeds of iteration `i`: `x` random, `y = x * w_true` plus noise.
+    /// Feeds of iteration `i`: `x` random, `y = x * w_true` plus noise (the noise alone
+    /// without the signal).
     pub fn feeds(&self, i: u64) -> Vec<Vec<u8>> {
         let (n, d, k) = (self.n as usize, self.d as usize, self.k as usize);
         let x = values(self.seed * 1000 + i + 1, n * d);
-        let w_true = values(self.seed + 77, d * k);
         let noise = values(self.seed * 1000 + i + 500, n * k);
+        if !self.signal {
+            return vec![bytes(&x), bytes(&noise)];
+        }
+        let w_true = values(self.seed + 77, d * k);
         let mut y = vec![0f32; n * k];
         for r in 0..n {
             for c in 0..k {

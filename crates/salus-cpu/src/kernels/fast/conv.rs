@@ -10,6 +10,8 @@
 //! gradient the adjoint's forward, its weight gradient the adjoint's with the two
 //! operands' roles swapped.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 use salus_graph::ConvParams;
 use salus_graph::plan::conv_slots;
@@ -131,10 +133,85 @@ impl Geometry {
     }
 
     /// Unfolds (im2col) each of `images` (each `c_in` planes) for group `g` into `col`:
-    /// image `j` in columns `j l..(j + 1) l` of rows `ld` long.
-    fn unfold(&self, images: &[f32], g: usize, col: &mut [f32], ld: usize) {
-        for (j, image) in images.chunks_exact(self.image_in()).enumerate() {
-            self.im2col(image, g, &mut col[j * self.l..], ld);
+    /// image `j` in columns `j l..(j + 1) l` of rows `ld` long, each row segment's
+    /// geometry worked out once for all the images. A large unfolding with `split` splits
+    /// its rows across the cores, an input channel's at a time (the copies are the same
+    /// whoever makes them).
+    fn unfold(&self, images: &[f32], g: usize, col: &mut [f32], ld: usize, split: bool) {
+        let (size, ow) = (self.image_in(), self.ow);
+        let group = g * self.cin_g() * self.h * self.w;
+        let per_channel = self.kh * self.kw * ld;
+        let channel = |(ci, rows): (usize, &mut [f32])| {
+            self.rows(ci..ci + 1, |row, oy, inside, cols| {
+                for (j, image) in images.chunks_exact(size).enumerate() {
+                    let at = row * ld + j * self.l + oy * ow;
+                    self.unfold_row(&image[group..], &mut rows[at..at + ow], inside, cols);
+                }
+            });
+        };
+        let col = &mut col[..self.cin_g() * per_channel];
+        if split
+            && col.len() >= PARALLEL_WORK
+            && self.cin_g() > 1
+            && rayon::current_num_threads() > 1
+        {
+            col.par_chunks_mut(per_channel)
+                .enumerate()
+                .for_each(channel);
+        } else {
+            col.chunks_mut(per_channel).enumerate().for_each(channel);
+        }
+    }
+
+    /// One output row's `ow` columns of an unfolded row (`dst`), from the row of `planes`
+    /// (a group's input planes) that starts at `inside`: zeros where the window is over
+    /// padding.
+    fn unfold_row(
+        &self,
+        planes: &[f32],
+        dst: &mut [f32],
+        inside: Option<usize>,
+        (lo, hi, dx): (usize, usize, isize),
+    ) {
+        let Some(at) = inside else {
+            dst.fill(0.0);
+            return;
+        };
+        dst[..lo].fill(0.0);
+        dst[hi..].fill(0.0);
+        if lo == hi {
+            // Every column of this row is padding (a kernel wider than the input).
+            return;
+        }
+        let src = &planes[at..at + self.w];
+        let s = self.stride[1];
+        if s == 1 {
+            let from = (lo as isize + dx) as usize;
+            dst[lo..hi].copy_from_slice(&src[from..from + hi - lo]);
+        } else {
+            for (ox, d) in dst[lo..hi].iter_mut().enumerate() {
+                *d = src[(((lo + ox) * s) as isize + dx) as usize];
+            }
+        }
+    }
+
+    /// Adds the unfolded gradient `col` of group `g` (`k` rows, image `j`'s `l` columns
+    /// from `j l`, rows `ld` long) back into each of `images` (each `c_in` planes). A
+    /// large one with `split` runs images on different cores (each image's sums in the
+    /// same order).
+    fn fold_back(&self, col: &[f32], g: usize, images: &mut [f32], ld: usize, split: bool) {
+        let image = |(j, x): (usize, &mut [f32])| {
+            self.col2im(&col[j * self.l..], g, x, ld);
+        };
+        let size = self.image_in();
+        let cores = rayon::current_num_threads() > 1;
+        if split && images.len() >= PARALLEL_WORK && images.len() > size && cores {
+            images
+                .par_chunks_exact_mut(size)
+                .enumerate()
+                .for_each(image);
+        } else {
+            images.chunks_exact_mut(size).enumerate().for_each(image);
         }
     }
 
@@ -165,13 +242,18 @@ impl Geometry {
         (lo.min(hi), hi, dx)
     }
 
-    /// Calls `f(row_of_col, oy, input_row, lo, hi, dx)` for every unfolded row and output
-    /// row whose input row lies inside; `None` as the input row when it is padding.
-    fn rows(&self, mut f: impl FnMut(usize, usize, Option<usize>, (usize, usize, isize))) {
-        for ci in 0..self.cin_g() {
+    /// Calls `f(row_of_col, oy, input_row, lo, hi, dx)` for every unfolded row of the
+    /// input channels `channels` (rows counted from the first of them) and output row
+    /// whose input row lies inside; `None` as the input row when it is padding.
+    fn rows(
+        &self,
+        channels: Range<usize>,
+        mut f: impl FnMut(usize, usize, Option<usize>, (usize, usize, isize)),
+    ) {
+        for ci in channels.clone() {
             for ky in 0..self.kh {
                 for kx in 0..self.kw {
-                    let row = (ci * self.kh + ky) * self.kw + kx;
+                    let row = ((ci - channels.start) * self.kh + ky) * self.kw + kx;
                     let cols = self.columns(kx);
                     for oy in 0..self.oh {
                         let iy = (oy * self.stride[0] + ky * self.dilation[0]) as isize
@@ -185,41 +267,12 @@ impl Geometry {
         }
     }
 
-    /// Unfolds group `g` of one image (`x`: its `c_in` planes) into `col`: `k` rows of
-    /// `l` columns, `ld` apart.
-    fn im2col(&self, x: &[f32], g: usize, col: &mut [f32], ld: usize) {
-        let (ow, s) = (self.ow, self.stride[1]);
-        let planes = &x[g * self.cin_g() * self.h * self.w..];
-        self.rows(|row, oy, inside, (lo, hi, dx)| {
-            let dst = &mut col[row * ld + oy * ow..row * ld + (oy + 1) * ow];
-            let Some(at) = inside else {
-                dst.fill(0.0);
-                return;
-            };
-            dst[..lo].fill(0.0);
-            dst[hi..].fill(0.0);
-            if lo == hi {
-                // Every column of this row is padding (a kernel wider than the input).
-                return;
-            }
-            let src = &planes[at..at + self.w];
-            if s == 1 {
-                let from = (lo as isize + dx) as usize;
-                dst[lo..hi].copy_from_slice(&src[from..from + hi - lo]);
-            } else {
-                for (ox, d) in dst[lo..hi].iter_mut().enumerate() {
-                    *d = src[(((lo + ox) * s) as isize + dx) as usize];
-                }
-            }
-        });
-    }
-
     /// Adds the unfolded gradient `col` of group `g` (`k` rows of `l` columns, `ld` apart)
     /// back into one image's planes `x`.
     fn col2im(&self, col: &[f32], g: usize, x: &mut [f32], ld: usize) {
         let (ow, s, w) = (self.ow, self.stride[1], self.w);
         let planes = &mut x[g * self.cin_g() * self.h * w..];
-        self.rows(|row, oy, inside, (lo, hi, dx)| {
+        self.rows(0..self.cin_g(), |row, oy, inside, (lo, hi, dx)| {
             let Some(at) = inside else {
                 return;
             };
@@ -331,7 +384,9 @@ fn forward_core(
     let (k, l, cout_g) = (geo.k, geo.l, geo.cout_g());
     let slot_len = geo.forward_slot_len();
     let per = geo.per_task();
-    // Task `t` runs images `t * per..`, `fold` at a time.
+    let parallel = geo.slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
+    // Task `t` runs images `t * per..`, `fold` at a time; tasks on different cores
+    // unfold on their own, one task with every core.
     let task = |t: usize, out: &mut [f32], slot: &mut [f32]| -> Result<()> {
         let (col, gathered) = slot.split_at_mut(geo.unfold_len());
         for (p, out) in out.chunks_mut(geo.fold * geo.image_out()).enumerate() {
@@ -344,7 +399,7 @@ fn forward_core(
                     let unfolded = if geo.in_place() {
                         &images[g * k * l..(g + 1) * k * l]
                     } else {
-                        geo.unfold(images, g, col, l);
+                        geo.unfold(images, g, col, l, !parallel);
                         &*col
                     };
                     let out = &mut out[g * cout_g * l..(g + 1) * cout_g * l];
@@ -353,7 +408,7 @@ fn forward_core(
                 }
                 // The product's columns are the images' planes side by side: spread them.
                 let ml = m * l;
-                geo.unfold(images, g, col, ml);
+                geo.unfold(images, g, col, ml, !parallel);
                 gemm(weight, rows(col, k, ml), gathered, false, 1.0)?;
                 for (j, image) in out.chunks_exact_mut(geo.image_out()).enumerate() {
                     let planes = &mut image[g * cout_g * l..(g + 1) * cout_g * l];
@@ -368,7 +423,6 @@ fn forward_core(
         }
         Ok(())
     };
-    let parallel = geo.slots > 1 && geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     let chunk = per * geo.image_out();
     match (parallel, slot_len) {
         (true, 0) => dst
@@ -485,8 +539,11 @@ fn backward_core(
     let slot_len = geo.backward_slot_len();
     let per = geo.per_task();
     let want_gw = gw.is_some();
+    let tasks = geo.n.div_ceil(per);
+    let parallel = tasks > 1 && 2 * geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     // Task `t` runs images `t * per..`, `fold` at a time, adding its grad_weight into its
-    // slot's partial sum.
+    // slot's partial sum; tasks on different cores unfold on their own, one task with
+    // every core.
     let task = |t: usize, gi: Option<&mut [f32]>, slot: &mut [f32]| -> Result<()> {
         let (col, rest) = slot.split_at_mut(unfold);
         let (gcol, rest) = rest.split_at_mut(unfold);
@@ -522,7 +579,7 @@ fn backward_core(
                     let unfolded = if geo.in_place() {
                         &xs[g * k * l..(g + 1) * k * l]
                     } else {
-                        geo.unfold(xs, g, col, ml);
+                        geo.unfold(xs, g, col, ml, !parallel);
                         &*col
                     };
                     gemm(
@@ -542,18 +599,14 @@ fn backward_core(
                         gemm(w_t, g_mat, &mut gi_images[at..at + k * l], false, 1.0)?;
                     } else {
                         gemm(w_t, g_mat, gcol, false, 1.0)?;
-                        for (j, image) in gi_images.chunks_exact_mut(geo.image_in()).enumerate() {
-                            geo.col2im(&gcol[j * l..], g, image, ml);
-                        }
+                        geo.fold_back(gcol, g, gi_images, ml, !parallel);
                     }
                 }
             }
         }
         Ok(())
     };
-    let tasks = geo.n.div_ceil(per);
     let slots_used = &mut space[..tasks * slot_len];
-    let parallel = tasks > 1 && 2 * geo.work() >= PARALLEL_WORK && rayon::current_num_threads() > 1;
     let chunk = per * geo.image_in();
     let result = match (gi, parallel) {
         (Some(gi), true) => gi
