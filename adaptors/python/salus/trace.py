@@ -82,8 +82,8 @@ TRACE_LOCK = threading.RLock()
 def recording(tracing_mode: str) -> Iterator[None]:
     """What ``make_fx`` records a step under: :data:`TRACE_LOCK`, and in real mode one
     fake tensor mode for the whole trace. ``make_fx`` describes each recorded real value by
-    a fake tensor and, finding no fake mode about, builds a new one for every value (most
-    of a real trace's time); one shared mode describes them the same way."""
+    a fake tensor and, finding no fake mode about, builds a new one for every value (a
+    third of a large real trace's time); one shared mode describes them the same way."""
     with TRACE_LOCK:
         if tracing_mode != "real":
             yield
@@ -91,6 +91,7 @@ def recording(tracing_mode: str) -> Iterator[None]:
         shared = TracingContext(FakeTensorMode(allow_fallback_kernels=True))
         with tracing(shared):
             yield
+
 
 #: The ``group`` of the optimizer's hyperparameter tensors: persistent, read by the step,
 #: never updated by it (the session writes them when the torch optimizer's change).
