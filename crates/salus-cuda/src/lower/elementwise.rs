@@ -397,7 +397,13 @@ impl Lowering<'_> {
 
     /// `permute`: output dim i walks input dim `dims[i]`.
     /// An input that is a folded transpose (`folds`) is read from its source.
+    /// An input that is a split output's view read from the split's source is read there.
     pub(super) fn permute(&mut self, node: &Node, dims: &[usize], o: &Operand) -> Lowered {
+        if let Some(view) = node.inputs[0].and_then(|t| self.folds.strided_source(t)) {
+            let (a, offset) = (self.operand(view.root), view.offset);
+            let st = dims.iter().map(|&d| view.strides[d]).collect();
+            return self.copy_strided(o, &a, st, offset);
+        }
         let folded = node.inputs[0].and_then(|t| self.folds.source(t));
         let (a, own) = match folded {
             Some((root, transposed)) => {
@@ -538,7 +544,8 @@ impl Lowering<'_> {
         let st = contiguous(a.shape());
         let mut at = 0u64;
         for (k, &len) in sizes.iter().enumerate() {
-            if let Some(o) = self.output(node, k) {
+            let read_elsewhere = node.outputs[k].is_some_and(|t| self.folds.unwritten(t));
+            if let Some(o) = self.output(node, k).filter(|_| !read_elsewhere) {
                 self.copy_strided(&o, &a, st.clone(), at * st[*dim] as u64)?;
             }
             at += len;

@@ -7,6 +7,12 @@
 //! copied after all (something else reads it) copies from that source: a transpose of a
 //! transpose becomes one straight copy.
 //!
+//! A `permute` whose input is a `view` of one output of a `split_with_sizes` (attention's
+//! query, key and value cut from one projection, then put heads first), each read by
+//! nothing else, copies straight from the split's source through the strided view that the
+//! split and the view make of it; the split then does not write that output. This needs
+//! the source's bytes unchanged from the split to the permute, checked as below.
+//!
 //! The permute's output keeps its planned bytes (the memory plan is the program's and
 //! stays as it is); they are just never written or read. Folding needs the source's bytes
 //! unchanged until the last product has read them: a persistent source always is (updates
@@ -17,8 +23,12 @@
 use salus_exec::{Location, Program};
 use salus_graph::{DType, Op, OpParams};
 
+use super::contiguous;
+
 use super::epilogues::Epilogues;
-use super::fusion::{lane_range, node_writes, overlaps, read_at_end, tensor_readers};
+use super::fusion::{
+    lane_range, node_writes, overlaps, read_at_end, tensor_producers, tensor_readers,
+};
 
 /// The permutes not copied and the sources their outputs stand for.
 #[derive(Debug, Clone, Default)]
@@ -27,6 +37,19 @@ pub(crate) struct Folds {
     skip: Vec<bool>,
     /// Per tensor: a folded permute's output reads as this source, transposed or not.
     source: Vec<Option<(usize, bool)>>,
+    /// Per tensor: a split output's view that its permute reads from the split's source.
+    view: Vec<Option<StridedSource>>,
+    /// Per tensor: a split output that is not written (its permute reads the source).
+    unwritten: Vec<bool>,
+}
+
+/// Where a tensor's elements are in another's: `root`'s element `offset`, then `strides`
+/// (in elements) along the tensor's own dims.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StridedSource {
+    pub(crate) root: usize,
+    pub(crate) offset: u64,
+    pub(crate) strides: Vec<i64>,
 }
 
 impl Folds {
@@ -46,6 +69,48 @@ impl Folds {
     pub(crate) fn source(&self, id: usize) -> Option<(usize, bool)> {
         self.source.get(id).copied().flatten()
     }
+
+    /// Where tensor `id` is read from when it is a split output's view that its permute
+    /// reads from the split's source.
+    pub(crate) fn strided_source(&self, id: usize) -> Option<&StridedSource> {
+        self.view.get(id).and_then(Option::as_ref)
+    }
+
+    /// Whether split output `id` is left unwritten.
+    pub(crate) fn unwritten(&self, id: usize) -> bool {
+        self.unwritten.get(id).copied().unwrap_or(false)
+    }
+}
+
+/// The strides that view the elements of a tensor of `shape`, laid out with `strides`, as
+/// a tensor of shape `out`, where one strided view can (dims split or merged only within
+/// runs of elements evenly spaced); `None` otherwise, as `Tensor.view` refuses.
+pub(crate) fn view_strides(shape: &[u64], strides: &[i64], out: &[u64]) -> Option<Vec<i64>> {
+    if shape.contains(&0) || out.contains(&0) || shape.is_empty() {
+        return None;
+    }
+    let mut result = vec![0i64; out.len()];
+    let mut next = out.len();
+    let mut base = *strides.last()?;
+    let (mut run, mut viewed) = (1u64, 1u64);
+    for d in (0..shape.len()).rev() {
+        run *= shape[d];
+        // Dims d.. end a run of evenly spaced elements here.
+        if d == 0 || (shape[d - 1] != 1 && strides[d - 1] != run as i64 * base) {
+            while next > 0 && (viewed < run || out[next - 1] == 1) {
+                next -= 1;
+                result[next] = viewed as i64 * base;
+                viewed *= out[next];
+            }
+            if viewed != run {
+                return None;
+            }
+            if d > 0 {
+                (base, run, viewed) = (strides[d - 1], 1, 1);
+            }
+        }
+    }
+    (next == 0).then_some(result)
 }
 
 /// Whether `dims` keeps the leading dims and swaps the last two.
@@ -192,6 +257,8 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
     let mut folds = Folds {
         skip: vec![false; graph.nodes.len()],
         source: vec![None; graph.tensors.len()],
+        view: vec![None; graph.tensors.len()],
+        unwritten: vec![false; graph.tensors.len()],
     };
     for o in 0..graph.tensors.len() {
         let Some(p) = facts.transpose_of[o] else {
@@ -203,5 +270,63 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
             folds.source[o] = Some((root, transposed));
         }
     }
+    let producers = tensor_producers(graph);
+    for p in (0..graph.nodes.len()).filter(|&p| !folds.skip[p]) {
+        if let Some((t, u, source)) = split_view(&facts, &producers, &read_at_end, p) {
+            folds.view[t] = Some(source);
+            folds.unwritten[u] = true;
+        }
+    }
     folds
+}
+
+/// For a permute `p` that reads a view `t` of split output `u`, each read by nothing
+/// else, with the split's source intact until `p`: `t`, `u` and where `t` is in the source.
+fn split_view(
+    facts: &Facts<'_>,
+    producers: &[Option<usize>],
+    read_at_end: &std::collections::BTreeSet<usize>,
+    p: usize,
+) -> Option<(usize, usize, StridedSource)> {
+    let program = facts.program;
+    let graph = program.graph();
+    let layouts = program.layouts();
+    let clean = |n: usize| layouts[n].error.is_none();
+    let node = &graph.nodes[p];
+    if node.op != Op::Permute || layouts[p].skip || !clean(p) {
+        return None;
+    }
+    let t = node.inputs.first().copied().flatten()?;
+    let v = producers[t]?;
+    let view = &graph.nodes[v];
+    let u = view.inputs.first().copied().flatten()?;
+    let sp = producers[u]?;
+    let split = &graph.nodes[sp];
+    if view.op != Op::View || !layouts[v].skip || split.op != Op::SplitWithSizes {
+        return None;
+    }
+    let s = split.inputs.first().copied().flatten()?;
+    let only =
+        |id: usize, reader: usize| facts.readers[id] == [reader] && !read_at_end.contains(&id);
+    let dtype = graph.tensors[s].ty.dtype;
+    let same = [t, u].iter().all(|&id| graph.tensors[id].ty.dtype == dtype);
+    if !only(t, p) || !only(u, v) || !same || !clean(sp) || !facts.intact(s, sp, p) {
+        return None;
+    }
+    let OpParams::Split { dim, sizes } = program.params(sp) else {
+        return None;
+    };
+    let k = split.outputs.iter().position(|&o| o == Some(u))?;
+    let st = contiguous(&graph.tensors[s].ty.shape);
+    let offset = sizes[..k].iter().sum::<u64>() * *st.get(*dim)? as u64;
+    let strides = view_strides(&graph.tensors[u].ty.shape, &st, &graph.tensors[t].ty.shape)?;
+    Some((
+        t,
+        u,
+        StridedSource {
+            root: s,
+            offset,
+            strides,
+        },
+    ))
 }

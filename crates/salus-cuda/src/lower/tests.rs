@@ -1462,3 +1462,26 @@ fn an_add_whose_operand_is_read_elsewhere_runs_as_itself() {
     );
     assert!(!epilogues.skips(1));
 }
+
+#[test]
+fn views_of_strided_tensors_get_their_strides_or_none() {
+    use super::folds::view_strides;
+    // One of three [2, 4, 6] slices of a [2, 4, 18] tensor, as [2, 4, 2, 3] heads.
+    assert_eq!(
+        view_strides(&[2, 4, 6], &[72, 18, 1], &[2, 4, 2, 3]),
+        Some(vec![72, 18, 3, 1])
+    );
+    // Merging the batch and row dims of that slice: evenly spaced, one stride.
+    assert_eq!(
+        view_strides(&[2, 4, 6], &[72, 18, 1], &[8, 6]),
+        Some(vec![18, 1])
+    );
+    // Merging rows with the cut dim is not one strided view.
+    assert_eq!(view_strides(&[2, 4, 6], &[72, 18, 1], &[2, 24]), None);
+    // A contiguous tensor takes any shape; size-1 dims anywhere.
+    assert_eq!(
+        view_strides(&[6, 4], &[4, 1], &[3, 1, 8]),
+        Some(vec![8, 8, 1])
+    );
+    assert_eq!(view_strides(&[6, 0], &[0, 1], &[0]), None);
+}
