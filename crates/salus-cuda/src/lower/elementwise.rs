@@ -544,7 +544,12 @@ impl Lowering<'_> {
         let st = contiguous(a.shape());
         let mut at = 0u64;
         for (k, &len) in sizes.iter().enumerate() {
-            let read_elsewhere = node.outputs[k].is_some_and(|t| self.folds.unwritten(t));
+            let read_elsewhere = node
+                .outputs
+                .get(k)
+                .copied()
+                .flatten()
+                .is_some_and(|t| self.folds.unwritten(t));
             if let Some(o) = self.output(node, k).filter(|_| !read_elsewhere) {
                 self.copy_strided(&o, &a, st.clone(), at * st[*dim] as u64)?;
             }

@@ -17,7 +17,7 @@ use salus_graph::ConvParams;
 use salus_graph::plan::conv_slots;
 
 use super::matmul::{gemm, rows, transposed};
-use super::{PARALLEL_WORK, input, typed_mut};
+use super::{PARALLEL_WORK, for_chunks, input, typed_mut};
 use crate::kernels::{Arg, Out, Result};
 
 /// The geometry of a 2-d convolution, from its [`ConvParams`].
@@ -134,15 +134,18 @@ impl Geometry {
 
     /// Unfolds (im2col) each of `images` (each `c_in` planes) for group `g` into `col`:
     /// image `j` in columns `j l..(j + 1) l` of rows `ld` long, each row segment's
-    /// geometry worked out once for all the images. A large unfolding with `split` splits
-    /// its rows across the cores, an input channel's at a time (the copies are the same
-    /// whoever makes them).
+    /// geometry worked out once for all the images. With `split`, a large unfolding runs
+    /// blocks of input channels on different cores (the copies are the same whoever
+    /// makes them).
     fn unfold(&self, images: &[f32], g: usize, col: &mut [f32], ld: usize, split: bool) {
         let (size, ow) = (self.image_in(), self.ow);
         let group = g * self.cin_g() * self.h * self.w;
         let per_channel = self.kh * self.kw * ld;
-        let channel = |(ci, rows): (usize, &mut [f32])| {
-            self.rows(ci..ci + 1, |row, oy, inside, cols| {
+        // The rows of whole input channels, from element `start` of `col`.
+        let channels = |start: usize, rows: &mut [f32]| {
+            let first = start / per_channel;
+            let count = rows.len() / per_channel;
+            self.rows(first..first + count, |row, oy, inside, cols| {
                 for (j, image) in images.chunks_exact(size).enumerate() {
                     let at = row * ld + j * self.l + oy * ow;
                     self.unfold_row(&image[group..], &mut rows[at..at + ow], inside, cols);
@@ -150,16 +153,10 @@ impl Geometry {
             });
         };
         let col = &mut col[..self.cin_g() * per_channel];
-        if split
-            && col.len() >= PARALLEL_WORK
-            && self.cin_g() > 1
-            && rayon::current_num_threads() > 1
-        {
-            col.par_chunks_mut(per_channel)
-                .enumerate()
-                .for_each(channel);
+        if split {
+            for_chunks(col, per_channel, 1, channels);
         } else {
-            col.chunks_mut(per_channel).enumerate().for_each(channel);
+            channels(0, col);
         }
     }
 
@@ -196,22 +193,21 @@ impl Geometry {
     }
 
     /// Adds the unfolded gradient `col` of group `g` (`k` rows, image `j`'s `l` columns
-    /// from `j l`, rows `ld` long) back into each of `images` (each `c_in` planes). A
-    /// large one with `split` runs images on different cores (each image's sums in the
-    /// same order).
+    /// from `j l`, rows `ld` long) back into each of `images` (each `c_in` planes). With
+    /// `split`, a large one runs images on different cores (each image's sums in the same
+    /// order).
     fn fold_back(&self, col: &[f32], g: usize, images: &mut [f32], ld: usize, split: bool) {
-        let image = |(j, x): (usize, &mut [f32])| {
-            self.col2im(&col[j * self.l..], g, x, ld);
-        };
         let size = self.image_in();
-        let cores = rayon::current_num_threads() > 1;
-        if split && images.len() >= PARALLEL_WORK && images.len() > size && cores {
-            images
-                .par_chunks_exact_mut(size)
-                .enumerate()
-                .for_each(image);
+        // Whole images, from element `start` of `images`.
+        let back = |start: usize, chunk: &mut [f32]| {
+            for (j, x) in chunk.chunks_exact_mut(size).enumerate() {
+                self.col2im(&col[(start / size + j) * self.l..], g, x, ld);
+            }
+        };
+        if split {
+            for_chunks(images, size, 1, back);
         } else {
-            images.chunks_exact_mut(size).enumerate().for_each(image);
+            back(0, images);
         }
     }
 
