@@ -903,6 +903,10 @@ impl ScratchSizer for CudaDevice {
         }
         kernel_scratch_bytes(graph, node, params)
     }
+
+    fn extra_reads(&self, graph: &Graph, params: &[OpParams]) -> Vec<(usize, usize)> {
+        lower::folds::extra_reads(graph, params)
+    }
 }
 
 /// The scratch of a node this backend's own kernels run (no cuDNN): a reduction's partial

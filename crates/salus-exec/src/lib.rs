@@ -329,6 +329,11 @@ impl Program {
         &self.params[node]
     }
 
+    /// Every node's typed parameters, in node order.
+    pub fn node_params(&self) -> &[OpParams] {
+        &self.params
+    }
+
     /// The memory plan: P is `plan().persistent_bytes`, E `plan().ephemeral_bytes`.
     pub fn plan(&self) -> &MemoryPlan {
         &self.plan

@@ -144,13 +144,23 @@ fn elementwise(op: Op) -> bool {
     )
 }
 
-/// How much scratch each node needs on one device: the planner asks it for every node, so
-/// that E includes the working memory of the kernels (or library calls) that device will
-/// run. The CPU and sim devices use [`PortableScratch`]; a device whose kernels need other
+/// What one device's kernels need of the memory plan: the planner asks it how much scratch
+/// each node needs, so that E includes the working memory of the kernels (or library
+/// calls) that device will run, and which tensors its nodes read besides their inputs.
+/// The CPU and sim devices use [`PortableScratch`]; a device whose kernels need other
 /// working memory (the CUDA device's cuDNN workspaces) brings its own.
 pub trait ScratchSizer {
     /// Bytes of lane scratch node `node` of `graph` works in (0: none).
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64;
+
+    /// `(node, tensor)` pairs where the device may have `node` read `tensor`'s bytes in
+    /// place of a copy of them it then skips (a layout copy folded into its reader): the
+    /// planner keeps `tensor` live until `node`, so nothing is placed over it meanwhile.
+    /// None by default.
+    fn extra_reads(&self, graph: &Graph, params: &[OpParams]) -> Vec<(usize, TensorId)> {
+        let _ = (graph, params);
+        Vec::new()
+    }
 }
 
 /// The portable kernels' scratch, [`scratch_bytes`].
@@ -193,6 +203,11 @@ pub fn plan_with(
     for (i, node) in graph.nodes.iter().enumerate() {
         for &input in node.inputs.iter().flatten() {
             last_use[input] = last_use[input].max(i + 1);
+        }
+    }
+    for (node, input) in sizer.extra_reads(graph, params) {
+        if node < graph.nodes.len() && input < n {
+            last_use[input] = last_use[input].max(node + 1);
         }
     }
     for &f in &graph.fetches {

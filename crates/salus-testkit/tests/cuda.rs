@@ -1639,3 +1639,119 @@ fn a_background_lane_computes_the_same_and_leaves_the_gpu_to_the_others() {
         Err(why) => eprintln!("background lane: no NVML load ({why})"),
     }
 }
+
+/// Attention's heads split from one projection and put back: `qkv` [2, 4, 18] ([B, S,
+/// 3 H D] with H 2, D 3) split in three, each viewed as [2, 4, 2, 3] and put heads first
+/// (the forward), times 2, then each put back as [B, S, H, D], viewed as [2, 4, 6] and cat
+/// with a feed between (the backward's mirror). The CUDA device plans it with the folded
+/// reads (each permute copies from the projection; the cat copies from the scaled heads),
+/// and must give the CPU's elements bit for bit.
+#[test]
+fn folded_head_splits_and_cats_match_the_cpu_bitwise() {
+    let Some(kernels) = kernels("folded_heads", 64 << 20) else {
+        return;
+    };
+    let gpu = kernels.device();
+    let ints = |v: &[i64]| Attr::Ints(v.to_vec());
+    let mut tensors = vec![
+        f32t("qkv", &[2, 4, 18], Role::Feed),
+        f32t("mid", &[2, 4, 5], Role::Feed),
+    ];
+    let mut nodes = vec![Node {
+        name: "split".into(),
+        op: Op::SplitWithSizes,
+        inputs: vec![Some(0)],
+        outputs: vec![Some(2), Some(3), Some(4)],
+        attrs: [
+            ("split_sizes".to_string(), ints(&[6, 6, 6])),
+            ("dim".to_string(), Attr::Int(-1)),
+        ]
+        .into_iter()
+        .collect(),
+        source: String::new(),
+    }];
+    for k in 0..3 {
+        tensors.push(f32t(&format!("part{k}"), &[2, 4, 6], Role::Intermediate));
+    }
+    let mut back = Vec::new();
+    for k in 0..3 {
+        let at = tensors.len();
+        for (name, shape) in [
+            ("heads", &[2u64, 4, 2, 3][..]),
+            ("first", &[2, 2, 4, 3]),
+            ("scaled", &[2, 2, 4, 3]),
+            ("last", &[2, 4, 2, 3]),
+            ("rows", &[2, 4, 6]),
+        ] {
+            tensors.push(f32t(&format!("{name}{k}"), shape, Role::Intermediate));
+        }
+        let dims = || ("dims", ints(&[0, 2, 1, 3]));
+        nodes.push(pointwise(
+            Op::View,
+            &[2 + k],
+            at,
+            &[("size", ints(&[2, 4, 2, 3]))],
+        ));
+        nodes.push(pointwise(Op::Permute, &[at], at + 1, &[dims()]));
+        nodes.push(pointwise(
+            Op::MulScalar,
+            &[at + 1],
+            at + 2,
+            &[("other", Attr::Float(2.0))],
+        ));
+        nodes.push(pointwise(Op::Permute, &[at + 2], at + 3, &[dims()]));
+        nodes.push(pointwise(
+            Op::View,
+            &[at + 3],
+            at + 4,
+            &[("size", ints(&[2, 4, 6]))],
+        ));
+        back.push(at + 4);
+    }
+    let out = tensors.len();
+    tensors.push(f32t("out", &[2, 4, 23], Role::Intermediate));
+    let mut cat = pointwise(
+        Op::Cat,
+        &[back[0], 1, back[1], back[2]],
+        out,
+        &[("tensors.len", Attr::Int(4)), ("dim", Attr::Int(-1))],
+    );
+    cat.name = "cat".into();
+    nodes.push(cat);
+    let graph = Graph {
+        tensors,
+        nodes,
+        fetches: vec![out],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let mut rng = Rng::new(47);
+    let feeds: Vec<Vec<u8>> = [2 * 4 * 18, 2 * 4 * 5]
+        .iter()
+        .map(|&n| {
+            let v: Vec<f32> = rng.vec(n, -1.0, 1.0).iter().map(|&v| v as f32).collect();
+            bytes_f32(&v)
+        })
+        .collect();
+    let refs: Vec<&[u8]> = feeds.iter().map(Vec::as_slice).collect();
+    let run = |device: &dyn Device, program: &Program| {
+        let plan = program.plan();
+        let at = Placement {
+            persistent: 0,
+            lane: plan.persistent_bytes.div_ceil(256) * 256,
+        };
+        device.run(program, at, &refs).unwrap().fetches
+    };
+    let cpu = CpuDevice::new(16 << 20).unwrap();
+    let want = run(
+        &cpu,
+        &Program::new(graph.clone(), &Limits::default()).unwrap(),
+    );
+    let program = Program::for_device(graph, &Limits::default(), &*gpu).unwrap();
+    let got = run(&*gpu, &program);
+    assert_eq!(got, want, "the GPU's elements differ from the CPU's");
+    // The element at [1, 3, k]: qkv's then mid's, scaled, in the cat's order.
+    let q = |i: usize| f32::from_le_bytes(feeds[0][i * 4..i * 4 + 4].try_into().unwrap());
+    let first = f32::from_le_bytes(want[0][(23 * 7) * 4..(23 * 7) * 4 + 4].try_into().unwrap());
+    assert_eq!(first, 2.0 * q(18 * 7));
+}

@@ -264,6 +264,10 @@ impl ScratchSizer for Emulator {
     fn scratch_bytes(&self, graph: &Graph, node: usize, params: &OpParams) -> u64 {
         crate::kernel_scratch_bytes(graph, node, params)
     }
+
+    fn extra_reads(&self, graph: &Graph, params: &[OpParams]) -> Vec<(usize, usize)> {
+        crate::lower::folds::extra_reads(graph, params)
+    }
 }
 
 /// Compiles `source` (a kernel program: prelude and kernels) for the host with the

@@ -7,6 +7,8 @@ use std::ops::Range;
 
 use salus_graph::Node;
 
+use super::folds::cat_slot;
+
 use super::{
     BLOCK, Lowered, Lowering, MAX_GRID, Operand, broadcast, contiguous, numel, padded, signed,
 };
@@ -530,7 +532,21 @@ impl Lowering<'_> {
                 st: ost.clone(),
             };
             let op = ElementwiseOp::Copy;
-            self.strided(op, &shape, out, vec![StridedView::dense(&a)], [0.0; 3])?;
+            if let Some(view) = node.inputs[k].and_then(|t| self.folds.strided_source(t)) {
+                // A permute's view, copied from the permute's source over its shape.
+                let root = self.operand(view.root);
+                let source = StridedView {
+                    ptr: root.ptr + view.offset * root.elem_size(),
+                    dt: root.dt(),
+                    st: view.strides.clone(),
+                };
+                let st = cat_slot(o.shape(), &shape, &view.shape)
+                    .ok_or("a folded cat input's slot is not one strided view")?;
+                let out = StridedView { st, ..out };
+                self.strided(op, &view.shape, out, vec![source], [0.0; 3])?;
+            } else {
+                self.strided(op, &shape, out, vec![StridedView::dense(&a)], [0.0; 3])?;
+            }
             at += shape.get(dim).copied().unwrap_or(1);
         }
         Ok(())

@@ -13,6 +13,17 @@
 //! split and the view make of it; the split then does not write that output. This needs
 //! the source's bytes unchanged from the split to the permute, checked as below.
 //!
+//! Its mirror in the backward: a `cat` input that is a `view` of a `permute`'s output
+//! (each head's gradient put back as `[B, S, H, D]`, viewed as `[B, S, H*D]` and cat into
+//! the projection's gradient), each read by nothing else: the permute is not run, and the
+//! cat copies from the permute's source into its output, walking the permute's shape on
+//! both sides. This needs the permute's source unchanged from the permute to the cat.
+//!
+//! Both are found from the graph alone ([`extra_reads`]), so the CUDA device's memory plan
+//! keeps each source live until its folded reader (the planner would otherwise give its
+//! bytes to a later tensor, often the cat's own output); whether they fold is decided on
+//! the plan, as below.
+//!
 //! The permute's output keeps its planned bytes (the memory plan is the program's and
 //! stays as it is); they are just never written or read. Folding needs the source's bytes
 //! unchanged until the last product has read them: a persistent source always is (updates
@@ -21,7 +32,7 @@
 //! the plan may give it the source's bytes once the permute has read them).
 
 use salus_exec::{Location, Program};
-use salus_graph::{DType, Op, OpParams};
+use salus_graph::{DType, Graph, Op, OpParams};
 
 use super::contiguous;
 
@@ -44,12 +55,14 @@ pub(crate) struct Folds {
 }
 
 /// Where a tensor's elements are in another's: `root`'s element `offset`, then `strides`
-/// (in elements) along the tensor's own dims.
+/// (in elements) along the dims of `shape`, which has the tensor's elements in row-major
+/// order (the tensor's own shape, or one it is a view of).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct StridedSource {
     pub(crate) root: usize,
     pub(crate) offset: u64,
     pub(crate) strides: Vec<i64>,
+    pub(crate) shape: Vec<u64>,
 }
 
 impl Folds {
@@ -270,30 +283,91 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
             folds.source[o] = Some((root, transposed));
         }
     }
-    let producers = tensor_producers(graph);
-    for p in (0..graph.nodes.len()).filter(|&p| !folds.skip[p]) {
-        if let Some((t, u, source)) = split_view(&facts, &producers, &read_at_end, p) {
-            folds.view[t] = Some(source);
+    let clean = |n: usize| layouts[n].error.is_none() && !layouts[n].skip;
+    for c in candidates(graph, program.node_params()) {
+        let root = c.source.root;
+        let ok = layouts[c.view].skip
+            && clean(c.from)
+            && clean(c.reader)
+            && c.skipped.is_none_or(|p| !folds.skip[p])
+            && !folds.skip[c.reader]
+            && folds.source(root).is_none()
+            && folds.strided_source(root).is_none()
+            && !folds.unwritten(root)
+            && facts.intact(root, c.from, c.reader);
+        if !ok {
+            continue;
+        }
+        if let Some(p) = c.skipped {
+            folds.skip[p] = true;
+        }
+        if let Some(u) = c.unwritten {
             folds.unwritten[u] = true;
         }
+        folds.view[c.tensor] = Some(c.source);
     }
     folds
 }
 
-/// For a permute `p` that reads a view `t` of split output `u`, each read by nothing
-/// else, with the split's source intact until `p`: `t`, `u` and where `t` is in the source.
+/// A layout copy its reader can do instead, found from the graph alone: `reader` reads
+/// `tensor` (made by `view`) from `source`, the copy that made it or its input (node
+/// `from` on) no longer needed. The plan must keep `source`'s bytes intact from `from` to
+/// `reader` ([`extra_reads`] asks the planner to).
+#[derive(Debug)]
+struct Candidate {
+    reader: usize,
+    tensor: usize,
+    view: usize,
+    from: usize,
+    /// The permute not run (the reader copies from its source).
+    skipped: Option<usize>,
+    /// The split output not written (the reader copies from the split's source).
+    unwritten: Option<usize>,
+    source: StridedSource,
+}
+
+/// The copies the CUDA lowering may fold for `graph`, as the memory plan should see them:
+/// each folded reader reads its source until it runs.
+pub(crate) fn extra_reads(graph: &Graph, params: &[OpParams]) -> Vec<(usize, usize)> {
+    candidates(graph, params)
+        .into_iter()
+        .map(|c| (c.reader, c.source.root))
+        .collect()
+}
+
+/// In program order: per permute, a heads-first split ([`split_view`]); per cat input, a
+/// permute's view ([`cat_view`]). A permute that is both is left to the cat.
+fn candidates(graph: &Graph, params: &[OpParams]) -> Vec<Candidate> {
+    let readers = tensor_readers(graph);
+    let producers = tensor_producers(graph);
+    let at_end = read_at_end(graph);
+    let only = |id: usize, reader: usize| readers[id] == [reader] && !at_end.contains(&id);
+    let mut found = Vec::new();
+    for (c, node) in graph.nodes.iter().enumerate() {
+        if node.op == Op::Cat {
+            for &t in node.inputs.iter().flatten() {
+                found.extend(cat_view(graph, params, &producers, &only, c, t));
+            }
+        }
+    }
+    let taken: Vec<usize> = found.iter().filter_map(|c| c.skipped).collect();
+    for p in (0..graph.nodes.len()).filter(|p| !taken.contains(p)) {
+        found.extend(split_view(graph, params, &producers, &only, p));
+    }
+    found
+}
+
+/// A permute `p` that reads a view `t` of split output `u`, each read by nothing else: `p`
+/// copies `t` straight from the split's source, and the split does not write `u`.
 fn split_view(
-    facts: &Facts<'_>,
+    graph: &Graph,
+    params: &[OpParams],
     producers: &[Option<usize>],
-    read_at_end: &std::collections::BTreeSet<usize>,
+    only: &dyn Fn(usize, usize) -> bool,
     p: usize,
-) -> Option<(usize, usize, StridedSource)> {
-    let program = facts.program;
-    let graph = program.graph();
-    let layouts = program.layouts();
-    let clean = |n: usize| layouts[n].error.is_none();
+) -> Option<Candidate> {
     let node = &graph.nodes[p];
-    if node.op != Op::Permute || layouts[p].skip || !clean(p) {
+    if node.op != Op::Permute {
         return None;
     }
     let t = node.inputs.first().copied().flatten()?;
@@ -302,31 +376,98 @@ fn split_view(
     let u = view.inputs.first().copied().flatten()?;
     let sp = producers[u]?;
     let split = &graph.nodes[sp];
-    if view.op != Op::View || !layouts[v].skip || split.op != Op::SplitWithSizes {
+    if view.op != Op::View || split.op != Op::SplitWithSizes {
         return None;
     }
     let s = split.inputs.first().copied().flatten()?;
-    let only =
-        |id: usize, reader: usize| facts.readers[id] == [reader] && !read_at_end.contains(&id);
     let dtype = graph.tensors[s].ty.dtype;
     let same = [t, u].iter().all(|&id| graph.tensors[id].ty.dtype == dtype);
-    if !only(t, p) || !only(u, v) || !same || !clean(sp) || !facts.intact(s, sp, p) {
+    if !only(t, p) || !only(u, v) || !same {
         return None;
     }
-    let OpParams::Split { dim, sizes } = program.params(sp) else {
+    let OpParams::Split { dim, sizes } = params.get(sp)? else {
         return None;
     };
     let k = split.outputs.iter().position(|&o| o == Some(u))?;
     let st = contiguous(&graph.tensors[s].ty.shape);
-    let offset = sizes[..k].iter().sum::<u64>() * *st.get(*dim)? as u64;
-    let strides = view_strides(&graph.tensors[u].ty.shape, &st, &graph.tensors[t].ty.shape)?;
-    Some((
-        t,
-        u,
-        StridedSource {
+    let offset = sizes.get(..k)?.iter().sum::<u64>() * *st.get(*dim)? as u64;
+    let shape = graph.tensors[t].ty.shape.clone();
+    let strides = view_strides(&graph.tensors[u].ty.shape, &st, &shape)?;
+    Some(Candidate {
+        reader: p,
+        tensor: t,
+        view: v,
+        from: sp,
+        skipped: None,
+        unwritten: Some(u),
+        source: StridedSource {
             root: s,
             offset,
             strides,
+            shape,
         },
-    ))
+    })
+}
+
+/// An input `t` of cat `c` that is a view of the output of a permute `p`, each read by
+/// nothing else: the cat copies `t` from the permute's source, and the permute is not
+/// run. The view can merge dims the permute left apart (heads and their width, `[B, S,
+/// H, D]` as `[B, S, H*D]`), so the copy walks the permute's shape on both sides: the
+/// cat's output slot is viewed as that shape too ([`cat_slot`]).
+fn cat_view(
+    graph: &Graph,
+    params: &[OpParams],
+    producers: &[Option<usize>],
+    only: &dyn Fn(usize, usize) -> bool,
+    c: usize,
+    t: usize,
+) -> Option<Candidate> {
+    let v = producers[t]?;
+    let view = &graph.nodes[v];
+    let o = view.inputs.first().copied().flatten()?;
+    let p = producers[o]?;
+    let permute = &graph.nodes[p];
+    if view.op != Op::View || permute.op != Op::Permute {
+        return None;
+    }
+    let g = permute.inputs.first().copied().flatten()?;
+    let dtype = graph.tensors[g].ty.dtype;
+    let same = [t, o].iter().all(|&id| graph.tensors[id].ty.dtype == dtype);
+    if !only(t, c) || !only(o, v) || !same {
+        return None;
+    }
+    let OpParams::Permute { dims } = params.get(p)? else {
+        return None;
+    };
+    let shape = graph.tensors[o].ty.shape.clone();
+    let out = &graph.tensors[graph.nodes[c].outputs.first().copied().flatten()?]
+        .ty
+        .shape;
+    cat_slot(out, &graph.tensors[t].ty.shape, &shape)?;
+    let st = contiguous(&graph.tensors[g].ty.shape);
+    let strides = dims
+        .iter()
+        .map(|&d| st.get(d).copied())
+        .collect::<Option<_>>()?;
+    Some(Candidate {
+        reader: c,
+        tensor: t,
+        view: v,
+        from: p,
+        skipped: Some(p),
+        unwritten: None,
+        source: StridedSource {
+            root: g,
+            offset: 0,
+            strides,
+            shape,
+        },
+    })
+}
+
+/// The strides of a cat's output slot for an input of shape `input` (the output of shape
+/// `out`, row-major; the slot has the output's strides) viewed as `shape`, where one
+/// strided view can.
+pub(crate) fn cat_slot(out: &[u64], input: &[u64], shape: &[u64]) -> Option<Vec<i64>> {
+    view_strides(input, &contiguous(out), shape)
 }

@@ -1485,3 +1485,96 @@ fn views_of_strided_tensors_get_their_strides_or_none() {
     );
     assert_eq!(view_strides(&[6, 0], &[0, 1], &[0]), None);
 }
+
+// ------------------------------------------------------------------------------------
+// Permutes folded into the cat that reads them.
+
+/// The backward of attention's heads-first split: `a` and `b` [2, 3, 4, 5] ([B, H, S, D])
+/// each permuted to [B, S, H, D] and viewed as [2, 4, 15], cat along the last dim with a
+/// feed `c` [2, 4, 6] between them (fetched). With `read_permute`, the first permute's
+/// output is also fetched.
+fn heads_back_into_rows(read_permute: bool) -> Graph {
+    let perm = || ("dims", Attr::Ints(vec![0, 2, 1, 3]));
+    let size = || ("size", Attr::Ints(vec![2, 4, 15]));
+    let tensors = vec![
+        f32t("a", &[2, 3, 4, 5], Role::Feed),
+        f32t("b", &[2, 3, 4, 5], Role::Feed),
+        f32t("c", &[2, 4, 6], Role::Feed),
+        f32t("pa", &[2, 4, 3, 5], Role::Intermediate),
+        f32t("va", &[2, 4, 15], Role::Intermediate),
+        f32t("pb", &[2, 4, 3, 5], Role::Intermediate),
+        f32t("vb", &[2, 4, 15], Role::Intermediate),
+        f32t("rows", &[2, 4, 36], Role::Intermediate),
+    ];
+    let nodes = vec![
+        node(Op::Permute, &[0], &[3], &[perm()]),
+        node(Op::View, &[3], &[4], &[size()]),
+        node(Op::Permute, &[1], &[5], &[perm()]),
+        node(Op::View, &[5], &[6], &[size()]),
+        node(
+            Op::Cat,
+            &[4, 2, 6],
+            &[7],
+            &[("tensors.len", Attr::Int(3)), ("dim", Attr::Int(-1))],
+        ),
+    ];
+    Graph {
+        tensors,
+        nodes,
+        fetches: if read_permute { vec![7, 3] } else { vec![7] },
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+/// Plans as the CUDA device does: its kernels' scratch, and its folded copies' reads.
+struct CudaPlan;
+
+impl salus_graph::ScratchSizer for CudaPlan {
+    fn scratch_bytes(&self, graph: &Graph, node: usize, params: &salus_graph::OpParams) -> u64 {
+        crate::kernel_scratch_bytes(graph, node, params)
+    }
+
+    fn extra_reads(&self, graph: &Graph, params: &[salus_graph::OpParams]) -> Vec<(usize, usize)> {
+        folds::extra_reads(graph, params)
+    }
+}
+
+#[test]
+fn permutes_read_only_by_a_cat_are_copied_by_the_cat_from_their_source() {
+    let cuda_plan = |graph| Program::with_scratch(graph, &Limits::default(), &CudaPlan).unwrap();
+    // Planned without the folded reads, the cat's output takes the bytes of the permutes'
+    // sources (read for the last time by the permutes): no fold.
+    let (commands, folds) = lower_folding(&program(heads_back_into_rows(false)));
+    assert!(
+        !folds.skips(0) && !folds.skips(2) && commands.len() == 5,
+        "{folds:?}"
+    );
+    let program = cuda_plan(heads_back_into_rows(false));
+    let (commands, folds) = lower_folding(&program);
+    assert!(folds.skips(0) && folds.skips(2), "{folds:?}");
+    let a = folds.strided_source(4).expect("va reads from a");
+    assert_eq!((a.root, a.offset), (0, 0));
+    // [B, S, H, D] walking a [B, H, S, D]: strides 60, 5, 20, 1.
+    assert_eq!(
+        (a.shape.clone(), a.strides.clone()),
+        (vec![2, 4, 3, 5], vec![60, 5, 20, 1])
+    );
+    assert_eq!(folds.strided_source(6).map(|s| s.root), Some(1));
+    assert_eq!(
+        commands.len(),
+        3,
+        "the cat's three copies, no permute: {commands:?}"
+    );
+    // The slot of a view of [B, S, H*D] in [2, 4, 36], viewed as [B, S, H, D].
+    assert_eq!(
+        folds::cat_slot(&[2, 4, 36], &[2, 4, 15], &[2, 4, 3, 5]),
+        Some(vec![144, 36, 5, 1])
+    );
+    // A permute something else reads is copied, and the cat reads its copy.
+    let program = cuda_plan(heads_back_into_rows(true));
+    let (commands, folds) = lower_folding(&program);
+    assert!(!folds.skips(0) && folds.skips(2));
+    assert!(folds.strided_source(4).is_none());
+    assert_eq!(commands.len(), 4, "{commands:?}");
+}
