@@ -1755,3 +1755,75 @@ fn folded_head_splits_and_cats_match_the_cpu_bitwise() {
     let first = f32::from_le_bytes(want[0][(23 * 7) * 4..(23 * 7) * 4 + 4].try_into().unwrap());
     assert_eq!(first, 2.0 * q(18 * 7));
 }
+
+/// Scatters that start from a fill (cross-entropy's backward: zeros, then each row's
+/// target): the CUDA device fills their outputs instead of copying the fill, and must
+/// give the CPU's elements bit for bit.
+#[test]
+fn scatters_into_fills_match_the_cpu_bitwise() {
+    let Some(kernels) = kernels("scatters_into_fills", 64 << 20) else {
+        return;
+    };
+    let gpu = kernels.device();
+    let tensors = vec![
+        f32t("logits", &[5, 7], Role::Feed),
+        Tensor {
+            name: "target".into(),
+            ty: TensorType::new(DType::I64, vec![5, 1]),
+            role: Role::Feed,
+            data: vec![],
+        },
+        f32t("src", &[5, 1], Role::Feed),
+        f32t("zeros", &[5, 7], Role::Intermediate),
+        f32t("one_hot", &[5, 7], Role::Intermediate),
+        f32t("halves", &[5, 7], Role::Intermediate),
+        f32t("added", &[5, 7], Role::Intermediate),
+    ];
+    let nodes = vec![
+        pointwise(Op::FullLike, &[0], 3, &[("fill_value", Attr::Float(0.0))]),
+        pointwise(
+            Op::ScatterValue,
+            &[3, 1],
+            4,
+            &[("dim", Attr::Int(1)), ("value", Attr::Float(-0.25))],
+        ),
+        pointwise(Op::FullLike, &[0], 5, &[("fill_value", Attr::Float(1.5))]),
+        pointwise(Op::ScatterAdd, &[5, 1, 2], 6, &[("dim", Attr::Int(1))]),
+    ];
+    let graph = Graph {
+        tensors,
+        nodes,
+        fetches: vec![4, 6],
+        updates: vec![],
+        precision: Precision::IEEE,
+    };
+    let logits = bytes_f32(&[0.5; 35]);
+    let target: Vec<u8> = [3i64, 0, 6, 6, 2]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let src = bytes_f32(&[1.0, -2.0, 0.25, 4.0, 8.0]);
+    let refs: Vec<&[u8]> = vec![&logits, &target, &src];
+    let run = |device: &dyn Device, program: &Program| {
+        let lane = program.plan().persistent_bytes.div_ceil(256) * 256;
+        let at = Placement {
+            persistent: 0,
+            lane,
+        };
+        device.run(program, at, &refs).unwrap().fetches
+    };
+    let cpu = CpuDevice::new(16 << 20).unwrap();
+    let want = run(
+        &cpu,
+        &Program::new(graph.clone(), &Limits::default()).unwrap(),
+    );
+    let got = run(
+        &*gpu,
+        &Program::for_device(graph, &Limits::default(), &*gpu).unwrap(),
+    );
+    assert_eq!(got, want, "the GPU's elements differ from the CPU's");
+    let one_hot = f32s(&want[0]);
+    assert_eq!((one_hot[3], one_hot[4], one_hot[7]), (-0.25, 0.0, -0.25));
+    let added = f32s(&want[1]);
+    assert_eq!((added[3], added[4], added[20], added[27]), (2.5, 1.5, 1.75, 5.5));
+}

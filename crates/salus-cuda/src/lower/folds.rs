@@ -19,7 +19,11 @@
 //! cat copies from the permute's source into its output, walking the permute's shape on
 //! both sides. This needs the permute's source unchanged from the permute to the cat.
 //!
-//! Both are found from the graph alone ([`extra_reads`]), so the CUDA device's memory plan
+//! A `full` or `full_like` read only by a scatter or `index_put` that starts from it (as
+//! cross-entropy's backward starts from zeros) is not run: the scatter fills its output
+//! with the value instead of copying the fill's output there.
+//!
+//! The split and cat folds are found from the graph alone ([`extra_reads`]), so the CUDA device's memory plan
 //! keeps each source live until its folded reader (the planner would otherwise give its
 //! bytes to a later tensor, often the cat's own output); whether they fold is decided on
 //! the plan, as below.
@@ -52,6 +56,9 @@ pub(crate) struct Folds {
     view: Vec<Option<StridedSource>>,
     /// Per tensor: a split output that is not written (its permute reads the source).
     unwritten: Vec<bool>,
+    /// Per tensor: a fill's output that is not written, its value (its one reader, a
+    /// scatter or `index_put` that would copy it into its output first, fills it instead).
+    constant: Vec<Option<f64>>,
 }
 
 /// Where a tensor's elements are in another's: `root`'s element `offset`, then `strides`
@@ -92,6 +99,11 @@ impl Folds {
     /// Whether split output `id` is left unwritten.
     pub(crate) fn unwritten(&self, id: usize) -> bool {
         self.unwritten.get(id).copied().unwrap_or(false)
+    }
+
+    /// The value of tensor `id` when it is a fill's output left unwritten.
+    pub(crate) fn constant(&self, id: usize) -> Option<f64> {
+        self.constant.get(id).copied().flatten()
     }
 }
 
@@ -272,6 +284,7 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
         source: vec![None; graph.tensors.len()],
         view: vec![None; graph.tensors.len()],
         unwritten: vec![false; graph.tensors.len()],
+        constant: vec![None; graph.tensors.len()],
     };
     for o in 0..graph.tensors.len() {
         let Some(p) = facts.transpose_of[o] else {
@@ -305,6 +318,26 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
             folds.unwritten[u] = true;
         }
         folds.view[c.tensor] = Some(c.source);
+    }
+    let producers = tensor_producers(graph);
+    for (n, node) in graph.nodes.iter().enumerate() {
+        let starts_from_copy = matches!(node.op, Op::ScatterValue | Op::ScatterAdd | Op::IndexPut);
+        let (Some(Some(a)), Some(Some(o))) = (node.inputs.first(), node.outputs.first()) else {
+            continue;
+        };
+        let Some(f) = producers[*a].filter(|_| starts_from_copy && clean(n)) else {
+            continue;
+        };
+        if let OpParams::Fill { value, .. } = program.params(f)
+            && matches!(graph.nodes[f].op, Op::Full | Op::FullLike)
+            && clean(f)
+            && facts.readers[*a] == [n]
+            && !read_at_end.contains(a)
+            && graph.tensors[*a].ty == graph.tensors[*o].ty
+        {
+            folds.skip[f] = true;
+            folds.constant[*a] = Some(value.as_f64());
+        }
     }
     folds
 }

@@ -7,8 +7,8 @@ use salus_graph::{AdvancedIndex, DType, Node, OpParams};
 
 use super::{Lowered, Lowering, Operand, address, broadcast, contiguous, numel, padded, signed};
 use crate::abi::{
-    AdvancedIndexArgs, AlongDimArgs, AlongDimMode, BernoulliArgs, EmbeddingBackwardArgs,
-    IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs,
+    AdvancedIndexArgs, AlongDimArgs, AlongDimMode, BernoulliArgs, ElementwiseOp,
+    EmbeddingBackwardArgs, IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs,
 };
 
 impl Lowering<'_> {
@@ -109,6 +109,17 @@ impl Lowering<'_> {
     }
 
     /// `gather` and `scatter_add` (`value` None) and `scatter.value` along `dim`.
+    /// Writes `o` as its input `a` before a scatter or `index_put` changes some of it: a
+    /// copy, or a fill when `a` is a fill's output left unwritten ([`Folds::constant`]).
+    ///
+    /// [`Folds::constant`]: super::folds::Folds::constant
+    fn start_from(&mut self, node: &Node, o: &Operand, a: &Operand) -> Lowered {
+        match node.inputs[0].and_then(|t| self.folds.constant(t)) {
+            Some(value) => self.ew(ElementwiseOp::Fill, o, &[], [value, 0.0, 0.0]),
+            None => self.copy_flat(o, a),
+        }
+    }
+
     pub(super) fn along(
         &mut self,
         node: &Node,
@@ -155,7 +166,7 @@ impl Lowering<'_> {
             }
         };
         if mode != AlongDimMode::Gather {
-            self.copy_flat(o, &a)?;
+            self.start_from(node, o, &a)?;
         }
         let srcst = src
             .as_ref()
@@ -317,7 +328,7 @@ impl Lowering<'_> {
         args.accumulate = i64::from(accumulate);
         args.vst = padded(&broadcast(values.shape(), &index.shape));
         (args.values, args.out) = (values.ptr, o.ptr);
-        self.copy_flat(o, &a)?;
+        self.start_from(node, o, &a)?;
         self.launch(Kernel::IndexPut, numel(&index.shape), args);
         Ok(())
     }

@@ -1578,3 +1578,51 @@ fn permutes_read_only_by_a_cat_are_copied_by_the_cat_from_their_source() {
     assert!(folds.strided_source(4).is_none());
     assert_eq!(commands.len(), 4, "{commands:?}");
 }
+
+// ------------------------------------------------------------------------------------
+// Fills folded into the scatter that starts from them.
+
+/// Cross-entropy's backward as traced: `zeros = full_like(logits, 0)`, then
+/// `scatter.value(zeros, 1, target, -1)` (fetched); with `read_zeros` the zeros are also
+/// fetched.
+fn one_hot(read_zeros: bool) -> Graph {
+    let tensors = vec![
+        f32t("logits", &[4, 6], Role::Feed),
+        tensor("target", DType::I64, &[4, 1], Role::Feed),
+        f32t("zeros", &[4, 6], Role::Intermediate),
+        f32t("grad", &[4, 6], Role::Intermediate),
+    ];
+    let nodes = vec![
+        node(
+            Op::FullLike,
+            &[0],
+            &[2],
+            &[("fill_value", Attr::Float(0.0))],
+        ),
+        node(
+            Op::ScatterValue,
+            &[2, 1],
+            &[3],
+            &[("dim", Attr::Int(1)), ("value", Attr::Float(-1.0))],
+        ),
+    ];
+    Graph {
+        tensors,
+        nodes,
+        fetches: if read_zeros { vec![3, 2] } else { vec![3] },
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+#[test]
+fn a_fill_read_only_by_a_scatter_is_written_by_the_scatter() {
+    let (commands, folds) = lower_folding(&program(one_hot(false)));
+    assert!(folds.skips(0), "{folds:?}");
+    assert_eq!(folds.constant(2), Some(0.0));
+    // The scatter fills its output, then writes the indexed places: no copy of the zeros.
+    assert_eq!(commands.len(), 2, "{commands:?}");
+    let (commands, folds) = lower_folding(&program(one_hot(true)));
+    assert!(!folds.skips(0) && folds.constant(2).is_none());
+    assert_eq!(commands.len(), 3, "fill, copy, scatter: {commands:?}");
+}
