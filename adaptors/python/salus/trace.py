@@ -36,8 +36,10 @@ graph; the optimizer's hyperparameters are persistent tensors the graph reads (s
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
 import operator
+import re
 import threading
 import traceback
 import warnings
@@ -700,6 +702,15 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
         try:
             gm = traced(*args)
         except RuntimeError as error:
+            function = _custom_function(error)
+            if function is not None:
+                raise TraceError(
+                    f"the step calls a custom torch.autograd.Function, {function}"
+                    f"{_user_frame(error.__traceback__)}: salus records the step and its "
+                    "backward through torch.func, which cannot run a hand-written backward "
+                    "here; write the forward with tensor ops and let autograd derive the "
+                    "gradient (a straight-through estimator is x + (f(x) - x).detach(), a "
+                    "gradient reversal by a is (1 + a) * x.detach() - a * x)") from None
             if "_local_scalar_dense" not in str(error):
                 raise
             raise TraceError(
@@ -745,6 +756,31 @@ def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+def _custom_function(error: RuntimeError) -> str | None:
+    """The user's ``torch.autograd.Function`` whose ``apply`` raised ``error`` under the
+    step's transforms (old-style ones, without ``setup_context``, and new-style ones
+    alike) as ``module.Class``, or None for any other error. ``apply`` is C++ in recent
+    PyTorch, so the class is read off the innermost user line's ``X.apply(``."""
+    text = str(error)
+    if "setup_context" not in text and "custom_function_call" not in text:
+        return None
+    frames = [(f, line) for f, line in traceback.walk_tb(error.__traceback__)
+              if "/torch/" not in f.f_code.co_filename
+              and "/salus/" not in f.f_code.co_filename]
+    if not frames:
+        return "(unnamed)"
+    frame, line = frames[-1]
+    source = linecache.getline(frame.f_code.co_filename, line)
+    for dotted in re.findall(r"([A-Za-z_][\w.]*)\.apply\(", source):
+        head, *rest = dotted.split(".")
+        obj = frame.f_locals.get(head, frame.f_globals.get(head))
+        for part in rest:
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            return f"{obj.__module__}.{obj.__qualname__}"
+    return "(unnamed)"
 
 
 def _user_frame(tb) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 import salus.torch as st
 from salus import client as salus_client
 from salus.client import Address, Client
-from salus.errors import UnsupportedOpError
+from salus.errors import TraceError, UnsupportedOpError
 from salus.models import MLP, target_models, vector_batch
 from salus.torch import (AdmissionTimeoutError, BatchError, DaemonError,
                          DaemonUnavailableError, SessionClosedError)
@@ -65,6 +65,55 @@ def test_an_unsupported_op_is_named_before_anything_is_sent(daemon):
     message = str(info.value)
     assert "sin" in message and "salus IR does not have" in message
     assert "test_torch_errors.py" in message, "the user's source line is named"
+    with Client(daemon.address) as client:
+        assert client.list_sessions() == []
+
+
+class _ScaledByHand(torch.autograd.Function):
+    """Old style: ``forward(ctx, ...)``, no ``setup_context``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _ReversedGradient(torch.autograd.Function):
+    """New style (``setup_context``), as ``torch.func`` asks."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+@pytest.mark.parametrize("function", [_ScaledByHand, _ReversedGradient])
+def test_a_custom_autograd_function_is_named_before_anything_is_sent(daemon, function):
+    class WithFunction(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return function.apply(self.fc(x))
+
+    model = WithFunction()
+    with pytest.raises(TraceError) as info:
+        st.TrainSession(model, SPEC.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                        SPEC.batch(0), address=daemon.address)
+    message = str(info.value)
+    assert f"custom torch.autograd.Function, {__name__}.{function.__qualname__}" in message
+    assert "test_torch_errors.py:" in message, "the user's source line is named"
     with Client(daemon.address) as client:
         assert client.list_sessions() == []
 
