@@ -17,16 +17,22 @@ fn assert_all_met(what: &str, seed: u64, checks: &[TargetCheck]) {
 
 #[test]
 fn training_trace_meets_table_2_1_targets() {
-    for seed in [1, 2, 3, 42] {
-        let result = experiments::training(seed).expect("training runs");
-        if seed == 1 {
-            // Deterministic per seed: a second run gives the same report.
-            let again = experiments::training(seed).expect("training runs");
-            assert_eq!(
-                serde_json::to_string(&result).unwrap(),
-                serde_json::to_string(&again).unwrap()
-            );
-        }
+    // Each seed's replays are independent: run them side by side (seed 1 twice: the
+    // report is deterministic per seed).
+    let seeds = [1, 1, 2, 3, 42];
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let runs: Vec<_> = seeds
+            .iter()
+            .map(|&seed| scope.spawn(move || experiments::training(seed).expect("training runs")))
+            .collect();
+        runs.into_iter().map(|run| run.join().unwrap()).collect()
+    });
+    assert_eq!(
+        serde_json::to_string(&results[0]).unwrap(),
+        serde_json::to_string(&results[1]).unwrap(),
+        "a second run of seed 1 gives the same report"
+    );
+    for (seed, result) in seeds.into_iter().zip(&results).skip(1) {
         for summary in result.policies.values() {
             assert_eq!(
                 summary.completed,
@@ -34,7 +40,7 @@ fn training_trace_meets_table_2_1_targets() {
                 "every job finishes"
             );
         }
-        assert_all_met("training", seed, &training_targets(&result));
+        assert_all_met("training", seed, &training_targets(result));
     }
 }
 

@@ -1825,5 +1825,8 @@ fn scatters_into_fills_match_the_cpu_bitwise() {
     let one_hot = f32s(&want[0]);
     assert_eq!((one_hot[3], one_hot[4], one_hot[7]), (-0.25, 0.0, -0.25));
     let added = f32s(&want[1]);
-    assert_eq!((added[3], added[4], added[20], added[27]), (2.5, 1.5, 1.75, 5.5));
+    assert_eq!(
+        (added[3], added[4], added[20], added[27]),
+        (2.5, 1.5, 1.75, 5.5)
+    );
 }
