@@ -10,8 +10,9 @@ runs rounded at random at float32's epsilon) makes on each tensor
 - resnet18 at full width: its first convolution's gradient is ill-conditioned at
   initialisation (eager f32 is already a few percent off f64 there and the error grows
   with each step), so tracer exactness is shown in float64 too (two optimizers, against
-  eager float64 with rounding at float64's epsilon as the yardstick), and in float32 the
-  traced graph must match an f64 eager run as well as float32 rounding allows.
+  eager float64 with rounding at float64's epsilon as the yardstick), and in float32 (SGD
+  with momentum and weight decay) the traced graph must match an f64 eager run as well as
+  float32 rounding allows.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_resnet18_matches_eager_in_f64(optimizer):
            torch.float64)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum_wd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd_momentum_wd"])
 def test_resnet18_f32_is_as_close_to_f64_as_eager(optimizer):
     _check(target_models(batch_size=8, resnet_size=64)["resnet18"], OPTIMIZERS[optimizer])
 
