@@ -55,18 +55,29 @@ def encoder(p, x):
     return x.mean(1) @ p["head"]
 
 
+def fourier(p, x):
+    """Learned Fourier features (sines and cosines of trained frequencies), then softplus
+    (XLA's log-plus-one) and ELU (its exponential-minus-one)."""
+    z = x @ p["freq"]
+    h = jnp.concatenate([jnp.sin(z), jnp.cos(z)], -1)
+    h = jax.nn.softplus(h @ p["w1"]) + jax.nn.elu(h @ p["w2"])
+    return h @ p["head"]
+
+
 def init(name: str, seed: int = 0):
     rs = np.random.RandomState(seed)
     r = lambda *s: (rs.randn(*s) * 0.3).astype(np.float32)  # noqa: E731
     if name == "cnn":
         return {"conv": r(3, 3, 3, 4), "conv_b": r(4), "w": r(4 * 2 * 2, 5), "b": r(5)}
+    if name == "fourier":
+        return {"freq": 3 * r(6, 8), "w1": r(16, 12), "w2": r(16, 12), "head": r(12, 5)}
     d, heads, e = 8, 2, 4
     return {"g1": 1 + r(d), "b1": r(d), "q": r(heads, d, e), "k": r(heads, d, e),
             "v": r(heads, d, e), "o": r(heads, e, d), "g2": 1 + r(d), "b2": r(d),
             "f1": r(d, 16), "f2": r(16, d), "head": r(d, 5)}
 
 
-MODELS = {"cnn": (cnn, (8, 8, 3)), "encoder": (encoder, (6, 8))}
+MODELS = {"cnn": (cnn, (8, 8, 3)), "encoder": (encoder, (6, 8)), "fourier": (fourier, (6,))}
 
 
 def batches(name: str, sizes=(4, 4, 4)):
@@ -120,7 +131,7 @@ def as_named(state) -> dict[str, torch.Tensor]:
             for p, v in leaves}
 
 
-@pytest.mark.parametrize("name", ["cnn", "encoder"])
+@pytest.mark.parametrize("name", ["cnn", "encoder", "fourier"])
 def test_a_jax_step_trains_on_salusd_as_jax_computes_it(daemon, name):
     model = MODELS[name][0]
     step, state = train_step(model), initial_state(name)

@@ -6,6 +6,8 @@
   constant and reflection padding, max pooling and skip connections through ``cat``.
 - A model of cumulative sums, flips and elementwise maxima and minima.
 - A block of a parameter's copy written through a view (as swin v2's attention bias).
+- A diffusion model's timestep embedding and learned Fourier features: sines and
+  cosines, of a batch input and of trained values.
 
 Each trains 3 steps (SGD with momentum) on salusd and must be as close to the same
 steps run eagerly in float64 as eager PyTorch in float32 is (the rule of
@@ -119,7 +121,38 @@ def _block_case():
     return BlockWrite(), batches
 
 
-CASES = {"unet": _unet_case, "scan": _scan_case, "block": _block_case}
+class Timesteps(nn.Module):
+    """A diffusion model's conditioning: each example's timestep (a batch input, up to
+    1000) as sines and cosines at geometric frequencies (the sinusoidal embedding of
+    DDPM and Stable Diffusion), and learned Fourier features of the input, whose
+    frequencies train through sin's and cos's gradients."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        half = dim // 2
+        self.register_buffer("freqs", torch.exp(-torch.arange(half) * (9.21 / half)))
+        self.time = nn.Sequential(nn.Linear(dim, 32), nn.SiLU(), nn.Linear(32, 32))
+        self.fourier = nn.Linear(6, 8, bias=False)
+        self.inp = nn.Linear(6 + 16, 32)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x, t):
+        args = t.to(self.freqs.dtype)[:, None] * self.freqs[None]
+        emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
+        z = self.fourier(x)
+        h = self.inp(torch.cat([x, torch.sin(z), torch.cos(z)], dim=1))
+        return self.out(F.silu(h + self.time(emb)))
+
+
+def _time_case():
+    torch.manual_seed(2)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 1000, (8,), generator=g),
+                torch.randn(8, 3, generator=g)) for _ in range(STEPS)]
+    return Timesteps(), batches
+
+
+CASES = {"unet": _unet_case, "scan": _scan_case, "block": _block_case, "time": _time_case}
 
 # The ops each model's training step must bring (beyond those every model uses).
 NEW_OPS = {
@@ -127,6 +160,7 @@ NEW_OPS = {
              "reflection_pad2d_backward", "constant_pad_nd"},
     "scan": {"cumsum", "flip", "maximum", "minimum", "eq.Tensor", "lt.Tensor", "gt.Tensor"},
     "block": {"slice.Tensor", "cat"},
+    "time": {"sin", "cos"},
 }
 
 

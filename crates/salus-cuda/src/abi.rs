@@ -167,6 +167,8 @@ device_codes! {
         GtTensor = 42 => OP_GT_T,
         Log1p = 43 => OP_LOG1P,
         Expm1 = 44 => OP_EXPM1,
+        Sin = 45 => OP_SIN,
+        Cos = 46 => OP_COS,
     }
 }
 

@@ -174,6 +174,8 @@ pub fn op_family(op: &str) -> Family {
         | "log"
         | "log1p"
         | "expm1"
+        | "sin"
+        | "cos"
         | "sqrt"
         | "rsqrt"
         | "reciprocal"

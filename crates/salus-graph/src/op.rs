@@ -47,6 +47,8 @@ ops! {
     Erf = "erf",
     Log1p = "log1p",
     Expm1 = "expm1",
+    Sin = "sin",
+    Cos = "cos",
     PowScalar = "pow.Scalar",
     PowTensorScalar = "pow.Tensor_Scalar",
     Clamp = "clamp",

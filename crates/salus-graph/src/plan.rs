@@ -129,6 +129,8 @@ fn elementwise(op: Op) -> bool {
             | Erf
             | Log1p
             | Expm1
+            | Sin
+            | Cos
             | PowTensorScalar
             | Clamp
             | Relu

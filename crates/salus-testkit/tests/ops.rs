@@ -164,6 +164,28 @@ fn unary_float_functions() {
         t,
         f64::exp_m1,
     );
+    // Arguments as a timestep embedding makes them (up to 1000 radians), and past.
+    let specials = [0.0, -0.0, 1e-10, 1000.0, -999.5, 1e5, INF, -INF, NAN];
+    unary(
+        Op::Sin,
+        &[],
+        Fp32,
+        Fp32,
+        (-10.0, 10.0),
+        &specials,
+        t,
+        f64::sin,
+    );
+    unary(
+        Op::Cos,
+        &[],
+        Fp32,
+        Fp32,
+        (-10.0, 10.0),
+        &specials,
+        t,
+        f64::cos,
+    );
     let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
     unary(Op::Sigmoid, &[], Fp32, Fp32, (-8.0, 8.0), sp, t, sigmoid);
     unary(Op::Tanh, &[], Fp32, Fp32, (-4.0, 4.0), sp, t, f64::tanh);

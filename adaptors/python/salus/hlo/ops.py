@@ -541,10 +541,10 @@ RULES = {
     "tanh": _unary(torch.tanh),
     "logistic": _unary(torch.sigmoid),
     "erf": _unary(torch.erf),
-    # The IR has no expm1 or log1p: exp(x) - 1 and log(1 + x) lose digits near 0 (an
-    # absolute error of about one f32 ulp of 1).
-    "exponential-minus-one": _unary(lambda x: torch.sub(torch.exp(x), 1)),
-    "log-plus-one": _unary(lambda x: torch.log(torch.add(x, 1))),
+    "exponential-minus-one": _unary(torch.expm1),
+    "log-plus-one": _unary(torch.log1p),
+    "sine": _unary(torch.sin),
+    "cosine": _unary(torch.cos),
     "is-finite": _is_finite,
     "compare": _compare,
     "select": _select,
@@ -571,8 +571,6 @@ CONSTANT_RULES = {
     "round-nearest-afz": _unary(lambda x: torch.sign(x) * torch.floor(torch.abs(x) + 0.5)),
     "round-nearest-even": _unary(torch.round),
     "remainder": _binary(lambda a, b, i: torch.fmod(a, b)),
-    "cosine": _unary(torch.cos),
-    "sine": _unary(torch.sin),
     "shift-left": _binary(lambda a, b, i: torch.bitwise_left_shift(a, b)),
     "shift-right-arithmetic": _binary(lambda a, b, i: torch.bitwise_right_shift(a, b)),
 }

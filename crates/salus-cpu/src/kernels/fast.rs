@@ -506,6 +506,8 @@ pub(crate) fn run(
         (Erf, _) => unary(args, o, 8, erf),
         (Log1p, _) => unary(args, o, 8, f32::ln_1p),
         (Expm1, _) => unary(args, o, 8, f32::exp_m1),
+        (Sin, _) => unary(args, o, 8, f32::sin),
+        (Cos, _) => unary(args, o, 8, f32::cos),
         (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
             let e = scalar.as_f64();
             if e == 2.0 {

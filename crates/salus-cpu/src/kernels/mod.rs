@@ -420,6 +420,8 @@ pub(crate) fn run(
         (Erf, _) => elementwise(args, o, |v| erf(v[0])),
         (Log1p, _) => elementwise(args, o, |v| v[0].ln_1p()),
         (Expm1, _) => elementwise(args, o, |v| v[0].exp_m1()),
+        (Sin, _) => elementwise(args, o, |v| v[0].sin()),
+        (Cos, _) => elementwise(args, o, |v| v[0].cos()),
         (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
             let e = scalar.as_f64();
             elementwise(args, o, |v| v[0].powf(e))

@@ -27,6 +27,8 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_ERF: return erf(a);
         case OP_LOG1P: return log1p(a);
         case OP_EXPM1: return expm1(a);
+        case OP_SIN: return sin(a);
+        case OP_COS: return cos(a);
         case OP_POW_TS: return pow(a, s0);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);

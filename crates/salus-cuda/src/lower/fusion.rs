@@ -114,6 +114,8 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Erf, _) => p(E::Erf, 1, [0.0; 2]),
         (Log1p, _) => p(E::Log1p, 1, [0.0; 2]),
         (Expm1, _) => p(E::Expm1, 1, [0.0; 2]),
+        (Sin, _) => p(E::Sin, 1, [0.0; 2]),
+        (Cos, _) => p(E::Cos, 1, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

@@ -348,6 +348,8 @@ impl<'a> Lowering<'a> {
             (Erf, _) => self.unary(ElementwiseOp::Erf, node, &o, none),
             (Log1p, _) => self.unary(ElementwiseOp::Log1p, node, &o, none),
             (Expm1, _) => self.unary(ElementwiseOp::Expm1, node, &o, none),
+            (Sin, _) => self.unary(ElementwiseOp::Sin, node, &o, none),
+            (Cos, _) => self.unary(ElementwiseOp::Cos, node, &o, none),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,

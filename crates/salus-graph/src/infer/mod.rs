@@ -197,7 +197,8 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         )]),
         (Neg | Abs | Sign | Relu | Clone | BitwiseNot, _) => unary_same(ins),
         (
-            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sigmoid | Tanh | Gelu,
+            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sin | Cos | Sigmoid
+            | Tanh | Gelu,
             _,
         ) => unary_float(ins),
         (LeakyRelu, _) => {

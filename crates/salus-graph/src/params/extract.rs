@@ -402,6 +402,8 @@ pub(crate) fn extract(
         | Erf
         | Log1p
         | Expm1
+        | Sin
+        | Cos
         | Relu
         | Sigmoid
         | Tanh
