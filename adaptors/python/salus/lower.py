@@ -182,9 +182,14 @@ def _ir_op(node: torch.fx.Node) -> tuple[str, torch._ops.OpOverload | None]:
     return name, target if isinstance(target, torch._ops.OpOverload) else None
 
 
+#: The IR's ops that draw from the session's generator (its state their last input).
+RANDOM_OPS = ("bernoulli.p", "rand_like")
+
+
 def _unsupported_reason(name: str, target: Any) -> str | None:
     """Why the IR lacks this op (None when it has it). ops.txt is the authority: it
-    lists Core ATen ops plus a few non-core ones the IR defines (``bernoulli.p``)."""
+    lists Core ATen ops plus a few non-core ones the IR defines (``bernoulli.p``,
+    ``rand_like``)."""
     if not isinstance(target, torch._ops.OpOverload):
         return "not an ATen op"
     if target.namespace != "aten":
@@ -430,7 +435,7 @@ class _Lowering:
                 attribute = _attribute(value, arg, context)
                 if attribute is not None:
                     ir.attributes[arg.name].CopyFrom(attribute)
-        if name == "bernoulli.p":
+        if name in RANDOM_OPS:
             # Random draws come from the session's generator state (trace.GENERATOR).
             generator = [self.ids[p] for p, slot in self.slot_of.items()
                          if slot.group == "generator"]

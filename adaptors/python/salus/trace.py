@@ -305,6 +305,39 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
+def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+               memory_format=None):
+    """``rand_like`` as the IR draws it, from the session's generator: of a tensor of the
+    draw's own dtype (the IR's op takes its dtype from ``self``)."""
+    if dtype is None or dtype == x.dtype:
+        return NotImplemented  # recorded as it is
+    return aten.rand_like.default(
+        aten.full.default(list(x.shape), 0, dtype=dtype, device=x.device))
+
+
+def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+    """``randn_like`` by Box and Muller's transform of two uniform draws from the
+    session's generator, in f32: ``sqrt(-2 log(1 - u)) cos(2 pi v)``, ``1 - u`` in (0, 1]."""
+    dtype = dtype or x.dtype
+    base = aten.full.default(list(x.shape), 0, dtype=torch.float32, device=x.device)
+    u, v = aten.rand_like.default(base), aten.rand_like.default(base)
+    radius = aten.sqrt.default(
+        aten.mul.Scalar(aten.log.default(aten.add.Scalar(aten.neg.default(u), 1.0)), -2.0))
+    normal = aten.mul.Tensor(radius, aten.cos.default(aten.mul.Scalar(v, 2 * math.pi)))
+    return normal if dtype == torch.float32 else aten._to_copy.default(normal, dtype=dtype)
+
+
+def _rand(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return aten.rand_like.default(aten.full.default(
+        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
+def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _randn_like(aten.full.default(
+        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
 def _adaptive_avg_pool2d(x, output_size):
     # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
     # would leave view mutations in the graph: the IR has the pooling op itself.
@@ -502,7 +535,8 @@ def decomposition_table() -> dict:
     """Core ATen decompositions, plus batch norm's (so its running-stat updates become
     explicit in the functional op, which stays whole in training where the IR has it, and
     eval-mode batch norm becomes plain arithmetic), ``native_dropout`` as ``bernoulli.p``
-    draws, a ``var_mean`` that stays within aten, ``empty``/``empty_permuted`` as
+    draws, ``rand``/``randn`` (and their ``_like``) as ``rand_like`` draws (normal ones by
+    Box and Muller's transform), a ``var_mean`` that stays within aten, ``empty``/``empty_permuted`` as
     zero-filled ``full``, ``adaptive_avg_pool2d`` as the pooling op (not a mean and a
     strided view) and ``hardtanh`` (ReLU6) as a clamp with its masked gradient,
     ``slice_scatter`` as an ``index_put``, ``repeat`` as an expand and a copy, ``elu``
@@ -536,6 +570,10 @@ def decomposition_table() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.native_dropout.default] = _native_dropout
+    table[aten.rand_like.default] = _rand_like
+    table[aten.randn_like.default] = _randn_like
+    table[aten.rand.default] = _rand
+    table[aten.randn.default] = _randn
     table[aten.hardtanh.default] = _hardtanh
     table[aten.hardtanh_backward.default] = _hardtanh_backward
     table[aten.slice_backward.default] = _slice_backward
@@ -1028,16 +1066,17 @@ def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
                       outputs: list[OutputSlot], initial: dict[str, torch.Tensor]) -> None:
     """Gives a step that draws random numbers its own generator state.
 
-    ``bernoulli.p`` reads PyTorch's global generator when PyTorch runs it; salus devices
+    ``bernoulli.p`` and ``rand_like`` read PyTorch's global generator when PyTorch runs
+    them; salus devices
     draw from the session's generator instead (see ``docs/ops.md``). This adds that state
     as a persistent input (after the other persistent inputs), its update ``state + 1`` as
     an output, and seeds it from PyTorch's generator, so ``torch.manual_seed`` makes
-    traces reproducible. The lowering passes the state to every ``bernoulli.p`` node.
+    traces reproducible. The lowering passes the state to every node that draws.
     The FX graph still runs eagerly, drawing from PyTorch's generator as before.
     """
     graph = gm.graph
-    if not any(n.op == "call_function" and n.target is torch.ops.aten.bernoulli.p
-               for n in graph.nodes):
+    random = (torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default)
+    if not any(n.op == "call_function" and n.target in random for n in graph.nodes):
         return
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     at = sum(1 for s in inputs if s.role != FEED)

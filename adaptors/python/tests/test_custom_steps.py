@@ -179,3 +179,74 @@ def test_a_batch_of_another_structure_is_refused_by_name(daemon):
         wrong["weights"] = wrong.pop("target")
         with pytest.raises(st.BatchError, match="structured as"):
             session.step(wrong)
+
+
+# -- random numbers drawn inside the step ---------------------------------------------------
+
+
+class _Draws(nn.Module):
+    """Uniform and normal draws shaped like the input (``rand_like``, ``randn_like``,
+    ``randn`` of a size, and a 16-bit ``rand_like``)."""
+
+    def forward(self, x):
+        return (torch.rand_like(x), torch.randn_like(x), torch.randn(x.shape),
+                torch.rand_like(x, dtype=torch.bfloat16))
+
+
+def test_draws_in_the_step_come_from_the_sessions_generator(daemon):
+    """The draws are the session generator's: uniform in [0, 1) and standard normal
+    (Box and Muller's transform of two uniform draws), new on every call, and the same
+    again from the same generator state."""
+    x = torch.zeros(64, 500)
+    with st.InferenceSession(_Draws(), x, address=daemon.address) as session:
+        state = session.state_dict()
+        first = session(x)
+        second = session(x)
+        session.load_state_dict(state)
+        again = session(x)
+    n = x.numel()
+    uniform, normal, sized, half = first
+    assert uniform.min() >= 0 and uniform.max() < 1 and half.max() < 1
+    assert half.dtype == torch.bfloat16
+    for u in (uniform, half.float()):
+        assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    for z in (normal, sized):
+        z = z.double()
+        # Mean 0, variance 1, and the normal's share within one and two deviations
+        # (0.6827, 0.9545), each within 5 standard errors.
+        assert abs(z.mean().item()) < 5 / n ** 0.5
+        assert abs(z.var().item() - 1) < 5 * (2 / n) ** 0.5
+        for k, share in ((1, 0.682689), (2, 0.954500)):
+            inside = (z.abs() < k).double().mean().item()
+            assert abs(inside - share) < 5 * (share * (1 - share) / n) ** 0.5, (k, inside)
+    assert not torch.equal(normal, sized), "two draws, two streams"
+    assert all(not torch.equal(a, b) for a, b in zip(first, second)), "new draws each call"
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "the state decides the draws"
+
+
+def _denoising_loss(model, x0, level):
+    """A diffusion model's training loss: the noise drawn in the step, mixed into the
+    clean batch at each example's noise level, predicted back."""
+    noise = torch.randn_like(x0)
+    a = level[:, None]
+    return F.mse_loss(model(a.sqrt() * x0 + (1 - a).sqrt() * noise), noise)
+
+
+def test_a_denoising_step_draws_its_noise_on_salusd(daemon):
+    """The noise is drawn on salusd from the session's generator: a seeded session trains
+    the same losses twice, and the denoiser learns (the loss falls from about 1, the
+    noise's variance)."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(32, 8, generator=g), torch.rand(32, generator=g) * 0.5 + 0.25)
+            for _ in range(40)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)  # seeds the model and the session's generator
+        model = nn.Sequential(nn.Linear(8, 64), nn.SiLU(), nn.Linear(64, 8))
+        with st.TrainSession(model, None, torch.optim.Adam(model.parameters(), lr=1e-2),
+                             data[0], loss_of=_denoising_loss,
+                             address=daemon.address) as session:
+            runs.append([float(session.step(*b)) for b in data])
+    assert runs[0] == runs[1]
+    first, last = sum(runs[0][:5]) / 5, sum(runs[0][-5:]) / 5
+    assert 0.7 < first < 1.5 and last < 0.8 * first, (first, last)

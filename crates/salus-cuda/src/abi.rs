@@ -642,6 +642,20 @@ device_struct! {
     }
 }
 
+device_struct! {
+    /// `rand_like`: `n` uniform draws in [0, 1) of `bits` bits from the generator at
+    /// `state`.
+    #[derive(Default)]
+    struct UniformArgs {
+        n: i64,
+        dt: i64,
+        out: u64,
+        state: u64,
+        key: u64,
+        bits: i64,
+    }
+}
+
 // ------------------------------------------------------------------------------------
 // Fused pointwise kernels (generated per region by `lower::fusion`).
 
@@ -739,6 +753,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         EmbeddingBackwardArgs::layout(),
         AdvancedIndexArgs::layout(),
         BernoulliArgs::layout(),
+        UniformArgs::layout(),
         FusedArgs::layout(),
         FusedSegment::layout(),
         FusedBatchArgs::layout(),
@@ -765,6 +780,7 @@ impl KernelArgs for TakeRowsArgs {}
 impl KernelArgs for EmbeddingBackwardArgs {}
 impl KernelArgs for AdvancedIndexArgs {}
 impl KernelArgs for BernoulliArgs {}
+impl KernelArgs for UniformArgs {}
 
 /// A kernel's argument struct behind a pointer, as a command list keeps it: the driver
 /// hands its bytes to the kernel. Implemented only for the [`KernelArgs`] structs, which
@@ -860,6 +876,7 @@ kernels! {
     /// Its backward, gathering each input element's reflections: no atomics.
     ReflectionPadBackward = "reflection_pad_bwd" (PoolArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
+    Uniform = "uniform" (UniformArgs),
     // The row kernels (`rows.cu`): a warp or a block per contiguous row.
     /// Reduced elements contiguous per output.
     ReduceRows = "red_rows" (ReduceArgs),

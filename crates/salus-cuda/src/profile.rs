@@ -114,8 +114,8 @@ pub fn op_family(op: &str) -> Family {
         | "std_mean" | "any" | "all" | "argmax" | "argmin" | "prod" | "cumsum" | "logsumexp"
         | "mse_loss" | "cross_entropy_loss" => Family::ReduceNorm,
         "gather" | "scatter" | "scatter_add" | "index_put" | "_index_put_impl" | "index"
-        | "index_select" | "index_add" | "bernoulli" | "uniform" | "normal" | "randperm"
-        | "masked_fill" | "masked_select" | "take" => Family::Index,
+        | "index_select" | "index_add" | "bernoulli" | "rand_like" | "uniform" | "normal"
+        | "randperm" | "masked_fill" | "masked_select" | "take" => Family::Index,
         "view"
         | "_unsafe_view"
         | "reshape"

@@ -130,6 +130,7 @@ ops! {
     ScalarTensor = "scalar_tensor",
     ArangeStartStep = "arange.start_step",
     BernoulliP = "bernoulli.p",
+    RandLike = "rand_like",
 }
 
 impl fmt::Display for Op {

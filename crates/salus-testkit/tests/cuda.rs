@@ -1830,3 +1830,43 @@ fn scatters_into_fills_match_the_cpu_bitwise() {
         (2.5, 1.5, 1.75, 5.5)
     );
 }
+
+/// The session generator's draws (`bernoulli.p`, `rand_like` in every float dtype) are
+/// the CPU device's, bit for bit: a session moved between devices draws the same.
+#[test]
+fn random_draws_match_the_cpu_bitwise() {
+    let Some(kernels) = kernels("random_draws", 64 << 20) else {
+        return;
+    };
+    let gpu = kernels.device();
+    let state = Value {
+        ty: TensorType::new(DType::I64, vec![]),
+        data: vec![12345.0],
+    };
+    let mut cases = vec![
+        Case::new(Op::BernoulliP)
+            .input(Value {
+                ty: TensorType::new(DType::F32, vec![3000]),
+                data: vec![0.0; 3000],
+            })
+            .input(state.clone())
+            .float("p", 0.3)
+            .output(DType::F32, &[3000]),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        cases.push(
+            Case::new(Op::RandLike)
+                .input(Value {
+                    ty: TensorType::new(dtype, vec![5, 601]),
+                    data: vec![0.0; 3005],
+                })
+                .input(state.clone())
+                .output(dtype, &[5, 601]),
+        );
+    }
+    for case in cases {
+        let want = case.try_run_on(None).unwrap();
+        let got = case.try_run_on(Some(gpu.clone())).unwrap();
+        assert_eq!(got, want, "{}", case.op());
+    }
+}

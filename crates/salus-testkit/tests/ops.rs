@@ -2997,6 +2997,79 @@ fn bernoulli_draws_ones_with_probability_p_from_the_session_generator() {
     assert!((runs / ones - 0.5).abs() < 0.03, "{runs} of {ones}");
 }
 
+fn rand_like(n: u64, dtype: DType, state: i64) -> Vec<f64> {
+    Case::new(Op::RandLike)
+        .input(val(dtype, &[n], vec![0.0; n as usize]))
+        .input(i64v(&[], &[state]))
+        .output(dtype, &[n])
+        .run1()
+}
+
+#[test]
+fn rand_like_draws_uniforms_from_the_session_generator() {
+    let n = 20_000;
+    let u = rand_like(n, Fp32, 7);
+    assert!(
+        u.iter().all(|&v| (0.0..1.0).contains(&v)),
+        "values outside [0, 1)"
+    );
+    // Mean 1/2 and variance 1/12, within 5 standard errors.
+    let mean = u.iter().sum::<f64>() / n as f64;
+    let var = u.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n as f64;
+    assert!(
+        (mean - 0.5).abs() < 5.0 * (1.0 / 12.0 / n as f64).sqrt(),
+        "mean {mean}"
+    );
+    assert!(
+        (var - 1.0 / 12.0).abs() < 5.0 * (1.0 / 180.0 / n as f64).sqrt(),
+        "var {var}"
+    );
+    // Each tenth of [0, 1) gets a tenth of the draws (within 5 standard deviations).
+    for k in 0..10 {
+        let inside = u
+            .iter()
+            .filter(|&&v| (v * 10.0).floor() as usize == k)
+            .count() as f64;
+        let sd = (n as f64 * 0.1 * 0.9).sqrt();
+        assert!(
+            (inside - n as f64 * 0.1).abs() <= 5.0 * sd,
+            "tenth {k}: {inside}"
+        );
+    }
+    // A pure function of the state; the next state draws values unrelated to these.
+    assert_eq!(u, rand_like(n, Fp32, 7));
+    let next = rand_like(n, Fp32, 8);
+    let cov = u
+        .iter()
+        .zip(&next)
+        .map(|(a, b)| (a - 0.5) * (b - 0.5))
+        .sum::<f64>()
+        / n as f64;
+    assert!(
+        cov.abs() < 5.0 / 12.0 / (n as f64).sqrt(),
+        "covariance {cov}"
+    );
+    // 16-bit draws are exact multiples of their own step, every one below 1.
+    for (dtype, step) in [(F16, 2f64.powi(-11)), (Bf16, 2f64.powi(-8))] {
+        let h = rand_like(4096, dtype, 3);
+        assert!(
+            h.iter().all(|&v| v < 1.0 && (v / step).fract() == 0.0),
+            "{dtype}"
+        );
+        let mean = h.iter().sum::<f64>() / 4096.0;
+        assert!(
+            (mean - 0.5 + step / 2.0).abs() < 0.03,
+            "{dtype} mean {mean}"
+        );
+    }
+    let err = Case::new(Op::RandLike)
+        .input(i64v(&[4], &[0; 4]))
+        .input(i64v(&[], &[1]))
+        .output(I64, &[4])
+        .fails();
+    assert_mentions(&err, &["rand_like draws floats"]);
+}
+
 #[test]
 fn bernoulli_needs_the_generator() {
     let err = Case::new(Op::BernoulliP)
@@ -3746,6 +3819,10 @@ const ALL_TESTS: &[(&str, fn())] = &[
     (
         "bernoulli_needs_the_generator",
         bernoulli_needs_the_generator,
+    ),
+    (
+        "rand_like_draws_uniforms_from_the_session_generator",
+        rand_like_draws_uniforms_from_the_session_generator,
     ),
     ("batch_norm_and_its_backward", batch_norm_and_its_backward),
     (

@@ -593,6 +593,7 @@ pub(crate) fn run(
             },
         ) => index::embedding_backward(padding_idx, scale_grad_by_freq, args, o),
         (BernoulliP, &OpParams::Bernoulli { p }) => random::bernoulli(node, p, args, o),
+        (RandLike, _) => random::rand_like(node, args, o),
         (op, params) => Err(format!(
             "the CPU device has no kernel for {op} with parameters {params:?}"
         )),

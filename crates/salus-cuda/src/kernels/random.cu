@@ -18,3 +18,12 @@ extern "C" __global__ void bernoulli(const BernoulliArgs a) {
         st(a.out, a.dt, i, ((double)u < a.p) ? 1.0 : 0.0);
     }
 }
+
+// rand_like: the CPU kernel's draws, bit for bit (`bits` high bits of the same mix).
+extern "C" __global__ void uniform(const UniformArgs a) {
+    u64 key = mix64((u64)(*(const i64*)a.state) ^ a.key);
+    GRID_LOOP(i, a.n) {
+        u64 bits = mix64(key + (u64)i * 0x9e3779b97f4a7c15ull);
+        st(a.out, a.dt, i, (double)(bits >> (64 - a.bits)) / (double)(1ull << a.bits));
+    }
+}

@@ -8,7 +8,7 @@ use salus_graph::{AdvancedIndex, DType, Node, OpParams};
 use super::{Lowered, Lowering, Operand, address, broadcast, contiguous, numel, padded, signed};
 use crate::abi::{
     AdvancedIndexArgs, AlongDimArgs, AlongDimMode, BernoulliArgs, ElementwiseOp,
-    EmbeddingBackwardArgs, IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs,
+    EmbeddingBackwardArgs, IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs, UniformArgs,
 };
 
 impl Lowering<'_> {
@@ -105,6 +105,34 @@ impl Lowering<'_> {
             p,
         };
         self.launch(Kernel::Bernoulli, o.numel(), args);
+        Ok(())
+    }
+
+    /// `rand_like` from the session's generator (input 1), as salus-cpu's
+    /// `kernels::random` draws.
+    pub(super) fn rand_like(&mut self, node: &Node) -> Lowered {
+        let o = self.output(node, 0).ok_or("output 0 is unused")?;
+        let state = self.need(node, 1)?;
+        if state.ty.dtype != DType::I64 || state.numel() != 1 {
+            return Err(format!(
+                "the generator must be an i64 scalar, got {}",
+                state.ty
+            ));
+        }
+        let bits = match o.ty.dtype {
+            DType::F16 => 11,
+            DType::Bf16 => 8,
+            _ => 24,
+        };
+        let args = UniformArgs {
+            n: o.numel() as i64,
+            dt: o.dt(),
+            out: o.ptr,
+            state: state.ptr,
+            key: salus_exec::random::name_key(&node.name),
+            bits,
+        };
+        self.launch(Kernel::Uniform, o.numel(), args);
         Ok(())
     }
 

@@ -293,6 +293,7 @@ impl<'a> Lowering<'a> {
             ScaledDotProductAttentionBackward => return self.attention_backward(node),
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
+            RandLike => return self.rand_like(node),
             _ => {}
         }
         let o = self.output(node, 0).ok_or("output 0 is unused")?;

@@ -447,7 +447,7 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         (ArangeStartStep, &OpParams::Arange { len, dtype, .. }) => {
             Ok(vec![TensorType::new(dtype, vec![len])])
         }
-        (BernoulliP, OpParams::Bernoulli { .. }) => {
+        (BernoulliP, OpParams::Bernoulli { .. }) | (RandLike, OpParams::None) => {
             // self, then the session's generator: an i64 scalar STATE tensor that the
             // graph advances every iteration, so each iteration draws new values.
             ins.count(2)?;
@@ -457,6 +457,9 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
                 return Err(format!(
                     "the generator (input 1) must be an i64 scalar, got {generator}"
                 ));
+            }
+            if op == RandLike && !t.dtype.is_float() {
+                return Err(format!("rand_like draws floats, not {}", t.dtype));
             }
             Ok(same(t))
         }

@@ -391,6 +391,7 @@ pub(crate) fn extract(
     Ok(match op {
         MulTensor
         | DivTensor
+        | RandLike
         | Neg
         | Abs
         | Sign

@@ -111,7 +111,7 @@ pub enum OpParams {
     /// `log`, `sqrt`, `rsqrt`, `reciprocal`, `erf`, `relu`, `sigmoid`, `tanh`,
     /// `logical_and`, `logical_not`, `bitwise_and.Tensor`, `bitwise_not`, `where.self`,
     /// `eq/lt/gt.Tensor`, `maximum`, `minimum`, `clone`, `mm`, `bmm`,
-    /// `_adaptive_avg_pool2d_backward`.
+    /// `_adaptive_avg_pool2d_backward`, `rand_like`.
     None,
     /// `add.Tensor`, `sub.Tensor`: `self ± alpha * other`.
     Binary {
