@@ -305,6 +305,52 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
+def _kv_groups(query, key) -> int:
+    """Query heads per key head: above 1 for grouped-query attention (``enable_gqa``, as
+    Llama's SDPA path calls it), where key and value have fewer heads."""
+    if query.dim() != 4 or key.dim() != 4 or key.shape[1] in (0, query.shape[1]):
+        return 1
+    return query.shape[1] // key.shape[1]
+
+
+def _repeat_heads(t, groups: int):
+    """``[B, H, S, D]`` with each head repeated ``groups`` times in place (head ``h`` of
+    the result is head ``h // groups`` of ``t``), as ``repeat_kv`` and SDPA's GQA do."""
+    b, h, s, d = t.shape
+    spread = aten.expand.default(aten.unsqueeze.default(t, 2), [b, h, groups, s, d])
+    dense = aten.clone.default(spread, memory_format=torch.contiguous_format)
+    return aten.view.default(dense, [b, h * groups, s, d])
+
+
+def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                     scale=None):
+    """The fused attention op with grouped-query attention's key and value heads
+    repeated to the query's (the IR's op takes equal heads); as it is otherwise."""
+    groups = _kv_groups(query, key)
+    if groups == 1:
+        return NotImplemented
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, _repeat_heads(key, groups), _repeat_heads(value, groups), dropout_p,
+        is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                              is_causal, *, attn_mask=None, scale=None):
+    """Its backward: the repeated heads' key and value gradients summed per group."""
+    groups = _kv_groups(query, key)
+    if groups == 1:
+        return NotImplemented
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad_out, query, _repeat_heads(key, groups), _repeat_heads(value, groups), out,
+        logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+    def per_group(t):
+        b, hg, s, d = t.shape
+        return aten.sum.dim_IntList(aten.view.default(t, [b, hg // groups, groups, s, d]), [2])
+
+    return dq, per_group(dk), per_group(dv)
+
+
 def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
                memory_format=None):
     """``rand_like`` as the IR draws it, from the session's generator: of a tensor of the
@@ -546,7 +592,8 @@ def decomposition_table() -> dict:
     pooling whose windows divide the input as plain max pooling; without the
     decompositions of the ops of
     ``_KEPT_WHOLE`` (reflection padding, layer norm's backward, fused attention), which
-    stay whole."""
+    stay whole (attention with grouped-query attention's key and value heads repeated
+    to the query's)."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
         packet = getattr(aten, name)
@@ -571,6 +618,9 @@ def decomposition_table() -> dict:
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.native_dropout.default] = _native_dropout
     table[aten.rand_like.default] = _rand_like
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
+        _flash_attention_backward)
     table[aten.randn_like.default] = _randn_like
     table[aten.rand.default] = _rand
     table[aten.randn.default] = _randn

@@ -1,5 +1,5 @@
-"""Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT and T5
-(small configurations), each through its own ``.loss``, three AdamW steps, every
+"""Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT, T5 and
+Llama (small configurations), each through its own ``.loss``, three AdamW steps, every
 parameter and optimizer state against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -54,7 +54,18 @@ def _t5():
             lambda m, ids, y: m(input_ids=ids, labels=y).loss)
 
 
-MODELS = {"gpt2": _gpt2, "bert": _bert, "t5": _t5}
+def _llama():
+    """Llama's blocks (RMSNorm, rotary position embeddings, SwiGLU, grouped-query
+    attention), as Mistral, Qwen and Gemma build on them."""
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=128, max_position_embeddings=32)
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(4))
+    return (transformers.LlamaForCausalLM(cfg), (ids,),
+            lambda m, ids: m(input_ids=ids, labels=ids).loss)
+
+
+MODELS = {"gpt2": _gpt2, "bert": _bert, "t5": _t5, "llama": _llama}
 
 
 @pytest.fixture(scope="module")
