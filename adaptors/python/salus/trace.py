@@ -305,6 +305,17 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
+def _clamp_tensor(x, min=None, max=None):
+    """``clamp`` by tensor bounds (``cosine_similarity``'s norm floor) as ``maximum`` and
+    ``minimum``, which propagate NaN as it does."""
+    out = x
+    if min is not None:
+        out = aten.maximum.default(out, min)
+    if max is not None:
+        out = aten.minimum.default(out, max)
+    return out
+
+
 def _kv_groups(query, key) -> int:
     """Query heads per key head: above 1 for grouped-query attention (``enable_gqa``, as
     Llama's SDPA path calls it), where key and value have fewer heads."""
@@ -618,6 +629,7 @@ def decomposition_table() -> dict:
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.native_dropout.default] = _native_dropout
     table[aten.rand_like.default] = _rand_like
+    table[aten.clamp.Tensor] = _clamp_tensor
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
         _flash_attention_backward)

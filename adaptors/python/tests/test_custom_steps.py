@@ -250,3 +250,20 @@ def test_a_denoising_step_draws_its_noise_on_salusd(daemon):
     assert runs[0] == runs[1]
     first, last = sum(runs[0][:5]) / 5, sum(runs[0][-5:]) / 5
     assert 0.7 < first < 1.5 and last < 0.8 * first, (first, last)
+
+
+def test_a_cosine_similarity_loss_trains_on_salusd_as_eagerly(daemon):
+    """A contrastive-style loss: cosine similarity (its norm floor a ``clamp`` by a
+    tensor) between two views' embeddings."""
+    from harness import assert_trains_on_salusd_as_eagerly
+
+    def loss_of(model, a, b):
+        return (1 - F.cosine_similarity(model(a), model(b), dim=1)).mean()
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(8, 6, generator=g)
+    batch = (a, a + 0.1 * torch.randn(8, 6, generator=g))
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
+                                       lambda p: torch.optim.SGD(p, lr=0.1), daemon.address)
