@@ -789,6 +789,121 @@ class _ModuleScopes:
             node = node.next
 
 
+class _SavedContext:
+    """What an old-style ``Function.forward(ctx, ...)`` leaves on its ``ctx``: saved
+    tensors, attributes and non-differentiable outputs, replayed onto the real context
+    by ``setup_context``."""
+
+    _OWN = ("saved", "non_differentiable", "materialize", "outputs")
+
+    def __init__(self):
+        self.saved: tuple = ()
+        self.non_differentiable: tuple = ()
+        self.materialize: bool | None = None
+        self.outputs: tuple = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        self.non_differentiable = tensors
+
+    def mark_dirty(self, *tensors):
+        raise TraceError("a custom torch.autograd.Function that changes its inputs in place "
+                         "(ctx.mark_dirty) cannot be traced: return new tensors instead")
+
+    def set_materialize_grads(self, value):
+        self.materialize = value
+
+    def replay(self, ctx, output) -> None:
+        for name, value in vars(self).items():
+            if name not in self._OWN:
+                setattr(ctx, name, value)
+        ctx.save_for_backward(*self.saved)
+        if self.non_differentiable:
+            marked = {id(t) for t in self.non_differentiable}
+            ctx.mark_non_differentiable(*[o for o, raw in zip(_as_tuple(output), self.outputs)
+                                          if id(raw) in marked])
+        if self.materialize is not None:
+            ctx.set_materialize_grads(self.materialize)
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+#: Old-style Functions' adapted twins, made once each.
+_ADAPTED: dict[type, type] = {}
+
+
+def _adapted(function: type) -> type:
+    """A ``torch.func``-ready twin of an old-style ``torch.autograd.Function`` (one
+    without ``setup_context``): its ``forward`` runs the original's on a recording
+    context, which ``setup_context`` replays onto the real one (the two run in turn for
+    each call, so a stack pairs them); ``backward`` is the original's."""
+    if function in _ADAPTED:
+        return _ADAPTED[function]
+    pending: list[_SavedContext] = []
+
+    def forward(*args):
+        ctx = _SavedContext()
+        out = function.forward(ctx, *args)
+        ctx.outputs = _as_tuple(out)
+        pending.append(ctx)
+        return out
+
+    def setup_context(ctx, inputs, output):
+        pending.pop().replay(ctx, output)
+
+    def backward(ctx, *grads):
+        return function.backward(ctx, *grads)
+
+    _ADAPTED[function] = type(function.__name__, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "__module__": function.__module__,
+        "__qualname__": function.__qualname__})
+    return _ADAPTED[function]
+
+
+@contextlib.contextmanager
+def _custom_functions() -> Iterator[None]:
+    """Lets the step's custom ``torch.autograd.Function``s trace: their backward is the
+    user's, recorded when the gradient is taken. ``torch.func``'s functionalization has
+    no rule for them; under it a Function's ``forward`` runs as the ops it is (the grad
+    transform above has already set up the backward). An old-style Function (``forward(ctx,
+    ...)``, no ``setup_context``) is applied as its adapted twin (``_adapted``). Where
+    PyTorch's internals differ from these, nothing changes and such a Function is refused
+    by name (``_custom_function``)."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.autograd_function import custom_function_call
+        table = custom_function_call.functorch_table
+        rule = table[TransformType.Functionalize]
+        original = torch.autograd.Function.__dict__["apply"]
+        base_setup = torch.autograd.function._SingleLevelFunction.setup_context
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def functionalized(interpreter, autograd_function, *operands, **kwargs):
+        return autograd_function.forward(*operands, **kwargs)
+
+    def apply(cls, *args, **kwargs):
+        if (torch._C._are_functorch_transforms_active()
+                and cls.setup_context is base_setup
+                and not cls.__module__.startswith("torch.")):
+            cls = _adapted(cls)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    table[TransformType.Functionalize] = functionalized
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+        table[TransformType.Functionalize] = rule
+
+
 def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
             tracing_mode: str) -> torch.fx.GraphModule:
     # In fake mode, tensors the model captures (not parameters or buffers) stay real
@@ -796,8 +911,8 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
-    with (recording(tracing_mode), _inplace_off(model), _ModuleScopes(model),
-          enable_python_dispatcher(),
+    with (recording(tracing_mode), _custom_functions(), _inplace_off(model),
+          _ModuleScopes(model), enable_python_dispatcher(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
         try:
             gm = traced(*args)

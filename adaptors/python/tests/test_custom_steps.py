@@ -267,3 +267,96 @@ def test_a_cosine_similarity_loss_trains_on_salusd_as_eagerly(daemon):
     batch = (a, a + 0.1 * torch.randn(8, 6, generator=g))
     assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
                                        lambda p: torch.optim.SGD(p, lr=0.1), daemon.address)
+
+
+# -- custom autograd Functions -------------------------------------------------------------
+
+
+class _Swish(torch.autograd.Function):
+    """New style (``setup_context``), its derivative by hand."""
+
+    @staticmethod
+    def forward(x):
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s))
+
+
+class _OldSwish(torch.autograd.Function):
+    """Old style: ``forward(ctx, ...)`` saves for the backward itself (as Bloom's GELU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s))
+
+
+class _GradientReversal(torch.autograd.Function):
+    """Domain-adversarial training's layer: the identity, its gradient negated and scaled
+    by an attribute kept on ``ctx``."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.alpha * grad, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Quantization-aware training's estimator: the sign forward, the identity back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+FUNCTIONS = {"swish": lambda h: _Swish.apply(h), "old_swish": lambda h: _OldSwish.apply(h),
+             "gradient_reversal": lambda h: h + _GradientReversal.apply(h, 0.5),
+             "straight_through": lambda h: h + _StraightThrough.apply(h)}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_custom_autograd_functions_train_on_salusd_as_eagerly(daemon, name):
+    """The user's backward is what the traced step runs: each Function trains three steps
+    on salusd as it trains eagerly (the suite's rule, every parameter)."""
+    from harness import assert_trains_on_salusd_as_eagerly
+
+    apply = FUNCTIONS[name]
+
+    class WithFunction(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(6, 16)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(apply(self.body(x)))
+
+    torch.manual_seed(6)
+    g = torch.Generator().manual_seed(7)
+    batch = (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+    assert_trains_on_salusd_as_eagerly(WithFunction(), batch,
+                                       lambda m, x, y: F.cross_entropy(m(x), y),
+                                       lambda p: torch.optim.SGD(p, lr=0.1), daemon.address,
+                                       label=f"{name}: ")
