@@ -196,10 +196,6 @@ def _unsupported_reason(name: str, target: Any) -> str | None:
         return f"{target.namespace}.* ops are not Core ATen"
     if name in supported_ops():
         return None
-    if name == "_assert_async.msg":
-        # F.one_hot checks its indices this way; the IR has no op that only checks.
-        return ("a runtime check PyTorch inserts (F.one_hot's range checks among them: "
-                "write one_hot as (index[..., None] == torch.arange(n)).to(dtype))")
     if torch.Tag.core not in target.tags:
         return "not a Core ATen op"
     return "Core ATen, but not in proto/salus/v1/ops.txt"
@@ -453,6 +449,8 @@ class _Lowering:
     def _results(self, node: torch.fx.Node, schema: torch.FunctionSchema) -> list[int]:
         returns = schema.returns
         context = _where(node)
+        if not returns:  # a check (_assert_async.msg): no results
+            return []
         if len(returns) == 1 and isinstance(returns[0].type, torch.TensorType):
             tid = self._new_tensor(node.name, _meta_tensor(node), pb.TENSOR_ROLE_INTERMEDIATE,
                                    context)

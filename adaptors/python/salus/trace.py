@@ -305,6 +305,17 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
+def _any_dims(x, dim=None, keepdim=False):
+    """``any`` over several dims (F.one_hot's range checks) as one ``any.dim`` per dim."""
+    if x.dim() == 0:
+        return aten.ne.Scalar(x, 0)
+    dims = range(x.dim()) if not dim else sorted(d % x.dim() for d in dim)
+    out = x
+    for d in reversed(list(dims)):
+        out = aten.any.dim(out, d, keepdim)
+    return out
+
+
 def _clamp_tensor(x, min=None, max=None):
     """``clamp`` by tensor bounds (``cosine_similarity``'s norm floor) as ``maximum`` and
     ``minimum``, which propagate NaN as it does."""
@@ -630,6 +641,7 @@ def decomposition_table() -> dict:
     table[aten.native_dropout.default] = _native_dropout
     table[aten.rand_like.default] = _rand_like
     table[aten.clamp.Tensor] = _clamp_tensor
+    table[aten.any.dims] = _any_dims
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
         _flash_attention_backward)

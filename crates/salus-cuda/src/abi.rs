@@ -221,6 +221,8 @@ device_codes! {
         IndexSelect = 4 => ERR_INDEX_SELECT_INDEX,
         EmbeddingBackward = 5 => ERR_EMBEDDING_BACKWARD_INDEX,
         IndexPut = 6 => ERR_INDEX_PUT_INDEX,
+        /// Not an index: an `_assert_async.msg` whose condition was false.
+        Assert = 7 => ERR_ASSERT,
     }
 }
 
@@ -239,11 +241,13 @@ impl IndexErrorKind {
             IndexErrorKind::IndexSelect => "index_select index",
             IndexErrorKind::EmbeddingBackward => "embedding_dense_backward index",
             IndexErrorKind::IndexPut => "index_put index",
+            IndexErrorKind::Assert => "assertion",
         }
     }
 }
 
-/// The message of an index error reported in a lane's error block (code, value, bound).
+/// The message of an index error reported in a lane's error block (code, value, bound);
+/// an assertion's is its node's own (`reported_error`).
 pub(crate) fn index_error(code: u64, value: i64, bound: i64) -> String {
     let what = IndexErrorKind::from_code(code).map_or("index", IndexErrorKind::what);
     format!("{what} {value} is out of range for a dimension of size {bound}")
@@ -643,6 +647,18 @@ device_struct! {
 }
 
 device_struct! {
+    /// `_assert_async.msg`: reports node `node` in the error block at `err` when the
+    /// condition (one element at `cond`) is zero.
+    #[derive(Default)]
+    struct AssertArgs {
+        cond: u64,
+        dt: i64,
+        err: u64,
+        node: i64,
+    }
+}
+
+device_struct! {
     /// `rand_like`: `n` uniform draws in [0, 1) of `bits` bits from the generator at
     /// `state`.
     #[derive(Default)]
@@ -754,6 +770,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         AdvancedIndexArgs::layout(),
         BernoulliArgs::layout(),
         UniformArgs::layout(),
+        AssertArgs::layout(),
         FusedArgs::layout(),
         FusedSegment::layout(),
         FusedBatchArgs::layout(),
@@ -781,6 +798,7 @@ impl KernelArgs for EmbeddingBackwardArgs {}
 impl KernelArgs for AdvancedIndexArgs {}
 impl KernelArgs for BernoulliArgs {}
 impl KernelArgs for UniformArgs {}
+impl KernelArgs for AssertArgs {}
 
 /// A kernel's argument struct behind a pointer, as a command list keeps it: the driver
 /// hands its bytes to the kernel. Implemented only for the [`KernelArgs`] structs, which
@@ -877,6 +895,7 @@ kernels! {
     ReflectionPadBackward = "reflection_pad_bwd" (PoolArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
     Uniform = "uniform" (UniformArgs),
+    Assert = "assert_true" (AssertArgs),
     // The row kernels (`rows.cu`): a warp or a block per contiguous row.
     /// Reduced elements contiguous per output.
     ReduceRows = "red_rows" (ReduceArgs),

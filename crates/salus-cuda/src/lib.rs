@@ -766,7 +766,14 @@ pub(crate) fn reported_error(program: &Program, err: &[u8; 40]) -> Option<ExecEr
         index,
         name: node.map(|n| n.name.clone()).unwrap_or_default(),
         op: node.map(|n| n.op.name().to_string()).unwrap_or_default(),
-        message: abi::index_error(word(2), word(3) as i64, word(4) as i64),
+        message: match program.node_params().get(index) {
+            Some(salus_graph::OpParams::Assert { message })
+                if word(2) == abi::IndexErrorKind::Assert.code() as u64 =>
+            {
+                message.clone()
+            }
+            _ => abi::index_error(word(2), word(3) as i64, word(4) as i64),
+        },
     })
 }
 

@@ -131,6 +131,7 @@ ops! {
     ArangeStartStep = "arange.start_step",
     BernoulliP = "bernoulli.p",
     RandLike = "rand_like",
+    AssertAsyncMsg = "_assert_async.msg",
 }
 
 impl fmt::Display for Op {

@@ -2997,6 +2997,25 @@ fn bernoulli_draws_ones_with_probability_p_from_the_session_generator() {
     assert!((runs / ones - 0.5).abs() < 0.03, "{runs} of {ones}");
 }
 
+#[test]
+fn assert_async_fails_the_iteration_with_its_message() {
+    let check = |cond: f64| {
+        Case::new(Op::AssertAsyncMsg)
+            .input(val(Bool, &[], vec![cond]))
+            .attr(
+                "assert_msg",
+                Attr::Str("one_hot: Class values must be non-negative.".into()),
+            )
+    };
+    assert_eq!(check(1.0).try_run().unwrap(), Vec::<Vec<f64>>::new());
+    let err = check(0.0).fails();
+    assert_mentions(&err, &["one_hot: Class values must be non-negative."]);
+    let err = Case::new(Op::AssertAsyncMsg)
+        .input(val(Bool, &[2], vec![1.0, 1.0]))
+        .fails();
+    assert_mentions(&err, &["the condition must have one element"]);
+}
+
 fn rand_like(n: u64, dtype: DType, state: i64) -> Vec<f64> {
     Case::new(Op::RandLike)
         .input(val(dtype, &[n], vec![0.0; n as usize]))
@@ -3819,6 +3838,10 @@ const ALL_TESTS: &[(&str, fn())] = &[
     (
         "bernoulli_needs_the_generator",
         bernoulli_needs_the_generator,
+    ),
+    (
+        "assert_async_fails_the_iteration_with_its_message",
+        assert_async_fails_the_iteration_with_its_message,
     ),
     (
         "rand_like_draws_uniforms_from_the_session_generator",

@@ -276,6 +276,16 @@ pub(crate) fn run(
     }
     // Ops with several results fill whichever of them are used.
     match (node.op, params) {
+        (AssertAsyncMsg, OpParams::Assert { message }) => {
+            let (ty, bytes) = tensor(args, 0)?;
+            return if load(bytes, ty.dtype, 0) != 0.0 {
+                Ok(())
+            } else if message.is_empty() {
+                Err("an assertion of the step failed".into())
+            } else {
+                Err(message.clone())
+            };
+        }
         (ConvolutionBackward, OpParams::Conv(conv)) => {
             return conv::convolution_backward(conv, args, outs);
         }

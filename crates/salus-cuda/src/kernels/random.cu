@@ -19,6 +19,14 @@ extern "C" __global__ void bernoulli(const BernoulliArgs a) {
     }
 }
 
+// _assert_async.msg: the error block names the node when its condition is false (the
+// host reads the message from the node's parameters).
+extern "C" __global__ void assert_true(const AssertArgs a) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && ld(a.cond, a.dt, 0) == 0.0) {
+        report(a.err, a.node, ERR_ASSERT, 0, 0);
+    }
+}
+
 // rand_like: the CPU kernel's draws, bit for bit (`bits` high bits of the same mix).
 extern "C" __global__ void uniform(const UniformArgs a) {
     u64 key = mix64((u64)(*(const i64*)a.state) ^ a.key);

@@ -7,7 +7,7 @@ use salus_graph::{AdvancedIndex, DType, Node, OpParams};
 
 use super::{Lowered, Lowering, Operand, address, broadcast, contiguous, numel, padded, signed};
 use crate::abi::{
-    AdvancedIndexArgs, AlongDimArgs, AlongDimMode, BernoulliArgs, ElementwiseOp,
+    AdvancedIndexArgs, AlongDimArgs, AlongDimMode, AssertArgs, BernoulliArgs, ElementwiseOp,
     EmbeddingBackwardArgs, IndexErrorKind, Kernel, MAX_RANK, TakeRowsArgs, UniformArgs,
 };
 
@@ -105,6 +105,19 @@ impl Lowering<'_> {
             p,
         };
         self.launch(Kernel::Bernoulli, o.numel(), args);
+        Ok(())
+    }
+
+    /// `_assert_async.msg`: one thread checks the condition on the device.
+    pub(super) fn assert_true(&mut self, node: &Node) -> Lowered {
+        let cond = self.need(node, 0)?;
+        let args = AssertArgs {
+            cond: cond.ptr,
+            dt: cond.dt(),
+            err: self.err,
+            node: self.index as i64,
+        };
+        self.launch(Kernel::Assert, 1, args);
         Ok(())
     }
 

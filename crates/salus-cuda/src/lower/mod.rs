@@ -294,6 +294,7 @@ impl<'a> Lowering<'a> {
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
             RandLike => return self.rand_like(node),
+            AssertAsyncMsg => return self.assert_true(node),
             _ => {}
         }
         let o = self.output(node, 0).ok_or("output 0 is unused")?;

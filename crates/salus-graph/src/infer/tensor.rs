@@ -447,6 +447,15 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         (ArangeStartStep, &OpParams::Arange { len, dtype, .. }) => {
             Ok(vec![TensorType::new(dtype, vec![len])])
         }
+        (AssertAsyncMsg, OpParams::Assert { .. }) => {
+            // A check: its condition (one element), no outputs.
+            ins.count(1)?;
+            let cond = ins.input(0)?;
+            if cond.numel() != Some(1) {
+                return Err(format!("the condition must have one element, got {cond}"));
+            }
+            Ok(vec![])
+        }
         (BernoulliP, OpParams::Bernoulli { .. }) | (RandLike, OpParams::None) => {
             // self, then the session's generator: an i64 scalar STATE tensor that the
             // graph advances every iteration, so each iteration draws new values.

@@ -866,6 +866,13 @@ pub(crate) fn extract(
                 dtype: a.dtype_opt("dtype")?.unwrap_or(default),
             }
         }
+        AssertAsyncMsg => OpParams::Assert {
+            message: match a.get("assert_msg") {
+                Some(Attr::Str(s)) => s.clone(),
+                None => String::new(),
+                Some(other) => return Err(format!("assert_msg must be a string, got {other:?}")),
+            },
+        },
         BernoulliP => {
             let p = a.scalar("p")?.as_f64();
             if !(0.0..=1.0).contains(&p) {

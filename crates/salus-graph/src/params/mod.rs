@@ -376,6 +376,12 @@ pub enum OpParams {
         /// `dtype` (default i64 when all three numbers are integers, else f32).
         dtype: DType,
     },
+    /// `_assert_async.msg`: the iteration fails with `message` when the condition is
+    /// false.
+    Assert {
+        /// `assert_msg`.
+        message: String,
+    },
     /// `bernoulli.p`.
     Bernoulli {
         /// `p` (float in [0, 1]).
