@@ -82,12 +82,8 @@ impl Lowering<'_> {
         self.take_rows(&a, &idx, outer, a.shape()[dim], inner, o, kind)
     }
 
-    /// `bernoulli.p` from the session's generator (input 1), as salus-cpu's
-    /// `kernels::random` draws.
-    pub(super) fn bernoulli(&mut self, node: &Node) -> Lowered {
-        let &OpParams::Bernoulli { p } = self.params() else {
-            return Err("bernoulli.p without its probability".into());
-        };
+    /// A random op's output and the session's generator state (input 1, an i64 scalar).
+    fn draw_operands(&self, node: &Node) -> Result<(Operand, Operand), String> {
         let o = self.output(node, 0).ok_or("output 0 is unused")?;
         let state = self.need(node, 1)?;
         if state.ty.dtype != DType::I64 || state.numel() != 1 {
@@ -96,6 +92,16 @@ impl Lowering<'_> {
                 state.ty
             ));
         }
+        Ok((o, state))
+    }
+
+    /// `bernoulli.p` from the session's generator (input 1), as salus-cpu's
+    /// `kernels::random` draws.
+    pub(super) fn bernoulli(&mut self, node: &Node) -> Lowered {
+        let &OpParams::Bernoulli { p } = self.params() else {
+            return Err("bernoulli.p without its probability".into());
+        };
+        let (o, state) = self.draw_operands(node)?;
         let args = BernoulliArgs {
             n: o.numel() as i64,
             dt: o.dt(),
@@ -124,14 +130,7 @@ impl Lowering<'_> {
     /// `rand_like` from the session's generator (input 1), as salus-cpu's
     /// `kernels::random` draws.
     pub(super) fn rand_like(&mut self, node: &Node) -> Lowered {
-        let o = self.output(node, 0).ok_or("output 0 is unused")?;
-        let state = self.need(node, 1)?;
-        if state.ty.dtype != DType::I64 || state.numel() != 1 {
-            return Err(format!(
-                "the generator must be an i64 scalar, got {}",
-                state.ty
-            ));
-        }
+        let (o, state) = self.draw_operands(node)?;
         let bits = match o.ty.dtype {
             DType::F16 => 11,
             DType::Bf16 => 8,
