@@ -305,6 +305,25 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
+def _unfold(x, dimension, size, step):
+    """``Tensor.unfold`` (sliding windows along a dim, each window a new last dim) as an
+    ``index_select`` of the windows' positions, viewed and permuted: the same values as
+    PyTorch's strided view."""
+    if x.dim() == 0:
+        return NotImplemented
+    dim = dimension % x.dim()
+    count = (x.shape[dim] - size) // step + 1
+    starts = aten.mul.Scalar(aten.unsqueeze.default(
+        aten.arange.start_step(0, count, dtype=torch.int64, device=x.device), 1), step)
+    positions = aten.add.Tensor(
+        starts, aten.arange.start_step(0, size, dtype=torch.int64, device=x.device))
+    picked = aten.index_select.default(x, dim, aten.view.default(positions, [count * size]))
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [count, size]
+    order = [d for d in range(len(shape)) if d != dim + 1] + [dim + 1]
+    return aten.permute.default(aten.view.default(picked, shape), order)
+
+
 def _any_dims(x, dim=None, keepdim=False):
     """``any`` over several dims (F.one_hot's range checks) as one ``any.dim`` per dim."""
     if x.dim() == 0:
@@ -642,6 +661,7 @@ def decomposition_table() -> dict:
     table[aten.rand_like.default] = _rand_like
     table[aten.clamp.Tensor] = _clamp_tensor
     table[aten.any.dims] = _any_dims
+    table[aten.unfold.default] = _unfold
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
         _flash_attention_backward)

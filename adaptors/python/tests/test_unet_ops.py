@@ -8,6 +8,7 @@
 - A block of a parameter's copy written through a view (as swin v2's attention bias).
 - A diffusion model's timestep embedding and learned Fourier features: sines and
   cosines, of a batch input and of trained values.
+- Sliding windows and patches (``Tensor.unfold``) of trained features.
 
 Each trains 3 steps (SGD with momentum) on salusd and must be as close to the same
 steps run eagerly in float64 as eager PyTorch in float32 is (the rule of
@@ -152,7 +153,34 @@ def _time_case():
     return Timesteps(), batches
 
 
-CASES = {"unet": _unet_case, "scan": _scan_case, "block": _block_case, "time": _time_case}
+class Windows(nn.Module):
+    """``Tensor.unfold``: overlapping frames of a signal (as audio and time-series models
+    cut them) and non-overlapping 2-D patches, of trained features."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(32, 32)
+        self.frame = nn.Linear(8, 12)
+        self.out = nn.Linear(12 + 4, 3)
+
+    def forward(self, x):
+        h = self.pre(x)
+        frames = h.unsqueeze(1).unfold(2, 8, 3)  # [B, 1, 9, 8]
+        patches = h.view(-1, 1, 4, 8).unfold(2, 2, 2).unfold(3, 4, 4)  # [B, 1, 2, 2, 2, 4]
+        pooled = torch.tanh(self.frame(frames)).mean((1, 2))
+        return self.out(torch.cat([pooled, patches.pow(2).mean((1, 4, 5)).flatten(1)], 1))
+
+
+def _windows_case():
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 3, generator=g))
+               for _ in range(STEPS)]
+    return Windows(), batches
+
+
+CASES = {"unet": _unet_case, "scan": _scan_case, "block": _block_case, "time": _time_case,
+         "windows": _windows_case}
 
 # The ops each model's training step must bring (beyond those every model uses).
 NEW_OPS = {
@@ -161,6 +189,7 @@ NEW_OPS = {
     "scan": {"cumsum", "flip", "maximum", "minimum", "eq.Tensor", "lt.Tensor", "gt.Tensor"},
     "block": {"slice.Tensor", "cat"},
     "time": {"sin", "cos"},
+    "windows": {"index_select", "index_put"},
 }
 
 
