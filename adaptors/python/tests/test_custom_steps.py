@@ -272,6 +272,11 @@ def test_a_cosine_similarity_loss_trains_on_salusd_as_eagerly(daemon):
 # -- custom autograd Functions -------------------------------------------------------------
 
 
+def _swish_gradient(x, grad):
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s))
+
+
 class _Swish(torch.autograd.Function):
     """New style (``setup_context``), its derivative by hand."""
 
@@ -285,9 +290,7 @@ class _Swish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return grad * s * (1 + x * (1 - s))
+        return _swish_gradient(*ctx.saved_tensors, grad)
 
 
 class _OldSwish(torch.autograd.Function):
@@ -300,9 +303,7 @@ class _OldSwish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return grad * s * (1 + x * (1 - s))
+        return _swish_gradient(*ctx.saved_tensors, grad)
 
 
 class _GradientReversal(torch.autograd.Function):

@@ -16,10 +16,10 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Uniform in [0, 1) with 24 bits, for element `i` of the stream `key`.
-pub(crate) fn uniform(key: u64, i: u64) -> f32 {
-    let bits = mix(key.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-    (bits >> 40) as f32 / (1u64 << 24) as f32
+/// Uniform in [0, 1), a multiple of `2^-bits`, for element `i` of the stream `key`.
+pub(crate) fn uniform(key: u64, i: u64, bits: u32) -> f64 {
+    let mixed = mix(key.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    (mixed >> (64 - bits)) as f64 / (1u64 << bits) as f64
 }
 
 /// The stream of a node under a generator state.
@@ -42,33 +42,20 @@ pub(crate) fn bernoulli(node: &Node, p: f64, args: &[Arg<'_>], o: &mut Out<'_>) 
     let key = node_stream(node, args)?;
     let n = o.ty.numel().unwrap_or(0) as usize;
     for i in 0..n {
-        let one = f64::from(uniform(key, i as u64)) < p;
+        let one = uniform(key, i as u64, 24) < p;
         store(o.bytes, o.ty.dtype, i, f64::from(u8::from(one)));
     }
     Ok(())
 }
 
-/// The bits of a uniform draw that a dtype holds exactly below 1: 24 (f32), 11
-/// (f16), 8 (bf16).
-pub(crate) fn uniform_bits(dtype: salus_graph::DType) -> u32 {
-    match dtype {
-        salus_graph::DType::F16 => 11,
-        salus_graph::DType::Bf16 => 8,
-        _ => 24,
-    }
-}
-
-/// rand_like: uniform in [0, 1) in the dtype of `self`, multiples of 2^-24 (2^-11 in
-/// f16, 2^-8 in bf16: each exact there, so none rounds up to 1). Element `i` takes the
-/// high bits of the same mix as [`uniform`].
+/// rand_like: uniform in [0, 1) in the dtype of `self`, with as many bits as it holds
+/// exactly ([`salus_exec::random::uniform_bits`]).
 pub(crate) fn rand_like(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let key = node_stream(node, args)?;
-    let bits = uniform_bits(o.ty.dtype);
+    let bits = salus_exec::random::uniform_bits(o.ty.dtype);
     let n = o.ty.numel().unwrap_or(0) as usize;
     for i in 0..n {
-        let mixed = mix(key.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-        let u = (mixed >> (64 - bits)) as f64 / (1u64 << bits) as f64;
-        store(o.bytes, o.ty.dtype, i, u);
+        store(o.bytes, o.ty.dtype, i, uniform(key, i as u64, bits));
     }
     Ok(())
 }

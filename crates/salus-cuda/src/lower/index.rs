@@ -131,11 +131,7 @@ impl Lowering<'_> {
     /// `kernels::random` draws.
     pub(super) fn rand_like(&mut self, node: &Node) -> Lowered {
         let (o, state) = self.draw_operands(node)?;
-        let bits = match o.ty.dtype {
-            DType::F16 => 11,
-            DType::Bf16 => 8,
-            _ => 24,
-        };
+        let bits = i64::from(salus_exec::random::uniform_bits(o.ty.dtype));
         let args = UniformArgs {
             n: o.numel() as i64,
             dt: o.dt(),
@@ -148,7 +144,6 @@ impl Lowering<'_> {
         Ok(())
     }
 
-    /// `gather` and `scatter_add` (`value` None) and `scatter.value` along `dim`.
     /// Writes `o` as its input `a` before a scatter or `index_put` changes some of it: a
     /// copy, or a fill when `a` is a fill's output left unwritten ([`Folds::constant`]).
     ///
@@ -160,6 +155,7 @@ impl Lowering<'_> {
         }
     }
 
+    /// `gather` and `scatter_add` (`value` None) and `scatter.value` along `dim`.
     pub(super) fn along(
         &mut self,
         node: &Node,
