@@ -10,6 +10,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Integers up to this magnitude are exact in float16, bfloat16 (up to 256) and wider.
 EXACT_INTEGERS = 256
 
+# Ops that compute nothing to round: comparisons, and the selections that return some of
+# their input's elements as they are (a maximum, a sorted line). Their operands and
+# results are left alone; jittering ``x`` and ``amin(x)`` apart would make the gradient's
+# ``x == amin(x)`` false everywhere, which no precision does.
+EXACT_OPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "amax", "amin", "max", "min",
+                       "argmax", "argmin", "sort", "topk"})
+
 
 class RandomRounding(TorchDispatchMode):
     """Runs PyTorch ops (forward, backward and the optimizer's) with every floating
@@ -20,7 +27,8 @@ class RandomRounding(TorchDispatchMode):
     perturbed in place. Small integers (masks, counts, ones) are exact in every precision
     and stay as they are: rounding makes no error on them, and jittered, ``1 - mask``
     would leave ``1e-8`` where it is 0, which ``finfo.min`` as a mask value then blows
-    up to near infinity. Nor does rounding take a finite value past the largest one."""
+    up to near infinity. Nor does rounding take a finite value past the largest one.
+    Comparisons and selections (``EXACT_OPS``) compute nothing to round."""
 
     def __init__(self, eps: float, seed: int = 0):
         super().__init__()
@@ -37,7 +45,7 @@ class RandomRounding(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view:
+        if func.is_view or func.overloadpacket.__name__ in EXACT_OPS:
             return func(*args, **kwargs)
         if func._schema.is_mutable:
             out = func(*args, **kwargs)

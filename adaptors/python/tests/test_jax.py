@@ -56,10 +56,14 @@ def encoder(p, x):
 
 
 def fourier(p, x):
-    """Learned Fourier features (sines and cosines of trained frequencies), then softplus
-    (XLA's log-plus-one) and ELU (its exponential-minus-one)."""
+    """Learned Fourier features (sines and cosines of trained frequencies) quantized to
+    quarters with a straight-through gradient (XLA's round-nearest-even, round-nearest-afz
+    and floor), then
+    softplus (XLA's log-plus-one) and ELU (its exponential-minus-one)."""
     z = x @ p["freq"]
     h = jnp.concatenate([jnp.sin(z), jnp.cos(z)], -1)
+    steps = 0.1 * jnp.floor(h * 2) + 0.05 * jax.lax.round(h * 3)
+    h = h + jax.lax.stop_gradient(jnp.round(h * 4) / 4 + steps - h)
     h = jax.nn.softplus(h @ p["w1"]) + jax.nn.elu(h @ p["w2"])
     return h @ p["head"]
 

@@ -13,6 +13,7 @@ from harness import (assert_as_exact_as_pytorch, check_graph_structure, f64_twin
 from torch import nn
 
 import salus
+import salus.decompositions
 from salus.lower import check_ops, supported_ops
 from salus.models import MLP, target_models
 from salus.v1 import graph_pb2 as pb
@@ -273,13 +274,13 @@ def test_attention_dropout_becomes_bernoulli():
 def test_native_dropout_decomposition_keeps_and_scales():
     torch.manual_seed(3)
     x = torch.rand(200_000) + 1.0
-    out, mask = salus.trace._native_dropout(x, 0.25, True)
+    out, mask = salus.decompositions._native_dropout(x, 0.25, True)
     assert mask.dtype == torch.bool and torch.equal(mask, out != 0)
     kept = mask.float().mean().item()
     # 200k Bernoulli(0.75) draws: the kept share within 5 standard deviations.
     assert abs(kept - 0.75) < 5 * (0.75 * 0.25 / 200_000) ** 0.5
     assert torch.allclose(out[mask], x[mask] / 0.75)
-    same, all_kept = salus.trace._native_dropout(x, 0.25, False)
+    same, all_kept = salus.decompositions._native_dropout(x, 0.25, False)
     assert torch.equal(same, x) and bool(all_kept.all())
 
 

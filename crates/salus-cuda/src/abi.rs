@@ -17,8 +17,12 @@ use std::fmt::{Debug, Write as _};
 
 #[macro_use]
 mod layout;
+mod index;
 mod norm;
 
+pub(crate) use index::{
+    AdvancedIndexArgs, AlongDimArgs, ArgReduceArgs, EmbeddingBackwardArgs, SortArgs, TakeRowsArgs,
+};
 pub(crate) use layout::{CType, DeviceStruct, FieldLayout, FieldType, StructLayout};
 pub(crate) use norm::{AttentionArgs, BatchNormArgs, LayerNormArgs, LayerNormBackwardArgs};
 
@@ -45,7 +49,7 @@ pub(crate) const UPDATE_SEGMENTS: usize = 128;
 
 /// The kernel files, in the order they are joined after the prelude: a file may use what
 /// an earlier one defines.
-pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
+pub(crate) const KERNEL_FILES: [(&str, &str); 13] = [
     ("common.cu", include_str!("kernels/common.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("copy.cu", include_str!("kernels/copy.cu")),
@@ -57,6 +61,7 @@ pub(crate) const KERNEL_FILES: [(&str, &str); 12] = [
     ("conv.cu", include_str!("kernels/conv.cu")),
     ("pool.cu", include_str!("kernels/pool.cu")),
     ("index.cu", include_str!("kernels/index.cu")),
+    ("order.cu", include_str!("kernels/order.cu")),
     ("random.cu", include_str!("kernels/random.cu")),
 ];
 
@@ -169,6 +174,11 @@ device_codes! {
         Expm1 = 44 => OP_EXPM1,
         Sin = 45 => OP_SIN,
         Cos = 46 => OP_COS,
+        Floor = 47 => OP_FLOOR,
+        Ceil = 48 => OP_CEIL,
+        /// Half to even, as `round`.
+        Round = 49 => OP_ROUND,
+        Trunc = 50 => OP_TRUNC,
     }
 }
 
@@ -190,6 +200,7 @@ device_codes! {
         Gather = 0 => ALONG_GATHER,
         ScatterValue = 1 => ALONG_SCATTER_VALUE,
         ScatterAdd = 2 => ALONG_SCATTER_ADD,
+        ScatterSrc = 3 => ALONG_SCATTER_SRC,
     }
 }
 
@@ -509,131 +520,6 @@ device_struct! {
 }
 
 device_struct! {
-    /// `along_dim`: gather, scatter.value, scatter_add along `dim` ([`AlongDimMode`]).
-    #[derive(Default)]
-    struct AlongDimArgs {
-        n: i64,
-        rank: i64,
-        dim: i64,
-        dim_size: i64,
-        mode: i64,
-        value: f64,
-        ishape: [i64; MAX_RANK],
-        sst: [i64; MAX_RANK],
-        srcst: [i64; MAX_RANK],
-        input: u64,
-        sdt: i64,
-        index: u64,
-        idt: i64,
-        src: u64,
-        srcdt: i64,
-        out: u64,
-        odt: i64,
-        err: u64,
-        node: i64,
-    }
-}
-
-device_struct! {
-    /// `take_rows`: rows of `[outer, len, inner]` picked along the middle dim; `code` is
-    /// the [`IndexErrorKind`] reported for a bad index.
-    #[derive(Default)]
-    struct TakeRowsArgs {
-        outer: i64,
-        len: i64,
-        inner: i64,
-        rows: i64,
-        code: i64,
-        dt: i64,
-        x: u64,
-        index: u64,
-        idt: i64,
-        out: u64,
-        err: u64,
-        node: i64,
-    }
-}
-
-device_struct! {
-    /// `embedding_bwd`: `padding` is the row left without gradient, -1 for none.
-    #[derive(Default)]
-    struct EmbeddingBackwardArgs {
-        count: i64,
-        width: i64,
-        rows: i64,
-        padding: i64,
-        scale: i64,
-        g: u64,
-        gdt: i64,
-        index: u64,
-        idt: i64,
-        out: u64,
-        odt: i64,
-        err: u64,
-        node: i64,
-    }
-}
-
-device_struct! {
-    /// `index_gather` (`index.Tensor`) and `index_put`: the selection an advanced index
-    /// makes of `x` (`srank` dims of sizes `size`, strides `xst`), `n` elements over
-    /// `shape` (`rank` dims). Dim d of x is walked by the selection's dim `whole[d]`, or,
-    /// where that is -1, by index tensor `idx[d]` (dtype `idt[d]`, strides
-    /// `ist[d * MAXR + e]` over the selection's dims e). `index_gather` copies the
-    /// selected elements to `out`; `index_put` writes (or with `accumulate` adds) `values`
-    /// (strides `vst` over the selection) at them in `out`, already a copy of x. Both
-    /// dtype `dt`; a bad index is reported as `code` ([`IndexErrorKind`]).
-    struct AdvancedIndexArgs {
-        n: i64,
-        rank: i64,
-        srank: i64,
-        accumulate: i64,
-        code: i64,
-        shape: [i64; MAX_RANK],
-        size: [i64; MAX_RANK],
-        xst: [i64; MAX_RANK],
-        whole: [i64; MAX_RANK],
-        idx: [u64; MAX_RANK],
-        idt: [i64; MAX_RANK],
-        ist: [i64; MAX_RANK * MAX_RANK],
-        vst: [i64; MAX_RANK],
-        x: u64,
-        dt: i64,
-        values: u64,
-        out: u64,
-        err: u64,
-        node: i64,
-    }
-}
-
-impl Default for AdvancedIndexArgs {
-    /// No operands, every dim of x indexed (`whole` -1); `[T; 64]` has no derived default.
-    fn default() -> Self {
-        AdvancedIndexArgs {
-            n: 0,
-            rank: 0,
-            srank: 0,
-            accumulate: 0,
-            code: 0,
-            shape: [0; MAX_RANK],
-            size: [0; MAX_RANK],
-            xst: [0; MAX_RANK],
-            whole: [-1; MAX_RANK],
-            idx: [0; MAX_RANK],
-            idt: [0; MAX_RANK],
-            ist: [0; MAX_RANK * MAX_RANK],
-            vst: [0; MAX_RANK],
-            x: 0,
-            dt: 0,
-            values: 0,
-            out: 0,
-            err: 0,
-            node: 0,
-        }
-    }
-}
-
-device_struct! {
     /// `bernoulli`: `n` draws with probability `p` from the generator at `state`.
     #[derive(Default)]
     struct BernoulliArgs {
@@ -768,6 +654,8 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         TakeRowsArgs::layout(),
         EmbeddingBackwardArgs::layout(),
         AdvancedIndexArgs::layout(),
+        ArgReduceArgs::layout(),
+        SortArgs::layout(),
         BernoulliArgs::layout(),
         UniformArgs::layout(),
         AssertArgs::layout(),
@@ -796,6 +684,8 @@ impl KernelArgs for AlongDimArgs {}
 impl KernelArgs for TakeRowsArgs {}
 impl KernelArgs for EmbeddingBackwardArgs {}
 impl KernelArgs for AdvancedIndexArgs {}
+impl KernelArgs for ArgReduceArgs {}
+impl KernelArgs for SortArgs {}
 impl KernelArgs for BernoulliArgs {}
 impl KernelArgs for UniformArgs {}
 impl KernelArgs for AssertArgs {}
@@ -887,6 +777,10 @@ kernels! {
     IndexGather = "index_gather" (AdvancedIndexArgs),
     /// `index_put` over an advanced index's selection.
     IndexPut = "index_put" (AdvancedIndexArgs),
+    /// `argmax` and `argmin`: a block per line (`order.cu`).
+    ArgExtreme = "arg_extreme" (ArgReduceArgs),
+    /// `sort.stable`: a block per line, each element placed by its rank.
+    SortLines = "sort_lines" (SortArgs),
     /// `cumsum` along the middle dim of `[rows / inner, len, inner]`, a thread per line.
     Cumsum = "cumsum" (SoftmaxArgs),
     /// `reflection_pad2d` over `[planes, h, w]`, padding `p` = (top, left).

@@ -115,7 +115,8 @@ pub fn op_family(op: &str) -> Family {
         | "mse_loss" | "cross_entropy_loss" => Family::ReduceNorm,
         "gather" | "scatter" | "scatter_add" | "index_put" | "_index_put_impl" | "index"
         | "index_select" | "index_add" | "bernoulli" | "rand_like" | "uniform" | "normal"
-        | "_assert_async" | "randperm" | "masked_fill" | "masked_select" | "take" => Family::Index,
+        | "_assert_async" | "randperm" | "masked_fill" | "masked_select" | "take" | "sort"
+        | "topk" | "argsort" => Family::Index,
         "view"
         | "_unsafe_view"
         | "reshape"
@@ -176,6 +177,10 @@ pub fn op_family(op: &str) -> Family {
         | "expm1"
         | "sin"
         | "cos"
+        | "floor"
+        | "ceil"
+        | "round"
+        | "trunc"
         | "sqrt"
         | "rsqrt"
         | "reciprocal"

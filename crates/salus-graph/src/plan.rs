@@ -131,6 +131,10 @@ fn elementwise(op: Op) -> bool {
             | Expm1
             | Sin
             | Cos
+            | Floor
+            | Ceil
+            | Round
+            | Trunc
             | PowTensorScalar
             | Clamp
             | Relu

@@ -3806,6 +3806,16 @@ const ALL_TESTS: &[(&str, fn())] = &[
         maximum_minimum_and_tensor_comparisons,
     ),
     ("cumsum_along_each_dimension", cumsum_along_each_dimension),
+    ("rounding_functions", rounding_functions),
+    ("argmax_and_argmin", argmax_and_argmin),
+    (
+        "stable_sort_along_each_dimension",
+        stable_sort_along_each_dimension,
+    ),
+    (
+        "scatter_src_writes_each_source_element",
+        scatter_src_writes_each_source_element,
+    ),
     (
         "flip_reverses_the_named_dimensions",
         flip_reverses_the_named_dimensions,
@@ -3886,4 +3896,262 @@ fn every_op_is_tested() {
         ALL_TESTS.len() + 1,
         "a test is missing from ALL_TESTS"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rounding and ordering
+
+#[test]
+fn rounding_functions() {
+    // Half-way cases (round: to even, as PyTorch's), signed zeros, and past 2^23 where
+    // every f32 is an integer already.
+    let sp = &[
+        0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 0.0, -0.0, 1e10, -1e10, INF, -INF, NAN,
+    ];
+    let t = EXACT;
+    unary(Op::Floor, &[], Fp32, Fp32, (-10.0, 10.0), sp, t, f64::floor);
+    unary(Op::Ceil, &[], Fp32, Fp32, (-10.0, 10.0), sp, t, f64::ceil);
+    unary(
+        Op::Round,
+        &[],
+        Fp32,
+        Fp32,
+        (-10.0, 10.0),
+        sp,
+        t,
+        f64::round_ties_even,
+    );
+    unary(Op::Trunc, &[], Fp32, Fp32, (-10.0, 10.0), sp, t, f64::trunc);
+    unary(Op::Floor, &[], Bf16, Bf16, (-10.0, 10.0), sp, t, f64::floor);
+    // Integers are their own rounding.
+    let i = i64v(&[4], &[-3, 0, 7, 1 << 40]);
+    for op in [Op::Floor, Op::Ceil, Op::Round, Op::Trunc] {
+        let got = Case::new(op).input(i.clone()).output(I64, &[4]).run1();
+        assert_close(&got, &i.data, EXACT, &format!("{op} of i64"));
+    }
+}
+
+/// The position of the first largest (`largest`) or smallest element of each line of `x`
+/// along `dim` (every dim: `None`), a NaN before every number.
+fn arg_extreme_ref(x: &Value, dim: Option<usize>, largest: bool) -> Vec<f64> {
+    let better = |v: f64, b: f64| {
+        (v.is_nan() && !b.is_nan()) || (!b.is_nan() && if largest { v > b } else { v < b })
+    };
+    let lines: Vec<Vec<f64>> = match dim {
+        None => vec![x.data.clone()],
+        Some(d) => groups(x, &[d as i64]),
+    };
+    lines
+        .iter()
+        .map(|line| {
+            let mut best = 0;
+            for (j, &v) in line.iter().enumerate() {
+                if better(v, line[best]) {
+                    best = j;
+                }
+            }
+            best as f64
+        })
+        .collect()
+}
+
+#[test]
+fn argmax_and_argmin() {
+    let mut rng = Rng::new(89);
+    let shape = [4u64, 6, 5];
+    let mut x = rng.f32s(&shape, -2.0, 2.0);
+    // Ties (the first wins) and NaNs (the first NaN wins, for argmin too).
+    x.data[3] = x.data[3 + 5 * 2];
+    x.data[7] = NAN;
+    x.data[7 + 5 * 3] = NAN;
+    x.data[40] = 9.0;
+    x.data[45] = 9.0;
+    for op in [Op::Argmax, Op::Argmin] {
+        let largest = op == Op::Argmax;
+        for dim in [0i64, 1, -1] {
+            let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+            for keepdim in [false, true] {
+                let (_, out_shape) = reduced_shape(&shape, &[dim], keepdim);
+                let got = Case::new(op)
+                    .input(x.clone())
+                    .int("dim", dim)
+                    .flag("keepdim", keepdim)
+                    .output(I64, &out_shape)
+                    .run1();
+                let want = arg_extreme_ref(&x, Some(d), largest);
+                assert_close(
+                    &got,
+                    &want,
+                    EXACT,
+                    &format!("{op} dim {dim} keepdim {keepdim}"),
+                );
+            }
+        }
+        // No dim: the position in the flattened tensor.
+        let got = Case::new(op).input(x.clone()).output(I64, &[]).run1();
+        assert_close(
+            &got,
+            &arg_extreme_ref(&x, None, largest),
+            EXACT,
+            &format!("{op} of all"),
+        );
+        let got = Case::new(op)
+            .input(x.clone())
+            .flag("keepdim", true)
+            .output(I64, &[1, 1, 1])
+            .run1();
+        assert_close(
+            &got,
+            &arg_extreme_ref(&x, None, largest),
+            EXACT,
+            &format!("{op} kept"),
+        );
+    }
+    let i = i64v(&[5], &[4, -2, 7, 7, 1]);
+    let got = Case::new(Op::Argmax)
+        .input(i.clone())
+        .int("dim", 0)
+        .output(I64, &[])
+        .run1();
+    assert_close(&got, &[2.0], EXACT, "argmax of i64");
+    // Over an empty dim there is no answer.
+    let empty = f32v(&[2, 0], vec![]);
+    let message = Case::new(Op::Argmax)
+        .input(empty)
+        .int("dim", 1)
+        .output(I64, &[2])
+        .fails();
+    assert_mentions(&message, &["argmax", "empty"]);
+}
+
+/// The stable order of each line of `x` along `d`: (values, positions), NaNs last
+/// ascending and first descending.
+fn sort_ref(x: &Value, d: usize, descending: bool) -> (Vec<f64>, Vec<f64>) {
+    let shape = &x.ty.shape;
+    let (mut values, mut indices) = (vec![0.0; x.data.len()], vec![0.0; x.data.len()]);
+    for i in 0..x.data.len() {
+        let idx = unravel(i, shape);
+        if idx[d] != 0 {
+            continue;
+        }
+        let at = |j: usize| {
+            let mut k = idx.clone();
+            k[d] = j;
+            ravel(&k, shape)
+        };
+        let n = shape[d] as usize;
+        let value = |j: usize| x.data[at(j)];
+        let nans = (0..n).filter(|&j| value(j).is_nan());
+        let mut numbers: Vec<usize> = (0..n).filter(|&j| !value(j).is_nan()).collect();
+        numbers.sort_by(|&a, &b| {
+            let by_value = value(a).partial_cmp(&value(b)).unwrap();
+            let by_value = if descending {
+                by_value.reverse()
+            } else {
+                by_value
+            };
+            by_value.then(a.cmp(&b))
+        });
+        let order: Vec<usize> = if descending {
+            nans.chain(numbers).collect()
+        } else {
+            numbers.into_iter().chain(nans).collect()
+        };
+        for (rank, &j) in order.iter().enumerate() {
+            values[at(rank)] = x.data[at(j)];
+            indices[at(rank)] = j as f64;
+        }
+    }
+    (values, indices)
+}
+
+#[test]
+fn stable_sort_along_each_dimension() {
+    let mut rng = Rng::new(97);
+    let shape = [3u64, 9, 4];
+    let mut x = rng.f32s(&shape, -2.0, 2.0);
+    // Repeated values, signed zeros (equal: they keep their order) and NaNs.
+    for (i, v) in [
+        (0, 0.5),
+        (4, 0.5),
+        (8, 0.5),
+        (12, -0.0),
+        (16, 0.0),
+        (20, NAN),
+        (5, NAN),
+    ] {
+        x.data[i] = v;
+    }
+    for dim in [0i64, 1, -1] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        for descending in [false, true] {
+            let got = Case::new(Op::Sort)
+                .input(x.clone())
+                .flag("stable", true)
+                .int("dim", dim)
+                .flag("descending", descending)
+                .output(Fp32, &shape)
+                .output(I64, &shape)
+                .run();
+            let (values, indices) = sort_ref(&x, d, descending);
+            let what = format!("sort dim {dim} descending {descending}");
+            assert_close(&got[0], &values, EXACT, &what);
+            assert_close(&got[1], &indices, EXACT, &what);
+            // Bit for bit: -0.0 stays where the sort put it.
+            let signs = |v: &[f64]| v.iter().map(|x| x.is_sign_negative()).collect::<Vec<_>>();
+            assert_eq!(signs(&got[0]), signs(&values), "{what}: signed zeros");
+        }
+    }
+    // Only the indices (argsort), a 0-dim input, integers.
+    let got = Case::new(Op::Sort)
+        .input(x.clone())
+        .unused()
+        .output(I64, &shape)
+        .run();
+    assert_close(&got[1], &sort_ref(&x, 2, false).1, EXACT, "argsort");
+    let got = Case::new(Op::Sort)
+        .input(f32v(&[], vec![3.0]))
+        .output(Fp32, &[])
+        .output(I64, &[])
+        .run();
+    assert_close(&got[0], &[3.0], EXACT, "sort of a scalar");
+    assert_close(&got[1], &[0.0], EXACT, "sort of a scalar");
+    let got = Case::new(Op::Sort)
+        .input(i64v(&[4], &[3, -1, 3, 2]))
+        .flag("descending", true)
+        .output(I64, &[4])
+        .output(I64, &[4])
+        .run();
+    assert_close(&got[0], &[3.0, 3.0, 2.0, -1.0], EXACT, "sort of i64");
+    assert_close(&got[1], &[0.0, 2.0, 3.0, 1.0], EXACT, "sort of i64");
+}
+
+#[test]
+fn scatter_src_writes_each_source_element() {
+    // max.dim's gradient: each line's gradient written at its argmax into zeros.
+    let mut rng = Rng::new(101);
+    let x = f32v(&[3, 4], vec![0.0; 12]);
+    let index = i64v(&[3, 1], &[2, 0, 3]);
+    let src = rng.f32s(&[3, 2], -1.0, 1.0);
+    let got = Case::new(Op::ScatterSrc)
+        .input(x.clone())
+        .input(index.clone())
+        .input(src.clone())
+        .int("dim", 1)
+        .output(Fp32, &[3, 4])
+        .run1();
+    let mut want = vec![0.0; 12];
+    for (row, col) in [(0, 2), (1, 0), (2, 3)] {
+        want[row * 4 + col] = src.data[row * 2];
+    }
+    assert_close(&got, &want, EXACT, "scatter.src");
+    let bad = i64v(&[3, 1], &[2, 4, 3]);
+    let message = Case::new(Op::ScatterSrc)
+        .input(x)
+        .input(bad)
+        .input(src)
+        .int("dim", 1)
+        .output(Fp32, &[3, 4])
+        .fails();
+    assert_mentions(&message, &["index 4 is out of range", "size 4"]);
 }

@@ -519,6 +519,15 @@ def _select_and_scatter(interpreter, i, operands, constant):
     return back(out)
 
 
+def _round_half_away(x):
+    """Rounding half away from zero, exactly: halves (where ``x - trunc(x)`` is exactly
+    one half) go to ``trunc(x) + sign(x)``, the rest round to nearest (``floor(|x| +
+    0.5)`` would round 0.49999997 up in float32)."""
+    whole = torch.trunc(x)
+    half = torch.abs(x - whole) == 0.5
+    return torch.where(half, whole + torch.sign(x), torch.round(x))
+
+
 RULES = {
     "add": _binary(lambda a, b, i: torch.add(a, b)),
     "subtract": _binary(lambda a, b, i: torch.sub(a, b)),
@@ -545,6 +554,10 @@ RULES = {
     "log-plus-one": _unary(torch.log1p),
     "sine": _unary(torch.sin),
     "cosine": _unary(torch.cos),
+    "floor": _unary(torch.floor),
+    "ceil": _unary(torch.ceil),
+    "round-nearest-afz": _unary(_round_half_away),
+    "round-nearest-even": _unary(torch.round),
     "is-finite": _is_finite,
     "compare": _compare,
     "select": _select,
@@ -566,10 +579,6 @@ RULES = {
 }
 
 CONSTANT_RULES = {
-    "floor": _unary(torch.floor),
-    "ceil": _unary(torch.ceil),
-    "round-nearest-afz": _unary(lambda x: torch.sign(x) * torch.floor(torch.abs(x) + 0.5)),
-    "round-nearest-even": _unary(torch.round),
     "remainder": _binary(lambda a, b, i: torch.fmod(a, b)),
     "shift-left": _binary(lambda a, b, i: torch.bitwise_left_shift(a, b)),
     "shift-right-arithmetic": _binary(lambda a, b, i: torch.bitwise_right_shift(a, b)),

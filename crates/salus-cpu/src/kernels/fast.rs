@@ -508,6 +508,10 @@ pub(crate) fn run(
         (Expm1, _) => unary(args, o, 8, f32::exp_m1),
         (Sin, _) => unary(args, o, 8, f32::sin),
         (Cos, _) => unary(args, o, 8, f32::cos),
+        (Floor, _) => unary(args, o, 1, f32::floor),
+        (Ceil, _) => unary(args, o, 1, f32::ceil),
+        (Round, _) => unary(args, o, 1, f32::round_ties_even),
+        (Trunc, _) => unary(args, o, 1, f32::trunc),
         (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
             let e = scalar.as_f64();
             if e == 2.0 {

@@ -4,7 +4,7 @@
 //! inner loops, the bounded thread pool, planned scratch) run the hot ops of the target
 //! models' training steps; the generic paths go through `f64` for every dtype and cover
 //! the rest, by family: `elementwise` (the broadcasting engine), `reduce` (sums, means,
-//! maxima, variance, `any`, softmax, `cumsum`), `matmul`, `conv`, `pool`, `pad` (constant
+//! maxima, variance, `any`, softmax, `cumsum`), `order` (`argmax`, `argmin`, `sort`), `matmul`, `conv`, `pool`, `pad` (constant
 //! and reflection padding), `norm` (layer and group norm, the softmax backwards), `shape`
 //! (views, permutes, expands, flips, concatenation, splits), `index` (slicing, gathers,
 //! scatters, embeddings, advanced indexing, `index_put`) and `random`; 16-bit 2-d
@@ -25,6 +25,7 @@ mod fast;
 mod index;
 mod matmul;
 mod norm;
+mod order;
 mod pad;
 mod pool;
 mod random;
@@ -290,6 +291,9 @@ pub(crate) fn run(
             return conv::convolution_backward(conv, args, outs);
         }
         (MaxPool2dWithIndices, OpParams::Pool(pool)) => return pool::max_pool2d(pool, args, outs),
+        (Sort, &OpParams::Sort { dim, descending }) => {
+            return order::sort(dim, descending, args, outs);
+        }
         (
             NativeLayerNorm,
             OpParams::LayerNorm {
@@ -432,6 +436,10 @@ pub(crate) fn run(
         (Expm1, _) => elementwise(args, o, |v| v[0].exp_m1()),
         (Sin, _) => elementwise(args, o, |v| v[0].sin()),
         (Cos, _) => elementwise(args, o, |v| v[0].cos()),
+        (Floor, _) => elementwise(args, o, |v| v[0].floor()),
+        (Ceil, _) => elementwise(args, o, |v| v[0].ceil()),
+        (Round, _) => elementwise(args, o, |v| v[0].round_ties_even()),
+        (Trunc, _) => elementwise(args, o, |v| v[0].trunc()),
         (PowTensorScalar, &OpParams::WithScalar { scalar, .. }) => {
             let e = scalar.as_f64();
             elementwise(args, o, |v| v[0].powf(e))
@@ -523,6 +531,7 @@ pub(crate) fn run(
             },
         ) => reduce::variance(reduction, *correction, args, o),
         (AnyDim, OpParams::Reduce(r)) => reduce::any(r, args, o),
+        (Argmax | Argmin, OpParams::Reduce(r)) => order::arg_extreme(node.op == Argmax, r, args, o),
         (Softmax | LogSoftmax, &OpParams::Softmax { dim, .. }) => {
             reduce::softmax(dim, node.op == LogSoftmax, args, o)
         }
@@ -580,7 +589,8 @@ pub(crate) fn run(
         (SelectInt, &OpParams::Select { dim, index }) => index::select(dim, index, args, o),
         (IndexSelect, &OpParams::Index { dim }) => index::index_select(dim, args, o),
         (Gather, &OpParams::Index { dim }) => index::gather(dim, args, o),
-        (ScatterAdd, &OpParams::Index { dim }) => index::scatter_add(dim, args, o),
+        (ScatterAdd, &OpParams::Index { dim }) => index::scatter(dim, true, args, o),
+        (ScatterSrc, &OpParams::Index { dim }) => index::scatter(dim, false, args, o),
         (ScatterValue, &OpParams::Scatter { dim, value }) => {
             index::scatter_value(dim, value.as_f64(), args, o)
         }

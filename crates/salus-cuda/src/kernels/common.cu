@@ -6,8 +6,8 @@
 // families' files in the order `abi::KERNEL_FILES` gives: common.cu (this file: dtype
 // loads and stores, the error block), elementwise.cu, copy.cu, reduce.cu (block
 // reductions, reductions, softmax), rows.cu, batch_norm.cu, attention.cu, matmul.cu,
-// conv.cu, pool.cu, index.cu, random.cu. A file may use what an earlier one defines; none
-// defines a name the prelude does.
+// conv.cu, pool.cu, index.cu, order.cu, random.cu. A file may use what an earlier one
+// defines; none defines a name the prelude does.
 //
 // Every kernel takes one argument struct by value, all of whose fields are 8 bytes wide
 // (i64, u64 or double, arrays of them, or a nested struct), so C and Rust's #[repr(C)]

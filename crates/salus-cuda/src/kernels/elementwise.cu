@@ -29,6 +29,10 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_EXPM1: return expm1(a);
         case OP_SIN: return sin(a);
         case OP_COS: return cos(a);
+        case OP_FLOOR: return floor(a);
+        case OP_CEIL: return ceil(a);
+        case OP_ROUND: return rint(a);
+        case OP_TRUNC: return trunc(a);
         case OP_POW_TS: return pow(a, s0);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);

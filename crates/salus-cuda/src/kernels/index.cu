@@ -1,7 +1,7 @@
 // ------------------------------------------------------------------------------------
 // Indexing. A bad index is reported with its kind (ERR_*, `abi::IndexErrorKind`).
 
-// gather / scatter.value / scatter_add along `dim`: index element t at coords c (index
+// gather / scatter.value / scatter.src / scatter_add along `dim`: index element t at coords c (index
 // shape) meets self element with c[dim] replaced by the index value.
 extern "C" __global__ void along_dim(const AlongDimArgs a) {
     GRID_LOOP(t, a.n) {
@@ -16,6 +16,7 @@ extern "C" __global__ void along_dim(const AlongDimArgs a) {
         }
         if (a.mode == ALONG_GATHER) st(a.out, a.odt, t, ld(a.input, a.sdt, off));
         else if (a.mode == ALONG_SCATTER_VALUE) st(a.out, a.odt, off, a.value);
+        else if (a.mode == ALONG_SCATTER_SRC) st(a.out, a.odt, off, ld(a.src, a.srcdt, soff));
         else atomic_addv(a.out, a.odt, off, ld(a.src, a.srcdt, soff));
     }
 }

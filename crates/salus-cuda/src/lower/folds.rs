@@ -321,7 +321,10 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
     }
     let producers = tensor_producers(graph);
     for (n, node) in graph.nodes.iter().enumerate() {
-        let starts_from_copy = matches!(node.op, Op::ScatterValue | Op::ScatterAdd | Op::IndexPut);
+        let starts_from_copy = matches!(
+            node.op,
+            Op::ScatterValue | Op::ScatterAdd | Op::ScatterSrc | Op::IndexPut
+        );
         let (Some(Some(a)), Some(Some(o))) = (node.inputs.first(), node.outputs.first()) else {
             continue;
         };

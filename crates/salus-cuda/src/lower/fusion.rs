@@ -116,6 +116,10 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Expm1, _) => p(E::Expm1, 1, [0.0; 2]),
         (Sin, _) => p(E::Sin, 1, [0.0; 2]),
         (Cos, _) => p(E::Cos, 1, [0.0; 2]),
+        (Floor, _) => p(E::Floor, 1, [0.0; 2]),
+        (Ceil, _) => p(E::Ceil, 1, [0.0; 2]),
+        (Round, _) => p(E::Round, 1, [0.0; 2]),
+        (Trunc, _) => p(E::Trunc, 1, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

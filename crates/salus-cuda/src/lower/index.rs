@@ -198,7 +198,12 @@ impl Lowering<'_> {
                         idx.ty, src.ty
                     ));
                 }
-                (AlongDimMode::ScatterAdd, Some(src))
+                let mode = if node.op == salus_graph::Op::ScatterSrc {
+                    AlongDimMode::ScatterSrc
+                } else {
+                    AlongDimMode::ScatterAdd
+                };
+                (mode, Some(src))
             }
         };
         if mode != AlongDimMode::Gather {

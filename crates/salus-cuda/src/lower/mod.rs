@@ -20,6 +20,7 @@ pub(crate) mod folds;
 pub(crate) mod fusion;
 mod index;
 mod matmul;
+mod order;
 mod pool;
 pub(crate) mod reduce;
 
@@ -295,6 +296,7 @@ impl<'a> Lowering<'a> {
             BernoulliP => return self.bernoulli(node),
             RandLike => return self.rand_like(node),
             AssertAsyncMsg => return self.assert_true(node),
+            Sort => return self.sort(node),
             _ => {}
         }
         let o = self.output(node, 0).ok_or("output 0 is unused")?;
@@ -352,6 +354,10 @@ impl<'a> Lowering<'a> {
             (Expm1, _) => self.unary(ElementwiseOp::Expm1, node, &o, none),
             (Sin, _) => self.unary(ElementwiseOp::Sin, node, &o, none),
             (Cos, _) => self.unary(ElementwiseOp::Cos, node, &o, none),
+            (Floor, _) => self.unary(ElementwiseOp::Floor, node, &o, none),
+            (Ceil, _) => self.unary(ElementwiseOp::Ceil, node, &o, none),
+            (Round, _) => self.unary(ElementwiseOp::Round, node, &o, none),
+            (Trunc, _) => self.unary(ElementwiseOp::Trunc, node, &o, none),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,
@@ -430,6 +436,10 @@ impl<'a> Lowering<'a> {
                 };
                 self.reduce(op, &a, &r.dims, &o, 0.0)
             }
+            (Argmax | Argmin, OpParams::Reduce(r)) => {
+                let a = self.need(node, 0)?;
+                self.arg_extreme(node.op == Argmax, &a, r, &o)
+            }
             (
                 VarCorrection,
                 OpParams::Var {
@@ -479,7 +489,9 @@ impl<'a> Lowering<'a> {
             ) => self.reflection_pad(node, padding, planes, input, output, &o),
             (Embedding, _) => self.embedding(node, &o),
             (IndexSelect, &OpParams::Index { dim }) => self.index_select(node, dim, &o),
-            (Gather | ScatterAdd, &OpParams::Index { dim }) => self.along(node, dim, None, &o),
+            (Gather | ScatterAdd | ScatterSrc, &OpParams::Index { dim }) => {
+                self.along(node, dim, None, &o)
+            }
             (ScatterValue, &OpParams::Scatter { dim, value }) => {
                 self.along(node, dim, Some(value.as_f64()), &o)
             }

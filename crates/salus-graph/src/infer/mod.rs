@@ -195,7 +195,9 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             DType::Bool,
             ins.input(0)?.shape.clone(),
         )]),
-        (Neg | Abs | Sign | Relu | Clone | BitwiseNot, _) => unary_same(ins),
+        (Neg | Abs | Sign | Relu | Clone | BitwiseNot | Floor | Ceil | Round | Trunc, _) => {
+            unary_same(ins)
+        }
         (
             Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sin | Cos | Sigmoid
             | Tanh | Gelu,
@@ -221,6 +223,13 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             Ok(out)
         }
         (Maximum | Minimum, _) => binary(ins),
+        (Sort, OpParams::Sort { .. }) => {
+            let t = ins.input(0)?;
+            Ok(vec![
+                t.clone(),
+                TensorType::new(DType::I64, t.shape.clone()),
+            ])
+        }
         (Cumsum, &OpParams::Cumsum { dtype, .. }) => {
             ins.count(1)?;
             Ok(vec![TensorType::new(dtype, ins.input(0)?.shape.clone())])
@@ -254,7 +263,7 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
         (ToCopy, OpParams::ToCopy { dtype }) => {
             Ok(vec![TensorType::new(*dtype, ins.input(0)?.shape.clone())])
         }
-        (SumDimIntList | Mean | MeanDim | AnyDim | Amax, OpParams::Reduce(r)) => {
+        (SumDimIntList | Mean | MeanDim | AnyDim | Amax | Argmax | Argmin, OpParams::Reduce(r)) => {
             let t = ins.input(0)?;
             Ok(vec![TensorType::new(r.dtype, reduced(&t.shape, r))])
         }

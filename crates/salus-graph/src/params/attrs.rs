@@ -72,6 +72,14 @@ impl<'a> Attrs<'a> {
         }
     }
 
+    /// An int, `None` when absent.
+    pub(super) fn int_opt(&self, name: &str) -> Result<Option<i64>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.int(name).map(Some),
+        }
+    }
+
     pub(super) fn int_or(&self, name: &str, default: i64) -> Result<i64> {
         match self.get(name) {
             None => Ok(default),

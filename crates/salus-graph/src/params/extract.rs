@@ -405,6 +405,10 @@ pub(crate) fn extract(
         | Expm1
         | Sin
         | Cos
+        | Floor
+        | Ceil
+        | Round
+        | Trunc
         | Relu
         | Sigmoid
         | Tanh
@@ -509,6 +513,21 @@ pub(crate) fn extract(
                 correction,
             }
         }
+        Argmax | Argmin => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            let dim = a.int_opt("dim")?;
+            let r = reduction(
+                dim.as_ref().map(std::slice::from_ref),
+                t.rank(),
+                a.bool_or("keepdim", false)?,
+                DType::I64,
+            )?;
+            if let Some(&d) = r.dims.iter().find(|&&d| t.shape[d] == 0) {
+                return Err(format!("{op} of {t} reduces dimension {d}, which is empty"));
+            }
+            OpParams::Reduce(r)
+        }
         AnyDim => {
             ins.count(1)?;
             let t = ins.input(0)?;
@@ -547,6 +566,14 @@ pub(crate) fn extract(
             OpParams::Cumsum {
                 dim: wrap_dim(a.int("dim")?, t.rank())?.min(t.rank().saturating_sub(1)),
                 dtype: a.dtype_opt("dtype")?.unwrap_or(default),
+            }
+        }
+        Sort => {
+            ins.count(1)?;
+            let t = ins.input(0)?;
+            OpParams::Sort {
+                dim: wrap_dim(a.int_or("dim", -1)?, t.rank())?.min(t.rank().saturating_sub(1)),
+                descending: a.bool_or("descending", false)?,
             }
         }
         Addmm => OpParams::Addmm {
@@ -779,8 +806,12 @@ pub(crate) fn extract(
             let rows = nonneg(a.int("num_weights")?, "num_weights")?;
             embedding(a, rows)?
         }
-        Gather | ScatterAdd | IndexSelect => {
-            ins.count(if op == ScatterAdd { 3 } else { 2 })?;
+        Gather | ScatterAdd | ScatterSrc | IndexSelect => {
+            ins.count(if matches!(op, ScatterAdd | ScatterSrc) {
+                3
+            } else {
+                2
+            })?;
             let t = ins.input(0)?;
             OpParams::Index {
                 dim: wrap_dim(a.int("dim")?, t.rank())?,

@@ -81,7 +81,7 @@ pub enum GeluApproximate {
 }
 
 /// A reduction's dimensions and result, shared by `sum.dim_IntList`, `mean`, `mean.dim`,
-/// `var.correction`, `any.dim` and `amax`.
+/// `var.correction`, `any.dim`, `amax`, `argmax` and `argmin`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reduction {
     /// Reduced dimensions of the input: from `dim` (an int for `any.dim`, a list
@@ -149,7 +149,9 @@ pub enum OpParams {
         /// `dtype` (default: the input's).
         dtype: DType,
     },
-    /// `sum.dim_IntList`, `mean`, `mean.dim`, `any.dim`, `amax`.
+    /// `sum.dim_IntList`, `mean`, `mean.dim`, `any.dim`, `amax`; `argmax` and `argmin`
+    /// (one `dim`, or every dim when it is absent: the index is then into the flattened
+    /// input; dtype i64).
     Reduce(Reduction),
     /// `var.correction`.
     Var {
@@ -178,6 +180,14 @@ pub enum OpParams {
         dim: usize,
         /// `dtype` (default: i64 for integer and bool inputs, else the input's).
         dtype: DType,
+    },
+    /// `sort.stable`: every line along `dim` in order, equal elements (and NaNs, which
+    /// sort after every number) in their input order whether or not `stable` is set.
+    Sort {
+        /// `dim` (default -1), normalised (0 for a 0-dim input).
+        dim: usize,
+        /// `descending` (default false): largest first, NaNs first.
+        descending: bool,
     },
     /// `addmm`: `beta * self + alpha * mat1 @ mat2`.
     Addmm {
@@ -329,7 +339,7 @@ pub enum OpParams {
         /// `num_weights` of the backward: the gradient's rows; 0 for the forward.
         num_weights: u64,
     },
-    /// `gather`, `scatter_add`, `index_select`.
+    /// `gather`, `scatter_add`, `scatter.src`, `index_select`.
     Index {
         /// `dim`, normalised.
         dim: usize,

@@ -1,0 +1,702 @@
+"""The decomposition table salus traces PyTorch steps with.
+
+Core ATen's decompositions, adjusted to the IR (``proto/salus/v1/ops.txt``): ops the IR
+has kernels for stay whole (training-mode batch norm, reflection padding, layer norm's
+backward, fused attention), and ops Core ATen keeps whole but the IR has not are written
+in IR ops (dropout as ``bernoulli.p`` draws, ``rand``/``randn`` as ``rand_like``,
+``max.dim`` as ``argmax`` and a gather, ``topk`` as a sort and a slice, replication and
+circular padding as gathers and concatenations, ...). :func:`decomposition_table` says
+what each entry does; :mod:`salus.trace` records every step with it.
+"""
+
+from __future__ import annotations
+
+import math
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch._C import DispatchKey
+from torch._decomp import core_aten_decompositions
+from torch._decomp import decomposition_table as _all_decompositions
+from torch._subclasses.fake_tensor import is_fake
+
+aten = torch.ops.aten
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return (aten.var.correction(x, dim, correction=correction, keepdim=keepdim),
+            aten.mean.dim(x, dim, keepdim))
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+           memory_format=None):
+    # Uninitialised memory may hold anything: zeros are a valid choice, and ``full`` is an
+    # IR op (dropout's mask and SiLU's backward start from an empty tensor).
+    return aten.full.default(size, 0, dtype=dtype or torch.get_default_dtype(),
+                             layout=layout, device=device, pin_memory=pin_memory)
+
+
+def _empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None,
+                    pin_memory=None):
+    return _empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
+_BATCH_NORM_OPS = ("native_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_functional", "_batch_norm_with_update",
+                   "_batch_norm_with_update_functional",
+                   # eval mode
+                   "_native_batch_norm_legit_no_training", "_batch_norm_no_update")
+
+
+def _batch_norm_whole(decomposition: Callable, train_at: int, data: Sequence[int],
+                      stats: Sequence[int], required: Sequence[int],
+                      saved: Sequence[int] = ()) -> Callable:
+    """``decomposition`` where the IR has no batch-norm op for the call; else the op stays
+    whole (``NotImplemented`` tells make_fx to record it): training-mode batch norm whose
+    fused kernels make one pass to gather each channel's statistics and one to normalise,
+    where the decomposition makes many. ``train_at``: the index of the ``training`` /
+    ``train`` flag; ``data``: the arguments shaped like the input (f32, or 16-bit as
+    under autocast), of one dtype; ``stats``: the per-channel tensor arguments (f32 or
+    None), of which ``required`` (the running or the saved statistics) must be there.
+    ``saved``: the forward's saved statistics among ``stats``, which a fake trace gives
+    the input's dtype (the meta kernel's; :func:`_kernel_dtypes` makes them f32 after)."""
+    def maybe_whole(*args, **kwargs):
+        whole = (len(args) > train_at and args[train_at] is True and args[0].dim() >= 2
+                 and all(isinstance(args[i], torch.Tensor) for i in data)
+                 and args[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+                 and all(args[i].dtype == args[0].dtype for i in data)
+                 and all(args[i] is None or (
+                     isinstance(args[i], torch.Tensor)
+                     and (args[i].dtype == torch.float32
+                          or (i in saved and is_fake(args[i])
+                              and args[i].dtype == args[0].dtype)))
+                         for i in stats)
+                 and all(args[i] is not None for i in required))
+        return NotImplemented if whole else decomposition(*args, **kwargs)
+    return maybe_whole
+
+
+# Ops the IR has kernels for, whose Core ATen decompositions would replace them with
+# gathers: reflection padding becomes ``index.Tensor`` with reflected indices, and its
+# backward nine masked gathers of the whole gradient.
+_KEPT_WHOLE = ("reflection_pad2d", "reflection_pad2d_backward",
+               # Layer norm's backward: one op (a pass over each row, column sums for the
+               # weight and bias), where the decomposition takes several passes.
+               "native_layer_norm_backward",
+               # Attention: one fused op each way (the forward's log-sum-exp feeds the
+               # backward), where the decomposition would build every score matrix.
+               "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _native_dropout(x, p, train):
+    """``native_dropout`` (attention's dropout in scaled-dot-product attention) as
+    ``nn.Dropout`` traces: a ``bernoulli.p`` draw of keep-flags from the session's
+    generator, scaled by 1 / (1 - p); the mask as bool, for its backward."""
+    if not train or p == 0:
+        return (aten.clone.default(x),
+                aten.full.default(list(x.shape), True, dtype=torch.bool, device=x.device))
+    if p >= 1:
+        zeros = aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device)
+        return (zeros, aten.ne.Scalar(zeros, 0))
+    noise = aten.bernoulli.p(
+        aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device), 1 - p)
+    out = aten.mul.Tensor(x, aten.div.Scalar(noise, 1 - p))
+    return (out, aten.ne.Scalar(noise, 0))
+
+
+def _unfold(x, dimension, size, step):
+    """``Tensor.unfold`` (sliding windows along a dim, each window a new last dim) as an
+    ``index_select`` of the windows' positions, viewed and permuted: the same values as
+    PyTorch's strided view."""
+    if x.dim() == 0:
+        return NotImplemented
+    dim = dimension % x.dim()
+    count = (x.shape[dim] - size) // step + 1
+    starts = aten.mul.Scalar(aten.unsqueeze.default(
+        aten.arange.start_step(0, count, dtype=torch.int64, device=x.device), 1), step)
+    positions = aten.add.Tensor(
+        starts, aten.arange.start_step(0, size, dtype=torch.int64, device=x.device))
+    picked = aten.index_select.default(x, dim, aten.view.default(positions, [count * size]))
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [count, size]
+    order = [d for d in range(len(shape)) if d != dim + 1] + [dim + 1]
+    return aten.permute.default(aten.view.default(picked, shape), order)
+
+
+def _any_dims(x, dim=None, keepdim=False):
+    """``any`` over several dims (F.one_hot's range checks) as one ``any.dim`` per dim."""
+    if x.dim() == 0:
+        return aten.ne.Scalar(x, 0)
+    dims = range(x.dim()) if not dim else sorted(d % x.dim() for d in dim)
+    out = x
+    for d in reversed(list(dims)):
+        out = aten.any.dim(out, d, keepdim)
+    return out
+
+
+def _clamp_tensor(x, min=None, max=None):
+    """``clamp`` by tensor bounds (``cosine_similarity``'s norm floor) as ``maximum`` and
+    ``minimum``, which propagate NaN as it does."""
+    out = x
+    if min is not None:
+        out = aten.maximum.default(out, min)
+    if max is not None:
+        out = aten.minimum.default(out, max)
+    return out
+
+
+def _kv_groups(query, key) -> int:
+    """Query heads per key head: above 1 for grouped-query attention (``enable_gqa``, as
+    Llama's SDPA path calls it), where key and value have fewer heads."""
+    if query.dim() != 4 or key.dim() != 4 or key.shape[1] in (0, query.shape[1]):
+        return 1
+    return query.shape[1] // key.shape[1]
+
+
+def _repeat_heads(t, groups: int):
+    """``[B, H, S, D]`` with each head repeated ``groups`` times in place (head ``h`` of
+    the result is head ``h // groups`` of ``t``), as ``repeat_kv`` and SDPA's GQA do."""
+    b, h, s, d = t.shape
+    spread = aten.expand.default(aten.unsqueeze.default(t, 2), [b, h, groups, s, d])
+    dense = aten.clone.default(spread, memory_format=torch.contiguous_format)
+    return aten.view.default(dense, [b, h * groups, s, d])
+
+
+def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                     scale=None):
+    """The fused attention op with grouped-query attention's key and value heads
+    repeated to the query's (the IR's op takes equal heads); as it is otherwise."""
+    groups = _kv_groups(query, key)
+    if groups == 1:
+        return NotImplemented
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, _repeat_heads(key, groups), _repeat_heads(value, groups), dropout_p,
+        is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                              is_causal, *, attn_mask=None, scale=None):
+    """Its backward: the repeated heads' key and value gradients summed per group."""
+    groups = _kv_groups(query, key)
+    if groups == 1:
+        return NotImplemented
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad_out, query, _repeat_heads(key, groups), _repeat_heads(value, groups), out,
+        logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+    def per_group(t):
+        b, hg, s, d = t.shape
+        return aten.sum.dim_IntList(aten.view.default(t, [b, hg // groups, groups, s, d]), [2])
+
+    return dq, per_group(dk), per_group(dv)
+
+
+def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+               memory_format=None):
+    """``rand_like`` as the IR draws it, from the session's generator: of a tensor of the
+    draw's own dtype (the IR's op takes its dtype from ``self``)."""
+    if dtype is None or dtype == x.dtype:
+        return NotImplemented  # recorded as it is
+    return aten.rand_like.default(
+        aten.full.default(list(x.shape), 0, dtype=dtype, device=x.device))
+
+
+def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+                memory_format=None):
+    """``randn_like`` by Box and Muller's transform of two uniform draws from the
+    session's generator, in f32: ``sqrt(-2 log(1 - u)) cos(2 pi v)``, ``1 - u`` in (0, 1]."""
+    dtype = dtype or x.dtype
+    base = aten.full.default(list(x.shape), 0, dtype=torch.float32, device=x.device)
+    u, v = aten.rand_like.default(base), aten.rand_like.default(base)
+    radius = aten.sqrt.default(
+        aten.mul.Scalar(aten.log.default(aten.add.Scalar(aten.neg.default(u), 1.0)), -2.0))
+    normal = aten.mul.Tensor(radius, aten.cos.default(aten.mul.Scalar(v, 2 * math.pi)))
+    return normal if dtype == torch.float32 else aten._to_copy.default(normal, dtype=dtype)
+
+
+def _rand(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return aten.rand_like.default(aten.full.default(
+        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
+def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _randn_like(aten.full.default(
+        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
+def _adaptive_avg_pool2d(x, output_size):
+    # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
+    # would leave view mutations in the graph: the IR has the pooling op itself.
+    return aten._adaptive_avg_pool2d.default(x, output_size)
+
+
+def _adaptive_max_window(x, output_size) -> list[int] | None:
+    """The window (and stride) of the plain max pooling that equals adaptive max pooling
+    of ``x`` to ``output_size``: each output size must divide its input size (windows of
+    uneven sizes have no IR op; the op then stays and is reported unsupported)."""
+    sizes = list(x.shape[-2:])
+    out = list(output_size)
+    if len(out) != 2 or any(o <= 0 or s % o for s, o in zip(sizes, out)):
+        return None
+    return [s // o for s, o in zip(sizes, out)]
+
+
+def _adaptive_max_pool2d(x, output_size):
+    window = _adaptive_max_window(x, output_size)
+    if window is None:
+        return NotImplemented
+    # Both give each maximum's flat index within its input plane.
+    return aten.max_pool2d_with_indices.default(x, window, window, [0, 0], [1, 1], False)
+
+
+def _adaptive_max_pool2d_backward(grad, x, indices):
+    window = _adaptive_max_window(x, grad.shape[-2:])
+    if window is None:
+        return NotImplemented
+    return aten.max_pool2d_with_indices_backward.default(grad, x, window, window, [0, 0],
+                                                         [1, 1], False, indices)
+
+
+# EmbeddingBag: the bag of each index, the rows gathered, summed into their bags by an
+# accumulating index_put (mean: divided by each bag's count); the gradient gathers each
+# bag's gradient back to its indices and accumulates it into the weight's rows. Max bags,
+# sparse gradients and scale_grad_by_freq have no decomposition here: the op then stays
+# and is reported unsupported. ``mode``: 0 sum, 1 mean, 2 max.
+
+
+def _zeros(shape, dtype, like):
+    return aten.full.default(list(shape), 0, dtype=dtype, device=like.device)
+
+
+def _bag_of_each_index(indices, offsets, bags):
+    """The bag each index belongs to: a one where each later bag starts, summed along
+    (one past the end, so that trailing empty bags start in range)."""
+    n = indices.shape[0]
+    starts = aten.slice.Tensor(offsets, 0, 1, bags)
+    marks = aten.index_put.default(
+        _zeros([n + 1], torch.int64, indices), [starts],
+        aten.full.default([bags - 1], 1, dtype=torch.int64, device=indices.device), True)
+    return aten.slice.Tensor(aten.cumsum.default(marks, 0), 0, 0, n)
+
+
+def _counted(indices, padding_idx):
+    """1 for each index that counts (not ``padding_idx``), as int64."""
+    if padding_idx is None or padding_idx < 0:
+        return aten.full.default([indices.shape[0]], 1, dtype=torch.int64,
+                                 device=indices.device)
+    return aten._to_copy.default(aten.ne.Scalar(indices, padding_idx), dtype=torch.int64)
+
+
+def _bag_counts(size, dtype):
+    """Each bag's count of indices in ``dtype``, at least 1 (an empty bag's mean is 0)."""
+    return aten.clamp.default(aten._to_copy.default(size, dtype=dtype), 1)
+
+
+def _weighted_rows(rows, keep, per_sample_weights):
+    """``rows`` (one per index) scaled by ``keep`` and the per-sample weights, if any."""
+    if per_sample_weights is not None:
+        keep = aten.mul.Tensor(keep, per_sample_weights)
+    return aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+
+
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                   sparse=False, per_sample_weights=None, include_last_offset=False,
+                   padding_idx=-1):
+    if mode not in (0, 1) or indices.dim() != 1:
+        return NotImplemented
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    bag = _bag_of_each_index(indices, offsets, bags)
+    counted = _counted(indices, padding_idx)
+    rows = _weighted_rows(aten.embedding.default(weight, indices),
+                          aten._to_copy.default(counted, dtype=weight.dtype), per_sample_weights)
+    out = aten.index_put.default(_zeros([bags, weight.shape[1]], weight.dtype, weight), [bag],
+                                 rows, True)
+    size = aten.index_put.default(_zeros([bags], torch.int64, indices), [bag], counted, True)
+    if mode == 1:
+        out = aten.div.Tensor(out, aten.unsqueeze.default(_bag_counts(size, weight.dtype), 1))
+    return out, bag, size, _zeros([bags], torch.int64, indices)
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                  num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                                  padding_idx=-1):
+    if mode not in (0, 1) or scale_grad_by_freq:
+        return NotImplemented
+    rows = aten.index.Tensor(grad, [offset2bag])
+    keep = aten._to_copy.default(_counted(indices, padding_idx), dtype=grad.dtype)
+    if mode == 1:
+        keep = aten.div.Tensor(keep, aten.index.Tensor(_bag_counts(bag_size, grad.dtype),
+                                                       [offset2bag]))
+    rows = _weighted_rows(rows, keep, per_sample_weights)
+    return aten.index_put.default(_zeros([num_weights, grad.shape[1]], grad.dtype, grad),
+                                  [indices], rows, True)
+
+
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                            num_weights, scale_grad_by_freq, mode, sparse,
+                            per_sample_weights, padding_idx=-1):
+    if sparse:
+        return NotImplemented
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
+                                         maximum_indices, num_weights, scale_grad_by_freq,
+                                         mode, per_sample_weights, padding_idx)
+
+
+def _sub_scalar(x, other, alpha=1):
+    # x - alpha * other, as the IR's add with the opposite alpha.
+    return aten.add.Scalar(x, other, alpha=-alpha)
+
+
+def _isnan(x):
+    # NaN is the one value not equal to itself.
+    return aten.logical_not.default(aten.eq.Tensor(x, x))
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    return aten.clamp.default(x, min_val, max_val)
+
+
+def _hardtanh_backward(grad, x, min_val, max_val):
+    # PyTorch's: the gradient where min_val < x < max_val, else 0.
+    inside = aten.logical_and.default(aten.gt.Scalar(x, min_val), aten.lt.Scalar(x, max_val))
+    return aten.where.self(inside, grad, aten.full_like.default(grad, 0))
+
+
+def _slice_backward(grad, input_sizes, dim, start, end, step):
+    """A slice's gradient: ``grad`` placed at the slice in zeros. With step 1 that is
+    constant padding; with a larger step, an ``index_put`` of ``grad`` at the slice's
+    indices along ``dim`` (both IR ops, where PyTorch writes ``slice_scatter``)."""
+    rank = len(input_sizes)
+    dim = dim % rank
+    size = input_sizes[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    length = grad.shape[dim]
+    if step == 1:
+        pad = [0, 0] * (rank - 1 - dim) + [start, size - start - length]
+        return aten.constant_pad_nd.default(grad, pad, 0.0)
+    zeros = aten.full.default(list(input_sizes), 0, dtype=grad.dtype, device=grad.device)
+    return _slice_scatter(zeros, grad, dim, start, end, step)
+
+
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``src`` written at the slice ``start:end:step`` along ``dim``: an
+    ``index_put`` at the slice's indices (an IR op; PyTorch writes ``slice_scatter``, e.g.
+    for ``y[..., 1:] = x[..., :-1]``)."""
+    rank = x.dim()
+    dim = dim % rank
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    start = min(max(start + size if start < 0 else start, 0), size)
+    length = src.shape[dim]
+    where = aten.arange.start_step(start, start + length * step, step, dtype=torch.int64,
+                                   device=x.device)
+    return aten.index_put.default(x, [None] * dim + [where], src, False)
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """``linalg_vector_norm`` in ops the IR has (PyTorch 2.11 keeps it whole under
+    autocast): the largest (smallest) magnitude for order inf (-inf), the count of
+    non-zeros for order 0, else the p-th root of the sum of the p-th powers of the
+    magnitudes."""
+    if dtype is not None:
+        x = aten._to_copy.default(x, dtype=dtype)
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else list(dim)
+    a = aten.abs.default(x)
+    if ord == float("inf"):
+        return aten.amax.default(a, dims, keepdim)
+    if ord == float("-inf"):
+        return aten.amin.default(a, dims, keepdim)
+    if ord == 0:
+        nonzero = aten._to_copy.default(aten.ne.Scalar(a, 0), dtype=a.dtype)
+        return aten.sum.dim_IntList(nonzero, dims, keepdim)
+    if ord == 1:
+        return aten.sum.dim_IntList(a, dims, keepdim)
+    if ord == 2:
+        return aten.sqrt.default(aten.sum.dim_IntList(aten.mul.Tensor(a, a), dims, keepdim))
+    return aten.pow.Tensor_Scalar(
+        aten.sum.dim_IntList(aten.pow.Tensor_Scalar(a, ord), dims, keepdim), 1.0 / ord)
+
+
+# ---------------------------------------------------------------------------------------
+# Ordering: sort, topk, max and min along a dim
+
+
+def _sort(x, dim=-1, descending=False):
+    """``sort`` as the IR's ``sort.stable``: a stable sort is one of the orders an
+    unstable one may give (equal elements keep their input order)."""
+    return aten.sort.stable(x, stable=True, dim=dim, descending=descending)
+
+
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    """``topk``: the first ``k`` of a stable sort (largest first where ``largest``), so
+    ties go to the lower position and the results are in order either way."""
+    values, indices = aten.sort.stable(x, stable=True, dim=dim, descending=largest)
+    if x.dim() == 0:
+        return values, indices
+    dim = dim % x.dim()
+    return aten.slice.Tensor(values, dim, 0, k), aten.slice.Tensor(indices, dim, 0, k)
+
+
+def _extreme_dim(arg, x, dim, keepdim):
+    """``max.dim`` / ``min.dim``: the position ``arg`` (``argmax``/``argmin``) finds, and
+    the element there gathered, so value and index always agree (a NaN wins; the first
+    of equal extremes)."""
+    if x.dim() == 0:
+        return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
+                                                        device=x.device)
+    dim = dim % x.dim()
+    index = arg(x, dim, True)
+    values = aten.gather.default(x, dim, index)
+    if keepdim:
+        return values, index
+    return aten.squeeze.dims(values, [dim]), aten.squeeze.dims(index, [dim])
+
+
+def _max_dim(x, dim, keepdim=False):
+    return _extreme_dim(aten.argmax.default, x, dim, keepdim)
+
+
+def _min_dim(x, dim, keepdim=False):
+    return _extreme_dim(aten.argmin.default, x, dim, keepdim)
+
+
+def _amin(x, dim=(), keepdim=False):
+    """``amin`` of floating-point values as ``-amax(-x)`` (negation is exact and keeps
+    NaNs); integer and bool ``amin`` stay whole and are refused by name."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    return aten.neg.default(aten.amax.default(aten.neg.default(x), dim, keepdim))
+
+
+def _whole_extreme(reduce, x):
+    """``max()``/``min()`` of a whole tensor: ``amax``/``amin`` over every dim."""
+    if x.numel() == 0:
+        return NotImplemented
+    return reduce(x, list(range(x.dim())), False)
+
+
+# ---------------------------------------------------------------------------------------
+# Comparisons and logic the IR writes with the ops it has
+
+
+def _ne_tensor(a, b):
+    # NaN != NaN holds, as not (NaN == NaN) does.
+    return aten.logical_not.default(aten.eq.Tensor(a, b))
+
+
+def _logical_or(a, b):
+    return aten.logical_not.default(aten.logical_and.default(
+        aten.logical_not.default(a), aten.logical_not.default(b)))
+
+
+def _ge_tensor(a, b):
+    # a >= b is false where either is NaN: (a > b) or (a == b), not "not (a < b)".
+    return _logical_or(aten.gt.Tensor(a, b), aten.eq.Tensor(a, b))
+
+
+def _le_tensor(a, b):
+    return _logical_or(aten.lt.Tensor(a, b), aten.eq.Tensor(a, b))
+
+
+def _bool_or(a, b):
+    """``|`` of bool tensors (masks) as their logical or; integer bit operations stay
+    whole and are refused by name."""
+    if a.dtype != torch.bool or b.dtype != torch.bool:
+        return NotImplemented
+    return _logical_or(a, b)
+
+
+def _bool_xor(a, b):
+    if a.dtype != torch.bool or b.dtype != torch.bool:
+        return NotImplemented
+    return _logical_xor(a, b)
+
+
+def _logical_xor(a, b):
+    return aten.logical_not.default(aten.eq.Tensor(aten.logical_not.default(a),
+                                                   aten.logical_not.default(b)))
+
+
+# ---------------------------------------------------------------------------------------
+# Padding and diagonals as gathers, concatenations and index_put
+
+
+def _replication_pad_backward(grad, x, padding):
+    """``replication_pad{1,2,3}d_backward``: each padded dim's gradient added back onto
+    the input position it copied (the edge for every padded position), dim by dim, as an
+    accumulating ``index_put``."""
+    if any(p < 0 for p in padding):
+        return NotImplemented
+    for i in range(len(padding) // 2):
+        dim = grad.dim() - 1 - i
+        before, size = padding[2 * i], x.shape[dim]
+        positions = aten.clamp.default(
+            aten.arange.start_step(-before, grad.shape[dim] - before, dtype=torch.int64,
+                                   device=grad.device), 0, size - 1)
+        shape = list(grad.shape)
+        shape[dim] = size
+        zeros = aten.full.default(shape, 0, dtype=grad.dtype, device=grad.device)
+        grad = aten.index_put.default(zeros, [None] * dim + [positions], grad, True)
+    return grad
+
+
+def _pad_circular(x, pad):
+    """Circular padding (``F.pad(mode="circular")``) as a concatenation of the input's
+    ends around it, dim by dim from the last (negative padding crops)."""
+    for i in range(len(pad) // 2):
+        dim = x.dim() - 1 - i
+        before, after = pad[2 * i], pad[2 * i + 1]
+        if before < 0:
+            x = aten.slice.Tensor(x, dim, -before, x.shape[dim])
+        if after < 0:
+            x = aten.slice.Tensor(x, dim, 0, x.shape[dim] + after)
+        size = x.shape[dim]
+        parts = ([aten.slice.Tensor(x, dim, size - before, size)] if before > 0 else []) + [x]
+        if after > 0:
+            parts.append(aten.slice.Tensor(x, dim, 0, after))
+        if len(parts) > 1:
+            x = aten.cat.default(parts, dim)
+    return x
+
+
+def _diagonal_positions(x, offset, dim1, dim2):
+    """The permutation that puts dims ``dim1`` and ``dim2`` last, and the row and column
+    of each element of the diagonal ``offset`` between them."""
+    rank = x.dim()
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    order = [d for d in range(rank) if d not in (dim1, dim2)] + [dim1, dim2]
+    rows, cols = x.shape[dim1], x.shape[dim2]
+    first_row, first_col = max(-offset, 0), max(offset, 0)
+    count = max(min(rows - first_row, cols - first_col), 0)
+    def positions(start):
+        return aten.arange.start_step(start, start + count, dtype=torch.int64,
+                                      device=x.device)
+    return order, positions(first_row), positions(first_col)
+
+
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    """``diagonal`` (a view in PyTorch) as the gather of its elements: the other dims
+    first, the diagonal last."""
+    order, rows, cols = _diagonal_positions(x, offset, dim1, dim2)
+    moved = aten.permute.default(x, order)
+    return aten.index.Tensor(moved, [None] * (x.dim() - 2) + [rows, cols])
+
+
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    """``x`` with its diagonal ``offset`` replaced by ``src``: an ``index_put`` (the
+    diagonal's gradient, ``torch.diagonal(c).add_(-1)`` in a loss)."""
+    order, rows, cols = _diagonal_positions(x, offset, dim1, dim2)
+    moved = aten.permute.default(x, order)
+    put = aten.index_put.default(moved, [None] * (x.dim() - 2) + [rows, cols], src, False)
+    back = [order.index(d) for d in range(x.dim())]
+    return aten.permute.default(put, back)
+
+
+def decomposition_table() -> dict:
+    """Core ATen's decompositions, without those of the ops of ``_KEPT_WHOLE`` (reflection
+    padding, layer norm's backward, fused attention), with batch norm's (its functional
+    op stays whole in training where the IR has it, eval mode becomes arithmetic), and
+    with the rules of this module for what Core ATen keeps whole and the IR lacks: dropout
+    and ``rand``/``randn`` as draws from the session's generator, pooling and padding
+    variants, ``EmbeddingBag``, ``repeat``, ``unfold``, grouped-query attention, ``sort``
+    and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors, and
+    diagonals. Each function's docstring says what it writes."""
+    table = dict(core_aten_decompositions().items())
+    for name in _KEPT_WHOLE:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            table.pop(getattr(packet, overload), None)
+    for name in _BATCH_NORM_OPS:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            if overload.endswith("out"):
+                continue
+            op = getattr(packet, overload)
+            if op in _all_decompositions:
+                table[op] = _all_decompositions[op]
+    # Training-mode batch norm stays whole (forward: input, weight?, bias?, running_mean,
+    # running_var, training; backward: grad_out, input, weight?, running stats?, save_mean,
+    # save_invstd, train).
+    forward = aten._native_batch_norm_legit_functional.default
+    table[forward] = _batch_norm_whole(table[forward], 5, (0,), (1, 2, 3, 4), (3, 4))
+    backward = aten.native_batch_norm_backward.default
+    table[backward] = _batch_norm_whole(table[backward], 7, (0, 1), (2, 5, 6), (5, 6), (5, 6))
+    table[aten.var_mean.correction] = _var_mean
+    table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    table[aten.native_dropout.default] = _native_dropout
+    table[aten.rand_like.default] = _rand_like
+    table[aten.clamp.Tensor] = _clamp_tensor
+    table[aten.any.dims] = _any_dims
+    table[aten.unfold.default] = _unfold
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
+        _flash_attention_backward)
+    table[aten.randn_like.default] = _randn_like
+    table[aten.rand.default] = _rand
+    table[aten.randn.default] = _randn
+    table[aten.hardtanh.default] = _hardtanh
+    table[aten.hardtanh_backward.default] = _hardtanh_backward
+    table[aten.slice_backward.default] = _slice_backward
+    table[aten.slice_scatter.default] = _slice_scatter
+    table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
+    # Core ATen keeps these whole; PyTorch's own decompositions are of IR ops (repeat: an
+    # expand and a copy; elu and its gradient: expm1, exp and selects).
+    for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
+        table.setdefault(op, _all_decompositions[op])
+    table[aten.isnan.default] = _isnan
+    table[aten.sub.Scalar] = _sub_scalar
+    table[aten._embedding_bag.default] = _embedding_bag
+    table[aten._embedding_bag_forward_only.default] = _embedding_bag
+    table[aten._embedding_bag_backward.default] = _embedding_bag_backward
+    table[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
+    table[aten.adaptive_max_pool2d.default] = _adaptive_max_pool2d
+    table[aten.adaptive_max_pool2d_backward.default] = _adaptive_max_pool2d_backward
+    table[aten.empty.memory_format] = _empty
+    table[aten.empty_permuted.default] = _empty_permuted
+    table[aten.sort.default] = _sort
+    table[aten.topk.default] = _topk
+    table[aten.max.dim] = _max_dim
+    table[aten.min.dim] = _min_dim
+    table[aten.amin.default] = _amin
+    table[aten.max.default] = lambda x: _whole_extreme(aten.amax.default, x)
+    table[aten.min.default] = lambda x: _whole_extreme(aten.amin.default, x)
+    table[aten.ne.Tensor] = _ne_tensor
+    table[aten.ge.Tensor] = _ge_tensor
+    table[aten.le.Tensor] = _le_tensor
+    table[aten.logical_or.default] = _logical_or
+    table[aten.logical_xor.default] = _logical_xor
+    table[aten.bitwise_or.Tensor] = _bool_or
+    table[aten.bitwise_xor.Tensor] = _bool_xor
+    for name in ("replication_pad1d_backward", "replication_pad2d_backward",
+                 "replication_pad3d_backward"):
+        table[getattr(aten, name).default] = _replication_pad_backward
+    table[aten._pad_circular.default] = _pad_circular
+    table[aten.diagonal.default] = _diagonal
+    table[aten.diagonal_scatter.default] = _diagonal_scatter
+    return table
+
+
+# Ops PyTorch writes out in C++ above the dispatcher's tracing (CompositeImplicitAutograd),
+# so no table entry can replace them: circular padding becomes strided copies the IR has
+# no op for. While a step records they run as these Python rules instead.
+_COMPOSITE = {aten._pad_circular.default: _pad_circular}
+
+
+@contextlib.contextmanager
+def composite_decompositions() -> Iterator[None]:
+    """Installs the rules of ``_COMPOSITE`` for the Python dispatcher (which a recording
+    enables) and takes them out again after, so nothing outside a trace changes."""
+    key = DispatchKey.CompositeImplicitAutograd
+    installed = [op for op in _COMPOSITE if key not in op.py_kernels]
+    for op in installed:
+        op.py_impl(key)(_COMPOSITE[op])
+    try:
+        yield
+    finally:
+        for op in installed:
+            op.py_kernels.pop(key, None)
+            cache = getattr(op, "_dispatch_cache", None)
+            if cache is not None:
+                cache.clear()
+

@@ -1,0 +1,188 @@
+"""Ops that order, round, pad around and pick diagonals, trained on salusd: ``topk`` (a
+mixture of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's
+pooling), ``sort`` and ``argsort`` (a masked autoencoder's patch shuffle, sorted
+pooling), ``round``/``floor``/``ceil``/``trunc`` (quantization with a straight-through
+gradient), circular and replication padding (``Conv*d(padding_mode=...)``), diagonals
+(Barlow Twins' loss) and the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors.
+Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
+rule (harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from daemon import Daemon
+from harness import assert_trains_on_salusd_as_eagerly
+from torch import nn
+
+F = nn.functional
+
+
+class Experts(nn.Module):
+    """A mixture of four experts, each token sent to its top two by a learned router whose
+    top scores are softmaxed into the mixing weights (as Mixtral's router does); every
+    expert runs densely and the chosen outputs are gathered."""
+
+    def __init__(self, width=6, experts=4, k=2):
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.Linear(width, width * experts)
+        self.k, self.count, self.width = k, experts, width
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        scores, chosen = self.router(x).topk(self.k, dim=-1)
+        weights = scores.softmax(-1)
+        outputs = self.experts(x).view(*x.shape[:-1], self.count, self.width)
+        picked = outputs.gather(-2, chosen.unsqueeze(-1).expand(*chosen.shape, self.width))
+        return self.head((weights.unsqueeze(-1) * picked).sum(-2))
+
+
+class PointPooling(nn.Module):
+    """PointNet's symmetric pooling over points: a per-point MLP, then the largest and
+    smallest feature of each channel over the points (``max``/``min`` along a dim, their
+    gradient reaching one point each), and ``amin`` of a second branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.point = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, points):
+        h = self.point(points)
+        largest = h.max(dim=1).values
+        smallest, _ = torch.min(h, 1)
+        low = torch.amin(h.tanh(), dim=1)
+        return self.head(torch.cat([largest, smallest, low], 1))
+
+
+class PatchShuffle(nn.Module):
+    """A masked autoencoder's encoder input: patches shuffled by ``argsort`` of per-patch
+    noise (a batch input here, so eager PyTorch sees the same), the first half kept; then
+    a sorted pooling (``sort`` of the features, weighted by rank)."""
+
+    def __init__(self, patches=8, width=5):
+        super().__init__()
+        self.embed = nn.Linear(width, 6)
+        self.keep = patches // 2
+        self.rank_weights = nn.Parameter(torch.linspace(1.0, 0.1, self.keep))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, patches, noise):
+        order = torch.argsort(noise, dim=1)
+        kept = order[:, :self.keep]
+        h = self.embed(patches)
+        h = h.gather(1, kept.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        ranked = h.sort(dim=1, descending=True).values
+        return self.head((ranked * self.rank_weights[:, None]).sum(1))
+
+
+class Quantized(nn.Module):
+    """Fake quantization with a straight-through estimator (``x + (q(x) - x).detach()``):
+    rounding half to even, and the floor, ceiling and truncation as features."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x) * 4
+        q = h + (torch.round(h) - h).detach()
+        steps = torch.floor(h) - torch.ceil(h) + torch.trunc(h)
+        return self.b(q / 4 + steps.detach() * 0.1 + torch.round(h * 0.5) * h)
+
+
+class Padded(nn.Module):
+    """Convolutions with circular and replication padding (1-d and 2-d), as
+    ``padding_mode`` asks for them, and ``F.pad`` modes with uneven sides."""
+
+    def __init__(self):
+        super().__init__()
+        self.circular = nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular")
+        self.replicate = nn.Conv2d(3, 3, 3, padding=(1, 2), padding_mode="replicate")
+        self.line = nn.Conv1d(2, 2, 3, padding=2, padding_mode="replicate")
+        self.head = nn.LazyLinear(4)
+
+    def forward(self, x):
+        h = self.replicate(torch.tanh(self.circular(x)))
+        h = F.pad(h, (2, 1, 0, 1), mode="circular") + 0.5 * F.pad(h, (2, 1, 0, 1),
+                                                                   mode="replicate")
+        line = self.line(x.mean(2))
+        return self.head(torch.cat([h.flatten(1), line.flatten(1)], 1))
+
+
+class Redundancy(nn.Module):
+    """Barlow Twins' loss on two views: the cross-correlation of the batch-normalised
+    embeddings, its diagonal pulled to 1 and the rest to 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+        self.bn = nn.BatchNorm1d(5, affine=False)
+
+
+def _redundancy_loss(m, a, b):
+    c = m.bn(m.net(a)).T @ m.bn(m.net(b)) / a.shape[0]
+    on_diagonal = (torch.diagonal(c) - 1).pow(2).sum()
+    off_diagonal = (c - torch.diag_embed(torch.diagonal(c))).pow(2).sum()
+    return on_diagonal + 0.05 * off_diagonal + torch.diagonal(c, 1).sum() * 0.01
+
+
+class Masks(nn.Module):
+    """Masks from tensor comparisons: ``>=``, ``<=``, ``!=``, ``|`` and ``^``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+
+    def forward(self, x):
+        p, q = self.a(x), self.b(x)
+        both = ((p >= q) | (p <= -q)) ^ (p != q.round())
+        return torch.where(both, p, q) + torch.where(p >= p.flip(0), q, p)
+
+
+def _batch(*shapes, seed, classes=None):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=g) for shape in shapes]
+    if classes is not None:
+        tensors.append(torch.randint(0, classes[1], (classes[0],), generator=g))
+    return tuple(tensors)
+
+
+def _classify(m, *batch):
+    *inputs, labels = batch
+    return F.cross_entropy(m(*inputs), labels)
+
+
+MODELS = {
+    "topk_router": lambda: (Experts(), _batch((5, 6), seed=1, classes=(5, 3)), _classify),
+    "max_min_pooling": lambda: (PointPooling(), _batch((3, 7, 3), seed=2, classes=(3, 4)),
+                                _classify),
+    "argsort_and_sort": lambda: (PatchShuffle(), _batch((4, 8, 5), (4, 8), seed=3,
+                                                        classes=(4, 3)), _classify),
+    "rounding": lambda: (Quantized(), _batch((6, 5), seed=4, classes=(6, 3)), _classify),
+    "circular_and_replicate_padding": lambda: (
+        Padded(), _batch((2, 2, 5, 6), seed=5, classes=(2, 4)), _classify),
+    "diagonals": lambda: (Redundancy(), _batch((8, 6), (8, 6), seed=6), _redundancy_loss),
+    "tensor_comparisons": lambda: (Masks(), _batch((5, 4), (5, 6), seed=7),
+                                   lambda m, x, y: F.mse_loss(m(x), y)),
+}
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--memory", "256MiB") as d:
+        yield d
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_on_salusd_as_eagerly(daemon, name):
+    torch.manual_seed(0)
+    model, batch, loss_of = MODELS[name]()
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        model(*batch[:-1])  # LazyLinear: its size from one forward pass
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
+                                       lambda p: torch.optim.Adam(p, lr=1e-2),
+                                       daemon.address, label=f"{name}: ")
