@@ -593,6 +593,54 @@ def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
     return aten.permute.default(put, back)
 
 
+# ---------------------------------------------------------------------------------------
+# Products and samplers PyTorch keeps whole with hand-written gradients
+
+
+def _bilinear(x1, x2, weight, bias=None):
+    """``nn.Bilinear``: ``y[.., o] = sum_ij x1[.., i] weight[o, i, j] x2[.., j] + bias``,
+    as one matrix product of ``x1`` with the weight laid out ``[i, o * j]``, a product
+    with ``x2`` and a sum over ``j``."""
+    out, in1, in2 = weight.shape
+    lead = x1.shape[:-1]
+    flat1, flat2 = x1.reshape(-1, in1), x2.reshape(-1, in2)
+    mixed = (flat1 @ weight.permute(1, 0, 2).reshape(in1, out * in2)).view(-1, out, in2)
+    y = (mixed * flat2.unsqueeze(1)).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, out)
+
+
+def _cdist(x1, x2, p=2.0, compute_mode=None):
+    """``torch.cdist`` as PyTorch computes it: for p = 2 on more than 25 rows a side (or
+    when ``compute_mode`` asks), through a matrix product of the rows padded with their
+    squared norms, clamped at 1e-30 before the root (PyTorch's ``_euclidean_dist``);
+    otherwise from the differences of every pair, whose gradient is 0 where a distance
+    is 0 (``_cdist_backward``'s)."""
+    rows1, rows2 = x1.shape[-2], x2.shape[-2]
+    by_product = p == 2 and (
+        compute_mode == 1
+        or (compute_mode in (None, 0) and (rows1 > 25 or rows2 > 25)))
+    if by_product:
+        norm1 = x1.pow(2).sum(-1, keepdim=True)
+        norm2 = x2.pow(2).sum(-1, keepdim=True)
+        ones1, ones2 = torch.ones_like(norm1), torch.ones_like(norm2)
+        padded1 = torch.cat([x1 * -2, norm1, ones1], -1)
+        padded2 = torch.cat([x2, ones2, norm2], -1)
+        return (padded1 @ padded2.transpose(-1, -2)).clamp_min(1e-30).sqrt()
+    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    if p == 0:
+        return (diff != 0).to(x1.dtype).sum(-1)
+    if p == float("inf"):
+        return diff.amax(-1)
+    if p == 1:
+        return diff.sum(-1)
+    total = diff.pow(p).sum(-1)
+    positive = total > 0
+    safe = torch.where(positive, total, torch.ones_like(total))
+    return torch.where(positive, safe.pow(1.0 / p), torch.zeros_like(total))
+
+
 def decomposition_table() -> dict:
     """Core ATen's decompositions, without those of the ops of ``_KEPT_WHOLE`` (reflection
     padding, layer norm's backward, fused attention), with batch norm's (its functional
@@ -677,24 +725,36 @@ def decomposition_table() -> dict:
     return table
 
 
-# Ops PyTorch writes out in C++ above the dispatcher's tracing (CompositeImplicitAutograd),
-# so no table entry can replace them: circular padding becomes strided copies the IR has
-# no op for. While a step records they run as these Python rules instead.
-_COMPOSITE = {aten._pad_circular.default: _pad_circular}
+# Ops no table entry can replace, because they are decided before the dispatcher's tracing
+# sees them. CompositeImplicitAutograd ops PyTorch writes out in C++ (circular padding
+# becomes strided copies the IR has no op for; bilinear layers and cdist become ops with
+# hand-written gradients), and ops whose gradient is a kernel of its own
+# (``grid_sampler_2d_backward``): run as Python rules above autograd, their gradient is
+# that of the IR ops they are written in. While a step records they run as these rules.
+_ABOVE_AUTOGRAD = {
+    (aten._pad_circular.default, DispatchKey.CompositeImplicitAutograd): _pad_circular,
+    (aten.bilinear.default, DispatchKey.CompositeImplicitAutograd): _bilinear,
+    (aten.cdist.default, DispatchKey.CompositeImplicitAutograd): _cdist,
+    # PyTorch's own decomposition (bilinear, nearest and bicubic sampling, every padding
+    # mode), in gathers and arithmetic.
+    (aten.grid_sampler_2d.default, DispatchKey.Autograd):
+        _all_decompositions.get(aten.grid_sampler_2d.default),
+}
 
 
 @contextlib.contextmanager
 def composite_decompositions() -> Iterator[None]:
-    """Installs the rules of ``_COMPOSITE`` for the Python dispatcher (which a recording
-    enables) and takes them out again after, so nothing outside a trace changes."""
-    key = DispatchKey.CompositeImplicitAutograd
-    installed = [op for op in _COMPOSITE if key not in op.py_kernels]
-    for op in installed:
-        op.py_impl(key)(_COMPOSITE[op])
+    """Installs the rules of ``_ABOVE_AUTOGRAD`` for the Python dispatcher (which a
+    recording enables) and takes them out again after, so nothing outside a trace
+    changes."""
+    installed = [(op, key) for (op, key), rule in _ABOVE_AUTOGRAD.items()
+                 if rule is not None and key not in op.py_kernels]
+    for op, key in installed:
+        op.py_impl(key)(_ABOVE_AUTOGRAD[op, key])
     try:
         yield
     finally:
-        for op in installed:
+        for op, key in installed:
             op.py_kernels.pop(key, None)
             cache = getattr(op, "_dispatch_cache", None)
             if cache is not None:

@@ -1,11 +1,12 @@
-"""Ops that order, round, pad around and pick diagonals, trained on salusd: ``topk`` (a
-mixture of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's
-pooling), ``sort`` and ``argsort`` (a masked autoencoder's patch shuffle, sorted
-pooling), ``round``/``floor``/``ceil``/``trunc`` (quantization with a straight-through
-gradient), circular and replication padding (``Conv*d(padding_mode=...)``), diagonals
-(Barlow Twins' loss) and the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors.
-Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
-rule (harness.py)."""
+"""Ops that models use beyond the common layers, trained on salusd: ``topk`` (a mixture
+of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's pooling),
+``sort`` and ``argsort`` (a masked autoencoder's patch shuffle, sorted pooling),
+``round``/``floor``/``ceil``/``trunc`` (quantization with a straight-through gradient),
+circular and replication padding (``Conv*d(padding_mode=...)``), diagonals (Barlow
+Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
+``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
+learning). Each model trains three Adam steps on salusd, every tensor against float64 by
+the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,48 @@ class Masks(nn.Module):
         return torch.where(both, p, q) + torch.where(p >= p.flip(0), q, p)
 
 
+class SpatialTransformer(nn.Module):
+    """A spatial transformer: a localisation layer predicts an affine map per image, and
+    the convolved image is resampled on its grid (``affine_grid``, ``grid_sample``:
+    bilinear, zero padding; then nearest with border padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.loc = nn.Linear(2 * 5 * 6, 6)
+        self.head = nn.Linear(2 * 3 * 5 * 6, 4)
+        with torch.no_grad():  # start near the identity map
+            self.loc.weight.mul_(0.1)
+            self.loc.bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0]))
+
+    def forward(self, x):
+        theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, [x.shape[0], 3, 5, 6], align_corners=False)
+        h = torch.tanh(self.conv(x))
+        smooth = F.grid_sample(h, grid, align_corners=False)
+        nearest = F.grid_sample(h, grid * 0.8, mode="nearest", padding_mode="border",
+                                align_corners=True)
+        return self.head(torch.cat([smooth, nearest], 1).flatten(1))
+
+
+class Metric(nn.Module):
+    """Metric learning heads: ``nn.Bilinear`` scores of embedding pairs and ``cdist``
+    between the batch and learned prototypes (Euclidean, Manhattan, and p = 3), one
+    distance of each row to itself 0 (its gradient is 0 there, as PyTorch's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(5, 4)
+        self.pair = nn.Bilinear(4, 4, 3)
+        self.prototypes = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        e = torch.tanh(self.embed(x))
+        near = -torch.cdist(e, self.prototypes) - 0.1 * torch.cdist(e, self.prototypes, p=1)
+        self_distance = torch.cdist(e, e, p=3).mean(1, keepdim=True)
+        return self.pair(e, e.flip(0)) + near + self_distance
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -168,6 +211,13 @@ MODELS = {
     "diagonals": lambda: (Redundancy(), _batch((8, 6), (8, 6), seed=6), _redundancy_loss),
     "tensor_comparisons": lambda: (Masks(), _batch((5, 4), (5, 6), seed=7),
                                    lambda m, x, y: F.mse_loss(m(x), y)),
+    "grid_sample": lambda: (SpatialTransformer(), _batch((2, 2, 5, 6), seed=8,
+                                                         classes=(2, 4)), _classify),
+    "bilinear_and_cdist": lambda: (Metric(), _batch((6, 5), seed=9, classes=(6, 3)),
+                                   _classify),
+    # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
+    "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),
+                                 _classify),
 }
 
 
