@@ -594,6 +594,100 @@ def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
 
 
 # ---------------------------------------------------------------------------------------
+# 3-d pooling as windows gathered along each dim
+
+
+def _triple(value, default=None):
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        value = default
+    return [value] * 3 if isinstance(value, int) else list(value) * (3 // len(value))
+
+
+def _pooled_size(size, kernel, stride, pad, dilation, ceil_mode):
+    """PyTorch's pooling output size (``pooling_output_shape``)."""
+    span = size + 2 * pad - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    out = span // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+def _windows(x, outs, kernel, stride, pad, dilation, fill):
+    """The pooling windows of ``x``'s last three dims as ``[..., o1, o2, o3, k1 * k2 *
+    k3]``: ``x`` padded with ``fill`` (past the last window too, in ceil mode), then each
+    dim's windows gathered with ``index_select`` (their gradients: accumulating
+    ``index_put``s)."""
+    lead = x.dim() - 3
+    pads = []
+    for i in reversed(range(3)):
+        size = x.shape[lead + i]
+        after = max(0, (outs[i] - 1) * stride[i] + (kernel[i] - 1) * dilation[i] + 1
+                    - (size + pad[i]))
+        pads += [pad[i], after]
+    if any(pads):
+        x = torch.constant_pad_nd(x, pads, fill)
+    for i in range(3):
+        dim = lead + 2 * i
+        starts = torch.arange(outs[i], device=x.device) * stride[i]
+        offsets = torch.arange(kernel[i], device=x.device) * dilation[i]
+        where = (starts[:, None] + offsets[None, :]).reshape(-1)
+        x = x.index_select(dim, where).unflatten(dim, (outs[i], kernel[i]))
+    order = (list(range(lead)) + [lead + 2 * i for i in range(3)]
+             + [lead + 2 * i + 1 for i in range(3)])
+    return x.permute(order).flatten(-3)
+
+
+def _max_pool3d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """``max_pool3d_with_indices``: the largest element of each window (the first of equal
+    ones) found by ``max`` along the gathered windows, and its position in the input's
+    ``D * H * W`` plane, as PyTorch gives it."""
+    kernel = _triple(kernel_size)
+    stride, pad, dilation = _triple(stride, kernel), _triple(padding), _triple(dilation)
+    sizes = list(x.shape[-3:])
+    outs = [_pooled_size(sizes[i], kernel[i], stride[i], pad[i], dilation[i], ceil_mode)
+            for i in range(3)]
+    fill = (float("-inf") if x.dtype.is_floating_point else torch.iinfo(x.dtype).min)
+    values, local = _windows(x, outs, kernel, stride, pad, dilation, fill).max(-1)
+    place = [torch.arange(outs[i], device=x.device)[:, None] * stride[i] - pad[i]
+             + torch.arange(kernel[i], device=x.device)[None, :] * dilation[i]
+             for i in range(3)]
+    flat = ((place[0][:, None, None, :, None, None] * sizes[1]
+             + place[1][None, :, None, None, :, None]) * sizes[2]
+            + place[2][None, None, :, None, None, :])
+    flat = flat.reshape(*outs, -1).expand(*local.shape, kernel[0] * kernel[1] * kernel[2])
+    indices = flat.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    return values, indices
+
+
+def _avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False,
+                count_include_pad=True, divisor_override=None):
+    """``avg_pool3d``: the sum of each zero-padded window over PyTorch's divisor (the
+    window clipped to the padded input, or to the input without ``count_include_pad``,
+    or ``divisor_override``), a constant of the output's positions."""
+    kernel = _triple(kernel_size)
+    stride, pad = _triple(stride, kernel), _triple(padding)
+    sizes = list(x.shape[-3:])
+    outs = [_pooled_size(sizes[i], kernel[i], stride[i], pad[i], 1, ceil_mode)
+            for i in range(3)]
+    sums = _windows(x, outs, kernel, stride, pad, [1, 1, 1], 0.0).sum(-1)
+    if divisor_override:
+        return sums / divisor_override
+    factors = []
+    for i in range(3):
+        per = []
+        for o in range(outs[i]):
+            start = o * stride[i] - pad[i]
+            end = min(start + kernel[i], sizes[i] + pad[i])
+            if not count_include_pad:
+                start, end = max(start, 0), min(end, sizes[i])
+            per.append(end - start)
+        factors.append(torch.tensor(per, dtype=x.dtype, device=x.device))
+    divisor = (factors[0][:, None, None] * factors[1][None, :, None]
+               * factors[2][None, None, :])
+    return sums / divisor
+
+
+# ---------------------------------------------------------------------------------------
 # Products and samplers PyTorch keeps whole with hand-written gradients
 
 
@@ -735,6 +829,8 @@ _ABOVE_AUTOGRAD = {
     (aten._pad_circular.default, DispatchKey.CompositeImplicitAutograd): _pad_circular,
     (aten.bilinear.default, DispatchKey.CompositeImplicitAutograd): _bilinear,
     (aten.cdist.default, DispatchKey.CompositeImplicitAutograd): _cdist,
+    (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
+    (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
     # PyTorch's own decomposition (bilinear, nearest and bicubic sampling, every padding
     # mode), in gathers and arithmetic.
     (aten.grid_sampler_2d.default, DispatchKey.Autograd):

@@ -5,7 +5,7 @@ of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's p
 circular and replication padding (``Conv*d(padding_mode=...)``), diagonals (Barlow
 Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
-learning). Each model trains three Adam steps on salusd, every tensor against float64 by
+learning), 3-d max and average pooling and ``LocalResponseNorm``. Each model trains three Adam steps on salusd, every tensor against float64 by
 the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -186,6 +186,27 @@ class Metric(nn.Module):
         return self.pair(e, e.flip(0)) + near + self_distance
 
 
+class Volumes(nn.Module):
+    """A 3-d CNN (a medical or video model's blocks): max pooling with and without
+    overlap and padding, average pooling in ceil mode without the padding counted, and
+    local response normalisation (average pooling across channels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.pool = nn.MaxPool3d(2)
+        self.overlap = nn.MaxPool3d(3, stride=2, padding=1)
+        self.average = nn.AvgPool3d((2, 3, 2), stride=2, padding=1, ceil_mode=True,
+                                    count_include_pad=False)
+        self.norm = nn.LocalResponseNorm(3)
+        self.head = nn.LazyLinear(3)
+
+    def forward(self, x):
+        h = self.norm(torch.relu(self.conv(x)))
+        parts = [self.pool(h), self.overlap(h), self.average(h)]
+        return self.head(torch.cat([p.flatten(1) for p in parts], 1))
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -215,6 +236,8 @@ MODELS = {
                                                          classes=(2, 4)), _classify),
     "bilinear_and_cdist": lambda: (Metric(), _batch((6, 5), seed=9, classes=(6, 3)),
                                    _classify),
+    "pooling_3d": lambda: (Volumes(), _batch((2, 2, 4, 6, 5), seed=11, classes=(2, 3)),
+                           _classify),
     # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
     "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),
                                  _classify),
