@@ -259,3 +259,30 @@ def test_trains_on_salusd_as_eagerly(daemon, name):
     assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
                                        lambda p: torch.optim.Adam(p, lr=1e-2),
                                        daemon.address, label=f"{name}: ")
+
+
+POOLS_3D = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+            dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1), ceil_mode=True),
+            dict(kernel_size=2, ceil_mode=True)]
+
+
+@pytest.mark.parametrize("args", POOLS_3D)
+def test_3d_pooling_rules_give_pytorchs_values_and_indices(args):
+    from salus.decompositions import _avg_pool3d, _max_pool3d
+    x = torch.randn(2, 3, 7, 6, 5, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0))
+    # Sums of a window in another order: each of its (at most 12) additions rounds once.
+    bound = 12 * torch.finfo(torch.float64).eps * x.abs().max().item()
+    values, indices = _max_pool3d(x, **args)
+    want_values, want_indices = F.max_pool3d(x, return_indices=True, **args)
+    assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
+    dilated = _max_pool3d(x, **args, dilation=(1, 2, 1))
+    assert torch.equal(dilated[1], F.max_pool3d(x, return_indices=True, dilation=(1, 2, 1),
+                                                 **args)[1])
+    for count_include_pad in (True, False):
+        got = _avg_pool3d(x, **args, count_include_pad=count_include_pad)
+        want = F.avg_pool3d(x, **args, count_include_pad=count_include_pad)
+        torch.testing.assert_close(got, want, rtol=0, atol=bound)
+    torch.testing.assert_close(_avg_pool3d(x, **args, divisor_override=3),
+                               F.avg_pool3d(x, **args, divisor_override=3), rtol=0,
+                               atol=bound)
