@@ -8,6 +8,11 @@ cargo fmt --all -- --check
 ./scripts/check-attrs.sh
 ./scripts/check-file-sizes.sh
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Every binary the Python tests run, built with the features the Rust tests resolve: a
+# `cargo build -p` of one package resolves them apart and rebuilds dozens of crates.
+cargo build --workspace --locked --bins --examples --tests
 cargo test --workspace --locked
+export SALUSD="$PWD/target/debug/salusd" SALUS_BENCH="$PWD/target/debug/salus-bench"
+export SALUS_REPLAY="$PWD/target/debug/examples/replay_reference"
 python=$(./scripts/python-env.sh)
 "$python" -m pytest adaptors/python/tests -q --durations=15

@@ -75,7 +75,7 @@ def test_resnet18_matches_eager_in_f64(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum_wd"])
 def test_resnet18_f32_is_as_close_to_f64_as_eager(optimizer):
-    _check(target_models(batch_size=8, resnet_size=64)["resnet18"], OPTIMIZERS[optimizer])
+    _check(target_models(batch_size=8, resnet_size=32)["resnet18"], OPTIMIZERS[optimizer])
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
