@@ -225,6 +225,103 @@ def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None):
         list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
 
 
+def _draw_base(shape, dtype, device):
+    return aten.full.default(list(shape), 0, dtype=dtype, device=device)
+
+
+def _normal_functional(x, mean=0.0, std=1.0, *, generator=None):
+    """``Tensor.normal_`` (functionalized): ``mean + std * randn_like(x)``."""
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    return aten.add.Scalar(aten.mul.Scalar(_randn_like(x), std), mean)
+
+
+def _normal_tensors(mean, std, *, generator=None):
+    """``torch.normal`` with a tensor mean and/or std (broadcast together)."""
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    like = mean if isinstance(mean, torch.Tensor) else std
+    shape = torch.broadcast_shapes(*(t.shape for t in (mean, std)
+                                     if isinstance(t, torch.Tensor)))
+    noise = _randn_like(_draw_base(shape, like.dtype, like.device))
+    scaled = (aten.mul.Tensor(noise, std) if isinstance(std, torch.Tensor)
+              else aten.mul.Scalar(noise, std))
+    return (aten.add.Tensor(scaled, mean) if isinstance(mean, torch.Tensor)
+            else aten.add.Scalar(scaled, mean))
+
+
+def _normal_numbers(mean, std, size, *, generator=None, dtype=None, layout=None,
+                    device=None, pin_memory=None):
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    noise = _randn_like(_draw_base(size, dtype or torch.get_default_dtype(), device))
+    return aten.add.Scalar(aten.mul.Scalar(noise, std), mean)
+
+
+def _uniform(x, low=0.0, high=1.0, *, generator=None):
+    """``Tensor.uniform_`` (functionalized): ``low + (high - low) * rand_like(x)``."""
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    return aten.add.Scalar(aten.mul.Scalar(aten.rand_like.default(x), high - low), low)
+
+
+def _exponential(x, lambd=1.0, *, generator=None):
+    """``Tensor.exponential_`` (Gumbel noise: ``F.gumbel_softmax``): ``-log(1 - u) /
+    lambd`` of a uniform draw ``u`` in [0, 1), as PyTorch transforms its own."""
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    u = aten.rand_like.default(x)
+    return aten.div.Scalar(aten.neg.default(aten.log1p.default(aten.neg.default(u))), lambd)
+
+
+def _integers(shape, low, high, dtype, device):
+    """Integers uniform in [low, high): ``floor(u * (high - low))`` of a float32 draw,
+    kept below ``high``, plus ``low``. A float32 draw has 24 bits: wider ranges stay whole
+    and are refused by the op's name."""
+    if high - low > 2 ** 24:
+        return NotImplemented
+    u = aten.rand_like.default(_draw_base(shape, torch.float32, device))
+    picked = aten.clamp.default(aten.floor.default(aten.mul.Scalar(u, high - low)), 0,
+                                high - low - 1)
+    return aten._to_copy.default(aten.add.Scalar(picked, low), dtype=dtype or torch.int64)
+
+
+def _randint_low(low, high, size, *, generator=None, dtype=None, layout=None, device=None,
+                 pin_memory=None):
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    return _integers(size, low, high, dtype, device)
+
+
+def _randint(high, size, *, generator=None, dtype=None, layout=None, device=None,
+             pin_memory=None):
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    return _integers(size, 0, high, dtype, device)
+
+
+def _randint_like_low(x, low, high, *, dtype=None, layout=None, device=None,
+                      pin_memory=None, memory_format=None):
+    return _integers(x.shape, low, high, dtype or x.dtype, x.device)
+
+
+def _randint_like(x, high, *, dtype=None, layout=None, device=None, pin_memory=None,
+                  memory_format=None):
+    return _integers(x.shape, 0, high, dtype or x.dtype, x.device)
+
+
+def _randperm(n, *, generator=None, dtype=None, layout=None, device=None,
+              pin_memory=None):
+    """``randperm``: the order that sorts ``n`` uniform draws (equal draws, one in 2^24
+    for each pair, keep their order)."""
+    if generator is not None:
+        return NotImplemented  # a user's generator: refused by the op's name
+    u = aten.rand_like.default(_draw_base([n], torch.float32, device))
+    order = aten.sort.stable(u, stable=True, dim=0)[1]
+    return order if dtype in (None, torch.int64) else aten._to_copy.default(order,
+                                                                            dtype=dtype)
+
+
 def _adaptive_avg_pool2d(x, output_size):
     # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
     # would leave view mutations in the graph: the IR has the pooling op itself.
@@ -688,6 +785,88 @@ def _avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False,
 
 
 # ---------------------------------------------------------------------------------------
+# Connectionist temporal classification
+
+# A log-probability no path reaches: finite, so that the recursion's log-sum-exp always
+# has a term of 0 after its maximum is taken out and its gradient is never 0 * inf.
+_UNREACHED = -1e30
+
+
+def _log_add(*terms):
+    """``log(sum(exp(terms)))`` with the largest term taken out first."""
+    top = terms[0]
+    for t in terms[1:]:
+        top = torch.maximum(top, t)
+    total = sum(torch.exp(t - top) for t in terms)
+    return top + torch.log(total)
+
+
+def _lengths(lengths, device):
+    if isinstance(lengths, torch.Tensor):
+        return lengths.to(torch.int64)
+    return torch.tensor(list(lengths), dtype=torch.int64, device=device)
+
+
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1,
+              zero_infinity=False):
+    """``F.ctc_loss`` as the forward recursion over the blank-extended targets, unrolled
+    over time in the step's graph (its gradient is autograd's of the recursion, which is
+    what ``_ctc_loss_backward`` computes in closed form): each sample's paths stop at its
+    input length, its loss is minus the log-probability of its target, infinite where no
+    path fits (0 with ``zero_infinity``); ``reduction`` 0 none, 1 mean over target
+    lengths then batch, 2 sum. Padded (``[B, S]``) or concatenated targets, batched or
+    not, lengths as lists or tensors. Computed in float32 at least."""
+    unbatched = log_probs.dim() == 2
+    if unbatched:
+        log_probs = log_probs.unsqueeze(1)
+        targets = targets.unsqueeze(0)
+    dtype = log_probs.dtype
+    lp = log_probs.float() if dtype in (torch.float16, torch.bfloat16) else log_probs
+    steps, batch, _ = lp.shape
+    device = lp.device
+    input_lengths = _lengths(input_lengths, device).reshape(batch)
+    target_lengths = _lengths(target_lengths, device).reshape(batch)
+    targets = targets.to(torch.int64)
+    if targets.dim() == 1:  # concatenated: gather each sample's run into a padded row
+        width = targets.shape[0]
+        starts = torch.cumsum(target_lengths, 0) - target_lengths
+        where = (starts[:, None] + torch.arange(width, device=device)[None, :]).clamp(
+            max=max(width - 1, 0))
+        targets = targets[where] if width > 0 else targets.reshape(batch, 0)
+    width = targets.shape[1]
+    # The extended targets: blank, l1, blank, l2, ..., blank.
+    blanks = torch.full_like(targets, blank)
+    extended = torch.cat([torch.stack([blanks, targets], -1).reshape(batch, 2 * width),
+                          torch.full_like(targets[:, :1], blank)], 1)
+    states = 2 * width + 1
+    position = torch.arange(states, device=device)[None, :]
+    length = 2 * target_lengths[:, None] + 1
+    previous = torch.cat([torch.full_like(extended[:, :2], blank), extended[:, :-2]], 1)
+    skip = (extended != blank) & (extended != previous) & (position >= 2)
+    emit = lp.gather(2, extended[None].expand(steps, batch, states))
+    unreached = torch.full((batch, states), _UNREACHED, dtype=lp.dtype, device=device)
+    alpha = torch.where((position < 2) & (position < length), emit[0], unreached)
+    for t in range(1, steps):
+        one = torch.cat([unreached[:, :1], alpha[:, :-1]], 1)
+        two = torch.where(skip, torch.cat([unreached[:, :2], alpha[:, :-2]], 1), unreached)
+        step = _log_add(alpha, one, two) + emit[t]
+        alpha = torch.where((t < input_lengths)[:, None], step, alpha)
+    last = alpha.gather(1, length - 1)
+    before = torch.where(length >= 2, alpha.gather(1, (length - 2).clamp(min=0)),
+                         unreached[:, :1])
+    loss = -_log_add(last, before).squeeze(1)
+    reached = (loss < -_UNREACHED / 10) & (input_lengths > 0)
+    loss = torch.where(reached, loss, torch.zeros_like(loss) if zero_infinity
+                       else torch.full_like(loss, float("inf")))
+    loss = loss.to(dtype)
+    if reduction == 1:
+        return (loss / target_lengths.clamp(min=1).to(dtype)).mean()
+    if reduction == 2:
+        return loss.sum()
+    return loss.squeeze(0) if unbatched else loss
+
+
+# ---------------------------------------------------------------------------------------
 # Products and samplers PyTorch keeps whole with hand-written gradients
 
 
@@ -796,6 +975,17 @@ def decomposition_table() -> dict:
     table[aten.adaptive_max_pool2d_backward.default] = _adaptive_max_pool2d_backward
     table[aten.empty.memory_format] = _empty
     table[aten.empty_permuted.default] = _empty_permuted
+    table[aten.normal_functional.default] = _normal_functional
+    for overload in ("Tensor_Tensor", "Tensor_float", "float_Tensor"):
+        table[getattr(aten.normal, overload)] = _normal_tensors
+    table[aten.normal.float_float] = _normal_numbers
+    table[aten.uniform.default] = _uniform
+    table[aten.exponential.default] = _exponential
+    table[aten.randint.low] = _randint_low
+    table[aten.randint.default] = _randint
+    table[aten.randint_like.low_dtype] = _randint_like_low
+    table[aten.randint_like.default] = _randint_like
+    table[aten.randperm.default] = _randperm
     table[aten.sort.default] = _sort
     table[aten.topk.default] = _topk
     table[aten.max.dim] = _max_dim
@@ -829,6 +1019,8 @@ _ABOVE_AUTOGRAD = {
     (aten._pad_circular.default, DispatchKey.CompositeImplicitAutograd): _pad_circular,
     (aten.bilinear.default, DispatchKey.CompositeImplicitAutograd): _bilinear,
     (aten.cdist.default, DispatchKey.CompositeImplicitAutograd): _cdist,
+    (aten.ctc_loss.IntList, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
+    (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
     (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
     # PyTorch's own decomposition (bilinear, nearest and bicubic sampling, every padding

@@ -224,6 +224,54 @@ def test_draws_in_the_step_come_from_the_sessions_generator(daemon):
     assert all(torch.equal(a, b) for a, b in zip(first, again)), "the state decides the draws"
 
 
+class _MoreDraws(nn.Module):
+    """The other draws a step may make, from the same generator: ``normal_``,
+    ``uniform_``, ``exponential_`` (Gumbel noise), ``randint``, ``randint_like``,
+    ``torch.normal`` of tensors, ``randperm`` and ``F.gumbel_softmax``."""
+
+    def forward(self, x):
+        logits = torch.zeros(x.shape[0], 4) + torch.tensor([0.0, 1.0, 2.0, 3.0])
+        return (torch.empty_like(x).normal_(2.0, 3.0), torch.empty_like(x).uniform_(-1, 3),
+                torch.empty_like(x).exponential_(2.0), torch.randint(3, 8, x.shape),
+                torch.randint_like(x, 5), torch.normal(x + 1, torch.full_like(x, 0.5)),
+                torch.randperm(x.shape[1]), F.gumbel_softmax(logits, tau=1.0, hard=True))
+
+
+def test_every_kind_of_draw_has_its_distribution(daemon):
+    """Each draw of ``_MoreDraws`` against its distribution's mean and variance (within 5
+    standard errors), its range, and for ``randperm`` and a hard Gumbel-softmax what
+    they must be (a permutation; one-hot rows picking class k with probability
+    softmax(logits)[k])."""
+    x = torch.zeros(64, 500)
+    with st.InferenceSession(_MoreDraws(), x, address=daemon.address) as session:
+        normal, uniform, exponential, ints, ints_like, normal_of, order, gumbel = session(x)
+    n = x.numel()
+
+    def moments(t, mean, variance, fourth):
+        """Sample mean and variance within 5 standard errors; ``fourth``: the law's
+        fourth central moment (the variance's standard error is sqrt((m4 - var^2) / n))."""
+        t = t.double()
+        assert abs(t.mean().item() - mean) < 5 * (variance / n) ** 0.5, (t.mean(), mean)
+        spread = 5 * ((fourth - variance ** 2) / n) ** 0.5
+        assert abs(t.var().item() - variance) < spread, (t.var(), variance)
+
+    moments(normal, 2.0, 9.0, 3 * 9.0 ** 2)
+    moments(normal_of, 1.0, 0.25, 3 * 0.25 ** 2)
+    assert uniform.min() >= -1 and uniform.max() < 3
+    moments(uniform, 1.0, 4 ** 2 / 12, 4 ** 4 / 80)
+    assert exponential.min() >= 0
+    moments(exponential, 0.5, 0.25, 9 / 2 ** 4)
+    assert ints.dtype == torch.int64 and ints.min() == 3 and ints.max() == 7
+    k = 5  # values 3..7
+    moments(ints, 5.0, (k ** 2 - 1) / 12, (k ** 2 - 1) * (3 * k ** 2 - 7) / 240)
+    assert ints_like.dtype == torch.float32 and set(ints_like.unique().tolist()) == set(range(5))
+    assert torch.equal(order.sort().values, torch.arange(500))
+    assert torch.equal(gumbel.sum(1), torch.ones(64)) and set(gumbel.unique().tolist()) == {0, 1}
+    share = torch.softmax(torch.tensor([0.0, 1.0, 2.0, 3.0]), 0)
+    picked = gumbel.mean(0)
+    assert ((picked - share).abs() < 5 * (share * (1 - share) / 64) ** 0.5).all(), picked
+
+
 def _denoising_loss(model, x0, level):
     """A diffusion model's training loss: the noise drawn in the step, mixed into the
     clean batch at each example's noise level, predicted back."""

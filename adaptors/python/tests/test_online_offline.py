@@ -28,7 +28,8 @@ SPECS = target_models(batch_size=4, image_size=16)
 
 # An offline training loop in its own process: prints "step" after each step.
 TRAINER = textwrap.dedent("""
-    import sys, torch
+    import faulthandler, signal, sys, torch
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when stuck
     import salus.torch as st
     from salus.models import target_models
     spec = target_models(batch_size=8, image_size=16)["cnn"]
@@ -76,7 +77,13 @@ def test_killed_offline_trainers_leave_the_online_answers_unchanged(sig):
             beside = [served(inputs + i) for i in range(3)]
             trainer.send_signal(sig)
             during = [served(inputs + i) for i in range(3)]
-            trainer.wait(timeout=30)
+            try:
+                trainer.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                trainer.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+                trainer.kill()
+                pytest.fail(f"the trainer did not exit on {sig!r}: {trainer.stderr.read()}")
             deadline = time.monotonic() + 10
             while any(s.name == "trainer" for s in client.list_sessions()):
                 assert time.monotonic() < deadline, "the killed trainer's session stays"

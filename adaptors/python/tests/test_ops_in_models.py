@@ -5,7 +5,7 @@ of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's p
 circular and replication padding (``Conv*d(padding_mode=...)``), diagonals (Barlow
 Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
-learning), 3-d max and average pooling and ``LocalResponseNorm``. Each model trains three Adam steps on salusd, every tensor against float64 by
+learning), 3-d max and average pooling and ``LocalResponseNorm``, and the CTC loss. Each model trains three Adam steps on salusd, every tensor against float64 by
 the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -207,6 +207,38 @@ class Volumes(nn.Module):
         return self.head(torch.cat([p.flatten(1) for p in parts], 1))
 
 
+class Speech(nn.Module):
+    """An acoustic model trained with CTC: a convolution over time and a per-frame
+    classifier whose log-probabilities (time first) go to ``F.ctc_loss``."""
+
+    def __init__(self, features=4, classes=5):
+        super().__init__()
+        self.conv = nn.Conv1d(features, 8, 3, padding=1)
+        self.out = nn.Linear(8, classes)
+
+    def forward(self, x):  # x: [batch, features, time]
+        h = torch.relu(self.conv(x)).transpose(1, 2)
+        return self.out(h).log_softmax(-1).transpose(0, 1)
+
+
+def _ctc_batch(seed, concatenated=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 4, 10, generator=g)
+    targets = torch.randint(1, 5, (3, 4), generator=g)
+    targets[0, 1] = targets[0, 0]  # a repeated label: its paths need a blank between
+    input_lengths, target_lengths = torch.tensor([10, 8, 6]), torch.tensor([4, 2, 3])
+    if concatenated:
+        targets = torch.cat([targets[b, :n] for b, n in enumerate(target_lengths.tolist())])
+    return x, targets, input_lengths, target_lengths
+
+
+def _ctc(reduction="mean"):
+    def loss_of(m, x, targets, input_lengths, target_lengths):
+        return F.ctc_loss(m(x), targets, input_lengths, target_lengths, reduction=reduction,
+                          zero_infinity=True)
+    return loss_of
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -238,6 +270,9 @@ MODELS = {
                                    _classify),
     "pooling_3d": lambda: (Volumes(), _batch((2, 2, 4, 6, 5), seed=11, classes=(2, 3)),
                            _classify),
+    "ctc_loss": lambda: (Speech(), _ctc_batch(12), _ctc()),
+    "ctc_loss_concatenated_sum": lambda: (Speech(), _ctc_batch(13, concatenated=True),
+                                          _ctc("sum")),
     # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
     "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),
                                  _classify),
@@ -286,3 +321,38 @@ def test_3d_pooling_rules_give_pytorchs_values_and_indices(args):
     torch.testing.assert_close(_avg_pool3d(x, **args, divisor_override=3),
                                F.avg_pool3d(x, **args, divisor_override=3), rtol=0,
                                atol=bound)
+
+
+def test_the_ctc_rule_gives_pytorchs_losses_and_gradients():
+    """In float64, against PyTorch's own CTC (its closed-form gradient): every reduction,
+    padded and concatenated targets, lengths as lists and tensors, a sample too short for
+    its target (infinite, or 0 with ``zero_infinity``), and an unbatched input."""
+    from salus.decompositions import _ctc_loss
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 4, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    log_probs = logits.log_softmax(2)
+    targets = torch.randint(1, 6, (4, 5), generator=g)
+    targets[1, 2] = targets[1, 1]
+    # Sample 3: 2 frames for the labels "a a", which need 3 (a, blank, a).
+    targets[3, 1] = targets[3, 0]
+    inputs, lengths = [12, 10, 7, 2], [5, 3, 4, 2]
+    concatenated = torch.cat([targets[b, :n] for b, n in enumerate(lengths)])
+    # Float64 sums of up to 12 steps of log-sum-exp over 3 terms: 1e-12 is far above
+    # their rounding (about 1e-15) and far below any difference in the recursion.
+    for reduction in ("none", "mean", "sum"):
+        for zero_infinity in (False, True):
+            for t in (targets, concatenated):
+                for lens in ((inputs, lengths), (torch.tensor(inputs), torch.tensor(lengths))):
+                    want = F.ctc_loss(log_probs, t, *lens, reduction=reduction,
+                                      zero_infinity=zero_infinity)
+                    got = _ctc_loss(log_probs, t, *lens, 0,
+                                    ["none", "mean", "sum"].index(reduction), zero_infinity)
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+                    if want.isfinite().all():
+                        grads = [torch.autograd.grad(v.sum(), logits, retain_graph=True)[0]
+                                 for v in (got, want)]
+                        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+    single = torch.randn(8, 5, dtype=torch.float64, generator=g).log_softmax(1)
+    label = torch.tensor([1, 2, 2])
+    torch.testing.assert_close(_ctc_loss(single, label, [8], [3]),
+                               F.ctc_loss(single, label, [8], [3]), rtol=0, atol=1e-12)
