@@ -31,6 +31,7 @@ graph; :mod:`salus.torch` maps PyTorch tensors and names onto them.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import mmap
@@ -38,6 +39,7 @@ import os
 import queue
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, TypeVar
@@ -477,6 +479,7 @@ class Session:
             raise self.error or SessionClosedError(
                 f"cannot {self._what}: salusd ended the session stream before `opened`",
                 operation=self._what, address=str(client.address))
+        _OPEN.add(self)
 
     # -- the lease ----------------------------------------------------------------------
 
@@ -751,6 +754,7 @@ class Session:
         if self._closing:
             return
         self._closing = True
+        _OPEN.discard(self)
         try:
             if self.state != CLOSED and self.id is not None:
                 try:
@@ -770,6 +774,16 @@ class Session:
                 self.state = CLOSED
                 self._changed.notify_all()
 
+    def abandon(self) -> None:
+        """Ends the lease at once, without asking salusd first: its iteration stream and
+        lease stream are cancelled, and salusd closes the session as the lease ends (what
+        the end of the process does too)."""
+        self._closing = True
+        _OPEN.discard(self)
+        self._end_stream()
+        self._release.set()
+        self._call.cancel()
+
     @property
     def closed(self) -> bool:
         return self.state == CLOSED
@@ -782,3 +796,18 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<salus.Session {self.id} {self.state}>"
+
+
+# Sessions whose lease is held: a process that exits with one (a training loop stopped by
+# Ctrl-C) ends it while Python still runs gRPC's threads. Left to the interpreter's
+# finalization, an open stream's teardown can wait on a thread that no longer runs, and
+# the process never exits.
+_OPEN: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+
+@atexit.register
+def _abandon_open_sessions() -> None:
+    for session in list(_OPEN):
+        with contextlib.suppress(Exception):
+            session.abandon()
+

@@ -9,16 +9,18 @@ TensorFlow (``tf.GradientTape`` and ``optimizer.apply_gradients``), the rounding
 the larger distance from it of two float32 eager runs by TensorFlow (the second with each
 batch's examples in reverse order: the same mathematics, rounded differently).
 
-- MobileNetV2 and EfficientNetB0 (batch norm, residual adds, depthwise convolutions,
-  whose filter gradient XLA writes as a convolution with ``batch_group_count``;
-  squeeze-and-excitation, swish) at 32 px, about half a minute each on two cores;
-  ResNet50 too with ``SALUS_LONG_TESTS=1`` (a minute: its 10,000 HLO instructions take
-  most of it to trace);
+- EfficientNetB0 (batch norm, residual adds, depthwise convolutions, whose filter
+  gradient XLA writes as a convolution with ``batch_group_count``; squeeze-and-excitation,
+  swish) at 32 px, about half a minute on two cores; MobileNetV2 and ResNet50 too with
+  ``SALUS_LONG_TESTS=1`` (ResNet50 a minute: its 10,000 HLO instructions take most of it
+  to trace);
 - a transformer encoder block (multi-head attention, layer norm, a dense feed-forward);
 - a small CNN of depthwise and grouped convolutions and ResNet's stem pooling (zero
   padding, then overlapping 3x3 max pooling, whose gradient is XLA's
   ``select-and-scatter``): in seconds;
-- EfficientNetB0 as Keras builds it, dropout on, trains (its masks drawn on the client).
+- EfficientNetB0 as Keras builds it, dropout on, trains (its masks drawn on the client),
+  with ``SALUS_LONG_TESTS=1``: that the masks are TensorFlow's is checked on a small
+  model in ``test_tf.py``.
 """
 
 from __future__ import annotations
@@ -237,15 +239,20 @@ def check_model(name: str, address: str) -> dict[str, list[float]]:
 
 # -- tests --------------------------------------------------------------------------------
 
+LONG = pytest.mark.skipif(not os.environ.get("SALUS_LONG_TESTS"),
+                          reason="a long test: set SALUS_LONG_TESTS=1")
+
+
 @pytest.mark.parametrize("name", [
-    "grouped_cnn", "transformer", "mobilenetv2", "efficientnetb0",
-    pytest.param("resnet50", marks=pytest.mark.skipif(
-        not os.environ.get("SALUS_LONG_TESTS"), reason="resnet50: set SALUS_LONG_TESTS=1")),
+    "grouped_cnn", "transformer", "efficientnetb0",
+    # MobileNetV2's layers are EfficientNetB0's less squeeze-and-excitation and swish.
+    pytest.param("mobilenetv2", marks=LONG), pytest.param("resnet50", marks=LONG),
 ])
 def test_a_keras_model_trains_on_salusd_as_tensorflow_computes_it(daemon, name):
     check_model(name, daemon.address)
 
 
+@LONG
 def test_efficientnet_as_keras_builds_it_trains_with_its_dropout(daemon):
     """Drop-connect in each block (one mask per example) and dropout before the
     classifier: their random numbers are drawn on the client from the layers' seeds,
