@@ -68,6 +68,16 @@ def fourier(p, x):
     return h @ p["head"]
 
 
+def ranking(p, x):
+    """Features pooled by rank: the top three of each row (lax.top_k), its two smallest
+    (sort) and its largest (max); their gradients go back to the positions they came
+    from (a scatter by the sort's permutation)."""
+    h = jnp.tanh(x @ p["w1"])
+    top, _ = jax.lax.top_k(h, 3)
+    low = jnp.sort(h, -1)[:, :2]
+    return jnp.concatenate([top, low, jnp.max(h, -1, keepdims=True)], -1) @ p["head"]
+
+
 def init(name: str, seed: int = 0):
     rs = np.random.RandomState(seed)
     r = lambda *s: (rs.randn(*s) * 0.3).astype(np.float32)  # noqa: E731
@@ -75,13 +85,16 @@ def init(name: str, seed: int = 0):
         return {"conv": r(3, 3, 3, 4), "conv_b": r(4), "w": r(4 * 2 * 2, 5), "b": r(5)}
     if name == "fourier":
         return {"freq": 3 * r(6, 8), "w1": r(16, 12), "w2": r(16, 12), "head": r(12, 5)}
+    if name == "ranking":
+        return {"w1": r(6, 8), "head": r(6, 5)}
     d, heads, e = 8, 2, 4
     return {"g1": 1 + r(d), "b1": r(d), "q": r(heads, d, e), "k": r(heads, d, e),
             "v": r(heads, d, e), "o": r(heads, e, d), "g2": 1 + r(d), "b2": r(d),
             "f1": r(d, 16), "f2": r(16, d), "head": r(d, 5)}
 
 
-MODELS = {"cnn": (cnn, (8, 8, 3)), "encoder": (encoder, (6, 8)), "fourier": (fourier, (6,))}
+MODELS = {"cnn": (cnn, (8, 8, 3)), "encoder": (encoder, (6, 8)), "fourier": (fourier, (6,)),
+          "ranking": (ranking, (6,))}
 
 
 def batches(name: str, sizes=(4, 4, 4)):
@@ -135,7 +148,7 @@ def as_named(state) -> dict[str, torch.Tensor]:
             for p, v in leaves}
 
 
-@pytest.mark.parametrize("name", ["cnn", "encoder", "fourier"])
+@pytest.mark.parametrize("name", ["cnn", "encoder", "fourier", "ranking"])
 def test_a_jax_step_trains_on_salusd_as_jax_computes_it(daemon, name):
     model = MODELS[name][0]
     step, state = train_step(model), initial_state(name)
@@ -257,3 +270,33 @@ def test_embedding_lookups_and_their_gradients_train_on_salusd(daemon):
                                dtype=torch.float32)
     assert_as_exact_as_pytorch(as_named(final), as_named(exact_state), as_named(jax_state),
                                dtype=torch.float32)
+
+
+def ranked(params, x):
+    """A classifier's answers by rank: the predicted class (argmax), the least likely
+    (argmin), the top two scores and their classes (lax.top_k), the scores sorted both
+    ways with their order (sort, argsort), and the largest over the batch."""
+    logits = x @ params["w"]
+    top, classes = jax.lax.top_k(logits, 2)
+    return (jnp.argmax(logits, -1), jnp.argmin(logits, 0), top, classes,
+            jnp.sort(logits, -1), jnp.sort(logits, 0, descending=True),
+            jnp.argsort(logits, -1), jnp.max(logits, 0))
+
+
+def test_argmax_sort_and_top_k_serve_on_salusd_as_jax_computes_them(daemon):
+    """XLA's argmax and argmin (a reduction of values with their positions), sort (one
+    key, with a payload for argsort) and topk become the IR's ordering ops: every answer
+    equals JAX's (the scores are rounded to quarters first, so ties are exercised and
+    the order of equal scores is the lower position first, as JAX's)."""
+    rs = np.random.RandomState(3)
+    params = {"w": (np.round(rs.randn(6, 5) * 4) / 4).astype(np.float32)}
+    x = np.round(rs.randn(7, 6)).astype(np.float32)
+    x[2] = x[1]  # two equal rows: equal scores across the batch
+    with sj.InferenceSession(ranked, params, (x,), address=daemon.address) as serve:
+        got = serve(x)
+    want = ranked(params, x)
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want)):
+        b = np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (k, a.dtype, b.dtype)
+        np.testing.assert_array_equal(a, b, err_msg=f"output {k}")

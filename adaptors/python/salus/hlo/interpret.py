@@ -21,8 +21,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ..errors import LoweringError, MissingOp, UnsupportedOpError
-from . import indexing
-from .ops import CONSTANT_RULES, Const, torch_dtype
+from . import indexing, order
+from .ops import CONSTANT_RULES, WRAPPING, Const, torch_dtype
 from .ops import RULES as OP_RULES
 from .parse import Computation, Instruction, Module
 
@@ -39,8 +39,8 @@ STRUCTURAL = {"parameter", "constant", "broadcast", "reshape", "transpose", "cop
               "reverse", "slice", "concatenate", "pad", "iota", "tuple",
               "get-tuple-element", "call", "optimization-barrier", "bitcast"}
 COMPUTE = {"dot", "convolution", "reduce", "reduce-window", "select-and-scatter", "gather",
-           "scatter"}
-RULES = {**OP_RULES, **indexing.RULES}
+           "scatter", "sort", "topk"}
+RULES = {**OP_RULES, **indexing.RULES, **order.RULES}
 SUPPORTED = ELEMENTWISE | STRUCTURAL | COMPUTE
 # Run only on constants (their results fold into the graph); on computed values the IR has
 # no op for them.
@@ -53,7 +53,6 @@ _HINTS = {
     "conditional": "branches on values are not supported: compute both sides and select",
     "dynamic-slice": "slices at computed offsets are not supported yet",
     "dynamic-update-slice": "updates at computed offsets are not supported yet",
-    "sort": "sorting is not supported",
 }
 
 
@@ -148,6 +147,8 @@ class Interpreter:
             return Const(_literal(i))
         if i.opcode == "iota":
             return Const(_iota(i), lambda: _iota(i))
+        if i.shape.dtype == "u32" and i.opcode in WRAPPING:
+            raise LoweringError(f"{i.opcode} of u32 wraps at 2^32, which no IR dtype does")
         rule = RULES.get(i.opcode)
         if rule is None:
             if i.opcode in CONSTANT_ONLY:

@@ -27,6 +27,10 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "f64": torch.float64, "s64": torch.int64, "s32": torch.int32, "s16": torch.int16,
           "s8": torch.int8, "u8": torch.uint8, "pred": torch.bool}
 
+# Ops whose u32 results wrap at 2^32, which no IR dtype does.
+WRAPPING = {"add", "subtract", "multiply", "negate", "power", "shift-left",
+            "shift-right-logical", "shift-right-arithmetic", "not"}
+
 
 @dataclass(frozen=True)
 class Const:
@@ -56,6 +60,11 @@ class Const:
 
 
 def torch_dtype(shape: Shape, where: str) -> torch.dtype:
+    if shape.dtype == "u32":
+        # Positions (JAX's sort gradient permutes an iota of u32) inside the step: held as
+        # i64, which keeps every u32 value; arithmetic that wraps at 2^32 is refused
+        # (WRAPPING), and u32 parameters and random bits stay outside the graph.
+        return torch.int64
     if shape.dtype not in DTYPES:
         raise LoweringError(f"{where}: element type {shape.dtype} is not supported")
     return DTYPES[shape.dtype]
@@ -410,9 +419,8 @@ def _batch_groups_as_features(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _reduce(interpreter, i, operands, constant):
-    if len(operands) != 2:
-        raise LoweringError("reductions of several arrays at once (argmax, argmin) are not "
-                            "supported yet")
+    if len(operands) != 2:  # two arrays: argmax and argmin (.order)
+        raise LoweringError("reductions of more than two arrays at once have no IR op")
     x, init = operands
     x = x if constant else dense(x)
     dims = int_list(i.attributes["dimensions"])
