@@ -30,6 +30,10 @@ SPECS = target_models(batch_size=4, image_size=16)
 TRAINER = textwrap.dedent("""
     import faulthandler, signal, sys, torch
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, when stuck
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where the suite's shell
+    # started it in the background (which ignores SIGINT, and Python then never installs
+    # its handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import salus.torch as st
     from salus.models import target_models
     spec = target_models(batch_size=8, image_size=16)["cnn"]
