@@ -914,6 +914,83 @@ def _cdist(x1, x2, p=2.0, compute_mode=None):
     return torch.where(positive, safe.pow(1.0 / p), torch.zeros_like(total))
 
 
+# ---------------------------------------------------------------------------------------
+# Trigonometric, hyperbolic and base-2/10 functions in the IR's sin, cos, atan, atan2,
+# exp, expm1, log, log1p and pow: each as precise as its formula's few roundings allow
+
+
+def _tan(x):
+    return aten.div.Tensor(aten.sin.default(x), aten.cos.default(x))
+
+
+def _sinh(x):
+    # (e^x - e^-x) / 2 through expm1: no cancellation near 0.
+    return aten.mul.Scalar(aten.sub.Tensor(aten.expm1.default(x),
+                                           aten.expm1.default(aten.neg.default(x))), 0.5)
+
+
+def _cosh(x):
+    return aten.mul.Scalar(aten.add.Tensor(aten.exp.default(x),
+                                           aten.exp.default(aten.neg.default(x))), 0.5)
+
+
+def _one_minus_square(x):
+    # (1 - x)(1 + x): 1 - x^2 without its cancellation near |x| = 1.
+    return aten.mul.Tensor(aten.add.Scalar(aten.neg.default(x), 1.0), aten.add.Scalar(x, 1.0))
+
+
+def _asin(x):
+    return aten.atan2.default(x, aten.sqrt.default(_one_minus_square(x)))
+
+
+def _acos(x):
+    return aten.atan2.default(aten.sqrt.default(_one_minus_square(x)), x)
+
+
+def _atanh(x):
+    # sign(x) log1p(2|x| / (1 - |x|)) / 2: exact near 0, and log1p of a positive number
+    # (of a negative one near -1 it would lose the division's rounding to cancellation).
+    a = aten.abs.default(x)
+    half = aten.mul.Scalar(aten.log1p.default(aten.div.Tensor(
+        aten.mul.Scalar(a, 2.0), aten.add.Scalar(aten.neg.default(a), 1.0))), 0.5)
+    return aten.mul.Tensor(aten.sign.default(x), half)
+
+
+_HUGE = 2.0 ** 28  # past it, sqrt(1 + x^2) is |x| in float32 and x^2 may overflow
+
+
+def _asinh(x):
+    """``sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2)))`` (exact near 0), and
+    ``sign(x) (log|x| + log 2)`` for huge ``|x|``."""
+    a = aten.abs.default(x)
+    square = aten.mul.Tensor(a, a)
+    small = aten.log1p.default(aten.add.Tensor(a, aten.div.Tensor(
+        square, aten.add.Scalar(aten.sqrt.default(aten.add.Scalar(square, 1.0)), 1.0))))
+    large = aten.add.Scalar(aten.log.default(a), math.log(2.0))
+    return aten.mul.Tensor(aten.sign.default(x),
+                           aten.where.self(aten.gt.Scalar(a, _HUGE), large, small))
+
+
+def _acosh(x):
+    """``log1p(t + sqrt(2t + t^2))`` with ``t = x - 1`` (exact near 1), and ``log x +
+    log 2`` for huge ``x``; NaN below 1."""
+    t = aten.add.Scalar(x, -1.0)
+    near = aten.log1p.default(aten.add.Tensor(t, aten.sqrt.default(
+        aten.add.Tensor(aten.mul.Scalar(t, 2.0), aten.mul.Tensor(t, t)))))
+    large = aten.add.Scalar(aten.log.default(x), math.log(2.0))
+    return aten.where.self(aten.gt.Scalar(x, _HUGE), large, near)
+
+
+def _log_base(base):
+    def log(x):
+        return aten.mul.Scalar(aten.log.default(x), 1.0 / math.log(base))
+    return log
+
+
+def _exp2(x):
+    return aten.pow.Scalar(2.0, x)
+
+
 def decomposition_table() -> dict:
     """Core ATen's decompositions, without those of the ops of ``_KEPT_WHOLE`` (reflection
     padding, layer norm's backward, fused attention), with batch norm's (its functional
@@ -986,6 +1063,11 @@ def decomposition_table() -> dict:
     table[aten.randint_like.low_dtype] = _randint_like_low
     table[aten.randint_like.default] = _randint_like
     table[aten.randperm.default] = _randperm
+    for name, rule in (("tan", _tan), ("sinh", _sinh), ("cosh", _cosh), ("asin", _asin),
+                       ("acos", _acos), ("atanh", _atanh), ("asinh", _asinh),
+                       ("acosh", _acosh), ("log2", _log_base(2.0)),
+                       ("log10", _log_base(10.0)), ("exp2", _exp2)):
+        table[getattr(aten, name).default] = rule
     table[aten.sort.default] = _sort
     table[aten.topk.default] = _topk
     table[aten.max.dim] = _max_dim

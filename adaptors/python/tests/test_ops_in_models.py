@@ -5,7 +5,9 @@ of experts' router), ``max``/``min`` along a dim and ``amin`` (a point cloud's p
 circular and replication padding (``Conv*d(padding_mode=...)``), diagonals (Barlow
 Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
-learning), 3-d max and average pooling and ``LocalResponseNorm``, and the CTC loss. Each model trains three Adam steps on salusd, every tensor against float64 by
+learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, and the
+inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
+them). Each model trains three Adam steps on salusd, every tensor against float64 by
 the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -239,6 +241,28 @@ def _ctc(reduction="mean"):
     return loss_of
 
 
+class Angles(nn.Module):
+    """Geometry heads: an orientation as ``atan2`` of two predicted components, ``asin``
+    and ``acos`` of bounded features, ``tan``, the hyperbolic functions and their
+    inverses, and base-2 and base-10 logarithms and powers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(15, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        bounded = torch.tanh(h) * 0.9
+        parts = [torch.atan2(h[:, :1], h[:, 1:2]), torch.atan(h[:, 2:3]),
+                 torch.asin(bounded[:, :2]), torch.acos(bounded[:, 2:4]),
+                 torch.tan(bounded[:, 4:5]), torch.sinh(h[:, 5:6]), torch.cosh(h[:, 6:7]),
+                 torch.asinh(h[:, 7:8]), torch.atanh(bounded[:, :1]),
+                 torch.acosh(1 + h[:, :1] ** 2), torch.log2(1 + h[:, 1:2] ** 2),
+                 torch.log10(1 + h[:, 2:3] ** 2), torch.exp2(bounded[:, 3:4])]
+        return self.b(torch.cat(parts, 1))
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -273,6 +297,7 @@ MODELS = {
     "ctc_loss": lambda: (Speech(), _ctc_batch(12), _ctc()),
     "ctc_loss_concatenated_sum": lambda: (Speech(), _ctc_batch(13, concatenated=True),
                                           _ctc("sum")),
+    "angles": lambda: (Angles(), _batch((6, 4), seed=14, classes=(6, 3)), _classify),
     # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
     "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),
                                  _classify),
@@ -356,3 +381,28 @@ def test_the_ctc_rule_gives_pytorchs_losses_and_gradients():
     label = torch.tensor([1, 2, 2])
     torch.testing.assert_close(_ctc_loss(single, label, [8], [3]),
                                F.ctc_loss(single, label, [8], [3]), rtol=0, atol=1e-12)
+
+
+def test_the_trigonometric_rules_are_as_precise_as_pytorchs_functions():
+    """Each rule (``tan`` as ``sin / cos``, ``asin`` through ``atan2``, ``atanh`` through
+    ``log1p``, ...) in float32 against the function in float64, over its domain with
+    values near 0 and near its edges: within 2 float32 epsilons of relative error, as
+    PyTorch's own float32 functions are (a rule of a few correctly rounded steps)."""
+    from salus import decompositions as d
+    inside = torch.cat([torch.linspace(-0.999, 0.999, 2001),
+                        torch.tensor([0.0, -0.0, 1e-8, -1e-8, 0.5, -0.5])])
+    wide = torch.cat([torch.linspace(-30, 30, 2001), torch.tensor([1e-8, -1e-8, 1e10, -1e10])])
+    above = torch.cat([torch.linspace(1.0, 30, 2001), torch.tensor([1 + 2 ** -20, 1e10])])
+    cases = [(d._tan, torch.tan, inside), (d._sinh, torch.sinh, wide),
+             (d._cosh, torch.cosh, wide), (d._asin, torch.asin, inside),
+             (d._acos, torch.acos, inside), (d._atanh, torch.atanh, inside),
+             (d._asinh, torch.asinh, wide), (d._acosh, torch.acosh, above),
+             (d._log_base(2.0), torch.log2, above), (d._log_base(10.0), torch.log10, above),
+             (d._exp2, torch.exp2, wide)]
+    eps = torch.finfo(torch.float32).eps
+    for rule, function, x in cases:
+        got, want = rule(x).double(), function(x.double())
+        finite = want.isfinite() & (want != 0)
+        error = ((got - want).abs()[finite] / want.abs()[finite]).max().item()
+        assert error <= 2 * eps, (function.__name__, error / eps)
+        assert torch.equal(got[~finite].isnan(), want[~finite].isnan()), function.__name__

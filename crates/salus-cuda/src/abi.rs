@@ -179,6 +179,8 @@ device_codes! {
         /// Half to even, as `round`.
         Round = 49 => OP_ROUND,
         Trunc = 50 => OP_TRUNC,
+        Atan = 51 => OP_ATAN,
+        Atan2 = 52 => OP_ATAN2,
     }
 }
 

@@ -181,6 +181,8 @@ pub fn op_family(op: &str) -> Family {
         | "ceil"
         | "round"
         | "trunc"
+        | "atan"
+        | "atan2"
         | "sqrt"
         | "rsqrt"
         | "reciprocal"

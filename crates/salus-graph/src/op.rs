@@ -49,6 +49,8 @@ ops! {
     Expm1 = "expm1",
     Sin = "sin",
     Cos = "cos",
+    Atan = "atan",
+    Atan2 = "atan2",
     Floor = "floor",
     Ceil = "ceil",
     Round = "round",

@@ -131,6 +131,8 @@ fn elementwise(op: Op) -> bool {
             | Expm1
             | Sin
             | Cos
+            | Atan
+            | Atan2
             | Floor
             | Ceil
             | Round

@@ -186,6 +186,18 @@ fn unary_float_functions() {
         t,
         f64::cos,
     );
+    // atan's range ends (+-pi/2 at the infinities) and signed zeros.
+    unary(
+        Op::Atan,
+        &[],
+        Fp32,
+        Fp32,
+        (-20.0, 20.0),
+        &specials,
+        t,
+        f64::atan,
+    );
+    unary(Op::Atan, &[], I64, Fp32, (-20.0, 20.0), &[], t, f64::atan);
     let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
     unary(Op::Sigmoid, &[], Fp32, Fp32, (-8.0, 8.0), sp, t, sigmoid);
     unary(Op::Tanh, &[], Fp32, Fp32, (-4.0, 4.0), sp, t, f64::tanh);
@@ -3807,6 +3819,7 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ),
     ("cumsum_along_each_dimension", cumsum_along_each_dimension),
     ("rounding_functions", rounding_functions),
+    ("atan2_of_every_quadrant", atan2_of_every_quadrant),
     ("argmax_and_argmin", argmax_and_argmin),
     (
         "stable_sort_along_each_dimension",
@@ -4154,4 +4167,33 @@ fn scatter_src_writes_each_source_element() {
         .output(Fp32, &[3, 4])
         .fails();
     assert_mentions(&message, &["index 4 is out of range", "size 4"]);
+}
+
+#[test]
+fn atan2_of_every_quadrant() {
+    // Angles in every quadrant, broadcast; the result float for integer inputs.
+    let f32x3 = (Fp32, Fp32, Fp32);
+    binary(Op::Atan2, &[], f32x3, (-3.0, 3.0), F32, f64::atan2);
+    binary(
+        Op::Atan2,
+        &[],
+        (I64, I64, Fp32),
+        (-3.0, 3.0),
+        F32,
+        f64::atan2,
+    );
+    // Signed zeros and infinities: atan2's special values (C's, and PyTorch's).
+    let y = f32v(&[8], vec![0.0, -0.0, 0.0, -0.0, 1.0, -1.0, INF, -INF]);
+    let x = f32v(&[8], vec![0.0, 0.0, -0.0, -0.0, INF, -INF, INF, -INF]);
+    let got = Case::new(Op::Atan2)
+        .input(y.clone())
+        .input(x.clone())
+        .output(Fp32, &[8])
+        .run1();
+    let want: Vec<f64> = (0..8)
+        .map(|i| round_to(Fp32, y.data[i].atan2(x.data[i])))
+        .collect();
+    assert_close(&got, &want, EXACT, "atan2 special values");
+    let signs = |v: &[f64]| v.iter().map(|x| x.is_sign_negative()).collect::<Vec<_>>();
+    assert_eq!(signs(&got), signs(&want), "atan2 keeps the zeros' signs");
 }

@@ -33,8 +33,9 @@ aten = torch.ops.aten
 ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "power",
                "and", "or", "xor", "not", "negate", "abs", "sign", "exponential", "log",
                "sqrt", "rsqrt", "tanh", "logistic", "erf", "exponential-minus-one",
-               "log-plus-one", "sine", "cosine", "floor", "ceil", "round-nearest-afz",
-               "round-nearest-even", "is-finite", "compare", "select", "clamp", "convert"}
+               "log-plus-one", "sine", "cosine", "tan", "atan2", "floor", "ceil",
+               "round-nearest-afz", "round-nearest-even", "is-finite", "compare", "select",
+               "clamp", "convert"}
 STRUCTURAL = {"parameter", "constant", "broadcast", "reshape", "transpose", "copy",
               "reverse", "slice", "concatenate", "pad", "iota", "tuple",
               "get-tuple-element", "call", "optimization-barrier", "bitcast"}

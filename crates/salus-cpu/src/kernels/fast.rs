@@ -508,6 +508,7 @@ pub(crate) fn run(
         (Expm1, _) => unary(args, o, 8, f32::exp_m1),
         (Sin, _) => unary(args, o, 8, f32::sin),
         (Cos, _) => unary(args, o, 8, f32::cos),
+        (Atan, _) => unary(args, o, 8, f32::atan),
         (Floor, _) => unary(args, o, 1, f32::floor),
         (Ceil, _) => unary(args, o, 1, f32::ceil),
         (Round, _) => unary(args, o, 1, f32::round_ties_even),

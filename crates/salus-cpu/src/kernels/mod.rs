@@ -436,6 +436,8 @@ pub(crate) fn run(
         (Expm1, _) => elementwise(args, o, |v| v[0].exp_m1()),
         (Sin, _) => elementwise(args, o, |v| v[0].sin()),
         (Cos, _) => elementwise(args, o, |v| v[0].cos()),
+        (Atan, _) => elementwise(args, o, |v| v[0].atan()),
+        (Atan2, _) => elementwise(args, o, |v| v[0].atan2(v[1])),
         (Floor, _) => elementwise(args, o, |v| v[0].floor()),
         (Ceil, _) => elementwise(args, o, |v| v[0].ceil()),
         (Round, _) => elementwise(args, o, |v| v[0].round_ties_even()),

@@ -33,6 +33,8 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_CEIL: return ceil(a);
         case OP_ROUND: return rint(a);
         case OP_TRUNC: return trunc(a);
+        case OP_ATAN: return atan(a);
+        case OP_ATAN2: return atan2(a, b);
         case OP_POW_TS: return pow(a, s0);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);

@@ -120,6 +120,8 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Ceil, _) => p(E::Ceil, 1, [0.0; 2]),
         (Round, _) => p(E::Round, 1, [0.0; 2]),
         (Trunc, _) => p(E::Trunc, 1, [0.0; 2]),
+        (Atan, _) => p(E::Atan, 1, [0.0; 2]),
+        (Atan2, _) => p(E::Atan2, 2, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

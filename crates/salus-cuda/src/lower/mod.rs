@@ -358,6 +358,8 @@ impl<'a> Lowering<'a> {
             (Ceil, _) => self.unary(ElementwiseOp::Ceil, node, &o, none),
             (Round, _) => self.unary(ElementwiseOp::Round, node, &o, none),
             (Trunc, _) => self.unary(ElementwiseOp::Trunc, node, &o, none),
+            (Atan, _) => self.unary(ElementwiseOp::Atan, node, &o, none),
+            (Atan2, _) => self.binary(ElementwiseOp::Atan2, node, &o),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,

@@ -199,8 +199,8 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             unary_same(ins)
         }
         (
-            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sin | Cos | Sigmoid
-            | Tanh | Gelu,
+            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Log1p | Expm1 | Sin | Cos | Atan
+            | Sigmoid | Tanh | Gelu,
             _,
         ) => unary_float(ins),
         (LeakyRelu, _) => {
@@ -223,6 +223,11 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             Ok(out)
         }
         (Maximum | Minimum, _) => binary(ins),
+        (Atan2, _) => {
+            let mut out = binary(ins)?;
+            out[0].dtype = float_of(out[0].dtype);
+            Ok(out)
+        }
         (Sort, OpParams::Sort { .. }) => {
             let t = ins.input(0)?;
             Ok(vec![

@@ -405,6 +405,8 @@ pub(crate) fn extract(
         | Expm1
         | Sin
         | Cos
+        | Atan
+        | Atan2
         | Floor
         | Ceil
         | Round
