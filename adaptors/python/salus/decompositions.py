@@ -996,10 +996,13 @@ def decomposition_table() -> dict:
     padding, layer norm's backward, fused attention), with batch norm's (its functional
     op stays whole in training where the IR has it, eval mode becomes arithmetic), and
     with the rules of this module for what Core ATen keeps whole and the IR lacks: dropout
-    and ``rand``/``randn`` as draws from the session's generator, pooling and padding
+    and every random draw (``rand``, ``randn``, ``normal_``, ``uniform_``, ``exponential_``,
+    ``randint``, ``randperm``) from the session's generator, pooling and padding
     variants, ``EmbeddingBag``, ``repeat``, ``unfold``, grouped-query attention, ``sort``
-    and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors, and
-    diagonals. Each function's docstring says what it writes."""
+    and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
+    diagonals, and trigonometric and hyperbolic functions. Each function's docstring says
+    what it writes; :func:`composite_decompositions` adds the rules that must run above
+    autograd."""
     table = dict(core_aten_decompositions().items())
     for name in _KEPT_WHOLE:
         packet = getattr(aten, name)
