@@ -573,6 +573,30 @@ def _whole_extreme(reduce, x):
     return reduce(x, list(range(x.dim())), False)
 
 
+def _prod_dim(x, dim, keepdim=False, *, dtype=None):
+    """``prod`` along a dim as the last of its ``cumprod`` (the same products in the same
+    order); of an empty dim, 1."""
+    if x.dim() == 0:
+        return aten._to_copy.default(x, dtype=dtype) if dtype else aten.clone.default(x)
+    dim = dim % x.dim()
+    if x.shape[dim] == 0:
+        shape = list(x.shape)
+        shape[dim] = 1
+        ones = aten.full.default(shape, 1, dtype=dtype or _product_dtype(x), device=x.device)
+        return ones if keepdim else aten.squeeze.dims(ones, [dim])
+    out = aten.select.int(aten.cumprod.default(x, dim, dtype=dtype), dim, -1)
+    return aten.unsqueeze.default(out, dim) if keepdim else out
+
+
+def _product_dtype(x):
+    return x.dtype if x.dtype.is_floating_point else torch.int64
+
+
+def _prod(x, *, dtype=None):
+    """``prod`` of every element: the last of the flattened tensor's ``cumprod``."""
+    return _prod_dim(aten.view.default(x, [x.numel()]), 0, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # Comparisons and logic the IR writes with the ops it has
 
@@ -1076,6 +1100,8 @@ def decomposition_table() -> dict:
     table[aten.max.dim] = _max_dim
     table[aten.min.dim] = _min_dim
     table[aten.amin.default] = _amin
+    table[aten.prod.dim_int] = _prod_dim
+    table[aten.prod.default] = _prod
     table[aten.max.default] = lambda x: _whole_extreme(aten.amax.default, x)
     table[aten.min.default] = lambda x: _whole_extreme(aten.amin.default, x)
     table[aten.ne.Tensor] = _ne_tensor

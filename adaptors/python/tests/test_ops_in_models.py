@@ -7,7 +7,7 @@ Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
 learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, and the
 inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
-them). Each model trains three Adam steps on salusd, every tensor against float64 by
+them), and NeRF's volume rendering (``cumprod``, ``prod``). Each model trains three Adam steps on salusd, every tensor against float64 by
 the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -263,6 +263,26 @@ class Angles(nn.Module):
         return self.b(torch.cat(parts, 1))
 
 
+class VolumeRenderer(nn.Module):
+    """NeRF's volume rendering along each ray: densities and colours of the samples, the
+    transmittance to each sample a ``cumprod`` of ``1 - alpha`` (exclusive, as NeRF
+    writes it), the colour the weighted sum; and ``prod`` of a dim and of everything."""
+
+    def __init__(self, samples=6):
+        super().__init__()
+        self.field = nn.Linear(3, 4)
+        self.delta = 1.0 / samples
+
+    def forward(self, points):  # [rays, samples, 3]
+        out = self.field(points)
+        sigma, colour = torch.relu(out[..., 0]), torch.sigmoid(out[..., 1:])
+        alpha = 1 - torch.exp(-sigma * self.delta)
+        through = torch.cumprod(1 - alpha + 1e-10, -1)
+        through = torch.cat([torch.ones_like(through[:, :1]), through[:, :-1]], -1)
+        rgb = ((alpha * through)[..., None] * colour).sum(1)
+        return rgb + colour.prod(1) * 0.1 + torch.sigmoid(points).prod() * 0.01
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -297,6 +317,8 @@ MODELS = {
     "ctc_loss": lambda: (Speech(), _ctc_batch(12), _ctc()),
     "ctc_loss_concatenated_sum": lambda: (Speech(), _ctc_batch(13, concatenated=True),
                                           _ctc("sum")),
+    "volume_rendering": lambda: (VolumeRenderer(), _batch((5, 6, 3), (5, 3), seed=15),
+                                 lambda m, x, y: F.mse_loss(m(x), y)),
     "angles": lambda: (Angles(), _batch((6, 4), seed=14, classes=(6, 3)), _classify),
     # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
     "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),

@@ -397,13 +397,15 @@ device_struct! {
 
 device_struct! {
     /// `softmax_fwd` (x in, y out) and `softmax_bwd` (y and grad g in, x out): `rows`
-    /// rows of `len` elements `inner` apart. `cumsum` (x in, y out) walks the same rows.
+    /// rows of `len` elements `inner` apart. `cumsum` (x in, y out) walks the same rows,
+    /// multiplying where `product` (`cumprod`).
     #[derive(Default)]
     struct SoftmaxArgs {
         rows: i64,
         len: i64,
         inner: i64,
         log: i64,
+        product: i64,
         x: u64,
         xdt: i64,
         y: u64,
@@ -783,7 +785,8 @@ kernels! {
     ArgExtreme = "arg_extreme" (ArgReduceArgs),
     /// `sort.stable`: a block per line, each element placed by its rank.
     SortLines = "sort_lines" (SortArgs),
-    /// `cumsum` along the middle dim of `[rows / inner, len, inner]`, a thread per line.
+    /// `cumsum` (and `cumprod`: `product`) along the middle dim of `[rows / inner, len,
+    /// inner]`, a thread per line.
     Cumsum = "cumsum" (SoftmaxArgs),
     /// `reflection_pad2d` over `[planes, h, w]`, padding `p` = (top, left).
     ReflectionPadForward = "reflection_pad_fwd" (PoolArgs),

@@ -111,8 +111,8 @@ pub fn op_family(op: &str) -> Family {
         "mm" | "bmm" | "addmm" | "baddbmm" | "addbmm" | "matmul" | "linear"
         | "_addmm_activation" | "addmv" | "mv" | "dot" => Family::Matmul,
         "sum" | "mean" | "amax" | "amin" | "max" | "min" | "var" | "var_mean" | "std"
-        | "std_mean" | "any" | "all" | "argmax" | "argmin" | "prod" | "cumsum" | "logsumexp"
-        | "mse_loss" | "cross_entropy_loss" => Family::ReduceNorm,
+        | "std_mean" | "any" | "all" | "argmax" | "argmin" | "prod" | "cumsum" | "cumprod"
+        | "logsumexp" | "mse_loss" | "cross_entropy_loss" => Family::ReduceNorm,
         "gather" | "scatter" | "scatter_add" | "index_put" | "_index_put_impl" | "index"
         | "index_select" | "index_add" | "bernoulli" | "rand_like" | "uniform" | "normal"
         | "_assert_async" | "randperm" | "masked_fill" | "masked_select" | "take" | "sort"

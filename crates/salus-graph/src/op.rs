@@ -94,6 +94,7 @@ ops! {
     SoftmaxBackwardData = "_softmax_backward_data",
     LogSoftmaxBackwardData = "_log_softmax_backward_data",
     Cumsum = "cumsum",
+    Cumprod = "cumprod",
     Sort = "sort.stable",
     Mm = "mm",
     Addmm = "addmm",

@@ -3819,6 +3819,7 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ),
     ("cumsum_along_each_dimension", cumsum_along_each_dimension),
     ("rounding_functions", rounding_functions),
+    ("cumprod_along_each_dimension", cumprod_along_each_dimension),
     ("atan2_of_every_quadrant", atan2_of_every_quadrant),
     ("argmax_and_argmin", argmax_and_argmin),
     (
@@ -4196,4 +4197,50 @@ fn atan2_of_every_quadrant() {
     assert_close(&got, &want, EXACT, "atan2 special values");
     let signs = |v: &[f64]| v.iter().map(|x| x.is_sign_negative()).collect::<Vec<_>>();
     assert_eq!(signs(&got), signs(&want), "atan2 keeps the zeros' signs");
+}
+
+#[test]
+fn cumprod_along_each_dimension() {
+    // Factors near 1 (a volume renderer's transmittances), zeros and a sign change.
+    let mut rng = Rng::new(103);
+    let shape = [3u64, 5, 4];
+    let mut x = rng.f32s(&shape, 0.5, 1.5);
+    x.data[7] = 0.0;
+    x.data[12] = -2.0;
+    for dim in [0i64, 1, -1] {
+        let d = (if dim < 0 { dim + 3 } else { dim }) as usize;
+        let got = Case::new(Op::Cumprod)
+            .input(x.clone())
+            .int("dim", dim)
+            .output(Fp32, &shape)
+            .run1();
+        // The products in f64 are exact to far below f32's rounding; the device rounds
+        // each prefix once to f32 (half an epsilon of it) after accumulating in f64.
+        let (mut want, mut bound) = (vec![0.0; x.data.len()], vec![0.0; x.data.len()]);
+        for i in 0..x.data.len() {
+            let mut idx = unravel(i, &shape);
+            let upto = idx[d];
+            let mut product = 1.0;
+            for j in 0..=upto {
+                idx[d] = j;
+                product *= x.data[ravel(&idx, &shape)];
+            }
+            want[i] = product;
+            bound[i] = EPS32 / 2.0 * product.abs();
+        }
+        assert_within(&got, &want, &bound, &format!("cumprod dim {dim}"));
+    }
+    // Integers multiply exactly into i64 (PyTorch's default).
+    let i = i64v(&[2, 3], &[1, -2, 3, 4, 5, 6]);
+    let got = Case::new(Op::Cumprod)
+        .input(i)
+        .int("dim", 1)
+        .output(I64, &[2, 3])
+        .run1();
+    assert_close(
+        &got,
+        &[1.0, -2.0, -6.0, 4.0, 20.0, 120.0],
+        EXACT,
+        "cumprod i64",
+    );
 }

@@ -537,7 +537,9 @@ pub(crate) fn run(
         (Softmax | LogSoftmax, &OpParams::Softmax { dim, .. }) => {
             reduce::softmax(dim, node.op == LogSoftmax, args, o)
         }
-        (Cumsum, &OpParams::Cumsum { dim, .. }) => reduce::cumsum(dim, args, o),
+        (Cumsum | Cumprod, &OpParams::Cumsum { dim, .. }) => {
+            reduce::cumulative(dim, node.op == Cumprod, args, o)
+        }
         (Flip, OpParams::Flip { dims }) => shape::flip(dims, args, o),
         (ConstantPadNd, OpParams::ConstantPad { before, value, .. }) => {
             pad::constant(before, *value, args, o)

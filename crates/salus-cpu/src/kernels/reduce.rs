@@ -1,6 +1,6 @@
 //! Reductions in `f64` for every dtype: `sum.dim_IntList`, `mean`, `mean.dim`, `amax`,
 //! `var.correction` and `any.dim` over the dimensions a [`Reduction`] names, and softmax,
-//! log-softmax and `cumsum` along one dimension.
+//! log-softmax, `cumsum` and `cumprod` along one dimension.
 
 use salus_graph::{Op, Reduction, TensorType};
 
@@ -114,9 +114,9 @@ pub(super) fn softmax(d: usize, log: bool, args: &[Arg<'_>], o: &mut Out<'_>) ->
     Ok(())
 }
 
-/// `cumsum` along `d`: each element the sum of those before it and itself, accumulated in
-/// `f64` and rounded once to the output's dtype.
-pub(super) fn cumsum(d: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// `cumsum` (`cumprod` with `product`) along `d`: each element the sum (product) of those
+/// before it and itself, accumulated in `f64` and rounded once to the output's dtype.
+pub(super) fn cumulative(d: usize, product: bool, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
     if ty.shape != o.ty.shape {
         return Err(format!("output {} must have the shape of input {ty}", o.ty));
@@ -126,11 +126,12 @@ pub(super) fn cumsum(d: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> 
     let outer = numel(&ty.shape) / (len * inner).max(1);
     for a in 0..outer {
         for b in 0..inner {
-            let mut sum = 0.0;
+            let mut acc = if product { 1.0 } else { 0.0 };
             for j in 0..len {
                 let at = (a * len + j) * inner + b;
-                sum += load(bytes, ty.dtype, at);
-                store(o.bytes, o.ty.dtype, at, sum);
+                let v = load(bytes, ty.dtype, at);
+                acc = if product { acc * v } else { acc + v };
+                store(o.bytes, o.ty.dtype, at, acc);
             }
         }
     }

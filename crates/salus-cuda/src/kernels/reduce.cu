@@ -173,15 +173,16 @@ extern "C" __global__ void softmax_bwd(const SoftmaxArgs a) {
 
 
 // ------------------------------------------------------------------------------------
-// cumsum along the middle dim of [rows / inner, len, inner]: a thread per line, summed in
-// double in order, each prefix rounded once.
+// cumsum (cumprod where `product`) along the middle dim of [rows / inner, len, inner]: a
+// thread per line, accumulated in double in order, each prefix rounded once.
 
 extern "C" __global__ void cumsum(const SoftmaxArgs a) {
     GRID_LOOP(t, a.rows) {
         i64 base = (t / a.inner) * a.len * a.inner + t % a.inner;
-        double s = 0.0;
+        double s = a.product ? 1.0 : 0.0;
         for (i64 j = 0; j < a.len; ++j) {
-            s += ld(a.x, a.xdt, base + j * a.inner);
+            double v = ld(a.x, a.xdt, base + j * a.inner);
+            s = a.product ? s * v : s + v;
             st(a.y, a.ydt, base + j * a.inner, s);
         }
     }

@@ -424,9 +424,9 @@ impl<'a> Lowering<'a> {
             (ConstantPadNd, OpParams::ConstantPad { before, value, .. }) => {
                 self.constant_pad(node, before, value.as_f64(), &o)
             }
-            (Cumsum, &OpParams::Cumsum { dim, .. }) => {
+            (Cumsum | Cumprod, &OpParams::Cumsum { dim, .. }) => {
                 let a = self.need(node, 0)?;
-                self.cumsum(dim, &a, &o)
+                self.cumulative(dim, node.op == Cumprod, &a, &o)
             }
             (SumDimIntList | MeanDim | Amax | Mean | AnyDim, OpParams::Reduce(r)) => {
                 let a = self.need(node, 0)?;

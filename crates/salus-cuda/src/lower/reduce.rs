@@ -470,8 +470,14 @@ impl Lowering<'_> {
         Ok(())
     }
 
-    /// `cumsum` along `dim`: a thread per line, summed in order.
-    pub(super) fn cumsum(&mut self, dim: usize, a: &Operand, o: &Operand) -> Lowered {
+    /// `cumsum` (`cumprod` with `product`) along `dim`: a thread per line, in order.
+    pub(super) fn cumulative(
+        &mut self,
+        dim: usize,
+        product: bool,
+        a: &Operand,
+        o: &Operand,
+    ) -> Lowered {
         if a.shape() != o.shape() {
             return Err(format!(
                 "output {} must have the shape of input {}",
@@ -485,6 +491,7 @@ impl Lowering<'_> {
             rows: lines as i64,
             len: len as i64,
             inner: inner as i64,
+            product: i64::from(product),
             x: a.ptr,
             xdt: a.dt(),
             y: o.ptr,

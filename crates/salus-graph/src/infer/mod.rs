@@ -235,7 +235,7 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
                 TensorType::new(DType::I64, t.shape.clone()),
             ])
         }
-        (Cumsum, &OpParams::Cumsum { dtype, .. }) => {
+        (Cumsum | Cumprod, &OpParams::Cumsum { dtype, .. }) => {
             ins.count(1)?;
             Ok(vec![TensorType::new(dtype, ins.input(0)?.shape.clone())])
         }

@@ -557,7 +557,7 @@ pub(crate) fn extract(
                 input_dtype: a.dtype_opt("input_dtype")?.unwrap_or(grad.dtype),
             }
         }
-        Cumsum => {
+        Cumsum | Cumprod => {
             ins.count(1)?;
             let t = ins.input(0)?;
             let default = if t.dtype.is_float() {

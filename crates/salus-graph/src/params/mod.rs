@@ -174,7 +174,7 @@ pub enum OpParams {
         /// `input_dtype` (default: grad_output's): the result's dtype.
         input_dtype: DType,
     },
-    /// `cumsum`.
+    /// `cumsum`, `cumprod`.
     Cumsum {
         /// `dim`, normalised (0 for a 0-dim input).
         dim: usize,
