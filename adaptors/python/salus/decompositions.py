@@ -97,10 +97,10 @@ def _native_dropout(x, p, train):
         return (aten.clone.default(x),
                 aten.full.default(list(x.shape), True, dtype=torch.bool, device=x.device))
     if p >= 1:
-        zeros = aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device)
+        zeros = _zeros(x.shape, x.dtype, x.device)
         return (zeros, aten.ne.Scalar(zeros, 0))
     noise = aten.bernoulli.p(
-        aten.full.default(list(x.shape), 0, dtype=x.dtype, device=x.device), 1 - p)
+        _zeros(x.shape, x.dtype, x.device), 1 - p)
     out = aten.mul.Tensor(x, aten.div.Scalar(noise, 1 - p))
     return (out, aten.ne.Scalar(noise, 0))
 
@@ -192,14 +192,17 @@ def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropo
     return dq, per_group(dk), per_group(dv)
 
 
+def _zeros(shape, dtype, device):
+    return aten.full.default(list(shape), 0, dtype=dtype, device=device)
+
+
 def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
                memory_format=None):
     """``rand_like`` as the IR draws it, from the session's generator: of a tensor of the
     draw's own dtype (the IR's op takes its dtype from ``self``)."""
     if dtype is None or dtype == x.dtype:
         return NotImplemented  # recorded as it is
-    return aten.rand_like.default(
-        aten.full.default(list(x.shape), 0, dtype=dtype, device=x.device))
+    return aten.rand_like.default(_zeros(x.shape, dtype, x.device))
 
 
 def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
@@ -207,7 +210,7 @@ def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
     """``randn_like`` by Box and Muller's transform of two uniform draws from the
     session's generator, in f32: ``sqrt(-2 log(1 - u)) cos(2 pi v)``, ``1 - u`` in (0, 1]."""
     dtype = dtype or x.dtype
-    base = aten.full.default(list(x.shape), 0, dtype=torch.float32, device=x.device)
+    base = _zeros(x.shape, torch.float32, x.device)
     u, v = aten.rand_like.default(base), aten.rand_like.default(base)
     radius = aten.sqrt.default(
         aten.mul.Scalar(aten.log.default(aten.add.Scalar(aten.neg.default(u), 1.0)), -2.0))
@@ -216,60 +219,57 @@ def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
 
 
 def _rand(size, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return aten.rand_like.default(aten.full.default(
-        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+    return aten.rand_like.default(_zeros(size, dtype or torch.get_default_dtype(), device))
 
 
 def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return _randn_like(aten.full.default(
-        list(size), 0, dtype=dtype or torch.get_default_dtype(), device=device))
+    return _randn_like(_zeros(size, dtype or torch.get_default_dtype(), device))
 
 
-def _draw_base(shape, dtype, device):
-    return aten.full.default(list(shape), 0, dtype=dtype, device=device)
+def _sessions_generator(rule: Callable) -> Callable:
+    """``rule``, for a draw from the session's generator; a draw from the user's own
+    ``torch.Generator`` (``generator=``) stays whole and is refused by the op's name."""
+    def draw(*args, generator=None, **kwargs):
+        return NotImplemented if generator is not None else rule(*args, **kwargs)
+    return draw
 
 
-def _normal_functional(x, mean=0.0, std=1.0, *, generator=None):
+@_sessions_generator
+def _normal_functional(x, mean=0.0, std=1.0):
     """``Tensor.normal_`` (functionalized): ``mean + std * randn_like(x)``."""
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
     return aten.add.Scalar(aten.mul.Scalar(_randn_like(x), std), mean)
 
 
-def _normal_tensors(mean, std, *, generator=None):
+@_sessions_generator
+def _normal_tensors(mean, std):
     """``torch.normal`` with a tensor mean and/or std (broadcast together)."""
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
     like = mean if isinstance(mean, torch.Tensor) else std
     shape = torch.broadcast_shapes(*(t.shape for t in (mean, std)
                                      if isinstance(t, torch.Tensor)))
-    noise = _randn_like(_draw_base(shape, like.dtype, like.device))
+    noise = _randn_like(_zeros(shape, like.dtype, like.device))
     scaled = (aten.mul.Tensor(noise, std) if isinstance(std, torch.Tensor)
               else aten.mul.Scalar(noise, std))
     return (aten.add.Tensor(scaled, mean) if isinstance(mean, torch.Tensor)
             else aten.add.Scalar(scaled, mean))
 
 
-def _normal_numbers(mean, std, size, *, generator=None, dtype=None, layout=None,
-                    device=None, pin_memory=None):
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
-    noise = _randn_like(_draw_base(size, dtype or torch.get_default_dtype(), device))
+@_sessions_generator
+def _normal_numbers(mean, std, size, *, dtype=None, layout=None, device=None,
+                    pin_memory=None):
+    noise = _randn_like(_zeros(size, dtype or torch.get_default_dtype(), device))
     return aten.add.Scalar(aten.mul.Scalar(noise, std), mean)
 
 
-def _uniform(x, low=0.0, high=1.0, *, generator=None):
+@_sessions_generator
+def _uniform(x, low=0.0, high=1.0):
     """``Tensor.uniform_`` (functionalized): ``low + (high - low) * rand_like(x)``."""
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
     return aten.add.Scalar(aten.mul.Scalar(aten.rand_like.default(x), high - low), low)
 
 
-def _exponential(x, lambd=1.0, *, generator=None):
+@_sessions_generator
+def _exponential(x, lambd=1.0):
     """``Tensor.exponential_`` (Gumbel noise: ``F.gumbel_softmax``): ``-log(1 - u) /
     lambd`` of a uniform draw ``u`` in [0, 1), as PyTorch transforms its own."""
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
     u = aten.rand_like.default(x)
     return aten.div.Scalar(aten.neg.default(aten.log1p.default(aten.neg.default(u))), lambd)
 
@@ -280,23 +280,20 @@ def _integers(shape, low, high, dtype, device):
     and are refused by the op's name."""
     if high - low > 2 ** 24:
         return NotImplemented
-    u = aten.rand_like.default(_draw_base(shape, torch.float32, device))
+    u = aten.rand_like.default(_zeros(shape, torch.float32, device))
     picked = aten.clamp.default(aten.floor.default(aten.mul.Scalar(u, high - low)), 0,
                                 high - low - 1)
     return aten._to_copy.default(aten.add.Scalar(picked, low), dtype=dtype or torch.int64)
 
 
-def _randint_low(low, high, size, *, generator=None, dtype=None, layout=None, device=None,
+@_sessions_generator
+def _randint_low(low, high, size, *, dtype=None, layout=None, device=None,
                  pin_memory=None):
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
     return _integers(size, low, high, dtype, device)
 
 
-def _randint(high, size, *, generator=None, dtype=None, layout=None, device=None,
-             pin_memory=None):
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
+@_sessions_generator
+def _randint(high, size, *, dtype=None, layout=None, device=None, pin_memory=None):
     return _integers(size, 0, high, dtype, device)
 
 
@@ -310,13 +307,11 @@ def _randint_like(x, high, *, dtype=None, layout=None, device=None, pin_memory=N
     return _integers(x.shape, 0, high, dtype or x.dtype, x.device)
 
 
-def _randperm(n, *, generator=None, dtype=None, layout=None, device=None,
-              pin_memory=None):
+@_sessions_generator
+def _randperm(n, *, dtype=None, layout=None, device=None, pin_memory=None):
     """``randperm``: the order that sorts ``n`` uniform draws (equal draws, one in 2^24
     for each pair, keep their order)."""
-    if generator is not None:
-        return NotImplemented  # a user's generator: refused by the op's name
-    u = aten.rand_like.default(_draw_base([n], torch.float32, device))
+    u = aten.rand_like.default(_zeros([n], torch.float32, device))
     order = aten.sort.stable(u, stable=True, dim=0)[1]
     return order if dtype in (None, torch.int64) else aten._to_copy.default(order,
                                                                             dtype=dtype)
@@ -362,17 +357,13 @@ def _adaptive_max_pool2d_backward(grad, x, indices):
 # and is reported unsupported. ``mode``: 0 sum, 1 mean, 2 max.
 
 
-def _zeros(shape, dtype, like):
-    return aten.full.default(list(shape), 0, dtype=dtype, device=like.device)
-
-
 def _bag_of_each_index(indices, offsets, bags):
     """The bag each index belongs to: a one where each later bag starts, summed along
     (one past the end, so that trailing empty bags start in range)."""
     n = indices.shape[0]
     starts = aten.slice.Tensor(offsets, 0, 1, bags)
     marks = aten.index_put.default(
-        _zeros([n + 1], torch.int64, indices), [starts],
+        _zeros([n + 1], torch.int64, indices.device), [starts],
         aten.full.default([bags - 1], 1, dtype=torch.int64, device=indices.device), True)
     return aten.slice.Tensor(aten.cumsum.default(marks, 0), 0, 0, n)
 
@@ -407,12 +398,13 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
     counted = _counted(indices, padding_idx)
     rows = _weighted_rows(aten.embedding.default(weight, indices),
                           aten._to_copy.default(counted, dtype=weight.dtype), per_sample_weights)
-    out = aten.index_put.default(_zeros([bags, weight.shape[1]], weight.dtype, weight), [bag],
-                                 rows, True)
-    size = aten.index_put.default(_zeros([bags], torch.int64, indices), [bag], counted, True)
+    sums = _zeros([bags, weight.shape[1]], weight.dtype, weight.device)
+    out = aten.index_put.default(sums, [bag], rows, True)
+    counts = _zeros([bags], torch.int64, indices.device)
+    size = aten.index_put.default(counts, [bag], counted, True)
     if mode == 1:
         out = aten.div.Tensor(out, aten.unsqueeze.default(_bag_counts(size, weight.dtype), 1))
-    return out, bag, size, _zeros([bags], torch.int64, indices)
+    return out, bag, size, _zeros([bags], torch.int64, indices.device)
 
 
 def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
@@ -426,8 +418,8 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
         keep = aten.div.Tensor(keep, aten.index.Tensor(_bag_counts(bag_size, grad.dtype),
                                                        [offset2bag]))
     rows = _weighted_rows(rows, keep, per_sample_weights)
-    return aten.index_put.default(_zeros([num_weights, grad.shape[1]], grad.dtype, grad),
-                                  [indices], rows, True)
+    weights = _zeros([num_weights, grad.shape[1]], grad.dtype, grad.device)
+    return aten.index_put.default(weights, [indices], rows, True)
 
 
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
@@ -472,7 +464,7 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
     if step == 1:
         pad = [0, 0] * (rank - 1 - dim) + [start, size - start - length]
         return aten.constant_pad_nd.default(grad, pad, 0.0)
-    zeros = aten.full.default(list(input_sizes), 0, dtype=grad.dtype, device=grad.device)
+    zeros = _zeros(input_sizes, grad.dtype, grad.device)
     return _slice_scatter(zeros, grad, dim, start, end, step)
 
 

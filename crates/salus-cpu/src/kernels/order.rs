@@ -12,7 +12,7 @@ use std::cmp::Ordering;
 
 use salus_graph::{DType, Reduction};
 
-use super::{Arg, Out, Result, load, numel, store, tensor};
+use super::{Arg, Out, Result, load, numel, store, tensor, word};
 
 /// A line's geometry: `outer` lines of `len` elements `inner` apart.
 struct Lines {
@@ -24,11 +24,10 @@ struct Lines {
 impl Lines {
     /// The lines along the dims `lo..=hi` of `shape`, walked as one (row-major).
     fn along(shape: &[u64], lo: usize, hi: usize) -> Lines {
-        let size = |dims: &[u64]| numel(dims);
         Lines {
-            outer: size(&shape[..lo]),
-            len: size(&shape[lo..=hi]),
-            inner: size(&shape[hi + 1..]),
+            outer: numel(&shape[..lo]),
+            len: numel(&shape[lo..=hi]),
+            inner: numel(&shape[hi + 1..]),
         }
     }
 
@@ -42,11 +41,7 @@ impl Lines {
 /// values (and -0 and +0) `Equal`.
 fn compare(bytes: &[u8], dtype: DType, i: usize, j: usize) -> Ordering {
     if dtype == DType::I64 {
-        let at = |k: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[k * 8..k * 8 + 8]);
-            i64::from_le_bytes(w)
-        };
+        let at = |k: usize| i64::from_le_bytes(word(bytes, k));
         return at(i).cmp(&at(j));
     }
     let (a, b) = (load(bytes, dtype, i), load(bytes, dtype, j));
@@ -87,18 +82,21 @@ pub(super) fn arg_extreme(
     } else {
         Ordering::Less
     };
+    // A NaN wins over every number, and the first NaN over later ones.
+    let nan = |k| ty.dtype.is_float() && load(bytes, ty.dtype, k).is_nan();
     for a in 0..lines.outer {
         for b in 0..lines.inner {
             let mut best = 0;
-            for j in 1..lines.len {
-                let (at, best_at) = (lines.at(a, b, j), lines.at(a, b, best));
-                // A NaN wins over every number, and the first NaN over later ones.
-                let nan = |k| ty.dtype.is_float() && load(bytes, ty.dtype, k).is_nan();
-                if nan(best_at) {
-                    break;
-                }
-                if nan(at) || compare(bytes, ty.dtype, at, best_at) == wanted {
-                    best = j;
+            if !nan(lines.at(a, b, 0)) {
+                for j in 1..lines.len {
+                    let at = lines.at(a, b, j);
+                    if nan(at) {
+                        best = j;
+                        break;
+                    }
+                    if compare(bytes, ty.dtype, at, lines.at(a, b, best)) == wanted {
+                        best = j;
+                    }
                 }
             }
             store(o.bytes, DType::I64, a * lines.inner + b, best as f64);

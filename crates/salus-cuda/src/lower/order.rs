@@ -8,8 +8,11 @@ use crate::abi::{ArgReduceArgs, Kernel, SortArgs};
 
 /// `[outer, len, inner]` of `shape` around the dims `lo..=hi`.
 fn lines(shape: &[u64], lo: usize, hi: usize) -> (u64, u64, u64) {
-    let at = |range: &[u64]| numel(range);
-    (at(&shape[..lo]), at(&shape[lo..=hi]), at(&shape[hi + 1..]))
+    (
+        numel(&shape[..lo]),
+        numel(&shape[lo..=hi]),
+        numel(&shape[hi + 1..]),
+    )
 }
 
 impl Lowering<'_> {
