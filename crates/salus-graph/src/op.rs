@@ -119,6 +119,8 @@ ops! {
     NativeBatchNormBackward = "native_batch_norm_backward",
     ScaledDotProductAttention = "_scaled_dot_product_flash_attention_for_cpu",
     ScaledDotProductAttentionBackward = "_scaled_dot_product_flash_attention_for_cpu_backward",
+    EfficientAttention = "_scaled_dot_product_efficient_attention",
+    EfficientAttentionBackward = "_scaled_dot_product_efficient_attention_backward",
     MaxPool2dWithIndices = "max_pool2d_with_indices",
     MaxPool2dWithIndicesBackward = "max_pool2d_with_indices_backward",
     AvgPool2d = "avg_pool2d",

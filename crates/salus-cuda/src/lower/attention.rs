@@ -108,6 +108,7 @@ impl Lowering<'_> {
             causal,
             scale,
             mask_strides,
+            ..
         } = p.clone();
         let mut args = AttentionArgs {
             batch: batch as i64,
@@ -373,6 +374,8 @@ mod tests {
             causal: false,
             scale: 0.125,
             mask_strides: None,
+            dropout: 0.0,
+            lse_stride: q_len,
         }
     }
 

@@ -217,6 +217,42 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             let lse = TensorType::new(DType::F32, vec![p.batch, p.heads, p.q_len]);
             Ok(vec![out, lse])
         }
+        (EfficientAttention, OpParams::Attention(p)) => {
+            // The generator's state, as for every op that draws; the seed it gives the
+            // keep-flags is an output for the backward, the offset always 0.
+            let (q, generator) = (ins.input(0)?, ins.input(4)?);
+            if generator.dtype != DType::I64 || !generator.shape.is_empty() {
+                return Err(format!(
+                    "the generator (input 4) must be an i64 scalar, got {generator}"
+                ));
+            }
+            let out = TensorType::new(q.dtype, vec![p.batch, p.heads, p.q_len, p.v_dim]);
+            let lse = TensorType::new(DType::F32, vec![p.batch, p.heads, p.lse_stride]);
+            let seed = TensorType::new(DType::I64, vec![]);
+            Ok(vec![out, lse, seed.clone(), seed])
+        }
+        (EfficientAttentionBackward, OpParams::Attention(p)) => {
+            let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
+            let out = [p.batch, p.heads, p.q_len, p.v_dim];
+            let lse = [p.batch, p.heads, p.lse_stride];
+            for (i, what, shape, dtype) in [
+                (0, "grad_out", &out[..], q.dtype),
+                (5, "out", &out[..], q.dtype),
+                (6, "logsumexp", &lse[..], DType::F32),
+                (7, "philox_seed", &[][..], DType::I64),
+                (8, "philox_offset", &[][..], DType::I64),
+            ] {
+                let t = ins.input(i)?;
+                if t.shape != shape || t.dtype != dtype {
+                    return Err(format!("{what} {t} must be {dtype}{shape:?}"));
+                }
+            }
+            let bias = ins
+                .optional(4)
+                .cloned()
+                .unwrap_or_else(|| TensorType::new(q.dtype, vec![0]));
+            Ok(vec![q.clone(), k.clone(), v.clone(), bias])
+        }
         (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
             let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
             let out = [p.batch, p.heads, p.q_len, p.v_dim];

@@ -291,15 +291,25 @@ fn batch_norm(a: &Attrs<'_>, t: &TensorType, flag: &str, momentum: f64) -> Resul
     })
 }
 
+/// Which fused attention op a node is: the flash op has no dropout and one log-sum-exp
+/// per query; the efficient op drops probabilities and pads each head's log-sum-exps to
+/// a multiple of 32 (PyTorch's layouts for both).
+#[derive(Clone, Copy, PartialEq)]
+enum AttentionOp {
+    Flash,
+    EfficientForward,
+    EfficientBackward,
+}
+
 /// Fused attention's geometry from query `q`, key `k`, value `v` and the optional
-/// `mask`, and its flags: dropout must be 0 (the tracer keeps attention with dropout
-/// decomposed).
+/// `mask`, and its flags.
 fn attention(
     a: &Attrs<'_>,
     q: &TensorType,
     k: &TensorType,
     v: &TensorType,
     mask: Option<&TensorType>,
+    op: AttentionOp,
 ) -> Result<OpParams> {
     if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
         return Err(format!(
@@ -319,12 +329,30 @@ fn attention(
         ));
     }
     let dropout = a.number_or("dropout_p", 0.0)?;
-    if dropout != 0.0 {
+    if op == AttentionOp::Flash && dropout != 0.0 {
         return Err(format!(
-            "dropout_p {dropout}: fused attention runs without dropout (trace attention \
-             dropout as the math decomposition)"
+            "dropout_p {dropout}: the flash op runs without dropout (attention with \
+             dropout is the efficient op)"
         ));
     }
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(format!("dropout_p must be in [0, 1), got {dropout}"));
+    }
+    if op == AttentionOp::EfficientBackward {
+        let wanted = a.bools("grad_input_mask")?;
+        if wanted.get(3) == Some(&true) {
+            return Err(
+                "the gradient of attn_bias is not supported (a bias that requires grad \
+                 traces through the math decomposition)"
+                    .into(),
+            );
+        }
+    }
+    let lse_stride = match op {
+        AttentionOp::Flash => q_len,
+        AttentionOp::EfficientForward if !a.bool_or("compute_log_sumexp", true)? => 0,
+        _ => q_len.next_multiple_of(32),
+    };
     let mask_strides = match mask {
         None => None,
         Some(m) => {
@@ -366,6 +394,8 @@ fn attention(
         causal: a.bool_or("is_causal", false)?,
         scale,
         mask_strides,
+        dropout,
+        lse_stride,
     }))
 }
 
@@ -725,13 +755,26 @@ pub(crate) fn extract(
             // query, key, value, attn_mask?
             ins.count(4)?;
             let (q, k, v) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
-            attention(a, q, k, v, ins.optional(3))?
+            attention(a, q, k, v, ins.optional(3), AttentionOp::Flash)?
         }
         ScaledDotProductAttentionBackward => {
             // grad_out, query, key, value, out, logsumexp, attn_mask?
             ins.count(7)?;
             let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
-            attention(a, q, k, v, ins.optional(6))?
+            attention(a, q, k, v, ins.optional(6), AttentionOp::Flash)?
+        }
+        EfficientAttention => {
+            // query, key, value, attn_bias?, generator
+            ins.count(5)?;
+            let (q, k, v) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
+            attention(a, q, k, v, ins.optional(3), AttentionOp::EfficientForward)?
+        }
+        EfficientAttentionBackward => {
+            // grad_out, query, key, value, attn_bias?, out, logsumexp, philox_seed,
+            // philox_offset
+            ins.count(9)?;
+            let (q, k, v) = (ins.input(1)?, ins.input(2)?, ins.input(3)?);
+            attention(a, q, k, v, ins.optional(4), AttentionOp::EfficientBackward)?
         }
         NativeBatchNorm => {
             // input, weight?, bias?, running_mean, running_var

@@ -490,4 +490,13 @@ pub struct AttentionParams {
     /// broadcasts over; `None` without a mask. A bool mask keeps the scores where it is
     /// true; a float mask is added to them.
     pub mask_strides: Option<[u64; 4]>,
+    /// `dropout_p`: each probability is dropped with this chance and the kept ones scaled
+    /// by `1 / (1 - dropout)` (0 for the flash op). The keep-flags are the session's
+    /// counter-based stream under the forward's seed (`docs/ops.md`), the same on every
+    /// device, so the backward draws them again instead of keeping them.
+    pub dropout: f64,
+    /// Elements between two heads' log-sum-exps: `q_len` for the flash op, `q_len`
+    /// rounded up to 32 for the efficient op (PyTorch's layout; the entries past the
+    /// queries are 0), 0 where no log-sum-exp is computed.
+    pub lse_stride: u64,
 }
