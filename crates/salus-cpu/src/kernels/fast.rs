@@ -14,9 +14,11 @@ use bytemuck::Pod;
 use rayon::prelude::*;
 use salus_graph::{DType, GeluApproximate, Op, OpParams, TensorType};
 
+use super::attention::{Dropout, Layout};
 use super::{Arg, Out, Result, number_or};
 
 mod attention;
+pub(super) use attention::{backward as attention_backward, forward as attention_forward};
 pub(super) mod batch_norm;
 mod conv;
 mod copy;
@@ -408,10 +410,10 @@ pub(crate) fn run(
         (ConvolutionBackward, OpParams::Conv(c)) => return conv::backward(c, args, outs, scratch),
         (MaxPool2dWithIndices, OpParams::Pool(p)) => return pool::max_pool2d(p, args, outs),
         (ScaledDotProductAttention, OpParams::Attention(p)) => {
-            return attention::forward(p, args, outs);
+            return attention_forward(p, Layout::FLASH_FORWARD, Dropout::NONE, args, outs);
         }
         (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
-            return attention::backward(p, args, outs);
+            return attention_backward(p, Layout::FLASH_BACKWARD, Dropout::NONE, args, outs);
         }
         (
             NativeLayerNorm,

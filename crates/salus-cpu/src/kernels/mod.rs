@@ -335,10 +335,15 @@ pub(crate) fn run(
             return norm::group_norm(&geometry, args, outs);
         }
         (ScaledDotProductAttention, OpParams::Attention(p)) => {
-            return attention::attention(p, args, outs);
+            let layout = attention::Layout::FLASH_FORWARD;
+            return attention::attention(p, layout, attention::Dropout::NONE, args, outs);
         }
         (ScaledDotProductAttentionBackward, OpParams::Attention(p)) => {
-            return attention::attention_backward(p, args, outs);
+            let (layout, drop) = (attention::Layout::FLASH_BACKWARD, attention::Dropout::NONE);
+            return attention::attention_backward(p, layout, drop, args, outs);
+        }
+        (EfficientAttention | EfficientAttentionBackward, OpParams::Attention(p)) => {
+            return attention::efficient(node, p, args, outs);
         }
         (
             NativeBatchNorm | NativeBatchNormBackward,

@@ -2,11 +2,13 @@
 //! PyTorch's CPU kernel computes it: per head and query, the scores over the keys, their
 //! softmax, and the weighted values; the backward recomputes the softmax from the
 //! forward's log-sum-exp. Heads run in parallel, each writing its own part of the
-//! outputs. The generic path (in f64) runs any other dtype or mask.
+//! outputs. The generic path (in f64) runs any other dtype or mask, and defines the
+//! layouts and the dropout both paths follow (`super::super::attention`).
 
 use rayon::prelude::*;
 use salus_graph::AttentionParams;
 
+use super::super::attention::{Dropout, Layout};
 use super::{Arg, Out, Result, typed, typed_mut};
 
 /// The mask as the kernels read it, with its strides over (batch, head, query, key).
@@ -135,8 +137,19 @@ fn dims(p: &AttentionParams) -> (usize, usize, usize, usize, usize) {
 /// `_scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask?)`: (output,
 /// logsumexp). A query whose every score is dropped gets NaN outputs and a log-sum-exp of
 /// `-inf`, as the softmax of nothing.
-pub(super) fn forward(
+/// The dropout factor of the probability at flat index `at`, in f32.
+fn factor(drop: Dropout, at: usize) -> f32 {
+    if drop.is_none() {
+        1.0
+    } else {
+        drop.factor(at) as f32
+    }
+}
+
+pub(in super::super) fn forward(
     p: &AttentionParams,
+    layout: Layout,
+    drop: Dropout,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
@@ -148,17 +161,25 @@ pub(super) fn forward(
         p,
         q: input(args, 0, bh * l * e)?,
         k: input(args, 1, bh * s * e)?,
-        mask: mask(p, args, 3)?,
+        mask: mask(p, args, layout.mask)?,
     };
     let v = input(args, 2, bh * s * ev)?;
     let (mut spare_out, mut spare_lse) = (Vec::new(), Vec::new());
     let (first, rest) = outs.split_at_mut(1.min(outs.len()));
     let out = output(first, 0, bh * l * ev, &mut spare_out)?;
-    let lse = output(rest, 0, bh * l, &mut spare_lse)?;
+    // Each head's log-sum-exps, then (the efficient op) zeros up to the next head's.
+    let stride = if p.lse_stride == 0 { l } else { p.lse_stride as usize };
+    let lse = if p.lse_stride == 0 {
+        spare_lse.resize(bh * l, 0.0);
+        &mut spare_lse[..]
+    } else {
+        output(rest, 0, bh * stride, &mut spare_lse)?
+    };
     out.par_chunks_mut(l * ev)
-        .zip(lse.par_chunks_mut(l))
+        .zip(lse.par_chunks_mut(stride))
         .enumerate()
         .for_each(|(head, (out, lse))| {
+            lse[l..].fill(0.0);
             let mut row = vec![0.0f32; s];
             for i in 0..l {
                 scores.row(head, i, &mut row);
@@ -174,6 +195,7 @@ pub(super) fn forward(
                 for (j, r) in row.iter().enumerate() {
                     let w = (r - m).exp();
                     sum += w;
+                    let w = w * factor(drop, (head * l + i) * s + j);
                     axpy(o, w, &v[(head * s + j) * ev..(head * s + j + 1) * ev]);
                 }
                 let inv = 1.0 / sum;
@@ -191,12 +213,15 @@ pub(super) fn forward(
 /// recomputed as `exp(score - logsumexp)`, `D_i = grad_out_i . out_i` and `dS = P * (grad_out
 /// v^T - D)`: `grad_query = scale * dS k`, `grad_key = scale * dS^T q`, `grad_value = P^T
 /// grad_out`.
-pub(super) fn backward(
+pub(in super::super) fn backward(
     p: &AttentionParams,
+    layout: Layout,
+    drop: Dropout,
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Option<Result<()>> {
     let (bh, l, s, e, ev) = dims(p);
+    let stride = p.lse_stride as usize;
     if [bh, l, s, e, ev].contains(&0) {
         return None; // Empty tensors: the generic path.
     }
@@ -205,11 +230,11 @@ pub(super) fn backward(
         p,
         q: input(args, 1, bh * l * e)?,
         k: input(args, 2, bh * s * e)?,
-        mask: mask(p, args, 6)?,
+        mask: mask(p, args, layout.mask)?,
     };
     let v = input(args, 3, bh * s * ev)?;
-    let o = input(args, 4, bh * l * ev)?;
-    let lse = input(args, 5, bh * l)?;
+    let o = input(args, layout.out, bh * l * ev)?;
+    let lse = input(args, layout.lse, bh * stride)?;
     let mut spares = [Vec::new(), Vec::new(), Vec::new()];
     let [s0, s1, s2] = &mut spares;
     let (first, rest) = outs.split_at_mut(1.min(outs.len()));
@@ -238,13 +263,14 @@ pub(super) fn backward(
                     if sc == f32::NEG_INFINITY {
                         continue;
                     }
-                    let pij = (sc - lse[at]).exp();
+                    let pij = (sc - lse[head * stride + i]).exp();
+                    let f = factor(drop, at * s + j);
                     let kv = head * s + j;
                     let dp = dot(goi, &v[kv * ev..(kv + 1) * ev]);
-                    let ds = pij * (dp - di) * scale;
+                    let ds = pij * (f * dp - di) * scale;
                     axpy(&mut dq[i * e..(i + 1) * e], ds, &k[kv * e..(kv + 1) * e]);
                     axpy(&mut dk[j * e..(j + 1) * e], ds, qi);
-                    axpy(&mut dv[j * ev..(j + 1) * ev], pij, goi);
+                    axpy(&mut dv[j * ev..(j + 1) * ev], pij * f, goi);
                 }
             }
         });
