@@ -2122,6 +2122,96 @@ enum AttnMask {
     FloatPerBatch,
 }
 
+/// The mask of a case. A bool mask keeps key 0 in every row, so no row is dropped whole.
+fn attention_mask(rng: &mut Rng, mask: AttnMask, b: u64, l: u64, s: u64) -> Option<Value> {
+    match mask {
+        AttnMask::None => None,
+        AttnMask::Bool2d => {
+            let data = (0..l * s)
+                .map(|i| {
+                    if i % s == 0 || (i * 7) % 3 != 0 {
+                        1.0
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            Some(val(DType::Bool, &[l, s], data))
+        }
+        AttnMask::FloatPerBatch => Some(rng.f32s(&[b, 1, l, s], -2.0, 1.0)),
+    }
+}
+
+/// An attention case's geometry: `[B, H, L, S, E, Ev]`, causality, scale and mask kind.
+struct AttnGeometry {
+    dims: [u64; 6],
+    causal: bool,
+    scale: f64,
+    mask: AttnMask,
+}
+
+/// Naive f64 attention: `softmax(scale q k^T + mask)`, each probability times
+/// `factor(flat index)` (dropout), times `v`; and each query's log-sum-exp.
+fn attention_reference(
+    g: &AttnGeometry,
+    q: &Value,
+    k: &Value,
+    v: &Value,
+    mask_value: Option<&Value>,
+    factor: impl Fn(usize) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let [b, h, l, s, e, ev] = g.dims;
+    let (causal, scale_v, mask) = (g.causal, g.scale, g.mask);
+    // The reference.
+    let (mut out, mut lse) = (Vec::new(), Vec::new());
+    for bi in 0..b as usize {
+        for hi in 0..h as usize {
+            let head = bi * h as usize + hi;
+            for i in 0..l as usize {
+                let scores: Vec<f64> = (0..s as usize)
+                    .map(|j| {
+                        if causal && j > i {
+                            return f64::NEG_INFINITY;
+                        }
+                        let qi = &q.data[(head * l as usize + i) * e as usize..][..e as usize];
+                        let kj = &k.data[(head * s as usize + j) * e as usize..][..e as usize];
+                        let mut x = scale_v * qi.iter().zip(kj).map(|(a, c)| a * c).sum::<f64>();
+                        match (mask_value, mask) {
+                            (Some(m), AttnMask::Bool2d) if m.data[i * s as usize + j] == 0.0 => {
+                                x = f64::NEG_INFINITY
+                            }
+                            (Some(m), AttnMask::FloatPerBatch) => {
+                                x += m.data[(bi * l as usize + i) * s as usize + j]
+                            }
+                            _ => {}
+                        }
+                        x
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let row = (head * l as usize + i) * s as usize;
+                let w: Vec<f64> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(j, x)| x * factor(row + j))
+                    .collect();
+                for d in 0..ev as usize {
+                    out.push(
+                        (0..s as usize)
+                            .map(|j| w[j] * v.data[(head * s as usize + j) * ev as usize + d])
+                            .sum::<f64>()
+                            / total,
+                    );
+                }
+                lse.push(m + total.ln());
+            }
+        }
+    }
+    (out, lse)
+}
+
 /// Fused attention against a naive f64 softmax(scale q k^T + mask) v, and its backward
 /// against finite differences of the forward's output.
 #[test]
@@ -2146,23 +2236,7 @@ fn fused_attention_and_its_backward() {
         let q = rng.f32s(&[b, h, l, e], -1.5, 1.5);
         let k = rng.f32s(&[b, h, s, e], -1.5, 1.5);
         let v = rng.f32s(&[b, h, s, ev], -1.0, 1.0);
-        // Every row keeps key 0, so no row is dropped whole.
-        let mask_value = match mask {
-            AttnMask::None => None,
-            AttnMask::Bool2d => {
-                let data = (0..l * s)
-                    .map(|i| {
-                        if i % s == 0 || (i * 7) % 3 != 0 {
-                            1.0
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                Some(val(DType::Bool, &[l, s], data))
-            }
-            AttnMask::FloatPerBatch => Some(rng.f32s(&[b, 1, l, s], -2.0, 1.0)),
-        };
+        let mask_value = attention_mask(&mut rng, mask, b, l, s);
         let scale_v = scale.unwrap_or(1.0 / (e as f64).sqrt());
         let with_flags = |mut case: Case| {
             case = case.float("dropout_p", 0.0).flag("is_causal", causal);
@@ -2183,50 +2257,13 @@ fn fused_attention_and_its_backward() {
             .output(Fp32, &[b, h, l, ev])
             .output(Fp32, &[b, h, l]);
         let got = forward.run();
-        // The reference.
-        let (mut out, mut lse) = (Vec::new(), Vec::new());
-        for bi in 0..b as usize {
-            for hi in 0..h as usize {
-                let head = bi * h as usize + hi;
-                for i in 0..l as usize {
-                    let scores: Vec<f64> = (0..s as usize)
-                        .map(|j| {
-                            if causal && j > i {
-                                return f64::NEG_INFINITY;
-                            }
-                            let qi = &q.data[(head * l as usize + i) * e as usize..][..e as usize];
-                            let kj = &k.data[(head * s as usize + j) * e as usize..][..e as usize];
-                            let mut x =
-                                scale_v * qi.iter().zip(kj).map(|(a, c)| a * c).sum::<f64>();
-                            match (&mask_value, mask) {
-                                (Some(m), AttnMask::Bool2d)
-                                    if m.data[i * s as usize + j] == 0.0 =>
-                                {
-                                    x = f64::NEG_INFINITY
-                                }
-                                (Some(m), AttnMask::FloatPerBatch) => {
-                                    x += m.data[(bi * l as usize + i) * s as usize + j]
-                                }
-                                _ => {}
-                            }
-                            x
-                        })
-                        .collect();
-                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                    let total: f64 = w.iter().sum();
-                    for d in 0..ev as usize {
-                        out.push(
-                            (0..s as usize)
-                                .map(|j| w[j] * v.data[(head * s as usize + j) * ev as usize + d])
-                                .sum::<f64>()
-                                / total,
-                        );
-                    }
-                    lse.push(m + total.ln());
-                }
-            }
-        }
+        let geometry = AttnGeometry {
+            dims: [b, h, l, s, e, ev],
+            causal,
+            scale: scale_v,
+            mask,
+        };
+        let (out, lse) = attention_reference(&geometry, &q, &k, &v, mask_value.as_ref(), |_| 1.0);
         let what = format!("attention {b}x{h}x{l}x{s} e {e} ev {ev} causal {causal} mask {mask:?}");
         assert_close(&got[0], &out, tol(1e-5, 1e-6), &what);
         assert_close(&got[1], &lse, tol(1e-6, 1e-6), &what);
@@ -2274,6 +2311,206 @@ fn fused_attention_refuses_dropout() {
         .output(Fp32, &[1, 1, 2])
         .fails();
     assert!(err.contains("dropout_p 0.1"), "{err}");
+}
+
+/// SplitMix64's finalizer, as the IR's random ops use it (`docs/ops.md`).
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Attention with dropout (the efficient op): the seed is the node's stream under the
+/// generator state, each probability is kept when its 24-bit draw under that seed is
+/// below `1 - p` and scaled by `1 / (1 - p)`, against a naive f64 reference drawing the
+/// same flags; the log-sum-exps are padded to 32 per head with zeros; the backward against
+/// finite differences of the forward (the flags fixed by the state).
+#[test]
+fn efficient_attention_drops_probabilities_by_the_session_stream() {
+    let mut rng = Rng::new(67);
+    for (b, h, l, s, e, ev, causal, mask, p) in [
+        (
+            2u64,
+            3u64,
+            5u64,
+            37u64,
+            4u64,
+            3u64,
+            false,
+            AttnMask::None,
+            0.3,
+        ),
+        (1, 2, 33, 33, 8, 8, true, AttnMask::None, 0.5),
+        (2, 1, 4, 6, 5, 2, false, AttnMask::Bool2d, 0.2),
+        (2, 2, 3, 5, 4, 4, true, AttnMask::FloatPerBatch, 0.0),
+    ] {
+        let q = rng.f32s(&[b, h, l, e], -1.5, 1.5);
+        let k = rng.f32s(&[b, h, s, e], -1.5, 1.5);
+        let v = rng.f32s(&[b, h, s, ev], -1.0, 1.0);
+        let mask_value = attention_mask(&mut rng, mask, b, l, s);
+        let padded = l.next_multiple_of(32);
+        let forward_in = |state: i64, dtype: DType| {
+            let cast = |x: &Value| val(dtype, &x.ty.shape, x.data.clone());
+            let mut case = Case::new(Op::EfficientAttention)
+                .input(cast(&q))
+                .input(cast(&k))
+                .input(cast(&v));
+            case = match &mask_value {
+                Some(m) if m.ty.dtype == Fp32 => case.input(cast(m)),
+                Some(m) => case.input(m.clone()),
+                None => case.absent(),
+            };
+            case.input(i64v(&[], &[state]))
+                .flag("compute_log_sumexp", true)
+                .float("dropout_p", p)
+                .flag("is_causal", causal)
+                .output(dtype, &[b, h, l, ev])
+                .output(Fp32, &[b, h, padded])
+                .output(I64, &[])
+                .output(I64, &[])
+        };
+        let forward_at = |state: i64| forward_in(state, Fp32);
+        // A state whose seed an f64 holds exactly: the harness carries values as f64, and
+        // the backward's seed input must be the forward's to the bit.
+        let key = salus_exec::random::name_key(Op::EfficientAttention.name());
+        let state = (0..)
+            .find(|&st: &i64| {
+                let seed = mix64(st as u64 ^ key) as i64;
+                seed as f64 as i64 == seed
+            })
+            .expect("a state");
+        let forward = forward_at(state);
+        let got = forward.run();
+        let seed = mix64(state as u64 ^ key);
+        assert_eq!(
+            got[2],
+            [seed as i64 as f64],
+            "the seed is the node's stream"
+        );
+        assert_eq!(got[3], [0.0], "the offset is 0");
+        let factor = |at: usize| {
+            let bits = mix64(seed.wrapping_add((at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+            let u = (bits >> 40) as f64 / (1u64 << 24) as f64;
+            if u < 1.0 - p { 1.0 / (1.0 - p) } else { 0.0 }
+        };
+        let geometry = AttnGeometry {
+            dims: [b, h, l, s, e, ev],
+            causal,
+            scale: 1.0 / (e as f64).sqrt(),
+            mask,
+        };
+        let (out, lse) = attention_reference(&geometry, &q, &k, &v, mask_value.as_ref(), factor);
+        let what = format!("attention {b}x{h}x{l}x{s} causal {causal} mask {mask:?} dropout {p}");
+        assert_close(&got[0], &out, tol(1e-5, 1e-6), &what);
+        // The generic path (f16 here, computed in f64) draws the same flags.
+        let half = |x: &Value| val(F16, &x.ty.shape, x.data.clone());
+        let (out16, _) = attention_reference(
+            &geometry,
+            &half(&q),
+            &half(&k),
+            &half(&v),
+            mask_value
+                .as_ref()
+                .map(|m| {
+                    if m.ty.dtype == Fp32 {
+                        half(m)
+                    } else {
+                        m.clone()
+                    }
+                })
+                .as_ref(),
+            factor,
+        );
+        let got16 = forward_in(state, F16).run();
+        assert_close(&got16[0], &out16, tol(1e-3, 1e-3), &format!("{what}, f16"));
+        let mut lse_padded = Vec::new();
+        for head in lse.chunks(l as usize) {
+            lse_padded.extend(head);
+            lse_padded.extend(std::iter::repeat_n(0.0, (padded - l) as usize));
+        }
+        assert_close(&got[1], &lse_padded, tol(1e-6, 1e-6), &what);
+        // The next state (the next iteration) drops others.
+        if p > 0.0 {
+            assert_ne!(
+                forward_at(state + 1).run()[0],
+                got[0],
+                "{what}: a new state"
+            );
+        }
+        // The backward, against finite differences of output 0 under the same state.
+        let g = rng.f32s(&[b, h, l, ev], -1.0, 1.0);
+        let mut backward = Case::new(Op::EfficientAttentionBackward)
+            .input(g.clone())
+            .input(q.clone())
+            .input(k.clone())
+            .input(v.clone());
+        backward = match &mask_value {
+            Some(m) => backward.input(m.clone()),
+            None => backward.absent(),
+        };
+        let grads = backward
+            .input(f32v(&[b, h, l, ev], got[0].clone()))
+            .input(f32v(&[b, h, padded], got[1].clone()))
+            .input(i64v(&[], &[seed as i64]))
+            .input(i64v(&[], &[0]))
+            .float("dropout_p", p)
+            .attr(
+                "grad_input_mask",
+                Attr::Bools(vec![true, true, true, false]),
+            )
+            .flag("is_causal", causal)
+            .output(Fp32, &[b, h, l, e])
+            .output(Fp32, &[b, h, s, e])
+            .output(Fp32, &[b, h, s, ev])
+            .unused()
+            .run();
+        for (k_in, name) in [(0, "grad_query"), (1, "grad_key"), (2, "grad_value")] {
+            assert_grad(
+                &grads[k_in],
+                &numeric_grad(&forward, k_in, 0, &g.data, 1e-2),
+                2e-3,
+                &format!("{what}: {name}"),
+            );
+        }
+    }
+}
+
+/// The efficient op refuses a dropout of 1 or more and a bias gradient, naming them.
+#[test]
+fn efficient_attention_refuses_what_it_cannot_run() {
+    let mut rng = Rng::new(71);
+    let t = rng.f32s(&[1, 1, 2, 4], -1.0, 1.0);
+    let err = Case::new(Op::EfficientAttention)
+        .input(t.clone())
+        .input(t.clone())
+        .input(t.clone())
+        .absent()
+        .input(i64v(&[], &[1]))
+        .float("dropout_p", 1.0)
+        .output(Fp32, &[1, 1, 2, 4])
+        .output(Fp32, &[1, 1, 32])
+        .output(I64, &[])
+        .output(I64, &[])
+        .fails();
+    assert!(err.contains("dropout_p must be in [0, 1)"), "{err}");
+    let err = Case::new(Op::EfficientAttentionBackward)
+        .input(t.clone())
+        .input(t.clone())
+        .input(t.clone())
+        .input(t.clone())
+        .input(rng.f32s(&[1, 1, 2, 2], -1.0, 1.0))
+        .input(t)
+        .input(rng.f32s(&[1, 1, 32], -1.0, 1.0))
+        .input(i64v(&[], &[1]))
+        .input(i64v(&[], &[0]))
+        .float("dropout_p", 0.1)
+        .attr("grad_input_mask", Attr::Bools(vec![true, true, true, true]))
+        .output(Fp32, &[1, 1, 2, 4])
+        .output(Fp32, &[1, 1, 2, 4])
+        .output(Fp32, &[1, 1, 2, 4])
+        .unused()
+        .fails();
+    assert!(err.contains("gradient of attn_bias"), "{err}");
 }
 
 /// Batch norm in evaluation mode is plain arithmetic in the IR: the op refuses it, naming
@@ -3883,6 +4120,14 @@ const ALL_TESTS: &[(&str, fn())] = &[
     (
         "fused_attention_refuses_dropout",
         fused_attention_refuses_dropout,
+    ),
+    (
+        "efficient_attention_drops_probabilities_by_the_session_stream",
+        efficient_attention_drops_probabilities_by_the_session_stream,
+    ),
+    (
+        "efficient_attention_refuses_what_it_cannot_run",
+        efficient_attention_refuses_what_it_cannot_run,
     ),
 ];
 
