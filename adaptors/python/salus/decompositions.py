@@ -21,6 +21,8 @@ from torch._decomp import core_aten_decompositions
 from torch._decomp import decomposition_table as _all_decompositions
 from torch._subclasses.fake_tensor import is_fake
 
+from .attention import attention_with_dropout, flash_attention, flash_attention_backward
+
 aten = torch.ops.aten
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
@@ -144,52 +146,6 @@ def _clamp_tensor(x, min=None, max=None):
     if max is not None:
         out = aten.minimum.default(out, max)
     return out
-
-
-def _kv_groups(query, key) -> int:
-    """Query heads per key head: above 1 for grouped-query attention (``enable_gqa``, as
-    Llama's SDPA path calls it), where key and value have fewer heads."""
-    if query.dim() != 4 or key.dim() != 4 or key.shape[1] in (0, query.shape[1]):
-        return 1
-    return query.shape[1] // key.shape[1]
-
-
-def _repeat_heads(t, groups: int):
-    """``[B, H, S, D]`` with each head repeated ``groups`` times in place (head ``h`` of
-    the result is head ``h // groups`` of ``t``), as ``repeat_kv`` and SDPA's GQA do."""
-    b, h, s, d = t.shape
-    spread = aten.expand.default(aten.unsqueeze.default(t, 2), [b, h, groups, s, d])
-    dense = aten.clone.default(spread, memory_format=torch.contiguous_format)
-    return aten.view.default(dense, [b, h * groups, s, d])
-
-
-def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
-                     scale=None):
-    """The fused attention op with grouped-query attention's key and value heads
-    repeated to the query's (the IR's op takes equal heads); as it is otherwise."""
-    groups = _kv_groups(query, key)
-    if groups == 1:
-        return NotImplemented
-    return aten._scaled_dot_product_flash_attention_for_cpu.default(
-        query, _repeat_heads(key, groups), _repeat_heads(value, groups), dropout_p,
-        is_causal, attn_mask=attn_mask, scale=scale)
-
-
-def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
-                              is_causal, *, attn_mask=None, scale=None):
-    """Its backward: the repeated heads' key and value gradients summed per group."""
-    groups = _kv_groups(query, key)
-    if groups == 1:
-        return NotImplemented
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        grad_out, query, _repeat_heads(key, groups), _repeat_heads(value, groups), out,
-        logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-
-    def per_group(t):
-        b, hg, s, d = t.shape
-        return aten.sum.dim_IntList(aten.view.default(t, [b, hg // groups, groups, s, d]), [2])
-
-    return dq, per_group(dk), per_group(dv)
 
 
 def _zeros(shape, dtype, device):
@@ -1046,9 +1002,9 @@ def decomposition_table() -> dict:
     table[aten.clamp.Tensor] = _clamp_tensor
     table[aten.any.dims] = _any_dims
     table[aten.unfold.default] = _unfold
-    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _flash_attention
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (
-        _flash_attention_backward)
+        flash_attention_backward)
     table[aten.randn_like.default] = _randn_like
     table[aten.rand.default] = _rand
     table[aten.randn.default] = _randn
@@ -1119,6 +1075,9 @@ def decomposition_table() -> dict:
 # (``grid_sampler_2d_backward``): run as Python rules above autograd, their gradient is
 # that of the IR ops they are written in. While a step records they run as these rules.
 _ABOVE_AUTOGRAD = {
+    # Attention with dropout as PyTorch's efficient op (salus.attention).
+    (aten.scaled_dot_product_attention.default, DispatchKey.CompositeImplicitAutograd):
+        attention_with_dropout,
     (aten._pad_circular.default, DispatchKey.CompositeImplicitAutograd): _pad_circular,
     (aten.bilinear.default, DispatchKey.CompositeImplicitAutograd): _bilinear,
     (aten.cdist.default, DispatchKey.CompositeImplicitAutograd): _cdist,

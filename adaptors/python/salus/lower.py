@@ -182,8 +182,12 @@ def _ir_op(node: torch.fx.Node) -> tuple[str, torch._ops.OpOverload | None]:
     return name, target if isinstance(target, torch._ops.OpOverload) else None
 
 
+#: Tensor arguments PyTorch passes undefined (None) though its schema says ``Tensor``:
+#: attention's backward without a bias. The IR reads them as absent inputs.
+_UNDEFINED = {("_scaled_dot_product_efficient_attention_backward", "attn_bias")}
+
 #: The IR's ops that draw from the session's generator (its state their last input).
-RANDOM_OPS = ("bernoulli.p", "rand_like")
+RANDOM_OPS = ("bernoulli.p", "rand_like", "_scaled_dot_product_efficient_attention")
 
 
 def _unsupported_reason(name: str, target: Any) -> str | None:
@@ -424,7 +428,7 @@ class _Lowering:
         for arg, value in _bind(node, schema):
             kind = _tensor_kind(arg)
             if kind in ("tensor", "optional"):
-                if kind == "tensor" and value is None:
+                if kind == "tensor" and value is None and (name, arg.name) not in _UNDEFINED:
                     raise LoweringError(f"{context}: required tensor '{arg.name}' is None")
                 ir.inputs.append(self._input_id(node, value, arg))
             elif kind == "list":

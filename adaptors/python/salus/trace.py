@@ -11,9 +11,9 @@ removed and every op decomposed to Core ATen, as an FX graph:
 - the optimizer update is the plain tensor math of :mod:`salus.optim`;
 - ``make_fx(functionalize(step, remove="mutations"), decomposition_table=...)`` records it
   inside the python dispatcher (so batch norm's hidden running-stat mutation is seen) and
-  with scaled-dot-product attention on the fused CPU kernel where PyTorch can take it (no
-  dropout), kept whole as an IR op with its backward (the core decomposition of the fused
-  op gives wrong gradients), else on the MATH backend;
+  with scaled-dot-product attention kept whole as one fused op each way (PyTorch's flash
+  CPU op without dropout, its efficient op with dropout: :mod:`salus.attention`), else on
+  the MATH backend;
 - every module's ``inplace`` flag is off while tracing, and dead code is removed after;
 - forward hooks (and autograd pre-hooks for the backward) record which module each node
   comes from, for error messages and ``Node.source``;
@@ -57,6 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import amp
 from .amp import FunctionalScaler
+from .attention import efficient_attention_on_cpu
 from .decompositions import composite_decompositions, decomposition_table
 from .errors import TraceError
 from .lower import MODULE_META, graph_ops, lower
@@ -198,7 +199,7 @@ class TracedStep:
         if missing:
             raise KeyError(f"state lacks {', '.join(missing)}")
         args = [state[s.name] if s.role != FEED else given[s.name] for s in self.inputs]
-        with torch.no_grad():
+        with torch.no_grad(), efficient_attention_on_cpu():
             results = self.graph_module(*args)
         new_state = {n: state[n] for n in self.state_names}
         loss, outputs = None, []
@@ -473,6 +474,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
     with (recording(tracing_mode), _custom_functions(), _inplace_off(model),
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
+          efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
         try:
             gm = traced(*args)
@@ -812,7 +814,8 @@ def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
     The FX graph still runs eagerly, drawing from PyTorch's generator as before.
     """
     graph = gm.graph
-    random = (torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default)
+    random = (torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default,
+              torch.ops.aten._scaled_dot_product_efficient_attention.default)
     if not any(n.op == "call_function" and n.target in random for n in graph.nodes):
         return
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -258,19 +258,36 @@ def test_dropout_becomes_bernoulli():
     assert torch.isfinite(loss)
 
 
-def test_attention_dropout_becomes_bernoulli():
-    """A stock ``nn.TransformerEncoderLayer`` (dropout 0.1) drops attention weights through
-    ``native_dropout``: it lowers to ``bernoulli.p`` draws like ``nn.Dropout``."""
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_attention_dropout_stays_one_fused_op_each_way(tracing_mode):
+    """A stock ``nn.TransformerEncoderLayer`` (dropout 0.1) drops attention weights inside
+    scaled-dot-product attention: it lowers to the efficient op and its backward, drawing
+    from the session's generator (no score matrix, no mask tensor); the feed-forward's and
+    the residual branches' dropout stay ``bernoulli.p`` draws."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
     traced = salus.trace_train_step(layer, nn.functional.mse_loss,
                                     torch.optim.AdamW(layer.parameters(), lr=1e-3),
-                                    (torch.randn(2, 5, 16), torch.randn(2, 5, 16)))
+                                    (torch.randn(2, 5, 16), torch.randn(2, 5, 16)),
+                                    tracing_mode=tracing_mode)
     graph = traced.to_graph()
     keep = sorted(n.attributes["p"].float for n in graph.nodes if n.op == "bernoulli.p")
-    # Attention's, the feed-forward's and the two residual branches'.
-    assert keep == pytest.approx([0.9] * 4)
+    assert keep == pytest.approx([0.9] * 3)
+    fused = [n for n in graph.nodes if "attention" in n.op]
+    assert [n.op for n in fused] == ["_scaled_dot_product_efficient_attention",
+                                     "_scaled_dot_product_efficient_attention_backward"]
+    forward, backward = fused
+    assert forward.attributes["dropout_p"].float == pytest.approx(0.1)
+    generator = next(t.id for t in graph.tensors if t.name == salus.trace.GENERATOR)
+    assert forward.inputs[-1] == generator
+    assert backward.inputs[7] == forward.outputs[2], "the backward reads the forward's seed"
+    assert backward.inputs[4] == -1, "no bias"
+    assert not any(n.op in ("_softmax", "bmm") for n in graph.nodes)
     check_graph_structure(graph, supported_ops(), kind="train")
+    # The traced graph runs in PyTorch too (salus' CPU kernel for the efficient op).
+    state = dict(traced.initial_state)
+    _, loss = traced.run(state, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
+    assert torch.isfinite(loss)
 
 
 def test_native_dropout_decomposition_keeps_and_scales():
