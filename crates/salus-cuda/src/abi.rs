@@ -537,6 +537,18 @@ device_struct! {
 }
 
 device_struct! {
+    /// `attention_seed`: the seed of attention's keep-flags, `mix64(*state ^ key)`, into
+    /// the i64 at `seed`, and 0 into the i64 at `offset` (either 0: not written).
+    #[derive(Default)]
+    struct AttentionSeedArgs {
+        state: u64,
+        key: u64,
+        seed: u64,
+        offset: u64,
+    }
+}
+
+device_struct! {
     /// `_assert_async.msg`: reports node `node` in the error block at `err` when the
     /// condition (one element at `cond`) is zero.
     #[derive(Default)]
@@ -662,6 +674,7 @@ pub(crate) fn structs() -> Vec<StructLayout> {
         SortArgs::layout(),
         BernoulliArgs::layout(),
         UniformArgs::layout(),
+        AttentionSeedArgs::layout(),
         AssertArgs::layout(),
         FusedArgs::layout(),
         FusedSegment::layout(),
@@ -692,6 +705,7 @@ impl KernelArgs for ArgReduceArgs {}
 impl KernelArgs for SortArgs {}
 impl KernelArgs for BernoulliArgs {}
 impl KernelArgs for UniformArgs {}
+impl KernelArgs for AttentionSeedArgs {}
 impl KernelArgs for AssertArgs {}
 
 /// A kernel's argument struct behind a pointer, as a command list keeps it: the driver
@@ -794,6 +808,8 @@ kernels! {
     ReflectionPadBackward = "reflection_pad_bwd" (PoolArgs),
     Bernoulli = "bernoulli" (BernoulliArgs),
     Uniform = "uniform" (UniformArgs),
+    /// The seed and offset outputs of attention with dropout (one thread).
+    AttentionSeed = "attention_seed" (AttentionSeedArgs),
     Assert = "assert_true" (AssertArgs),
     // The row kernels (`rows.cu`): a warp or a block per contiguous row.
     /// Reduced elements contiguous per output.

@@ -770,13 +770,15 @@ fn max_pool_and_its_backward_in_half() {
 
 type Test = (&'static str, fn());
 
-/// Attention over one head of `l` queries and `s` keys (`e` and `ev` long): (output,
+/// Attention over one head of `l` queries and `s` keys (`e` and `ev` long), each
+/// probability (query i, key j) weighed by its dropout factor `factor(i * s + j)`: (output,
 /// logsumexp, and for the upstream gradient `g`: grad_query, grad_key, grad_value), in f64.
 #[allow(clippy::type_complexity)]
 fn attention_ref(
     (q, k, v, g): (&[f64], &[f64], &[f64], &[f64]),
     (l, s, e, ev): (usize, usize, usize, usize),
     causal: bool,
+    factor: impl Fn(usize) -> f64,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let scale = 1.0 / (e as f64).sqrt();
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
@@ -793,7 +795,7 @@ fn attention_ref(
         for j in 0..keys {
             p[i * s + j] = (sc[j] - lse[i]).exp();
             for d in 0..ev {
-                out[i * ev + d] += p[i * s + j] * v[j * ev + d];
+                out[i * ev + d] += p[i * s + j] * factor(i * s + j) * v[j * ev + d];
             }
         }
     }
@@ -801,14 +803,15 @@ fn attention_ref(
     for i in 0..l {
         let di = dot(&g[i * ev..][..ev], &out[i * ev..][..ev]);
         for j in 0..s {
+            let f = factor(i * s + j);
             let dp = dot(&g[i * ev..][..ev], &v[j * ev..][..ev]);
-            let ds = p[i * s + j] * (dp - di) * scale;
+            let ds = p[i * s + j] * (f * dp - di) * scale;
             for d in 0..e {
                 dq[i * e + d] += ds * k[j * e + d];
                 dk[j * e + d] += ds * q[i * e + d];
             }
             for d in 0..ev {
-                dv[j * ev + d] += p[i * s + j] * g[i * ev + d];
+                dv[j * ev + d] += p[i * s + j] * f * g[i * ev + d];
             }
         }
     }
@@ -828,8 +831,12 @@ fn attention_and_its_backward_in_half() {
             let k = val(dtype, &shape(s, e), rng.vec(s * e, -1.0, 1.0));
             let v = val(dtype, &shape(s, ev), rng.vec(s * ev, -1.0, 1.0));
             let g = val(dtype, &shape(l, ev), rng.vec(l * ev, -1.0, 1.0));
-            let (out, lse, dq, dk, dv) =
-                attention_ref((&q.data, &k.data, &v.data, &g.data), (l, s, e, ev), causal);
+            let (out, lse, dq, dk, dv) = attention_ref(
+                (&q.data, &k.data, &v.data, &g.data),
+                (l, s, e, ev),
+                causal,
+                |_| 1.0,
+            );
             let what = format!("attention {dtype} causal {causal}");
             let got = Case::new(Op::ScaledDotProductAttention)
                 .input(q.clone())
@@ -871,6 +878,109 @@ fn attention_and_its_backward_in_half() {
                     t,
                     &format!("{what}: {name}"),
                 );
+            }
+        }
+    }
+}
+
+/// SplitMix64's finalizer, the session's random streams' mix.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Attention with dropout (the efficient op) in 16 bits, forward and backward, against
+/// the reference drawing the same keep-flags: kept when the 24-bit draw of the seed's
+/// stream is below `1 - p`, then scaled by `1 / (1 - p)`; the log-sum-exp (of the
+/// undropped scores) padded to 32 a head with zeros.
+#[test]
+fn attention_with_dropout_in_half() {
+    let mut rng = Rng::new(139);
+    let (l, s, e, ev, p) = (5usize, 6usize, 8usize, 4usize, 0.3);
+    // A state whose seed an f64 holds exactly: the backward reads back the forward's.
+    let key = salus_exec::random::name_key(Op::EfficientAttention.name());
+    let state = (0..)
+        .find(|&st: &i64| {
+            let seed = mix64(st as u64 ^ key) as i64;
+            seed as f64 as i64 == seed
+        })
+        .unwrap();
+    let seed = mix64(state as u64 ^ key);
+    let factor = |at: usize| {
+        let bits = mix64(seed.wrapping_add((at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+        let u = (bits >> 40) as f64 / (1u64 << 24) as f64;
+        if u < 1.0 - p { 1.0 / (1.0 - p) } else { 0.0 }
+    };
+    assert!(
+        (0..l * s).any(|at| factor(at) == 0.0),
+        "some probability dropped"
+    );
+    for dtype in HALVES {
+        for causal in [false, true] {
+            let shape = |a: usize, b: usize| [1u64, 1, a as u64, b as u64];
+            let q = val(dtype, &shape(l, e), rng.vec(l * e, -1.0, 1.0));
+            let k = val(dtype, &shape(s, e), rng.vec(s * e, -1.0, 1.0));
+            let v = val(dtype, &shape(s, ev), rng.vec(s * ev, -1.0, 1.0));
+            let g = val(dtype, &shape(l, ev), rng.vec(l * ev, -1.0, 1.0));
+            let (out, lse, dq, dk, dv) = attention_ref(
+                (&q.data, &k.data, &v.data, &g.data),
+                (l, s, e, ev),
+                causal,
+                factor,
+            );
+            let what = format!("attention with dropout {dtype} causal {causal}");
+            let got = Case::new(Op::EfficientAttention)
+                .input(q.clone())
+                .input(k.clone())
+                .input(v.clone())
+                .absent()
+                .input(val(I64, &[], vec![state as f64]))
+                .float("dropout_p", p)
+                .flag("is_causal", causal)
+                .output(dtype, &shape(l, ev))
+                .output(Fp32, &[1, 1, 32])
+                .output(I64, &[])
+                .output(I64, &[])
+                .run();
+            assert_close(&got[0], &all_pytorch(dtype, out.clone()), ulp(dtype), &what);
+            let mut lse32: Vec<f64> = lse.iter().map(|&x| f64::from(x as f32)).collect();
+            lse32.resize(32, 0.0);
+            // (Within f32 sums' rounding: the CUDA device's kernels add in f32.)
+            assert_close(&got[1], &lse32, tol(1e-6, 1e-6), &what);
+            assert_eq!(
+                (&got[2][..], &got[3][..]),
+                (&[seed as i64 as f64][..], &[0.0][..])
+            );
+            let grads = Case::new(Op::EfficientAttentionBackward)
+                .input(g)
+                .input(q)
+                .input(k)
+                .input(v)
+                .absent()
+                .input(val(dtype, &shape(l, ev), out))
+                .input(val(Fp32, &[1, 1, 32], got[1].clone()))
+                .input(val(I64, &[], got[2].clone()))
+                .input(val(I64, &[], got[3].clone()))
+                .float("dropout_p", p)
+                .flag("is_causal", causal)
+                .attr(
+                    "grad_input_mask",
+                    Attr::Bools(vec![true, true, true, false]),
+                )
+                .output(dtype, &shape(l, e))
+                .output(dtype, &shape(s, e))
+                .output(dtype, &shape(s, ev))
+                .unused()
+                .run();
+            // The rounded output moves D = g . out by one unit of the half type.
+            let t = tol(ulp(dtype).rtol, 4.0 * ulp(dtype).rtol);
+            for (k, (name, want)) in [("grad_query", dq), ("grad_key", dk), ("grad_value", dv)]
+                .into_iter()
+                .enumerate()
+            {
+                let want = all_pytorch(dtype, want);
+                assert_close(&grads[k], &want, t, &format!("{what}: {name}"));
             }
         }
     }
@@ -995,6 +1105,10 @@ const ALL_TESTS: &[Test] = &[
     (
         "attention_and_its_backward_in_half",
         attention_and_its_backward_in_half,
+    ),
+    (
+        "attention_with_dropout_in_half",
+        attention_with_dropout_in_half,
     ),
     ("half_rounding_is_pytorchs", half_rounding_is_pytorchs),
     ("casts_between_f32_and_half", casts_between_f32_and_half),

@@ -82,7 +82,9 @@ pub(super) fn efficient(
         if ty.dtype != salus_graph::DType::I64 || bytes.len() != 8 {
             return Err(format!("{what} must be an i64 scalar, got {ty}"));
         }
-        Ok(i64::from_le_bytes(bytes.try_into().map_err(|_| "seed bytes")?))
+        Ok(i64::from_le_bytes(
+            bytes.try_into().map_err(|_| "seed bytes")?,
+        ))
     };
     if node.op == Op::EfficientAttention {
         let seed = random::stream(node, read_seed(4, "the generator")?);

@@ -115,7 +115,11 @@ device_struct! {
     /// gradient of `o`, `dq`/`dk`/`dv` the backward's results; `mask` (0: none, `mdt`
     /// bool or float) with element strides `ms` over (batch, head, query, key); scratch:
     /// `delta` (an f32 per query), `s` and `dp` (f32 `[batch * heads * lq, lk]` scores,
-    /// probabilities and their gradients, on the cuBLAS path). Absent tensors are 0.
+    /// probabilities and their gradients, on the cuBLAS path); `lses` the elements between
+    /// two heads' log-sum-exps. Dropout (`dropout` > 0) drops probability `at` (its flat
+    /// index over `[batch, heads, lq, lk]`) by the keep-flag drawn from the i64 at `seed`,
+    /// mixed with `key` first when `keyed` is 1 (the forward, from the generator state) or
+    /// as it is (the backward, from the forward's seed). Absent tensors are 0.
     #[derive(Default)]
     struct AttentionArgs {
         batch: i64,
@@ -126,6 +130,10 @@ device_struct! {
         ev: i64,
         causal: i64,
         scale: f64,
+        dropout: f64,
+        seed: u64,
+        key: u64,
+        keyed: i64,
         mask: u64,
         mdt: i64,
         ms: [i64; 4],
@@ -139,6 +147,7 @@ device_struct! {
         odt: i64,
         lse: u64,
         lsedt: i64,
+        lses: i64,
         go: u64,
         godt: i64,
         dq: u64,

@@ -10,7 +10,11 @@
 //     grad_query = scale * sum_j P (grad_out . v_j - D) k_j;
 //   attn_bwd_dkv: a block per 8 keys, one per warp, over tiles of 32 queries:
 //     grad_value = sum_i P grad_out_i and grad_key = scale * sum_i dS q_i.
-// Sums run in a fixed order: no atomics, the same result every run.
+// Sums run in a fixed order: no atomics, the same result every run. Head `head`'s
+// log-sum-exps start at element head * lses. With dropout every path multiplies each
+// probability by its factor (att_factor) where it weighs the values (the output) or the
+// output's gradient (grad_value), and takes dS = P (factor dP - D); the row sums and the
+// log-sum-exp are the undropped ones.
 
 #define ATT_TILE 32
 #define ATT_DPL (ATT_MAXD / 32)
@@ -20,7 +24,7 @@
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))
 
 // What the mask and causality add to the score of query i and key j of head (b, h):
-// 0, -inf (dropped) or the float mask's value.
+// 0, -inf (masked) or the float mask's value.
 __device__ float att_mask(const AttentionArgs& a, i64 b, i64 h, i64 i, i64 j) {
     if (a.causal && j > i) return ATT_NEG_INF;
     if (!a.mask) return 0.0f;
@@ -28,6 +32,27 @@ __device__ float att_mask(const AttentionArgs& a, i64 b, i64 h, i64 i, i64 j) {
     double m = ld(a.mask, a.mdt, at);
     if (a.mdt == DT_BOOL) return m != 0.0 ? 0.0f : ATT_NEG_INF;
     return (float)m;
+}
+
+// Dropout's keep-flags, the CPU device's bit for bit: probability `at` (its flat index
+// over [batch, heads, lq, lk]) is kept when u, the top 24 bits of mix64(seed + at * 0x9e37..)
+// over 2^24, is below 1 - dropout (compared in double, as bernoulli compares), and then
+// scaled by 1 / (1 - dropout).
+
+// The keep-flags' seed, read once a launch: the i64 at `a.seed`, mixed with the node's key
+// when `a.keyed` (the forward reads the generator state); 0 without dropout.
+__device__ u64 att_seed(const AttentionArgs& a) {
+    if (!(a.dropout > 0.0)) return 0;
+    u64 s = (u64)*(const i64*)a.seed;
+    return a.keyed ? mix64(s ^ a.key) : s;
+}
+
+// The factor of probability `at`: 0 (dropped) or 1 / (1 - dropout); 1 without dropout.
+__device__ float att_factor(const AttentionArgs& a, u64 seed, i64 at) {
+    if (!(a.dropout > 0.0)) return 1.0f;
+    u64 bits = mix64(seed + (u64)at * 0x9e3779b97f4a7c15ull);
+    float u = (float)(bits >> 40) / 16777216.0f;
+    return (double)u < 1.0 - a.dropout ? (float)(1.0 / (1.0 - a.dropout)) : 0.0f;
 }
 
 // Loads `rows` rows of `len` elements of `p` (dtype dt), from row `first` of a head whose
@@ -47,6 +72,7 @@ extern "C" __global__ void attn_fwd(const AttentionArgs a) {
     __shared__ float qs[ATT_QROWS * ATT_MAXD];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float scale = (float)a.scale;
+    u64 seed = att_seed(a);
     i64 qtiles = (a.lq + ATT_QROWS - 1) / ATT_QROWS;
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
         i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
@@ -81,6 +107,7 @@ extern "C" __global__ void attn_fwd(const AttentionArgs a) {
                 float alpha = m[rr] == ATT_NEG_INF ? 0.0f : expf(m[rr] - mnew);
                 l[rr] = l[rr] * alpha + warp_sum_f(p);
                 for (int t = 0; t < ATT_DPL; t++) acc[rr][t] *= alpha;
+                p *= att_factor(a, seed, (head * a.lq + i) * a.lk + j);
                 for (int jj = 0; jj < ATT_TILE; jj++) {
                     float pj = __shfl_sync(0xffffffffu, p, jj);
                     for (int t = 0; t < ATT_DPL; t++) {
@@ -101,7 +128,7 @@ extern "C" __global__ void attn_fwd(const AttentionArgs a) {
                        l[rr] > 0.0f ? acc[rr][t] / l[rr] : __int_as_float(0x7fc00000));
             }
             if (lane == 0 && a.lse)
-                st(a.lse, a.lsedt, head * a.lq + i, l[rr] > 0.0f ? m[rr] + logf(l[rr]) : ATT_NEG_INF);
+                st(a.lse, a.lsedt, head * a.lses + i, l[rr] > 0.0f ? m[rr] + logf(l[rr]) : ATT_NEG_INF);
         }
     }
 }
@@ -126,6 +153,7 @@ extern "C" __global__ void attn_fwd_tiled(const AttentionArgs a) {
     const int QS = ATT_TQ + ATT_PAD, KS = ATT_TK + ATT_PAD;
     int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
     float scale = (float)a.scale;
+    u64 seed = att_seed(a);
     i64 qtiles = (a.lq + ATT_TQ - 1) / ATT_TQ;
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
         i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
@@ -177,7 +205,8 @@ extern "C" __global__ void attn_fwd_tiled(const AttentionArgs a) {
                 float psum = 0.0f;
                 for (int c = 0; c < 2; c++) {
                     float p = sc[r][c] == ATT_NEG_INF ? 0.0f : expf(sc[r][c] - mnew);
-                    pt[(tx * 2 + c) * QS + ty * 4 + r] = p;
+                    i64 at = (head * a.lq + i) * a.lk + j0 + tx * 2 + c;
+                    pt[(tx * 2 + c) * QS + ty * 4 + r] = p * att_factor(a, seed, at);
                     psum += p;
                 }
                 for (int o = 1; o < 16; o <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
@@ -206,7 +235,7 @@ extern "C" __global__ void attn_fwd_tiled(const AttentionArgs a) {
                        l[r] > 0.0f ? acc[r][c] / l[r] : __int_as_float(0x7fc00000));
             }
             if (tx == 0 && a.lse)
-                st(a.lse, a.lsedt, head * a.lq + i, l[r] > 0.0f ? m[r] + logf(l[r]) : ATT_NEG_INF);
+                st(a.lse, a.lsedt, head * a.lses + i, l[r] > 0.0f ? m[r] + logf(l[r]) : ATT_NEG_INF);
         }
     }
 }
@@ -241,12 +270,13 @@ __device__ void att_cols(float* sh, u64 p, i64 dt, i64 head, i64 first, i64 limi
     }
 }
 
-// P and dS of queries i0 + qy*2.. and keys j0 + kx*2.. from row-major q and grad_out tiles
-// (qr, gr), a row-major key tile (kr) and a dim-major value tile (vt).
-__device__ void att_tile_grads(const AttentionArgs& a, i64 b, i64 h, i64 i0, i64 j0,
-                               const float* qr, const float* gr, const float* kr,
-                               const float* vt, const float lse[2], const float dl[2],
-                               float p[2][2], float ds[2][2]) {
+// P (times its dropout factor) and dS of queries i0 + qy*2.. and keys j0 + kx*2.. from
+// row-major q and grad_out tiles (qr, gr), a row-major key tile (kr) and a dim-major value
+// tile (vt).
+__device__ void att_tile_grads(const AttentionArgs& a, u64 seed, i64 b, i64 h,
+                               i64 i0, i64 j0, const float* qr, const float* gr,
+                               const float* kr, const float* vt, const float lse[2],
+                               const float dl[2], float p[2][2], float ds[2][2]) {
     int qy = threadIdx.x >> 4, kx = threadIdx.x & 15;
     float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}}, dp[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
     for (i64 d = 0; d < a.e; d++) {
@@ -266,8 +296,10 @@ __device__ void att_tile_grads(const AttentionArgs& a, i64 b, i64 h, i64 i0, i64
         for (int c = 0; c < 2; c++) {
             i64 i = i0 + qy * 2 + r, j = j0 + kx * 2 + c;
             float x = (i < a.lq && j < a.lk) ? scale * sc[r][c] + att_mask(a, b, h, i, j) : ATT_NEG_INF;
-            p[r][c] = (x == ATT_NEG_INF || lse[r] == ATT_NEG_INF) ? 0.0f : expf(x - lse[r]);
-            ds[r][c] = p[r][c] * (dp[r][c] - dl[r]);
+            float pr = (x == ATT_NEG_INF || lse[r] == ATT_NEG_INF) ? 0.0f : expf(x - lse[r]);
+            float f = att_factor(a, seed, ((b * a.heads + h) * a.lq + i) * a.lk + j);
+            p[r][c] = pr * f;
+            ds[r][c] = pr * (f * dp[r][c] - dl[r]);
         }
 }
 
@@ -279,6 +311,7 @@ extern "C" __global__ void attn_bwd_dq_tiled(const AttentionArgs a) {
     __shared__ __align__(16) float sq[ATT_TB * ATT_CS];  // dS[query][key]
     int tid = threadIdx.x, qy = tid >> 4, kx = tid & 15, dx = tid & 15;
     const float* delta = (const float*)a.delta;
+    u64 seed = att_seed(a);
     i64 qtiles = (a.lq + ATT_TB - 1) / ATT_TB;
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
         i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
@@ -289,7 +322,7 @@ extern "C" __global__ void attn_bwd_dq_tiled(const AttentionArgs a) {
         float lse[2], dl[2], acc[2][4];
         for (int r = 0; r < 2; r++) {
             i64 i = i0 + qy * 2 + r;
-            lse[r] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : ATT_NEG_INF;
+            lse[r] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lses + i) : ATT_NEG_INF;
             dl[r] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
             for (int c = 0; c < 4; c++) acc[r][c] = 0.0f;
         }
@@ -301,7 +334,7 @@ extern "C" __global__ void attn_bwd_dq_tiled(const AttentionArgs a) {
             att_cols(vt, a.v, a.vdt, head, j0, a.lk, a.ev);
             __syncthreads();
             float p[2][2], ds[2][2];
-            att_tile_grads(a, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
+            att_tile_grads(a, seed, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
             for (int r = 0; r < 2; r++)
                 for (int c = 0; c < 2; c++) sq[(qy * 2 + r) * ATT_CS + kx * 2 + c] = ds[r][c];
             __syncthreads();
@@ -335,6 +368,7 @@ extern "C" __global__ void attn_bwd_dkv_tiled(const AttentionArgs a) {
     __shared__ float dls[ATT_TB];
     int tid = threadIdx.x, qy = tid >> 4, kx = tid & 15, ky = tid >> 4, dx = tid & 15;
     const float* delta = (const float*)a.delta;
+    u64 seed = att_seed(a);
     i64 ktiles = (a.lk + ATT_TB - 1) / ATT_TB;
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * ktiles; blk += gridDim.x) {
         i64 head = blk / ktiles, b = head / a.heads, h = head % a.heads;
@@ -353,13 +387,13 @@ extern "C" __global__ void attn_bwd_dkv_tiled(const AttentionArgs a) {
             att_rows(gr, a.go, a.godt, head, i0, a.lq, a.ev);
             if (tid < ATT_TB) {
                 i64 i = i0 + tid;
-                lses[tid] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : ATT_NEG_INF;
+                lses[tid] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lses + i) : ATT_NEG_INF;
                 dls[tid] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
             }
             __syncthreads();
             float lse[2] = {lses[qy * 2], lses[qy * 2 + 1]}, dl[2] = {dls[qy * 2], dls[qy * 2 + 1]};
             float p[2][2], ds[2][2];
-            att_tile_grads(a, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
+            att_tile_grads(a, seed, b, h, i0, j0, qr, gr, kr, vt, lse, dl, p, ds);
             for (int r = 0; r < 2; r++)
                 for (int c = 0; c < 2; c++) {
                     pq[(qy * 2 + r) * ATT_CS + kx * 2 + c] = p[r][c];
@@ -399,6 +433,7 @@ extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
     float scale = (float)a.scale;
     i64 qtiles = (a.lq + ATT_WARPS - 1) / ATT_WARPS;
     float* delta = (float*)a.delta;
+    u64 seed = att_seed(a);
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * qtiles; blk += gridDim.x) {
         i64 head = blk / qtiles, b = head / a.heads, h = head % a.heads;
         i64 i0 = (blk % qtiles) * ATT_WARPS, i = i0 + warp;
@@ -411,7 +446,7 @@ extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
         if (i < a.lq) {
             for (i64 d = lane; d < a.ev; d += 32)
                 di += gs[warp * ATT_MAXD + d] * (float)ld(a.o, a.odt, (head * a.lq + i) * a.ev + d);
-            lse = (float)ld(a.lse, a.lsedt, head * a.lq + i);
+            lse = (float)ld(a.lse, a.lsedt, head * a.lses + i);
         }
         di = warp_sum_f(di);
         if (lane == 0 && i < a.lq) delta[head * a.lq + i] = di;
@@ -432,7 +467,7 @@ extern "C" __global__ void attn_bwd_dq(const AttentionArgs a) {
                 for (i64 d = 0; d < a.ev; d++) dp += gs[warp * ATT_MAXD + d] * vs[lane * (ATT_MAXD + 1) + d];
                 float sc = scale * dot + att_mask(a, b, h, i, j);
                 float p = sc == ATT_NEG_INF ? 0.0f : expf(sc - lse);
-                ds = p * (dp - di);
+                ds = p * (att_factor(a, seed, (head * a.lq + i) * a.lk + j) * dp - di);
             }
             for (int jj = 0; jj < ATT_TILE; jj++) {
                 float dsj = __shfl_sync(0xffffffffu, ds, jj);
@@ -461,6 +496,7 @@ extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
     float scale = (float)a.scale;
     i64 ktiles = (a.lk + ATT_WARPS - 1) / ATT_WARPS;
     const float* delta = (const float*)a.delta;
+    u64 seed = att_seed(a);
     for (i64 blk = blockIdx.x; blk < a.batch * a.heads * ktiles; blk += gridDim.x) {
         i64 head = blk / ktiles, b = head / a.heads, h = head % a.heads;
         i64 j0 = (blk % ktiles) * ATT_WARPS, j = j0 + warp;
@@ -477,7 +513,7 @@ extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
             att_load(gs, ATT_MAXD + 1, a.go, a.godt, head * a.lq * a.ev, q0, ATT_TILE, a.lq, a.ev);
             if (threadIdx.x < ATT_TILE) {
                 i64 i = q0 + threadIdx.x;
-                lses[threadIdx.x] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lq + i) : 0.0f;
+                lses[threadIdx.x] = i < a.lq ? (float)ld(a.lse, a.lsedt, head * a.lses + i) : 0.0f;
                 deltas[threadIdx.x] = i < a.lq ? delta[head * a.lq + i] : 0.0f;
             }
             __syncthreads();
@@ -489,7 +525,9 @@ extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
                 for (i64 d = 0; d < a.ev; d++) dp += gs[lane * (ATT_MAXD + 1) + d] * vb[warp * ATT_MAXD + d];
                 float sc = scale * dot + att_mask(a, b, h, i, j);
                 p = sc == ATT_NEG_INF ? 0.0f : expf(sc - lses[lane]);
-                ds = p * (dp - deltas[lane]);
+                float f = att_factor(a, seed, (head * a.lq + i) * a.lk + j);
+                ds = p * (f * dp - deltas[lane]);
+                p *= f;
             }
             for (int ii = 0; ii < ATT_TILE; ii++) {
                 float pi = __shfl_sync(0xffffffffu, p, ii);
@@ -520,14 +558,16 @@ extern "C" __global__ void attn_bwd_dkv(const AttentionArgs a) {
 #define ATT_ROW_HEAD(r)                                                                 \
     i64 head = (r) / a.lq, i = (r) % a.lq, b = head / a.heads, h = head % a.heads;
 
-// Scores (already scaled) to probabilities in place, masked ones 0, and each row's
-// log-sum-exp; a row with every score dropped gets NaN probabilities and -inf.
+// Scores (already scaled) to probabilities in place (times their dropout factors), masked
+// ones 0, and each row's log-sum-exp (of the undropped row); a row with every score masked
+// gets NaN probabilities and -inf.
 extern "C" __global__ void attn_softmax_rows(const AttentionArgs a) {
     __shared__ float sh[32];
     bool pw = a.lk <= ROW_WARP_MAX;
     int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
     int nt = pw ? 32 : (int)blockDim.x;
     float* s = (float*)a.s;
+    u64 seed = att_seed(a);
     ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
         ATT_ROW_HEAD(r)
         float* row = s + r * a.lk;
@@ -543,16 +583,17 @@ extern "C" __global__ void attn_softmax_rows(const AttentionArgs a) {
         sum = row_sum_f(sum, pw, sh);
         for (i64 j = t; j < a.lk; j += nt) {
             float x = row[j] + att_mask(a, b, h, i, j);
-            row[j] = m == ATT_NEG_INF ? __int_as_float(0x7fc00000)
-                                      : (x == ATT_NEG_INF ? 0.0f : expf(x - m) / sum);
+            float f = att_factor(a, seed, r * a.lk + j);
+            float p = x == ATT_NEG_INF ? 0.0f : expf(x - m) / sum * f;
+            row[j] = m == ATT_NEG_INF ? __int_as_float(0x7fc00000) : p;
         }
         if (t == 0 && a.lse)
-            st(a.lse, a.lsedt, r, m == ATT_NEG_INF ? ATT_NEG_INF : m + logf(sum));
+            st(a.lse, a.lsedt, head * a.lses + i, m == ATT_NEG_INF ? ATT_NEG_INF : m + logf(sum));
     }
 }
 
 // Scores (already scaled) to the forward's probabilities in place, from its log-sum-exp:
-// exp(score + mask - lse), 0 where dropped (and for a row with every score dropped).
+// exp(score + mask - lse), 0 where masked (and for a row with every score masked).
 extern "C" __global__ void attn_probs_rows(const AttentionArgs a) {
     bool pw = a.lk <= ROW_WARP_MAX;
     int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
@@ -560,7 +601,7 @@ extern "C" __global__ void attn_probs_rows(const AttentionArgs a) {
     float* s = (float*)a.s;
     ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
         ATT_ROW_HEAD(r)
-        float lse = (float)ld(a.lse, a.lsedt, r);
+        float lse = (float)ld(a.lse, a.lsedt, head * a.lses + i);
         float* row = s + r * a.lk;
         for (i64 j = t; j < a.lk; j += nt) {
             float x = row[j] + att_mask(a, b, h, i, j);
@@ -585,20 +626,24 @@ extern "C" __global__ void attn_delta_rows(const AttentionArgs a) {
     }
 }
 
-// dS = P * (dP - D) * scale in place over dP (`dp`), P in `s`.
+// dS = P * (factor dP - D) * scale in place over dP (`dp`), P in `s`; with dropout, P
+// times its factor in place (for grad_value after).
 extern "C" __global__ void attn_dscores_rows(const AttentionArgs a) {
     bool pw = a.lk <= ROW_WARP_MAX;
     int t = pw ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
     int nt = pw ? 32 : (int)blockDim.x;
-    const float* p = (const float*)a.s;
+    float* p = (float*)a.s;
     float* dp = (float*)a.dp;
     const float* delta = (const float*)a.delta;
     float scale = (float)a.scale;
+    u64 seed = att_seed(a);
     ROW_LOOP(r, a.batch * a.heads * a.lq, pw) {
         float d = delta[r];
         for (i64 j = t; j < a.lk; j += nt) {
             i64 at = r * a.lk + j;
-            dp[at] = p[at] * (dp[at] - d) * scale;
+            float f = att_factor(a, seed, at);
+            dp[at] = p[at] * (f * dp[at] - d) * scale;
+            if (a.dropout > 0.0) p[at] *= f;
         }
     }
 }

@@ -152,3 +152,10 @@ __device__ i64 index_at(u64 p, i64 dt, i64 i, i64 size, u64 err, i64 node, i64 c
 #define GRID_LOOP(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
+
+// SplitMix64's finalizer, the random streams' mix (random.cu, attention.cu's dropout).
+__device__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}

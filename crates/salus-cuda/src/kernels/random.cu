@@ -1,14 +1,9 @@
 // ------------------------------------------------------------------------------------
 // Random ops.
 
-// bernoulli.p: the CPU kernel's counter-based stream (salus-cpu's kernels/random.rs), bit
-// for bit. The generator state is read on the device, so a captured graph draws anew each
-// replay.
-__device__ u64 mix64(u64 z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+// bernoulli.p: the CPU kernel's counter-based stream (salus-cpu's kernels/random.rs, with
+// mix64 in common.cu), bit for bit. The generator state is read on the device, so a
+// captured graph draws anew each replay.
 
 extern "C" __global__ void bernoulli(const BernoulliArgs a) {
     u64 key = mix64((u64)(*(const i64*)a.state) ^ a.key);
@@ -33,5 +28,15 @@ extern "C" __global__ void uniform(const UniformArgs a) {
     GRID_LOOP(i, a.n) {
         u64 bits = mix64(key + (u64)i * 0x9e3779b97f4a7c15ull);
         st(a.out, a.dt, i, (double)(bits >> (64 - a.bits)) / (double)(1ull << a.bits));
+    }
+}
+
+// Attention with dropout: the seed of its keep-flags (the stream attention.cu draws them
+// from) and the offset, 0, as the forward's outputs for its backward.
+extern "C" __global__ void attention_seed(const AttentionSeedArgs a) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 seed = mix64((u64)(*(const i64*)a.state) ^ a.key);
+        if (a.seed) *(i64*)a.seed = (i64)seed;
+        if (a.offset) *(i64*)a.offset = 0;
     }
 }

@@ -13,13 +13,20 @@
 //!   ([`crate::CudaDevice::set_tiled_attention`]).
 //!
 //! Either way the backward keeps one f32 per query (`D = grad_out . out`) in scratch.
+//!
+//! The efficient ops (`_scaled_dot_product_efficient_attention` and its backward) run the
+//! same kernels with dropout: every kernel draws each probability's keep-flag again from
+//! the forward's seed (never a stored mask), and the log-sum-exps of a head sit
+//! `lse_stride` apart, the padding past the queries zero.
 
 use salus_graph::{AttentionParams, DType, Graph, Node, Op, OpParams};
 
 use super::matmul::Matrix;
 use super::reduce::row_blocks;
 use super::{Lowered, Lowering, Operand, address};
-use crate::abi::{ATTENTION_MAX_DIM, ATTENTION_TILED_MAX_DIM, AttentionArgs, BLOCK, Kernel};
+use crate::abi::{
+    ATTENTION_MAX_DIM, ATTENTION_TILED_MAX_DIM, AttentionArgs, AttentionSeedArgs, BLOCK, Kernel,
+};
 use crate::driver::GemmType::F32;
 
 /// The most bytes of f32 scores (`batch * heads * q_len * kv_len * 4`) the cuBLAS path
@@ -61,18 +68,27 @@ fn tiles_fit(p: &AttentionParams) -> bool {
 /// (one per warp).
 const BACKWARD_ROWS: u64 = BLOCK as u64 / 32;
 
+/// Whether `op` is an attention forward (`Some(true)`: the query is input 0) or backward
+/// (`Some(false)`: input 1), flash or efficient.
+fn attention_forward(op: Op) -> Option<bool> {
+    match op {
+        Op::ScaledDotProductAttention | Op::EfficientAttention => Some(true),
+        Op::ScaledDotProductAttentionBackward | Op::EfficientAttentionBackward => Some(false),
+        _ => None,
+    }
+}
+
 /// Scratch bytes of an attention node on this device (0 for other nodes): through cuBLAS
 /// the scores (the backward: D, the probabilities and their gradients); fused, the
-/// backward's D.
+/// backward's D. The efficient ops plan as the flash ones.
 pub(crate) fn attention_scratch_bytes(graph: &Graph, node: usize, params: &OpParams) -> u64 {
     let (Some(n), OpParams::Attention(p)) = (graph.nodes.get(node), params) else {
         return 0;
     };
-    let q = if n.op == Op::ScaledDotProductAttention {
-        0
-    } else {
-        1
+    let Some(forward) = attention_forward(n.op) else {
+        return 0;
     };
+    let q = if forward { 0 } else { 1 };
     let Some(dtype) = n
         .inputs
         .get(q)
@@ -83,13 +99,13 @@ pub(crate) fn attention_scratch_bytes(graph: &Graph, node: usize, params: &OpPar
         return 0;
     };
     let cublas = through_cublas(p, dtype);
-    match n.op {
+    match (forward, cublas) {
         // Planned for cuBLAS whichever forward runs: the choice is the device's, at
         // lowering, and the plan must hold either.
-        Op::ScaledDotProductAttention if cublas => scores_bytes(p),
-        Op::ScaledDotProductAttentionBackward if cublas => delta_bytes(p) + 2 * scores_bytes(p),
-        Op::ScaledDotProductAttentionBackward => delta_bytes(p),
-        _ => 0,
+        (true, true) => scores_bytes(p),
+        (true, false) => 0,
+        (false, true) => delta_bytes(p) + 2 * scores_bytes(p),
+        (false, false) => delta_bytes(p),
     }
 }
 
@@ -108,7 +124,8 @@ impl Lowering<'_> {
             causal,
             scale,
             mask_strides,
-            ..
+            dropout,
+            lse_stride,
         } = p.clone();
         let mut args = AttentionArgs {
             batch: batch as i64,
@@ -119,6 +136,8 @@ impl Lowering<'_> {
             ev: v_dim as i64,
             causal: i64::from(causal),
             scale,
+            dropout,
+            lses: lse_stride as i64,
             ..AttentionArgs::default()
         };
         if let (Some(mask), Some(st)) = (self.input(node, mask_input), mask_strides) {
@@ -128,7 +147,48 @@ impl Lowering<'_> {
         Ok(args)
     }
 
-    /// `_scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask?)`.
+    /// An i64 scalar input: the generator state or the forward's seed.
+    fn attention_seed_input(&self, node: &Node, k: usize) -> Result<Operand, String> {
+        let t = self.need(node, k)?;
+        if t.ty.dtype != DType::I64 || t.numel() != 1 {
+            return Err(format!("input {k} must be an i64 scalar, got {}", t.ty));
+        }
+        Ok(t)
+    }
+
+    /// The efficient forward's draws and padding: the seed kernel writes the seed
+    /// (`mix64(state ^ key)`, from the generator state in input 4 and the node's key) and
+    /// the offset 0 into outputs 2 and 3, the attention kernels draw from the state and
+    /// the key themselves; the log-sum-exp is zeroed first where its rows are padded, left
+    /// alone where it has none.
+    fn efficient_forward_draws(&mut self, node: &Node, args: &mut AttentionArgs) -> Lowered {
+        let state = self.attention_seed_input(node, 4)?;
+        let key = salus_exec::random::name_key(&node.name);
+        let (seed, offset) = (self.output(node, 2), self.output(node, 3));
+        if seed.is_some() || offset.is_some() {
+            let seeds = AttentionSeedArgs {
+                state: state.ptr,
+                key,
+                seed: address(seed.as_ref()).0,
+                offset: address(offset.as_ref()).0,
+            };
+            self.launch(Kernel::AttentionSeed, 1, seeds);
+        }
+        if args.dropout > 0.0 {
+            (args.seed, args.key, args.keyed) = (state.ptr, key, 1);
+        }
+        if args.lses == 0 {
+            (args.lse, args.lsedt) = (0, 0);
+        } else if args.lses > args.lq
+            && let Some(lse) = self.output(node, 1)
+        {
+            self.zero(&lse);
+        }
+        Ok(())
+    }
+
+    /// `_scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask?)` and
+    /// `_scaled_dot_product_efficient_attention(query, key, value, attn_bias?, generator)`.
     pub(super) fn attention(&mut self, node: &Node) -> Lowered {
         let mut args = self.attention_args(node, 3)?;
         let (q, k, v) = (
@@ -140,6 +200,9 @@ impl Lowering<'_> {
             (q.ptr, q.dt(), k.ptr, k.dt(), v.ptr, v.dt());
         (args.o, args.odt) = address(self.output(node, 0).as_ref());
         (args.lse, args.lsedt) = address(self.output(node, 1).as_ref());
+        if node.op == Op::EfficientAttention {
+            self.efficient_forward_draws(node, &mut args)?;
+        }
         let heads = (args.batch * args.heads) as u64;
         let p = self.attention_params()?;
         let (scratch, len) = self.scratch();
@@ -153,7 +216,7 @@ impl Lowering<'_> {
         {
             args.s = scratch;
             let (l, s, e, ev) = (p.q_len, p.kv_len, p.head_dim, p.v_dim);
-            // S = scale * q k^T, softmax in place, out = P v.
+            // S = scale * q k^T, softmax (times the dropout factors) in place, out = P v.
             let scores = Matrix::batched(args.s, s, l);
             self.gemm_row_major(
                 F32,
@@ -211,15 +274,28 @@ impl Lowering<'_> {
     }
 
     /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value,
-    /// out, logsumexp, attn_mask?)`.
+    /// out, logsumexp, attn_mask?)` and `_scaled_dot_product_efficient_attention_backward(
+    /// grad_out, query, key, value, attn_bias?, out, logsumexp, philox_seed, philox_offset)`
+    /// (its grad_bias, output 3, never asked for).
     pub(super) fn attention_backward(&mut self, node: &Node) -> Lowered {
-        let mut args = self.attention_args(node, 6)?;
-        let ins: Vec<Operand> = (0..6)
-            .map(|k| self.need(node, k))
+        let efficient = node.op == Op::EfficientAttentionBackward;
+        let (mask, inputs) = if efficient {
+            (4, [0, 1, 2, 3, 5, 6])
+        } else {
+            (6, [0, 1, 2, 3, 4, 5])
+        };
+        let mut args = self.attention_args(node, mask)?;
+        let ins: Vec<Operand> = inputs
+            .iter()
+            .map(|&k| self.need(node, k))
             .collect::<Result<_, _>>()?;
         let [go, q, k, v, o, lse] = &ins[..] else {
             unreachable!("six inputs");
         };
+        if efficient && args.dropout > 0.0 {
+            // The keep-flags again, from the forward's seed as it is.
+            args.seed = self.attention_seed_input(node, 7)?.ptr;
+        }
         (args.go, args.godt) = (go.ptr, go.dt());
         (args.q, args.qdt, args.k, args.kdt, args.v, args.vdt) =
             (q.ptr, q.dt(), k.ptr, k.dt(), v.ptr, v.dt());
@@ -264,20 +340,8 @@ impl Lowering<'_> {
                 heads,
             );
             self.launch_blocks(Kernel::AttentionProbsRows, row_blocks(rows, s), args);
-            if args.dv != 0 {
-                // grad_value = P^T grad_out.
-                self.gemm_row_major(
-                    F32,
-                    (s, l, ev),
-                    probs.t(),
-                    Matrix::batched(go.ptr, ev, l),
-                    Matrix::batched(args.dv, ev, s),
-                    1.0,
-                    0.0,
-                    heads,
-                );
-            }
-            // dP = grad_out v^T, then dS = P (dP - D) scale in place.
+            // dP = grad_out v^T, then dS = P (factor dP - D) scale in place (and P times
+            // its dropout factor in place).
             self.gemm_row_major(
                 F32,
                 (l, ev, s),
@@ -289,6 +353,19 @@ impl Lowering<'_> {
                 heads,
             );
             self.launch_blocks(Kernel::AttentionScoreGradRows, row_blocks(rows, s), args);
+            if args.dv != 0 {
+                // grad_value = P^T grad_out (P times the dropout factors).
+                self.gemm_row_major(
+                    F32,
+                    (s, l, ev),
+                    probs.t(),
+                    Matrix::batched(go.ptr, ev, l),
+                    Matrix::batched(args.dv, ev, s),
+                    1.0,
+                    0.0,
+                    heads,
+                );
+            }
             if args.dq != 0 {
                 // grad_query = dS k.
                 self.gemm_row_major(

@@ -290,8 +290,10 @@ impl<'a> Lowering<'a> {
             NativeGroupNorm => return self.group_norm(node),
             NativeBatchNorm => return self.batch_norm(node),
             NativeBatchNormBackward => return self.batch_norm_backward(node),
-            ScaledDotProductAttention => return self.attention(node),
-            ScaledDotProductAttentionBackward => return self.attention_backward(node),
+            ScaledDotProductAttention | EfficientAttention => return self.attention(node),
+            ScaledDotProductAttentionBackward | EfficientAttentionBackward => {
+                return self.attention_backward(node);
+            }
             SplitWithSizes => return self.split(node),
             BernoulliP => return self.bernoulli(node),
             RandLike => return self.rand_like(node),

@@ -6,7 +6,7 @@ use salus_graph::{Attr, Graph, Limits, Node, Role, Tensor, samples};
 
 use super::elementwise::{StridedView, coalesce, fast_index, index_mode};
 use super::*;
-use crate::abi::{ConvArgs, PoolArgs};
+use crate::abi::{AttentionArgs, AttentionSeedArgs, ConvArgs, PoolArgs};
 
 fn view(st: Vec<i64>) -> StridedView {
     StridedView { ptr: 0, dt: 0, st }
@@ -1138,17 +1138,180 @@ fn f32_attention_lowers_to_products_around_row_kernels() {
             Step::Kernel("attn_delta_rows"),
             Step::Gemm([true, false], [s, l, e], [e, e, s]),
             Step::Kernel("attn_probs_rows"),
-            // grad_value = P^T grad_out: [s, ev] from P [l, s] read transposed.
-            Step::Gemm([false, true], [ev, s, l], [ev, s, ev]),
             // dP = grad_out v^T: [l, s] from v [s, ev] read transposed.
             Step::Gemm([true, false], [s, l, ev], [ev, ev, s]),
             Step::Kernel("attn_dscores_rows"),
+            // grad_value = P^T grad_out: [s, ev] from P [l, s] read transposed (after the
+            // row kernel, which applies dropout to P).
+            Step::Gemm([false, true], [ev, s, l], [ev, s, ev]),
             // grad_query = dS k: [l, e] from dS [l, s] and k [s, e].
             Step::Gemm([false, false], [e, l, s], [e, s, e]),
             // grad_key = dS^T q: [s, e] from dS [l, s] read transposed and q [l, e].
             Step::Gemm([false, true], [e, s, l], [e, s, e]),
         ]
     );
+}
+
+/// The efficient ops (attention with dropout) in `dtype`, forward then backward, with no
+/// bias: the forward's seed and offset feed the backward.
+fn efficient_attention(dtype: DType, dropout: f64) -> Graph {
+    let (b, h, l, s, e, ev) = (2u64, 3u64, 37u64, 45u64, 16u64, 8u64);
+    let flags = |backward: bool| {
+        let mut flags = vec![
+            ("dropout_p", Attr::Float(dropout)),
+            ("is_causal", Attr::Bool(true)),
+        ];
+        if backward {
+            flags.push((
+                "grad_input_mask",
+                Attr::Bools(vec![true, true, true, false]),
+            ));
+        }
+        flags
+    };
+    let mut forward = node(Op::EfficientAttention, &[], &[5, 6, 7, 8], &flags(false));
+    forward.inputs = vec![Some(0), Some(1), Some(2), None, Some(3)];
+    let mut backward = node(
+        Op::EfficientAttentionBackward,
+        &[],
+        &[9, 10, 11],
+        &flags(true),
+    );
+    backward.inputs = [4, 0, 1, 2]
+        .map(Some)
+        .into_iter()
+        .chain([None])
+        .chain([5, 6, 7, 8].map(Some))
+        .collect();
+    backward.outputs.push(None);
+    let t = |name: &str, shape: &[u64], role: Role| tensor(name, dtype, shape, role);
+    Graph {
+        tensors: vec![
+            t("q", &[b, h, l, e], Role::Feed),
+            t("k", &[b, h, s, e], Role::Feed),
+            t("v", &[b, h, s, ev], Role::Feed),
+            tensor("state", DType::I64, &[], Role::Feed),
+            t("grad_out", &[b, h, l, ev], Role::Feed),
+            t("out", &[b, h, l, ev], Role::Intermediate),
+            f32t("lse", &[b, h, 64], Role::Intermediate),
+            tensor("seed", DType::I64, &[], Role::Intermediate),
+            tensor("offset", DType::I64, &[], Role::Intermediate),
+            t("dq", &[b, h, l, e], Role::Intermediate),
+            t("dk", &[b, h, s, e], Role::Intermediate),
+            t("dv", &[b, h, s, ev], Role::Intermediate),
+        ],
+        nodes: vec![forward, backward],
+        fetches: vec![5, 6, 7, 8, 9, 10, 11],
+        updates: vec![],
+        precision: Precision::IEEE,
+    }
+}
+
+/// The efficient ops run the flash ops' kernels: the forward writes its seed first (and
+/// zeroes the log-sum-exp's padding), draws from the generator state with the node's key;
+/// the backward draws from the forward's seed; both read the log-sum-exps 64 apart.
+#[test]
+fn efficient_attention_lowers_to_the_flash_kernels_with_its_seed() {
+    let program = Program::with_scratch(
+        efficient_attention(DType::F32, 0.3),
+        &Limits::default(),
+        &AttentionSizer,
+    )
+    .expect("a valid graph");
+    let LoweredProgram(commands, spans, _) =
+        lower_all(&program, &FusionPlan::none(), &super::folds::Folds::none());
+    let at = |id: usize| match program.location(id) {
+        Some(salus_exec::Location::Lane(off)) => (1 << 30) + off,
+        other => panic!("tensor {id} at {other:?}"),
+    };
+    let forward = &commands[spans[0].clone()];
+    let Command::Launch(seed) = &forward[0] else {
+        panic!("the seed kernel first, got {:?}", forward[0]);
+    };
+    assert_eq!(seed.kernel, Kernel::AttentionSeed);
+    let seed: &AttentionSeedArgs = seed.args.as_any().downcast_ref().unwrap();
+    let key = salus_exec::random::name_key(&program.graph().nodes[0].name);
+    assert_eq!(
+        (seed.state, seed.key, seed.seed, seed.offset),
+        (at(3), key, at(7), at(8))
+    );
+    assert!(
+        matches!(forward[1], Command::Zero { ptr, bytes } if ptr == at(6) && bytes == 2 * 3 * 64 * 4),
+        "{:?}",
+        forward[1]
+    );
+    let attention: Vec<&AttentionArgs> = launches(&commands)
+        .iter()
+        .filter(|l| l.kernel.args_struct() == "AttentionArgs")
+        .map(|l| l.args.as_any().downcast_ref().unwrap())
+        .collect();
+    assert!(!attention.is_empty());
+    for a in &attention {
+        assert_eq!((a.dropout, a.lses, a.lq), (0.3, 64, 37));
+    }
+    // The forward's draw from the state and key; the backward's from the seed as it is.
+    let first_backward = attention
+        .iter()
+        .position(|a| a.delta != 0)
+        .expect("a backward launch");
+    for (k, a) in attention.iter().enumerate() {
+        let want = if k < first_backward {
+            (at(3), key, 1)
+        } else {
+            (at(7), 0, 0)
+        };
+        assert_eq!((a.seed, a.key, a.keyed), want, "launch {k}");
+    }
+    // Without dropout nothing draws (the seed is still written).
+    let program = Program::with_scratch(
+        efficient_attention(DType::F16, 0.0),
+        &Limits::default(),
+        &AttentionSizer,
+    )
+    .expect("a valid graph");
+    let LoweredProgram(commands, _, _) =
+        lower_all(&program, &FusionPlan::none(), &super::folds::Folds::none());
+    let kernels: Vec<Kernel> = launches(&commands).iter().map(|l| l.kernel).collect();
+    assert_eq!(
+        kernels,
+        vec![
+            Kernel::AttentionSeed,
+            Kernel::AttentionForwardTiled,
+            Kernel::AttentionDeltaRows,
+            Kernel::AttentionBackwardQueryTiled,
+            Kernel::AttentionBackwardKeyValueTiled,
+        ]
+    );
+    for l in launches(&commands).iter().skip(1) {
+        let a: &AttentionArgs = l.args.as_any().downcast_ref().unwrap();
+        assert_eq!((a.dropout, a.seed, a.keyed), (0.0, 0, 0));
+    }
+}
+
+/// The efficient ops plan the scratch the flash ops plan at the same geometry.
+#[test]
+fn efficient_attention_plans_the_flash_ops_scratch() {
+    for dtype in [DType::F32, DType::F16] {
+        let graph = efficient_attention(dtype, 0.3);
+        let program = Program::new(graph.clone(), &Limits::default()).expect("a valid graph");
+        let mut flash = graph.clone();
+        flash.nodes[0].op = Op::ScaledDotProductAttention;
+        flash.nodes[1].op = Op::ScaledDotProductAttentionBackward;
+        for node in 0..2 {
+            let params = program.params(node);
+            let bytes = attention::attention_scratch_bytes(&graph, node, params);
+            assert_eq!(
+                bytes,
+                attention::attention_scratch_bytes(&flash, node, params),
+                "{dtype} node {node}"
+            );
+            assert_eq!(
+                bytes > 0,
+                node == 1 || dtype == DType::F32,
+                "{dtype} {node}"
+            );
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------

@@ -168,7 +168,11 @@ pub(in super::super) fn forward(
     let (first, rest) = outs.split_at_mut(1.min(outs.len()));
     let out = output(first, 0, bh * l * ev, &mut spare_out)?;
     // Each head's log-sum-exps, then (the efficient op) zeros up to the next head's.
-    let stride = if p.lse_stride == 0 { l } else { p.lse_stride as usize };
+    let stride = if p.lse_stride == 0 {
+        l
+    } else {
+        p.lse_stride as usize
+    };
     let lse = if p.lse_stride == 0 {
         spare_lse.resize(bh * l, 0.0);
         &mut spare_lse[..]
