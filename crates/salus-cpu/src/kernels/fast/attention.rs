@@ -1,15 +1,21 @@
-//! Fused scaled-dot-product attention on f32 tensors, forward and backward, in f32 as
-//! PyTorch's CPU kernel computes it: per head and query, the scores over the keys, their
-//! softmax, and the weighted values; the backward recomputes the softmax from the
-//! forward's log-sum-exp. Heads run in parallel, each writing its own part of the
-//! outputs. The generic path (in f64) runs any other dtype or mask, and defines the
-//! layouts and the dropout both paths follow (`super::super::attention`).
+//! Fused scaled-dot-product attention on f32 tensors, forward and backward: per head, the
+//! scores of a block of queries over every key as one matrix product, their softmax (and
+//! dropout) row by row, then the products with the values; the backward recomputes the
+//! softmax from the forward's log-sum-exp and forms the gradients the same way, block by
+//! block, never holding more than one block's scores. Heads run in parallel, each writing
+//! its own part of the outputs. The generic path (in f64) runs any other dtype or mask,
+//! and defines the layouts and the dropout both paths follow (`super::super::attention`).
 
 use rayon::prelude::*;
 use salus_graph::AttentionParams;
 
 use super::super::attention::{Dropout, Layout};
+use super::matmul::{gemm, rows, transposed};
 use super::{Arg, Out, Result, typed, typed_mut};
+
+/// Queries whose scores are formed at once: a block's scores are `QUERY_BLOCK x kv_len`
+/// f32 (a quarter of a MiB per 1,024 keys).
+const QUERY_BLOCK: usize = 64;
 
 /// The mask as the kernels read it, with its strides over (batch, head, query, key).
 #[derive(Clone, Copy)]
@@ -72,13 +78,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `y += a * x`.
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
 /// What the scores of a head need.
 struct Scores<'a> {
     p: &'a AttentionParams,
@@ -88,37 +87,43 @@ struct Scores<'a> {
 }
 
 impl Scores<'_> {
-    /// The scores of query `i` of head `head` over every key, into `row`: `scale * q_i .
-    /// k_j`, the mask added or applied, causal rows cut after the diagonal; `-inf` where
-    /// dropped.
-    fn row(&self, head: usize, i: usize, row: &mut [f32]) {
+    /// The scores of queries `i0..i0 + count` of head `head` over every key, row-major
+    /// into `out`: `scale * q k^T` by one product, then the mask added or applied and
+    /// causal rows cut after the diagonal; `-inf` where dropped.
+    fn block(&self, head: usize, i0: usize, count: usize, out: &mut [f32]) -> Result<()> {
         let p = self.p;
         let (l, s, e) = (p.q_len as usize, p.kv_len as usize, p.head_dim as usize);
         let heads = p.heads as usize;
         let (b, h) = ((head / heads) as u64, (head % heads) as u64);
-        let qi = &self.q[(head * l + i) * e..(head * l + i + 1) * e];
-        let scale = p.scale as f32;
-        for (j, r) in row.iter_mut().enumerate() {
-            if p.causal && j > i {
-                *r = f32::NEG_INFINITY;
-                continue;
+        let q = &self.q[(head * l + i0) * e..(head * l + i0 + count) * e];
+        let k = &self.k[head * s * e..(head + 1) * s * e];
+        let out = &mut out[..count * s];
+        gemm(rows(q, count, e), transposed(k, e, s), out, false, p.scale as f32)?;
+        for (r, row) in out.chunks_exact_mut(s).enumerate() {
+            let i = i0 + r;
+            if p.causal && i + 1 < s {
+                row[i + 1..].fill(f32::NEG_INFINITY);
             }
-            let kj = &self.k[(head * s + j) * e..(head * s + j + 1) * e];
-            let mut v = scale * dot(qi, kj);
-            let at = |st: [u64; 4]| {
+            let at = |st: [u64; 4], j: usize| {
                 (b * st[0] + h * st[1] + i as u64 * st[2] + j as u64 * st[3]) as usize
             };
             match self.mask {
                 Mask::None => {}
                 Mask::Bool(m, st) => {
-                    if m[at(st)] == 0 {
-                        v = f32::NEG_INFINITY;
+                    for (j, x) in row.iter_mut().enumerate() {
+                        if m[at(st, j)] == 0 {
+                            *x = f32::NEG_INFINITY;
+                        }
                     }
                 }
-                Mask::Add(m, st) => v += m[at(st)],
+                Mask::Add(m, st) => {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x += m[at(st, j)];
+                    }
+                }
             }
-            *r = v;
         }
+        Ok(())
     }
 }
 
@@ -179,37 +184,50 @@ pub(in super::super) fn forward(
     } else {
         output(rest, 0, bh * stride, &mut spare_lse)?
     };
-    out.par_chunks_mut(l * ev)
+    let done = out
+        .par_chunks_mut(l * ev)
         .zip(lse.par_chunks_mut(stride))
         .enumerate()
-        .for_each(|(head, (out, lse))| {
+        .try_for_each(|(head, (out, lse))| -> Result<()> {
             lse[l..].fill(0.0);
-            let mut row = vec![0.0f32; s];
-            for i in 0..l {
-                scores.row(head, i, &mut row);
-                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let o = &mut out[i * ev..(i + 1) * ev];
-                o.fill(0.0);
-                if m == f32::NEG_INFINITY {
-                    o.fill(f32::NAN);
-                    lse[i] = f32::NEG_INFINITY;
-                    continue;
+            let v = &v[head * s * ev..(head + 1) * s * ev];
+            let mut buf = vec![0.0f32; QUERY_BLOCK.min(l) * s];
+            for i0 in (0..l).step_by(QUERY_BLOCK) {
+                let count = QUERY_BLOCK.min(l - i0);
+                let probs = &mut buf[..count * s];
+                scores.block(head, i0, count, probs)?;
+                // Each row's softmax (a row with every score dropped: zeros here, NaN
+                // outputs below), its log-sum-exp, then the dropout factors.
+                let mut empty = [false; QUERY_BLOCK];
+                for (r, row) in probs.chunks_exact_mut(s).enumerate() {
+                    let i = i0 + r;
+                    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    if m == f32::NEG_INFINITY {
+                        row.fill(0.0);
+                        (lse[i], empty[r]) = (f32::NEG_INFINITY, true);
+                        continue;
+                    }
+                    let mut sum = 0.0f32;
+                    for x in row.iter_mut() {
+                        *x = (*x - m).exp();
+                        sum += *x;
+                    }
+                    lse[i] = m + sum.ln();
+                    let inv = 1.0 / sum;
+                    let first = (head * l + i) * s;
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x *= inv * factor(drop, first + j);
+                    }
                 }
-                let mut sum = 0.0f32;
-                for (j, r) in row.iter().enumerate() {
-                    let w = (r - m).exp();
-                    sum += w;
-                    let w = w * factor(drop, (head * l + i) * s + j);
-                    axpy(o, w, &v[(head * s + j) * ev..(head * s + j + 1) * ev]);
+                let o = &mut out[i0 * ev..(i0 + count) * ev];
+                gemm(rows(probs, count, s), rows(v, s, ev), o, false, 1.0)?;
+                for (row, _) in o.chunks_exact_mut(ev).zip(empty).filter(|(_, e)| *e) {
+                    row.fill(f32::NAN);
                 }
-                let inv = 1.0 / sum;
-                for od in o.iter_mut() {
-                    *od *= inv;
-                }
-                lse[i] = m + sum.ln();
             }
+            Ok(())
         });
-    Some(Ok(()))
+    Some(done)
 }
 
 /// `_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
@@ -248,35 +266,56 @@ pub(in super::super) fn backward(
     let dv = output(rest, 0, bh * s * ev, s2)?;
     let scale = p.scale as f32;
     let (q, k) = (scores.q, scores.k);
-    dq.par_chunks_mut(l * e)
+    let done = dq
+        .par_chunks_mut(l * e)
         .zip(dk.par_chunks_mut(s * e))
         .zip(dv.par_chunks_mut(s * ev))
         .enumerate()
-        .for_each(|(head, ((dq, dk), dv))| {
-            dq.fill(0.0);
+        .try_for_each(|(head, ((dq, dk), dv))| -> Result<()> {
             dk.fill(0.0);
             dv.fill(0.0);
-            let mut row = vec![0.0f32; s];
-            for i in 0..l {
-                let at = head * l + i;
-                let goi = &go[at * ev..(at + 1) * ev];
-                let di = dot(goi, &o[at * ev..(at + 1) * ev]);
-                let qi = &q[at * e..(at + 1) * e];
-                scores.row(head, i, &mut row);
-                for (j, &sc) in row.iter().enumerate() {
-                    if sc == f32::NEG_INFINITY {
-                        continue;
+            let (k, v) = (
+                &k[head * s * e..(head + 1) * s * e],
+                &v[head * s * ev..(head + 1) * s * ev],
+            );
+            let block = QUERY_BLOCK.min(l) * s;
+            let (mut pb, mut gb) = (vec![0.0f32; block], vec![0.0f32; block]);
+            for i0 in (0..l).step_by(QUERY_BLOCK) {
+                let count = QUERY_BLOCK.min(l - i0);
+                let (probs, grads) = (&mut pb[..count * s], &mut gb[..count * s]);
+                let (first, last) = (head * l + i0, head * l + i0 + count);
+                let qb = &q[first * e..last * e];
+                let (gob, ob) = (&go[first * ev..last * ev], &o[first * ev..last * ev]);
+                // P again from the log-sum-exp, and dP = grad_out v^T.
+                scores.block(head, i0, count, probs)?;
+                gemm(rows(gob, count, ev), transposed(v, ev, s), grads, false, 1.0)?;
+                for (r, (pr, gr)) in probs
+                    .chunks_exact_mut(s)
+                    .zip(grads.chunks_exact_mut(s))
+                    .enumerate()
+                {
+                    let m = lse[head * stride + i0 + r];
+                    let di = dot(&gob[r * ev..(r + 1) * ev], &ob[r * ev..(r + 1) * ev]);
+                    let first = (head * l + i0 + r) * s;
+                    for (j, (x, g)) in pr.iter_mut().zip(gr.iter_mut()).enumerate() {
+                        let pij = if *x == f32::NEG_INFINITY || m == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (*x - m).exp()
+                        };
+                        // dS = P (F dP - D) scale; P F weighs grad_value.
+                        let f = factor(drop, first + j);
+                        *g = pij * (f * *g - di) * scale;
+                        *x = pij * f;
                     }
-                    let pij = (sc - lse[head * stride + i]).exp();
-                    let f = factor(drop, at * s + j);
-                    let kv = head * s + j;
-                    let dp = dot(goi, &v[kv * ev..(kv + 1) * ev]);
-                    let ds = pij * (f * dp - di) * scale;
-                    axpy(&mut dq[i * e..(i + 1) * e], ds, &k[kv * e..(kv + 1) * e]);
-                    axpy(&mut dk[j * e..(j + 1) * e], ds, qi);
-                    axpy(&mut dv[j * ev..(j + 1) * ev], pij * f, goi);
                 }
+                // grad_query = dS k, grad_key += dS^T q, grad_value += (P F)^T grad_out.
+                let dqb = &mut dq[i0 * e..(i0 + count) * e];
+                gemm(rows(grads, count, s), rows(k, s, e), dqb, false, 1.0)?;
+                gemm(transposed(grads, s, count), rows(qb, count, e), dk, true, 1.0)?;
+                gemm(transposed(probs, s, count), rows(gob, count, ev), dv, true, 1.0)?;
             }
+            Ok(())
         });
-    Some(Ok(()))
+    Some(done)
 }
