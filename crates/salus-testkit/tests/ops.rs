@@ -1911,6 +1911,8 @@ fn layer_norm_and_its_backward() {
         (&[3u64, 5, 7][..], &[7i64][..], true),
         (&[3, 5, 7], &[5, 7], false),
         (&[4, 6], &[4, 6], true),
+        // More rows than one task of the CPU's backward takes.
+        (&[5, 13, 8], &[8], true),
         (&[0, 5], &[5], true),
     ] {
         let axis = shape.len() - normalized.len();

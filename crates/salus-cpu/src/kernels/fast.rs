@@ -426,6 +426,14 @@ pub(crate) fn run(
             return reduce::layer_norm(normalized_shape, *eps, args, outs);
         }
         (
+            NativeLayerNormBackward,
+            OpParams::LayerNorm {
+                normalized_shape, ..
+            },
+        ) => {
+            return reduce::layer_norm_backward(normalized_shape, args, outs);
+        }
+        (
             NativeBatchNorm | NativeBatchNormBackward,
             &OpParams::BatchNorm {
                 batch,

@@ -1,7 +1,9 @@
-//! Reductions (sum, mean, amax, var), softmax and layer norm over f32, walking the input
+//! Reductions (sum, mean, amax, var), softmax and layer norm (and its backward) over f32, walking the input
 //! once in contiguous runs. Sums accumulate in f64 whichever dimensions they reduce.
 
 use std::cell::RefCell;
+
+use rayon::prelude::*;
 
 use salus_graph::{Op, Reduction};
 
@@ -404,6 +406,112 @@ pub(super) fn layer_norm(
         }
         if let Some(rstd) = rstd.as_deref_mut() {
             *rstd.get_mut(a)? = r as f32;
+        }
+    }
+    Some(Ok(()))
+}
+
+/// Rows of layer norm's backward per task: each task also sums its rows' part of the
+/// weight and bias gradients, and the parts are added in task order (the same result on
+/// any number of threads).
+const LAYER_NORM_ROWS: usize = 32;
+
+/// `native_layer_norm_backward(grad_out, input, mean, rstd, weight?, bias?)` over the last
+/// dimensions `normalized`: (grad_input, grad_weight, grad_bias), whichever are used.
+/// With `x^ = (x - mean) rstd` and `g = grad_out * weight` per row: `grad_input = rstd (g
+/// - mean(g) - x^ mean(g x^))`, `grad_weight = sum over rows of grad_out x^`, `grad_bias =
+/// sum of grad_out`; every sum in f64.
+pub(super) fn layer_norm_backward(
+    normalized: &[u64],
+    args: &[Arg<'_>],
+    outs: &mut [Option<Out<'_>>],
+) -> Option<Result<()>> {
+    let (_, grad) = input::<f32>(args, 0)?;
+    let (_, x) = input::<f32>(args, 1)?;
+    let (_, mean) = input::<f32>(args, 2)?;
+    let (_, rstd) = input::<f32>(args, 3)?;
+    let inner = numel(normalized).max(1);
+    if x.is_empty() || x.len() % inner != 0 || grad.len() != x.len() {
+        return None;
+    }
+    let outer = x.len() / inner;
+    if mean.len() != outer || rstd.len() != outer {
+        return None;
+    }
+    let weight = match args.get(4) {
+        Some(Arg::Absent) | None => None,
+        Some(_) => Some(input::<f32>(args, 4).filter(|(_, v)| v.len() == inner)?.1),
+    };
+    let [gi, gw, gb] = match outs {
+        [gi, gw, gb] => [gi, gw, gb].map(|o| {
+            o.as_mut()
+                .map(|o| typed_mut::<f32>(o.ty, &mut *o.bytes).ok_or(()))
+                .transpose()
+        }),
+        _ => return None,
+    };
+    let (gi, mut gw, mut gb) = (gi.ok()?, gw.ok()?, gb.ok()?);
+    if gi.as_ref().is_some_and(|g| g.len() != x.len())
+        || [&gw, &gb].iter().any(|o| o.as_ref().is_some_and(|g| g.len() != inner))
+    {
+        return None;
+    }
+    let columns = gw.is_some() || gb.is_some();
+    // One task's rows `first..`: grad_input into `out` (when used), and its part of the
+    // column sums.
+    let task = |first: usize, out: Option<&mut [f32]>| -> (Vec<f64>, Vec<f64>) {
+        let rows = LAYER_NORM_ROWS.min(outer - first);
+        let (mut pw, mut pb) = if columns {
+            (vec![0.0f64; inner], vec![0.0f64; inner])
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut out = out;
+        for r in 0..rows {
+            let a = first + r;
+            let (xs, gs) = (&x[a * inner..(a + 1) * inner], &grad[a * inner..(a + 1) * inner]);
+            let (m, rs) = (mean[a], rstd[a]);
+            let (mut s1, mut s2) = (0.0f64, 0.0f64);
+            for j in 0..inner {
+                let xhat = (xs[j] - m) * rs;
+                let g = gs[j] * weight.map_or(1.0, |w| w[j]);
+                s1 += f64::from(g);
+                s2 += f64::from(g) * f64::from(xhat);
+                if columns {
+                    pw[j] += f64::from(gs[j]) * f64::from(xhat);
+                    pb[j] += f64::from(gs[j]);
+                }
+            }
+            if let Some(out) = out.as_deref_mut() {
+                let (mg, mgx) = ((s1 / inner as f64) as f32, (s2 / inner as f64) as f32);
+                for (j, o) in out[r * inner..(r + 1) * inner].iter_mut().enumerate() {
+                    let xhat = (xs[j] - m) * rs;
+                    let g = gs[j] * weight.map_or(1.0, |w| w[j]);
+                    *o = rs * (g - mg - xhat * mgx);
+                }
+            }
+        }
+        (pw, pb)
+    };
+    let parts: Vec<(Vec<f64>, Vec<f64>)> = match gi {
+        Some(gi) => gi
+            .par_chunks_mut(LAYER_NORM_ROWS * inner)
+            .enumerate()
+            .map(|(c, out)| task(c * LAYER_NORM_ROWS, Some(out)))
+            .collect(),
+        None => (0..outer.div_ceil(LAYER_NORM_ROWS))
+            .into_par_iter()
+            .map(|c| task(c * LAYER_NORM_ROWS, None))
+            .collect(),
+    };
+    for (out, pick) in [(gw.as_deref_mut(), 0), (gb.as_deref_mut(), 1)] {
+        if let Some(out) = out {
+            let mut total = vec![0.0f64; inner];
+            for part in &parts {
+                let p = if pick == 0 { &part.0 } else { &part.1 };
+                total.iter_mut().zip(p).for_each(|(t, v)| *t += v);
+            }
+            out.iter_mut().zip(&total).for_each(|(o, t)| *o = *t as f32);
         }
     }
     Some(Ok(()))
