@@ -15,7 +15,8 @@
 #   ./scripts/gpu-check.sh run --no-bench   # the same without the bench (a correctness
 #                                    # check that fits a short lease)
 #   ./scripts/gpu-check.sh speed     # there: the transformer models' profiles (the stock
-#                                    # encoder, the GPT decoder) with f32 attention through
+#                                    # encoder with and without dropout, the GPT decoder)
+#                                    # with f32 attention through
 #                                    # cuBLAS, then in register tiles (SALUS_CUDA_ATTENTION)
 #   ./scripts/gpu-check.sh amp-bench # there: bf16 autocast steps of resnet50, vit_b_16
 #                                    # and the GPT decoder against eager PyTorch autocast
@@ -109,7 +110,7 @@ speed)
     for attention in cublas tiled; do
         echo "== profile, f32 attention: $attention"
         SALUS_CUDA_ATTENTION=$attention OUT="$out/speed-$attention" PROFILE_TIMEOUT=240 \
-            ./scripts/gpu/profile.sh transformer_nodrop gpt512
+            ./scripts/gpu/profile.sh transformer transformer_nodrop gpt512
     done
     ;;
 amp-bench)

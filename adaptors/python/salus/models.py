@@ -260,8 +260,8 @@ def large_models(batch_size: int = 32, image_size: int = 224, num_classes: int =
     - ``vit_b_16``: torchvision's, built for ``image_size`` px (16 px patches);
     - ``transformer``: :class:`Encoder`, ``layers`` layers of width ``d_model`` (8 heads,
       feed-forward 4x), sequence ``seq``, trained on MSE against a random target;
-      ``transformer_nodrop`` the same without dropout (the attention's dropout traces to
-      ``native_dropout``, which the IR does not have yet);
+      ``transformer_nodrop`` the same without dropout (attention then runs as the flash
+      op, with dropout as the efficient op: :mod:`salus.attention`);
     - ``gpt512``: :class:`TinyGPT` at sequence ``gpt_seq`` and width ``gpt_width``
       (``gpt_heads`` heads, ``gpt_layers`` layers, vocabulary ``gpt_vocab``).
     """
