@@ -98,7 +98,13 @@ impl Scores<'_> {
         let q = &self.q[(head * l + i0) * e..(head * l + i0 + count) * e];
         let k = &self.k[head * s * e..(head + 1) * s * e];
         let out = &mut out[..count * s];
-        gemm(rows(q, count, e), transposed(k, e, s), out, false, p.scale as f32)?;
+        gemm(
+            rows(q, count, e),
+            transposed(k, e, s),
+            out,
+            false,
+            p.scale as f32,
+        )?;
         for (r, row) in out.chunks_exact_mut(s).enumerate() {
             let i = i0 + r;
             if p.causal && i + 1 < s {
@@ -288,7 +294,13 @@ pub(in super::super) fn backward(
                 let (gob, ob) = (&go[first * ev..last * ev], &o[first * ev..last * ev]);
                 // P again from the log-sum-exp, and dP = grad_out v^T.
                 scores.block(head, i0, count, probs)?;
-                gemm(rows(gob, count, ev), transposed(v, ev, s), grads, false, 1.0)?;
+                gemm(
+                    rows(gob, count, ev),
+                    transposed(v, ev, s),
+                    grads,
+                    false,
+                    1.0,
+                )?;
                 for (r, (pr, gr)) in probs
                     .chunks_exact_mut(s)
                     .zip(grads.chunks_exact_mut(s))
@@ -312,8 +324,20 @@ pub(in super::super) fn backward(
                 // grad_query = dS k, grad_key += dS^T q, grad_value += (P F)^T grad_out.
                 let dqb = &mut dq[i0 * e..(i0 + count) * e];
                 gemm(rows(grads, count, s), rows(k, s, e), dqb, false, 1.0)?;
-                gemm(transposed(grads, s, count), rows(qb, count, e), dk, true, 1.0)?;
-                gemm(transposed(probs, s, count), rows(gob, count, ev), dv, true, 1.0)?;
+                gemm(
+                    transposed(grads, s, count),
+                    rows(qb, count, e),
+                    dk,
+                    true,
+                    1.0,
+                )?;
+                gemm(
+                    transposed(probs, s, count),
+                    rows(gob, count, ev),
+                    dv,
+                    true,
+                    1.0,
+                )?;
             }
             Ok(())
         });

@@ -452,7 +452,9 @@ pub(super) fn layer_norm_backward(
     };
     let (gi, mut gw, mut gb) = (gi.ok()?, gw.ok()?, gb.ok()?);
     if gi.as_ref().is_some_and(|g| g.len() != x.len())
-        || [&gw, &gb].iter().any(|o| o.as_ref().is_some_and(|g| g.len() != inner))
+        || [&gw, &gb]
+            .iter()
+            .any(|o| o.as_ref().is_some_and(|g| g.len() != inner))
     {
         return None;
     }
@@ -469,7 +471,10 @@ pub(super) fn layer_norm_backward(
         let mut out = out;
         for r in 0..rows {
             let a = first + r;
-            let (xs, gs) = (&x[a * inner..(a + 1) * inner], &grad[a * inner..(a + 1) * inner]);
+            let (xs, gs) = (
+                &x[a * inner..(a + 1) * inner],
+                &grad[a * inner..(a + 1) * inner],
+            );
             let (m, rs) = (mean[a], rstd[a]);
             let (mut s1, mut s2) = (0.0f64, 0.0f64);
             for j in 0..inner {
