@@ -418,9 +418,9 @@ const LAYER_NORM_ROWS: usize = 32;
 
 /// `native_layer_norm_backward(grad_out, input, mean, rstd, weight?, bias?)` over the last
 /// dimensions `normalized`: (grad_input, grad_weight, grad_bias), whichever are used.
-/// With `x^ = (x - mean) rstd` and `g = grad_out * weight` per row: `grad_input = rstd (g
-/// - mean(g) - x^ mean(g x^))`, `grad_weight = sum over rows of grad_out x^`, `grad_bias =
-/// sum of grad_out`; every sum in f64.
+/// With `x^ = (x - mean) rstd` and `g = grad_out * weight` per row, `grad_input = rstd
+/// (g - mean(g) - x^ mean(g x^))`; `grad_weight` sums `grad_out x^` over the rows and
+/// `grad_bias` sums `grad_out`; every sum in f64.
 pub(super) fn layer_norm_backward(
     normalized: &[u64],
     args: &[Arg<'_>],
@@ -450,7 +450,7 @@ pub(super) fn layer_norm_backward(
         }),
         _ => return None,
     };
-    let (gi, mut gw, mut gb) = (gi.ok()?, gw.ok()?, gb.ok()?);
+    let (gi, gw, gb) = (gi.ok()?, gw.ok()?, gb.ok()?);
     if gi.as_ref().is_some_and(|g| g.len() != x.len())
         || [&gw, &gb]
             .iter()
@@ -509,7 +509,7 @@ pub(super) fn layer_norm_backward(
             .map(|c| task(c * LAYER_NORM_ROWS, None))
             .collect(),
     };
-    for (out, pick) in [(gw.as_deref_mut(), 0), (gb.as_deref_mut(), 1)] {
+    for (out, pick) in [(gw, 0), (gb, 1)] {
         if let Some(out) = out {
             let mut total = vec![0.0f64; inner];
             for part in &parts {
