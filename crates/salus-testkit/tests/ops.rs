@@ -2214,6 +2214,18 @@ fn attention_reference(
     (out, lse)
 }
 
+/// An attention backward's gradients against finite differences of its forward's output.
+fn assert_attention_grads(grads: &[Vec<f64>], forward: &Case, g: &Value, what: &str) {
+    for (k_in, name) in [(0, "grad_query"), (1, "grad_key"), (2, "grad_value")] {
+        assert_grad(
+            &grads[k_in],
+            &numeric_grad(forward, k_in, 0, &g.data, 1e-2),
+            2e-3,
+            &format!("{what}: {name}"),
+        );
+    }
+}
+
 /// Fused attention against a naive f64 softmax(scale q k^T + mask) v, and its backward
 /// against finite differences of the forward's output.
 #[test]
@@ -2287,14 +2299,7 @@ fn fused_attention_and_its_backward() {
             .output(Fp32, &[b, h, s, e])
             .output(Fp32, &[b, h, s, ev])
             .run();
-        for (k_in, name) in [(0, "grad_query"), (1, "grad_key"), (2, "grad_value")] {
-            assert_grad(
-                &grads[k_in],
-                &numeric_grad(&forward, k_in, 0, &g.data, 1e-2),
-                2e-3,
-                &format!("{what}: {name}"),
-            );
-        }
+        assert_attention_grads(&grads, &forward, &g, &what);
     }
 }
 
@@ -2466,14 +2471,7 @@ fn efficient_attention_drops_probabilities_by_the_session_stream() {
             .output(Fp32, &[b, h, s, ev])
             .unused()
             .run();
-        for (k_in, name) in [(0, "grad_query"), (1, "grad_key"), (2, "grad_value")] {
-            assert_grad(
-                &grads[k_in],
-                &numeric_grad(&forward, k_in, 0, &g.data, 1e-2),
-                2e-3,
-                &format!("{what}: {name}"),
-            );
-        }
+        assert_attention_grads(&grads, &forward, &g, &what);
     }
 }
 
