@@ -62,6 +62,7 @@ EOF
 if [ $# -eq 0 ]; then
     set -- adaptors/python/tests/test_codegen.py adaptors/python/tests/test_lower.py \
         adaptors/python/tests/test_optim.py adaptors/python/tests/test_parity.py \
-        adaptors/python/tests/test_torch_sessions.py adaptors/python/tests/test_torch_errors.py
+        adaptors/python/tests/test_torch_sessions.py adaptors/python/tests/test_torch_errors.py \
+        adaptors/python/tests/test_attention_dropout.py
 fi
 PYTHONPATH=$root/adaptors/python "$py" -m pytest -q -p no:cacheprovider "$@"

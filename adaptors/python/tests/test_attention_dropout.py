@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import salus.torch as st
+from salus.v1 import graph_pb2 as pb
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +107,12 @@ def test_the_backward_draws_the_forwards_flags(daemon):
     assert loss * n * (1 - p) == pytest.approx(kept, abs=1e-2)
 
 
-def test_a_stock_encoder_with_dropout_trains_and_repeats_per_seed(daemon):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_stock_encoder_with_dropout_trains_and_repeats_per_seed(daemon, autocast):
     """``nn.TransformerEncoder`` as users build it (dropout 0.1 in attention, the
-    feed-forward and the residual branches): the loss falls, and a session started from
-    the same seed draws the same flags (the same losses)."""
+    feed-forward and the residual branches), in f32 and under bf16 autocast: the loss
+    falls, and a session started from the same seed draws the same flags (the same
+    losses)."""
 
     def losses(seed: int) -> list[float]:
         torch.manual_seed(seed)
@@ -117,9 +120,12 @@ def test_a_stock_encoder_with_dropout_trains_and_repeats_per_seed(daemon):
         model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         x, y = torch.randn(8, 12, 32), torch.randn(8, 12, 32)
         with st.TrainSession(model, F.mse_loss, torch.optim.AdamW(model.parameters(), 3e-3),
-                             (x, y), address=daemon.address) as session:
-            ops = {n.op for n in session.traced.to_graph().nodes}
-            assert "_scaled_dot_product_efficient_attention_backward" in ops
+                             (x, y), autocast=autocast, address=daemon.address) as session:
+            graph = session.traced.to_graph()
+            fused = [n for n in graph.nodes if n.op == "_scaled_dot_product_efficient_attention"]
+            assert len(fused) == 2
+            query = graph.tensors[fused[0].inputs[0]]
+            assert query.dtype == (pb.DTYPE_BF16 if autocast else pb.DTYPE_F32)
             return [float(session.step(x, y)) for _ in range(12)]
 
     first, again = losses(1), losses(1)
