@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Iterator
 
 import torch
@@ -179,17 +180,31 @@ def _efficient_backward_cpu(grad_out, query, key, value, attn_bias, out, logsume
             None)
 
 
+_CPU_KERNELS = threading.Lock()
+#: The registration of the CPU kernels and how many blocks are inside
+#: :func:`efficient_attention_on_cpu` now (threads, or one inside another).
+_cpu_library: list = [None, 0]
+
+
 @contextlib.contextmanager
 def efficient_attention_on_cpu() -> Iterator[None]:
     """CPU kernels for the efficient op and its backward while the block runs (see the
-    module's docstring), unless PyTorch has its own."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key(_EFFICIENT.name(), "CPU"):
-        yield
-        return
-    library = torch.library.Library("aten", "IMPL")
+    module's docstring), unless PyTorch has its own. Blocks may nest and run in several
+    threads at once: the kernels are registered by the first to enter and taken out by
+    the last to leave."""
+    with _CPU_KERNELS:
+        if _cpu_library[1] == 0 and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                _EFFICIENT.name(), "CPU"):
+            library = torch.library.Library("aten", "IMPL")
+            library.impl(_EFFICIENT, _efficient_cpu, "CPU")
+            library.impl(_EFFICIENT_BACKWARD, _efficient_backward_cpu, "CPU")
+            _cpu_library[0] = library
+        _cpu_library[1] += 1
     try:
-        library.impl(_EFFICIENT, _efficient_cpu, "CPU")
-        library.impl(_EFFICIENT_BACKWARD, _efficient_backward_cpu, "CPU")
         yield
     finally:
-        library._destroy()
+        with _CPU_KERNELS:
+            _cpu_library[1] -= 1
+            if _cpu_library[1] == 0 and _cpu_library[0] is not None:
+                _cpu_library[0]._destroy()
+                _cpu_library[0] = None

@@ -131,3 +131,40 @@ def test_a_stock_encoder_with_dropout_trains_and_repeats_per_seed(daemon, autoca
     first, again = losses(1), losses(1)
     assert first == again
     assert first[-1] < 0.8 * first[0], first
+
+
+def test_the_cpu_kernels_nest_and_leave_pytorch_as_it_was():
+    """The efficient op's CPU kernels exist inside the blocks only, however they nest or
+    overlap across threads; outside, PyTorch's CPU refuses the op as before."""
+    import threading
+
+    from salus.attention import efficient_attention_on_cpu
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    q = torch.randn(1, 2, 5, 4)
+
+    def run():
+        return op(q, q, q, None, True, 0.5, False)[0]
+
+    inside, errors = threading.Barrier(2), []
+
+    def worker():
+        try:
+            with efficient_attention_on_cpu():
+                inside.wait(timeout=10)
+                run()
+                inside.wait(timeout=10)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with efficient_attention_on_cpu():
+        inside.wait(timeout=10)
+        with efficient_attention_on_cpu():
+            assert run().shape == (1, 2, 5, 4)
+        inside.wait(timeout=10)
+    thread.join()
+    assert not errors, errors
+    with pytest.raises(NotImplementedError):
+        run()
