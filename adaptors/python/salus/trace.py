@@ -40,6 +40,7 @@ import linecache
 import math
 import operator
 import re
+import sys
 import threading
 import traceback
 import warnings
@@ -426,6 +427,34 @@ def _adapted(function: type) -> type:
     return _ADAPTED[function]
 
 
+def _compiling() -> bool:
+    return True
+
+
+@contextlib.contextmanager
+def _libraries_see_a_compiler() -> Iterator[None]:
+    """Tells libraries that take trace-friendly paths under a compiler that one is
+    tracing: Hugging Face transformers asks ``is_torchdynamo_compiling()`` before it reads
+    a mask's values in Python (to drop an all-ones padding mask, to warn about padding),
+    and under a compiler keeps the mask as tensor ops instead, which mean the same. While a
+    step records, that function answers True in every transformers module that holds it,
+    so its models trace with their default attention (SDPA, fused); the functions are put
+    back after. Nothing changes where transformers is not imported."""
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "transformers" or name.startswith("transformers.")):
+            continue
+        original = getattr(module, "is_torchdynamo_compiling", None)
+        if callable(original) and original is not _compiling:
+            patched.append((module, original))
+            module.is_torchdynamo_compiling = _compiling
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.is_torchdynamo_compiling = original
+
+
 @contextlib.contextmanager
 def _custom_functions() -> Iterator[None]:
     """Lets the step's custom ``torch.autograd.Function``s trace: their backward is the
@@ -472,7 +501,8 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
-    with (recording(tracing_mode), _custom_functions(), _inplace_off(model),
+    with (recording(tracing_mode), _custom_functions(), _libraries_see_a_compiler(),
+          _inplace_off(model),
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
@@ -494,9 +524,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                 "the step reads a tensor's value in Python (data-dependent control flow or "
                 f"a .item()/bool() of a tensor){_user_frame(error.__traceback__)}: salus "
                 "traces one fixed graph per batch shape and cannot follow a branch taken on "
-                "values; compute it with tensor ops (torch.where), or pass the value in "
-                "(for Hugging Face models, attn_implementation=\"eager\" avoids the attention "
-                "mask check)") from None
+                "values; compute it with tensor ops (torch.where), or pass the value in") from None
     _kernel_dtypes(gm)
     return tidy(gm)
 

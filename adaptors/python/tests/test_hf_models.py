@@ -1,5 +1,5 @@
-"""Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT, T5 and
-Llama (small configurations), each through its own ``.loss``, three AdamW steps, every
+"""Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT (its
+default SDPA attention and its eager one), T5 and Llama (small configurations), each through its own ``.loss``, three AdamW steps, every
 parameter and optimizer state against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ def _gpt2():
             lambda m, ids: m(input_ids=ids, labels=ids).loss)
 
 
-def _bert():
+def _bert(attention: str = "sdpa"):
+    """BERT with a padding mask, through its default attention (SDPA: the mask as a float
+    bias of the fused op) or its eager one (matrix products and a softmax)."""
     cfg = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
                                   intermediate_size=64, vocab_size=128,
                                   max_position_embeddings=16, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, num_labels=3)
-    # The SDPA path checks the mask's values in Python; the eager attention does not.
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 128, (4, 12), generator=g)
     labels = torch.randint(0, 3, (4,), generator=g)
@@ -65,7 +66,8 @@ def _llama():
             lambda m, ids: m(input_ids=ids, labels=ids).loss)
 
 
-MODELS = {"gpt2": _gpt2, "bert": _bert, "t5": _t5, "llama": _llama}
+MODELS = {"gpt2": _gpt2, "bert": _bert, "bert_eager": lambda: _bert("eager"), "t5": _t5,
+          "llama": _llama}
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +84,46 @@ def test_trains_on_salusd_as_eagerly(daemon, name):
                                        daemon.address, label=f"{name}: ", admission_timeout=30)
 
 
+def test_sdpa_models_with_dropout_train_with_fused_attention(daemon):
+    """BERT and GPT-2 as configured by default (SDPA attention, dropout 0.1): the padding
+    mask stays tensor ops, attention is one fused op each way, and the loss falls."""
+    g = torch.Generator().manual_seed(5)
+    ids, mask = torch.randint(0, 128, (4, 12), generator=g), torch.ones(4, 12, dtype=torch.int64)
+    mask[1, 7:] = 0
+    labels = torch.randint(0, 3, (4,), generator=g)
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+        vocab_size=128, max_position_embeddings=16, num_labels=3))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=16))
+    cases = [(bert, (ids, mask, labels),
+              lambda m, i, a, y: m(input_ids=i, attention_mask=a, labels=y).loss),
+             (gpt2, (ids, mask), lambda m, i, a: m(input_ids=i, attention_mask=a,
+                                                   labels=i).loss)]
+    for model, batch, loss_of in cases:
+        assert model.config._attn_implementation == "sdpa"
+        with st.TrainSession(model, None, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                             batch, loss_of=loss_of, address=daemon.address) as session:
+            ops = [n.op for n in session.traced.to_graph().nodes]
+            assert ops.count("_scaled_dot_product_efficient_attention_backward") == 2
+            losses = [float(session.step(*batch)) for _ in range(10)]
+        assert losses[-1] < losses[0], losses
+
+
 def test_a_branch_on_a_tensors_value_is_refused_naming_the_line(daemon):
-    cfg = transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=32,
-                                  intermediate_size=64, vocab_size=128,
-                                  max_position_embeddings=16, num_labels=3)
-    cfg._attn_implementation = "sdpa"
-    model = transformers.BertForSequenceClassification(cfg)
-    ids, mask = torch.randint(0, 128, (2, 8)), torch.ones(2, 8, dtype=torch.int64)
-    labels = torch.tensor([0, 1])
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.sum() > 0:  # a branch on a value: one traced graph cannot follow it
+                return self.linear(x)
+            return -self.linear(x)
+
+    model = Gated()
     with pytest.raises(TraceError, match=r"reads a tensor's value in Python .* at .*\.py:\d+"):
-        st.TrainSession(model, None, torch.optim.AdamW(model.parameters()),
-                        (ids, mask, labels),
-                        loss_of=lambda m, i, a, y: m(input_ids=i, attention_mask=a,
-                                                     labels=y).loss,
-                        address=daemon.address)
+        st.TrainSession(model, torch.nn.functional.mse_loss,
+                        torch.optim.AdamW(model.parameters()),
+                        (torch.randn(3, 4), torch.randn(3, 2)), address=daemon.address)
