@@ -1,6 +1,7 @@
 """Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT (its
-default SDPA attention and its eager one), T5 and Llama (small configurations), each through its own ``.loss``, three AdamW steps, every
-parameter and optimizer state against float64 by the suite's rule (harness.py)."""
+default SDPA attention and its eager one), T5 and Llama (small configurations), each
+through its own ``.loss``, three AdamW steps, every parameter and optimizer state against
+float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
