@@ -87,14 +87,22 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropou
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fused_with_dropout(query, key, value, attn_mask, dropout_p, is_causal) -> bool:
+def _fused_with_dropout(query, key, value, attn_mask, dropout_p, is_causal,
+                        enable_gqa) -> bool:
     """Whether a call of ``scaled_dot_product_attention`` runs as the efficient op: a
-    dropout strictly between 0 and 1, batched 4-d inputs of one float dtype, and a mask
-    (bool, or of the inputs' dtype) that needs no gradient and is not given with
-    ``is_causal`` (PyTorch refuses that pair itself)."""
+    dropout strictly between 0 and 1; batched 4-d inputs of one float dtype whose batch,
+    lengths and heads agree (fewer key and value heads only with ``enable_gqa``, dividing
+    the query's); and a mask (bool, or of the inputs' dtype) that needs no gradient and is
+    not given with ``is_causal``. Anything else runs as PyTorch runs it, which computes it
+    or refuses it with its own message."""
     if not 0 < dropout_p < 1 or not all(t.dim() == 4 for t in (query, key, value)):
         return False
     if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    (b, h, _, e), (bk, hk, s, ek), (bv, hv, sv, _) = query.shape, key.shape, value.shape
+    if not (b == bk == bv and e == ek and s == sv and hk == hv and hk > 0):
+        return False
+    if hk != h and not (enable_gqa and h % hk == 0):
         return False
     if attn_mask is None:
         return True
@@ -106,7 +114,8 @@ def attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0,
                            is_causal=False, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` as the efficient op where it drops (see the
     module's docstring), as PyTorch runs it otherwise."""
-    if not _fused_with_dropout(query, key, value, attn_mask, dropout_p, is_causal):
+    if not _fused_with_dropout(query, key, value, attn_mask, dropout_p, is_causal,
+                               enable_gqa):
         return aten.scaled_dot_product_attention.default._op_dk(
             DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p,
             is_causal, scale=scale, enable_gqa=enable_gqa)

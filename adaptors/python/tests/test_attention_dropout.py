@@ -168,3 +168,21 @@ def test_the_cpu_kernels_nest_and_leave_pytorch_as_it_was():
     assert not errors, errors
     with pytest.raises(NotImplementedError):
         run()
+
+
+def test_calls_the_fused_op_cannot_take_run_as_pytorch_runs_them():
+    """Mismatched heads without ``enable_gqa``, broadcast batches and a mask that needs a
+    gradient are not the efficient op's: PyTorch runs (or refuses) them as it would."""
+    from salus.attention import attention_with_dropout
+
+    q = torch.randn(2, 4, 5, 8)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q[:, :2], q[:, :2], dropout_p=0.5)
+    with pytest.raises(RuntimeError):
+        attention_with_dropout(q, q[:, :2], q[:, :2], dropout_p=0.5)
+    broadcast = attention_with_dropout(q, q[:1], q[:1], dropout_p=0.5)
+    assert broadcast.shape == (2, 4, 5, 8)
+    bias = torch.zeros(5, 5, requires_grad=True)
+    out = attention_with_dropout(q, q, q, attn_mask=bias, dropout_p=0.5)
+    out.sum().backward()
+    assert bias.grad is not None
