@@ -23,6 +23,21 @@ impl Mat<'_> {
     }
 }
 
+thread_local! {
+    /// Products on this thread run on it alone ([`serial`]).
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every product it makes on this thread alone: for kernels that already
+/// split their work over the pool (one task per attention head), where each product
+/// splitting itself again only adds hand-offs.
+pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
+    let before = SERIAL.with(|s| s.replace(true));
+    let result = f();
+    SERIAL.with(|s| s.set(before));
+    result
+}
+
 /// `out[m x n] (row-major) = (accumulate ? out : 0) + scale * a x b`.
 pub(crate) fn sgemm(
     a: Mat<'_>,
@@ -49,7 +64,7 @@ pub(crate) fn sgemm(
     }
     // The pool's size, not `available_parallelism` (a system call that allocates).
     let threads = rayon::current_num_threads();
-    let parallelism = if m * n * k >= 64 * 64 * 64 && threads > 1 {
+    let parallelism = if m * n * k >= 64 * 64 * 64 && threads > 1 && !SERIAL.with(|s| s.get()) {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None

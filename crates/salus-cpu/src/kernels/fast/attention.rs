@@ -148,6 +148,37 @@ fn dims(p: &AttentionParams) -> (usize, usize, usize, usize, usize) {
 /// `_scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask?)`: (output,
 /// logsumexp). A query whose every score is dropped gets NaN outputs and a log-sum-exp of
 /// `-inf`, as the softmax of nothing.
+/// `e^(x - m)` over a row in place, `-inf` scores giving 0: Cody and Waite's reduction
+/// `x - m = n ln 2 + r` (|r| <= ln 2 / 2), Cephes' polynomial for `e^r` (within about 2e-7
+/// relative), `2^n` through the exponent bits. Plain arithmetic and selects, so the loop
+/// vectorizes where a call to the scalar `exp` cannot. Arguments below -87 (the smallest
+/// normal's logarithm), `-inf` among them, give 0; a softmax's arguments are at most 0.
+fn exp_shifted(row: &mut [f32], m: f32) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts, the first exact in a few bits, so n ln 2 subtracts exactly.
+    const LN2_HIGH: f32 = 0.693_359_4;
+    const LN2_LOW: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    for x in row.iter_mut() {
+        let t = *x - m;
+        let c = t.clamp(-87.0, 88.0);
+        let k = c * LOG2E + ROUND;
+        let n = k - ROUND;
+        let r = c - n * LN2_HIGH - n * LN2_LOW;
+        let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+            * r
+            + 1.666_666_5e-1)
+            * r
+            + 0.5;
+        let y = p * (r * r) + r + 1.0;
+        // k's low mantissa bits hold n (as 2^22 + n): n + 127 into the exponent field.
+        let scale =
+            f32::from_bits(((k.to_bits() & 0x007f_ffff).wrapping_sub(0x0040_0000 - 127)) << 23);
+        *x = if t < -87.0 { 0.0 } else { y * scale };
+    }
+}
+
 /// The dropout factor of the probability at flat index `at`, in f32.
 fn factor(drop: Dropout, at: usize) -> f32 {
     if drop.is_none() {
@@ -195,43 +226,46 @@ pub(in super::super) fn forward(
         .zip(lse.par_chunks_mut(stride))
         .enumerate()
         .try_for_each(|(head, (out, lse))| -> Result<()> {
-            lse[l..].fill(0.0);
-            let v = &v[head * s * ev..(head + 1) * s * ev];
-            let mut buf = vec![0.0f32; QUERY_BLOCK.min(l) * s];
-            for i0 in (0..l).step_by(QUERY_BLOCK) {
-                let count = QUERY_BLOCK.min(l - i0);
-                let probs = &mut buf[..count * s];
-                scores.block(head, i0, count, probs)?;
-                // Each row's softmax (a row with every score dropped: zeros here, NaN
-                // outputs below), its log-sum-exp, then the dropout factors.
-                let mut empty = [false; QUERY_BLOCK];
-                for (r, row) in probs.chunks_exact_mut(s).enumerate() {
-                    let i = i0 + r;
-                    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    if m == f32::NEG_INFINITY {
-                        row.fill(0.0);
-                        (lse[i], empty[r]) = (f32::NEG_INFINITY, true);
-                        continue;
+            crate::blas::serial(|| {
+                lse[l..].fill(0.0);
+                let v = &v[head * s * ev..(head + 1) * s * ev];
+                let mut buf = vec![0.0f32; QUERY_BLOCK.min(l) * s];
+                for i0 in (0..l).step_by(QUERY_BLOCK) {
+                    let count = QUERY_BLOCK.min(l - i0);
+                    let probs = &mut buf[..count * s];
+                    scores.block(head, i0, count, probs)?;
+                    // Each row's softmax (a row with every score dropped: zeros here, NaN
+                    // outputs below), its log-sum-exp, then the dropout factors.
+                    let mut empty = [false; QUERY_BLOCK];
+                    for (r, row) in probs.chunks_exact_mut(s).enumerate() {
+                        let i = i0 + r;
+                        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        if m == f32::NEG_INFINITY {
+                            row.fill(0.0);
+                            (lse[i], empty[r]) = (f32::NEG_INFINITY, true);
+                            continue;
+                        }
+                        exp_shifted(row, m);
+                        let sum: f32 = row.iter().sum();
+                        lse[i] = m + sum.ln();
+                        let inv = 1.0 / sum;
+                        if drop.is_none() {
+                            row.iter_mut().for_each(|x| *x *= inv);
+                        } else {
+                            let first = (head * l + i) * s;
+                            for (j, x) in row.iter_mut().enumerate() {
+                                *x *= inv * factor(drop, first + j);
+                            }
+                        }
                     }
-                    let mut sum = 0.0f32;
-                    for x in row.iter_mut() {
-                        *x = (*x - m).exp();
-                        sum += *x;
-                    }
-                    lse[i] = m + sum.ln();
-                    let inv = 1.0 / sum;
-                    let first = (head * l + i) * s;
-                    for (j, x) in row.iter_mut().enumerate() {
-                        *x *= inv * factor(drop, first + j);
+                    let o = &mut out[i0 * ev..(i0 + count) * ev];
+                    gemm(rows(probs, count, s), rows(v, s, ev), o, false, 1.0)?;
+                    for (row, _) in o.chunks_exact_mut(ev).zip(empty).filter(|(_, e)| *e) {
+                        row.fill(f32::NAN);
                     }
                 }
-                let o = &mut out[i0 * ev..(i0 + count) * ev];
-                gemm(rows(probs, count, s), rows(v, s, ev), o, false, 1.0)?;
-                for (row, _) in o.chunks_exact_mut(ev).zip(empty).filter(|(_, e)| *e) {
-                    row.fill(f32::NAN);
-                }
-            }
-            Ok(())
+                Ok(())
+            })
         });
     Some(done)
 }
@@ -278,68 +312,109 @@ pub(in super::super) fn backward(
         .zip(dv.par_chunks_mut(s * ev))
         .enumerate()
         .try_for_each(|(head, ((dq, dk), dv))| -> Result<()> {
-            dk.fill(0.0);
-            dv.fill(0.0);
-            let (k, v) = (
-                &k[head * s * e..(head + 1) * s * e],
-                &v[head * s * ev..(head + 1) * s * ev],
-            );
-            let block = QUERY_BLOCK.min(l) * s;
-            let (mut pb, mut gb) = (vec![0.0f32; block], vec![0.0f32; block]);
-            for i0 in (0..l).step_by(QUERY_BLOCK) {
-                let count = QUERY_BLOCK.min(l - i0);
-                let (probs, grads) = (&mut pb[..count * s], &mut gb[..count * s]);
-                let (first, last) = (head * l + i0, head * l + i0 + count);
-                let qb = &q[first * e..last * e];
-                let (gob, ob) = (&go[first * ev..last * ev], &o[first * ev..last * ev]);
-                // P again from the log-sum-exp, and dP = grad_out v^T.
-                scores.block(head, i0, count, probs)?;
-                gemm(
-                    rows(gob, count, ev),
-                    transposed(v, ev, s),
-                    grads,
-                    false,
-                    1.0,
-                )?;
-                for (r, (pr, gr)) in probs
-                    .chunks_exact_mut(s)
-                    .zip(grads.chunks_exact_mut(s))
-                    .enumerate()
-                {
-                    let m = lse[head * stride + i0 + r];
-                    let di = dot(&gob[r * ev..(r + 1) * ev], &ob[r * ev..(r + 1) * ev]);
-                    let first = (head * l + i0 + r) * s;
-                    for (j, (x, g)) in pr.iter_mut().zip(gr.iter_mut()).enumerate() {
-                        let pij = if *x == f32::NEG_INFINITY || m == f32::NEG_INFINITY {
-                            0.0
+            crate::blas::serial(|| {
+                dk.fill(0.0);
+                dv.fill(0.0);
+                let (k, v) = (
+                    &k[head * s * e..(head + 1) * s * e],
+                    &v[head * s * ev..(head + 1) * s * ev],
+                );
+                let block = QUERY_BLOCK.min(l) * s;
+                let (mut pb, mut gb) = (vec![0.0f32; block], vec![0.0f32; block]);
+                for i0 in (0..l).step_by(QUERY_BLOCK) {
+                    let count = QUERY_BLOCK.min(l - i0);
+                    let (probs, grads) = (&mut pb[..count * s], &mut gb[..count * s]);
+                    let (first, last) = (head * l + i0, head * l + i0 + count);
+                    let qb = &q[first * e..last * e];
+                    let (gob, ob) = (&go[first * ev..last * ev], &o[first * ev..last * ev]);
+                    // P again from the log-sum-exp, and dP = grad_out v^T.
+                    scores.block(head, i0, count, probs)?;
+                    gemm(
+                        rows(gob, count, ev),
+                        transposed(v, ev, s),
+                        grads,
+                        false,
+                        1.0,
+                    )?;
+                    for (r, (pr, gr)) in probs
+                        .chunks_exact_mut(s)
+                        .zip(grads.chunks_exact_mut(s))
+                        .enumerate()
+                    {
+                        let m = lse[head * stride + i0 + r];
+                        let di = dot(&gob[r * ev..(r + 1) * ev], &ob[r * ev..(r + 1) * ev]);
+                        // P, then dS = P (F dP - D) scale; P F weighs grad_value.
+                        if m == f32::NEG_INFINITY {
+                            pr.fill(0.0);
                         } else {
-                            (*x - m).exp()
-                        };
-                        // dS = P (F dP - D) scale; P F weighs grad_value.
-                        let f = factor(drop, first + j);
-                        *g = pij * (f * *g - di) * scale;
-                        *x = pij * f;
+                            exp_shifted(pr, m);
+                        }
+                        if drop.is_none() {
+                            for (x, g) in pr.iter().zip(gr.iter_mut()) {
+                                *g = x * (*g - di) * scale;
+                            }
+                        } else {
+                            let first = (head * l + i0 + r) * s;
+                            for (j, (x, g)) in pr.iter_mut().zip(gr.iter_mut()).enumerate() {
+                                let f = factor(drop, first + j);
+                                *g = *x * (f * *g - di) * scale;
+                                *x *= f;
+                            }
+                        }
                     }
+                    // grad_query = dS k, grad_key += dS^T q, grad_value += (P F)^T grad_out.
+                    let dqb = &mut dq[i0 * e..(i0 + count) * e];
+                    gemm(rows(grads, count, s), rows(k, s, e), dqb, false, 1.0)?;
+                    gemm(
+                        transposed(grads, s, count),
+                        rows(qb, count, e),
+                        dk,
+                        true,
+                        1.0,
+                    )?;
+                    gemm(
+                        transposed(probs, s, count),
+                        rows(gob, count, ev),
+                        dv,
+                        true,
+                        1.0,
+                    )?;
                 }
-                // grad_query = dS k, grad_key += dS^T q, grad_value += (P F)^T grad_out.
-                let dqb = &mut dq[i0 * e..(i0 + count) * e];
-                gemm(rows(grads, count, s), rows(k, s, e), dqb, false, 1.0)?;
-                gemm(
-                    transposed(grads, s, count),
-                    rows(qb, count, e),
-                    dk,
-                    true,
-                    1.0,
-                )?;
-                gemm(
-                    transposed(probs, s, count),
-                    rows(gob, count, ev),
-                    dv,
-                    true,
-                    1.0,
-                )?;
-            }
-            Ok(())
+                Ok(())
+            })
         });
     Some(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_shifted;
+
+    /// Within 3 f32 ulps of e^x (from f64) over the softmax's range, 0 below -87 and for
+    /// -inf, and exactly 1 at 0.
+    #[test]
+    fn exp_shifted_is_within_three_ulps() {
+        let mut xs: Vec<f32> = (0..=200_000)
+            .map(|i| -87.0 + 87.0 * i as f32 / 200_000.0)
+            .collect();
+        xs.extend([0.0, -0.0, 1e-8, -1e-8, 0.5, 3.0, 20.0, 88.0]);
+        let mut row = xs.clone();
+        exp_shifted(&mut row, 0.0);
+        for (&x, &got) in xs.iter().zip(&row) {
+            let want = (x as f64).exp();
+            let ulp = (want as f32).abs() * f32::EPSILON;
+            assert!(
+                ((got as f64) - want).abs() <= 3.0 * ulp as f64,
+                "e^{x}: {got} against {want}"
+            );
+        }
+        let mut edges = [f32::NEG_INFINITY, -87.5, -1000.0, 0.0];
+        exp_shifted(&mut edges, 0.0);
+        assert_eq!(edges, [0.0, 0.0, 0.0, 1.0]);
+        // Shifted: e^(x - m).
+        let mut shifted = [5.0f32, 4.0];
+        exp_shifted(&mut shifted, 5.0);
+        assert_eq!(shifted[0], 1.0);
+        assert!((shifted[1] as f64 - (-1.0f64).exp()).abs() < 1e-7);
+    }
 }
