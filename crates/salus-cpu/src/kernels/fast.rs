@@ -22,6 +22,7 @@ pub(super) use attention::{backward as attention_backward, forward as attention_
 pub(super) mod batch_norm;
 mod conv;
 mod copy;
+mod exp;
 mod matmul;
 mod pool;
 mod reduce;

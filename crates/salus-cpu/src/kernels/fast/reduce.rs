@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use salus_graph::{Op, Reduction};
 
+use super::exp::exp_shifted;
 use super::{MAX_RANK, for_chunks, input, numel, typed_mut};
 use crate::kernels::{Arg, Out, Result};
 
@@ -321,12 +322,9 @@ pub(super) fn softmax(
             .zip(chunk.chunks_exact_mut(len))
         {
             let m = max(row);
-            let mut total = 0f64;
-            for (o, &v) in out.iter_mut().zip(row) {
-                let e = (v - m).exp();
-                *o = e;
-                total += f64::from(e);
-            }
+            out.copy_from_slice(row);
+            exp_shifted(out, m);
+            let total: f64 = out.iter().map(|&e| f64::from(e)).sum();
             if log {
                 let shift = m + total.ln() as f32;
                 out.iter_mut().zip(row).for_each(|(o, &v)| *o = v - shift);
