@@ -131,11 +131,15 @@ def attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0,
 # The efficient op on the CPU, for tracing in real mode and running traced graphs
 
 
+def _scale(query, scale):
+    """The scores' scale: as given, else ``1 / sqrt(E)``."""
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
 def _probabilities(query, key, bias, is_causal, scale):
     """The scores (in f32 or wider) and their softmax, masked and causal as the op's."""
     work = torch.promote_types(query.dtype, torch.float32)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = torch.matmul(query.to(work), key.to(work).transpose(-2, -1)) * scale
+    scores = torch.matmul(query.to(work), key.to(work).transpose(-2, -1)) * _scale(query, scale)
     if is_causal:
         l, s = scores.shape[-2:]
         keep = torch.ones(l, s, dtype=torch.bool).tril()
@@ -182,7 +186,7 @@ def _efficient_backward_cpu(grad_out, query, key, value, attn_bias, out, logsume
     grad_value = torch.matmul((probs * factors).transpose(-2, -1), go)
     dp = torch.matmul(go, v.transpose(-2, -1)) * factors
     ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scale = _scale(query, scale)
     grad_query = torch.matmul(ds, k) * scale
     grad_key = torch.matmul(ds.transpose(-2, -1), q) * scale
     return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),

@@ -61,7 +61,7 @@ from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
 from .decompositions import composite_decompositions, decomposition_table
 from .errors import TraceError
-from .lower import MODULE_META, graph_ops, lower
+from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
 
 aten = torch.ops.aten
@@ -833,18 +833,17 @@ def _thread_generator(gm: torch.fx.GraphModule, inputs: list[InputSlot],
                       outputs: list[OutputSlot], initial: dict[str, torch.Tensor]) -> None:
     """Gives a step that draws random numbers its own generator state.
 
-    ``bernoulli.p`` and ``rand_like`` read PyTorch's global generator when PyTorch runs
-    them; salus devices
-    draw from the session's generator instead (see ``docs/ops.md``). This adds that state
+    The ops that draw (:data:`salus.lower.RANDOM_OPS`: ``bernoulli.p``, ``rand_like``,
+    attention with dropout) read PyTorch's global generator when PyTorch runs them; salus
+    devices draw from the session's generator instead (see ``docs/ops.md``). This adds that state
     as a persistent input (after the other persistent inputs), its update ``state + 1`` as
     an output, and seeds it from PyTorch's generator, so ``torch.manual_seed`` makes
     traces reproducible. The lowering passes the state to every node that draws.
     The FX graph still runs eagerly, drawing from PyTorch's generator as before.
     """
     graph = gm.graph
-    random = (torch.ops.aten.bernoulli.p, torch.ops.aten.rand_like.default,
-              torch.ops.aten._scaled_dot_product_efficient_attention.default)
-    if not any(n.op == "call_function" and n.target in random for n in graph.nodes):
+    if not any(n.op == "call_function" and op_name(n.target) in RANDOM_OPS
+               for n in graph.nodes):
         return
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     at = sum(1 for s in inputs if s.role != FEED)

@@ -883,13 +883,6 @@ fn attention_and_its_backward_in_half() {
     }
 }
 
-/// SplitMix64's finalizer, the session's random streams' mix.
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Attention with dropout (the efficient op) in 16 bits, forward and backward, against
 /// the reference drawing the same keep-flags: kept when the 24-bit draw of the seed's
 /// stream is below `1 - p`, then scaled by `1 / (1 - p)`; the log-sum-exp (of the
@@ -899,19 +892,9 @@ fn attention_with_dropout_in_half() {
     let mut rng = Rng::new(139);
     let (l, s, e, ev, p) = (5usize, 6usize, 8usize, 4usize, 0.3);
     // A state whose seed an f64 holds exactly: the backward reads back the forward's.
-    let key = salus_exec::random::name_key(Op::EfficientAttention.name());
-    let state = (0..)
-        .find(|&st: &i64| {
-            let seed = mix64(st as u64 ^ key) as i64;
-            seed as f64 as i64 == seed
-        })
-        .unwrap();
-    let seed = mix64(state as u64 ^ key);
-    let factor = |at: usize| {
-        let bits = mix64(seed.wrapping_add((at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-        let u = (bits >> 40) as f64 / (1u64 << 24) as f64;
-        if u < 1.0 - p { 1.0 / (1.0 - p) } else { 0.0 }
-    };
+    let state = exact_seed_state(0);
+    let seed = attention_seed(state);
+    let factor = |at: usize| dropout_factor(seed, p, at);
     assert!(
         (0..l * s).any(|at| factor(at) == 0.0),
         "some probability dropped"

@@ -2320,13 +2320,6 @@ fn fused_attention_refuses_dropout() {
     assert!(err.contains("dropout_p 0.1"), "{err}");
 }
 
-/// SplitMix64's finalizer, as the IR's random ops use it (`docs/ops.md`).
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Attention with dropout (the efficient op): the seed is the node's stream under the
 /// generator state, each probability is kept when its 24-bit draw under that seed is
 /// below `1 - p` and scaled by `1 / (1 - p)`, against a naive f64 reference drawing the
@@ -2377,29 +2370,17 @@ fn efficient_attention_drops_probabilities_by_the_session_stream() {
                 .output(I64, &[])
         };
         let forward_at = |state: i64| forward_in(state, Fp32);
-        // A state whose seed an f64 holds exactly: the harness carries values as f64, and
-        // the backward's seed input must be the forward's to the bit.
-        let key = salus_exec::random::name_key(Op::EfficientAttention.name());
-        let state = (0..)
-            .find(|&st: &i64| {
-                let seed = mix64(st as u64 ^ key) as i64;
-                seed as f64 as i64 == seed
-            })
-            .expect("a state");
+        let state = exact_seed_state(0);
         let forward = forward_at(state);
         let got = forward.run();
-        let seed = mix64(state as u64 ^ key);
+        let seed = attention_seed(state);
         assert_eq!(
             got[2],
             [seed as i64 as f64],
             "the seed is the node's stream"
         );
         assert_eq!(got[3], [0.0], "the offset is 0");
-        let factor = |at: usize| {
-            let bits = mix64(seed.wrapping_add((at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
-            let u = (bits >> 40) as f64 / (1u64 << 24) as f64;
-            if u < 1.0 - p { 1.0 / (1.0 - p) } else { 0.0 }
-        };
+        let factor = |at: usize| dropout_factor(seed, p, at);
         let geometry = AttnGeometry {
             dims: [b, h, l, s, e, ev],
             causal,

@@ -77,17 +77,8 @@ pub(super) fn efficient(
     args: &[Arg<'_>],
     outs: &mut [Option<Out<'_>>],
 ) -> Result<()> {
-    let read_seed = |k: usize, what: &str| -> Result<i64> {
-        let (ty, bytes) = tensor(args, k)?;
-        if ty.dtype != salus_graph::DType::I64 || bytes.len() != 8 {
-            return Err(format!("{what} must be an i64 scalar, got {ty}"));
-        }
-        Ok(i64::from_le_bytes(
-            bytes.try_into().map_err(|_| "seed bytes")?,
-        ))
-    };
     if node.op == Op::EfficientAttention {
-        let seed = random::stream(node, read_seed(4, "the generator")?);
+        let seed = random::node_stream(node, args, 4)?;
         for (k, v) in [(2, seed as i64), (3, 0)] {
             if let Some(Some(o)) = outs.get_mut(k) {
                 if o.bytes.len() != 8 {
@@ -101,7 +92,7 @@ pub(super) fn efficient(
         fast::attention_forward(p, layout, drop, args, outs)
             .unwrap_or_else(|| attention(p, layout, drop, args, outs))
     } else {
-        let seed = read_seed(7, "philox_seed")? as u64;
+        let seed = random::i64_scalar(args, 7, "philox_seed")? as u64;
         let drop = Dropout { p: p.dropout, seed };
         let layout = Layout::EFFICIENT_BACKWARD;
         fast::attention_backward(p, layout, drop, args, outs)

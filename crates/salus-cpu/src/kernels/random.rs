@@ -27,19 +27,25 @@ pub(crate) fn stream(node: &Node, state: i64) -> u64 {
     mix(state as u64 ^ name_key(&node.name))
 }
 
-/// The stream of `node` under the generator state in input 1.
-fn node_stream(node: &Node, args: &[Arg<'_>]) -> Result<u64> {
-    let (ty, bytes) = tensor(args, 1)?;
+/// Input `k`, an i64 scalar (`what` names it in the error): a generator state or a seed.
+pub(crate) fn i64_scalar(args: &[Arg<'_>], k: usize, what: &str) -> Result<i64> {
+    let (ty, bytes) = tensor(args, k)?;
     if ty.dtype != salus_graph::DType::I64 || bytes.len() != 8 {
-        return Err(format!("the generator must be an i64 scalar, got {ty}"));
+        return Err(format!("{what} must be an i64 scalar, got {ty}"));
     }
-    let state = i64::from_le_bytes(bytes.try_into().map_err(|_| "generator bytes")?);
-    Ok(stream(node, state))
+    Ok(i64::from_le_bytes(
+        bytes.try_into().map_err(|_| format!("{what} bytes"))?,
+    ))
+}
+
+/// The stream of `node` under the generator state in input `k`.
+pub(crate) fn node_stream(node: &Node, args: &[Arg<'_>], k: usize) -> Result<u64> {
+    Ok(stream(node, i64_scalar(args, k, "the generator")?))
 }
 
 /// bernoulli.p: 1 with probability `p`, else 0, in the dtype of `self`.
 pub(crate) fn bernoulli(node: &Node, p: f64, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
-    let key = node_stream(node, args)?;
+    let key = node_stream(node, args, 1)?;
     let n = o.ty.numel().unwrap_or(0) as usize;
     for i in 0..n {
         let one = uniform(key, i as u64, 24) < p;
@@ -51,7 +57,7 @@ pub(crate) fn bernoulli(node: &Node, p: f64, args: &[Arg<'_>], o: &mut Out<'_>) 
 /// rand_like: uniform in [0, 1) in the dtype of `self`, with as many bits as it holds
 /// exactly ([`salus_exec::random::uniform_bits`]).
 pub(crate) fn rand_like(node: &Node, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
-    let key = node_stream(node, args)?;
+    let key = node_stream(node, args, 1)?;
     let bits = salus_exec::random::uniform_bits(o.ty.dtype);
     let n = o.ty.numel().unwrap_or(0) as usize;
     for i in 0..n {

@@ -503,6 +503,40 @@ pub fn broadcast_at(out: &[usize], shape: &[u64]) -> usize {
     ravel(&idx, shape)
 }
 
+/// SplitMix64's finalizer, the mix of the session's random streams (`docs/ops.md`),
+/// written out here apart from the devices' kernels.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The keep-flags' seed of a one-node efficient attention case under generator `state`:
+/// the node's stream (its name is the op's).
+pub fn attention_seed(state: i64) -> u64 {
+    mix64(state as u64 ^ salus_exec::random::name_key(Op::EfficientAttention.name()))
+}
+
+/// The first generator state from `from` on whose [`attention_seed`] an f64 holds exactly:
+/// the harness carries values as f64, and a backward must read back its forward's seed
+/// to the bit.
+pub fn exact_seed_state(from: i64) -> i64 {
+    (from..)
+        .find(|&state| {
+            let seed = attention_seed(state) as i64;
+            seed as f64 as i64 == seed
+        })
+        .expect("a state")
+}
+
+/// Attention dropout's factor of the probability at flat index `at` under `seed`: kept
+/// (`1 / (1 - p)`) when the 24-bit draw of the seed's stream is below `1 - p`, else 0.
+pub fn dropout_factor(seed: u64, p: f64, at: usize) -> f64 {
+    let bits = mix64(seed.wrapping_add((at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    let u = (bits >> 40) as f64 / (1u64 << 24) as f64;
+    if u < 1.0 - p { 1.0 / (1.0 - p) } else { 0.0 }
+}
+
 /// A small deterministic generator (splitmix64).
 pub struct Rng(u64);
 
@@ -513,10 +547,7 @@ impl Rng {
 
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        mix64(self.0)
     }
 
     /// Uniform in `[lo, hi)`.
