@@ -34,6 +34,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use crate::session::SessionClass;
+pub use share::OfflineShare;
+
+mod share;
 
 /// How online sessions are protected from offline ones.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +62,12 @@ pub struct ProtectionConfig {
     /// the share follows the online work at kernel granularity
     /// ([`crate::Action::SetComputeShare`]).
     pub offline_compute_share: f64,
+    /// The share is learned ([`OfflineShare`], MuxFlow's dynamic SM allocation), starting
+    /// from `offline_compute_share`: the most offline work may use beside online
+    /// iterations without slowing them. Off where the operator or the device fixes the
+    /// share.
+    #[serde(default = "learned_by_default")]
+    pub dynamic_compute_share: bool,
     /// The device runs offline iterations at a priority below online ones, on the compute
     /// online work leaves (`Action::StartIteration`'s `background`; the cpu device runs
     /// them on threads the OS schedules only on otherwise idle cores). Online iterations
@@ -105,6 +114,7 @@ impl Default for ProtectionConfig {
             initial_duty: 0.5,
             min_duty: 0.02,
             offline_compute_share: 0.3,
+            dynamic_compute_share: true,
             background_priority: false,
             min_samples: 20,
             abandon_after: Duration::from_millis(200),
@@ -117,6 +127,10 @@ impl Default for ProtectionConfig {
             clock_high_weight: 0.2,
         }
     }
+}
+
+fn learned_by_default() -> bool {
+    true
 }
 
 impl ProtectionConfig {
@@ -143,6 +157,15 @@ impl ProtectionConfig {
         if !(0.0..=1.0).contains(&self.offline_compute_share) {
             return Err(format!(
                 "offline_compute_share must be in [0, 1], got {}",
+                self.offline_compute_share
+            ));
+        }
+        if self.dynamic_compute_share
+            && !(self.offline_compute_share > 0.0 && self.offline_compute_share < 1.0)
+        {
+            return Err(format!(
+                "dynamic_compute_share learns a share from offline_compute_share in (0, 1), \
+                 got {}: set dynamic_compute_share to false to fix the share",
                 self.offline_compute_share
             ));
         }
@@ -641,6 +664,10 @@ pub struct ProtectionStatus {
     pub metrics: HealthMetrics,
     /// The controller's offline duty, 0 to 1.
     pub offline_duty: f64,
+    /// The share of the device an offline iteration may use while an online one runs.
+    pub offline_compute_share: f64,
+    /// Whether that share is learned ([`OfflineShare`]) or fixed.
+    pub offline_compute_share_learned: bool,
     /// Offline iterations wait until then (core time), if they are held.
     pub offline_held_until: Option<Duration>,
     /// Bytes offline sessions hold (persistent and their lanes).

@@ -366,9 +366,17 @@ fn submit_through_hold(d: &mut Driver, id: u64) -> Vec<Action> {
     d.feed(Event::Tick)
 }
 
+/// Protection with the offline compute share fixed at the default's start.
+fn fixed_share() -> ProtectionConfig {
+    ProtectionConfig {
+        dynamic_compute_share: false,
+        ..ProtectionConfig::default()
+    }
+}
+
 #[test]
 fn the_offline_compute_share_follows_online_iterations() {
-    let mut d = driver(PolicyKind::Pack, ProtectionConfig::default());
+    let mut d = driver(PolicyKind::Pack, fixed_share());
     d.open(offline(2, 10 * MB, 10 * MB));
     // Alone, it has the whole device.
     assert_eq!(start_share(&d.submit(2)), Some(1.0));
@@ -404,7 +412,7 @@ fn the_offline_compute_share_follows_online_iterations() {
 fn an_offline_share_of_zero_holds_offline_work_while_online_work_runs() {
     let config = ProtectionConfig {
         offline_compute_share: 0.0,
-        ..ProtectionConfig::default()
+        ..fixed_share()
     };
     config.validate().unwrap();
     let mut d = driver(PolicyKind::Pack, config);
@@ -426,6 +434,59 @@ fn an_offline_share_of_zero_holds_offline_work_while_online_work_runs() {
     assert_eq!((start_share(&a), set_shares(&a)), (Some(1.0), vec![]));
 }
 
+#[test]
+fn the_offline_share_is_learned_from_online_iterations_beside_offline_ones() {
+    // An online session that needs half the device: beside an offline share `s` it gets
+    // `1 - s` and takes `max(1, 0.5 / (1 - s))` times its 100 ms, give or take 2 ms.
+    let config = ProtectionConfig::default();
+    assert!(config.dynamic_compute_share);
+    let mut d = driver(PolicyKind::Pack, config.clone());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    warm_up(&mut d, 1, 100, config.min_samples);
+    // One offline iteration runs beside all of them.
+    assert!(start_share(&submit_through_hold(&mut d, 2)).is_some());
+    let mut shares = Vec::new();
+    for i in 0..3000u64 {
+        let a = d.submit(1);
+        let online = start_share(&a).unwrap();
+        let offline = 1.0 - online;
+        // The running offline iteration is told the share the online one leaves.
+        assert_eq!(set_shares(&a), vec![(2, offline)]);
+        shares.push(offline);
+        let ms = 100.0 * (0.5 / online).max(1.0) + if i % 2 == 0 { 2.0 } else { -2.0 };
+        run(&mut d, 1, ms.round() as u64);
+    }
+    // It climbs from 0.3125 to the half the online session leaves, and rarely past it.
+    assert!((shares[0] - 0.3125).abs() < 1e-9, "{}", shares[0]);
+    let late = &shares[1000..];
+    let at_half = late.iter().filter(|&&s| (s - 0.5).abs() < 1e-9).count();
+    let above = late.iter().filter(|&&s| s > 0.5 + 1e-9).count();
+    assert!(
+        at_half * 10 > late.len() * 9,
+        "{at_half} of {} at 0.5",
+        late.len()
+    );
+    assert!(
+        above * 20 < late.len(),
+        "{above} of {} above 0.5",
+        late.len()
+    );
+    let status = d.core.protection_status();
+    assert!(status.offline_compute_share_learned);
+    assert!(status.offline_compute_share <= 0.5 + 1e-9);
+}
+
+#[test]
+fn a_learned_share_needs_a_share_to_start_from() {
+    let config = ProtectionConfig {
+        offline_compute_share: 0.0,
+        ..ProtectionConfig::default()
+    };
+    let err = config.validate().unwrap_err();
+    assert!(err.contains("dynamic_compute_share"), "{err}");
+}
+
 fn start_background(a: &[Action]) -> Option<bool> {
     a.iter().find_map(|x| match x {
         Action::StartIteration { background, .. } => Some(*background),
@@ -437,7 +498,7 @@ fn start_background(a: &[Action]) -> Option<bool> {
 fn offline_iterations_run_in_the_background_and_online_ones_keep_a_prioritizing_device() {
     let config = ProtectionConfig {
         background_priority: true,
-        ..ProtectionConfig::default()
+        ..fixed_share()
     };
     let mut d = driver(PolicyKind::Pack, config);
     d.open(offline(2, 10 * MB, 10 * MB));

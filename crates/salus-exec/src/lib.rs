@@ -445,8 +445,8 @@ pub trait Device: Send + Sync {
 
     /// The share of this device's compute an offline iteration should use while an online
     /// iteration runs (`ProtectionConfig::offline_compute_share`), where the device knows
-    /// better than protection's default; `None` keeps the default. The operator's
-    /// `--offline-compute-share` overrides both.
+    /// better than protection's default; `None` keeps the default (a share protection
+    /// learns). The operator's `--offline-compute-share` overrides both. Either is fixed.
     fn offline_compute_share(&self) -> Option<f64> {
         None
     }

@@ -133,7 +133,8 @@ enum Experiment {
         #[arg(long, default_value_t = salus_sim::muxflow::DEFAULT_SLO_FACTOR)]
         slo_factor: f64,
         /// The share of the device an offline iteration gets while an online iteration
-        /// runs (the protection's offline_compute_share; default: the core's).
+        /// runs, fixed (the protection's offline_compute_share; default: learned by the
+        /// core from its default).
         #[arg(long)]
         compute_share: Option<f64>,
         /// The protection controller's setpoint: the mean slowdown of online iterations
@@ -283,7 +284,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     if !(0.0..=1.0).contains(&share) {
                         return Err(format!("--compute-share must be in [0, 1], got {share}"));
                     }
-                    knobs.compute_share = share;
+                    knobs.compute_share = Some(share);
                 }
                 if let Some(load) = target_load {
                     if !(load >= 1.0 && load.is_finite()) {

@@ -180,6 +180,8 @@ fn status_json(s: &pb::StatusResponse) -> Value {
         })).collect::<Vec<_>>(),
         "protection": s.protection.as_ref().map(|p| json!({
             "enabled": p.enabled, "health": p.health, "offline_duty": p.offline_duty,
+            "offline_compute_share": p.offline_compute_share,
+            "offline_compute_share_learned": p.offline_compute_share_learned,
             "offline_bytes": p.offline_bytes, "offline_limit": p.offline_limit,
             "offline_evictions": p.offline_evictions, "overlimit_entries": p.overlimit_entries,
             "offline_abandoned": p.offline_abandoned,
@@ -199,10 +201,16 @@ fn protection_text(s: &pb::StatusResponse) -> String {
         return "protection off: offline sessions are scheduled like online ones\n".into();
     }
     let mut out = format!(
-        "protection {}: offline duty {:.2}, offline sessions hold {} of {}, {} evicted, {} \
-         iterations abandoned",
+        "protection {}: offline duty {:.2}, offline share beside online work {:.3} ({}), \
+         offline sessions hold {} of {}, {} evicted, {} iterations abandoned",
         p.health,
         p.offline_duty,
+        p.offline_compute_share,
+        if p.offline_compute_share_learned {
+            "learned"
+        } else {
+            "fixed"
+        },
         bytes(p.offline_bytes),
         bytes(p.offline_limit),
         p.offline_evictions,
@@ -637,6 +645,8 @@ mod tests {
                 enabled: true,
                 health: "unhealthy".into(),
                 offline_duty: 0.5,
+                offline_compute_share: 0.4375,
+                offline_compute_share_learned: true,
                 offline_bytes: 1 << 20,
                 offline_limit: 4 << 20,
                 online_slowdown_p99: 1.25,
@@ -646,8 +656,9 @@ mod tests {
         };
         assert_eq!(
             protection_text(&s),
-            "protection unhealthy: offline duty 0.50, offline sessions hold 1.00 MiB of 4.00 \
-             MiB, 0 evicted, 0 iterations abandoned; online slowdown p99 1.25\n"
+            "protection unhealthy: offline duty 0.50, offline share beside online work 0.438 \
+             (learned), offline sessions hold 1.00 MiB of 4.00 MiB, 0 evicted, 0 iterations \
+             abandoned; online slowdown p99 1.25\n"
         );
         if let Some(p) = s.protection.as_mut() {
             p.sm_activity = 0.93;

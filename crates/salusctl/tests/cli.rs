@@ -113,8 +113,8 @@ fn status_sessions_policy_and_json_for_a_known_state() {
     );
     assert!(
         text.contains(
-            "protection healthy: offline duty 0.50, offline sessions hold 0 B of 25.6 MiB, 0 \
-             evicted, 0 iterations abandoned"
+            "protection healthy: offline duty 0.50, offline share beside online work 0.000 \
+             (fixed), offline sessions hold 0 B of 25.6 MiB, 0 evicted, 0 iterations abandoned"
         ),
         "{text}"
     );

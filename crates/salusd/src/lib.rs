@@ -110,14 +110,18 @@ pub const LOAD_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The protection the core runs with on `device`: the configured one, with what only the
 /// device knows (whether it has a background priority) and, unless the operator set one,
-/// the device's own offline compute share.
+/// the device's own offline compute share. A share the operator or the device sets is
+/// fixed; otherwise it is learned from the configured one.
 pub fn protection_for(config: &Config, device: &dyn Device) -> salus_core::ProtectionConfig {
+    let device_share = device
+        .offline_compute_share()
+        .filter(|_| !config.offline_compute_share_given);
     salus_core::ProtectionConfig {
         background_priority: device.has_background_priority(),
-        offline_compute_share: device
-            .offline_compute_share()
-            .filter(|_| !config.offline_compute_share_given)
-            .unwrap_or(config.protection.offline_compute_share),
+        offline_compute_share: device_share.unwrap_or(config.protection.offline_compute_share),
+        dynamic_compute_share: config.protection.dynamic_compute_share
+            && device_share.is_none()
+            && !config.offline_compute_share_given,
         ..config.protection.clone()
     }
 }

@@ -63,8 +63,8 @@ struct Args {
     #[arg(long, env = "SALUS_OFFLINE_SHARE")]
     offline_share: Option<f64>,
     /// The share of the device's compute an offline iteration may use while an online
-    /// iteration runs, in [0, 1]; 0 holds it between two kernels [default: the device's,
-    /// 0 on cpu, 0.3 elsewhere].
+    /// iteration runs, in [0, 1], fixed; 0 holds it between two kernels [default: the
+    /// device's, 0 on cpu; elsewhere learned, from 0.3, as online work allows].
     #[arg(long, env = "SALUS_OFFLINE_COMPUTE_SHARE")]
     offline_compute_share: Option<f64>,
     /// Protection of online sessions from offline ones: on or off (offline sessions are

@@ -105,6 +105,15 @@ pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
             let _ = writeln!(out, "salus_offline_duty {duty}");
         },
     );
+    let share = protection.offline_compute_share;
+    family(
+        "salus_offline_compute_share",
+        "gauge",
+        "The share of the device an offline iteration may use while an online one runs.",
+        &mut |out: &mut String| {
+            let _ = writeln!(out, "salus_offline_compute_share {share}");
+        },
+    );
     let health = protection.health;
     family(
         "salus_protection_health",

@@ -326,22 +326,32 @@ fn the_device_sets_the_offline_compute_share_unless_the_operator_does() {
     assert_eq!(cpu.offline_compute_share(), Some(0.0));
     let protection = salusd::protection_for(&config, &*cpu);
     assert_eq!(protection.offline_compute_share, 0.0);
+    assert!(
+        !protection.dynamic_compute_share,
+        "the device's share is fixed"
+    );
     assert_eq!(
         protection.background_priority,
         cpu.has_background_priority()
     );
     config.protection.offline_compute_share = 0.3;
     config.offline_compute_share_given = true;
-    assert_eq!(
-        salusd::protection_for(&config, &*cpu).offline_compute_share,
-        0.3
+    let given = salusd::protection_for(&config, &*cpu);
+    assert_eq!(given.offline_compute_share, 0.3);
+    assert!(
+        !given.dynamic_compute_share,
+        "the operator's share is fixed"
     );
-    // A device without its own share keeps protection's default.
+    // A device without its own share learns it from protection's default.
     let mut config = salusd::config::Config::new("unused.sock".into());
     config.device = salusd::config::DeviceChoice::Sim;
     let sim = salusd::open_device(&config).unwrap();
+    let learned = salusd::protection_for(&config, &*sim);
     assert_eq!(
-        salusd::protection_for(&config, &*sim).offline_compute_share,
+        learned.offline_compute_share,
         salus_core::ProtectionConfig::default().offline_compute_share
     );
+    assert!(learned.dynamic_compute_share);
+    config.offline_compute_share_given = true;
+    assert!(!salusd::protection_for(&config, &*sim).dynamic_compute_share);
 }

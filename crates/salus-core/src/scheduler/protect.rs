@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::{Scheduler, Session, State};
 use crate::memory::LaneId;
 use crate::protection::{
-    Controller, DeviceSample, Health, HealthMetrics, HealthState, ProtectionConfig,
+    Controller, DeviceSample, Health, HealthMetrics, HealthState, OfflineShare, ProtectionConfig,
     ProtectionStatus, Window,
 };
 use crate::session::{SessionClass, SessionId};
@@ -20,6 +20,8 @@ pub(super) struct Protect {
     pub(super) config: ProtectionConfig,
     pub(super) health: Health,
     controller: Controller,
+    /// The offline compute share beside online iterations, fixed or learned.
+    share: OfflineShare,
     slowdowns: Window,
     /// The same ratio for online iterations with no offline one beside them: how much
     /// online iterations vary by themselves (requests of other sizes, a busy host). A
@@ -29,14 +31,19 @@ pub(super) struct Protect {
     clean_ratios: Window,
     slo_use: Window,
     device: Option<DeviceSample>,
-    /// Offline iterations do not start before this time.
-    hold_until: Duration,
+    /// The offline iteration the hold counts from (when it ended, how long it ran): the
+    /// next one waits `ran * (1 - d) / d` for the controller's duty `d` now, so a duty that
+    /// recovers shortens a hold already under way.
+    held_after: Option<(Duration, Duration)>,
     /// Offline lanes with a ready session that the gate held back.
     pub(super) held: BTreeSet<LaneId>,
     offline_running: usize,
     /// Offline iterations started so far: an online iteration that sees this move while it
     /// runs had an offline one beside it.
     offline_starts: u64,
+    /// Offline iterations ended so far: an online iteration that sees this move while it
+    /// runs did not have offline work beside it all along.
+    offline_ends: u64,
     /// Online iterations running now, and those of them that run before there is a
     /// clean reference (probing: no offline iteration starts meanwhile).
     online_running: usize,
@@ -61,16 +68,18 @@ impl Protect {
     pub(super) fn new(config: ProtectionConfig) -> Self {
         Protect {
             controller: Controller::new(&config),
+            share: OfflineShare::new(&config),
             config,
             health: Health::default(),
             slowdowns: Window::default(),
             clean_ratios: Window::default(),
             slo_use: Window::default(),
             device: None,
-            hold_until: Duration::ZERO,
+            held_after: None,
             held: BTreeSet::new(),
             offline_running: 0,
             offline_starts: 0,
+            offline_ends: 0,
             online_running: 0,
             probing_running: 0,
             online_starved: false,
@@ -99,9 +108,29 @@ pub(super) struct Track {
     running: bool,
     probing: bool,
     starts_seen: u64,
+    /// The offline share's epoch and `Protect::offline_ends` when the iteration running
+    /// now started beside offline work, `None` when it started alone: it ran at that share
+    /// all along if neither moved.
+    share_epoch: Option<(u64, u64)>,
     /// Its iterations' duration with no offline iteration beside them (moving average), in
     /// seconds: the reference its slowdown is measured against.
     clean: Option<f64>,
+    /// The mean log of those durations over the last [`LOG_MEAN_SAMPLES`] or so, and how
+    /// many it weighs: the steadier reference the offline share learns against (the
+    /// moving average above follows the last few iterations, and stays where they left it
+    /// while every iteration has offline work beside it).
+    clean_log: (f64, f64),
+}
+
+/// How many clean durations an online session's log mean weighs at most.
+const LOG_MEAN_SAMPLES: f64 = 1024.0;
+
+impl Track {
+    /// This duration over the session's steady clean reference, once there is one.
+    fn over_clean_log(&self, secs: f64) -> Option<f64> {
+        let (mean, n) = self.clean_log;
+        (n > 0.0 && secs > 0.0).then(|| (secs.ln() - mean).exp())
+    }
 }
 
 impl Scheduler {
@@ -148,6 +177,7 @@ impl Scheduler {
         }
         if self.class_of(id) == SessionClass::Offline {
             self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
+            self.protect.offline_ends += 1;
         } else if let Some(session) = self.sessions.get_mut(&id) {
             // An online iteration abandoned runs again: it waits at the head of its queue
             // with its submission time, and no longer counts as running.
@@ -269,7 +299,7 @@ impl Scheduler {
         }
         self.protect.health.state().runs_offline()
             && !self.protect.online_starved
-            && self.now >= self.protect.hold_until
+            && self.now >= self.protect.hold_until()
             && self.protect.probing_running == 0
     }
 
@@ -366,7 +396,7 @@ impl Scheduler {
             .and(p.last_online)
             .map(|last| last.saturating_add(p.config.window));
         [
-            (!p.held.is_empty()).then_some(p.hold_until),
+            (!p.held.is_empty()).then_some(p.hold_until()),
             quiet,
             p.starved_since
                 .map(|since| since.saturating_add(p.config.abandon_after)),
@@ -392,8 +422,10 @@ impl Scheduler {
             health: p.health.state(),
             metrics: self.health_metrics(),
             offline_duty: p.controller.duty(),
-            offline_held_until: (!p.held.is_empty() && p.hold_until > self.now)
-                .then_some(p.hold_until),
+            offline_compute_share: p.share.share(),
+            offline_compute_share_learned: p.share.learned(),
+            offline_held_until: (!p.held.is_empty() && p.hold_until() > self.now)
+                .then_some(p.hold_until()),
             offline_bytes: self.offline_bytes(),
             offline_limit: self.offline_limit(),
             offline_evictions: p.evictions,
@@ -466,6 +498,13 @@ pub(super) struct Ended {
 }
 
 impl Protect {
+    /// Offline iterations do not start before this time.
+    fn hold_until(&self) -> Duration {
+        self.held_after.map_or(Duration::ZERO, |(end, ran)| {
+            end.saturating_add(self.controller.hold_after(ran))
+        })
+    }
+
     /// True while an online session has had iterations within the window: offline work
     /// is then held to the controller's duty.
     fn online_active(&self, now: Duration) -> bool {
@@ -492,7 +531,7 @@ impl Protect {
     /// share while an online iteration runs, else the whole device.
     fn offline_share_now(&self) -> f64 {
         if self.config.enabled && self.online_running > 0 {
-            self.config.offline_compute_share
+            self.share.share()
         } else {
             1.0
         }
@@ -524,6 +563,9 @@ impl Protect {
                 track.running_submitted = track.submitted.pop_front();
                 track.overlapped = self.offline_running > 0;
                 track.starts_seen = self.offline_starts;
+                track.share_epoch = track
+                    .overlapped
+                    .then_some((self.share.epoch(), self.offline_ends));
                 track.running = true;
                 // Until the session has a clean reference and the clean ratios a
                 // percentile, online iterations run without new offline ones beside them.
@@ -531,7 +573,7 @@ impl Protect {
                     || self.clean_ratios.len() < self.config.min_samples.max(1);
                 self.online_running += 1;
                 self.probing_running += usize::from(track.probing);
-                let offline = self.config.offline_compute_share;
+                let offline = self.share.share();
                 if self.config.enabled
                     && !self.config.background_priority
                     && self.offline_running > 0
@@ -558,9 +600,17 @@ impl Protect {
             SessionClass::Offline => {
                 self.abandoning.remove(&id);
                 self.offline_running = self.offline_running.saturating_sub(1);
+                self.offline_ends += 1;
                 if self.online_active(now) {
-                    let hold = self.controller.hold_after(duration);
-                    self.hold_until = self.hold_until.max(now + hold);
+                    let this = (now, duration);
+                    let later =
+                        |(end, ran): (Duration, Duration)| end + self.controller.hold_after(ran);
+                    if self
+                        .held_after
+                        .is_none_or(|last| later(this) >= later(last))
+                    {
+                        self.held_after = Some(this);
+                    }
                 }
                 // At its boundary it can be suspended for the online session.
                 ended.admission_due = self.online_starved || !self.health.state().runs_offline();
@@ -582,10 +632,26 @@ impl Protect {
                 // of a busy host alone never evicts offline work).
                 let ratio = track.clean.filter(|&c| c > 0.0).map(|c| secs / c);
                 let slowdown = if track.overlapped {
+                    // Only an iteration that ran beside offline work at the share now, all
+                    // along, teaches the share.
+                    let all_along = Some((self.share.epoch(), self.offline_ends));
+                    if track.share_epoch == all_along
+                        && let Some(steady) = track.over_clean_log(secs)
+                    {
+                        self.share.beside(steady);
+                    }
                     ratio
                 } else {
                     if let Some(ratio) = ratio {
                         self.clean_ratios.push(now, ratio);
+                    }
+                    if let Some(steady) = track.over_clean_log(secs) {
+                        self.share.clean(steady);
+                    }
+                    if secs > 0.0 {
+                        let (mean, n) = &mut track.clean_log;
+                        *n = (*n + 1.0).min(LOG_MEAN_SAMPLES);
+                        *mean += (secs.ln() - *mean) / *n;
                     }
                     track.clean = Some(match track.clean {
                         Some(c) => 0.8 * c + 0.2 * secs,

@@ -26,14 +26,15 @@ use std::collections::{BTreeMap, VecDeque};
 use serde::Serialize;
 
 use super::Knobs;
-use super::gpu::{Latencies, SalusGpu, Sharing, sample_requests, step_model};
+use super::gpu::{Latencies, SalusGpu, Sharing, StepModel, sample_requests, step_model};
 use super::km::max_weight_matching;
 use super::predictor::{LatencyProfile, hidden_factor, predict, salus_duty};
 use super::workload::{
-    GPUS, INTERVAL_S, JOBS_PER_GPU, OfflineJob, Online, SERVICES, STEP_S, WINDOW_S, offline_trace,
-    online_services,
+    GPUS, INTERVAL_S, JOBS_PER_GPU, OfflineJob, Online, SERVICES, STEP_S, ServiceKind, WINDOW_S,
+    offline_trace, online_services,
 };
 use crate::rng::Rng;
+use salus_core::protection::OfflineShare;
 
 /// Seconds of progress a job loses when it moves or restarts (checkpoint, transfer,
 /// restart; MuxFlow §6).
@@ -51,6 +52,9 @@ pub const SLO_FACTOR: f64 = super::DEFAULT_SLO_FACTOR;
 pub const CONTROL_WINDOW: usize = 10;
 /// salus' protection controller: integral gain on `1 - p99 / SLO` per step.
 pub const CONTROL_GAIN: f64 = 0.5;
+/// The most requests of a step salus' offline share learns from (a step's requests at
+/// 20-190 per second number 1,200-11,400; the share needs hundreds at most).
+pub const LEARN_SAMPLES: usize = 1024;
 
 /// Where offline jobs go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,7 +191,8 @@ struct Run<'a> {
     online: &'a [Online],
     profiles: &'a [LatencyProfile],
     slo: &'a [f64],
-    compute_share: f64,
+    /// Each GPU's offline share beside its service (salus' protection), fixed or learned.
+    shares: Vec<OfflineShare>,
     target_load: f64,
     jobs: &'a [OfflineJob],
     state: Vec<JobState>,
@@ -254,7 +259,7 @@ impl Run<'_> {
                             qps[g],
                             &self.jobs[j],
                             self.slack(g, qps[g]),
-                            self.compute_share,
+                            self.shares[g].share(),
                         );
                         if s.started && s.last_gpu != Some(g) {
                             w * keep
@@ -281,14 +286,13 @@ fn run_system(
     knobs: Knobs,
     jobs: &[OfflineJob],
 ) -> (ClusterResult, Vec<Latencies>) {
-    let compute_share = knobs.compute_share;
     let gpus = online.len();
     let mut run = Run {
         system,
         online,
         profiles,
         slo,
-        compute_share,
+        shares: vec![knobs.offline_share(); gpus],
         target_load: knobs.target_load,
         jobs,
         state: jobs
@@ -397,6 +401,7 @@ fn run_system(
             let o = &online[g];
             let qps = o.qps_at(step);
             let job = run.on_gpu[g];
+            let compute_share = run.shares[g].share();
             if controlled && job.is_some() && job != placed_before[g] {
                 // A new job starts at the predicted duty; the controller takes it from there.
                 let c = job.map_or(0.0, |j| jobs[j].compute_share);
@@ -435,6 +440,9 @@ fn run_system(
                     sm += model.sm_activity;
                 }
                 if controlled {
+                    if job.is_some() {
+                        learn_share(&mut run.shares[g], &o.kind, qps, &model, &mut rng);
+                    }
                     window[g].push_back(sampled);
                     if window[g].len() > CONTROL_WINDOW {
                         window[g].pop_front();
@@ -584,5 +592,31 @@ pub fn cluster_with(seed: u64, knobs: Knobs) -> ClusterExperiment {
         offline_solo_h: jobs.iter().map(|j| j.solo_s).sum::<f64>() / 3600.0,
         online_load,
         systems,
+    }
+}
+
+/// Tells a GPU's offline share what the core measures of its service's requests in a
+/// step at `qps` (up to [`LEARN_SAMPLES`] of them): each one's service time over the
+/// service's mean alone, beside the offline job (with the step's stretch) or not. They
+/// all ran at the share the step started with: once that changes, only the clean ones
+/// still count.
+fn learn_share(
+    share: &mut OfflineShare,
+    kind: &ServiceKind,
+    qps: f64,
+    model: &StepModel,
+    rng: &mut Rng,
+) {
+    let sigma2 = (1.0 + kind.request_cv * kind.request_cv).ln();
+    let (mu, sigma) = (-sigma2 / 2.0, sigma2.sqrt());
+    let n = (qps * STEP_S).min(LEARN_SAMPLES as f64) as usize;
+    let mut changed = false;
+    for _ in 0..n {
+        let size = (mu + sigma * rng.normal(0.0, 1.0)).exp();
+        if rng.unit() >= model.share.duty {
+            share.clean(size);
+        } else if !changed {
+            changed = share.beside(size * model.stretch);
+        }
     }
 }

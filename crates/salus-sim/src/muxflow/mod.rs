@@ -22,6 +22,7 @@ pub mod workload;
 #[cfg(test)]
 mod tests;
 
+use salus_core::protection::{OfflineShare, ProtectionConfig};
 use serde::Serialize;
 
 use crate::experiments::TargetCheck;
@@ -47,9 +48,10 @@ pub const DEFAULT_SLO_FACTOR: f64 = 1.05;
 pub struct Knobs {
     /// The online SLO over each service's p99 alone (`--slo-factor`).
     pub slo_factor: f64,
-    /// `ProtectionConfig::offline_compute_share` (`--compute-share`): the share of the
-    /// device an offline iteration gets while an online iteration runs.
-    pub compute_share: f64,
+    /// `ProtectionConfig::offline_compute_share` fixed (`--compute-share`): the share of
+    /// the device an offline iteration gets while an online iteration runs. `None`: the
+    /// core learns it, from its default (`OfflineShare`).
+    pub compute_share: Option<f64>,
     /// `ProtectionConfig::target_load` (`--target-load`): the controller's setpoint, the
     /// mean slowdown of online iterations it steers to (one GPU through the core).
     pub target_load: f64,
@@ -59,9 +61,27 @@ impl Default for Knobs {
     fn default() -> Self {
         Knobs {
             slo_factor: DEFAULT_SLO_FACTOR,
-            compute_share: gpu::salus_compute_share(),
+            compute_share: None,
             target_load: salus_core::protection::ProtectionConfig::default().target_load,
         }
+    }
+}
+
+impl Knobs {
+    /// The protection the core runs with for these knobs (salus with protection).
+    pub fn protection(&self) -> ProtectionConfig {
+        let default = ProtectionConfig::default();
+        ProtectionConfig {
+            offline_compute_share: self.compute_share.unwrap_or(default.offline_compute_share),
+            dynamic_compute_share: self.compute_share.is_none(),
+            target_load: self.target_load,
+            ..default
+        }
+    }
+
+    /// The offline share salus' protection starts from, learned or fixed as the knobs say.
+    pub fn offline_share(&self) -> OfflineShare {
+        OfflineShare::new(&self.protection())
     }
 }
 

@@ -266,7 +266,9 @@ fn run(
         "salus_protection_slo" => (PolicyKind::Share, slo_only_protection()),
         _ => (PolicyKind::Share, ProtectionConfig::default()),
     };
-    protection.offline_compute_share = knobs.compute_share;
+    let tuned = knobs.protection();
+    protection.offline_compute_share = tuned.offline_compute_share;
+    protection.dynamic_compute_share = tuned.dynamic_compute_share;
     protection.target_load = knobs.target_load;
     let with_offline = system != "online_only";
     let config = SimConfig::reference(policy);

@@ -362,6 +362,8 @@ fn protection(p: &ProtectionStatus, now: Duration) -> pb::Protection {
         enabled: p.enabled,
         health: p.health.to_string(),
         offline_duty: p.offline_duty,
+        offline_compute_share: p.offline_compute_share,
+        offline_compute_share_learned: p.offline_compute_share_learned,
         offline_bytes: p.offline_bytes,
         offline_limit: p.offline_limit,
         offline_evictions: p.offline_evictions,
