@@ -11,7 +11,7 @@
 //!   session's persistent tensors are unchanged.
 //! - **share 0**: held, once the pieces launched have finished, until a share comes back.
 //! - **share below 1**: the piece runs in a green context with that share of the SMs, in
-//!   eighths ([`level`]), so the online work keeps the other SMs whatever the offline
+//!   eighths, the largest at most the share ([`level`]), so the online work keeps the other SMs whatever the offline
 //!   kernels do. Partitions are made on first use and shared by the lanes; each lane
 //!   makes its own stream in each. Where there are no green contexts (an older driver or
 //!   GPU, or `SALUS_CUDA_GREEN=0`), the lane paces itself instead: after a piece of device
@@ -62,9 +62,10 @@ pub(crate) fn pieces(spans: &[Range<usize>], total: usize, most: usize) -> Vec<R
 }
 
 /// The SM partition, in eighths of the GPU, that holds a piece to `share` of the device
-/// (the nearest, at least one eighth); `None`: the whole GPU.
+/// (the largest at most the share, so that online work keeps at least the rest; at least
+/// one eighth); `None`: the whole GPU.
 pub(crate) fn level(share: f64) -> Option<u32> {
-    let k = (share.clamp(0.0, 1.0) * f64::from(LEVELS)).round() as u32;
+    let k = (share.clamp(0.0, 1.0) * f64::from(LEVELS) + 1e-9).floor() as u32;
     (k < LEVELS).then_some(k.max(1))
 }
 
@@ -405,9 +406,11 @@ mod tests {
     #[test]
     fn shares_map_to_eighths_of_the_sms() {
         assert_eq!(level(1.0), None);
-        assert_eq!(level(0.95), None);
+        // Never more than the share: the learned share's sixteenths round down.
+        assert_eq!(level(0.95), Some(7));
         assert_eq!(level(0.9), Some(7));
         assert_eq!(level(0.5), Some(4));
+        assert_eq!(level(7.0 / 16.0), Some(3));
         assert_eq!(level(0.3), Some(2));
         assert_eq!(level(0.01), Some(1));
     }
