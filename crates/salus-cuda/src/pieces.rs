@@ -12,10 +12,11 @@
 //! - **share 0**: held, once the pieces launched have finished, until a share comes back.
 //! - **share below 1**: the piece runs in a green context with that share of the SMs, in
 //!   eighths, the largest at most the share ([`level`]), so the online work keeps the
-//!   other SMs whatever the offline kernels do. Partitions are made on first use and shared by the lanes; each lane
-//!   makes its own stream in each. Where there are no green contexts (an older driver or
-//!   GPU, or `SALUS_CUDA_GREEN=0`), the lane paces itself instead: after a piece of device
-//!   time `t` it waits `t (1 - share) / share`, so that it runs `share` of the time.
+//!   other SMs whatever the offline kernels do. Partitions are made on first use and
+//!   shared by the lanes; each lane makes its own stream in each. Where there are no
+//!   green contexts (an older driver or GPU, or `SALUS_CUDA_GREEN=0`), the lane paces
+//!   itself instead: after a piece of device time `t` it waits `t (1 - share) / share`,
+//!   so that it runs `share` of the time.
 //!
 //! At most two pieces are queued on the GPU at once, so a new share takes effect within
 //! two pieces. A piece's graph is captured on the stream it runs on (a graph's kernels
