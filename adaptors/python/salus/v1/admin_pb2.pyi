@@ -198,7 +198,7 @@ class StatusResponse(_message.Message):
     def __init__(self, device: _Optional[_Union[Device, _Mapping]] = ..., policy: _Optional[str] = ..., draining: _Optional[bool] = ..., memory: _Optional[_Union[MemoryMap, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedSession, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., host_bytes: _Optional[int] = ..., opening_sessions: _Optional[int] = ..., opening_bytes: _Optional[int] = ..., users: _Optional[_Iterable[_Union[UserUsage, _Mapping]]] = ..., protection: _Optional[_Union[Protection, _Mapping]] = ...) -> None: ...
 
 class Protection(_message.Message):
-    __slots__ = ("enabled", "health", "offline_duty", "offline_bytes", "offline_limit", "offline_evictions", "overlimit_entries", "online_slowdown_p99", "slo_use_p99", "offline_held_ms", "offline_abandoned", "sm_activity", "clock_factor")
+    __slots__ = ("enabled", "health", "offline_duty", "offline_bytes", "offline_limit", "offline_evictions", "overlimit_entries", "online_slowdown_p99", "slo_use_p99", "offline_held_ms", "offline_abandoned", "sm_activity", "clock_factor", "offline_compute_share", "offline_compute_share_learned")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_DUTY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class Protection(_message.Message):
     OFFLINE_ABANDONED_FIELD_NUMBER: _ClassVar[int]
     SM_ACTIVITY_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_COMPUTE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_COMPUTE_SHARE_LEARNED_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     health: str
     offline_duty: float
@@ -225,7 +227,9 @@ class Protection(_message.Message):
     offline_abandoned: int
     sm_activity: float
     clock_factor: float
-    def __init__(self, enabled: _Optional[bool] = ..., health: _Optional[str] = ..., offline_duty: _Optional[float] = ..., offline_bytes: _Optional[int] = ..., offline_limit: _Optional[int] = ..., offline_evictions: _Optional[int] = ..., overlimit_entries: _Optional[int] = ..., online_slowdown_p99: _Optional[float] = ..., slo_use_p99: _Optional[float] = ..., offline_held_ms: _Optional[float] = ..., offline_abandoned: _Optional[int] = ..., sm_activity: _Optional[float] = ..., clock_factor: _Optional[float] = ...) -> None: ...
+    offline_compute_share: float
+    offline_compute_share_learned: bool
+    def __init__(self, enabled: _Optional[bool] = ..., health: _Optional[str] = ..., offline_duty: _Optional[float] = ..., offline_bytes: _Optional[int] = ..., offline_limit: _Optional[int] = ..., offline_evictions: _Optional[int] = ..., overlimit_entries: _Optional[int] = ..., online_slowdown_p99: _Optional[float] = ..., slo_use_p99: _Optional[float] = ..., offline_held_ms: _Optional[float] = ..., offline_abandoned: _Optional[int] = ..., sm_activity: _Optional[float] = ..., clock_factor: _Optional[float] = ..., offline_compute_share: _Optional[float] = ..., offline_compute_share_learned: _Optional[bool] = ...) -> None: ...
 
 class SetOfflineRequest(_message.Message):
     __slots__ = ("enable",)
