@@ -478,6 +478,50 @@ fn the_offline_share_is_learned_from_online_iterations_beside_offline_ones() {
 }
 
 #[test]
+fn a_hold_follows_the_duty_as_it_recovers() {
+    let config = fixed_share();
+    let mut d = driver(PolicyKind::Pack, config.clone());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    warm_up(&mut d, 1, 10, config.min_samples);
+    assert_eq!(started(&submit_through_hold(&mut d, 2)), vec![2]);
+    // Online iterations beside it take 2.5 times as long (unhealthy, not overlimit): the
+    // duty falls.
+    for _ in 0..20 {
+        d.submit(1);
+        run(&mut d, 1, 25);
+    }
+    assert_eq!(d.core.health(), HealthState::Unhealthy);
+    assert!(d.core.protection_status().offline_duty < 0.2);
+    // A long offline iteration ends: at this duty the next waits for seconds.
+    run(&mut d, 2, 1000);
+    assert!(started(&d.submit(2)).is_empty());
+    let first = d.core.protection_status().offline_held_until.unwrap();
+    assert!(
+        first > d.now + Duration::from_secs(2),
+        "{first:?} {:?}",
+        d.now
+    );
+    // Online iterations alone again: the duty recovers and the hold shrinks with it, so
+    // the offline iteration starts long before the hold first set would have ended.
+    let mut start = None;
+    for _ in 0..400 {
+        let mut a = d.submit(1);
+        a.extend(run(&mut d, 1, 10));
+        if started(&a).contains(&2) {
+            start = Some(d.now);
+            break;
+        }
+    }
+    let start = start.expect("the held offline iteration started");
+    assert!(
+        start + Duration::from_secs(1) < first,
+        "{start:?} against {first:?}"
+    );
+    assert!(d.core.protection_status().offline_duty > 0.5);
+}
+
+#[test]
 fn a_learned_share_needs_a_share_to_start_from() {
     let config = ProtectionConfig {
         offline_compute_share: 0.0,
