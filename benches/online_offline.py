@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                         "[default: salusd's]")
     parser.add_argument("--salusd", type=Path, default=None,
                         help="the salusd binary [default: target/release/salusd]")
+    parser.add_argument("--service-ms", type=float, default=None,
+                        help="the service time the request rate and SLO are set from, "
+                        "for runs to compare at the same rate [default: measured, the "
+                        "median of 30 requests alone]")
     args = parser.parse_args(argv)
     binary = args.salusd or ROOT / "target" / "release" / "salusd"
     if args.salusd is None and not binary.exists():
@@ -308,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             session(inputs)
             times.append(time.monotonic() - t)
         service = statistics.median(times[10:])
+        if args.service_ms is not None:
+            service = args.service_ms / 1e3
         session.close()
     finally:
         probe.stop()
