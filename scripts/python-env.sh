@@ -17,10 +17,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # No wheel cache: it would hold a second copy of those gigabytes on the same disk.
     export PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1
     # uv fetches and unpacks the wheels in parallel: a new environment in about 40 s
-    # where pip takes about 110 s (the same packages, the same versions).
-    "$venv/bin/python" -m pip install --quiet uv==0.13.9
-    "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -r "$reqs"
-    "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps -e adaptors/python
+    # where pip takes about 110 s (the same packages, the same versions). Where uv cannot
+    # (an index or certificate only pip is configured for), pip does it.
+    uv=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python")
+    if ! { "$venv/bin/python" -m pip install --quiet uv==0.13.9 && "${uv[@]}" -r "$reqs" &&
+        "${uv[@]}" --no-deps -e adaptors/python; }; then
+        echo "python-env: uv failed; installing with pip" >&2
+        "$venv/bin/python" -m pip install --quiet -r "$reqs"
+        "$venv/bin/python" -m pip install --quiet --no-deps -e adaptors/python
+    fi
     echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"
