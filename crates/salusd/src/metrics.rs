@@ -23,6 +23,13 @@ type SessionFamily = (
 /// A per-user family: name, help, and the sample's value.
 type UserFamily = (&'static str, &'static str, fn(&UserUsage) -> u64);
 
+/// One sample of a family without labels: `name value`.
+fn gauge(name: &'static str, value: impl std::fmt::Display) -> impl FnMut(&mut String) {
+    move |out: &mut String| {
+        let _ = writeln!(out, "{name} {value}");
+    }
+}
+
 /// The exposition text for the engine's current numbers: each family's HELP and TYPE,
 /// then all its samples.
 pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
@@ -38,11 +45,6 @@ pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
     let mut family = |name: &str, kind: &str, help: &str, samples: &mut dyn FnMut(&mut String)| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         samples(&mut out);
-    };
-    let gauge = |name: &'static str, value: u64| {
-        move |out: &mut String| {
-            let _ = writeln!(out, "{name} {value}");
-        }
     };
     let labels = |s: &SessionMetrics| format!("session=\"{}\",name=\"{}\"", s.id, escape(&s.name));
     family(
@@ -96,23 +98,20 @@ pub fn render(engine: &Engine, metrics: Metrics, serving: &Servers) -> String {
             protection.offline_evictions,
         ),
     );
-    let duty = protection.offline_duty;
     family(
         "salus_offline_duty",
         "gauge",
         "The fraction of time offline iterations may run while online sessions are active.",
-        &mut |out: &mut String| {
-            let _ = writeln!(out, "salus_offline_duty {duty}");
-        },
+        &mut gauge("salus_offline_duty", protection.offline_duty),
     );
-    let share = protection.offline_compute_share;
     family(
         "salus_offline_compute_share",
         "gauge",
         "The share of the device an offline iteration may use while an online one runs.",
-        &mut |out: &mut String| {
-            let _ = writeln!(out, "salus_offline_compute_share {share}");
-        },
+        &mut gauge(
+            "salus_offline_compute_share",
+            protection.offline_compute_share,
+        ),
     );
     let health = protection.health;
     family(

@@ -22,7 +22,7 @@
 //!   than the tolerance the share stays there; if not, the slowdown is not the share's
 //!   and the share goes back up (with its own back-off before looking again).
 //! - **Samples.** Each is the log of an online iteration's duration over its session's
-//!   clean reference (`Track::clean`). A level is settled once the mean's standard error
+//!   steady clean reference (the mean log of its recent clean durations). A level is settled once the mean's standard error
 //!   is below a quarter of the tolerance (at least `min_samples`, at most
 //!   [`MOST_SAMPLES`]): few iterations for a fixed-shape graph on a GPU (percent-level
 //!   noise), hundreds for requests of varying size.
@@ -65,12 +65,15 @@ impl Stats {
         }
     }
 
-    /// Enough samples that the mean's standard error is below `tolerance / 4` (so two
-    /// levels' difference has a standard error below half the tolerance), and at least
-    /// `min`.
+    /// The samples that put the mean's standard error below `tolerance / 4` (so two
+    /// levels' difference has a standard error below half the tolerance), at least `min`
+    /// and at most [`MOST_SAMPLES`].
+    fn needed(&self, tolerance: f64, min: f64) -> f64 {
+        (16.0 * self.variance() / (tolerance * tolerance)).clamp(min, MOST_SAMPLES)
+    }
+
     fn settled(&self, tolerance: f64, min: f64) -> bool {
-        let want = 16.0 * self.variance() / (tolerance * tolerance);
-        self.n >= want.clamp(min, MOST_SAMPLES)
+        self.n >= self.needed(tolerance, min)
     }
 }
 
@@ -199,7 +202,8 @@ impl OfflineShare {
         if !self.here.settled(tol, min) {
             return false;
         }
-        let need = self.need();
+        // Samples a level needs at the spread seen here: the back-off's unit.
+        let need = self.here.needed(tol, min);
         if let Some(probe) = self.probe.take() {
             // Online iterations at the higher of the two levels, against the lower.
             let (high, low) = if probe.up {
@@ -247,12 +251,6 @@ impl OfflineShare {
             return self.start_probe(true);
         }
         false
-    }
-
-    /// Samples a level needs to settle at the spread seen here: the back-off's unit.
-    fn need(&self) -> f64 {
-        (16.0 * self.here.variance() / (self.tolerance * self.tolerance))
-            .clamp(self.min_samples, MOST_SAMPLES)
     }
 
     fn start_probe(&mut self, up: bool) -> bool {

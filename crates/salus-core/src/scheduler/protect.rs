@@ -41,9 +41,6 @@ pub(super) struct Protect {
     /// Offline iterations started so far: an online iteration that sees this move while it
     /// runs had an offline one beside it.
     offline_starts: u64,
-    /// Offline iterations ended so far: an online iteration that sees this move while it
-    /// runs did not have offline work beside it all along.
-    offline_ends: u64,
     /// Online iterations running now, and those of them that run before there is a
     /// clean reference (probing: no offline iteration starts meanwhile).
     online_running: usize,
@@ -79,7 +76,6 @@ impl Protect {
             held: BTreeSet::new(),
             offline_running: 0,
             offline_starts: 0,
-            offline_ends: 0,
             online_running: 0,
             probing_running: 0,
             online_starved: false,
@@ -108,7 +104,7 @@ pub(super) struct Track {
     running: bool,
     probing: bool,
     starts_seen: u64,
-    /// The offline share's epoch and `Protect::offline_ends` when the iteration running
+    /// The offline share's epoch and `Protect::offline_ends()` when the iteration running
     /// now started beside offline work, `None` when it started alone: it ran at that share
     /// all along if neither moved.
     share_epoch: Option<(u64, u64)>,
@@ -177,7 +173,6 @@ impl Scheduler {
         }
         if self.class_of(id) == SessionClass::Offline {
             self.protect.offline_running = self.protect.offline_running.saturating_sub(1);
-            self.protect.offline_ends += 1;
         } else if let Some(session) = self.sessions.get_mut(&id) {
             // An online iteration abandoned runs again: it waits at the head of its queue
             // with its submission time, and no longer counts as running.
@@ -498,6 +493,13 @@ pub(super) struct Ended {
 }
 
 impl Protect {
+    /// Offline iterations ended (or abandoned) so far: an online iteration that sees this
+    /// move while it runs did not have offline work beside it all along.
+    fn offline_ends(&self) -> u64 {
+        self.offline_starts
+            .saturating_sub(u64::try_from(self.offline_running).unwrap_or(u64::MAX))
+    }
+
     /// Offline iterations do not start before this time.
     fn hold_until(&self) -> Duration {
         self.held_after.map_or(Duration::ZERO, |(end, ran)| {
@@ -565,7 +567,7 @@ impl Protect {
                 track.starts_seen = self.offline_starts;
                 track.share_epoch = track
                     .overlapped
-                    .then_some((self.share.epoch(), self.offline_ends));
+                    .then_some((self.share.epoch(), self.offline_ends()));
                 track.running = true;
                 // Until the session has a clean reference and the clean ratios a
                 // percentile, online iterations run without new offline ones beside them.
@@ -600,7 +602,6 @@ impl Protect {
             SessionClass::Offline => {
                 self.abandoning.remove(&id);
                 self.offline_running = self.offline_running.saturating_sub(1);
-                self.offline_ends += 1;
                 if self.online_active(now) {
                     let this = (now, duration);
                     let later =
@@ -634,7 +635,7 @@ impl Protect {
                 let slowdown = if track.overlapped {
                     // Only an iteration that ran beside offline work at the share now, all
                     // along, teaches the share.
-                    let all_along = Some((self.share.epoch(), self.offline_ends));
+                    let all_along = Some((self.share.epoch(), self.offline_ends()));
                     if track.share_epoch == all_along
                         && let Some(steady) = track.over_clean_log(secs)
                     {
