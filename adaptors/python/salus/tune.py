@@ -279,6 +279,10 @@ class Tuner:
     ``ray.init`` when Ray is not running yet (then a local Ray starts with the
     ``salus_device`` resource). Everything else goes to ``ray.tune.Tuner`` unchanged;
     :meth:`fit` returns its ``ResultGrid``.
+
+    With ``"auto"``, a trial Ray has started may wait for its place on a device, and Ray
+    counts that wait in the trial's ``time_total_s``: a scheduler that stops trials by
+    time should count ``training_iteration`` or a time the trainable reports instead.
     """
 
     def __init__(self, trainable: Callable[[dict], Any], *, param_space: dict | None = None,

@@ -36,7 +36,9 @@ def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
 
 def train_mlp(config: dict) -> None:
     """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each (or as many
-    as ``config["seconds"]`` allow). ``config["exit"]``: the process dies at once."""
+    as ``config["seconds"]`` allow). ``config["report_s"]``: each report takes at least
+    that long, in rounds of ``config["steps"]`` steps. ``config["exit"]``: the process
+    dies at once."""
     if config.get("exit"):
         os._exit(3)  # a trial process that dies without returning or raising
     torch.set_num_threads(1)
@@ -70,10 +72,11 @@ def train_mlp(config: dict) -> None:
             if (i >= config["iterations"] if deadline is None
                     else i > 0 and time.monotonic() > deadline):
                 break
-            losses = []
-            for _ in range(config["steps"]):
-                losses.append(float(step(*batches[k % len(batches)])))
-                k += 1
+            losses, began = [], time.monotonic()
+            while not losses or time.monotonic() - began < config.get("report_s", 0):
+                for _ in range(config["steps"]):
+                    losses.append(float(step(*batches[k % len(batches)])))
+                    k += 1
             tune.report({"loss": sum(losses) / len(losses), "steps": k})
     finally:
         if session is not None:
