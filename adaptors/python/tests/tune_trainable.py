@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,20 @@ def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
 
 
 def train_mlp(config: dict) -> None:
-    """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each (or as many
-    as ``config["seconds"]`` allow). ``config["report_s"]``: each report takes at least
-    that long, in rounds of ``config["steps"]`` steps. ``config["exit"]``: the process
+    """Reports what :func:`reports` yields, in one thread. ``config["exit"]``: the process
     dies at once."""
     if config.get("exit"):
         os._exit(3)  # a trial process that dies without returning or raising
     torch.set_num_threads(1)
+    for report in reports(config):
+        tune.report(report)
+
+
+def reports(config: dict) -> Iterator[dict]:
+    """``config["iterations"]`` reports of ``config["steps"]`` SGD steps each (or as many
+    as ``config["seconds"]`` allow) of a small MLP, eagerly or as a salusd session
+    (``config["salus"]``). ``config["report_s"]``: each report takes at least that long,
+    in rounds of ``config["steps"]`` steps."""
     torch.manual_seed(config["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
@@ -77,7 +85,7 @@ def train_mlp(config: dict) -> None:
                 for _ in range(config["steps"]):
                     losses.append(float(step(*batches[k % len(batches)])))
                     k += 1
-            tune.report({"loss": sum(losses) / len(losses), "steps": k})
+            yield {"loss": sum(losses) / len(losses), "steps": k}
     finally:
         if session is not None:
             session.close()
