@@ -20,11 +20,14 @@ Reported per system (JSON keys as the simulator's ``experiment muxflow``):
 ``offline_throughput_fraction`` (the trainers' steps per second against
 ``offline_alone``), ``utilization`` (the fraction of wall time in which any iteration
 ran on the device, from salusd's event stream) and ``utilization_gain`` (against
-``online_only``), and the protection's state at the end.
+``online_only``), and the protection's state at the end. With ``--rounds N`` every
+system runs N times in turn, each round's figures are against that round's
+``online_only`` and ``offline_alone``, and the report gives their medians (each round's
+under ``per_round``).
 
     python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
-        [--device cpu] [--slo-ms MS | --slo-headroom 3] [--offline-compute-share S]
-        [--salusd PATH]
+        [--device cpu] [--rounds 1] [--slo-ms MS | --slo-headroom 3]
+        [--offline-compute-share S] [--salusd PATH]
 
 salusd is ``target/release/salusd`` (built if missing) unless ``--salusd`` names another.
 """
@@ -269,6 +272,48 @@ def offline_alone(binary: Path, args: list[str], trainers: int, seconds: float) 
         daemon.stop()
 
 
+def figures(systems: dict[str, dict], alone: float) -> dict:
+    """One round's figures: each system's latencies against ``online_only``'s, its
+    offline rate against ``alone``, its utilization against ``online_only``'s."""
+    base = systems["online_only"]
+    base_mean = statistics.mean(base["latencies"])
+    base_p99 = percentile(base["latencies"], 0.99)
+    out = {"offline_alone_steps_per_s": alone, "systems": {}}
+    for name, r in systems.items():
+        mean, p99 = statistics.mean(r["latencies"]), percentile(r["latencies"], 0.99)
+        out["systems"][name] = {
+            "online_mean_ms": mean * 1e3,
+            "online_p99_ms": p99 * 1e3,
+            "online_mean_slowdown": mean / base_mean,
+            "online_p99_slowdown": p99 / base_p99,
+            "offline_steps_per_s": r["offline_rate"],
+            "offline_throughput_fraction": r["offline_rate"] / alone if alone else 0.0,
+            "offline_fraction_of_idle": (r["offline_rate"] / alone)
+            / max(1e-9, 1 - base["utilization"]) if alone else 0.0,
+            "utilization": r["utilization"],
+            "utilization_gain": r["utilization"] / base["utilization"],
+            "health": r["health"],
+            "offline_duty": r["offline_duty"],
+            "offline_evictions": r["offline_evictions"],
+            "health_changes": r["health_changes"],
+        }
+    return out
+
+
+def median_of(rounds: list[dict]) -> dict:
+    """One system's figures over rounds: the median of each number, the last round's
+    health (its changes are in the rounds)."""
+    out = {}
+    for key, value in rounds[0].items():
+        if key == "health_changes":
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in rounds)
+        else:
+            out[key] = rounds[-1][key]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -278,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every system this many times, in turn, and report "
+                        "the median of each round's ratios")
     parser.add_argument("--slo-ms", type=float, default=0.0,
                         help="the online session's SLO [default: --slo-headroom x its p99 "
                         "alone]")
@@ -325,48 +373,40 @@ def main(argv: list[str] | None = None) -> int:
         if t > args.seconds:
             break
         arrivals.append(t)
-    # The SLO: --slo-ms, else a multiple of the latency the service gets alone (its p99
-    # under the same arrivals): the headroom an operator would give it.
-    systems = {"online_only": run_system(binary, common, arrivals, 0, 0.0)}
     share = ([] if args.offline_compute_share is None
              else ["--offline-compute-share", str(args.offline_compute_share)])
-    slo_ms = args.slo_ms or args.slo_headroom * 1e3 * percentile(
-        systems["online_only"]["latencies"], 0.99)
-    systems |= {
-        "salus": run_system(binary, common + share, arrivals, args.trainers, slo_ms),
-        "no_protection": run_system(binary, [*common, "--protection", "off"], arrivals,
-                                    args.trainers, slo_ms),
-    }
-    alone = offline_alone(binary, common, args.trainers, args.seconds)
-    base = systems["online_only"]
-    base_mean = statistics.mean(base["latencies"])
-    base_p99 = percentile(base["latencies"], 0.99)
-    report = {"service_ms": service * 1e3, "rate_per_s": rate, "requests": len(arrivals),
-              "slo_ms": slo_ms, "offline_alone_steps_per_s": alone, "systems": {}}
-    for name, r in systems.items():
-        mean, p99 = statistics.mean(r["latencies"]), percentile(r["latencies"], 0.99)
-        report["systems"][name] = {
-            "online_mean_ms": mean * 1e3,
-            "online_p99_ms": p99 * 1e3,
-            "online_mean_slowdown": mean / base_mean,
-            "online_p99_slowdown": p99 / base_p99,
-            "offline_steps_per_s": r["offline_rate"],
-            "offline_throughput_fraction": r["offline_rate"] / alone if alone else 0.0,
-            "offline_fraction_of_idle": (r["offline_rate"] / alone)
-            / max(1e-9, 1 - base["utilization"]) if alone else 0.0,
-            "utilization": r["utilization"],
-            "utilization_gain": r["utilization"] / base["utilization"],
-            "health": r["health"],
-            "offline_duty": r["offline_duty"],
-            "offline_evictions": r["offline_evictions"],
-            "health_changes": r["health_changes"],
+    # Each round measures every system once, in the same order, and its figures are
+    # against that round's online-only run and offline-alone rate: the host's load, which
+    # drifts over minutes on a shared machine, then weighs on both sides of each ratio.
+    # The SLO: --slo-ms, else a multiple of the latency the service gets alone in the
+    # first round (its p99 under the same arrivals): the headroom an operator would give.
+    slo_ms, rounds = args.slo_ms, []
+    for _ in range(args.rounds):
+        systems = {"online_only": run_system(binary, common, arrivals, 0, 0.0)}
+        slo_ms = slo_ms or args.slo_headroom * 1e3 * percentile(
+            systems["online_only"]["latencies"], 0.99)
+        systems |= {
+            "salus": run_system(binary, common + share, arrivals, args.trainers, slo_ms),
+            "no_protection": run_system(binary, [*common, "--protection", "off"], arrivals,
+                                        args.trainers, slo_ms),
         }
+        alone = offline_alone(binary, common, args.trainers, args.seconds)
+        rounds.append(figures(systems, alone))
+    report = {"service_ms": service * 1e3, "rate_per_s": rate, "requests": len(arrivals),
+              "slo_ms": slo_ms, "rounds": len(rounds),
+              "offline_alone_steps_per_s": statistics.median(
+                  r["offline_alone_steps_per_s"] for r in rounds),
+              "systems": {name: median_of([r["systems"][name] for r in rounds])
+                          for name in rounds[0]["systems"]}}
+    if len(rounds) > 1:
+        report["per_round"] = rounds
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"service {report['service_ms']:.2f} ms, {len(arrivals)} requests at "
           f"{rate:.1f}/s (load {args.load}), SLO {slo_ms:.1f} ms; offline alone "
-          f"{alone:.2f} steps/s")
+          f"{report['offline_alone_steps_per_s']:.2f} steps/s"
+          + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else ""))
     print(f"{'system':<15}{'mean ms':>9}{'p99 ms':>9}{'mean x':>8}{'p99 x':>8}"
           f"{'offline':>9}{'of idle':>9}{'util':>7}{'gain':>7}  health")
     for name, r in report["systems"].items():
@@ -375,9 +415,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['offline_throughput_fraction']:>9.2f}{r['offline_fraction_of_idle']:>9.2f}"
               f"{r['utilization']:>7.2f}{r['utilization_gain']:>7.2f}  {r['health']}"
               f" (duty {r['offline_duty']:.2f})")
-    for name, r in report["systems"].items():
-        for at, change in r["health_changes"]:
-            print(f"{name}: {at:.2f} s: {change}")
+    for k, one in enumerate(rounds, start=1):
+        for name, r in one["systems"].items():
+            for at, change in r["health_changes"]:
+                print(f"{'' if len(rounds) == 1 else f'round {k}: '}{name}: {at:.2f} s: {change}")
     return 0
 
 

@@ -26,6 +26,7 @@ mod idle;
 mod kernels;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -72,13 +73,21 @@ impl CpuDevice {
             Some(index) => index,
             None => {
                 let tag = if background { "idle" } else { "share" };
+                let ids = Arc::new(Mutex::new(Vec::with_capacity(threads)));
+                let started = ids.clone();
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .thread_name(move |i| format!("salus-cpu-{tag}{threads}-{i}"))
                     .start_handler(move |_| {
-                        if background && let Err(e) = idle::lower_this_thread() {
+                        if !background {
+                            return;
+                        }
+                        if let Err(e) = idle::lower_this_thread() {
                             // Checked when the device was made: not expected.
                             eprintln!("salus-cpu: a background thread stays in its class: {e}");
+                        }
+                        if let Ok(mut ids) = started.lock() {
+                            ids.push(idle::this_thread());
                         }
                     })
                     .build()
@@ -87,6 +96,7 @@ impl CpuDevice {
                     threads,
                     background,
                     pool: Arc::new(pool),
+                    ids,
                     busy: false,
                 });
                 shares.len() - 1
@@ -97,6 +107,7 @@ impl CpuDevice {
             device: self,
             index,
             pool: shares[index].pool.clone(),
+            ids: shares[index].ids.clone(),
         })
     }
 
@@ -288,7 +299,7 @@ impl CpuDevice {
                 .then(|| self.pool(size, background))
                 .flatten()
             {
-                taken.pool.install(|| run_from(&mut next, threads))
+                taken.install(control, || run_from(&mut next, threads))
             } else {
                 rayon::scope(|_| run_from(&mut next, threads))
             };
@@ -338,6 +349,8 @@ struct SharePool {
     /// Its threads are in the OS's idle class.
     background: bool,
     pool: Arc<rayon::ThreadPool>,
+    /// The OS's ids of its threads, for a background pool (filled as they start).
+    ids: Arc<Mutex<Vec<idle::ThreadId>>>,
     /// An iteration runs on it.
     busy: bool,
 }
@@ -347,6 +360,37 @@ struct PoolGuard<'a> {
     device: &'a CpuDevice,
     index: usize,
     pool: Arc<rayon::ThreadPool>,
+    ids: Arc<Mutex<Vec<idle::ThreadId>>>,
+}
+
+impl PoolGuard<'_> {
+    /// Runs `job` on the pool. A background iteration abandoned meanwhile has the pool's
+    /// threads lifted out of the idle class until the job ends: the kernel in progress
+    /// then ends even on a host whose other work wants every core (an online iteration
+    /// may be waiting for the memory it holds), not when that work is done.
+    fn install<R: Send>(&self, control: Option<&RunControl>, job: impl FnOnce() -> R + Send) -> R {
+        let Some(control) = control.filter(|c| c.is_background()) else {
+            return self.pool.install(job);
+        };
+        let raised = Arc::new(AtomicBool::new(false));
+        let (ids, flag) = (self.ids.clone(), raised.clone());
+        control.on_abandon(Box::new(move || {
+            let ids = ids.lock().map(|ids| ids.clone()).unwrap_or_default();
+            match idle::raise(&ids) {
+                Ok(()) => flag.store(true, Ordering::Relaxed),
+                Err(e) => idle::warn_once(&e),
+            }
+        }));
+        let out = self.pool.install(job);
+        control.clear_on_abandon();
+        if raised.load(Ordering::Relaxed) {
+            let ids = self.ids.lock().map(|ids| ids.clone()).unwrap_or_default();
+            if let Err(e) = idle::lower(&ids) {
+                eprintln!("salus-cpu: a background thread stays out of the idle class: {e}");
+            }
+        }
+        out
+    }
 }
 
 impl Drop for PoolGuard<'_> {

@@ -325,25 +325,15 @@ fn regression(n: u64, d: u64, k: u64) -> (Program, Placement, CpuDevice) {
     (program, at, device)
 }
 
-/// A background iteration runs on threads of the OS's idle class, which get a core only
-/// when no other thread wants it; the others stay as they were.
+/// Held by the tests that look at threads' classes: one lifts its pool's threads out of
+/// the idle class for a while, which another would see (the pools' names are alike).
 #[cfg(target_os = "linux")]
-#[test]
-fn a_background_iteration_runs_on_idle_class_threads() {
-    let (program, at, device) = regression(2048, 256, 64);
-    if !device.has_background_priority() {
-        // Linux grants SCHED_IDLE without privilege; a sandbox may still forbid the call.
-        eprintln!("skipped: the idle scheduling class is refused to this process");
-        return;
-    }
-    let x = f32_bytes(&vec![0.5; 2048 * 256]);
-    let y = f32_bytes(&vec![1.0; 2048 * 64]);
-    let feeds = [x.as_slice(), y.as_slice()];
-    device
-        .run_with(&program, at, &feeds, &RunControl::background(1.0))
-        .unwrap();
-    // Field 41 of a thread's stat is its scheduling policy (5: SCHED_IDLE); its name
-    // (at most 15 bytes) says which pool it belongs to.
+static CLASSES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Each thread of this process: its name (at most 15 bytes: it says which pool the thread
+/// belongs to) and its scheduling policy (field 41 of its stat; 5: `SCHED_IDLE`).
+#[cfg(target_os = "linux")]
+fn thread_policies() -> Vec<(String, u32)> {
     let mut policies = Vec::new();
     for task in std::fs::read_dir("/proc/self/task").unwrap() {
         let dir = task.unwrap().path();
@@ -357,6 +347,28 @@ fn a_background_iteration_runs_on_idle_class_threads() {
         let policy: u32 = after_name.split(' ').nth(38).unwrap().parse().unwrap();
         policies.push((name.trim().to_string(), policy));
     }
+    policies
+}
+
+/// A background iteration runs on threads of the OS's idle class, which get a core only
+/// when no other thread wants it; the others stay as they were.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_background_iteration_runs_on_idle_class_threads() {
+    let _classes = CLASSES.lock().unwrap_or_else(|e| e.into_inner());
+    let (program, at, device) = regression(2048, 256, 64);
+    if !device.has_background_priority() {
+        // Linux grants SCHED_IDLE without privilege; a sandbox may still forbid the call.
+        eprintln!("skipped: the idle scheduling class is refused to this process");
+        return;
+    }
+    let x = f32_bytes(&vec![0.5; 2048 * 256]);
+    let y = f32_bytes(&vec![1.0; 2048 * 64]);
+    let feeds = [x.as_slice(), y.as_slice()];
+    device
+        .run_with(&program, at, &feeds, &RunControl::background(1.0))
+        .unwrap();
+    let policies = thread_policies();
     let idle: Vec<_> = policies
         .iter()
         .filter(|(name, _)| name.starts_with("salus-cpu-idle"))
@@ -367,6 +379,79 @@ fn a_background_iteration_runs_on_idle_class_threads() {
         .iter()
         .filter(|(name, _)| !name.starts_with("salus-cpu-idle"));
     assert!(others.all(|(_, policy)| *policy != 5), "{policies:?}");
+}
+
+/// Whether this process may lift a thread out of the idle class: with `CAP_SYS_NICE`
+/// (bit 23 of its effective capabilities) or an `RLIMIT_NICE` of 20 or more.
+#[cfg(target_os = "linux")]
+fn may_leave_the_idle_class() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let capable = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|caps| u64::from_str_radix(caps.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 23) != 0);
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let nice = limits
+        .lines()
+        .find(|l| l.starts_with("Max nice priority"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .is_some_and(|soft| soft == "unlimited" || soft.parse::<u64>().is_ok_and(|n| n >= 20));
+    capable || nice
+}
+
+/// An abandoned background iteration ends its kernel in progress at ordinary priority: on
+/// a host whose every core is busy with other work, where its idle-class threads would
+/// get almost no time (a kernel of 100 ms at full speed would take minutes), it stops
+/// soon. Its threads go back to the idle class after.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_abandoned_background_iteration_ends_soon_on_a_busy_host() {
+    let _classes = CLASSES.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, d, k) = (8192, 1024, 256); // matrix products of 2 GFLOP
+    let (program, at, device) = regression(n, d, k);
+    if !device.has_background_priority() || !may_leave_the_idle_class() {
+        eprintln!("skipped: this process may not move threads between scheduling classes");
+        return;
+    }
+    let x = f32_bytes(&vec![0.5; (n * d) as usize]);
+    let y = f32_bytes(&vec![1.0; (n * k) as usize]);
+    let feeds = [x.as_slice(), y.as_slice()];
+    let control = RunControl::background(1.0);
+    let busy = AtomicBool::new(true);
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let took = std::thread::scope(|scope| {
+        for _ in 0..2 * cores {
+            scope.spawn(|| {
+                while busy.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+        }
+        let abandoner = scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            control.abandon();
+            std::time::Instant::now()
+        });
+        let result = device.run_with(&program, at, &feeds, &control);
+        let ended = std::time::Instant::now();
+        busy.store(false, Ordering::Relaxed);
+        assert!(matches!(result, Err(ExecError::Abandoned)), "{result:?}");
+        ended.saturating_duration_since(abandoner.join().unwrap())
+    });
+    assert!(
+        took < Duration::from_secs(20),
+        "abandoned, it ran on for {took:?}"
+    );
+    let policies = thread_policies();
+    let idle: Vec<_> = policies
+        .iter()
+        .filter(|(name, _)| name.starts_with("salus-cpu-idle"))
+        .collect();
+    assert!(
+        !idle.is_empty() && idle.iter().all(|(_, p)| *p == 5),
+        "{policies:?}"
+    );
 }
 
 /// An abandoned iteration stops and keeps nothing: the persistent block is as before, and

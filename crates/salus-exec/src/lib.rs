@@ -91,8 +91,21 @@ pub struct RunControl {
     /// ([`Device::has_background_priority`]).
     background: bool,
     abandon: AtomicBool,
+    /// What the device does when the iteration is abandoned, while it needs something done
+    /// ([`RunControl::on_abandon`]).
+    on_abandon: AbandonHook,
     /// Wakes an iteration held at share 0.
     changed: (Mutex<()>, Condvar),
+}
+
+/// A device's hook for abandonment: at most one at a time, run once.
+#[derive(Default)]
+struct AbandonHook(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+impl std::fmt::Debug for AbandonHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AbandonHook")
+    }
 }
 
 impl RunControl {
@@ -103,6 +116,7 @@ impl RunControl {
             share: AtomicU64::new(share.clamp(0.0, 1.0).to_bits()),
             background: false,
             abandon: AtomicBool::new(false),
+            on_abandon: AbandonHook::default(),
             changed: (Mutex::new(()), Condvar::new()),
         }
     }
@@ -140,7 +154,37 @@ impl RunControl {
     /// the cpu device); it then fails with [`ExecError::Abandoned`], changing nothing.
     pub fn abandon(&self) {
         self.abandon.store(true, Ordering::Relaxed);
+        let mut hook = self.on_abandon.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(hook) = hook.take() {
+            hook();
+        }
+        drop(hook);
         self.wake();
+    }
+
+    /// Has `hook` run when the iteration is abandoned (at once if it already is), unless
+    /// [`RunControl::clear_on_abandon`] comes first; it replaces any hook set before. For
+    /// a device that must hurry the work in progress when it is abandoned: the cpu device
+    /// lifts a background iteration's threads out of the idle class, so that the kernel
+    /// it is in ends (and the memory it holds is free) even on a host busy with other work.
+    pub fn on_abandon(&self, hook: Box<dyn FnOnce() + Send>) {
+        let mut slot = self.on_abandon.0.lock().unwrap_or_else(|e| e.into_inner());
+        if self.abandoned() {
+            drop(slot);
+            hook();
+        } else {
+            *slot = Some(hook);
+        }
+    }
+
+    /// Drops the hook [`RunControl::on_abandon`] set, if it has not run; once this
+    /// returns, a hook that ran has finished.
+    pub fn clear_on_abandon(&self) {
+        self.on_abandon
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
     }
 
     /// True once [`RunControl::abandon`] was called.

@@ -54,3 +54,30 @@ fn a_held_iteration_waits_for_a_share() {
     assert!(control.is_background());
     driver.join().unwrap();
 }
+
+#[test]
+fn an_abandon_hook_runs_once_on_abandonment_and_not_once_cleared() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ran = Arc::new(AtomicUsize::new(0));
+    let hook = |ran: &Arc<AtomicUsize>| -> Box<dyn FnOnce() + Send> {
+        let ran = ran.clone();
+        Box::new(move || {
+            ran.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    // Cleared before abandonment: never runs.
+    let control = RunControl::background(1.0);
+    control.on_abandon(hook(&ran));
+    control.clear_on_abandon();
+    control.abandon();
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    // Set, then abandoned twice: runs once.
+    let control = RunControl::background(1.0);
+    control.on_abandon(hook(&ran));
+    control.abandon();
+    control.abandon();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    // Set after abandonment: runs at once.
+    control.on_abandon(hook(&ran));
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+}
