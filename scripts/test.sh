@@ -7,12 +7,17 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 ./scripts/check-attrs.sh
 ./scripts/check-file-sizes.sh
+phase() { echo "test.sh: $1 after ${SECONDS} s" >&2; }
 cargo clippy --workspace --all-targets --locked -- -D warnings
+phase "lints"
 # Every binary the Python tests run, built with the features the Rust tests resolve: a
 # `cargo build -p` of one package resolves them apart and rebuilds dozens of crates.
 cargo build --workspace --locked --bins --examples --tests
+phase "build"
 cargo test --workspace --locked
+phase "Rust tests"
 export SALUSD="$PWD/target/debug/salusd" SALUS_BENCH="$PWD/target/debug/salus-bench"
 export SALUS_REPLAY="$PWD/target/debug/examples/replay_reference"
 python=$(./scripts/python-env.sh)
+phase "Python environment"
 "$python" -m pytest adaptors/python/tests -q --durations=15
