@@ -144,10 +144,15 @@ class Interpreter:
         if i.opcode == "call":
             callee = self.module.computations[i.attributes["to_apply"].lstrip("%")]
             return self.computation(callee, operands)
+        # A constant's folded value is made outside the trace: only what uses it records
+        # ops (a literal that is no splat as a captured tensor, an iota by its recipe).
         if i.opcode == "constant":
-            return Const(_literal(i))
+            with disable_proxy_modes_tracing():
+                return Const(_literal(i))
         if i.opcode == "iota":
-            return Const(_iota(i), lambda: _iota(i))
+            with disable_proxy_modes_tracing():
+                folded = _iota(i)
+            return Const(folded, lambda: _iota(i))
         if i.shape.dtype == "u32" and i.opcode in WRAPPING:
             raise LoweringError(f"{i.opcode} of u32 wraps at 2^32, which no IR dtype does")
         rule = RULES.get(i.opcode)
