@@ -125,7 +125,8 @@ def with_salus(trainable: Callable[[dict], Any], *, packing: int,
             address = _pick_device(addresses)
         else:
             node = ray.get_runtime_context().get_node_id()
-            while (address := ray.get(gate.enter.remote(trial, name, node))) is None:
+            while (address := ray.get(gate.enter.remote(trial, name, node,
+                                                         os.getpid()))) is None:
                 time.sleep(0.05)
         os.environ["SALUS_ADDRESS"] = address
         os.environ[SESSION_NAME_ENV] = name
@@ -221,22 +222,30 @@ class _Gate:
     """A Ray actor: which trials (by id, with their names) run on which device of which
     node, at most ``limit`` per device. Trials over the limit wait to enter (their Ray
     resources are already held). A trial leaves when its function returns, or when Ray
-    Tune ends it otherwise (a scheduler's stop, an error: :func:`_leave_on_end`)."""
+    Tune ends it otherwise (a scheduler's stop, an error: :func:`_leave_on_end`). A trial
+    whose process died on this actor's node leaves at the next ``enter`` there, without
+    waiting for Ray to notice (seconds)."""
 
     def __init__(self, devices: Sequence[str], limit: int):
+        ray, _ = _ray()
         self.devices, self.limit = list(devices), limit
-        self.active: dict[tuple[str, str], dict[str, str]] = {}
+        self.node = ray.get_runtime_context().get_node_id()
+        #: (node, device) -> trial -> (name, pid of its process)
+        self.active: dict[tuple[str, str], dict[str, tuple[str, int]]] = {}
 
-    def enter(self, trial: str, name: str, node: str) -> str | None:
-        """The device of ``node`` that ``trial`` runs on (the one with the fewest trials),
-        or None: wait."""
+    def enter(self, trial: str, name: str, node: str, pid: int) -> str | None:
+        """The device of ``node`` that ``trial`` (its process ``pid``) runs on (the one
+        with the fewest trials), or None: wait."""
         keys = [(node, d) for d in self.devices]
         for key in keys:
-            self.active.setdefault(key, {})
+            trials = self.active.setdefault(key, {})
+            if node == self.node:
+                for dead in [t for t, (_, p) in trials.items() if not _alive(p)]:
+                    del trials[dead]
         key = min(keys, key=lambda k: len(self.active[k]))
         if len(self.active[key]) >= self.limit:
             return None
-        self.active[key][trial] = name
+        self.active[key][trial] = (name, pid)
         return key[1]
 
     def leave(self, trial: str) -> None:
@@ -248,7 +257,24 @@ class _Gate:
 
     def on(self, node: str, device: str) -> list[str]:
         """The names of the trials on ``device`` of ``node``."""
-        return sorted(self.active.get((node, device), {}).values())
+        return sorted(name for name, _ in self.active.get((node, device), {}).values())
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _leave_on_end(gate: Any) -> Any:
@@ -351,8 +377,13 @@ class Tuner:
         prober = threading.Thread(target=self._probe,
                                   args=(probe, gate, watch, time.monotonic()), daemon=True,
                                   name="salus-packing-probe")
-        wrapped = with_salus(self.trainable, packing=self.max_packing, devices=self.devices,
-                             cpus_per_trial=self.cpus_per_trial, gate=gate)
+        # Ray starts one trial more per device than the gate can admit: it starts up
+        # (Ray's worker, the imports) while the others run and waits at the gate, so a
+        # place that frees, or a limit that grows, is taken at once, not after a
+        # process start that can take longer than a short trial.
+        wrapped = with_salus(self.trainable, packing=self.max_packing + 1,
+                             devices=self.devices, cpus_per_trial=self.cpus_per_trial,
+                             gate=gate)
         prober.start()
         try:
             return tune.Tuner(wrapped, **kwargs).fit()

@@ -169,3 +169,22 @@ def test_bad_packing_settings_are_refused():
         salus.tune.Tuner(train_mlp, packing=0)
     with pytest.raises(ValueError, match="max_packing"):
         salus.tune.Tuner(train_mlp, max_packing=0)
+
+
+def test_a_process_is_alive_until_it_exits_even_unreaped():
+    """The gate frees the place of a trial whose process died (here, on this machine)
+    without waiting for Ray: a zombie, exited but not yet reaped, counts as dead."""
+    import subprocess
+    import sys
+    assert salus.tune._alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert salus.tune._alive(child.pid)
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 10
+    while salus.tune._alive(child.pid):  # a zombie until waited for
+        assert time.monotonic() < deadline, "a killed process still reads as alive"
+        time.sleep(0.01)
+    child.wait()
+    assert not salus.tune._alive(child.pid)
