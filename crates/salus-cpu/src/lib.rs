@@ -26,7 +26,6 @@ mod idle;
 mod kernels;
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -372,22 +371,22 @@ impl PoolGuard<'_> {
         let Some(control) = control.filter(|c| c.is_background()) else {
             return self.pool.install(job);
         };
-        let raised = Arc::new(AtomicBool::new(false));
-        let (ids, flag) = (self.ids.clone(), raised.clone());
+        // The threads the hook lifted, to put back when the job ends.
+        let raised = Arc::new(Mutex::new(Vec::new()));
+        let (ids, lifted) = (self.ids.clone(), raised.clone());
         control.on_abandon(Box::new(move || {
             let ids = ids.lock().map(|ids| ids.clone()).unwrap_or_default();
             match idle::raise(&ids) {
-                Ok(()) => flag.store(true, Ordering::Relaxed),
+                Ok(()) => *lifted.lock().unwrap_or_else(|e| e.into_inner()) = ids,
                 Err(e) => idle::warn_once(&e),
             }
         }));
         let out = self.pool.install(job);
+        // Once cleared, a hook that ran has finished: `raised` holds all it lifted.
         control.clear_on_abandon();
-        if raised.load(Ordering::Relaxed) {
-            let ids = self.ids.lock().map(|ids| ids.clone()).unwrap_or_default();
-            if let Err(e) = idle::lower(&ids) {
-                eprintln!("salus-cpu: a background thread stays out of the idle class: {e}");
-            }
+        let raised = std::mem::take(&mut *raised.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Err(e) = idle::lower(&raised) {
+            eprintln!("salus-cpu: a background thread stays out of the idle class: {e}");
         }
         out
     }

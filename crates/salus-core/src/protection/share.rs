@@ -22,10 +22,10 @@
 //!   than the tolerance the share stays there; if not, the slowdown is not the share's
 //!   and the share goes back up (with its own back-off before looking again).
 //! - **Samples.** Each is the log of an online iteration's duration over its session's
-//!   steady clean reference (the mean log of its recent clean durations). A level is settled once the mean's standard error
-//!   is below a quarter of the tolerance (at least `min_samples`, at most
-//!   [`MOST_SAMPLES`]): few iterations for a fixed-shape graph on a GPU (percent-level
-//!   noise), hundreds for requests of varying size.
+//!   steady clean reference (the mean log of its recent clean durations). A level is
+//!   settled once the mean's standard error is below a quarter of the tolerance (at least
+//!   `min_samples`, at most [`MOST_SAMPLES`]): few iterations for a fixed-shape graph on
+//!   a GPU (percent-level noise), hundreds for requests of varying size.
 
 use super::ProtectionConfig;
 
