@@ -314,6 +314,25 @@ def median_of(rounds: list[dict]) -> dict:
     return out
 
 
+def service_time(binary: Path, args: list[str], spec) -> float:
+    """The served model's time per request alone on a fresh daemon: the median of 30,
+    after 10 to warm up."""
+    probe = Daemon(binary, args)
+    try:
+        session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
+                                      address=probe.address)
+        inputs = spec.batch(0)[0]
+        times = []
+        for _ in range(40):
+            t = time.monotonic()
+            session(inputs)
+            times.append(time.monotonic() - t)
+        session.close()
+        return statistics.median(times[10:])
+    finally:
+        probe.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -340,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                         "for runs to compare at the same rate [default: measured, the "
                         "median of 30 requests alone]")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     binary = args.salusd or ROOT / "target" / "release" / "salusd"
     if args.salusd is None and not binary.exists():
         subprocess.run(["cargo", "build", "--release", "--locked", "-p", "salusd"], cwd=ROOT,
@@ -348,23 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     spec = target_models(batch_size=8, image_size=32)["cnn"]
 
-    # Service time alone sets the request rate and the SLO.
-    probe = Daemon(binary, common)
-    try:
-        session = st.InferenceSession(spec.model(0), spec.batch(0)[0],
-                                      address=probe.address)
-        inputs = spec.batch(0)[0]
-        times = []
-        for _ in range(40):
-            t = time.monotonic()
-            session(inputs)
-            times.append(time.monotonic() - t)
-        service = statistics.median(times[10:])
-        if args.service_ms is not None:
-            service = args.service_ms / 1e3
-        session.close()
-    finally:
-        probe.stop()
+    # Service time alone sets the request rate and the SLO (measured unless given).
+    service = None if args.service_ms is None else args.service_ms / 1e3
+    if service is None:
+        service = service_time(binary, common, spec)
     rate = args.load / service
     rng = random.Random(args.seed)
     arrivals, t = [], 0.0
