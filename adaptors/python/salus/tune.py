@@ -17,10 +17,11 @@ How Fluid's decisions map onto Ray Tune and salusd (``docs/tune.md``):
 - **Packing degree c** (Eq. 3.1): given (``packing=2``), or ``"auto"``: measured on the
   trials themselves while they tune (:class:`PackingProbe`), one trial per device at
   first and one more while the last one still paid. Each trial asks Ray for ``1/c`` of
-  the custom resource ``salus_device`` (one unit per salusd on a node; ``1/max_packing``
-  with ``"auto"``, where a gate actor admits trials to devices up to the measured limit),
-  so Ray Tune starts at most ``c`` trials per device and queues the rest, and each
-  salusd packs its trials into lanes (PACK).
+  the custom resource ``salus_device`` (one unit per salusd on a node), so Ray Tune starts
+  at most ``c`` trials per device and queues the rest, and each salusd packs its trials
+  into lanes (PACK). With ``"auto"`` each asks for ``1/(max_packing + 1)``, and a gate
+  actor admits trials to devices up to the measured limit; the one more trial per device
+  waits in its ``setup``, before Ray's clock of it starts.
 - **Device**: each trial's process gets ``SALUS_ADDRESS`` of a device of its node (the
   one with the fewest sessions) and ``SALUS_SESSION_NAME`` of its trial, so salusctl and
   the daemon's session list show trials by name.
@@ -92,16 +93,6 @@ def _pick_device(devices: Sequence[str]) -> str:
     return devices[min(load)[1]]
 
 
-def _trial() -> tuple[str, str]:
-    """This trial's id and name, or empty strings outside a trial (a direct call)."""
-    _, tune = _ray()
-    try:
-        context = tune.get_context()
-        return context.get_trial_id() or "", context.get_trial_name() or ""
-    except Exception:  # noqa: BLE001 - outside a trial: no context
-        return "", ""
-
-
 def with_salus(trainable: Callable[[dict], Any], *, packing: int,
                devices: Sequence[str] | None = None,
                cpus_per_trial: float | None = None, gate: Any = None) -> Any:
@@ -111,33 +102,68 @@ def with_salus(trainable: Callable[[dict], Any], *, packing: int,
     named after the trial. For a ``ray.tune.Tuner`` built by hand. ``gate``: a
     ``_Gate`` actor that admits trials to devices (what :class:`Tuner` uses while it
     measures the packing degree)."""
-    ray, tune = _ray()
+    _, tune = _ray()
     if packing < 1:
         raise ValueError(f"packing must be at least 1, not {packing}")
-    addresses = local_devices(devices)
 
     @functools.wraps(trainable)
     def on_salus(config):
-        trial, name = _trial()
-        trial = trial or f"trial-{os.getpid()}"
-        name = name or trial
-        if gate is None:
-            address = _pick_device(addresses)
-        else:
-            node = ray.get_runtime_context().get_node_id()
-            while (address := ray.get(gate.enter.remote(trial, name, node,
-                                                         os.getpid()))) is None:
-                time.sleep(0.05)
-        os.environ["SALUS_ADDRESS"] = address
-        os.environ[SESSION_NAME_ENV] = name
-        try:
-            return trainable(config)
-        finally:
-            if gate is not None:
-                ray.get(gate.leave.remote(trial))
+        return trainable(config)
 
+    # Ray builds the trial's class from the function with these classes first in line:
+    # the device is taken in the trial's setup, before Ray's clock of the trial starts.
+    on_salus.__mixins__ = (_on_device(local_devices(devices), gate),
+                           *getattr(trainable, "__mixins__", ()))
     cpus = 1.0 / packing if cpus_per_trial is None else cpus_per_trial
     return tune.with_resources(on_salus, {"cpu": cpus, RESOURCE: 1.0 / packing})
+
+
+def _on_device(addresses: Sequence[str], gate: Any) -> type:
+    """A mixin of the trainable class Ray builds around a trial's function: it points the
+    trial at a salusd device of its node (``SALUS_ADDRESS``, and ``SALUS_SESSION_NAME``
+    of the trial) in the trial's ``setup``, waiting there for ``gate`` to admit it, and
+    gives the place back when the trial ends or the process is reused for another trial.
+    Ray starts a trial's clock (its ``time_total_s``) after ``setup``, so a wait for a
+    place is not counted as the trial's time."""
+    ray, _ = _ray()
+    addresses = list(addresses)
+
+    class OnSalusDevice:
+        def setup(self, config):
+            self._salus_enter()
+            super().setup(config)
+
+        def reset_config(self, new_config):
+            if not super().reset_config(new_config):
+                return False  # Ray stops this process instead: cleanup leaves
+            self._salus_leave()
+            self._salus_enter()
+            return True
+
+        def cleanup(self):
+            try:
+                super().cleanup()
+            finally:
+                self._salus_leave()
+
+        def _salus_enter(self):
+            self._salus_trial = self.trial_id
+            if gate is None:
+                address = _pick_device(addresses)
+            else:
+                node = ray.get_runtime_context().get_node_id()
+                while (address := ray.get(gate.enter.remote(
+                        self._salus_trial, self.trial_name, node, os.getpid()))) is None:
+                    time.sleep(0.05)
+            os.environ["SALUS_ADDRESS"] = address
+            os.environ[SESSION_NAME_ENV] = self.trial_name
+
+        def _salus_leave(self):
+            if gate is not None and getattr(self, "_salus_trial", None):
+                ray.get(gate.leave.remote(self._salus_trial))
+                self._salus_trial = None
+
+    return OnSalusDevice
 
 
 class PackingProbe:
@@ -306,9 +332,10 @@ class Tuner:
     ``salus_device`` resource). Everything else goes to ``ray.tune.Tuner`` unchanged;
     :meth:`fit` returns its ``ResultGrid``.
 
-    With ``"auto"``, a trial Ray has started may wait for its place on a device, and Ray
-    counts that wait in the trial's ``time_total_s``: a scheduler that stops trials by
-    time should count ``training_iteration`` or a time the trainable reports instead.
+    With ``"auto"``, a trial Ray has started may wait for its place on a device. It waits
+    in its trainable's ``setup``, before Ray starts the trial's clock: ``time_total_s``
+    counts the trial's own time only, so schedulers that stop trials by time judge them
+    fairly.
     """
 
     def __init__(self, trainable: Callable[[dict], Any], *, param_space: dict | None = None,

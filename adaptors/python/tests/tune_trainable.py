@@ -36,13 +36,15 @@ def _rendezvous(sessions: int, timeout: float = 10.0) -> None:
 
 
 def train_mlp(config: dict) -> None:
-    """Reports what :func:`reports` yields, in one thread. ``config["exit"]``: the process
-    dies at once."""
+    """Reports what :func:`reports` yields, in one thread, with ``trained_s`` (the seconds
+    since this function started) and ``pid``. ``config["exit"]``: the process dies at
+    once."""
+    began = time.monotonic()
     if config.get("exit"):
         os._exit(3)  # a trial process that dies without returning or raising
     torch.set_num_threads(1)
     for report in reports(config):
-        tune.report(report)
+        tune.report({**report, "trained_s": time.monotonic() - began, "pid": os.getpid()})
 
 
 def reports(config: dict) -> Iterator[dict]:
