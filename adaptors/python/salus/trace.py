@@ -60,6 +60,7 @@ from . import amp
 from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
 from .decompositions import composite_decompositions, decomposition_table
+from .draws import DecidedDraws
 from .errors import TraceError
 from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
@@ -505,7 +506,8 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
           _inplace_off(model),
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
-          sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing()):
+          sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
+          DecidedDraws()):
         try:
             gm = traced(*args)
         except RuntimeError as error:
@@ -997,7 +999,7 @@ def trace_train_step(model: torch.nn.Module,
         fixed = {n: p[n] for n in frozen}
         micro = gradients.micro_batches(pytree.tree_unflatten(list(data), batch_spec),
                                         batch_spec)
-        total, losses, current = None, [], b
+        total, losses, current, reached = None, [], b, set()
         for part in micro:
             def loss_and_buffers(trained_params, part=part, current=current):
                 new_buffers = {n: t.clone() for n, t in current.items()}
@@ -1018,12 +1020,14 @@ def trace_train_step(model: torch.nn.Module,
                 objective = loss / k if k > 1 else loss
                 if scaling is not None:
                     objective = scaling.scale(objective, o)
+                reached.update(_reached(objective, trained_params))
                 return objective, (loss, new_buffers)
 
             grads, (loss, current) = torch.func.grad(loss_and_buffers, has_aux=True)(trained)
             total = grads if total is None else {n: total[n] + grads[n] for n in total}
             losses.append(loss)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        opt.check_reached(reached)
         _ModuleScopes.label(optimizer_scope)
         new_scaler = {}
         if scaling is not None:
@@ -1036,7 +1040,7 @@ def trace_train_step(model: torch.nn.Module,
         _ModuleScopes.label(OUTSIDE)  # tags the update's nodes
         return (*[new_trained.get(n, p[n]) for n in params],
                 *[current[n] for n in buffers],
-                *[new_opt[n] for n in opt_names],
+                *[new_opt.get(n, o[n]) for n in opt_names],
                 *[new_scaler[n] for n in scaler_names], loss)
 
     initial = {**_detached(params), **_detached(buffers), **opt_state}
@@ -1045,6 +1049,26 @@ def trace_train_step(model: torch.nn.Module,
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
                       rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast)
+
+
+def _reached(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> set[str]:
+    """The names of ``params`` whose gradient ``loss`` has: those its autograd graph
+    reaches (in eager PyTorch, the others keep ``.grad`` None). ``torch.func.grad`` gives
+    the others zeros, which an optimizer would still decay and count."""
+    names = {id(t): n for n, t in params.items()}
+    found: set[str] = set()
+    seen: set = set()
+    pending = [loss.grad_fn]
+    while pending:
+        fn = pending.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf's
+        if variable is not None and id(variable) in names:
+            found.add(names[id(variable)])
+        pending.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
 
 
 @contextlib.contextmanager

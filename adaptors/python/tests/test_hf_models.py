@@ -1,7 +1,7 @@
 """Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT (its
-default SDPA attention and its eager one), T5 and Llama (small configurations), each
-through its own ``.loss``, three AdamW steps, every parameter and optimizer state against
-float64 by the suite's rule (harness.py)."""
+default SDPA attention and its eager one), T5, Llama, BART and DINOv2 (small
+configurations), each through its own ``.loss``, three AdamW steps, every parameter and
+optimizer state against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -67,8 +67,35 @@ def _llama():
             lambda m, ids: m(input_ids=ids, labels=ids).loss)
 
 
+def _bart():
+    """BART as configured by default: LayerDrop draws a number per layer in training and
+    skips none (``layerdrop`` 0)."""
+    cfg = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
+                                  max_position_embeddings=32, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0)
+    g = torch.Generator().manual_seed(5)
+    ids, labels = torch.randint(1, 128, (2, 10), generator=g), torch.randint(1, 128, (2, 6),
+                                                                              generator=g)
+    return (transformers.BartForConditionalGeneration(cfg), (ids, labels),
+            lambda m, ids, y: m(input_ids=ids, labels=y).loss)
+
+
+def _dinov2():
+    """DINOv2 classifying images: its mask token is a parameter the loss never reaches,
+    which AdamW (weight decay 0.01 by default) leaves alone in eager PyTorch."""
+    cfg = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=32, patch_size=8, num_labels=3, mlp_ratio=2)
+    g = torch.Generator().manual_seed(6)
+    images, labels = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 3, (2,),
+                                                                           generator=g)
+    return (transformers.Dinov2ForImageClassification(cfg), (images, labels),
+            lambda m, x, y: m(pixel_values=x, labels=y).loss)
+
+
 MODELS = {"gpt2": _gpt2, "bert": _bert, "bert_eager": lambda: _bert("eager"), "t5": _t5,
-          "llama": _llama}
+          "llama": _llama, "bart": _bart, "dinov2": _dinov2}
 
 
 @pytest.fixture(scope="module")

@@ -152,3 +152,67 @@ def test_param_groups_keep_their_own_hyperparameters():
     assert "optimizer.momentum_buffer.body.0.weight" not in traced.state_names
     state, _ = traced_steps(traced, batches)
     assert_as_exact_as_pytorch(state, exact, eager, rounded)
+
+
+class _WithUnused(nn.Module):
+    """An MLP beside a parameter its loss reaches only when ``use_extra`` is set (as a
+    mask token, or a head another task uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = _model()
+        self.extra = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.use_extra = False
+
+    def forward(self, x):
+        out = self.mlp(x)
+        return out + self.extra if self.use_extra else out
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+], ids=["adamw", "sgd"])
+def test_a_parameter_the_loss_does_not_reach_is_left_as_torch_leaves_it(make):
+    """torch's optimizers skip a parameter whose gradient is None: no decay, no momentum,
+    no state. ``torch.func`` gives it zeros, which the update would still decay."""
+    model = _WithUnused()
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+
+    def reference(dtype):
+        reference = twin(model, dtype)
+        reference_opt = make(reference.parameters())
+        eager_steps(reference, reference_opt, nn.functional.cross_entropy,
+                    [to_dtype(b, dtype) for b in batches])
+        assert reference.extra not in reference_opt.state
+        return torch_state(reference, reference_opt)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
+    optimizer = make(model.parameters())
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy, optimizer, batches[0])
+    state, _ = traced_steps(traced, batches)
+    assert torch.equal(state["extra"], model.extra.detach())
+    assert_as_exact_as_pytorch(state, exact, eager, rounded)
+    traced.rule.give_back(state, dict(model.named_parameters()))
+    assert model.extra not in optimizer.state and model.mlp.head.weight in optimizer.state
+
+
+def test_an_optimizer_that_never_stepped_a_parameter_is_taken_over_while_the_loss_skips_it():
+    model = _WithUnused()
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(4)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    eager_steps(model, optimizer, nn.functional.cross_entropy, batches[:2])
+    reference = twin(model)
+    reference_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    reference_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    eager_steps(reference, reference_opt, nn.functional.cross_entropy, batches[2:])
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy, optimizer, batches[2])
+    state, _ = traced_steps(traced, batches[2:])
+    assert state["optimizer.step"].item() == 4
+    assert torch.equal(state["extra"], reference.extra.detach())
+
+    # Reached now, after steps without it: torch would count its steps from 1.
+    model.use_extra = True
+    with pytest.raises(salus.UnsupportedOptimizerError, match="never extra, which the loss"):
+        salus.trace_train_step(model, nn.functional.cross_entropy, optimizer, batches[2])

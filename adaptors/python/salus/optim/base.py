@@ -112,6 +112,15 @@ class FunctionalOptimizer:
                 self.group_of[name] = info
         #: Trained parameters in model order.
         self.params = [n for n in order if n in self.group_of]
+        #: Trained parameters the traced loss does not reach: torch's optimizers skip a
+        #: parameter whose ``.grad`` is None, so the update leaves them and their state
+        #: as they are (:meth:`update`), and they get no torch state back (set by the
+        #: tracer).
+        self.without_grad: frozenset[str] = frozenset()
+        # Parameters with no torch state yet, and the steps the others have taken, when
+        # the session took the optimizer over (:meth:`initial_state`).
+        self._unstepped: list[str] = []
+        self._taken = 0.0
         self._sent: list[dict | None] = [None] * len(self.groups)
 
     # -- what a rule says ---------------------------------------------------------------
@@ -240,6 +249,11 @@ class FunctionalOptimizer:
                 state[state_name(key, name)] = (
                     value.detach().clone() if value is not None
                     else self.init_buffer(key, p, group))
+            if not torch_state:
+                # Never stepped (a parameter the loss has not reached so far): it counts
+                # only if the traced loss reaches it (check_reached).
+                self._unstepped.append(name)
+                continue
             taken = self._taken_steps(torch_state, info.structure)
             if taken is not None:
                 steps.add(taken)
@@ -247,9 +261,25 @@ class FunctionalOptimizer:
             raise UnsupportedOptimizerError(
                 f"{type(self.optimizer).__name__} parameters are at different steps "
                 f"({sorted(steps)}): salus keeps one step counter for all of them")
+        self._taken = steps.pop() if steps else 0.0
         if self.counts_steps and self.params:
-            state[STEP] = torch.tensor(steps.pop() if steps else 0.0, dtype=_STEP_DTYPE)
+            state[STEP] = torch.tensor(self._taken, dtype=_STEP_DTYPE)
         return state
+
+    def check_reached(self, reached: set[str]) -> None:
+        """Records which trained parameters the traced loss reaches (the others are
+        :attr:`without_grad`); refuses a parameter it reaches that has taken no step
+        while the others have: torch starts that parameter's own count at 1, salus has
+        one count for all."""
+        self.without_grad = frozenset(n for n in self.params if n not in reached)
+        late = [n for n in self._unstepped if n in reached]
+        if late and self._taken > 0 and self.counts_steps:
+            raise UnsupportedOptimizerError(
+                f"{type(self.optimizer).__name__} has stepped its other parameters but "
+                f"never {', '.join(late[:3])}{' ...' if len(late) > 3 else ''}, which the "
+                "loss reaches now: torch would start their own count of steps, salus keeps "
+                "one for all parameters. Open the session before the first step, or give "
+                "those parameters an optimizer of their own")
 
     def _taken_steps(self, torch_state: Mapping, structure: dict) -> float | None:
         """How many steps torch's state of one parameter has taken (None: it does not
@@ -264,7 +294,7 @@ class FunctionalOptimizer:
         step = values.get(STEP)
         for name in self.params:
             info = self.group_of[name]
-            if step is not None and step.item() == 0:
+            if (step is not None and step.item() == 0) or name in self.without_grad:
                 continue
             state = self.optimizer.state[params[name]]
             for key in self.buffers(info.structure):
@@ -277,8 +307,9 @@ class FunctionalOptimizer:
 
     def update(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
                state: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
-        """``(new_params, new_state)``: one step of every trained parameter; ``state``
-        holds :meth:`state_names` and :meth:`hyper_names`."""
+        """``(new_params, new_state)``: one step of every trained parameter but those
+        :attr:`without_grad` (absent from both: they keep their values and state);
+        ``state`` holds :meth:`state_names` and :meth:`hyper_names`."""
         new_params: Tensors = {}
         new_state: Tensors = {}
         if not self.params:
@@ -291,11 +322,14 @@ class FunctionalOptimizer:
         for info in self.groups:
             if not info.params:
                 continue
+            names = [n for n in info.params if n not in self.without_grad]
+            if not names:
+                continue
             keys = self.buffers(info.structure)
             hyper = {k: state[hyper_name(info.index, k)] for k in info.keys}
-            p = {n: params[n] for n in info.params}
-            g = {n: grads[n] for n in info.params}
-            b = {state_name(k, n): state[state_name(k, n)] for n in info.params for k in keys}
+            p = {n: params[n] for n in names}
+            g = {n: grads[n] for n in names}
+            b = {state_name(k, n): state[state_name(k, n)] for n in names for k in keys}
             new_p, new_b = self.update_group(info, p, g, b, hyper, step, first)
             new_params.update(new_p)
             new_state.update(new_b)

@@ -1,0 +1,102 @@
+"""Branches on random draws that a recorded step decides (salus.draws): LayerDrop with
+layerdrop 0 trains as eagerly, a branch that could go either way is refused naming it."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
+                     torch_state, traced_steps, twin)
+from torch import nn
+
+import salus
+from salus.draws import decide
+from salus.models import vector_batch
+
+
+@pytest.mark.parametrize("compare, low, high, c, expected", [
+    (operator.lt, 0.0, 1.0, 0.0, False),   # LayerDrop's draw < layerdrop 0
+    (operator.lt, 0.0, 1.0, 1.0, True),    # the range is open at 1
+    (operator.lt, 0.0, 1.0, 0.5, None),
+    (operator.le, 0.0, 1.0, 0.0, None),    # the draw may be 0
+    (operator.le, 0.0, 1.0, -0.1, False),
+    (operator.gt, 0.0, 1.0, -0.1, True),
+    (operator.gt, 0.0, 1.0, 0.0, None),
+    (operator.ge, 0.0, 1.0, 0.0, True),
+    (operator.ge, 0.0, 1.0, 1.0, False),
+    (operator.ge, 2.0, 3.0, 2.5, None),
+])
+def test_a_comparison_is_decided_only_when_every_draw_gives_the_same_answer(
+        compare, low, high, c, expected):
+    assert decide(compare, low, high, c) is expected
+
+
+class _LayerDrop(nn.Module):
+    """Layers skipped at random in training, as transformers' LayerDrop skips them."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+            self.head = nn.Linear(6, 3)
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = torch.relu(layer(x))
+        # Decided the other way round too: a draw is always below 1, and above -1.
+        if torch.rand(()) < 1.0 and torch.empty(()).uniform_(2.0, 3.0) > -1:
+            x = x * 2
+        return self.head(x)
+
+
+def test_layerdrop_of_zero_trains_as_eagerly():
+    model = _LayerDrop(0.0)
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+
+    def reference(dtype):
+        reference = twin(model, dtype)
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        eager_steps(reference, optimizer, nn.functional.cross_entropy,
+                    [to_dtype(b, dtype) for b in batches])
+        return torch_state(reference, optimizer)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
+    traced = salus.trace_train_step(
+        model, nn.functional.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batches[0])
+    state, _ = traced_steps(traced, batches)
+    assert_as_exact_as_pytorch(state, exact, eager, rounded)
+
+
+def test_a_branch_on_a_draw_that_could_go_either_way_is_refused_naming_it():
+    model = _LayerDrop(0.2)
+    with pytest.raises(salus.TraceError, match=r"random draw \(uniform in \[0, 1\) < 0.2\) "
+                                               r"at .*test_draws.py:\d+.*layerdrop to 0"):
+        salus.trace_train_step(model, nn.functional.cross_entropy,
+                               torch.optim.SGD(model.parameters(), lr=0.1),
+                               vector_batch(4, 6, 3))
+
+
+def test_a_branch_on_other_values_is_still_refused():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.fc(x) if torch.rand([]) * x.sum() < 0 else -self.fc(x)
+
+    model = Branchy()
+    with pytest.raises(salus.TraceError, match="reads a tensor's value in Python"):
+        salus.trace_train_step(model, nn.functional.cross_entropy,
+                               torch.optim.SGD(model.parameters(), lr=0.1),
+                               vector_batch(4, 6, 3))
