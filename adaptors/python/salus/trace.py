@@ -59,6 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import amp
 from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
+from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
 from .errors import TraceError
@@ -457,6 +458,21 @@ def _libraries_see_a_compiler() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _compiled_code_as_written() -> Iterator[None]:
+    """Lets modules and functions wrapped by ``torch.compile`` record as the code they
+    wrap: compiling is how eager PyTorch would run them, not what they compute, and
+    salus plans and runs the step itself. (A compiled model's parameters keep their
+    ``_orig_mod.`` names, as its ``state_dict`` has them.)"""
+    try:
+        from torch._dynamo import config
+        patch = config.patch(error_on_nested_fx_trace=False)
+    except (ImportError, AttributeError, RuntimeError):
+        patch = contextlib.nullcontext()
+    with patch:
+        yield
+
+
+@contextlib.contextmanager
 def _custom_functions() -> Iterator[None]:
     """Lets the step's custom ``torch.autograd.Function``s trace: their backward is the
     user's, recorded when the gradient is taken. ``torch.func``'s functionalization has
@@ -507,7 +523,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
-          DecidedDraws()):
+          DecidedDraws(), plain_checkpoints(), _compiled_code_as_written()):
         try:
             gm = traced(*args)
         except RuntimeError as error:

@@ -1,7 +1,8 @@
-"""Hugging Face transformers train on salusd as they train eagerly: GPT-2, BERT (its
-default SDPA attention and its eager one), T5, Llama, BART and DINOv2 (small
-configurations), each through its own ``.loss``, three AdamW steps, every parameter and
-optimizer state against float64 by the suite's rule (harness.py)."""
+"""Hugging Face transformers train on salusd as they train eagerly: GPT-2 (also with
+gradient checkpointing), BERT (its default SDPA attention and its eager one), T5, Llama,
+BART and DINOv2 (small configurations), each through its own ``.loss``, three AdamW
+steps, every parameter and optimizer state against float64 by the suite's rule
+(harness.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _gpt2():
     # use_cache is left at its default, so the key-value cache is built and dropped.
     return (transformers.GPT2LMHeadModel(cfg), (ids,),
             lambda m, ids: m(input_ids=ids, labels=ids).loss)
+
+
+def _gpt2_checkpointed():
+    """GPT-2 with ``gradient_checkpointing_enable()``, as a user short of memory trains
+    it: each block under ``torch.utils.checkpoint`` (non-reentrant)."""
+    model, batch, loss_of = _gpt2()
+    model.gradient_checkpointing_enable()
+    return model, batch, loss_of
 
 
 def _bert(attention: str = "sdpa"):
@@ -95,7 +104,8 @@ def _dinov2():
 
 
 MODELS = {"gpt2": _gpt2, "bert": _bert, "bert_eager": lambda: _bert("eager"), "t5": _t5,
-          "llama": _llama, "bart": _bart, "dinov2": _dinov2}
+          "llama": _llama, "bart": _bart, "dinov2": _dinov2,
+          "gpt2_checkpointed": _gpt2_checkpointed}
 
 
 @pytest.fixture(scope="module")

@@ -1635,17 +1635,14 @@ fn split_reduction_cases() -> Vec<Case> {
     cases
 }
 
-#[test]
-fn the_split_reduction_cases_run_on_the_cpu() {
-    for case in split_reduction_cases() {
-        case.try_run_on(None).unwrap();
-    }
-}
-
-/// The reductions against the CPU, and bit for bit the same on a second run.
+/// The reductions against the CPU, and bit for bit the same on a second run (where
+/// neither a GPU nor the emulator is usable, the cases still run on the CPU).
 #[test]
 fn split_reductions_match_the_cpu_and_repeat_bitwise() {
     let Some(kernels) = kernels("split_reductions", 1 << 30) else {
+        for case in split_reduction_cases() {
+            case.try_run_on(None).unwrap();
+        }
         return;
     };
     let gpu = kernels.device();

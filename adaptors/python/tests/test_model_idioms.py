@@ -1,0 +1,87 @@
+"""Ways a model's code is written that change how eager PyTorch runs it, not what it
+computes: activation checkpointing (both variants, and ``checkpoint_sequential``) and
+``torch.compile`` (the whole model, or a part). Each traced step runs, step by step, as
+eager PyTorch's uncheckpointed, uncompiled twin trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
+                     torch_state, traced_steps, twin)
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import salus
+from salus.models import vector_batch
+
+CE = nn.functional.cross_entropy
+
+
+class _Net(nn.Module):
+    """Two hidden layers; ``wrap(name, layer, x)`` says how each runs."""
+
+    def __init__(self, how: str = "plain"):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+            self.head = nn.Linear(16, 3)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "checkpoint":
+            h = checkpoint(self.body, x, use_reentrant=False)
+        elif self.how == "checkpoint_sequential":
+            h = checkpoint_sequential(self.body, 2, x, use_reentrant=False)
+        elif self.how == "reentrant":
+            # x needs no gradient: eager's reentrant checkpoint gives body none (it warns).
+            h = checkpoint(self.body, x, use_reentrant=True)
+        else:
+            h = self.body(x)
+        return self.head(h)
+
+
+def _assert_trains_as(model, eager_model, batches, make=lambda p: torch.optim.AdamW(
+        p, lr=0.05, weight_decay=0.1)):
+    def reference(dtype):
+        m = twin(eager_model, dtype)
+        optimizer = make(m.parameters())
+        eager_steps(m, optimizer, CE, [to_dtype(b, dtype) for b in batches])
+        return torch_state(m, optimizer)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
+    traced = salus.trace_train_step(model, CE, make(model.parameters()), batches[0])
+    state, _ = traced_steps(traced, batches)
+    # A compiled module's parameters are named through its _orig_mod, as in its state_dict.
+    assert_as_exact_as_pytorch({k.replace("_orig_mod.", ""): v for k, v in state.items()},
+                               exact, eager, rounded)
+    return state
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_sequential"])
+def test_a_checkpointed_model_trains_as_without_checkpoints(how):
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+    _assert_trains_as(_Net(how), _Net("plain"), batches)
+
+
+def test_a_reentrant_checkpoint_whose_inputs_need_no_gradient_trains_as_eagerly():
+    """Eager PyTorch gives the region's parameters no gradient, so AdamW leaves them; the
+    traced step does the same (and, unlike the plain model's, leaves body unchanged)."""
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+    model = _Net("reentrant")
+    with pytest.warns(UserWarning, match="requires_grad"):
+        state = _assert_trains_as(model, _Net("reentrant"), batches)
+    assert torch.equal(state["body.0.weight"], model.body[0].weight.detach())
+    assert not torch.equal(state["head.weight"], model.head.weight.detach())
+
+
+def test_a_compiled_model_and_a_compiled_part_train_as_written():
+    batches = [vector_batch(4, 6, 3, seed=s) for s in range(3)]
+    # backend="eager": nothing is compiled to machine code, dynamo's wrapper is the same.
+    state = _assert_trains_as(torch.compile(_Net(), backend="eager"), _Net(), batches)
+    assert "_orig_mod.head.weight" in state, "named as the compiled model's state_dict"
+    part = _Net()
+    part.body = torch.compile(part.body, backend="eager")
+    assert "body._orig_mod.0.weight" in _assert_trains_as(part, _Net(), batches)
