@@ -126,6 +126,14 @@ def test_a_change_the_session_cannot_follow_fails_the_step_and_names_it(daemon):
         optimizer.param_groups[0]["momentum"] = 0
         session.step(*batch)  # back to what was traced: it goes on
         assert session.iterations == 2
+        # Freezing (or unfreezing) a parameter changes what the step trains.
+        first = next(model.parameters())
+        first.requires_grad_(False)
+        with pytest.raises(salus.UnsupportedOptimizerError, match="changed requires_grad"):
+            session.step(*batch)
+        first.requires_grad_(True)
+        session.step(*batch)
+        assert session.iterations == 3
 
 
 def test_a_partial_last_batch_just_works(daemon):

@@ -86,6 +86,7 @@ class FunctionalOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                  order: list[str]):
         self.optimizer = optimizer
+        self._name_of = dict(names)
         self._tensor_of: dict[str, torch.Tensor] = {}
         self.group_of: dict[str, Group] = {}
         self.groups: list[Group] = []
@@ -196,11 +197,27 @@ class FunctionalOptimizer:
                 f"{len(self.groups)} when the session was traced: open a new session "
                 "after add_param_group")
         for info in self.groups:
+            self._check_trained(info)
             values = self._checked_scalars(info)
             if values != self._sent[info.index]:
                 self._sent[info.index] = values
                 changed.update(self._tensors(info, values))
         return changed
+
+    def _check_trained(self, info: Group) -> None:
+        """Refuses a group whose parameters were frozen or unfrozen (``requires_grad``)
+        since the session was traced: its graph updates the parameters that trained then."""
+        now = {id(p) for p in self.optimizer.param_groups[info.index]["params"]
+               if p.requires_grad}
+        then = {id(self._tensor_of[n]) for n in info.params}
+        if now == then:
+            return
+        changed = sorted(self._name_of.get(i, "a new tensor") for i in now ^ then)
+        raise UnsupportedOptimizerError(
+            f"parameter group {info.index}: {', '.join(changed[:3])}"
+            f"{' ...' if len(changed) > 3 else ''} changed requires_grad since the session "
+            "was traced, and the traced step updates the parameters that trained then: "
+            "open a new session after freezing or unfreezing parameters")
 
     def resend(self) -> None:
         """Forgets what :meth:`changed_hyperparameters` returned: the next call returns
