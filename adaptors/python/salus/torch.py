@@ -41,7 +41,8 @@ import torch.utils._pytree as pytree
 
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
-                     RequestDroppedError, SalusError, SessionClosedError, SessionResumedError)
+                     RequestDroppedError, SalusError, SessionClosedError, SessionResumedError,
+                     TraceError)
 from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
 
@@ -63,6 +64,11 @@ class _Program:
 #: A session opened without ``name=`` takes this variable's value (``salus.tune`` sets it to
 #: the trial's name in each trial), else the model's class name.
 SESSION_NAME_ENV = "SALUS_SESSION_NAME"
+
+
+def _modes(model: torch.nn.Module) -> dict[str, bool]:
+    """Each module's ``training`` flag, by name."""
+    return {name: m.training for name, m in model.named_modules()}
 
 
 def _default_name(fallback: str) -> str:
@@ -524,6 +530,9 @@ class TrainSession(_SalusSession):
         gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
         self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
         self._tracing_mode, self._autocast = tracing_mode, autocast
+        # The step is traced in the model's train/eval modes of now; a step is refused
+        # while they differ (:meth:`_check_modes`).
+        self._modes = _modes(model)
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode,
                                   autocast=autocast, scaler=scaler)
@@ -555,12 +564,30 @@ class TrainSession(_SalusSession):
                                 scaler=self.scaler)
 
     def _iteration(self, batch: Sequence[Any], what: str):
+        self._check_modes()
         if self.traced.scaler is not None:
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
         return self._submission(program, leaves, what, writes)
+
+    def _check_modes(self) -> None:
+        """Refuses a step while a module's train/eval mode differs from the traced one:
+        dropout and batch norm run as traced, and eager PyTorch would now run them the
+        other way (a validation pass's ``model.eval()`` not undone, batch norm frozen
+        mid-training)."""
+        now = _modes(self.model)
+        if now == self._modes:
+            return
+        changed = [name or type(self.model).__name__
+                   for name, was in self._modes.items() if now.get(name, was) != was]
+        was = "train" if self._modes.get("", True) else "eval"
+        raise TraceError(
+            f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed "
+            f"train/eval mode since the session was traced (the model in {was} mode): "
+            "the traced step runs dropout and batch norm as then. Call model.train() (or "
+            "eval()) as it was before the next step, or open a session for the new modes")
 
     def _stepped(self, response, answer) -> torch.Tensor:
         self.iterations += 1

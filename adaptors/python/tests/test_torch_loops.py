@@ -134,6 +134,13 @@ def test_a_change_the_session_cannot_follow_fails_the_step_and_names_it(daemon):
         first.requires_grad_(True)
         session.step(*batch)
         assert session.iterations == 3
+        # A validation pass's eval() not undone: eager PyTorch would train in eval mode.
+        model.eval()
+        with pytest.raises(salus.TraceError, match=r"changed train/eval mode .*train mode"):
+            session.step(*batch)
+        model.train()
+        session.step(*batch)
+        assert session.iterations == 4
 
 
 def test_a_partial_last_batch_just_works(daemon):
