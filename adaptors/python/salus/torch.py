@@ -66,6 +66,12 @@ class _Program:
 SESSION_NAME_ENV = "SALUS_SESSION_NAME"
 
 
+def _versions(model: torch.nn.Module) -> dict[str, int]:
+    """Each parameter's and buffer's count of in-place changes, by name."""
+    return {name: t._version for name, t in (*model.named_parameters(),
+                                             *model.named_buffers())}
+
+
 def _modes(model: torch.nn.Module) -> dict[str, bool]:
     """Each module's ``training`` flag, by name."""
     return {name: m.training for name, m in model.named_modules()}
@@ -530,9 +536,10 @@ class TrainSession(_SalusSession):
         gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
         self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
         self._tracing_mode, self._autocast = tracing_mode, autocast
-        # The step is traced in the model's train/eval modes of now; a step is refused
-        # while they differ (:meth:`_check_modes`).
-        self._modes = _modes(model)
+        # The step is traced in the model's train/eval modes of now, and salusd holds its
+        # weights from now on: a step is refused while the modes differ, or after the
+        # model's tensors were changed in place (:meth:`_check_model`).
+        self._modes, self._versions = _modes(model), _versions(model)
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode,
                                   autocast=autocast, scaler=scaler)
@@ -543,6 +550,7 @@ class TrainSession(_SalusSession):
                    admission_timeout=admission_timeout, started=started,
                    feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
                    offline=offline, slo_ms=slo_ms)
+        self._versions = _versions(model)
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -564,19 +572,33 @@ class TrainSession(_SalusSession):
                                 scaler=self.scaler)
 
     def _iteration(self, batch: Sequence[Any], what: str):
-        self._check_modes()
+        self._check_model()
         if self.traced.scaler is not None:
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
+        self._versions = _versions(self.model)  # as tracing another batch shape left them
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
         return self._submission(program, leaves, what, writes)
 
-    def _check_modes(self) -> None:
-        """Refuses a step while a module's train/eval mode differs from the traced one:
-        dropout and batch norm run as traced, and eager PyTorch would now run them the
-        other way (a validation pass's ``model.eval()`` not undone, batch norm frozen
-        mid-training)."""
+    def _check_model(self) -> None:
+        """Refuses a step after a parameter or buffer of the model was changed in place
+        since the session last synchronised with it (opening, :meth:`update_model`,
+        :meth:`load_state_dict`): salusd holds the session's tensors, so the step would
+        not see the change (weights clamped after a step, as WGAN does; a step of an
+        eager optimizer). And while a module's train/eval mode differs from the traced
+        one: dropout and batch norm run as traced, and eager PyTorch would now run them
+        the other way (a validation pass's ``model.eval()`` not undone)."""
+        versions = _versions(self.model)
+        edited = [n for n, v in versions.items() if self._versions.get(n, v) != v]
+        if edited:
+            raise SalusError(
+                f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} changed in "
+                "place since the session last had the model's tensors: salusd holds them, "
+                "and the next step would not see the change. Write them to the session "
+                "(session.load_state_dict(model.state_dict(), strict=False); after "
+                "update_model(), to start from the session's), or take the session's back "
+                "(update_model())")
         now = _modes(self.model)
         if now == self._modes:
             return
@@ -598,8 +620,9 @@ class TrainSession(_SalusSession):
 
     def _state_written(self) -> None:
         # The optimizer's param_groups stay the truth for hyperparameters: the next step
-        # writes them again.
+        # writes them again. What the model holds now is what the user chose to write.
         self.traced.rule.resend()
+        self._versions = _versions(self.model)
 
     def _iteration_failed(self) -> None:
         self.traced.rule.resend()
@@ -632,6 +655,8 @@ class TrainSession(_SalusSession):
                     tensor.copy_(values[name])
         if optimizer and own:
             self._update_optimizer(values)
+        if own:
+            self._versions = _versions(model)
         return model
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:

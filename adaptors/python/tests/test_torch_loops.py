@@ -143,6 +143,29 @@ def test_a_change_the_session_cannot_follow_fails_the_step_and_names_it(daemon):
         assert session.iterations == 4
 
 
+def test_weights_changed_in_place_between_steps_are_refused_until_written(daemon):
+    """WGAN's critic clamps its weights after each step. On salusd the weights live in
+    the session: a clamp of the model's copy would be lost, so the step says so; written
+    with load_state_dict, the clamp takes."""
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    batch = spec.batch(0)
+    with st.TrainSession(model, spec.loss_fn, torch.optim.SGD(model.parameters(), lr=0.5),
+                         batch, address=daemon.address, admission_timeout=10) as session:
+        session.step(*batch)
+        session.update_model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.01, 0.01)
+        with pytest.raises(salus.SalusError, match="changed in place"):
+            session.step(*batch)
+        session.load_state_dict(model.state_dict(), strict=False)
+        names = [n for n, _ in model.named_parameters()]
+        assert all(v.abs().max() <= 0.01 for v in session.read_state(names).values())
+        session.step(*batch)
+        assert session.iterations == 2
+
+
 def test_a_partial_last_batch_just_works(daemon):
     """A DataLoader without drop_last: 3 batches of 8 and a last one of 4, twice over."""
     spec = reference_runs()["mlp"].spec
