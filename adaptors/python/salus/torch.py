@@ -141,6 +141,7 @@ class _SalusSession:
             raise
         # Trace, lower and upload: what opening cost this process.
         self.open_ms = (time.perf_counter() - started) * 1e3
+        self._synced()
 
     # -- surviving a restart of salusd ----------------------------------------------------
 
@@ -419,18 +420,51 @@ class _SalusSession:
         self._state_written()
 
     def _state_written(self) -> None:
-        """Hook: the session's tensors were overwritten."""
+        """Hook: the session's tensors were overwritten (with what the user chose)."""
+        self._synced()
 
     def update_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copies the parameters and buffers from salusd into ``model`` (default: the
         model the session was made from) in place; returns the model."""
+        own = model is None or model is getattr(self, "model", None)
         model = self.model if model is None else model
         values = self.state_dict()
         with torch.no_grad():
             for name, tensor in (*model.named_parameters(), *model.named_buffers()):
                 if name in values:
                     tensor.copy_(values[name])
+        if own:
+            self._synced()
         return model
+
+    #: The in-place change counts of the model's tensors when the session last agreed
+    #: with them (None: a session made without a model, nothing to check).
+    _versions: dict[str, int] | None = None
+
+    def _synced(self) -> None:
+        """The model's tensors and the session's agree now (opened, written, read back,
+        or as tracing another shape left them)."""
+        model = getattr(self, "model", None)
+        if model is not None:
+            self._versions = _versions(model)
+
+    def _check_unedited(self) -> None:
+        """Refuses to run after a parameter or buffer of the model was changed in place
+        since the session last agreed with it: salusd holds the session's tensors, so
+        the iteration would not see the change (weights clamped after a step, as WGAN
+        does; a step of an eager optimizer; new weights loaded into a served model)."""
+        if self._versions is None:
+            return
+        now = _versions(self.model)
+        edited = [n for n, v in now.items() if self._versions.get(n, v) != v]
+        if edited:
+            raise SalusError(
+                f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} changed in "
+                "place since the session last had the model's tensors: salusd holds them, "
+                "and the next iteration would not see the change. Write them to the "
+                "session (session.load_state_dict(model.state_dict(), strict=False); "
+                "after update_model(), to start from the session's), or take the "
+                "session's back (update_model())")
 
     # -- life ---------------------------------------------------------------------------
 
@@ -536,10 +570,9 @@ class TrainSession(_SalusSession):
         gradients = GradientRecipe(accumulate, clip_grad_norm, norm_type, clip_grad_value)
         self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
         self._tracing_mode, self._autocast = tracing_mode, autocast
-        # The step is traced in the model's train/eval modes of now, and salusd holds its
-        # weights from now on: a step is refused while the modes differ, or after the
-        # model's tensors were changed in place (:meth:`_check_model`).
-        self._modes, self._versions = _modes(model), _versions(model)
+        # The step is traced in the model's train/eval modes of now: a step is refused
+        # while they differ (:meth:`_check_modes`).
+        self._modes = _modes(model)
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode,
                                   autocast=autocast, scaler=scaler)
@@ -550,7 +583,6 @@ class TrainSession(_SalusSession):
                    admission_timeout=admission_timeout, started=started,
                    feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
                    offline=offline, slo_ms=slo_ms)
-        self._versions = _versions(model)
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -572,33 +604,20 @@ class TrainSession(_SalusSession):
                                 scaler=self.scaler)
 
     def _iteration(self, batch: Sequence[Any], what: str):
-        self._check_model()
+        self._check_unedited()
+        self._check_modes()
         if self.traced.scaler is not None:
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
-        self._versions = _versions(self.model)  # as tracing another batch shape left them
+        self._synced()
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
         return self._submission(program, leaves, what, writes)
 
-    def _check_model(self) -> None:
-        """Refuses a step after a parameter or buffer of the model was changed in place
-        since the session last synchronised with it (opening, :meth:`update_model`,
-        :meth:`load_state_dict`): salusd holds the session's tensors, so the step would
-        not see the change (weights clamped after a step, as WGAN does; a step of an
-        eager optimizer). And while a module's train/eval mode differs from the traced
-        one: dropout and batch norm run as traced, and eager PyTorch would now run them
-        the other way (a validation pass's ``model.eval()`` not undone)."""
-        versions = _versions(self.model)
-        edited = [n for n, v in versions.items() if self._versions.get(n, v) != v]
-        if edited:
-            raise SalusError(
-                f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} changed in "
-                "place since the session last had the model's tensors: salusd holds them, "
-                "and the next step would not see the change. Write them to the session "
-                "(session.load_state_dict(model.state_dict(), strict=False); after "
-                "update_model(), to start from the session's), or take the session's back "
-                "(update_model())")
+    def _check_modes(self) -> None:
+        """Refuses a step while a module's train/eval mode differs from the traced one:
+        dropout and batch norm run as traced, and eager PyTorch would now run them the
+        other way (a validation pass's ``model.eval()`` not undone)."""
         now = _modes(self.model)
         if now == self._modes:
             return
@@ -620,9 +639,9 @@ class TrainSession(_SalusSession):
 
     def _state_written(self) -> None:
         # The optimizer's param_groups stay the truth for hyperparameters: the next step
-        # writes them again. What the model holds now is what the user chose to write.
+        # writes them again.
+        super()._state_written()
         self.traced.rule.resend()
-        self._versions = _versions(self.model)
 
     def _iteration_failed(self) -> None:
         self.traced.rule.resend()
@@ -656,7 +675,7 @@ class TrainSession(_SalusSession):
         if optimizer and own:
             self._update_optimizer(values)
         if own:
-            self._versions = _versions(model)
+            self._synced()
         return model
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
@@ -714,8 +733,10 @@ class InferenceSession(_SalusSession):
         than the example's (another batch size) run a program traced for them on first
         use; salusd refuses one that needs more scratch than the example's."""
         what = "the inference session"
+        self._check_unedited()
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
+        self._synced()
         iteration, answer = self._submission(program, leaves, what)
         response = self._run_or_resume(iteration)
         if response is None:

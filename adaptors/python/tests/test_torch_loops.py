@@ -256,3 +256,21 @@ def test_inference_serves_other_batch_sizes(daemon):
             want = model.double()(x[:n].double())
             assert out.shape == want.shape
             assert_as_exact_as_pytorch({"out": out}, {"out": want}, label=f"batch {n}: ")
+
+
+def test_a_served_model_whose_weights_are_loaded_anew_says_so_until_they_are_written(daemon):
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    x, _ = spec.batch(0)
+    with st.InferenceSession(model, x, address=daemon.address) as serve:
+        before = serve(x)
+        model.load_state_dict(spec.model(1).state_dict())  # new weights, copied in place
+        with pytest.raises(salus.SalusError, match="changed in place"):
+            serve(x)
+        serve.load_state_dict(model.state_dict(), strict=False)
+        model.eval()
+        with torch.no_grad():
+            want, exact = model(x), twin(model, torch.float64)(x.double())
+        got = serve(x)
+    assert not torch.equal(got, before)
+    assert_as_exact_as_pytorch({"output": got}, {"output": exact}, {"output": want})
