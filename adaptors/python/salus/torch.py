@@ -438,14 +438,14 @@ class _SalusSession:
         return model
 
     #: The in-place change counts of the model's tensors when the session last agreed
-    #: with them (None: a session made without a model, nothing to check).
+    #: with them (None: a session without a PyTorch model, nothing to check).
     _versions: dict[str, int] | None = None
 
     def _synced(self) -> None:
         """The model's tensors and the session's agree now (opened, written, read back,
         or as tracing another shape left them)."""
         model = getattr(self, "model", None)
-        if model is not None:
+        if isinstance(model, torch.nn.Module):
             self._versions = _versions(model)
 
     def _check_unedited(self) -> None:
