@@ -21,7 +21,7 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import TraceError
+from .errors import TraceError, user_location
 
 _DRAWS = {torch.rand, torch.rand_like}
 _UNIFORM = {torch.Tensor.uniform_}
@@ -91,10 +91,8 @@ class DecidedDraws(TorchFunctionMode):
 
     def _note_comparison(self, func, args, out: torch.Tensor) -> None:
         x, c = args
-        if id(x) not in self._ranges or isinstance(c, torch.Tensor) or isinstance(c, bool):
-            return
-        if not isinstance(c, (int, float)):
-            return
+        if id(x) not in self._ranges or isinstance(c, bool) or not isinstance(c, (int, float)):
+            return  # not a draw against a plain number
         compare = _COMPARE[func]
         low, high = self._ranges[id(x)]
         text = f"uniform in [{low:g}, {high:g}) {_SYMBOL[compare]} {c:g}"
@@ -103,9 +101,5 @@ class DecidedDraws(TorchFunctionMode):
 
 
 def _caller() -> str:
-    """' at FILE:LINE' of the innermost frame outside torch and salus, if any."""
-    found = ""
-    for frame in traceback.extract_stack():
-        if "/torch/" not in frame.filename and "/salus/" not in frame.filename:
-            found = f" at {frame.filename}:{frame.lineno}"
-    return found
+    """' at FILE:LINE' of the innermost frame now running outside torch and salus."""
+    return user_location((f.filename, f.lineno) for f in traceback.extract_stack())

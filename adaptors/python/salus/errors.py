@@ -6,7 +6,23 @@ from (module path and source line) when that is known.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+def in_user_code(filename: str) -> bool:
+    """Whether a frame's source file is the user's: neither PyTorch's nor salus'."""
+    return "/torch/" not in filename and "/salus/" not in filename
+
+
+def user_location(frames: Iterable[tuple[str, int]]) -> str:
+    """' at FILE:LINE' of the innermost of ``frames`` (``(file, line)``, outermost first)
+    in the user's code, or '' if none is."""
+    found = ""
+    for filename, line in frames:
+        if in_user_code(filename):
+            found = f" at {filename}:{line}"
+    return found
 
 
 class SalusError(Exception):

@@ -234,6 +234,7 @@ class _SalusSession:
                 f"{what}: batch element {index} is {dtype_name(value.dtype)}"
                 f"{list(value.shape)} but the session was traced with {s.describe()}, and "
                 f"the step does not trace for these shapes: {error}") from error
+        self._synced()  # as tracing left the model's tensors
         graph = traced.to_graph()
         try:
             added = self._session().add_program(graph)
@@ -443,7 +444,7 @@ class _SalusSession:
 
     def _synced(self) -> None:
         """The model's tensors and the session's agree now (opened, written, read back,
-        or as tracing another shape left them)."""
+        or traced for another shape)."""
         model = getattr(self, "model", None)
         if isinstance(model, torch.nn.Module):
             self._versions = _versions(model)
@@ -610,7 +611,6 @@ class TrainSession(_SalusSession):
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
-        self._synced()
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
         return self._submission(program, leaves, what, writes)
 
@@ -736,7 +736,6 @@ class InferenceSession(_SalusSession):
         self._check_unedited()
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
-        self._synced()
         iteration, answer = self._submission(program, leaves, what)
         response = self._run_or_resume(iteration)
         if response is None:

@@ -62,7 +62,7 @@ from .attention import efficient_attention_on_cpu
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
-from .errors import TraceError
+from .errors import TraceError, in_user_code, user_location
 from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
 
@@ -590,8 +590,7 @@ def _custom_function(error: RuntimeError) -> str | None:
     if "setup_context" not in text and "custom_function_call" not in text:
         return None
     frames = [(f, line) for f, line in traceback.walk_tb(error.__traceback__)
-              if "/torch/" not in f.f_code.co_filename
-              and "/salus/" not in f.f_code.co_filename]
+              if in_user_code(f.f_code.co_filename)]
     if not frames:
         return "(unnamed)"
     frame, line = frames[-1]
@@ -607,13 +606,8 @@ def _custom_function(error: RuntimeError) -> str | None:
 
 
 def _user_frame(tb) -> str:
-    """' at FILE:LINE' of the innermost frame outside torch and salus, if any."""
-    found = ""
-    for frame, line in traceback.walk_tb(tb):
-        name = frame.f_code.co_filename
-        if "/torch/" not in name and "/salus/" not in name:
-            found = f" at {name}:{line}"
-    return found
+    """' at FILE:LINE' of the innermost frame of ``tb`` outside torch and salus, if any."""
+    return user_location((f.f_code.co_filename, line) for f, line in traceback.walk_tb(tb))
 
 
 def _drop_legacy_empty_cat_inputs(gm: torch.fx.GraphModule) -> None:

@@ -247,8 +247,9 @@ class PackingProbe:
 class _Gate:
     """A Ray actor: which trials (by id, with their names) run on which device of which
     node, at most ``limit`` per device. Trials over the limit wait to enter (their Ray
-    resources are already held). A trial leaves when its function returns, or when Ray
-    Tune ends it otherwise (a scheduler's stop, an error: :func:`_leave_on_end`). A trial
+    resources are already held). A trial leaves when Ray stops its trainable or reuses
+    its process for another trial (:func:`_on_device`), and in any case when Ray Tune
+    reports it complete or failed (:func:`_leave_on_end`). A trial
     whose process died on this actor's node leaves at the next ``enter`` there, without
     waiting for Ray to notice (seconds)."""
 
