@@ -45,6 +45,7 @@ from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnava
                      TraceError)
 from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
+from .watch import ModelWatch, modes_of
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
            "InferenceSession", "InferInfo", "RequestDroppedError", "SalusError",
@@ -64,17 +65,6 @@ class _Program:
 #: A session opened without ``name=`` takes this variable's value (``salus.tune`` sets it to
 #: the trial's name in each trial), else the model's class name.
 SESSION_NAME_ENV = "SALUS_SESSION_NAME"
-
-
-def _versions(model: torch.nn.Module) -> dict[str, int]:
-    """Each parameter's and buffer's count of in-place changes, by name."""
-    return {name: t._version for name, t in (*model.named_parameters(),
-                                             *model.named_buffers())}
-
-
-def _modes(model: torch.nn.Module) -> dict[str, bool]:
-    """Each module's ``training`` flag, by name."""
-    return {name: m.training for name, m in model.named_modules()}
 
 
 def _default_name(fallback: str) -> str:
@@ -438,34 +428,30 @@ class _SalusSession:
             self._synced()
         return model
 
-    #: The in-place change counts of the model's tensors when the session last agreed
-    #: with them (None: a session without a PyTorch model, nothing to check).
-    _versions: dict[str, int] | None = None
+    #: What the session checks of its PyTorch model before each iteration (None: a
+    #: session without one, nothing to check).
+    _watch: ModelWatch | None = None
+    #: The train/eval modes the step was traced in (None: they do not matter).
+    _traced_modes: dict[str, bool] | None = None
+    #: The model's parameters and modules stay those it was traced with (a training
+    #: session: its optimizer holds them); otherwise a replaced one is followed once
+    #: written to the session.
+    _model_fixed = False
 
     def _synced(self) -> None:
         """The model's tensors and the session's agree now (opened, written, read back,
         or traced for another shape)."""
         model = getattr(self, "model", None)
-        if isinstance(model, torch.nn.Module):
-            self._versions = _versions(model)
+        if self._watch is not None:
+            self._watch.agree()
+        elif isinstance(model, torch.nn.Module):
+            self._watch = ModelWatch(model, self._traced_modes, fixed=self._model_fixed)
 
     def _check_unedited(self) -> None:
         """Refuses to run after a parameter or buffer of the model was changed in place
-        since the session last agreed with it: salusd holds the session's tensors, so
-        the iteration would not see the change (weights clamped after a step, as WGAN
-        does; a step of an eager optimizer; new weights loaded into a served model)."""
-        if self._versions is None:
-            return
-        now = _versions(self.model)
-        edited = [n for n, v in now.items() if self._versions.get(n, v) != v]
-        if edited:
-            raise SalusError(
-                f"{', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''} changed in "
-                "place since the session last had the model's tensors: salusd holds them, "
-                "and the next iteration would not see the change. Write them to the "
-                "session (session.load_state_dict(model.state_dict(), strict=False); "
-                "after update_model(), to start from the session's), or take the "
-                "session's back (update_model())")
+        or replaced since the session last agreed with it (:class:`ModelWatch`)."""
+        if self._watch is not None:
+            self._watch.check_tensors()
 
     # -- life ---------------------------------------------------------------------------
 
@@ -550,6 +536,7 @@ class TrainSession(_SalusSession):
     """
 
     kind = "training"
+    _model_fixed = True
 
     def __init__(self, model: torch.nn.Module,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
@@ -572,8 +559,8 @@ class TrainSession(_SalusSession):
         self._loss_fn, self._loss_of, self._gradients = loss_fn, loss_of, gradients
         self._tracing_mode, self._autocast = tracing_mode, autocast
         # The step is traced in the model's train/eval modes of now: a step is refused
-        # while they differ (:meth:`_check_modes`).
-        self._modes = _modes(model)
+        # while they differ (:meth:`ModelWatch.check_modes`).
+        self._traced_modes = modes_of(model)
         traced = trace_train_step(model, loss_fn, optimizer, example_batch, loss_of=loss_of,
                                   gradients=gradients, tracing_mode=tracing_mode,
                                   autocast=autocast, scaler=scaler)
@@ -615,20 +602,8 @@ class TrainSession(_SalusSession):
         return self._submission(program, leaves, what, writes)
 
     def _check_modes(self) -> None:
-        """Refuses a step while a module's train/eval mode differs from the traced one:
-        dropout and batch norm run as traced, and eager PyTorch would now run them the
-        other way (a validation pass's ``model.eval()`` not undone)."""
-        now = _modes(self.model)
-        if now == self._modes:
-            return
-        changed = [name or type(self.model).__name__
-                   for name, was in self._modes.items() if now.get(name, was) != was]
-        was = "train" if self._modes.get("", True) else "eval"
-        raise TraceError(
-            f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed "
-            f"train/eval mode since the session was traced (the model in {was} mode): "
-            "the traced step runs dropout and batch norm as then. Call model.train() (or "
-            "eval()) as it was before the next step, or open a session for the new modes")
+        if self._watch is not None:
+            self._watch.check_modes()
 
     def _stepped(self, response, answer) -> torch.Tensor:
         self.iterations += 1

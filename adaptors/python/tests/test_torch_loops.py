@@ -164,6 +164,16 @@ def test_weights_changed_in_place_between_steps_are_refused_until_written(daemon
         assert all(v.abs().max() <= 0.01 for v in session.read_state(names).values())
         session.step(*batch)
         assert session.iterations == 2
+        # A parameter replaced, not changed in place: the optimizer still holds the old
+        # one, so eager PyTorch would train something else again; refused for good.
+        name, linear = next((n, m) for n, m in model.named_modules()
+                            if isinstance(m, torch.nn.Linear))
+        linear.weight = torch.nn.Parameter(linear.weight.detach().clone())
+        with pytest.raises(salus.SalusError, match=f"{name}.weight replaced .* new session"):
+            session.step(*batch)
+        session.load_state_dict(model.state_dict(), strict=False)
+        with pytest.raises(salus.SalusError, match=f"{name}.weight replaced"):
+            session.step(*batch)
 
 
 def test_a_partial_last_batch_just_works(daemon):
@@ -266,6 +276,14 @@ def test_a_served_model_whose_weights_are_loaded_anew_says_so_until_they_are_wri
         before = serve(x)
         model.load_state_dict(spec.model(1).state_dict())  # new weights, copied in place
         with pytest.raises(salus.SalusError, match="changed in place"):
+            serve(x)
+        serve.load_state_dict(model.state_dict(), strict=False)
+        # A layer replaced: refused until written to the session, then followed.
+        name, linear = next((n, m) for n, m in reversed(list(model.named_modules()))
+                            if isinstance(m, torch.nn.Linear))
+        parent = model.get_submodule(name.rpartition(".")[0])
+        setattr(parent, name.rpartition(".")[2], twin(linear, torch.float32))
+        with pytest.raises(salus.SalusError, match=f"{name}.weight, {name}.bias replaced"):
             serve(x)
         serve.load_state_dict(model.state_dict(), strict=False)
         model.eval()

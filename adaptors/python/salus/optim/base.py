@@ -113,6 +113,9 @@ class FunctionalOptimizer:
                 self.group_of[name] = info
         #: Trained parameters in model order.
         self.params = [n for n in order if n in self.group_of]
+        # Each group's trained tensors, as traced (:meth:`_check_trained`).
+        self._trained_ids = [frozenset(id(self._tensor_of[n]) for n in g.params)
+                             for g in self.groups]
         #: Trained parameters the traced loss does not reach: torch's optimizers skip a
         #: parameter whose ``.grad`` is None, so the update leaves them and their state
         #: as they are (:meth:`update`), and they get no torch state back (set by the
@@ -209,7 +212,7 @@ class FunctionalOptimizer:
         since the session was traced: its graph updates the parameters that trained then."""
         now = {id(p) for p in self.optimizer.param_groups[info.index]["params"]
                if p.requires_grad}
-        then = {id(self._tensor_of[n]) for n in info.params}
+        then = self._trained_ids[info.index]
         if now == then:
             return
         changed = sorted(self._name_of.get(i, "a new tensor") for i in now ^ then)
