@@ -43,6 +43,7 @@ from .errors import BatchError, SalusError, SessionClosedError
 from .feeds import Layout, dtype_name, tensor_bytes, tensor_from_bytes
 from .torch import _default_name, _SalusSession
 from .trace import TracedStep, trace_inference
+from .watch import ModelWatch
 from .v1 import session_pb2
 
 __all__ = ["InferInfo", "ServedModel", "Variant"]
@@ -279,6 +280,8 @@ class ServedModel:
             self._opened.close()
             raise
         self.calibration = {(t.variant, t.batch_size): t.ms for t in response.calibration}
+        self._watch = ModelWatch(model, fixed=True,
+                                 remedy="Serve the changed model anew (a new ServedModel)")
         #: What opening cost this process: tracing, lowering, uploading, calibration.
         self.open_ms = (time.perf_counter() - started) * 1e3
 
@@ -350,6 +353,7 @@ class ServedModel:
     def _request(self, inputs: tuple, slo_ms: float | None, app: int,
                  variant: int | str | None) -> tuple[session_pb2.InferRequest, int]:
         what = "the served model"
+        self._watch.check_tensors()
         if len(inputs) != self._inputs:
             raise BatchError(f"{what} takes {self._inputs} input(s) per request, as its "
                              f"example, but got {len(inputs)}")

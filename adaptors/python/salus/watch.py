@@ -34,13 +34,16 @@ class ModelWatch:
     inference session runs its own traced mode whatever the model's). ``fixed``: the
     model's parameters and modules are those of the session's opening for good (a
     training session's step and optimizer update those tensors); otherwise replacing one
-    is followed once the session is written (a served model given new modules)."""
+    is followed once the session is written (a served model given new modules).
+    ``remedy``: what the error tells the user to do, where the session's own advice does
+    not apply."""
 
     def __init__(self, model: torch.nn.Module, traced_modes: dict[str, bool] | None = None,
-                 *, fixed: bool = False):
+                 *, fixed: bool = False, remedy: str | None = None):
         self._model = model
         self._traced_modes = traced_modes
         self._fixed = fixed
+        self._remedy = remedy
         self._list()
 
     def _list(self) -> None:
@@ -92,25 +95,25 @@ class ModelWatch:
         replaced = self._structure_now() != self._structure
         if not replaced and self._versions_now() == self._versions:
             return
-        write = ("Write them to the session (session.load_state_dict(model.state_dict(), "
-                 "strict=False); after update_model(), to start from the session's), or "
-                 "take the session's back (update_model())")
-        if replaced and self._fixed:
-            raise SalusError(
-                f"{_some(self._replaced())} replaced since the session was opened: its "
-                "traced step updates the tensors the model had then, and the optimizer "
-                "holds those. Open a new session for the changed model")
         if replaced:
-            raise SalusError(
-                f"{_some(self._replaced())} replaced since the session last had the "
-                "model's tensors: salusd holds them, and the next iteration would not "
-                f"see the new ones. {write}")
-        changed = [n for n, t, v in zip(self._names, self._tensors, self._versions)
-                   if t._version != v]
+            names, how = self._replaced(), "replaced"
+        else:
+            names = [n for n, t, v in zip(self._names, self._tensors, self._versions)
+                     if t._version != v]
+            how = "changed in place"
+        if self._remedy is not None:
+            remedy = self._remedy
+        elif replaced and self._fixed:
+            remedy = ("A training session's traced update and its optimizer hold the "
+                      "tensors of its opening: open a new session (update_model() first, "
+                      "to carry the weights over)")
+        else:
+            remedy = ("Write them to the session (session.load_state_dict("
+                      "model.state_dict(), strict=False); after update_model(), to start "
+                      "from the session's), or take the session's back (update_model())")
         raise SalusError(
-            f"{_some(changed)} changed in place since the session last had the model's "
-            f"tensors: salusd holds them, and the next iteration would not see the "
-            f"change. {write}")
+            f"{_some(names)} {how} since the session last had the model's tensors: "
+            f"salusd holds them, and the next iteration would not see the change. {remedy}")
 
     def check_modes(self) -> None:
         """Refuses an iteration while a module's train/eval mode differs from the traced

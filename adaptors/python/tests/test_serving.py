@@ -232,6 +232,11 @@ def test_wrong_inputs_and_decoding_outputs_are_refused_by_name(daemon):
         with pytest.raises(ValueError, match="unknown variant 1"):
             s.infer(torch.randn(6), variant=1)
         assert s.infer(torch.randn(6)).shape == (3,), "refusals leave it serving"
+        # New weights loaded into the model would not reach salusd's copy: said so.
+        model.load_state_dict(nn.Sequential(nn.Linear(6, 3)).state_dict())
+        with pytest.raises(SalusError, match="0.weight, 0.bias changed in place .* new "
+                                             "ServedModel"):
+            s.infer(torch.randn(6))
     with pytest.raises(SessionClosedError, match="is closed"):
         s.infer(torch.randn(6))
     example = (torch.randn(8), torch.tensor(3))
