@@ -44,7 +44,8 @@ from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnava
                      RequestDroppedError, SalusError, SessionClosedError, SessionResumedError,
                      TraceError)
 from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
-from .trace import GradientRecipe, TracedStep, trace_inference, trace_train_step
+from .trace import (GradientRecipe, TracedStep, trace_inference, trace_train_step,
+                    tracing_now)
 from .watch import ModelWatch, modes_of
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
@@ -303,6 +304,13 @@ class _SalusSession:
 
     # -- running ------------------------------------------------------------------------
 
+    #: An iteration failed because salusd closed the session or went away, and it did not
+    #: come back: its tensors are gone, as that error said.
+    _lost = False
+
+    def _lost_to(self, error: BaseException) -> None:
+        self._lost |= isinstance(error, (SessionClosedError, DaemonUnavailableError))
+
     def _iteration_failed(self) -> None:
         """Hook: an iteration failed, so what it carried (written hyperparameters) may not
         have reached salusd."""
@@ -316,6 +324,7 @@ class _SalusSession:
             self._iteration_failed()
             if self._resumed(error):
                 return None
+            self._lost_to(error)
             raise
 
     def _pipelined(self, batches: Iterable[Sequence[Any]], depth: int
@@ -343,6 +352,7 @@ class _SalusSession:
                     f"{self.iterations}, the last one this loop received; the batches "
                     "submitted after it did not run: call steps() again with them",
                     resumed_from=self.iterations) from error
+            self._lost_to(error)
             raise
         finally:
             self._pipelining = False
@@ -571,6 +581,7 @@ class TrainSession(_SalusSession):
                    admission_timeout=admission_timeout, started=started,
                    feed_buffer=feed_buffer, reattach_timeout=reattach_timeout,
                    offline=offline, slo_ms=slo_ms)
+        self._follow_reads()
 
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
@@ -607,6 +618,7 @@ class TrainSession(_SalusSession):
 
     def _stepped(self, response, answer) -> torch.Tensor:
         self.iterations += 1
+        self._model_behind = True
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
         self.traced.rule.mark_stepped()
@@ -617,6 +629,13 @@ class TrainSession(_SalusSession):
         # writes them again.
         super()._state_written()
         self.traced.rule.resend()
+
+    #: An iteration failed because salusd closed the session or went away, and it did not
+    #: come back: its tensors are gone, as that error said.
+    _lost = False
+
+    def _lost_to(self, error: BaseException) -> None:
+        self._lost |= isinstance(error, (SessionClosedError, DaemonUnavailableError))
 
     def _iteration_failed(self) -> None:
         self.traced.rule.resend()
@@ -651,7 +670,52 @@ class TrainSession(_SalusSession):
             self._update_optimizer(values)
         if own:
             self._synced()
+            self._model_behind = self._model_behind and not optimizer
         return model
+
+    # -- the model and the optimizer keep up with the session ----------------------------
+
+    #: Steps ran on salusd since the model and the optimizer last got the session's
+    #: tensors (:meth:`update_model`).
+    _model_behind = False
+    _hooks: list = []
+
+    def _follow_reads(self) -> None:
+        """Between steps the session's tensors are ahead of the model's and the
+        optimizer's own. An eager forward pass of the model or of one of its modules (a
+        validation pass), ``model.state_dict()`` or ``optimizer.state_dict()`` (a
+        checkpoint) first brings them back (:meth:`update_model`), and so does
+        :meth:`close`: they see what eager training would have left."""
+        def before(*_):
+            self._bring_back()
+        self._hooks = [m.register_forward_pre_hook(before) for m in self.model.modules()]
+        self._hooks += [self.model.register_state_dict_pre_hook(before),
+                        self.optimizer.register_state_dict_pre_hook(before)]
+
+    def _bring_back(self) -> None:
+        if not self._model_behind or tracing_now() or self.session is None or self._lost:
+            return
+        if self._pipelining:
+            raise SalusError(
+                "the model (or its optimizer) was read while steps() had iterations in "
+                "flight, so its tensors would be those of an iteration not yet decided: "
+                "read it after the steps() loop, or train with step() where each step "
+                "must be seen")
+        # A change to the model's stale tensors would be overwritten: said instead.
+        self._check_unedited()
+        self.update_model()
+
+    def close(self) -> None:
+        """Brings the session's tensors back into the model and the optimizer if steps
+        ran since they last were (:meth:`update_model`), then closes the session on
+        salusd (its memory is freed). Idempotent."""
+        try:
+            self._bring_back()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            super().close()
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
         self.traced.rule.give_back(values, dict(self.model.named_parameters()))

@@ -36,6 +36,7 @@ graph; the optimizer's hyperparameters are persistent tensors the graph reads (s
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import math
 import operator
@@ -81,6 +82,25 @@ GENERATOR = "salus.generator"
 #: Held while ``make_fx`` records a step: it patches process-wide state, so two threads
 #: tracing at once (sessions opened from several threads) would corrupt each other.
 TRACE_LOCK = threading.RLock()
+
+
+_TRACING = threading.local()
+
+
+def tracing_now() -> bool:
+    """Whether this thread is tracing a step (the model's forward may run for it)."""
+    return getattr(_TRACING, "depth", 0) > 0
+
+
+def _traces(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TRACING.depth -= 1
+    return traced
 
 
 @contextlib.contextmanager
@@ -938,6 +958,7 @@ class GradientRecipe:
         return grads
 
 
+@_traces
 def trace_train_step(model: torch.nn.Module,
                      loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                      optimizer: torch.optim.Optimizer, example_batch: Sequence[Any],
@@ -1095,6 +1116,7 @@ def _functional_model(model: torch.nn.Module, state: tuple) -> Iterator[None]:
         yield
 
 
+@_traces
 def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,
                     *, eval_mode: bool = True, tracing_mode: str = "real",
                     autocast: torch.dtype | None = None) -> TracedStep:

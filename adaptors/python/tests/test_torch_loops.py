@@ -171,7 +171,10 @@ def test_weights_changed_in_place_between_steps_are_refused_until_written(daemon
         linear.weight = torch.nn.Parameter(linear.weight.detach().clone())
         with pytest.raises(salus.SalusError, match=f"{name}.weight replaced .* new session"):
             session.step(*batch)
-        session.load_state_dict(model.state_dict(), strict=False)
+        # Reading the model would bring the session's tensors back over the change.
+        with pytest.raises(salus.SalusError, match=f"{name}.weight replaced"):
+            model.state_dict()
+        session.update_model()  # the weights carried over, for a new session
         with pytest.raises(salus.SalusError, match=f"{name}.weight replaced"):
             session.step(*batch)
 
@@ -292,3 +295,56 @@ def test_a_served_model_whose_weights_are_loaded_anew_says_so_until_they_are_wri
         got = serve(x)
     assert not torch.equal(got, before)
     assert_as_exact_as_pytorch({"output": got}, {"output": exact}, {"output": want})
+
+
+def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
+    """Between steps the trained tensors live on salusd. An eager forward pass of the
+    model (or of a module of it), model.state_dict() and optimizer.state_dict() first
+    bring them back, as does closing the session; inside a steps() loop, reading the
+    model is refused (its tensors would be of an iteration not yet decided)."""
+    spec = reference_runs()["mlp"].spec
+    model = spec.model(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    batches = [spec.batch(k) for k in range(3)]
+    x, _ = spec.batch(9)
+    names = [n for n, _ in model.named_parameters()]
+
+    def trained(session):
+        return session.read_state(names)
+
+    with st.TrainSession(model, spec.loss_fn, optimizer, batches[0],
+                         address=daemon.address, admission_timeout=10) as session:
+        for b in batches:
+            session.step(*b)
+        on_salusd = trained(session)
+        assert all(not torch.equal(on_salusd[n], before[n]) for n in names)
+        model.eval()
+        with torch.no_grad():
+            got = model(x)  # a validation pass
+        model.train()
+        assert all(torch.equal(p, on_salusd[n]) for n, p in model.named_parameters())
+        with torch.no_grad():
+            assert torch.equal(got, model(x))
+        # A checkpoint after more steps: the optimizer's state too.
+        session.step(*batches[0])
+        checkpoint = optimizer.state_dict()
+        assert all(int(s["step"]) == 4 for s in checkpoint["state"].values())
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(),
+                                                     trained(session).values()))
+        session.step(*batches[1])
+        assert all(torch.equal(t, trained(session)[n]) for n, t in model.state_dict().items()
+                   if n in names)
+        # A module of the model, called alone, sees the trained weights as well.
+        session.step(*batches[2])
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        with torch.no_grad():
+            first(x.flatten(1)[:, :first.in_features])
+        assert torch.equal(first.weight, trained(session)[next(
+            n for n in names if n.endswith("weight"))])
+        with pytest.raises(salus.SalusError, match="steps\\(\\) had iterations in flight"):
+            for _ in session.steps(batches, depth=2):
+                model(x)
+        last = trained(session)
+    # Closing brought the last steps back.
+    assert all(torch.equal(p, last[n]) for n, p in model.named_parameters())
