@@ -522,6 +522,41 @@ fn a_hold_follows_the_duty_as_it_recovers() {
 }
 
 #[test]
+fn a_hiccup_of_the_host_does_not_take_the_duty_to_its_floor() {
+    // A 10 ms request beside offline work, as fast as alone, until one takes 100 ms (the
+    // host paused it). One iteration says at most the unhealthy slowdown to the
+    // controller: the duty dips and comes back, where 10x would have driven it to 0.02
+    // through the integral of the load's moving average.
+    let config = fixed_share();
+    let mut d = driver(PolicyKind::Pack, config.clone());
+    d.open(offline(2, 10 * MB, 10 * MB));
+    d.open(spec(1, 10 * MB, 10 * MB));
+    warm_up(&mut d, 1, 10, config.min_samples);
+    assert_eq!(started(&submit_through_hold(&mut d, 2)), vec![2]);
+    for _ in 0..40 {
+        d.submit(1);
+        run(&mut d, 1, 10);
+    }
+    let before = d.core.protection_status().offline_duty;
+    assert!(before > 0.9, "{before}");
+    d.submit(1);
+    run(&mut d, 1, 100);
+    let mut lowest = f64::INFINITY;
+    for _ in 0..10 {
+        d.submit(1);
+        run(&mut d, 1, 10);
+        lowest = lowest.min(d.core.protection_status().offline_duty);
+    }
+    assert!(lowest > 0.6, "the duty fell to {lowest}");
+    // Every iteration at twice the clean time is harm, not a hiccup: the duty falls.
+    for _ in 0..20 {
+        d.submit(1);
+        run(&mut d, 1, 20);
+    }
+    assert!(d.core.protection_status().offline_duty < 0.2);
+}
+
+#[test]
 fn a_learned_share_needs_a_share_to_start_from() {
     let config = ProtectionConfig {
         offline_compute_share: 0.0,

@@ -681,7 +681,14 @@ impl Protect {
                 }
                 if let Some(slowdown) = slowdown.or(clean.then_some(1.0)) {
                     // Equation 1 with the online slowdown in place of SM activity: the
-                    // load the controller steers.
+                    // load the controller steers. One iteration says at most the unhealthy
+                    // slowdown: past it is the tail, which the health machine judges
+                    // against the clean iterations' own tail. A host's hiccup (a 1 ms
+                    // request taking 5 ms, with offline work beside it or not) would
+                    // otherwise drive the duty to its floor, and it took a second to
+                    // recover from each (the CPU device on a shared two-core host sat
+                    // below half its duty a quarter of the time with no mean slowdown).
+                    let slowdown = slowdown.min(self.config.thresholds.online_slowdown.unhealthy);
                     let load = slowdown * self.clock_factor().unwrap_or(1.0);
                     self.controller.step(load, &self.config);
                 }
