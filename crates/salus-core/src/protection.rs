@@ -76,7 +76,10 @@ pub struct ProtectionConfig {
     #[serde(default)]
     pub background_priority: bool,
     /// Percentiles of online latency and slowdown are judged only over at least this
-    /// many samples in the window: one slow iteration is not a 99th percentile.
+    /// many samples in the window, and online iterations wait for as many clean ones
+    /// before offline work runs beside them: one slow iteration is not a 99th
+    /// percentile. By nearest rank, the 99th percentile of fewer than 100 samples is
+    /// their largest: one iteration the host paused would be the metric.
     pub min_samples: usize,
     /// How long an online session waits for memory offline sessions hold before their
     /// running iterations are abandoned (they run again later, from the same state).
@@ -116,7 +119,7 @@ impl Default for ProtectionConfig {
             offline_compute_share: 0.3,
             dynamic_compute_share: true,
             background_priority: false,
-            min_samples: 20,
+            min_samples: 100,
             abandon_after: Duration::from_millis(200),
             window: Duration::from_secs(10),
             thresholds: HealthThresholds::default(),

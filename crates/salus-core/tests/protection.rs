@@ -487,7 +487,7 @@ fn a_hold_follows_the_duty_as_it_recovers() {
     assert_eq!(started(&submit_through_hold(&mut d, 2)), vec![2]);
     // Online iterations beside it take 2.5 times as long (unhealthy, not overlimit): the
     // duty falls.
-    for _ in 0..20 {
+    for _ in 0..config.min_samples {
         d.submit(1);
         run(&mut d, 1, 25);
     }

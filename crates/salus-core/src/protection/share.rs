@@ -24,13 +24,16 @@
 //! - **Samples.** Each is the log of an online iteration's duration over its session's
 //!   steady clean reference (the mean log of its recent clean durations). A level is
 //!   settled once the mean's standard error is below a quarter of the tolerance (at least
-//!   `min_samples`, at most [`MOST_SAMPLES`]): few iterations for a fixed-shape graph on
+//!   [`LEVEL_MIN_SAMPLES`], at most [`MOST_SAMPLES`]): few iterations for a fixed-shape graph on
 //!   a GPU (percent-level noise), hundreds for requests of varying size.
 
 use super::ProtectionConfig;
 
 /// The share moves in steps of `1 / LEVELS` of the device.
 pub const LEVELS: u32 = 16;
+/// The fewest samples a level waits for before it is compared (a mean, not a tail: a
+/// fixed-shape graph on a GPU varies by percents).
+pub const LEVEL_MIN_SAMPLES: f64 = 20.0;
 /// The most samples a level waits for before it is compared, and the most its running
 /// statistics weigh (older samples count less beyond it).
 pub const MOST_SAMPLES: f64 = 4096.0;
@@ -149,7 +152,7 @@ impl OfflineShare {
             level: level as u32,
             epoch: 0,
             tolerance: config.target_load.ln().max(1e-3),
-            min_samples: config.min_samples.max(2) as f64,
+            min_samples: LEVEL_MIN_SAMPLES,
             here: Stats::default(),
             probe: None,
             clean: Stats::default(),
