@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .errors import LoweringError, MissingOp, UnsupportedOpError
+from .errors import LoweringError, MissingOp, TraceError, UnsupportedOpError
 from .v1 import graph_pb2 as pb
 
 if TYPE_CHECKING:
@@ -221,8 +221,31 @@ def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
     return sorted({_ir_op(n)[0] for n in gm.graph.nodes if _emits_node(n)})
 
 
+def _selects_by_mask(node: torch.fx.Node) -> bool:
+    """An ``index.Tensor`` with a boolean index (``x[mask]``): its shape depends on the
+    mask's values."""
+    if node.target is not torch.ops.aten.index.Tensor:
+        return False
+    return any(isinstance(i, torch.fx.Node)
+               and getattr(i.meta.get("val"), "dtype", None) == torch.bool
+               for i in node.args[1])
+
+
 def check_ops(gm: torch.fx.GraphModule) -> None:
-    """Raises :class:`UnsupportedOpError` listing every node whose op the IR lacks."""
+    """Raises :class:`TraceError` for a selection by a boolean mask, and
+    :class:`UnsupportedOpError` listing every node whose op the IR lacks."""
+    masked = [n for n in gm.graph.nodes if _selects_by_mask(n)]
+    if masked:
+        where = "; ".join(dict.fromkeys(filter(None, map(node_source, masked))))
+        where = f", at {where}" if where else ""
+        raise TraceError(
+            f"the step selects elements by a boolean mask (x[mask]{where}): what it "
+            "selects depends on the mask's values, so the result has no fixed shape, and "
+            "salus runs one fixed graph per batch shape. Compute over every element and "
+            "mask the result instead: the "
+            "mean loss over the selected rows is F.cross_entropy(out, torch.where(mask, "
+            "target, -100)) (its ignore_index), or, with reduction='none', "
+            "(loss * mask).sum() / mask.sum()")
     missing = []
     for node in gm.graph.nodes:
         if not _emits_node(node):

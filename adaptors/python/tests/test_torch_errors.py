@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 from daemon import Daemon
+from harness import assert_as_exact_as_pytorch
 from torch import nn
 
 import salus.torch as st
@@ -67,6 +68,29 @@ def test_an_unsupported_op_is_named_before_anything_is_sent(daemon):
     assert "test_torch_errors.py" in message, "the user's source line is named"
     with Client(daemon.address) as client:
         assert client.list_sessions() == []
+
+
+def test_a_selection_by_a_boolean_mask_is_refused_with_the_masked_form(daemon):
+    """A loss over the rows a mask selects (a GNN's train_mask, labelled tokens) has no
+    fixed shape: refused before anything is sent, naming the masked form, which trains
+    as the selection does eagerly."""
+    model = SPEC.model(0)
+    x, y = SPEC.batch(0)
+    mask = torch.arange(len(y)) % 3 != 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TraceError, match=r"boolean mask .* torch.where\(mask, target, -100\)"):
+        st.TrainSession(model, None, optimizer, (x, y, mask), address=daemon.address,
+                        loss_of=lambda m, x, y, k: nn.functional.cross_entropy(m(x)[k], y[k]))
+    with Client(daemon.address) as client:
+        assert client.list_sessions() == []
+    eager = SPEC.model(0)
+    want = nn.functional.cross_entropy(eager(x)[mask], y[mask]).detach()
+    exact = nn.functional.cross_entropy(eager.double()(x.double())[mask], y[mask]).detach()
+    with st.TrainSession(model, None, optimizer, (x, y, mask), address=daemon.address,
+                         loss_of=lambda m, x, y, k: nn.functional.cross_entropy(
+                             m(x), torch.where(k, y, -100))) as session:
+        got = session.step(x, y, mask)
+    assert_as_exact_as_pytorch({"loss": got}, {"loss": exact}, {"loss": want})
 
 
 class _DoubledInPlace(torch.autograd.Function):
