@@ -477,14 +477,21 @@ fn the_offline_share_is_learned_from_online_iterations_beside_offline_ones() {
     assert!(status.offline_compute_share <= 0.5 + 1e-9);
 }
 
-#[test]
-fn a_hold_follows_the_duty_as_it_recovers() {
+/// Online session 1 with its clean reference (10 ms iterations), and offline session 2's
+/// iteration running, under a fixed share.
+fn offline_iteration_running() -> (Driver, ProtectionConfig) {
     let config = fixed_share();
     let mut d = driver(PolicyKind::Pack, config.clone());
     d.open(offline(2, 10 * MB, 10 * MB));
     d.open(spec(1, 10 * MB, 10 * MB));
     warm_up(&mut d, 1, 10, config.min_samples);
     assert_eq!(started(&submit_through_hold(&mut d, 2)), vec![2]);
+    (d, config)
+}
+
+#[test]
+fn a_hold_follows_the_duty_as_it_recovers() {
+    let (mut d, config) = offline_iteration_running();
     // Online iterations beside it take 2.5 times as long (unhealthy, not overlimit): the
     // duty falls.
     for _ in 0..config.min_samples {
@@ -527,12 +534,7 @@ fn a_hiccup_of_the_host_does_not_take_the_duty_to_its_floor() {
     // host paused it). One iteration says at most the unhealthy slowdown to the
     // controller: the duty dips and comes back, where 10x would have driven it to 0.02
     // through the integral of the load's moving average.
-    let config = fixed_share();
-    let mut d = driver(PolicyKind::Pack, config.clone());
-    d.open(offline(2, 10 * MB, 10 * MB));
-    d.open(spec(1, 10 * MB, 10 * MB));
-    warm_up(&mut d, 1, 10, config.min_samples);
-    assert_eq!(started(&submit_through_hold(&mut d, 2)), vec![2]);
+    let (mut d, _) = offline_iteration_running();
     for _ in 0..40 {
         d.submit(1);
         run(&mut d, 1, 10);
