@@ -686,6 +686,7 @@ class TrainSession(_SalusSession):
         validation pass), ``model.state_dict()`` or ``optimizer.state_dict()`` (a
         checkpoint) first brings them back (:meth:`update_model`), and so does
         :meth:`close`: they see what eager training would have left."""
+        @torch.compiler.disable  # a compiled model runs it as Python, not traced
         def before(*_):
             self._bring_back()
         self._hooks = [m.register_forward_pre_hook(before) for m in self.model.modules()]

@@ -342,6 +342,12 @@ def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
             first(x.flatten(1)[:, :first.in_features])
         assert torch.equal(first.weight, trained(session)[next(
             n for n in names if n.endswith("weight"))])
+        # A compiled copy of the model for validation: the hook runs outside the graph.
+        session.step(*batches[0])
+        with torch.no_grad():
+            torch.compile(model, backend="eager")(x)
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(),
+                                                     trained(session).values()))
         with pytest.raises(salus.SalusError, match="steps\\(\\) had iterations in flight"):
             for _ in session.steps(batches, depth=2):
                 model(x)
