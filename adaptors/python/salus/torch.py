@@ -33,6 +33,7 @@ import collections
 import contextlib
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -686,9 +687,7 @@ class TrainSession(_SalusSession):
         validation pass), ``model.state_dict()`` or ``optimizer.state_dict()`` (a
         checkpoint) first brings them back (:meth:`update_model`), and so does
         :meth:`close`: they see what eager training would have left."""
-        @torch.compiler.disable  # a compiled model runs it as Python, not traced
-        def before(*_):
-            self._bring_back()
+        before = _BringBack(self)
         self._hooks = [m.register_forward_pre_hook(before) for m in self.model.modules()]
         self._hooks += [self.model.register_state_dict_pre_hook(before),
                         self.optimizer.register_state_dict_pre_hook(before)]
@@ -726,6 +725,25 @@ class TrainSession(_SalusSession):
     def __repr__(self) -> str:
         return (f"<salus.torch.TrainSession {type(self.model).__name__} session {self.id}, "
                 f"{self.iterations} steps>")
+
+
+class _BringBack:
+    """The hook a training session leaves on its model and optimizer (see
+    ``TrainSession._follow_reads``). It holds the session weakly, and a copy of it
+    (``copy.deepcopy(model)``, ``torch.save(model)``) does nothing: the copy is not the
+    session's model."""
+
+    def __init__(self, session: TrainSession | None):
+        self._session = weakref.ref(session) if session is not None else None
+
+    @torch.compiler.disable  # a compiled model runs it as Python, not traced
+    def __call__(self, *_) -> None:
+        session = self._session() if self._session is not None else None
+        if session is not None:
+            session._bring_back()
+
+    def __reduce__(self):
+        return (_BringBack, (None,))
 
 
 class InferenceSession(_SalusSession):

@@ -4,6 +4,9 @@ that keep the optimizer's ``param_groups`` the truth for hyperparameters."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from daemon import Daemon
@@ -342,6 +345,15 @@ def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
             first(x.flatten(1)[:, :first.in_features])
         assert torch.equal(first.weight, trained(session)[next(
             n for n in names if n.endswith("weight"))])
+        # The whole model saved, or copied: the copy is not the session's model.
+        session.step(*batches[1])
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        copied = copy.deepcopy(model)
+        with torch.no_grad():
+            copied(x)
+        assert not any(torch.equal(p, v) for p, v in zip(model.parameters(),
+                                                         trained(session).values()))
         # A compiled copy of the model for validation: the hook runs outside the graph.
         session.step(*batches[0])
         with torch.no_grad():
