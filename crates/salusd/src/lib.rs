@@ -347,6 +347,20 @@ pub async fn run_with(
         token,
         insecure_tcp: config.insecure_tcp,
     };
+    // Sessions kept across a restart are back before anything is served: a client's call
+    // in between would find no session instead of one waiting for it to reattach.
+    let keeper = match &config.state_dir {
+        Some(dir) => {
+            state_dir(dir)?;
+            keeper::restore(&engine, dir, config.reattach_timeout).await;
+            Some(tokio::spawn(keeper::keep(
+                engine.clone(),
+                dir.clone(),
+                config.snapshot_every,
+            )))
+        }
+        None => None,
+    };
     // One registry of served models for every listener and the metrics endpoint.
     let served = serving::Servers::default();
     let listener = bind_socket(&config.socket)?;
@@ -395,18 +409,6 @@ pub async fn run_with(
         policy = %config.policy,
         "salusd ready"
     );
-    let keeper = match &config.state_dir {
-        Some(dir) => {
-            state_dir(dir)?;
-            keeper::restore(&engine, dir, config.reattach_timeout).await;
-            Some(tokio::spawn(keeper::keep(
-                engine.clone(),
-                dir.clone(),
-                config.snapshot_every,
-            )))
-        }
-        None => None,
-    };
     started(&Daemon {
         engine: engine.clone(),
     });
