@@ -242,10 +242,9 @@ def check_ops(gm: torch.fx.GraphModule) -> None:
             f"the step selects elements by a boolean mask (x[mask]{where}): what it "
             "selects depends on the mask's values, so the result has no fixed shape, and "
             "salus runs one fixed graph per batch shape. Compute over every element and "
-            "mask the result instead: the "
-            "mean loss over the selected rows is F.cross_entropy(out, torch.where(mask, "
-            "target, -100)) (its ignore_index), or, with reduction='none', "
-            "(loss * mask).sum() / mask.sum()")
+            "mask the result instead: the mean loss over the selected rows is "
+            "F.cross_entropy(out, torch.where(mask, target, -100)) (its ignore_index), "
+            "or, with reduction='none', (loss * mask).sum() / mask.sum()")
     missing = []
     for node in gm.graph.nodes:
         if not _emits_node(node):

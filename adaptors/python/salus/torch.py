@@ -631,13 +631,6 @@ class TrainSession(_SalusSession):
         super()._state_written()
         self.traced.rule.resend()
 
-    #: An iteration failed because salusd closed the session or went away, and it did not
-    #: come back: its tensors are gone, as that error said.
-    _lost = False
-
-    def _lost_to(self, error: BaseException) -> None:
-        self._lost |= isinstance(error, (SessionClosedError, DaemonUnavailableError))
-
     def _iteration_failed(self) -> None:
         self.traced.rule.resend()
 

@@ -48,8 +48,9 @@ class ModelWatch:
 
     def _list(self) -> None:
         model = self._model
-        self._modules = [m for _, m in model.named_modules()]
-        self._module_names = [n for n, _ in model.named_modules()]
+        modules = list(model.named_modules())
+        self._modules = [m for _, m in modules]
+        self._module_names = [n for n, _ in modules]
         # What each listed module holds, as live views: replacing a parameter, buffer or
         # submodule changes an identity in them. (The watch keeps the listed tensors and
         # modules alive, so no identity of theirs is reused meanwhile.)
