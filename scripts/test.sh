@@ -4,6 +4,11 @@
 # everything and creates (or reuses) the Python environment in .venv itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Python environment (on a fresh machine mostly downloads) is made while Rust builds.
+env_out=$(mktemp) env_err=$(mktemp)
+./scripts/python-env.sh >"$env_out" 2>"$env_err" &
+env_pid=$!
+trap 'kill "$env_pid" 2>/dev/null || true; rm -f "$env_out" "$env_err"' EXIT
 cargo fmt --all -- --check
 ./scripts/check-attrs.sh
 ./scripts/check-file-sizes.sh
@@ -18,6 +23,13 @@ cargo test --workspace --locked
 phase "Rust tests"
 export SALUSD="$PWD/target/debug/salusd" SALUS_BENCH="$PWD/target/debug/salus-bench"
 export SALUS_REPLAY="$PWD/target/debug/examples/replay_reference"
-python=$(./scripts/python-env.sh)
+env_status=0
+wait "$env_pid" || env_status=$?
+cat "$env_err" >&2
+if [ "$env_status" -ne 0 ]; then
+    echo "test.sh: scripts/python-env.sh failed (exit $env_status)" >&2
+    exit "$env_status"
+fi
+python=$(cat "$env_out")
 phase "Python environment"
 "$python" -m pytest adaptors/python/tests -q --durations=15
