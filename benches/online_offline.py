@@ -20,7 +20,13 @@ Reported per system (JSON keys as the simulator's ``experiment muxflow``):
 ``offline_throughput_fraction`` (the trainers' steps per second against
 ``offline_alone``), ``utilization`` (the fraction of wall time in which any iteration
 ran on the device, from salusd's event stream) and ``utilization_gain`` (against
-``online_only``), and the protection's state at the end. With ``--rounds N`` every
+``online_only``), ``offline_fraction_of_idle`` (the offline fraction against the
+fraction of wall time ``online_only`` left without an iteration), and the protection's
+state at the end. On the cpu device the served model's own client and salusd's gRPC
+use the same cores outside any iteration: ``cpu_busy`` is the share of the host's cores
+salusd and the jobs' client processes used while the requests ran (from
+``/proc/PID/stat``), and ``offline_fraction_of_idle_cores`` the offline fraction against
+the share ``online_only`` left unused. With ``--rounds N`` every
 system runs N times in turn, each round's figures are against that round's
 ``online_only`` and ``offline_alone``, and the report gives their medians (each round's
 under ``per_round``).
@@ -216,6 +222,12 @@ class Server:
         self.process.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
@@ -232,9 +244,12 @@ def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: f
         for t in running:
             t.wait_started()
         busy = Busy(daemon.address)
+        pids = [daemon.process.pid, server.process.pid] + [t.process.pid for t in running]
+        cpu_before = sum(cpu_seconds(p) for p in pids)
         start = time.monotonic()
         latencies = server.serve(arrivals)
         end = time.monotonic()
+        cpu = sum(cpu_seconds(p) for p in pids) - cpu_before
         utilization = busy.fraction()
         # Seconds from the start of the requests (as this process saw the events).
         health_changes = [[round(t - start, 2), d] for t, d in busy.health]
@@ -244,6 +259,8 @@ def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: f
             "latencies": latencies,
             "offline_rate": sum(t.rate(start, end) for t in running),
             "utilization": utilization,
+            # The share of the host's cores that salusd and the jobs' clients used.
+            "cpu_busy": cpu / ((end - start) * len(os.sched_getaffinity(0))),
             "health": protection.health if protection.enabled else "off",
             "offline_duty": protection.offline_duty,
             "offline_evictions": protection.offline_evictions,
@@ -257,28 +274,37 @@ def run_system(binary: Path, args: list[str], arrivals, trainers: int, slo_ms: f
         daemon.stop()
 
 
-def offline_alone(binary: Path, args: list[str], trainers: int, seconds: float) -> float:
+def offline_alone(binary: Path, args: list[str], trainers: int, seconds: float
+                  ) -> tuple[float, float]:
+    """The trainers' steps per second on an idle daemon, and the share of the host's
+    cores salusd and the trainers' processes used meanwhile."""
     daemon = Daemon(binary, args)
     running = [Trainer(daemon.address, "cnn", seed + 1) for seed in range(trainers)]
     try:
         for t in running:
             t.wait_started()
+        pids = [daemon.process.pid] + [t.process.pid for t in running]
+        cpu_before = sum(cpu_seconds(p) for p in pids)
         start = time.monotonic()
         time.sleep(seconds)
-        return sum(t.rate(start, time.monotonic()) for t in running)
+        end = time.monotonic()
+        cpu = sum(cpu_seconds(p) for p in pids) - cpu_before
+        return (sum(t.rate(start, end) for t in running),
+                cpu / ((end - start) * len(os.sched_getaffinity(0))))
     finally:
         for t in running:
             t.stop()
         daemon.stop()
 
 
-def figures(systems: dict[str, dict], alone: float) -> dict:
+def figures(systems: dict[str, dict], alone: float, alone_cpu: float) -> dict:
     """One round's figures: each system's latencies against ``online_only``'s, its
     offline rate against ``alone``, its utilization against ``online_only``'s."""
     base = systems["online_only"]
     base_mean = statistics.mean(base["latencies"])
     base_p99 = percentile(base["latencies"], 0.99)
-    out = {"offline_alone_steps_per_s": alone, "systems": {}}
+    out = {"offline_alone_steps_per_s": alone, "offline_alone_cpu_busy": alone_cpu,
+           "systems": {}}
     for name, r in systems.items():
         mean, p99 = statistics.mean(r["latencies"]), percentile(r["latencies"], 0.99)
         out["systems"][name] = {
@@ -290,6 +316,9 @@ def figures(systems: dict[str, dict], alone: float) -> dict:
             "offline_throughput_fraction": r["offline_rate"] / alone if alone else 0.0,
             "offline_fraction_of_idle": (r["offline_rate"] / alone)
             / max(1e-9, 1 - base["utilization"]) if alone else 0.0,
+            "offline_fraction_of_idle_cores": (r["offline_rate"] / alone)
+            / max(1e-9, 1 - base["cpu_busy"]) if alone else 0.0,
+            "cpu_busy": r["cpu_busy"],
             "utilization": r["utilization"],
             "utilization_gain": r["utilization"] / base["utilization"],
             "health": r["health"],
@@ -398,12 +427,14 @@ def main(argv: list[str] | None = None) -> int:
             "no_protection": run_system(binary, [*common, "--protection", "off"], arrivals,
                                         args.trainers, slo_ms),
         }
-        alone = offline_alone(binary, common, args.trainers, args.seconds)
-        rounds.append(figures(systems, alone))
+        rounds.append(figures(systems, *offline_alone(binary, common, args.trainers,
+                                                      args.seconds)))
     report = {"service_ms": service * 1e3, "rate_per_s": rate, "requests": len(arrivals),
               "slo_ms": slo_ms, "rounds": len(rounds),
               "offline_alone_steps_per_s": statistics.median(
                   r["offline_alone_steps_per_s"] for r in rounds),
+              "offline_alone_cpu_busy": statistics.median(
+                  r["offline_alone_cpu_busy"] for r in rounds),
               "systems": {name: median_of([r["systems"][name] for r in rounds])
                           for name in rounds[0]["systems"]}}
     if len(rounds) > 1:
@@ -413,14 +444,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"service {report['service_ms']:.2f} ms, {len(arrivals)} requests at "
           f"{rate:.1f}/s (load {args.load}), SLO {slo_ms:.1f} ms; offline alone "
-          f"{report['offline_alone_steps_per_s']:.2f} steps/s"
+          f"{report['offline_alone_steps_per_s']:.2f} steps/s "
+          f"({report['offline_alone_cpu_busy']:.2f} of the cores busy)"
           + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else ""))
     print(f"{'system':<15}{'mean ms':>9}{'p99 ms':>9}{'mean x':>8}{'p99 x':>8}"
-          f"{'offline':>9}{'of idle':>9}{'util':>7}{'gain':>7}  health")
+          f"{'offline':>9}{'of idle':>9}{'of cores':>9}{'util':>7}{'gain':>7}  health")
     for name, r in report["systems"].items():
         print(f"{name:<15}{r['online_mean_ms']:>9.2f}{r['online_p99_ms']:>9.2f}"
               f"{r['online_mean_slowdown']:>8.2f}{r['online_p99_slowdown']:>8.2f}"
               f"{r['offline_throughput_fraction']:>9.2f}{r['offline_fraction_of_idle']:>9.2f}"
+              f"{r['offline_fraction_of_idle_cores']:>9.2f}"
               f"{r['utilization']:>7.2f}{r['utilization_gain']:>7.2f}  {r['health']}"
               f" (duty {r['offline_duty']:.2f})")
     for k, one in enumerate(rounds, start=1):
