@@ -393,6 +393,60 @@ def _sub_scalar(x, other, alpha=1):
     return aten.add.Scalar(x, other, alpha=-alpha)
 
 
+def _integer_divisor_checked(x, other):
+    """``remainder.Tensor`` and ``fmod.Tensor`` stay whole (``NotImplemented``); of two
+    integer tensors, the divisor is checked first: PyTorch raises ``ZeroDivisionError``
+    on a zero, and the graph's ``_assert_async`` fails the iteration with it."""
+    if not (x.dtype.is_floating_point or other.dtype.is_floating_point):
+        zero = aten.any.dims(aten.eq.Scalar(other, 0))
+        aten._assert_async.msg(aten.logical_not.default(zero), "ZeroDivisionError")
+    return NotImplemented
+
+
+def _of_result_type(a, b):
+    """``a`` and ``b`` (a tensor and a tensor or a number) as two tensors of PyTorch's
+    result type for them: a number becomes a 0-dim tensor."""
+    dtype = torch.result_type(a, b)
+    device = (a if isinstance(a, torch.Tensor) else b).device
+    return tuple((aten._to_copy.default(v, dtype=dtype) if v.dtype != dtype else v)
+                 if isinstance(v, torch.Tensor)
+                 else aten.scalar_tensor.default(v, dtype=dtype, device=device)
+                 for v in (a, b))
+
+
+def _with_number(op):
+    """``op.Scalar`` (``x op number``) and ``op.Scalar_Tensor`` (``number op x``) as
+    ``op.Tensor`` of two tensors of PyTorch's result type: the number a 0-dim tensor."""
+    return lambda a, b: op.Tensor(*_of_result_type(a, b))
+
+
+def _div_mode(a, b, *, rounding_mode=None):
+    """``div.Tensor_mode`` of floats as PyTorch's kernels compute it (the gradients of
+    ``remainder`` and ``fmod`` by their divisor use it): ``trunc`` truncates the true
+    quotient; ``floor`` is Python's floor division, from the exact ``fmod``: the
+    quotient of ``a - fmod(a, b)``, one less where the remainder's sign is not ``b``'s,
+    floored and rounded up past a half, a signed zero for a zero quotient, and ``a / b``
+    for a zero divisor. Integers stay whole (the IR has no integer division: refused)."""
+    if not torch.result_type(a, b).is_floating_point:
+        return NotImplemented
+    a, b = _of_result_type(a, b)
+    quotient = aten.div.Tensor(a, b)
+    if rounding_mode is None:
+        return quotient
+    if rounding_mode == "trunc":
+        return aten.trunc.default(quotient)
+    mod = aten.fmod.Tensor(a, b)
+    div = aten.div.Tensor(aten.sub.Tensor(a, mod), b)
+    below = aten.logical_and.default(
+        aten.ne.Scalar(mod, 0), aten.ne.Tensor(aten.lt.Scalar(b, 0), aten.lt.Scalar(mod, 0)))
+    div = aten.where.self(below, aten.sub.Tensor(div, 1), div)
+    floor = aten.floor.default(div)
+    floor = aten.where.self(aten.gt.Scalar(aten.sub.Tensor(div, floor), 0.5),
+                            aten.add.Tensor(floor, 1), floor)
+    floor = aten.where.self(aten.ne.Scalar(div, 0), floor, aten.mul.Tensor(quotient, 0))
+    return aten.where.self(aten.eq.Scalar(b, 0), quotient, floor)
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -1018,6 +1072,12 @@ def decomposition_table() -> dict:
     for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
         table.setdefault(op, _all_decompositions[op])
     table[aten.isnan.default] = _isnan
+    for op in (aten.remainder, aten.fmod):
+        table[op.Tensor] = _integer_divisor_checked
+        table[op.Scalar] = _with_number(op)
+    table[aten.remainder.Scalar_Tensor] = _with_number(aten.remainder)
+    table[aten.div.Tensor_mode] = _div_mode
+    table[aten.div.Scalar_mode] = _div_mode
     table[aten.sub.Scalar] = _sub_scalar
     table[aten._embedding_bag.default] = _embedding_bag
     table[aten._embedding_bag_forward_only.default] = _embedding_bag

@@ -7,8 +7,10 @@ Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
 learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, and the
 inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
-them), and NeRF's volume rendering (``cumprod``, ``prod``). Each model trains three Adam steps on salusd, every tensor against float64 by
-the suite's rule (harness.py)."""
+them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
+``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``).
+Each model trains three Adam steps on salusd, every tensor against float64 by the
+suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -283,6 +285,30 @@ class VolumeRenderer(nn.Module):
         return rgb + colour.prod(1) * 0.1 + torch.sigmoid(points).prod() * 0.01
 
 
+class Periodic(nn.Module):
+    """Phases wrapped into a period (``%`` of a number, either sign), ``fmod`` and
+    ``remainder`` by a learned period (their gradients by the divisor too, through
+    floor and truncating division), a float floor division, and hashed ids: an
+    embedding of ``ids % buckets`` and of ``torch.remainder`` by a tensor."""
+
+    def __init__(self, buckets=7):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.period = nn.Parameter(torch.tensor([2.5, 3.5, 1.75, 4.0, 2.25, 3.0]))
+        self.table = nn.Embedding(buckets, 6)
+        self.buckets = buckets
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, ids):
+        h = self.a(x) * 4
+        wrapped = ((h % 6.283) + torch.fmod(h, -1.5) + torch.remainder(h, self.period)
+                   + torch.fmod(h, self.period) + (h % -2.0)
+                   + 0.1 * torch.div(h, 1.3, rounding_mode="floor"))
+        hashed = (self.table(ids % self.buckets)
+                  + self.table(torch.remainder(-ids, torch.full_like(ids, self.buckets))))
+        return self.head(torch.sin(wrapped) + hashed)
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -320,6 +346,10 @@ MODELS = {
     "volume_rendering": lambda: (VolumeRenderer(), _batch((5, 6, 3), (5, 3), seed=15),
                                  lambda m, x, y: F.mse_loss(m(x), y)),
     "angles": lambda: (Angles(), _batch((6, 4), seed=14, classes=(6, 3)), _classify),
+    "remainder_and_fmod": lambda: (Periodic(), (
+        *_batch((6, 4), seed=16)[:1],
+        torch.randint(-1000, 1000, (6,), generator=torch.Generator().manual_seed(16)),
+        torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(17))), _classify),
     # Over 25 rows a side: PyTorch's Euclidean distances through a matrix product.
     "cdist_by_product": lambda: (Metric(), _batch((30, 5), seed=10, classes=(30, 3)),
                                  _classify),
@@ -428,3 +458,31 @@ def test_the_trigonometric_rules_are_as_precise_as_pytorchs_functions():
         error = ((got - want).abs()[finite] / want.abs()[finite]).max().item()
         assert error <= 2 * eps, (function.__name__, error / eps)
         assert torch.equal(got[~finite].isnan(), want[~finite].isnan()), function.__name__
+
+
+def test_an_integer_remainder_by_zero_fails_the_iteration_as_pytorch_raises(daemon):
+    """Of two integer tensors, a zero divisor: PyTorch raises ``ZeroDivisionError``; the
+    traced step checks the divisor and the iteration fails with that message, the
+    session's state unchanged (a step with nonzero divisors after it trains)."""
+    import salus.torch as st
+
+    model = Periodic()
+    buckets = torch.tensor([7, 5, 3, 7, 5, 3])
+
+    def loss(m, x, ids, divisors, y):
+        hashed = m.table(torch.remainder(ids, divisors))
+        return F.cross_entropy(m.head(m.a(x) + hashed), y)
+
+    x = torch.randn(6, 4)
+    ids = torch.tensor([10, -11, 12, 13, -14, 15])
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch.remainder(ids, buckets * 0)
+    with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (x, ids, buckets, y), loss_of=loss, address=daemon.address) as s:
+        before = {k: v.clone() for k, v in s.state_dict().items()}
+        with pytest.raises(st.DaemonError, match="ZeroDivisionError"):
+            s.step(x, ids, torch.tensor([7, 0, 3, 7, 5, 3]), y)
+        after = s.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        s.step(x, ids, buckets, y)

@@ -181,6 +181,11 @@ device_codes! {
         Trunc = 50 => OP_TRUNC,
         Atan = 51 => OP_ATAN,
         Atan2 = 52 => OP_ATAN2,
+        /// a - floor(a / b) * b, exactly (the sign of b; fmod, then b added to a remainder
+        /// of the other sign).
+        Remainder = 53 => OP_REMAINDER,
+        /// a - trunc(a / b) * b, exactly (the sign of a: C's fmod).
+        Fmod = 54 => OP_FMOD,
     }
 }
 

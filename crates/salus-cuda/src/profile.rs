@@ -183,6 +183,8 @@ pub fn op_family(op: &str) -> Family {
         | "trunc"
         | "atan"
         | "atan2"
+        | "remainder"
+        | "fmod"
         | "sqrt"
         | "rsqrt"
         | "reciprocal"

@@ -51,6 +51,8 @@ ops! {
     Cos = "cos",
     Atan = "atan",
     Atan2 = "atan2",
+    RemainderTensor = "remainder.Tensor",
+    FmodTensor = "fmod.Tensor",
     Floor = "floor",
     Ceil = "ceil",
     Round = "round",

@@ -133,6 +133,8 @@ fn elementwise(op: Op) -> bool {
             | Cos
             | Atan
             | Atan2
+            | RemainderTensor
+            | FmodTensor
             | Floor
             | Ceil
             | Round

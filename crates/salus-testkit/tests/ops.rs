@@ -4039,6 +4039,10 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ("rounding_functions", rounding_functions),
     ("cumprod_along_each_dimension", cumprod_along_each_dimension),
     ("atan2_of_every_quadrant", atan2_of_every_quadrant),
+    (
+        "remainder_and_fmod_take_the_divisors_or_the_dividends_sign",
+        remainder_and_fmod_take_the_divisors_or_the_dividends_sign,
+    ),
     ("argmax_and_argmin", argmax_and_argmin),
     (
         "stable_sort_along_each_dimension",
@@ -4469,4 +4473,91 @@ fn cumprod_along_each_dimension() {
         EXACT,
         "cumprod i64",
     );
+}
+
+#[test]
+fn remainder_and_fmod_take_the_divisors_or_the_dividends_sign() {
+    // Random floats of either sign, broadcast, in f32 and f16.
+    let remainder = |a: f64, b: f64| {
+        let m = a % b;
+        if m != 0.0 && (b < 0.0) != (m < 0.0) {
+            m + b
+        } else {
+            m
+        }
+    };
+    let f32x3 = (Fp32, Fp32, Fp32);
+    binary(Op::RemainderTensor, &[], f32x3, (-3.0, 3.0), F32, remainder);
+    binary(Op::FmodTensor, &[], f32x3, (-3.0, 3.0), F32, |a, b| a % b);
+    // Half precision: computed in f32 and rounded once to f16 (the reference rounds its
+    // f64 result to f16, a tie apart from twice-rounded).
+    let f16x3 = (F16, F16, F16);
+    binary(
+        Op::RemainderTensor,
+        &[],
+        f16x3,
+        (-3.0, 3.0),
+        tol(1e-3, 1e-4),
+        remainder,
+    );
+    // Special values, each result PyTorch 2.15's: zeros keep the dividend's sign, an
+    // infinite divisor leaves the dividend (remainder: adds it when the signs differ), an
+    // infinite dividend, a zero divisor or a NaN give NaN; 1 % 0.1 is exact in f32.
+    let a = f32v(
+        &[14],
+        vec![
+            5.5, -5.5, 5.5, -5.5, 0.0, -0.0, 1.0, -1.0, INF, 3.0, NAN, 3.0, 1.0, 0.75,
+        ],
+    );
+    let b = f32v(
+        &[14],
+        vec![
+            2.0, 2.0, -2.0, -2.0, 3.0, 3.0, INF, INF, 2.0, 0.0, 2.0, NAN, 0.1, -0.25,
+        ],
+    );
+    let tenth = 0.09999998658895493;
+    let cases = [
+        (
+            Op::RemainderTensor,
+            [
+                1.5, 0.5, -0.5, -1.5, 0.0, -0.0, 1.0, INF, NAN, NAN, NAN, NAN, tenth, 0.0,
+            ],
+        ),
+        (
+            Op::FmodTensor,
+            [
+                1.5, -1.5, 1.5, -1.5, 0.0, -0.0, 1.0, -1.0, NAN, NAN, NAN, NAN, tenth, 0.0,
+            ],
+        ),
+    ];
+    for (op, want) in cases {
+        let got = Case::new(op)
+            .input(a.clone())
+            .input(b.clone())
+            .output(Fp32, &[14])
+            .run1();
+        assert_close(&got, &want, EXACT, op.name());
+        let signs = |v: &[f64]| v.iter().map(|x| x.is_sign_negative()).collect::<Vec<_>>();
+        let finite = |v: &[f64]| v.iter().map(|x| x.is_nan()).collect::<Vec<_>>();
+        assert_eq!(finite(&got), finite(&want), "{}: NaNs", op.name());
+        assert_eq!(signs(&got[..8]), signs(&want[..8]), "{}: signs", op.name());
+    }
+    // Integers (the hashing trick's `ids % buckets`): exact, the sign of the divisor for
+    // remainder and of the dividend for fmod.
+    let a = i64v(&[8], &[7, -7, 7, -7, 0, 12, -1, 5]);
+    let b = i64v(&[8], &[3, 3, -3, -3, 5, 4, 1000, 1]);
+    for (op, want) in [
+        (
+            Op::RemainderTensor,
+            [1.0, 2.0, -2.0, -1.0, 0.0, 0.0, 999.0, 0.0],
+        ),
+        (Op::FmodTensor, [1.0, -1.0, 1.0, -1.0, 0.0, 0.0, -1.0, 0.0]),
+    ] {
+        let got = Case::new(op)
+            .input(a.clone())
+            .input(b.clone())
+            .output(I64, &[8])
+            .run1();
+        assert_eq!(got, want, "{}", op.name());
+    }
 }

@@ -33,7 +33,7 @@ aten = torch.ops.aten
 ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "power",
                "and", "or", "xor", "not", "negate", "abs", "sign", "exponential", "log",
                "sqrt", "rsqrt", "tanh", "logistic", "erf", "exponential-minus-one",
-               "log-plus-one", "sine", "cosine", "tan", "atan2", "floor", "ceil",
+               "log-plus-one", "sine", "cosine", "tan", "atan2", "remainder", "floor", "ceil",
                "round-nearest-afz", "round-nearest-even", "is-finite", "compare", "select",
                "clamp", "convert"}
 STRUCTURAL = {"parameter", "constant", "broadcast", "reshape", "transpose", "copy",
@@ -45,7 +45,7 @@ RULES = {**OP_RULES, **indexing.RULES, **order.RULES}
 SUPPORTED = ELEMENTWISE | STRUCTURAL | COMPUTE
 # Run only on constants (their results fold into the graph); on computed values the IR has
 # no op for them.
-CONSTANT_ONLY = {"remainder", "shift-left", "shift-right-logical", "shift-right-arithmetic"}
+CONSTANT_ONLY = {"shift-left", "shift-right-logical", "shift-right-arithmetic"}
 _HINTS = {
     "rng-bit-generator": "random bits from a seed that is not the step's state",
     "rng": "random numbers from XLA's own generator, not from a seed the step keeps",

@@ -119,6 +119,15 @@ def _binary(fn):
     return rule
 
 
+def _remainder(a, b, i):
+    """XLA's remainder: C's fmod (the dividend's sign); an integer divisor of 0 leaves the
+    dividend, as XLA defines it (PyTorch's ``fmod`` would fail the iteration)."""
+    if _dtype(i).is_floating_point:
+        return torch.fmod(a, b)
+    zero = b == 0
+    return torch.where(zero, a, torch.fmod(a, torch.where(zero, torch.ones_like(b), b)))
+
+
 def _divide(a, b, i):
     if _dtype(i).is_floating_point:
         return torch.div(a, b)
@@ -543,6 +552,7 @@ RULES = {
     "divide": _binary(_divide),
     "maximum": _binary(lambda a, b, i: torch.maximum(a, b)),
     "atan2": _binary(lambda a, b, i: torch.atan2(a, b)),
+    "remainder": _binary(_remainder),
     "minimum": _binary(lambda a, b, i: torch.minimum(a, b)),
     "power": _power,
     "and": _logical("and"),
@@ -589,7 +599,6 @@ RULES = {
 }
 
 CONSTANT_RULES = {
-    "remainder": _binary(lambda a, b, i: torch.fmod(a, b)),
     "shift-left": _binary(lambda a, b, i: torch.bitwise_left_shift(a, b)),
     "shift-right-arithmetic": _binary(lambda a, b, i: torch.bitwise_right_shift(a, b)),
 }

@@ -587,6 +587,17 @@ pub(crate) fn run(
                 x
             }
         }),
+        // PyTorch's f32 kernels: C's fmodf (exact), and for `remainder` the divisor added
+        // to a non-zero remainder of the other sign.
+        (RemainderTensor, _) => binary(args, o, 1, |x: f32, y: f32| {
+            let m = x % y;
+            if m != 0.0 && (y < 0.0) != (m < 0.0) {
+                m + y
+            } else {
+                m
+            }
+        }),
+        (FmodTensor, _) => binary(args, o, 1, |x: f32, y: f32| x % y),
         (EqTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x == y)),
         (LtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x < y)),
         (GtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x > y)),

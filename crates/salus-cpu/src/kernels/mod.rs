@@ -238,6 +238,17 @@ fn maximum(a: f64, b: f64) -> f64 {
     }
 }
 
+/// `remainder` as PyTorch computes it: C's `fmod` (exact, the sign of `a`), then `b` added
+/// to a non-zero remainder whose sign is not `b`'s, so that the result takes `b`'s sign.
+fn remainder(a: f64, b: f64) -> f64 {
+    let m = a % b;
+    if m != 0.0 && (b < 0.0) != (m < 0.0) {
+        m + b
+    } else {
+        m
+    }
+}
+
 /// `minimum`: NaN when either is NaN, else the smaller (`a` on a tie).
 fn minimum(a: f64, b: f64) -> f64 {
     if a.is_nan() || b.is_nan() {
@@ -443,6 +454,8 @@ pub(crate) fn run(
         (Cos, _) => elementwise(args, o, |v| v[0].cos()),
         (Atan, _) => elementwise(args, o, |v| v[0].atan()),
         (Atan2, _) => elementwise(args, o, |v| v[0].atan2(v[1])),
+        (RemainderTensor, _) => elementwise(args, o, |v| remainder(v[0], v[1])),
+        (FmodTensor, _) => elementwise(args, o, |v| v[0] % v[1]),
         (Floor, _) => elementwise(args, o, |v| v[0].floor()),
         (Ceil, _) => elementwise(args, o, |v| v[0].ceil()),
         (Round, _) => elementwise(args, o, |v| v[0].round_ties_even()),

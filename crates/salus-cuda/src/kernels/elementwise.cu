@@ -35,6 +35,11 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         case OP_TRUNC: return trunc(a);
         case OP_ATAN: return atan(a);
         case OP_ATAN2: return atan2(a, b);
+        case OP_REMAINDER: {
+            double m = fmod(a, b);
+            return (m != 0.0 && ((b < 0.0) != (m < 0.0))) ? m + b : m;
+        }
+        case OP_FMOD: return fmod(a, b);
         case OP_POW_TS: return pow(a, s0);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);

@@ -122,6 +122,8 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Trunc, _) => p(E::Trunc, 1, [0.0; 2]),
         (Atan, _) => p(E::Atan, 1, [0.0; 2]),
         (Atan2, _) => p(E::Atan2, 2, [0.0; 2]),
+        (RemainderTensor, _) => p(E::Remainder, 2, [0.0; 2]),
+        (FmodTensor, _) => p(E::Fmod, 2, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

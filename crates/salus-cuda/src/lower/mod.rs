@@ -362,6 +362,8 @@ impl<'a> Lowering<'a> {
             (Trunc, _) => self.unary(ElementwiseOp::Trunc, node, &o, none),
             (Atan, _) => self.unary(ElementwiseOp::Atan, node, &o, none),
             (Atan2, _) => self.binary(ElementwiseOp::Atan2, node, &o),
+            (RemainderTensor, _) => self.binary(ElementwiseOp::Remainder, node, &o),
+            (FmodTensor, _) => self.binary(ElementwiseOp::Fmod, node, &o),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,

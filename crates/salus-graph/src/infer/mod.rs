@@ -228,6 +228,13 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             out[0].dtype = float_of(out[0].dtype);
             Ok(out)
         }
+        (RemainderTensor | FmodTensor, _) => {
+            let out = binary(ins)?;
+            if out[0].dtype == DType::Bool {
+                return Err(format!("{op} takes numbers, not two bool tensors"));
+            }
+            Ok(out)
+        }
         (Sort, OpParams::Sort { .. }) => {
             let t = ins.input(0)?;
             Ok(vec![

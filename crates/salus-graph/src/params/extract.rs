@@ -437,6 +437,8 @@ pub(crate) fn extract(
         | Cos
         | Atan
         | Atan2
+        | RemainderTensor
+        | FmodTensor
         | Floor
         | Ceil
         | Round
