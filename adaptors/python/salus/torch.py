@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from ._llvm import triton_first
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
                      RequestDroppedError, SalusError, SessionClosedError, SessionResumedError,
@@ -48,6 +49,10 @@ from .feeds import Layout, Slots, dtype_name, tensor_bytes, tensor_from_bytes
 from .trace import (GradientRecipe, TracedStep, trace_inference, trace_train_step,
                     tracing_now)
 from .watch import ModelWatch, modes_of
+
+# ``torch.compiler.disable`` below imports torch._dynamo, which loads Triton: before
+# TensorFlow or JAX does its LLVM, or not at all when one of them is loaded (salus._llvm).
+triton_first()
 
 __all__ = ["AdmissionTimeoutError", "BatchError", "DaemonError", "DaemonUnavailableError",
            "InferenceSession", "InferInfo", "RequestDroppedError", "SalusError",

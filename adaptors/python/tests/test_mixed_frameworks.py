@@ -5,6 +5,9 @@ runs, never what it computes)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -86,3 +89,27 @@ def test_three_frameworks_share_one_salusd_and_each_gets_its_own_results(alone, 
         assert len(results[name]) == len(alone[name]), name
         for got, want in zip(results[name], alone[name]):
             assert np.array_equal(np.asarray(got), np.asarray(want)), (policy, name)
+
+
+def test_salus_imported_after_tensorflow_and_jax_traces_without_aborting():
+    """TensorFlow, jaxlib and Triton each link LLVM, and a process that loads Triton after
+    either aborts. salus.torch imports PyTorch's compiler stack (which loads Triton) when
+    it is imported: after TensorFlow and JAX it must tell PyTorch that Triton is absent,
+    and a step still traces (a fresh process: this one has loaded them in another
+    order)."""
+    script = textwrap.dedent("""
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        import tensorflow, jax
+        import torch
+        import salus, salus.torch, salus.tf, salus.jax
+        model = torch.nn.Linear(3, 2)
+        traced = salus.trace_train_step(model, torch.nn.functional.mse_loss,
+                                        torch.optim.SGD(model.parameters(), lr=0.1),
+                                        (torch.randn(4, 3), torch.randn(4, 2)))
+        traced.to_graph()
+        print("traced")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "traced" in run.stdout, run.stderr[-3000:]
