@@ -16,6 +16,7 @@ import contextlib
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch._C import DispatchKey
 from torch._decomp import core_aten_decompositions
 from torch._decomp import decomposition_table as _all_decompositions
@@ -1134,7 +1135,50 @@ def decomposition_table() -> dict:
 # hand-written gradients), and ops whose gradient is a kernel of its own
 # (``grid_sampler_2d_backward``): run as Python rules above autograd, their gradient is
 # that of the IR ops they are written in. While a step records they run as these rules.
+def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+          batch_first):
+    """``nn.LSTM`` (``lstm.input``) unrolled over time as PyTorch's Python rule writes it
+    (each step's gates ``linear(h, W_hh, b_hh) + linear(x, W_ih, b_ih)[t]``, chunked in
+    four: input, forget, cell and output gates), with the hidden state [B, H]: every
+    layer and direction, projections (``proj_size``), dropout between layers (the
+    session's generator), ``batch_first``."""
+    h0, c0 = hx
+    directions = 2 if bidirectional else 1
+    projected = h0.size(2) != c0.size(2)
+    per = (4 if has_biases else 2) + (1 if projected else 0)
+    x = input.transpose(0, 1) if batch_first else input
+    last_h, last_c = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            k = layer * directions + direction
+            p = params[k * per:(k + 1) * per]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_hr = p[-1] if projected else None
+            h, c = h0[k], c0[k]
+            inputs = F.linear(x, p[0], b_ih)
+            length = inputs.size(0)
+            out = [None] * length
+            for t in (reversed(range(length)) if direction else range(length)):
+                gates = F.linear(h, p[1], b_hh) + inputs[t]
+                i, f, g, o = gates.chunk(4, 1)
+                c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+                h = o.sigmoid() * c.tanh()
+                if w_hr is not None:
+                    h = F.linear(h, w_hr)
+                out[t] = h
+            outputs.append(torch.stack(out))
+            last_h.append(h)
+            last_c.append(c)
+        x = torch.cat(outputs, 2) if directions == 2 else outputs[0]
+        if dropout and train and layer < num_layers - 1:
+            x = F.dropout(x, dropout, True)
+    return (x.transpose(0, 1) if batch_first else x), torch.stack(last_h), torch.stack(last_c)
+
+
 _ABOVE_AUTOGRAD = {
+    (aten.lstm.input, DispatchKey.CompositeImplicitAutograd): _lstm,
+    (aten.lstm.input, DispatchKey.Autograd): _lstm,
     # Attention with dropout as PyTorch's efficient op (salus.attention).
     (aten.scaled_dot_product_attention.default, DispatchKey.CompositeImplicitAutograd):
         attention_with_dropout,
@@ -1157,16 +1201,35 @@ def composite_decompositions() -> Iterator[None]:
     """Installs the rules of ``_ABOVE_AUTOGRAD`` for the Python dispatcher (which a
     recording enables) and takes them out again after, so nothing outside a trace
     changes."""
+    hidden = [(op, key, op.py_kernels.pop(key)) for op, key in _PYTORCH_RULES_REPLACED
+              if key in op.py_kernels]
     installed = [(op, key) for (op, key), rule in _ABOVE_AUTOGRAD.items()
                  if rule is not None and key not in op.py_kernels]
     for op, key in installed:
         op.py_impl(key)(_ABOVE_AUTOGRAD[op, key])
+    _clear_dispatch_caches(op for op, _ in installed + [(op, key) for op, key, _ in hidden])
     try:
         yield
     finally:
         for op, key in installed:
             op.py_kernels.pop(key, None)
-            cache = getattr(op, "_dispatch_cache", None)
-            if cache is not None:
-                cache.clear()
+        for op, key, rule in hidden:
+            op.py_kernels[key] = rule
+        _clear_dispatch_caches(op for op, _ in installed + [(op, key) for op, key, _ in hidden])
+
+
+# PyTorch's own Python rules that the Python dispatcher (on while a step records) would
+# run, replaced by ours while a step records: PyTorch's LSTM (``lstm.input``) keeps the
+# hidden state as [1, B, H], and its backward adds a gradient of shape [1, B, 4H] into
+# one of [B, 4H] and fails ("output with shape ... doesn't match the broadcast shape");
+# without it PyTorch's C++ composite runs oneDNN's fused layer, which the IR has no op for.
+_PYTORCH_RULES_REPLACED = [(aten.lstm.input, key) for key in (
+    DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)]
+
+
+def _clear_dispatch_caches(ops) -> None:
+    for op in ops:
+        cache = getattr(op, "_dispatch_cache", None)
+        if cache is not None:
+            cache.clear()
 

@@ -8,7 +8,8 @@ Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, and the
 inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
 them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
-``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``).
+``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``), and
+``nn.LSTM`` (layers, both directions, projections, given initial states).
 Each model trains three Adam steps on salusd, every tensor against float64 by the
 suite's rule (harness.py)."""
 
@@ -309,6 +310,27 @@ class Periodic(nn.Module):
         return self.head(torch.sin(wrapped) + hashed)
 
 
+class Recurrent(nn.Module):
+    """A sequence classifier: a two-layer bidirectional LSTM (batch first) read at its
+    last step, and a one-layer LSTM with a projection (``proj_size``) from learned
+    initial states, over the same sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.deep = nn.LSTM(5, 6, num_layers=2, bidirectional=True, batch_first=True)
+        self.projected = nn.LSTM(5, 6, proj_size=3)
+        self.h0 = nn.Parameter(torch.randn(1, 1, 3) * 0.1)
+        self.c0 = nn.Parameter(torch.randn(1, 1, 6) * 0.1)
+        self.head = nn.Linear(12 + 3 + 6, 3)
+
+    def forward(self, x):
+        deep, _ = self.deep(x)
+        state = (self.h0.expand(1, x.size(0), 3).contiguous(),
+                 self.c0.expand(1, x.size(0), 6).contiguous())
+        _, (h, c) = self.projected(x.transpose(0, 1), state)
+        return self.head(torch.cat([deep[:, -1], h[0], c[0]], 1))
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -346,6 +368,7 @@ MODELS = {
     "volume_rendering": lambda: (VolumeRenderer(), _batch((5, 6, 3), (5, 3), seed=15),
                                  lambda m, x, y: F.mse_loss(m(x), y)),
     "angles": lambda: (Angles(), _batch((6, 4), seed=14, classes=(6, 3)), _classify),
+    "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
         *_batch((6, 4), seed=16)[:1],
         torch.randint(-1000, 1000, (6,), generator=torch.Generator().manual_seed(16)),
