@@ -928,9 +928,25 @@ def _cdist(x1, x2, p=2.0, compute_mode=None):
         padded1 = torch.cat([x1 * -2, norm1, ones1], -1)
         padded2 = torch.cat([x2, ones2, norm2], -1)
         return (padded1 @ padded2.transpose(-1, -2)).clamp_min(1e-30).sqrt()
-    diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs()
+    return _p_norms((x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs(), p)
+
+
+def _pdist(x, p=2.0):
+    """``F.pdist``: the distance of every pair of rows ``i < j`` (in the order of ``i``,
+    then ``j``), from the differences of each pair as PyTorch's kernel computes it, whose
+    gradient is 0 where a distance is 0 (``_pdist_backward``'s)."""
+    rows = x.shape[0]
+    pairs = [(i, j) for i in range(rows) for j in range(i + 1, rows)]
+    first = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=x.device)
+    second = torch.tensor([j for _, j in pairs], dtype=torch.int64, device=x.device)
+    return _p_norms((x.index_select(0, first) - x.index_select(0, second)).abs(), p)
+
+
+def _p_norms(diff, p):
+    """The p-norms of ``diff`` (magnitudes) along its last dim, 0 for p = 0 counting the
+    non-zeros; the gradient of a zero norm is 0."""
     if p == 0:
-        return (diff != 0).to(x1.dtype).sum(-1)
+        return (diff != 0).to(diff.dtype).sum(-1)
     if p == float("inf"):
         return diff.amax(-1)
     if p == 1:
@@ -1185,6 +1201,7 @@ _ABOVE_AUTOGRAD = {
     (aten._pad_circular.default, DispatchKey.CompositeImplicitAutograd): _pad_circular,
     (aten.bilinear.default, DispatchKey.CompositeImplicitAutograd): _bilinear,
     (aten.cdist.default, DispatchKey.CompositeImplicitAutograd): _cdist,
+    (aten.pdist.default, DispatchKey.CompositeImplicitAutograd): _pdist,
     (aten.ctc_loss.IntList, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,

@@ -9,7 +9,8 @@ learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, 
 inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
 them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
 ``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``), and
-``nn.LSTM`` (layers, both directions, projections, given initial states).
+``nn.LSTM`` (layers, both directions, projections, given initial states), and
+``F.pdist`` (a spread regularizer, with a pair at distance 0).
 Each model trains three Adam steps on salusd, every tensor against float64 by the
 suite's rule (harness.py)."""
 
@@ -331,6 +332,15 @@ class Recurrent(nn.Module):
         return self.head(torch.cat([deep[:, -1], h[0], c[0]], 1))
 
 
+def _spread(m, x, y):
+    """Cross-entropy plus the mean pairwise distance of the hidden features (p = 2, 1
+    and 3): the first two examples are the same, so one distance is 0, where PyTorch's
+    gradient is 0."""
+    h = m[0](x)
+    spread = sum(F.pdist(h, p).mean() for p in (2.0, 1.0, 3.0))
+    return F.cross_entropy(m(x), y) + 0.1 * spread
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -368,6 +378,9 @@ MODELS = {
     "volume_rendering": lambda: (VolumeRenderer(), _batch((5, 6, 3), (5, 3), seed=15),
                                  lambda m, x, y: F.mse_loss(m(x), y)),
     "angles": lambda: (Angles(), _batch((6, 4), seed=14, classes=(6, 3)), _classify),
+    "pdist": lambda: (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+                      (lambda x, y: (torch.cat([x[:1], x[:1], x[2:]]), y))(
+                          *_batch((6, 4), seed=19, classes=(6, 3))), _spread),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
         *_batch((6, 4), seed=16)[:1],
