@@ -556,6 +556,14 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                     "here; write the forward with tensor ops and let autograd derive the "
                     "gradient (a straight-through estimator is x + (f(x) - x).detach(), a "
                     "gradient reversal by a is (1 + a) * x.detach() - a * x)") from None
+            if "mutating a non-functional tensor with a functional tensor" in str(error):
+                raise TraceError(
+                    "the step gives a tensor it captures from outside (a global, or a "
+                    "plain attribute that is neither a parameter nor a buffer) to an op "
+                    "that changes an intermediate of it in place"
+                    f"{_user_frame(error.__traceback__)}, which PyTorch's functionalization "
+                    "cannot record; register the tensor as a buffer "
+                    "(module.register_buffer), or pass it in the batch") from None
             if "_local_scalar_dense" not in str(error):
                 raise
             raise TraceError(

@@ -19,6 +19,7 @@ from daemon import Daemon
 from harness import assert_as_exact_as_pytorch
 from torch import nn
 
+import salus
 import salus.torch as st
 from salus import client as salus_client
 from salus.client import Address, Client
@@ -104,6 +105,39 @@ class _DoubledInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * 2
+
+
+class _Prototypes(nn.Module):
+    """Scores against prototype vectors: a plain attribute (captured), or a buffer."""
+
+    def __init__(self, as_buffer: bool):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        prototypes = torch.randn(3, 6, generator=torch.Generator().manual_seed(3))
+        if as_buffer:
+            self.register_buffer("prototypes", prototypes)
+        else:
+            self.prototypes = prototypes
+
+    def forward(self, x):
+        h = self.fc(x).unsqueeze(1)
+        return torch.nn.functional.cosine_similarity(h, self.prototypes, dim=-1)
+
+
+def test_a_captured_tensor_that_pytorch_cannot_functionalize_is_named():
+    """``cosine_similarity`` of a plain attribute changes an intermediate of it in place,
+    which PyTorch's functionalization refuses with an internal assertion: the tracer
+    names the line and the remedy (a buffer), and as a buffer the model traces."""
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    loss = torch.nn.functional.cross_entropy
+    model = _Prototypes(as_buffer=False)
+    with pytest.raises(TraceError, match="register the tensor as a buffer") as info:
+        salus.trace_train_step(model, loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                               batch)
+    assert "test_torch_errors.py" in str(info.value), "the user's line is named"
+    model = _Prototypes(as_buffer=True)
+    salus.trace_train_step(model, loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                           batch).to_graph()
 
 
 def test_a_custom_function_that_changes_its_input_is_named(daemon):
