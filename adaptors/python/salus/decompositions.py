@@ -1072,6 +1072,7 @@ def decomposition_table() -> dict:
     table[aten.rand_like.default] = _rand_like
     table[aten.clamp.Tensor] = _clamp_tensor
     table[aten.any.dims] = _any_dims
+    table[aten.any.default] = _any_dims  # of every element: every dim
     table[aten.unfold.default] = _unfold
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = (

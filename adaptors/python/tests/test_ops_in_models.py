@@ -10,7 +10,8 @@ inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest
 them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
 ``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``), and
 ``nn.LSTM`` (layers, both directions, projections, given initial states), and
-``F.pdist`` (a spread regularizer, with a pair at distance 0).
+``F.pdist`` (a spread regularizer, with a pair at distance 0), and the Gaussian negative
+log-likelihood (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``).
 Each model trains three Adam steps on salusd, every tensor against float64 by the
 suite's rule (harness.py)."""
 
@@ -341,6 +342,15 @@ def _spread(m, x, y):
     return F.cross_entropy(m(x), y) + 0.1 * spread
 
 
+def _gaussian_nll(m, x, y):
+    """A probabilistic regression head: a mean and a variance (softplus) per output; the
+    loss per element, and (``full``, summed) with one variance per example."""
+    out = m(x)
+    mean, var = out[:, :2], F.softplus(out[:, 2:]) + 0.01
+    return (F.gaussian_nll_loss(mean, y, var)
+            + nn.GaussianNLLLoss(full=True, reduction="sum")(mean, y, var.mean(-1)))
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -381,6 +391,8 @@ MODELS = {
     "pdist": lambda: (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
                       (lambda x, y: (torch.cat([x[:1], x[:1], x[2:]]), y))(
                           *_batch((6, 4), seed=19, classes=(6, 3))), _spread),
+    "gaussian_nll": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
+                             _batch((6, 4), (6, 2), seed=20), _gaussian_nll),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
         *_batch((6, 4), seed=16)[:1],
@@ -522,3 +534,30 @@ def test_an_integer_remainder_by_zero_fails_the_iteration_as_pytorch_raises(daem
         after = s.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         s.step(x, ids, buckets, y)
+
+
+def test_a_negative_variance_fails_the_iteration_as_pytorch_raises(daemon):
+    """``F.gaussian_nll_loss`` raises ``ValueError`` on a negative variance, checked in
+    Python; the traced step checks it in the graph, and the iteration fails with
+    PyTorch's message, the session's state unchanged."""
+    import salus.torch as st
+
+    model = nn.Linear(4, 2)
+
+    def loss(m, x, y, var):
+        return F.gaussian_nll_loss(m(x), y, var)
+
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    var = torch.full((5, 2), 0.5)
+    with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (x, y, var), loss_of=loss, address=daemon.address) as s:
+        before = {k: v.clone() for k, v in s.state_dict().items()}
+        bad = var.clone()
+        bad[2, 1] = -0.5
+        with pytest.raises(ValueError, match="var has negative entry"):
+            F.gaussian_nll_loss(model(x), y, bad)
+        with pytest.raises(st.DaemonError, match="var has negative entry"):
+            s.step(x, y, bad)
+        after = s.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        s.step(x, y, var)
