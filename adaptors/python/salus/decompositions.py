@@ -538,6 +538,65 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     return aten.slice.Tensor(values, dim, 0, k), aten.slice.Tensor(indices, dim, 0, k)
 
 
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    """``kthvalue``: element ``k - 1`` of a stable ascending sort (NaNs last, as PyTorch
+    orders them), its value and position; of equal values the first in input order
+    (PyTorch leaves which one open)."""
+    return _sorted_at(x, dim, keepdim, lambda n, nans: k - 1)
+
+
+def _median_dim(x, dim=-1, keepdim=False):
+    """``median`` along a dim: the lower median (element ``(n - 1) // 2`` of a stable
+    ascending sort) and its position; a slice holding a NaN gives its first NaN and that
+    NaN's position, as PyTorch's kernel does."""
+    return _sorted_at(x, dim, keepdim, lambda n, nans: (n - 1) // 2, nan_first=True)
+
+
+def _median(x):
+    """``median`` of every element: the lower median, a NaN if there is one."""
+    return _median_dim(aten.view.default(x, [-1]), 0)[0]
+
+
+def _sorted_at(x, dim, keepdim, position, nan_first=False):
+    """The value and input position of element ``position(n, nans)`` of each slice along
+    ``dim`` sorted (stable, ascending); with ``nan_first``, of the first NaN of a slice
+    that has one (a stable sort puts NaNs last, in input order)."""
+    if x.dim() == 0:
+        return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
+                                                        device=x.device)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    values, indices = aten.sort.stable(x, stable=True, dim=dim)
+    shape = list(x.shape)
+    shape[dim] = 1
+    at = aten.full.default(shape, position(n, None), dtype=torch.int64, device=x.device)
+    if nan_first and x.dtype.is_floating_point:
+        nans = aten.sum.dim_IntList(aten._to_copy.default(aten.ne.Tensor(x, x),
+                                                          dtype=torch.int64), [dim], True)
+        at = aten.where.self(aten.gt.Scalar(nans, 0),
+                             aten.add.Scalar(aten.neg.default(nans), n), at)
+    value, index = aten.gather.default(values, dim, at), aten.gather.default(indices, dim, at)
+    if not keepdim:
+        value, index = aten.squeeze.dims(value, [dim]), aten.squeeze.dims(index, [dim])
+    return value, index
+
+
+def _isinf(x):
+    """``isinf``: a magnitude equal to infinity (never for integers)."""
+    if not x.dtype.is_floating_point:
+        return aten.full_like.default(x, False, dtype=torch.bool)
+    return aten.eq.Scalar(aten.abs.default(x), math.inf)
+
+
+def _addbmm(input, batch1, batch2, *, beta=1, alpha=1):
+    """``addbmm``: ``beta * input + alpha *`` the sum over the batch of the products
+    (``input`` ignored for ``beta`` 0, as PyTorch)."""
+    products = aten.sum.dim_IntList(aten.bmm.default(batch1, batch2), [0])
+    if beta == 0:
+        return aten.mul.Scalar(products, alpha)
+    return aten.add.Tensor(aten.mul.Scalar(input, beta), products, alpha=alpha)
+
+
 def _extreme_dim(arg, x, dim, keepdim):
     """``max.dim`` / ``min.dim``: the position ``arg`` (``argmax``/``argmin``) finds, and
     the element there gathered, so value and index always agree (a NaN wins; the first
@@ -1124,6 +1183,11 @@ def decomposition_table() -> dict:
     table[aten.sort.default] = _sort
     table[aten.topk.default] = _topk
     table[aten.max.dim] = _max_dim
+    table[aten.kthvalue.default] = _kthvalue
+    table[aten.median.dim] = _median_dim
+    table[aten.median.default] = _median
+    table[aten.isinf.default] = _isinf
+    table[aten.addbmm.default] = _addbmm
     table[aten.min.dim] = _min_dim
     table[aten.amin.default] = _amin
     table[aten.prod.dim_int] = _prod_dim

@@ -10,8 +10,9 @@ inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest
 them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
 ``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``), and
 ``nn.LSTM`` (layers, both directions, projections, given initial states), and
-``F.pdist`` (a spread regularizer, with a pair at distance 0), and the Gaussian negative
-log-likelihood (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``).
+``F.pdist`` (a spread regularizer, with a pair at distance 0), the Gaussian negative
+log-likelihood (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and order statistics
+and friends (``median``, ``kthvalue``, ``isinf``, ``addbmm``).
 Each model trains three Adam steps on salusd, every tensor against float64 by the
 suite's rule (harness.py)."""
 
@@ -351,6 +352,28 @@ def _gaussian_nll(m, x, y):
             + nn.GaussianNLLLoss(full=True, reduction="sum")(mean, y, var.mean(-1)))
 
 
+class OrderStatistics(nn.Module):
+    """Robust pooling: the median and the second smallest of each row's features, the
+    median of the whole batch (a constant offset), a sum of products over a batch of blocks (``addbmm``), and
+    infinite features masked out (``isinf``; its special values in the test below)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.head = nn.Linear(8 + 2 + 4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        median, _ = h.median(1, keepdim=True)
+        second = h.kthvalue(2, 1, keepdim=True).values
+        blocks = torch.addbmm(h[:2, :2], h.view(-1, 2, 4), h.view(-1, 4, 2), beta=0.5)
+        kept = torch.where(torch.isinf(h[:, :4]), torch.zeros_like(h[:, :4]), h[:, :4])
+        pooled = blocks.reshape(1, 4).expand(x.size(0), 4) * 0.1 + kept
+        # The whole batch's median, its gradient left out: PyTorch spreads it over the
+        # elements equal to the median, which the yardstick's rounded runs make none.
+        return self.head(torch.cat([h - torch.median(h.detach()), median, second, pooled], 1))
+
+
 def _batch(*shapes, seed, classes=None):
     g = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(*shape, generator=g) for shape in shapes]
@@ -393,6 +416,8 @@ MODELS = {
                           *_batch((6, 4), seed=19, classes=(6, 3))), _spread),
     "gaussian_nll": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
                              _batch((6, 4), (6, 2), seed=20), _gaussian_nll),
+    "order_statistics": lambda: (OrderStatistics(), _batch((4, 4), seed=21, classes=(4, 3)),
+                                 _classify),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
         *_batch((6, 4), seed=16)[:1],
@@ -561,3 +586,26 @@ def test_a_negative_variance_fails_the_iteration_as_pytorch_raises(daemon):
         after = s.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         s.step(x, y, var)
+
+
+def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
+    """The rules behind ``isinf`` (signed infinities, NaN, integers), ``median`` (a NaN in
+    a slice gives its first NaN and that position; the lower median otherwise) and
+    ``kthvalue``, against PyTorch's own results."""
+    from salus import decompositions as d
+    special = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 0.0])
+    assert torch.equal(d._isinf(special), torch.isinf(special))
+    assert torch.equal(d._isinf(torch.arange(4)), torch.isinf(torch.arange(4)))
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(4))
+    x[1, 3] = x[4, 2] = x[4, 5] = float("nan")
+    for dim in (0, 1):
+        for keepdim in (False, True):
+            got, want = d._median_dim(x, dim, keepdim), torch.median(x, dim, keepdim)
+            assert torch.equal(got[0].nan_to_num(7.0), want.values.nan_to_num(7.0))
+            assert torch.equal(got[1], want.indices)
+            for k in (1, 4):
+                got = d._kthvalue(x.nan_to_num(0.0), k, dim, keepdim)
+                want = torch.kthvalue(x.nan_to_num(0.0), k, dim, keepdim)
+                assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+    assert d._median(x).isnan() and d._median(x.nan_to_num(0.0)) == torch.median(
+        x.nan_to_num(0.0))
