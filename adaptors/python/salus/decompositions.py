@@ -427,13 +427,14 @@ def _div_mode(a, b, *, rounding_mode=None):
     quotient; ``floor`` is Python's floor division, from the exact ``fmod``: the
     quotient of ``a - fmod(a, b)``, one less where the remainder's sign is not ``b``'s,
     floored and rounded up past a half, a signed zero for a zero quotient, and ``a / b``
-    for a zero divisor. Integers stay whole (the IR has no integer division: refused)."""
-    if not torch.result_type(a, b).is_floating_point:
-        return NotImplemented
+    for a zero divisor. Integers: :func:`_integer_division`."""
+    dtype = torch.result_type(a, b)
     a, b = _of_result_type(a, b)
     quotient = aten.div.Tensor(a, b)
     if rounding_mode is None:
         return quotient
+    if not dtype.is_floating_point:
+        return _integer_division(a, b, rounding_mode, dtype)
     if rounding_mode == "trunc":
         return aten.trunc.default(quotient)
     mod = aten.fmod.Tensor(a, b)
@@ -446,6 +447,25 @@ def _div_mode(a, b, *, rounding_mode=None):
                             aten.add.Tensor(floor, 1), floor)
     floor = aten.where.self(aten.ne.Scalar(div, 0), floor, aten.mul.Tensor(quotient, 0))
     return aten.where.self(aten.eq.Scalar(b, 0), quotient, floor)
+
+
+_EXACT_QUOTIENTS = 2 ** 24
+
+
+def _integer_division(a, b, rounding_mode, dtype):
+    """Floor (``//``) or truncating division of integers, which the IR has no op for:
+    ``a`` less its remainder (``remainder`` for floor, ``fmod`` for trunc; a zero divisor
+    fails the iteration with PyTorch's ``ZeroDivisionError``) divided by ``b`` is the
+    quotient exactly, computed as a float32, where every integer below 2^24 in magnitude
+    is exact. A larger quotient fails the iteration, naming the limit, rather than be
+    rounded."""
+    rest = (aten.remainder.Tensor if rounding_mode == "floor" else aten.fmod.Tensor)(a, b)
+    quotient = aten.div.Tensor(aten.sub.Tensor(a, rest), b)
+    large = aten.any.default(aten.ge.Scalar(aten.abs.default(quotient), _EXACT_QUOTIENTS))
+    aten._assert_async.msg(aten.logical_not.default(large),
+                           "integer division: salus computes quotients exactly only below "
+                           "2^24 in magnitude, and this one is larger")
+    return aten._to_copy.default(quotient, dtype=dtype)
 
 
 def _isnan(x):

@@ -609,3 +609,35 @@ def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
                 assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     assert d._median(x).isnan() and d._median(x.nan_to_num(0.0)) == torch.median(
         x.nan_to_num(0.0))
+
+
+class _Divisions(nn.Module):
+    """Integer floor and truncating division of either sign, by numbers and by a tensor."""
+
+    def forward(self, ids, divisors):
+        return torch.stack([ids // 3, ids // -4, torch.div(ids, 5, rounding_mode="trunc"),
+                            torch.div(ids, divisors, rounding_mode="floor"),
+                            torch.div(ids, divisors, rounding_mode="trunc")])
+
+
+def test_integer_division_is_pytorchs_and_refuses_what_it_cannot_do_exactly(daemon):
+    """``//`` and ``div(rounding_mode=...)`` of integers serve as PyTorch computes them
+    (the IR divides exactly through float32 below 2^24); a quotient past that, or a zero
+    divisor, fails the request with a message naming it instead of a rounded answer."""
+    import salus.torch as st
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-10**6, 10**6, (64,), generator=g)
+    divisors = torch.randint(1, 50, (64,), generator=g) * (torch.randint(0, 2, (64,),
+                                                                         generator=g) * 2 - 1)
+    model = _Divisions()
+    with st.InferenceSession(model, (ids, divisors), address=daemon.address) as session:
+        assert torch.equal(session(ids, divisors), model(ids, divisors))
+        edges = torch.tensor([0, -1, 1, -3, 3, 2**24 - 1, -(2**24) + 1, 7] * 8)
+        ones = torch.ones(64, dtype=torch.int64)
+        assert torch.equal(session(edges, ones), model(edges, ones))
+        with pytest.raises(st.DaemonError, match="below 2\\^24"):
+            session(torch.full((64,), 2**24 + 1), ones)
+        with pytest.raises(st.DaemonError, match="ZeroDivisionError"):
+            session(ids, torch.zeros(64, dtype=torch.int64))
+        assert torch.equal(session(ids, divisors), model(ids, divisors))
