@@ -399,7 +399,7 @@ def _integer_divisor_checked(x, other):
     integer tensors, the divisor is checked first: PyTorch raises ``ZeroDivisionError``
     on a zero, and the graph's ``_assert_async`` fails the iteration with it."""
     if not (x.dtype.is_floating_point or other.dtype.is_floating_point):
-        zero = aten.any.dims(aten.eq.Scalar(other, 0))
+        zero = aten.any.default(aten.eq.Scalar(other, 0))
         aten._assert_async.msg(aten.logical_not.default(zero), "ZeroDivisionError")
     return NotImplemented
 
@@ -430,11 +430,11 @@ def _div_mode(a, b, *, rounding_mode=None):
     for a zero divisor. Integers: :func:`_integer_division`."""
     dtype = torch.result_type(a, b)
     a, b = _of_result_type(a, b)
+    if rounding_mode is not None and not dtype.is_floating_point:
+        return _integer_division(a, b, rounding_mode, dtype)
     quotient = aten.div.Tensor(a, b)
     if rounding_mode is None:
         return quotient
-    if not dtype.is_floating_point:
-        return _integer_division(a, b, rounding_mode, dtype)
     if rounding_mode == "trunc":
         return aten.trunc.default(quotient)
     mod = aten.fmod.Tensor(a, b)
@@ -562,14 +562,14 @@ def _kthvalue(x, k, dim=-1, keepdim=False):
     """``kthvalue``: element ``k - 1`` of a stable ascending sort (NaNs last, as PyTorch
     orders them), its value and position; of equal values the first in input order
     (PyTorch leaves which one open)."""
-    return _sorted_at(x, dim, keepdim, lambda n, nans: k - 1)
+    return _sorted_at(x, dim, keepdim, lambda n: k - 1)
 
 
 def _median_dim(x, dim=-1, keepdim=False):
     """``median`` along a dim: the lower median (element ``(n - 1) // 2`` of a stable
     ascending sort) and its position; a slice holding a NaN gives its first NaN and that
     NaN's position, as PyTorch's kernel does."""
-    return _sorted_at(x, dim, keepdim, lambda n, nans: (n - 1) // 2, nan_first=True)
+    return _sorted_at(x, dim, keepdim, lambda n: (n - 1) // 2, nan_first=True)
 
 
 def _median(x):
@@ -578,9 +578,9 @@ def _median(x):
 
 
 def _sorted_at(x, dim, keepdim, position, nan_first=False):
-    """The value and input position of element ``position(n, nans)`` of each slice along
-    ``dim`` sorted (stable, ascending); with ``nan_first``, of the first NaN of a slice
-    that has one (a stable sort puts NaNs last, in input order)."""
+    """The value and input position of element ``position(n)`` of each slice (of length
+    ``n``) along ``dim`` sorted (stable, ascending); with ``nan_first``, of the first NaN
+    of a slice that has one (a stable sort puts NaNs last, in input order)."""
     if x.dim() == 0:
         return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
                                                         device=x.device)
@@ -589,7 +589,7 @@ def _sorted_at(x, dim, keepdim, position, nan_first=False):
     values, indices = aten.sort.stable(x, stable=True, dim=dim)
     shape = list(x.shape)
     shape[dim] = 1
-    at = aten.full.default(shape, position(n, None), dtype=torch.int64, device=x.device)
+    at = aten.full.default(shape, position(n), dtype=torch.int64, device=x.device)
     if nan_first and x.dtype.is_floating_point:
         nans = aten.sum.dim_IntList(aten._to_copy.default(aten.ne.Tensor(x, x),
                                                           dtype=torch.int64), [dim], True)
@@ -1230,19 +1230,17 @@ def decomposition_table() -> dict:
     return table
 
 
-# Ops no table entry can replace, because they are decided before the dispatcher's tracing
-# sees them. CompositeImplicitAutograd ops PyTorch writes out in C++ (circular padding
-# becomes strided copies the IR has no op for; bilinear layers and cdist become ops with
-# hand-written gradients), and ops whose gradient is a kernel of its own
-# (``grid_sampler_2d_backward``): run as Python rules above autograd, their gradient is
-# that of the IR ops they are written in. While a step records they run as these rules.
 def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
           batch_first):
     """``nn.LSTM`` (``lstm.input``) unrolled over time as PyTorch's Python rule writes it
     (each step's gates ``linear(h, W_hh, b_hh) + linear(x, W_ih, b_ih)[t]``, chunked in
     four: input, forget, cell and output gates), with the hidden state [B, H]: every
     layer and direction, projections (``proj_size``), dropout between layers (the
-    session's generator), ``batch_first``."""
+    session's generator), ``batch_first``. PyTorch's own rule, which the Python
+    dispatcher would run, keeps the state [1, B, H], and its backward adds a gradient of
+    shape [1, B, 4H] into one of [B, 4H] and fails ("output with shape ... doesn't match
+    the broadcast shape"); without any Python rule its C++ composite runs oneDNN's fused
+    layer, which the IR has no op for."""
     h0, c0 = hx
     directions = 2 if bidirectional else 1
     projected = h0.size(2) != c0.size(2)
@@ -1277,6 +1275,12 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
     return (x.transpose(0, 1) if batch_first else x), torch.stack(last_h), torch.stack(last_c)
 
 
+# Ops no table entry can replace, because they are decided before the dispatcher's tracing
+# sees them. CompositeImplicitAutograd ops PyTorch writes out in C++ (circular padding
+# becomes strided copies the IR has no op for; bilinear layers and cdist become ops with
+# hand-written gradients), and ops whose gradient is a kernel of its own
+# (``grid_sampler_2d_backward``): run as Python rules above autograd, their gradient is
+# that of the IR ops they are written in. While a step records they run as these rules.
 _ABOVE_AUTOGRAD = {
     (aten.lstm.input, DispatchKey.CompositeImplicitAutograd): _lstm,
     (aten.lstm.input, DispatchKey.Autograd): _lstm,
@@ -1301,32 +1305,21 @@ _ABOVE_AUTOGRAD = {
 @contextlib.contextmanager
 def composite_decompositions() -> Iterator[None]:
     """Installs the rules of ``_ABOVE_AUTOGRAD`` for the Python dispatcher (which a
-    recording enables) and takes them out again after, so nothing outside a trace
-    changes."""
-    hidden = [(op, key, op.py_kernels.pop(key)) for op, key in _PYTORCH_RULES_REPLACED
-              if key in op.py_kernels]
-    installed = [(op, key) for (op, key), rule in _ABOVE_AUTOGRAD.items()
-                 if rule is not None and key not in op.py_kernels]
-    for op, key in installed:
+    recording enables), setting aside a Python rule PyTorch has for the same op and key
+    (its LSTM's), and puts everything back after, so nothing outside a trace changes."""
+    keys = [(op, key) for (op, key), rule in _ABOVE_AUTOGRAD.items() if rule is not None]
+    set_aside = [(op, key, op.py_kernels.pop(key, None)) for op, key in keys]
+    for op, key in keys:
         op.py_impl(key)(_ABOVE_AUTOGRAD[op, key])
-    _clear_dispatch_caches(op for op, _ in installed + [(op, key) for op, key, _ in hidden])
+    _clear_dispatch_caches(op for op, _ in keys)
     try:
         yield
     finally:
-        for op, key in installed:
+        for op, key, theirs in set_aside:
             op.py_kernels.pop(key, None)
-        for op, key, rule in hidden:
-            op.py_kernels[key] = rule
-        _clear_dispatch_caches(op for op, _ in installed + [(op, key) for op, key, _ in hidden])
-
-
-# PyTorch's own Python rules that the Python dispatcher (on while a step records) would
-# run, replaced by ours while a step records: PyTorch's LSTM (``lstm.input``) keeps the
-# hidden state as [1, B, H], and its backward adds a gradient of shape [1, B, 4H] into
-# one of [B, 4H] and fails ("output with shape ... doesn't match the broadcast shape");
-# without it PyTorch's C++ composite runs oneDNN's fused layer, which the IR has no op for.
-_PYTORCH_RULES_REPLACED = [(aten.lstm.input, key) for key in (
-    DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)]
+            if theirs is not None:
+                op.py_kernels[key] = theirs
+        _clear_dispatch_caches(op for op, _ in keys)
 
 
 def _clear_dispatch_caches(ops) -> None:

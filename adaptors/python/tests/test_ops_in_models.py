@@ -7,14 +7,13 @@ Twins' loss), the comparisons ``>=``, ``<=``, ``!=``, ``|``, ``^`` of tensors,
 ``grid_sample`` (a spatial transformer), ``nn.Bilinear`` and ``torch.cdist`` (metric
 learning), 3-d max and average pooling and ``LocalResponseNorm``, the CTC loss, and the
 inverse trigonometric and hyperbolic functions (``atan``, ``atan2`` and the rest from
-them), NeRF's volume rendering (``cumprod``, ``prod``), and ``%``, ``remainder`` and
-``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``), and
-``nn.LSTM`` (layers, both directions, projections, given initial states), and
-``F.pdist`` (a spread regularizer, with a pair at distance 0), the Gaussian negative
-log-likelihood (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and order statistics
-and friends (``median``, ``kthvalue``, ``isinf``, ``addbmm``).
-Each model trains three Adam steps on salusd, every tensor against float64 by the
-suite's rule (harness.py)."""
+them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
+``fmod`` (wrapped angles, a learned period, the hashing trick's ``ids % buckets``),
+``nn.LSTM`` (layers, both directions, projections, given initial states), ``F.pdist``
+(a spread regularizer, with a pair at distance 0), the Gaussian negative log-likelihood
+(``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
+``isinf`` and ``addbmm``. Each model trains three Adam steps on salusd, every tensor
+against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +22,8 @@ import torch
 from daemon import Daemon
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
+
+import salus.torch as st
 
 F = nn.functional
 
@@ -354,8 +355,9 @@ def _gaussian_nll(m, x, y):
 
 class OrderStatistics(nn.Module):
     """Robust pooling: the median and the second smallest of each row's features, the
-    median of the whole batch (a constant offset), a sum of products over a batch of blocks (``addbmm``), and
-    infinite features masked out (``isinf``; its special values in the test below)."""
+    median of the whole batch (a constant offset), a sum of products over a batch of
+    blocks (``addbmm``), and infinite features masked out (``isinf``; its special values
+    in the test below)."""
 
     def __init__(self):
         super().__init__()
@@ -371,7 +373,8 @@ class OrderStatistics(nn.Module):
         pooled = blocks.reshape(1, 4).expand(x.size(0), 4) * 0.1 + kept
         # The whole batch's median, its gradient left out: PyTorch spreads it over the
         # elements equal to the median, which the yardstick's rounded runs make none.
-        return self.head(torch.cat([h - torch.median(h.detach()), median, second, pooled], 1))
+        centred = h - torch.median(h.detach())
+        return self.head(torch.cat([centred, median, second, pooled], 1))
 
 
 def _batch(*shapes, seed, classes=None):
@@ -537,8 +540,6 @@ def test_an_integer_remainder_by_zero_fails_the_iteration_as_pytorch_raises(daem
     """Of two integer tensors, a zero divisor: PyTorch raises ``ZeroDivisionError``; the
     traced step checks the divisor and the iteration fails with that message, the
     session's state unchanged (a step with nonzero divisors after it trains)."""
-    import salus.torch as st
-
     model = Periodic()
     buckets = torch.tensor([7, 5, 3, 7, 5, 3])
 
@@ -565,8 +566,6 @@ def test_a_negative_variance_fails_the_iteration_as_pytorch_raises(daemon):
     """``F.gaussian_nll_loss`` raises ``ValueError`` on a negative variance, checked in
     Python; the traced step checks it in the graph, and the iteration fails with
     PyTorch's message, the session's state unchanged."""
-    import salus.torch as st
-
     model = nn.Linear(4, 2)
 
     def loss(m, x, y, var):
@@ -624,8 +623,6 @@ def test_integer_division_is_pytorchs_and_refuses_what_it_cannot_do_exactly(daem
     """``//`` and ``div(rounding_mode=...)`` of integers serve as PyTorch computes them
     (the IR divides exactly through float32 below 2^24); a quotient past that, or a zero
     divisor, fails the request with a message naming it instead of a rounded answer."""
-    import salus.torch as st
-
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(-10**6, 10**6, (64,), generator=g)
     divisors = torch.randint(1, 50, (64,), generator=g) * (torch.randint(0, 2, (64,),
