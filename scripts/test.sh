@@ -32,4 +32,8 @@ if [ "$env_status" -ne 0 ]; then
 fi
 python=$(cat "$env_out")
 phase "Python environment"
-"$python" -m pytest adaptors/python/tests -q --durations=15
+# Two workers, each taking a whole test file at a time (a file's daemons and traces stay
+# in one process); the tests that measure rates or wall time run after them, alone.
+"$python" -m pytest adaptors/python/tests -q -n 2 --dist loadfile -m "not solo" --durations=15
+phase "Python tests"
+"$python" -m pytest adaptors/python/tests -q -m solo --durations=5

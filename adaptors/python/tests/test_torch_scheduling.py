@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from daemon import Daemon
 
@@ -18,6 +19,8 @@ from salus.client import Client
 from salus.models import target_models
 
 SPECS = target_models(batch_size=4, image_size=16)
+# Shares are measured in wall time while the jobs run.
+pytestmark = pytest.mark.solo
 
 
 def _session(address, name, model_name, **hints):

@@ -14,6 +14,9 @@ import pytest
 ray = pytest.importorskip("ray")
 tune = pytest.importorskip("ray.tune")
 
+# Packing and stopping are judged by trials' wall time.
+pytestmark = pytest.mark.solo
+
 import torch  # noqa: E402
 from daemon import Daemon  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
