@@ -231,6 +231,29 @@ def _exponential(x, lambd=1.0):
     return aten.div.Scalar(aten.neg.default(aten.log1p.default(aten.neg.default(u))), lambd)
 
 
+def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """``nn.RReLU``: in training, each element at or below 0 times a slope uniform in
+    [lower, upper) from the session's generator (the slopes, 1 elsewhere, are the noise
+    its gradient multiplies by); in evaluation, a leaky ReLU of slope (lower + upper) / 2,
+    the noise left as it is. Slopes from the user's own generator stay whole (refused by
+    name)."""
+    if generator is not None:
+        return NotImplemented
+    if not training:
+        return aten.leaky_relu.default(x, (lower + upper) / 2), aten.clone.default(noise)
+    slopes = _uniform(x, lower, upper)
+    noise = aten.where.self(aten.le.Scalar(x, 0), slopes, aten.full_like.default(x, 1))
+    return aten.mul.Tensor(x, noise), noise
+
+
+def _rrelu_with_noise_backward(grad, x, noise, lower, upper, training, self_is_result):
+    """``rrelu_with_noise_backward``, as PyTorch's: the gradient times the noise in
+    training (slopes drawn), else a leaky ReLU's of slope (lower + upper) / 2."""
+    if training and upper - lower > 1e-6:
+        return aten.mul.Tensor(grad, noise)
+    return aten.leaky_relu_backward.default(grad, x, (lower + upper) / 2, self_is_result)
+
+
 def _integers(shape, low, high, dtype, device):
     """Integers uniform in [low, high): ``floor(u * (high - low))`` of a float32 draw,
     kept below ``high``, plus ``low``. A float32 draw has 24 bits: wider ranges stay whole
@@ -466,6 +489,42 @@ def _integer_division(a, b, rounding_mode, dtype):
                            "integer division: salus computes quotients exactly only below "
                            "2^24 in magnitude, and this one is larger")
     return aten._to_copy.default(quotient, dtype=dtype)
+
+
+def _extreme_of(dtype, largest: bool):
+    """The largest (or smallest) value of ``dtype``: an infinity for floats."""
+    if dtype == torch.bool:
+        return largest
+    if dtype.is_floating_point:
+        return math.inf if largest else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if largest else info.min
+
+
+def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    """``scatter_reduce.two``. Without self, the places the index names first become the
+    reduction's identity (0, 1, or the dtype's smallest or largest value). ``sum`` and
+    ``mean`` are then ``scatter_add``s: a mean divides by how many values met at each
+    place (self counted when included, a place nothing met by 1), rounding down for
+    integers, as PyTorch's kernels do. ``prod``, ``amax`` and ``amin`` stay whole
+    (``NotImplemented``): the IR's op, which starts from self."""
+    if not include_self:
+        identity = {"sum": 0, "mean": 0, "prod": 1, "amax": _extreme_of(x.dtype, False),
+                    "amin": _extreme_of(x.dtype, True)}[reduce]
+        x = aten.scatter.value(x, dim, index, identity)
+        if reduce not in ("sum", "mean"):
+            return aten.scatter_reduce.two(x, dim, index, src, reduce)
+    if reduce not in ("sum", "mean"):
+        return NotImplemented
+    total = aten.scatter_add.default(x, dim, index, src)
+    if reduce == "sum":
+        return total
+    count = aten.scatter_add.default(aten.full_like.default(x, int(include_self)), dim, index,
+                                     aten.full_like.default(src, 1))
+    count = aten.clamp.default(count, 1)
+    if x.dtype.is_floating_point:
+        return aten.div.Tensor(total, count)
+    return _div_mode(total, count, rounding_mode="floor")
 
 
 def _isnan(x):
@@ -1119,10 +1178,11 @@ def decomposition_table() -> dict:
     op stays whole in training where the IR has it, eval mode becomes arithmetic), and
     with the rules of this module for what Core ATen keeps whole and the IR lacks: dropout
     and every random draw (``rand``, ``randn``, ``normal_``, ``uniform_``, ``exponential_``,
-    ``randint``, ``randperm``) from the session's generator, pooling and padding
+    ``randint``, ``randperm``, ``RReLU``'s slopes) from the session's generator, pooling and padding
     variants, ``EmbeddingBag``, ``repeat``, ``unfold``, grouped-query attention, ``sort``
     and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
-    diagonals, and trigonometric and hyperbolic functions. Each function's docstring says
+    diagonals, trigonometric and hyperbolic functions, and ``scatter_reduce``'s sums and
+    means. Each function's docstring says
     what it writes; :func:`composite_decompositions` adds the rules that must run above
     autograd."""
     table = dict(core_aten_decompositions().items())
@@ -1169,6 +1229,7 @@ def decomposition_table() -> dict:
     for op in (aten.repeat.default, aten.elu.default, aten.elu_backward.default):
         table.setdefault(op, _all_decompositions[op])
     table[aten.isnan.default] = _isnan
+    table[aten.scatter_reduce.two] = _scatter_reduce
     for op in (aten.remainder, aten.fmod):
         table[op.Tensor] = _integer_divisor_checked
         table[op.Scalar] = _with_number(op)
@@ -1190,6 +1251,8 @@ def decomposition_table() -> dict:
     table[aten.normal.float_float] = _normal_numbers
     table[aten.uniform.default] = _uniform
     table[aten.exponential.default] = _exponential
+    table[aten.rrelu_with_noise_functional.default] = _rrelu_with_noise
+    table[aten.rrelu_with_noise_backward.default] = _rrelu_with_noise_backward
     table[aten.randint.low] = _randint_low
     table[aten.randint.default] = _randint
     table[aten.randint_like.low_dtype] = _randint_like_low
@@ -1275,6 +1338,39 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
     return (x.transpose(0, 1) if batch_first else x), torch.stack(last_h), torch.stack(last_c)
 
 
+def _scatter_reduce_autograd(x, dim, index, src, reduce, *, include_self=True):
+    """``scatter_reduce.two`` above autograd. Every reduction but the product, and a
+    product that needs no gradient, runs PyTorch's own autograd kernel. PyTorch's
+    gradient of a product reads a value (whether two zeros met at a place, only to refuse
+    a second derivative), which a recording cannot answer; here the product is computed below autograd and its gradient carried by
+    a linear stand-in, ``result + (linear - linear.detach())``, where ``linear`` scatters
+    self and src times PyTorch's derivatives of the result by them: the product of the
+    others met at the place, a lone zero's the product without it, every value's 0 where
+    two zeros met, and self's 0 where the index names it without self. (A product that
+    overflows to an infinity makes the stand-in NaN instead.)"""
+    if reduce != "prod" or not (x.requires_grad or src.requires_grad):
+        return aten.scatter_reduce.two._op_dk(DispatchKey.Autograd, x, dim, index, src,
+                                              reduce, include_self=include_self)
+    if tuple(src.shape) != tuple(index.shape):
+        src = src[tuple(slice(0, n) for n in index.shape)]
+    with torch._C._AutoDispatchBelowAutograd():
+        def product(a, b):
+            return aten.scatter_reduce.two(a, dim, index, b, "prod", include_self=include_self)
+        result = product(x, src)
+        nonzero_x = x.masked_fill(x == 0, 1)
+        of_x = product(nonzero_x, src) / nonzero_x
+        if not include_self:
+            of_x = of_x.scatter(dim, index, 0)
+        src_zero = src == 0
+        zeros_met = torch.zeros_like(x).scatter_add(dim, index, src_zero.to(x.dtype))
+        lone_zero = src_zero & (zeros_met.gather(dim, index) == 1)
+        without_it = product(x, src.masked_fill(lone_zero, 1))
+        of_src = torch.where(lone_zero, without_it.gather(dim, index),
+                             result.gather(dim, index) / src.masked_fill(src_zero, 1))
+    linear = (x * of_x).scatter_add(dim, index, src * of_src)
+    return result + (linear - linear.detach())
+
+
 # Ops no table entry can replace, because they are decided before the dispatcher's tracing
 # sees them. CompositeImplicitAutograd ops PyTorch writes out in C++ (circular padding
 # becomes strided copies the IR has no op for; bilinear layers and cdist become ops with
@@ -1295,6 +1391,8 @@ _ABOVE_AUTOGRAD = {
     (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
     (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
+    # A product's gradient without PyTorch's read of a value.
+    (aten.scatter_reduce.two, DispatchKey.Autograd): _scatter_reduce_autograd,
     # PyTorch's own decomposition (bilinear, nearest and bicubic sampling, every padding
     # mode), in gathers and arithmetic.
     (aten.grid_sampler_2d.default, DispatchKey.Autograd):

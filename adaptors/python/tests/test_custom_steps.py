@@ -227,24 +227,28 @@ def test_draws_in_the_step_come_from_the_sessions_generator(daemon):
 class _MoreDraws(nn.Module):
     """The other draws a step may make, from the same generator: ``normal_``,
     ``uniform_``, ``exponential_`` (Gumbel noise), ``randint``, ``randint_like``,
-    ``torch.normal`` of tensors, ``randperm`` and ``F.gumbel_softmax``."""
+    ``torch.normal`` of tensors, ``randperm``, ``F.gumbel_softmax`` and ``RReLU``'s
+    slopes in training."""
 
     def forward(self, x):
         logits = torch.zeros(x.shape[0], 4) + torch.tensor([0.0, 1.0, 2.0, 3.0])
         return (torch.empty_like(x).normal_(2.0, 3.0), torch.empty_like(x).uniform_(-1, 3),
                 torch.empty_like(x).exponential_(2.0), torch.randint(3, 8, x.shape),
                 torch.randint_like(x, 5), torch.normal(x + 1, torch.full_like(x, 0.5)),
-                torch.randperm(x.shape[1]), F.gumbel_softmax(logits, tau=1.0, hard=True))
+                torch.randperm(x.shape[1]), F.gumbel_softmax(logits, tau=1.0, hard=True),
+                F.rrelu(torch.cat([x - 1, x + 1]), 0.1, 0.4, training=True))
 
 
 def test_every_kind_of_draw_has_its_distribution(daemon):
     """Each draw of ``_MoreDraws`` against its distribution's mean and variance (within 5
     standard errors), its range, and for ``randperm`` and a hard Gumbel-softmax what
     they must be (a permutation; one-hot rows picking class k with probability
-    softmax(logits)[k])."""
+    softmax(logits)[k]; RReLU's negative inputs times slopes uniform in [lower, upper),
+    its positive ones as they are)."""
     x = torch.zeros(64, 500)
     with st.InferenceSession(_MoreDraws(), x, address=daemon.address) as session:
-        normal, uniform, exponential, ints, ints_like, normal_of, order, gumbel = session(x)
+        (normal, uniform, exponential, ints, ints_like, normal_of, order, gumbel,
+         rrelu) = session(x)
     n = x.numel()
 
     def moments(t, mean, variance, fourth):
@@ -270,6 +274,9 @@ def test_every_kind_of_draw_has_its_distribution(daemon):
     share = torch.softmax(torch.tensor([0.0, 1.0, 2.0, 3.0]), 0)
     picked = gumbel.mean(0)
     assert ((picked - share).abs() < 5 * (share * (1 - share) / 64) ** 0.5).all(), picked
+    slopes, positive = -rrelu[:64], rrelu[64:]
+    assert slopes.min() >= 0.1 and slopes.max() < 0.4 and torch.equal(positive, x + 1)
+    moments(slopes, 0.25, 0.3 ** 2 / 12, 0.3 ** 4 / 80)
 
 
 def _denoising_loss(model, x0, level):

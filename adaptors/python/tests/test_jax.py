@@ -185,6 +185,26 @@ def test_a_jax_forward_function_serves_on_salusd(daemon):
                                    {"out": torch.from_numpy(np.array(want))})
 
 
+def powered(params, x):
+    """A power of two computed tensors (a learned, input-dependent exponent)."""
+    return jnp.power(jnp.abs(x @ params["w"]) + 0.5, jnp.tanh(x @ params["v"]) + 1.5)
+
+
+def test_a_power_of_two_computed_tensors_serves_as_jax_computes_it(daemon):
+    rs = np.random.RandomState(4)
+    params = {"w": rs.randn(6, 5).astype(np.float32), "v": rs.randn(6, 5).astype(np.float32)}
+    x = rs.randn(7, 6).astype(np.float32)
+    with sj.InferenceSession(powered, params, (x,), address=daemon.address) as serve:
+        got = serve(x)
+    with enable_x64(True):
+        exact = np.asarray(powered(jax.tree.map(lambda a: a.astype(np.float64), params),
+                                   x.astype(np.float64)))
+    assert got.dtype == np.float32
+    assert_as_exact_as_pytorch({"out": torch.from_numpy(got)},
+                               {"out": torch.from_numpy(np.array(exact))},
+                               {"out": torch.from_numpy(np.array(powered(params, x)))})
+
+
 def dropout_step(state, x, y):
     """A dropout layer whose key is part of the state: split each step, as JAX code does.
     The uniform numbers are float32 (JAX's float64 ones are other bits), so the float64

@@ -12,7 +12,9 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 ``nn.LSTM`` (layers, both directions, projections, given initial states), ``F.pdist``
 (a spread regularizer, with a pair at distance 0), the Gaussian negative log-likelihood
 (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
-``isinf`` and ``addbmm``. Each model trains three Adam steps on salusd, every tensor
+``isinf`` and ``addbmm``, and graph message passing (``scatter_reduce`` of every
+reduction, ``index_add``), a learned power (generalized-mean pooling: ``pow`` of two
+tensors) and ``RReLU`` in evaluation. Each model trains three Adam steps on salusd, every tensor
 against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -335,6 +337,59 @@ class Recurrent(nn.Module):
         return self.head(torch.cat([deep[:, -1], h[0], c[0]], 1))
 
 
+class MessagePassing(nn.Module):
+    """A graph network's layer: each edge's message (from its source node's features) is
+    summed (``index_add``), averaged, and taken the largest and smallest of at its
+    target node (``scatter_reduce`` with and without the node's own features), and a
+    product of squashed messages; nodes no edge reaches keep their own."""
+
+    def __init__(self, width=5):
+        super().__init__()
+        self.message = nn.Linear(4, width)
+        self.head = nn.Linear(6 * width, 3)
+
+    def forward(self, x, edges):
+        source, target = edges
+        h = self.message(x)
+        sent = h[source]
+        places = target.unsqueeze(1).expand_as(sent)
+        zeros = torch.zeros_like(h)
+        aggregated = [
+            zeros.index_add(0, target, sent),
+            h.scatter_reduce(0, places, sent, "mean"),
+            zeros.scatter_reduce(0, places, sent, "mean", include_self=False),
+            zeros.scatter_reduce(0, places, sent, "amax", include_self=False),
+            h.scatter_reduce(0, places, sent, "amin"),
+            torch.ones_like(h).scatter_reduce(0, places, 1 + 0.5 * torch.tanh(sent), "prod"),
+        ]
+        return self.head(torch.cat(aggregated, 1))
+
+
+class GeneralizedMean(nn.Module):
+    """Image retrieval's generalized-mean pooling: each channel's mean of x ^ p, to the
+    power 1 / p, with p learned; a randomized leaky ReLU in evaluation (its mean slope)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.p = nn.Parameter(torch.tensor([3.0, 2.0, 1.5, 4.0]))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.conv(x).abs().clamp(min=1e-3)
+        pooled = h.pow(self.p[:, None, None]).mean((2, 3)).pow(1 / self.p)
+        return self.head(F.rrelu(pooled, 0.1, 0.3, training=False))
+
+
+def _graph(seed, nodes=7, edges=12):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(nodes, 4, generator=g)
+    # Node nodes-1 has no incoming edge; some nodes have several.
+    pairs = torch.stack([torch.randint(0, nodes, (edges,), generator=g),
+                         torch.randint(0, nodes - 1, (edges,), generator=g)])
+    return x, pairs, torch.randint(0, 3, (nodes,), generator=g)
+
+
 def _spread(m, x, y):
     """Cross-entropy plus the mean pairwise distance of the hidden features (p = 2, 1
     and 3): the first two examples are the same, so one distance is 0, where PyTorch's
@@ -422,6 +477,9 @@ MODELS = {
     "order_statistics": lambda: (OrderStatistics(), _batch((4, 4), seed=21, classes=(4, 3)),
                                  _classify),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
+    "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
+    "generalized_mean": lambda: (GeneralizedMean(), _batch((3, 2, 5, 5), seed=23,
+                                                          classes=(3, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
         *_batch((6, 4), seed=16)[:1],
         torch.randint(-1000, 1000, (6,), generator=torch.Generator().manual_seed(16)),
@@ -608,6 +666,37 @@ def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
                 assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     assert d._median(x).isnan() and d._median(x.nan_to_num(0.0)) == torch.median(
         x.nan_to_num(0.0))
+
+
+class _Scatters(nn.Module):
+    """``scatter_reduce`` along dim 1 by each reduction, with and without self."""
+
+    def forward(self, x, index, src):
+        return torch.stack([x.scatter_reduce(1, index, src, reduce, include_self=include)
+                            for reduce in ("sum", "prod", "mean", "amax", "amin")
+                            for include in (True, False)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_scatter_reduce_serves_pytorchs_values(daemon, dtype):
+    """Every reduction of ``scatter_reduce``, with self and without, of floats (a NaN in
+    self and in src, ties) and of integers (a mean rounding down), as PyTorch computes
+    them; an index smaller than src, places named several times and none."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(-4, 5, (3, 6), generator=g).to(dtype)
+    src = torch.randint(-4, 5, (3, 7), generator=g).to(dtype)
+    if dtype.is_floating_point:
+        x, src = x + torch.rand(3, 6, generator=g), src * 0.75
+        x[0, 1], src[2, 3] = float("nan"), float("nan")
+    index = torch.randint(0, 5, (3, 5), generator=g)
+    model = _Scatters()
+    with st.InferenceSession(model, (x, index, src), address=daemon.address) as session:
+        got, want = session(x, index, src), model(x, index, src)
+    assert got.dtype == want.dtype
+    if dtype.is_floating_point:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(got, want)
 
 
 class _Divisions(nn.Module):

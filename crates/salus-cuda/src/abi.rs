@@ -186,6 +186,8 @@ device_codes! {
         Remainder = 53 => OP_REMAINDER,
         /// a - trunc(a / b) * b, exactly (the sign of a: C's fmod).
         Fmod = 54 => OP_FMOD,
+        /// a to the power b.
+        PowTensorTensor = 55 => OP_POW_TT,
     }
 }
 
@@ -208,6 +210,10 @@ device_codes! {
         ScatterValue = 1 => ALONG_SCATTER_VALUE,
         ScatterAdd = 2 => ALONG_SCATTER_ADD,
         ScatterSrc = 3 => ALONG_SCATTER_SRC,
+        /// `scatter_reduce.two` (the product, the largest, the smallest).
+        ScatterProd = 4 => ALONG_SCATTER_PROD,
+        ScatterAmax = 5 => ALONG_SCATTER_AMAX,
+        ScatterAmin = 6 => ALONG_SCATTER_AMIN,
     }
 }
 

@@ -113,10 +113,10 @@ pub fn op_family(op: &str) -> Family {
         "sum" | "mean" | "amax" | "amin" | "max" | "min" | "var" | "var_mean" | "std"
         | "std_mean" | "any" | "all" | "argmax" | "argmin" | "prod" | "cumsum" | "cumprod"
         | "logsumexp" | "mse_loss" | "cross_entropy_loss" => Family::ReduceNorm,
-        "gather" | "scatter" | "scatter_add" | "index_put" | "_index_put_impl" | "index"
-        | "index_select" | "index_add" | "bernoulli" | "rand_like" | "uniform" | "normal"
-        | "_assert_async" | "randperm" | "masked_fill" | "masked_select" | "take" | "sort"
-        | "topk" | "argsort" => Family::Index,
+        "gather" | "scatter" | "scatter_add" | "scatter_reduce" | "index_put"
+        | "_index_put_impl" | "index" | "index_select" | "index_add" | "bernoulli"
+        | "rand_like" | "uniform" | "normal" | "_assert_async" | "randperm" | "masked_fill"
+        | "masked_select" | "take" | "sort" | "topk" | "argsort" => Family::Index,
         "view"
         | "_unsafe_view"
         | "reshape"

@@ -49,7 +49,7 @@ pub use ir::{Attr, DType, Graph, Node, Precision, Role, Tensor, TensorId, Tensor
 pub use op::Op;
 pub use params::{
     AdvancedIndex, AttentionParams, ConvParams, GeluApproximate, OpParams, PoolParams, Reduction,
-    Scalar, wrap_dim, wrap_dims,
+    Scalar, ScatterReduction, wrap_dim, wrap_dims,
 };
 pub use plan::{Buffer, MemoryPlan, PortableScratch, ScratchSizer};
 pub use validate::{Limits, Producer, validate};

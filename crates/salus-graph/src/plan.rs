@@ -135,6 +135,7 @@ fn elementwise(op: Op) -> bool {
             | Atan2
             | RemainderTensor
             | FmodTensor
+            | PowTensorTensor
             | Floor
             | Ceil
             | Round

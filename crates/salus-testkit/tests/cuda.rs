@@ -1907,8 +1907,8 @@ fn folded_head_splits_and_cats_match_the_cpu_bitwise() {
 }
 
 /// Scatters that start from a fill (cross-entropy's backward: zeros, then each row's
-/// target): the CUDA device fills their outputs instead of copying the fill, and must
-/// give the CPU's elements bit for bit.
+/// target; a max-scatter from -inf): the CUDA device fills their outputs instead of
+/// copying the fill, and must give the CPU's elements bit for bit.
 #[test]
 fn scatters_into_fills_match_the_cpu_bitwise() {
     let Some(kernels) = kernels("scatters_into_fills", 64 << 20) else {
@@ -1928,6 +1928,8 @@ fn scatters_into_fills_match_the_cpu_bitwise() {
         f32t("one_hot", &[5, 7], Role::Intermediate),
         f32t("halves", &[5, 7], Role::Intermediate),
         f32t("added", &[5, 7], Role::Intermediate),
+        f32t("lowest", &[5, 7], Role::Intermediate),
+        f32t("largest", &[5, 7], Role::Intermediate),
     ];
     let nodes = vec![
         pointwise(Op::FullLike, &[0], 3, &[("fill_value", Attr::Float(0.0))]),
@@ -1939,11 +1941,23 @@ fn scatters_into_fills_match_the_cpu_bitwise() {
         ),
         pointwise(Op::FullLike, &[0], 5, &[("fill_value", Attr::Float(1.5))]),
         pointwise(Op::ScatterAdd, &[5, 1, 2], 6, &[("dim", Attr::Int(1))]),
+        pointwise(
+            Op::FullLike,
+            &[0],
+            7,
+            &[("fill_value", Attr::Float(f64::NEG_INFINITY))],
+        ),
+        pointwise(
+            Op::ScatterReduce,
+            &[7, 1, 2],
+            8,
+            &[("dim", Attr::Int(1)), ("reduce", Attr::Str("amax".into()))],
+        ),
     ];
     let graph = Graph {
         tensors,
         nodes,
-        fetches: vec![4, 6],
+        fetches: vec![4, 6, 8],
         updates: vec![],
         precision: Precision::IEEE,
     };
@@ -1978,6 +1992,11 @@ fn scatters_into_fills_match_the_cpu_bitwise() {
     assert_eq!(
         (added[3], added[4], added[20], added[27]),
         (2.5, 1.5, 1.75, 5.5)
+    );
+    let largest = f32s(&want[2]);
+    assert_eq!(
+        (largest[3], largest[4], largest[27], largest[30]),
+        (1.0, f64::NEG_INFINITY, 4.0, 8.0)
     );
 }
 

@@ -2978,6 +2978,69 @@ fn gather_and_scatters() {
 }
 
 #[test]
+fn scatter_reduce_takes_products_and_extremes_nan_winning() {
+    let mut rng = Rng::new(68);
+    let mut x = rng.f32s(&[3, 5, 4], -2.0, 2.0);
+    x.data[7] = f64::NAN;
+    let index_shape = [3u64, 6, 4];
+    // Every place along dim 1 named about once, some twice or more.
+    let index = i64v(&index_shape, &rng.ints(numel(&index_shape), 0, 5));
+    let src_shape = [3u64, 7, 4];
+    let mut src = rng.f32s(&src_shape, -2.0, 2.0);
+    src.data[ravel(&[1, 2, 3], &src_shape)] = f64::NAN;
+    let case = |reduce: &str, include_self: bool| {
+        Case::new(Op::ScatterReduce)
+            .input(x.clone())
+            .input(index.clone())
+            .input(src.clone())
+            .int("dim", 1)
+            .attr("reduce", Attr::Str(reduce.into()))
+            .flag("include_self", include_self)
+            .output(Fp32, &x.ty.shape)
+    };
+    for (reduce, combine) in [
+        ("prod", (|a: f64, v: f64| a * v) as fn(f64, f64) -> f64),
+        ("amax", |a, v| {
+            if a.is_nan() || v.is_nan() {
+                f64::NAN
+            } else {
+                a.max(v)
+            }
+        }),
+        ("amin", |a, v| {
+            if a.is_nan() || v.is_nan() {
+                f64::NAN
+            } else {
+                a.min(v)
+            }
+        }),
+    ] {
+        let got = case(reduce, true).run1();
+        let mut want = x.data.clone();
+        for i in 0..numel(&index_shape) {
+            let at = unravel(i, &index_shape);
+            let mut dst = at.clone();
+            dst[1] = index.data[i] as usize;
+            let place = ravel(&dst, &x.ty.shape);
+            want[place] = combine(want[place], src.data[ravel(&at, &src_shape)]);
+        }
+        assert!(want.iter().any(|v| v.is_nan()), "the NaNs reach the result");
+        assert_close(
+            &got,
+            &want,
+            tol(1e-6, 0.0),
+            &format!("scatter_reduce {reduce}"),
+        );
+    }
+    // What the adaptors write otherwise is refused by name.
+    assert_mentions(
+        &case("sum", true).fails(),
+        &["reduce", "scatter_add", "sum"],
+    );
+    assert_mentions(&case("amax", false).fails(), &["include_self must be true"]);
+}
+
+#[test]
 fn index_select_and_index_put() {
     let mut rng = Rng::new(71);
     let x = rng.f32s(&[3, 5, 7], -1.0, 1.0);
@@ -4030,6 +4093,11 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ),
     ("embedding_and_its_backward", embedding_and_its_backward),
     ("gather_and_scatters", gather_and_scatters),
+    ("pow_of_two_tensors_is_cs_pow", pow_of_two_tensors_is_cs_pow),
+    (
+        "scatter_reduce_takes_products_and_extremes_nan_winning",
+        scatter_reduce_takes_products_and_extremes_nan_winning,
+    ),
     ("index_select_and_index_put", index_select_and_index_put),
     (
         "maximum_minimum_and_tensor_comparisons",
@@ -4473,6 +4541,39 @@ fn cumprod_along_each_dimension() {
         EXACT,
         "cumprod i64",
     );
+}
+
+#[test]
+fn pow_of_two_tensors_is_cs_pow() {
+    // Positive bases and exponents, broadcast.
+    binary(
+        Op::PowTensorTensor,
+        &[],
+        (Fp32, Fp32, Fp32),
+        (0.1, 3.0),
+        F32,
+        f64::powf,
+    );
+    // C's special values: 0 ^ 0 and NaN ^ 0 are 1, 1 ^ NaN is 1, 0 to a negative power is
+    // infinite, a negative base takes an integer power and gives NaN for any other.
+    let a = f32v(&[8], vec![0.0, 0.0, -2.0, -2.0, 2.0, NAN, 1.0, INF]);
+    let b = f32v(&[8], vec![0.0, -1.0, 3.0, 0.5, -2.0, 0.0, NAN, -1.0]);
+    let got = Case::new(Op::PowTensorTensor)
+        .input(a.clone())
+        .input(b.clone())
+        .output(Fp32, &[8])
+        .run1();
+    let want = [1.0, INF, -8.0, NAN, 0.25, 1.0, 1.0, 0.0];
+    assert_close(&got, &want, EXACT, "pow.Tensor_Tensor");
+    assert!(got[3].is_nan());
+    // Integers are refused: PyTorch raises for a negative integer power.
+    let ints = i64v(&[2], &[2, 3]);
+    let err = Case::new(Op::PowTensorTensor)
+        .input(ints.clone())
+        .input(ints)
+        .output(I64, &[2])
+        .fails();
+    assert_mentions(&err, &["pow.Tensor_Tensor", "floating-point"]);
 }
 
 #[test]

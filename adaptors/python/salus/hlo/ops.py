@@ -143,7 +143,9 @@ def _power(_, i, operands, constant):
         return torch.pow(base, e)
     if b is not None:
         return torch.pow(b, exponent)
-    raise LoweringError("a power of two computed tensors has no IR op")
+    if _dtype(i).is_floating_point:
+        return torch.pow(base, exponent)
+    raise LoweringError("an integer power of two computed tensors has no IR op")
 
 
 def _logical(kind):

@@ -598,6 +598,10 @@ pub(crate) fn run(
             }
         }),
         (FmodTensor, _) => binary(args, o, 1, |x: f32, y: f32| x % y),
+        // In double, rounded once: within PyTorch's kernels' ulp of the true power.
+        (PowTensorTensor, _) => binary(args, o, 1, |x: f32, y: f32| {
+            (x as f64).powf(y as f64) as f32
+        }),
         (EqTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x == y)),
         (LtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x < y)),
         (GtTensor, _) => binary(args, o, 1, |x: f32, y: f32| u8::from(x > y)),

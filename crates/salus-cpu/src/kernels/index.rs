@@ -90,11 +90,17 @@ pub(super) fn index_select(d: usize, args: &[Arg<'_>], o: &mut Out<'_>) -> Resul
     copy_rows(ty, bytes, d, &rows, o)
 }
 
-/// `scatter_add(self, index, src)` (`add`) and `scatter.src`: a copy of `self` with
-/// `src[i]` added (or written) at the place `index[i]` names along `dim`; `index` may be
-/// smaller than `src` in every dimension. Where `scatter.src` names a place twice, the
-/// last write (in index order) stays.
-pub(super) fn scatter(dim: usize, add: bool, args: &[Arg<'_>], o: &mut Out<'_>) -> Result<()> {
+/// `scatter_add(self, index, src)`, `scatter.src` and `scatter_reduce.two`: a copy of
+/// `self` where each `src[i]` meets the place `index[i]` names along `dim` and the place
+/// becomes `combine(place, src[i])`; `index` may be smaller than `src` in every
+/// dimension. Where `scatter.src` names a place twice, the last write (in index order)
+/// stays.
+pub(super) fn scatter(
+    dim: usize,
+    combine: fn(f64, f64) -> f64,
+    args: &[Arg<'_>],
+    o: &mut Out<'_>,
+) -> Result<()> {
     let (ty, bytes) = tensor(args, 0)?;
     let (ity, index) = tensor(args, 1)?;
     let (sty, src) = tensor(args, 2)?;
@@ -114,7 +120,7 @@ pub(super) fn scatter(dim: usize, add: bool, args: &[Arg<'_>], o: &mut Out<'_>) 
             rest %= is;
         }
         let v = load(src, sty.dtype, at);
-        acc[dst] = if add { acc[dst] + v } else { v };
+        acc[dst] = combine(acc[dst], v);
     })?;
     for (i, v) in acc.into_iter().enumerate() {
         store(o.bytes, o.ty.dtype, i, v);

@@ -16,7 +16,9 @@
 //! validation checked and normalised once: dimensions are in range, defaults filled in,
 //! convolution and pooling geometry derived. No kernel reads an attribute.
 
-use salus_graph::{DType, GeluApproximate, Node, Op, OpParams, Scalar, TensorType};
+use salus_graph::{
+    DType, GeluApproximate, Node, Op, OpParams, Scalar, ScatterReduction, TensorType,
+};
 
 mod attention;
 mod conv;
@@ -456,6 +458,7 @@ pub(crate) fn run(
         (Atan2, _) => elementwise(args, o, |v| v[0].atan2(v[1])),
         (RemainderTensor, _) => elementwise(args, o, |v| remainder(v[0], v[1])),
         (FmodTensor, _) => elementwise(args, o, |v| v[0] % v[1]),
+        (PowTensorTensor, _) => elementwise(args, o, |v| v[0].powf(v[1])),
         (Floor, _) => elementwise(args, o, |v| v[0].floor()),
         (Ceil, _) => elementwise(args, o, |v| v[0].ceil()),
         (Round, _) => elementwise(args, o, |v| v[0].round_ties_even()),
@@ -611,8 +614,29 @@ pub(crate) fn run(
         (SelectInt, &OpParams::Select { dim, index }) => index::select(dim, index, args, o),
         (IndexSelect, &OpParams::Index { dim }) => index::index_select(dim, args, o),
         (Gather, &OpParams::Index { dim }) => index::gather(dim, args, o),
-        (ScatterAdd, &OpParams::Index { dim }) => index::scatter(dim, true, args, o),
-        (ScatterSrc, &OpParams::Index { dim }) => index::scatter(dim, false, args, o),
+        (ScatterAdd, &OpParams::Index { dim }) => index::scatter(dim, |a, v| a + v, args, o),
+        (ScatterSrc, &OpParams::Index { dim }) => index::scatter(dim, |_, v| v, args, o),
+        (ScatterReduce, &OpParams::ScatterReduce { dim, reduce }) => {
+            let combine: fn(f64, f64) -> f64 = match reduce {
+                ScatterReduction::Prod => |a, v| a * v,
+                // NaN wins, as in PyTorch's kernels.
+                ScatterReduction::Amax => |a, v| {
+                    if a.is_nan() || v.is_nan() {
+                        f64::NAN
+                    } else {
+                        a.max(v)
+                    }
+                },
+                ScatterReduction::Amin => |a, v| {
+                    if a.is_nan() || v.is_nan() {
+                        f64::NAN
+                    } else {
+                        a.min(v)
+                    }
+                },
+            };
+            index::scatter(dim, combine, args, o)
+        }
         (ScatterValue, &OpParams::Scatter { dim, value }) => {
             index::scatter_value(dim, value.as_f64(), args, o)
         }

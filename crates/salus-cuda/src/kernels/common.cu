@@ -98,11 +98,43 @@ __device__ void raw(u64 dst, i64 di, u64 src, i64 si, i64 dt) {
     }
 }
 
-__device__ void atomic_addv(u64 p, i64 dt, i64 i, double v) {
+// A place's value `a` combined with `v` by an `along_dim` mode: the sum, the product, or
+// the larger or smaller (NaN wins, as in PyTorch's kernels).
+__device__ double along_combine(double a, double v, i64 mode) {
+    if (mode == ALONG_SCATTER_ADD) return a + v;
+    if (mode == ALONG_SCATTER_PROD) return a * v;
+    if (a != a || v != v) return a != a ? a : v;
+    return mode == ALONG_SCATTER_AMAX ? (v > a ? v : a) : (v < a ? v : a);
+}
+
+// p[i] = along_combine(p[i], v, mode) atomically, by compare-and-swap on the element (a
+// 16-bit one through the 32-bit word holding it). Bools: a sum or a larger value sets 1,
+// a product or a smaller value clears to 0; either write is idempotent.
+__device__ void atomic_combine(u64 p, i64 dt, i64 i, double v, i64 mode) {
     switch (dt) {
-        case DT_F32: atomicAdd(((float*)p) + i, (float)v); break;
-        case DT_I64: atomicAdd((u64*)(((i64*)p) + i), (u64)(i64)v); break;
-        case DT_I32: atomicAdd(((int*)p) + i, (int)v); break;
+        case DT_F32:
+        case DT_I32: {
+            unsigned* w = ((unsigned*)p) + i;
+            unsigned old = *w, assumed;
+            do {
+                assumed = old;
+                double cur = dt == DT_F32 ? (double)__uint_as_float(assumed) : (double)(int)assumed;
+                double nv = along_combine(cur, v, mode);
+                old = atomicCAS(w, assumed,
+                                dt == DT_F32 ? __float_as_uint((float)nv) : (unsigned)(int)nv);
+            } while (assumed != old);
+            break;
+        }
+        case DT_I64: {
+            unsigned long long* w = ((unsigned long long*)p) + i;
+            unsigned long long old = *w, assumed;
+            do {
+                assumed = old;
+                double nv = along_combine((double)(i64)assumed, v, mode);
+                old = atomicCAS(w, assumed, (unsigned long long)(i64)nv);
+            } while (assumed != old);
+            break;
+        }
         case DT_F16:
         case DT_BF16: {
             u64 a = (u64)(((unsigned short*)p) + i);
@@ -112,16 +144,28 @@ __device__ void atomic_addv(u64 p, i64 dt, i64 i, double v) {
             do {
                 assumed = old;
                 unsigned short cur = (unsigned short)((assumed >> shift) & 0xffffu);
-                float f = (dt == DT_F16 ? h2f(cur) : bf2f(cur)) + (float)v;
+                float f = (float)along_combine(dt == DT_F16 ? h2f(cur) : bf2f(cur), v, mode);
                 unsigned short nw = dt == DT_F16 ? f2h(f) : f2bf(f);
                 unsigned nv = (assumed & ~(0xffffu << shift)) | ((unsigned)nw << shift);
                 old = atomicCAS(w, assumed, nv);
             } while (assumed != old);
             break;
         }
-        default:
-            if (v != 0.0) ((unsigned char*)p)[i] = 1;
+        default: {
+            bool sets = mode == ALONG_SCATTER_ADD || mode == ALONG_SCATTER_AMAX;
+            if (sets ? v != 0.0 : v == 0.0) ((unsigned char*)p)[i] = sets ? 1 : 0;
             break;
+        }
+    }
+}
+
+// p[i] += v atomically: the hardware's add where there is one.
+__device__ void atomic_addv(u64 p, i64 dt, i64 i, double v) {
+    switch (dt) {
+        case DT_F32: atomicAdd(((float*)p) + i, (float)v); break;
+        case DT_I64: atomicAdd((u64*)(((i64*)p) + i), (u64)(i64)v); break;
+        case DT_I32: atomicAdd(((int*)p) + i, (int)v); break;
+        default: atomic_combine(p, dt, i, v, ALONG_SCATTER_ADD); break;
     }
 }
 

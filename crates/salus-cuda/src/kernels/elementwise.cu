@@ -41,6 +41,7 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
         }
         case OP_FMOD: return fmod(a, b);
         case OP_POW_TS: return pow(a, s0);
+        case OP_POW_TT: return pow(a, b);
         case OP_POW_S: return pow(s0, a);
         case OP_CLAMP: return isnan(a) ? a : fmin(fmax(a, s0), s1);
         case OP_EQ: return a == s0 ? 1.0 : 0.0;

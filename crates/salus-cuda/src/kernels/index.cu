@@ -1,8 +1,9 @@
 // ------------------------------------------------------------------------------------
 // Indexing. A bad index is reported with its kind (ERR_*, `abi::IndexErrorKind`).
 
-// gather / scatter.value / scatter.src / scatter_add along `dim`: index element t at coords c (index
-// shape) meets self element with c[dim] replaced by the index value.
+// gather / scatter.value / scatter.src / scatter_add / scatter_reduce along `dim`: index
+// element t at coords c (index shape) meets self element with c[dim] replaced by the index
+// value.
 extern "C" __global__ void along_dim(const AlongDimArgs a) {
     GRID_LOOP(t, a.n) {
         i64 at = index_at(a.index, a.idt, t, a.dim_size, a.err, a.node, ERR_INDEX);
@@ -17,7 +18,8 @@ extern "C" __global__ void along_dim(const AlongDimArgs a) {
         if (a.mode == ALONG_GATHER) st(a.out, a.odt, t, ld(a.input, a.sdt, off));
         else if (a.mode == ALONG_SCATTER_VALUE) st(a.out, a.odt, off, a.value);
         else if (a.mode == ALONG_SCATTER_SRC) st(a.out, a.odt, off, ld(a.src, a.srcdt, soff));
-        else atomic_addv(a.out, a.odt, off, ld(a.src, a.srcdt, soff));
+        else if (a.mode == ALONG_SCATTER_ADD) atomic_addv(a.out, a.odt, off, ld(a.src, a.srcdt, soff));
+        else atomic_combine(a.out, a.odt, off, ld(a.src, a.srcdt, soff), a.mode);
     }
 }
 

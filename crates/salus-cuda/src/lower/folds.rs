@@ -323,7 +323,7 @@ pub(crate) fn plan(program: &Program, epilogues: &Epilogues) -> Folds {
     for (n, node) in graph.nodes.iter().enumerate() {
         let starts_from_copy = matches!(
             node.op,
-            Op::ScatterValue | Op::ScatterAdd | Op::ScatterSrc | Op::IndexPut
+            Op::ScatterValue | Op::ScatterAdd | Op::ScatterSrc | Op::ScatterReduce | Op::IndexPut
         );
         let (Some(Some(a)), Some(Some(o))) = (node.inputs.first(), node.outputs.first()) else {
             continue;

@@ -124,6 +124,7 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Atan2, _) => p(E::Atan2, 2, [0.0; 2]),
         (RemainderTensor, _) => p(E::Remainder, 2, [0.0; 2]),
         (FmodTensor, _) => p(E::Fmod, 2, [0.0; 2]),
+        (PowTensorTensor, _) => p(E::PowTensorTensor, 2, [0.0; 2]),
         (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => {
             p(E::LeakyRelu, 1, [negative_slope, 0.0])
         }

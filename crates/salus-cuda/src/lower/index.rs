@@ -155,12 +155,14 @@ impl Lowering<'_> {
         }
     }
 
-    /// `gather` and `scatter_add` (`value` None) and `scatter.value` along `dim`.
+    /// `gather`, `scatter.value` (of `value`), `scatter.src`, `scatter_add` and
+    /// `scatter_reduce.two` along `dim`, as `mode` says.
     pub(super) fn along(
         &mut self,
         node: &Node,
         dim: usize,
-        value: Option<f64>,
+        mode: AlongDimMode,
+        value: f64,
         o: &Operand,
     ) -> Lowered {
         let (a, idx) = (self.need(node, 0)?, self.need(node, 1)?);
@@ -185,9 +187,8 @@ impl Lowering<'_> {
         let mut sst = contiguous(a.shape());
         sst.resize(idx.ty.rank(), 0);
         let dim_size = a.shape().get(dim).copied().unwrap_or(1);
-        let (mode, src) = match (node.op, value) {
-            (salus_graph::Op::Gather, _) => (AlongDimMode::Gather, None),
-            (_, Some(_)) => (AlongDimMode::ScatterValue, None),
+        let src = match mode {
+            AlongDimMode::Gather | AlongDimMode::ScatterValue => None,
             _ => {
                 let src = self.need(node, 2)?;
                 if idx.ty.rank() != src.ty.rank()
@@ -198,12 +199,7 @@ impl Lowering<'_> {
                         idx.ty, src.ty
                     ));
                 }
-                let mode = if node.op == salus_graph::Op::ScatterSrc {
-                    AlongDimMode::ScatterSrc
-                } else {
-                    AlongDimMode::ScatterAdd
-                };
-                (mode, Some(src))
+                Some(src)
             }
         };
         if mode != AlongDimMode::Gather {
@@ -218,7 +214,7 @@ impl Lowering<'_> {
             dim: dim as i64,
             dim_size: dim_size as i64,
             mode: mode.code(),
-            value: value.unwrap_or(0.0),
+            value,
             ishape: padded(&signed(idx.shape())),
             sst: padded(&sst),
             srcst: padded(&srcst),

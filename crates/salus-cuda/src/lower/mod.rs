@@ -27,11 +27,11 @@ pub(crate) mod reduce;
 use std::sync::Arc;
 
 use salus_exec::{Location, Program};
-use salus_graph::{DType, GeluApproximate, Node, Op, OpParams, TensorType};
+use salus_graph::{DType, GeluApproximate, Node, Op, OpParams, ScatterReduction, TensorType};
 
 use crate::abi::{
-    BLOCK, DeviceDType, ElementwiseOp, GuardedCopyArgs, Kernel, KernelArgs, LaunchArgs, ReduceOp,
-    UPDATE_SEGMENTS,
+    AlongDimMode, BLOCK, DeviceDType, ElementwiseOp, GuardedCopyArgs, Kernel, KernelArgs,
+    LaunchArgs, ReduceOp, UPDATE_SEGMENTS,
 };
 use crate::cudnn::Dnn;
 use crate::driver::Gemm;
@@ -364,6 +364,7 @@ impl<'a> Lowering<'a> {
             (Atan2, _) => self.binary(ElementwiseOp::Atan2, node, &o),
             (RemainderTensor, _) => self.binary(ElementwiseOp::Remainder, node, &o),
             (FmodTensor, _) => self.binary(ElementwiseOp::Fmod, node, &o),
+            (PowTensorTensor, _) => self.binary(ElementwiseOp::PowTensorTensor, node, &o),
             (LeakyRelu, &OpParams::LeakyRelu { negative_slope }) => self.unary(
                 ElementwiseOp::LeakyRelu,
                 node,
@@ -495,11 +496,26 @@ impl<'a> Lowering<'a> {
             ) => self.reflection_pad(node, padding, planes, input, output, &o),
             (Embedding, _) => self.embedding(node, &o),
             (IndexSelect, &OpParams::Index { dim }) => self.index_select(node, dim, &o),
-            (Gather | ScatterAdd | ScatterSrc, &OpParams::Index { dim }) => {
-                self.along(node, dim, None, &o)
+            (Gather, &OpParams::Index { dim }) => {
+                self.along(node, dim, AlongDimMode::Gather, 0.0, &o)
+            }
+            (ScatterAdd, &OpParams::Index { dim }) => {
+                self.along(node, dim, AlongDimMode::ScatterAdd, 0.0, &o)
+            }
+            (ScatterSrc, &OpParams::Index { dim }) => {
+                self.along(node, dim, AlongDimMode::ScatterSrc, 0.0, &o)
+            }
+            (ScatterReduce, &OpParams::ScatterReduce { dim, reduce }) => {
+                let mode = match reduce {
+                    ScatterReduction::Prod => AlongDimMode::ScatterProd,
+                    ScatterReduction::Amax => AlongDimMode::ScatterAmax,
+                    ScatterReduction::Amin => AlongDimMode::ScatterAmin,
+                };
+                self.along(node, dim, mode, 0.0, &o)
             }
             (ScatterValue, &OpParams::Scatter { dim, value }) => {
-                self.along(node, dim, Some(value.as_f64()), &o)
+                let value = value.as_f64();
+                self.along(node, dim, AlongDimMode::ScatterValue, value, &o)
             }
             (
                 EmbeddingDenseBackward,

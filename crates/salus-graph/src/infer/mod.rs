@@ -228,6 +228,17 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             out[0].dtype = float_of(out[0].dtype);
             Ok(out)
         }
+        (PowTensorTensor, _) => {
+            let out = binary(ins)?;
+            if !out[0].dtype.is_float() {
+                return Err(format!(
+                    "{op} takes floating-point tensors, not {} (PyTorch refuses an integer \
+                     to a negative integer power, which the IR cannot check)",
+                    out[0].dtype
+                ));
+            }
+            Ok(out)
+        }
         (RemainderTensor | FmodTensor, _) => {
             let out = binary(ins)?;
             if out[0].dtype == DType::Bool {

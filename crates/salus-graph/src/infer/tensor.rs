@@ -430,7 +430,8 @@ pub(super) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             require_index(index, "index")?;
             Ok(same(t))
         }
-        (ScatterAdd | ScatterSrc, OpParams::Index { .. }) => {
+        (ScatterAdd | ScatterSrc, OpParams::Index { .. })
+        | (ScatterReduce, OpParams::ScatterReduce { .. }) => {
             let (t, index, src) = (ins.input(0)?, ins.input(1)?, ins.input(2)?);
             require_index(index, "index")?;
             if index.rank() != t.rank() || src.rank() != t.rank() {

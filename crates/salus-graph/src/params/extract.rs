@@ -7,7 +7,10 @@ use std::collections::BTreeMap;
 use super::attrs::{Attrs, Inputs, describe};
 use super::geometry::{self, ConvAttrs, PoolAttrs};
 use super::indexing::advanced_index;
-use super::{AttentionParams, GeluApproximate, OpParams, Reduction, Scalar, wrap_dim, wrap_dims};
+use super::{
+    AttentionParams, GeluApproximate, OpParams, Reduction, Scalar, ScatterReduction, wrap_dim,
+    wrap_dims,
+};
 use crate::error::preview;
 use crate::ir::{Attr, DType, TensorType};
 use crate::op::Op;
@@ -439,6 +442,7 @@ pub(crate) fn extract(
         | Atan2
         | RemainderTensor
         | FmodTensor
+        | PowTensorTensor
         | Floor
         | Ceil
         | Round
@@ -862,6 +866,33 @@ pub(crate) fn extract(
             let t = ins.input(0)?;
             OpParams::Index {
                 dim: wrap_dim(a.int("dim")?, t.rank())?,
+            }
+        }
+        ScatterReduce => {
+            ins.count(3)?;
+            let t = ins.input(0)?;
+            let reduce = match a.get("reduce") {
+                Some(Attr::Str(s)) if s == "prod" => ScatterReduction::Prod,
+                Some(Attr::Str(s)) if s == "amax" => ScatterReduction::Amax,
+                Some(Attr::Str(s)) if s == "amin" => ScatterReduction::Amin,
+                other => {
+                    return Err(format!(
+                        "attribute \"reduce\" must be \"prod\", \"amax\" or \"amin\" (the \
+                         adaptors write \"sum\" and \"mean\" as scatter_add), got {}",
+                        other.map_or("nothing".to_string(), describe)
+                    ));
+                }
+            };
+            if !a.bool_or("include_self", true)? {
+                return Err(
+                    "include_self must be true (the adaptors write include_self=False \
+                            as a scatter.value of the reduction's identity first)"
+                        .into(),
+                );
+            }
+            OpParams::ScatterReduce {
+                dim: wrap_dim(a.int("dim")?, t.rank())?,
+                reduce,
             }
         }
         ScatterValue => {

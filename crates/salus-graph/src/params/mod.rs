@@ -80,6 +80,20 @@ pub enum GeluApproximate {
     Tanh,
 }
 
+/// How `scatter_reduce.two` combines the values that meet at a place (`reduce`). The IR
+/// takes these, starting from `self` (`include_self` true); the adaptors write `sum` and
+/// `mean` as `scatter_add`, and `include_self=False` as a `scatter.value` of the identity
+/// first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScatterReduction {
+    /// `"prod"`: the product.
+    Prod,
+    /// `"amax"`: the largest; NaN wins.
+    Amax,
+    /// `"amin"`: the smallest; NaN wins.
+    Amin,
+}
+
 /// A reduction's dimensions and result, shared by `sum.dim_IntList`, `mean`, `mean.dim`,
 /// `var.correction`, `any.dim`, `amax`, `argmax` and `argmin`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -350,6 +364,13 @@ pub enum OpParams {
         dim: usize,
         /// `value` (Scalar).
         value: Scalar,
+    },
+    /// `scatter_reduce.two` (`include_self` true).
+    ScatterReduce {
+        /// `dim`, normalised.
+        dim: usize,
+        /// `reduce`.
+        reduce: ScatterReduction,
     },
     /// `index.Tensor`: what the index tensors (inputs 1.. with absent entries) select.
     AdvancedIndex(AdvancedIndex),
