@@ -50,7 +50,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import TracingContext, tracing
@@ -61,6 +60,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import amp
 from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
+from .checks import value_checks_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
@@ -479,46 +479,6 @@ def _libraries_see_a_compiler() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _value_checks_in_the_graph() -> Iterator[None]:
-    """``F.gaussian_nll_loss`` checks in Python that no variance is negative (raising
-    ``ValueError``), which a traced step cannot read; while a step records it is a
-    version whose check is in the graph (``_assert_async``: the iteration fails with
-    PyTorch's message), the rest as PyTorch computes it. ``nn.GaussianNLLLoss`` calls it
-    through the module, so it follows."""
-    original = F.gaussian_nll_loss
-    F.gaussian_nll_loss = _gaussian_nll_loss
-    try:
-        yield
-    finally:
-        F.gaussian_nll_loss = original
-
-
-def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
-    if isinstance(var, float):
-        if var < 0:
-            raise ValueError("var has negative entry/entries")
-        var = var * torch.ones_like(input)
-    else:
-        torch._assert_async(torch.logical_not(torch.any(var < 0)),
-                            "var has negative entry/entries")
-    if var.size() != input.size():
-        if input.size()[:-1] == var.size():  # one dimension short: homoscedastic
-            var = torch.unsqueeze(var, -1)
-        elif not (input.ndim == var.ndim and sum(
-                y for x, y in zip(input.size(), var.size()) if x != y) == 1):
-            raise ValueError("var is of incorrect size")
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(reduction + " is not valid")
-    var = var.clone()
-    with torch.no_grad():
-        var.clamp_(min=eps)
-    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
-    if full:
-        loss = loss + 0.5 * math.log(2 * math.pi)
-    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
-
-
-@contextlib.contextmanager
 def _compiled_code_as_written() -> Iterator[None]:
     """Lets modules and functions wrapped by ``torch.compile`` record as the code they
     wrap: compiling is how eager PyTorch would run them, not what they compute, and
@@ -585,7 +545,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
           DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
-          _value_checks_in_the_graph()):
+          value_checks_in_the_graph()):
         try:
             gm = traced(*args)
         except RuntimeError as error:

@@ -14,7 +14,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
 ``isinf`` and ``addbmm``, and graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``), a learned power (generalized-mean pooling: ``pow`` of two
-tensors) and ``RReLU`` in evaluation. Each model trains three Adam steps on salusd, every tensor
+tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies and
+KL divergences (with their argument checks, on by default). Each model trains three Adam steps on salusd, every tensor
 against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
@@ -399,6 +400,24 @@ def _spread(m, x, y):
     return F.cross_entropy(m(x), y) + 0.1 * spread
 
 
+def _likelihoods(m, x, y, labels):
+    """A probabilistic head's losses through ``torch.distributions`` (arguments checked,
+    as by default): Normal (and Independent) likelihoods, a KL divergence to the prior,
+    Laplace and Student-t likelihoods, a Categorical's likelihood and entropy, and a
+    Bernoulli's likelihood."""
+    D = torch.distributions
+    out = m(x)
+    loc, scale = out[:, :2], F.softplus(out[:, 2:4]) + 0.1
+    normal = D.Normal(loc, scale)
+    categorical = D.Categorical(logits=out[:, 4:7])
+    return (-D.Independent(normal, 1).log_prob(y).mean()
+            + D.kl_divergence(normal, D.Normal(0.0, 1.0)).mean()
+            - D.Laplace(loc, scale).log_prob(y).mean()
+            - D.StudentT(3.0, loc, scale).log_prob(y).mean()
+            - categorical.log_prob(labels).mean() - 0.1 * categorical.entropy().mean()
+            - D.Bernoulli(logits=out[:, 7]).log_prob((labels > 0).float()).mean())
+
+
 def _gaussian_nll(m, x, y):
     """A probabilistic regression head: a mean and a variance (softplus) per output; the
     loss per element, and (``full``, summed) with one variance per example."""
@@ -478,6 +497,9 @@ MODELS = {
                                  _classify),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
+    "distributions": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
+                              _batch((6, 4), (6, 2), seed=24, classes=(6, 3)),
+                              _likelihoods),
     "generalized_mean": lambda: (GeneralizedMean(), _batch((3, 2, 5, 5), seed=23,
                                                           classes=(3, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (
@@ -643,6 +665,36 @@ def test_a_negative_variance_fails_the_iteration_as_pytorch_raises(daemon):
         after = s.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         s.step(x, y, var)
+
+
+def test_a_distributions_argument_check_fails_the_iteration_as_pytorch_raises(daemon):
+    """``torch.distributions`` checks each parameter against its constraint and each
+    value against the support in Python (``validate_args``), raising ``ValueError``; the
+    traced step checks both in the graph, and the iteration fails naming the parameter
+    or the value, the distribution and the constraint, the session's state unchanged."""
+    D = torch.distributions
+    model = nn.Linear(4, 2)
+
+    def loss(m, x, scale, value):
+        return -D.Normal(m(x), scale).log_prob(value).mean()
+
+    x, scale, value = torch.randn(5, 4), torch.full((5, 2), 0.5), torch.randn(5, 2)
+    bad_scale = scale.clone()
+    bad_scale[3, 0] = -1.0
+    with pytest.raises(ValueError, match="Expected parameter scale"):
+        loss(model, x, bad_scale, value)
+    with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (x, scale, value), loss_of=loss, address=daemon.address) as s:
+        before = {k: v.clone() for k, v in s.state_dict().items()}
+        with pytest.raises(st.DaemonError, match=r"Expected parameter scale \(Tensor of "
+                           r"shape \(5, 2\)\) of distribution Normal to satisfy the "
+                           r"constraint GreaterThan\(lower_bound=0.0\)"):
+            s.step(x, bad_scale, value)
+        with pytest.raises(st.DaemonError, match="Expected value argument .* support"):
+            s.step(x, scale, torch.full((5, 2), float("nan")))
+        after = s.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        s.step(x, scale, value)
 
 
 def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
