@@ -679,12 +679,13 @@ def _addbmm(input, batch1, batch2, *, beta=1, alpha=1):
 def _extreme_dim(arg, x, dim, keepdim):
     """``max.dim`` / ``min.dim``: the position ``arg`` (``argmax``/``argmin``) finds, and
     the element there gathered, so value and index always agree (a NaN wins; the first
-    of equal extremes)."""
+    of equal extremes; of bools, found among them as integers)."""
     if x.dim() == 0:
         return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
                                                         device=x.device)
     dim = dim % x.dim()
-    index = arg(x, dim, True)
+    among = aten._to_copy.default(x, dtype=torch.int32) if x.dtype == torch.bool else x
+    index = arg(among, dim, True)
     values = aten.gather.default(x, dim, index)
     if keepdim:
         return values, index

@@ -699,8 +699,9 @@ def test_a_distributions_argument_check_fails_the_iteration_as_pytorch_raises(da
 
 def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
     """The rules behind ``isinf`` (signed infinities, NaN, integers), ``median`` (a NaN in
-    a slice gives its first NaN and that position; the lower median otherwise) and
-    ``kthvalue``, against PyTorch's own results."""
+    a slice gives its first NaN and that position; the lower median otherwise),
+    ``kthvalue``, and ``max``/``min`` along a dim of bools, against PyTorch's own
+    results."""
     from salus import decompositions as d
     special = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 0.0])
     assert torch.equal(d._isinf(special), torch.isinf(special))
@@ -718,6 +719,11 @@ def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
                 assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     assert d._median(x).isnan() and d._median(x.nan_to_num(0.0)) == torch.median(
         x.nan_to_num(0.0))
+    # max and min along a dim of bools (a constraint's check: every diagonal positive).
+    mask = x.nan_to_num(0.0) > -0.5
+    for rule, reference in ((d._max_dim, torch.max), (d._min_dim, torch.min)):
+        got, want = rule(mask, 1), reference(mask, 1)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
 
 
 class _Scatters(nn.Module):
