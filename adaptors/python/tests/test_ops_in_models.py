@@ -12,11 +12,12 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 ``nn.LSTM`` (layers, both directions, projections, given initial states), ``F.pdist``
 (a spread regularizer, with a pair at distance 0), the Gaussian negative log-likelihood
 (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
-``isinf`` and ``addbmm``, and graph message passing (``scatter_reduce`` of every
+``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``), a learned power (generalized-mean pooling: ``pow`` of two
-tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies and
-KL divergences (with their argument checks, on by default). Each model trains three Adam steps on salusd, every tensor
-against float64 by the suite's rule (harness.py)."""
+tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
+and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
+Dirichlet through ``lgamma``, ``digamma`` and ``polygamma``). Each model trains three
+Adam steps on salusd, every tensor against float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -418,6 +419,21 @@ def _likelihoods(m, x, y, labels):
             - D.Bernoulli(logits=out[:, 7]).log_prob((labels > 0).float()).mean())
 
 
+def _concentrations(m, x, y, counts):
+    """Likelihoods and entropies that need the gamma family (``lgamma``, ``digamma`` and,
+    for their gradients, ``polygamma``): Beta (and its KL divergence to the uniform),
+    Gamma, Poisson and Dirichlet."""
+    D = torch.distributions
+    out = m(x)
+    a, b = F.softplus(out[:, :2]) + 0.5, F.softplus(out[:, 2:4]) + 0.5
+    beta = D.Beta(a, b)
+    return (-beta.log_prob(torch.sigmoid(y)).mean() - 0.1 * beta.entropy().mean()
+            + D.kl_divergence(beta, D.Beta(torch.ones_like(a), torch.ones_like(b))).mean()
+            - D.Gamma(a, b).log_prob(y.exp()).mean() - D.Poisson(a).log_prob(counts).mean()
+            - D.Dirichlet(F.softplus(out[:, 4:7]) + 0.5).log_prob(
+                torch.softmax(torch.cat([y, y[:, :1]], 1), -1)).mean())
+
+
 def _gaussian_nll(m, x, y):
     """A probabilistic regression head: a mean and a variance (softplus) per output; the
     loss per element, and (``full``, summed) with one variance per example."""
@@ -500,6 +516,11 @@ MODELS = {
     "distributions": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
                               _batch((6, 4), (6, 2), seed=24, classes=(6, 3)),
                               _likelihoods),
+    "gamma_family": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 7)),
+                             (*_batch((6, 4), (6, 2), seed=25),
+                              torch.randint(0, 5, (6, 2),
+                                            generator=torch.Generator().manual_seed(25))
+                              .float()), _concentrations),
     "generalized_mean": lambda: (GeneralizedMean(), _batch((3, 2, 5, 5), seed=23,
                                                           classes=(3, 3)), _classify),
     "remainder_and_fmod": lambda: (Periodic(), (

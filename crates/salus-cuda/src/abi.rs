@@ -188,6 +188,12 @@ device_codes! {
         Fmod = 54 => OP_FMOD,
         /// a to the power b.
         PowTensorTensor = 55 => OP_POW_TT,
+        /// ln |Γ(a)|.
+        Lgamma = 56 => OP_LGAMMA,
+        /// ψ(a), the derivative of ln Γ.
+        Digamma = 57 => OP_DIGAMMA,
+        /// ψ⁽ⁿ⁾(a), n = s0.
+        Polygamma = 58 => OP_POLYGAMMA,
     }
 }
 

@@ -127,6 +127,9 @@ fn elementwise(op: Op) -> bool {
             | Rsqrt
             | Reciprocal
             | Erf
+            | Lgamma
+            | Digamma
+            | Polygamma
             | Log1p
             | Expm1
             | Sin

@@ -4095,6 +4095,10 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ("gather_and_scatters", gather_and_scatters),
     ("pow_of_two_tensors_is_cs_pow", pow_of_two_tensors_is_cs_pow),
     (
+        "gamma_functions_meet_known_values",
+        gamma_functions_meet_known_values,
+    ),
+    (
         "scatter_reduce_takes_products_and_extremes_nan_winning",
         scatter_reduce_takes_products_and_extremes_nan_winning,
     ),
@@ -4541,6 +4545,88 @@ fn cumprod_along_each_dimension() {
         EXACT,
         "cumprod i64",
     );
+}
+
+#[test]
+fn gamma_functions_meet_known_values() {
+    use std::f64::consts::{LN_2, PI};
+    let euler = 0.577_215_664_901_532_9;
+    let zeta3 = 1.202_056_903_159_594_3;
+    let x = f32v(&[8], vec![1.0, 2.0, 0.5, 10.0, -0.5, 100.0, 0.0, -3.0]);
+    let squares: f64 = (1..10).map(|k| 1.0 / (k * k) as f64).sum();
+    let cubes: f64 = (1..10).map(|k| 1.0 / (k * k * k) as f64).sum();
+    let psi_half = -euler - 2.0 * LN_2;
+    // ln Γ(1/2) = ln √π, ln Γ(10) = ln 9!, ln Γ(-1/2) = ln 2√π, ln Γ(100) = ln 99!.
+    let log_factorial = |n: u32| (1..=n).map(|k| (k as f64).ln()).sum::<f64>();
+    // At 0 and the negative integers: poles (ψ(+0) = -∞; NaN for ψ, whose sign there
+    // depends on the side; ψ⁽ⁿ⁾ as (-1)^(n+1) n! ζ(n + 1, x) with ζ infinite).
+    let cases: [(Op, Option<i64>, [f64; 8]); 4] = [
+        (
+            Op::Lgamma,
+            None,
+            [
+                0.0,
+                0.0,
+                PI.sqrt().ln(),
+                log_factorial(9),
+                (2.0 * PI.sqrt()).ln(),
+                log_factorial(99),
+                INF,
+                INF,
+            ],
+        ),
+        (
+            Op::Digamma,
+            None,
+            [
+                -euler,
+                1.0 - euler,
+                psi_half,
+                -euler + (1..10).map(|k| 1.0 / k as f64).sum::<f64>(),
+                psi_half + 2.0,
+                4.600_161_852_738_087,
+                -INF,
+                NAN,
+            ],
+        ),
+        (
+            Op::Polygamma,
+            Some(1),
+            [
+                PI * PI / 6.0,
+                PI * PI / 6.0 - 1.0,
+                PI * PI / 2.0,
+                PI * PI / 6.0 - squares,
+                PI * PI / 2.0 + 4.0,
+                0.010_050_166_663_333_571,
+                INF,
+                INF,
+            ],
+        ),
+        (
+            Op::Polygamma,
+            Some(2),
+            [
+                -2.0 * zeta3,
+                -2.0 * zeta3 + 2.0,
+                -14.0 * zeta3,
+                -2.0 * (zeta3 - cubes),
+                -14.0 * zeta3 + 16.0,
+                // The asymptotic series at 100.
+                -(1e-4 + 1e-6 + 0.5e-8 - 1e-12 / 6.0),
+                -INF,
+                -INF,
+            ],
+        ),
+    ];
+    for (op, n, want) in cases {
+        let mut case = Case::new(op).input(x.clone()).output(Fp32, &[8]);
+        if let Some(n) = n {
+            case = case.int("n", n);
+        }
+        let got = case.run1();
+        assert_close(&got, &want, tol(3e-7, 0.0), &format!("{} {n:?}", op.name()));
+    }
 }
 
 #[test]

@@ -33,6 +33,7 @@ mod pool;
 mod random;
 mod reduce;
 mod shape;
+mod special;
 mod widened;
 
 use elementwise::{elementwise, erf};
@@ -450,6 +451,11 @@ pub(crate) fn run(
             }),
         },
         (Erf, _) => elementwise(args, o, |v| erf(v[0])),
+        (Lgamma, _) => elementwise(args, o, |v| special::lgamma(v[0])),
+        (Digamma, _) => elementwise(args, o, |v| special::digamma(v[0])),
+        (Polygamma, &OpParams::Polygamma { n }) => {
+            elementwise(args, o, |v| special::polygamma(n, v[0]))
+        }
         (Log1p, _) => elementwise(args, o, |v| v[0].ln_1p()),
         (Expm1, _) => elementwise(args, o, |v| v[0].exp_m1()),
         (Sin, _) => elementwise(args, o, |v| v[0].sin()),

@@ -17,6 +17,7 @@
 // block instead of touching memory out of range.
 
 #define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
+#define QUIET_NAN (__longlong_as_double(0x7ff8000000000000LL))
 
 // ------------------------------------------------------------------------------------
 // Loads and stores of every dtype, through double.

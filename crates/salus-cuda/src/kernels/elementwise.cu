@@ -1,6 +1,69 @@
 // ------------------------------------------------------------------------------------
 // Elementwise ops and strided copies.
 
+// The gamma family (the CPU device's salus-cpu kernels/special.rs, the same series): the
+// Bernoulli numbers B2..B24, digamma by reflection, recurrence and its asymptotic series,
+// and polygamma through the Hurwitz zeta function (direct sum, then Euler-Maclaurin).
+__device__ const double BERNOULLI[12] = {
+    1.0 / 6.0, -1.0 / 30.0, 1.0 / 42.0, -1.0 / 30.0, 5.0 / 66.0, -691.0 / 2730.0, 7.0 / 6.0,
+    -3617.0 / 510.0, 43867.0 / 798.0, -174611.0 / 330.0, 854513.0 / 138.0,
+    -236364091.0 / 2730.0};
+
+__device__ double digamma_of(double x) {
+    const double pi = 3.14159265358979323846;
+    if (x == 0.0) return 1.0 / x < 0.0 ? -NEG_INF : NEG_INF;
+    double shift = 0.0;
+    if (x < 0.0) {
+        if (x == trunc(x)) return QUIET_NAN;
+        shift = -pi / tan(pi * (x - trunc(x)));
+        x = 1.0 - x;
+    }
+    while (x < 10.0) {
+        shift -= 1.0 / x;
+        x += 1.0;
+    }
+    double z = 1.0 / (x * x), series = 0.0, power = 1.0;
+    for (int k = 0; k < 7; ++k) {
+        power *= z;
+        series += BERNOULLI[k] / (2.0 * (k + 1)) * power;
+    }
+    return shift + log(x) - 0.5 / x - series;
+}
+
+__device__ double hurwitz_zeta(double s, double q) {
+    if (isnan(q) || isnan(s)) return QUIET_NAN;
+    if (q <= 0.0 && q == floor(q)) return -NEG_INF;
+    double sum = pow(q, -s), a = q, last = sum;
+    for (int terms = 0; terms < 9 || a <= 9.0;) {
+        ++terms;
+        a += 1.0;
+        last = pow(a, -s);
+        sum += last;
+        if (fabs(last / sum) < 1.1102230246251565e-16) return sum;
+    }
+    sum += last * a / (s - 1.0) - 0.5 * last;
+    double rising = 1.0, power = last, factorial = 1.0;
+    for (int j = 0; j < 12; ++j) {
+        double k = 2.0 * j;
+        rising *= s + k;
+        power /= a;
+        factorial *= (k + 1.0) * (k + 2.0);
+        double term = BERNOULLI[j] / factorial * rising * power;
+        sum += term;
+        if (fabs(term / sum) < 1.1102230246251565e-16) break;
+        rising *= s + k + 1.0;
+        power /= a;
+    }
+    return sum;
+}
+
+__device__ double polygamma_of(i64 n, double x) {
+    if (n == 0) return digamma_of(x);
+    double factorial = 1.0;
+    for (i64 k = 2; k <= n; ++k) factorial *= (double)k;
+    return (n % 2 == 1 ? 1.0 : -1.0) * factorial * hurwitz_zeta((double)(n + 1), x);
+}
+
 __device__ double apply(i64 op, double a, double b, double c, double s0, double s1, i64 i) {
     switch (op) {
         case OP_COPY: return a;
@@ -25,6 +88,9 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
             return 0.5 * a * (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (a + 0.044715 * a * a * a)));
         case OP_GELU: return 0.5 * a * (1.0 + erf(a / 1.41421356237309504880));
         case OP_ERF: return erf(a);
+        case OP_LGAMMA: return lgamma(a);
+        case OP_DIGAMMA: return digamma_of(a);
+        case OP_POLYGAMMA: return polygamma_of((i64)s0, a);
         case OP_LOG1P: return log1p(a);
         case OP_EXPM1: return expm1(a);
         case OP_SIN: return sin(a);

@@ -352,6 +352,11 @@ impl<'a> Lowering<'a> {
             (Tanh, _) => self.unary(ElementwiseOp::Tanh, node, &o, none),
             (Relu, _) => self.unary(ElementwiseOp::Relu, node, &o, none),
             (Erf, _) => self.unary(ElementwiseOp::Erf, node, &o, none),
+            (Lgamma, _) => self.unary(ElementwiseOp::Lgamma, node, &o, none),
+            (Digamma, _) => self.unary(ElementwiseOp::Digamma, node, &o, none),
+            (Polygamma, &OpParams::Polygamma { n }) => {
+                self.unary(ElementwiseOp::Polygamma, node, &o, [n as f64, 0.0, 0.0])
+            }
             (Log1p, _) => self.unary(ElementwiseOp::Log1p, node, &o, none),
             (Expm1, _) => self.unary(ElementwiseOp::Expm1, node, &o, none),
             (Sin, _) => self.unary(ElementwiseOp::Sin, node, &o, none),

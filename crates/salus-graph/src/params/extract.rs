@@ -434,6 +434,8 @@ pub(crate) fn extract(
         | Rsqrt
         | Reciprocal
         | Erf
+        | Lgamma
+        | Digamma
         | Log1p
         | Expm1
         | Sin
@@ -494,6 +496,9 @@ pub(crate) fn extract(
             }
             OpParams::Clamp { min, max }
         }
+        Polygamma => OpParams::Polygamma {
+            n: nonneg(a.int("n")?, "n")?,
+        },
         LeakyRelu => OpParams::LeakyRelu {
             negative_slope: a.number_or("negative_slope", 0.01)?,
         },

@@ -148,6 +148,11 @@ pub enum OpParams {
         /// `max` (Scalar, optional).
         max: Option<Scalar>,
     },
+    /// `polygamma`.
+    Polygamma {
+        /// `n` (int, at least 0): the order of the derivative of digamma.
+        n: u64,
+    },
     /// `leaky_relu`.
     LeakyRelu {
         /// `negative_slope` (Scalar, default 0.01).
