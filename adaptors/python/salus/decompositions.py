@@ -527,6 +527,39 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     return _div_mode(total, count, rounding_mode="floor")
 
 
+def _mask_order(mask, shape):
+    """``mask`` broadcast to ``shape`` and flattened, and each place's position among the
+    true places (a running count less one; 0 before the first)."""
+    flat = aten.view.default(aten.clone.default(aten.expand.default(mask, list(shape)),
+                                                memory_format=torch.contiguous_format), [-1])
+    order = aten.sub.Scalar(aten.cumsum.default(flat, 0, dtype=torch.int64), 1)
+    return flat, aten.clamp.default(order, 0)
+
+
+def _masked_scatter(x, mask, source):
+    """``masked_scatter`` (a vision-language model's image features written over its
+    image tokens' embeddings): the k-th place where ``mask`` is true takes ``source``'s
+    k-th element, in order; the others keep ``x``'s. A source with fewer elements than
+    true places fails the iteration with an index error."""
+    _, order = _mask_order(mask, x.shape)
+    flat_source = aten.view.default(aten.clone.default(
+        source, memory_format=torch.contiguous_format), [-1])
+    taken = aten.view.default(aten.index.Tensor(flat_source, [order]), list(x.shape))
+    return aten.where.self(aten.expand.default(mask, list(x.shape)), taken, x)
+
+
+def _masked_scatter_backward(grad, mask, sizes):
+    """The source's gradient of ``masked_scatter``: the k-th true place's gradient at the
+    source's k-th element (summed in by an accumulating ``index_put``), 0 past them."""
+    flat, order = _mask_order(mask, grad.shape)
+    flat_grad = aten.view.default(aten.clone.default(
+        grad, memory_format=torch.contiguous_format), [-1])
+    values = aten.where.self(flat, flat_grad, aten.full_like.default(flat_grad, 0))
+    numel = math.prod(sizes)
+    zeros = aten.full.default([numel], 0, dtype=grad.dtype, device=grad.device)
+    return aten.view.default(aten.index_put.default(zeros, [order], values, True), list(sizes))
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -1231,6 +1264,8 @@ def decomposition_table() -> dict:
         table.setdefault(op, _all_decompositions[op])
     table[aten.isnan.default] = _isnan
     table[aten.scatter_reduce.two] = _scatter_reduce
+    table[aten.masked_scatter.default] = _masked_scatter
+    table[aten.masked_scatter_backward.default] = _masked_scatter_backward
     for op in (aten.remainder, aten.fmod):
         table[op.Tensor] = _integer_divisor_checked
         table[op.Scalar] = _with_number(op)
@@ -1339,16 +1374,27 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
     return (x.transpose(0, 1) if batch_first else x), torch.stack(last_h), torch.stack(last_c)
 
 
+def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    """``index_reduce`` as the ``scatter_reduce`` it is, the index spread along ``dim`` of
+    ``source``: its gradient is that of ``scatter_reduce`` (``_scatter_reduce_autograd``)."""
+    dim = dim % max(x.dim(), 1)
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    spread = index.view(shape).expand(source.shape)
+    return x.scatter_reduce(dim, spread, source, reduce, include_self=include_self)
+
+
 def _scatter_reduce_autograd(x, dim, index, src, reduce, *, include_self=True):
     """``scatter_reduce.two`` above autograd. Every reduction but the product, and a
     product that needs no gradient, runs PyTorch's own autograd kernel. PyTorch's
     gradient of a product reads a value (whether two zeros met at a place, only to refuse
-    a second derivative), which a recording cannot answer; here the product is computed below autograd and its gradient carried by
-    a linear stand-in, ``result + (linear - linear.detach())``, where ``linear`` scatters
-    self and src times PyTorch's derivatives of the result by them: the product of the
-    others met at the place, a lone zero's the product without it, every value's 0 where
-    two zeros met, and self's 0 where the index names it without self. (A product that
-    overflows to an infinity makes the stand-in NaN instead.)"""
+    a second derivative), which a recording cannot answer; here the product is computed
+    below autograd and its gradient carried by a linear stand-in, ``result + (linear -
+    linear.detach())``, where ``linear`` scatters self and src times PyTorch's
+    derivatives of the result by them: the product of the others met at the place, a
+    lone zero's the product without it, every value's 0 where two zeros met, and self's
+    0 where the index names it without self. (A product that overflows to an infinity
+    makes the stand-in NaN instead.)"""
     if reduce != "prod" or not (x.requires_grad or src.requires_grad):
         return aten.scatter_reduce.two._op_dk(DispatchKey.Autograd, x, dim, index, src,
                                               reduce, include_self=include_self)
@@ -1392,8 +1438,10 @@ _ABOVE_AUTOGRAD = {
     (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
     (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
-    # A product's gradient without PyTorch's read of a value.
+    # A product's gradient without PyTorch's read of a value; index_reduce as a
+    # scatter_reduce (its own gradient reads one too).
     (aten.scatter_reduce.two, DispatchKey.Autograd): _scatter_reduce_autograd,
+    (aten.index_reduce.default, DispatchKey.Autograd): _index_reduce,
     # PyTorch's own decomposition (bilinear, nearest and bicubic sampling, every padding
     # mode), in gathers and arithmetic.
     (aten.grid_sampler_2d.default, DispatchKey.Autograd):

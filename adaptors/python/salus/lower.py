@@ -221,9 +221,16 @@ def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
     return sorted({_ir_op(n)[0] for n in gm.graph.nodes if _emits_node(n)})
 
 
+#: Ops whose result's shape is how many elements a mask selects: ``masked_select`` and
+#: ``nonzero`` (``torch.where(mask)``, ``mask.nonzero()``).
+_MASK_SHAPED = (torch.ops.aten.masked_select.default, torch.ops.aten.nonzero.default)
+
+
 def _selects_by_mask(node: torch.fx.Node) -> bool:
-    """An ``index.Tensor`` with a boolean index (``x[mask]``): its shape depends on the
-    mask's values."""
+    """An ``index.Tensor`` with a boolean index (``x[mask]``), a ``masked_select`` or a
+    ``nonzero``: its shape depends on the mask's values."""
+    if node.target in _MASK_SHAPED:
+        return True
     if node.target is not torch.ops.aten.index.Tensor:
         return False
     return any(isinstance(i, torch.fx.Node)
@@ -239,7 +246,8 @@ def check_ops(gm: torch.fx.GraphModule) -> None:
         where = "; ".join(dict.fromkeys(filter(None, map(node_source, masked))))
         where = f", at {where}" if where else ""
         raise TraceError(
-            f"the step selects elements by a boolean mask (x[mask]{where}): what it "
+            "the step selects elements by a boolean mask (x[mask], masked_select or "
+            f"nonzero{where}): what it "
             "selects depends on the mask's values, so the result has no fixed shape, and "
             "salus runs one fixed graph per batch shape. Compute over every element and "
             "mask the result instead: the mean loss over the selected rows is "

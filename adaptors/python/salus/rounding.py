@@ -11,12 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 EXACT_INTEGERS = 256
 
 # Ops that compute nothing to round: comparisons, and the selections that return some of
-# their input's elements as they are (a maximum, a sorted line, a gather; a scatter of the
-# largest or smallest, ``EXACT_SCATTERS``). Their operands and results are left alone;
-# jittering ``x`` and ``amin(x)`` apart would make the gradient's ``x == amin(x)`` false
-# everywhere, which no precision does.
+# their input's elements as they are (a maximum, a sorted line, a gather or index_select;
+# a scatter or index_reduce of the largest or smallest, ``EXACT_SCATTERS``). Their
+# operands and results are left alone; jittering ``x`` and ``amin(x)`` apart would make
+# the gradient's ``x == amin(x)`` false everywhere, which no precision does.
 EXACT_OPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "amax", "amin", "max", "min",
-                       "argmax", "argmin", "sort", "topk", "gather"})
+                       "argmax", "argmin", "sort", "topk", "gather", "index_select"})
 EXACT_SCATTERS = frozenset({"amax", "amin"})
 
 
@@ -49,7 +49,7 @@ class RandomRounding(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if (func.is_view or name in EXACT_OPS
-                or name == "scatter_reduce" and args[4] in EXACT_SCATTERS):
+                or name in ("scatter_reduce", "index_reduce") and args[4] in EXACT_SCATTERS):
             return func(*args, **kwargs)
         if func._schema.is_mutable:
             out = func(*args, **kwargs)

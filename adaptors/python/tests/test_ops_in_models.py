@@ -13,7 +13,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 (a spread regularizer, with a pair at distance 0), the Gaussian negative log-likelihood
 (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
 ``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
-reduction, ``index_add``), a learned power (generalized-mean pooling: ``pow`` of two
+reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
+(``masked_scatter``), a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
 Dirichlet through ``lgamma``, ``digamma`` and ``polygamma``). Each model trains three
@@ -342,13 +343,14 @@ class Recurrent(nn.Module):
 class MessagePassing(nn.Module):
     """A graph network's layer: each edge's message (from its source node's features) is
     summed (``index_add``), averaged, and taken the largest and smallest of at its
-    target node (``scatter_reduce`` with and without the node's own features), and a
-    product of squashed messages; nodes no edge reaches keep their own."""
+    target node (``scatter_reduce`` with and without the node's own features,
+    ``index_reduce``), and a product of squashed messages; nodes no edge reaches keep
+    their own."""
 
     def __init__(self, width=5):
         super().__init__()
         self.message = nn.Linear(4, width)
-        self.head = nn.Linear(6 * width, 3)
+        self.head = nn.Linear(8 * width, 3)
 
     def forward(self, x, edges):
         source, target = edges
@@ -363,6 +365,9 @@ class MessagePassing(nn.Module):
             zeros.scatter_reduce(0, places, sent, "amax", include_self=False),
             h.scatter_reduce(0, places, sent, "amin"),
             torch.ones_like(h).scatter_reduce(0, places, 1 + 0.5 * torch.tanh(sent), "prod"),
+            h.index_reduce(0, target, sent, "amax"),
+            torch.ones_like(h).index_reduce(0, target, 1 + 0.5 * torch.tanh(sent), "prod",
+                                            include_self=False),
         ]
         return self.head(torch.cat(aggregated, 1))
 
@@ -381,6 +386,36 @@ class GeneralizedMean(nn.Module):
         h = self.conv(x).abs().clamp(min=1e-3)
         pooled = h.pow(self.p[:, None, None]).mean((2, 3)).pow(1 / self.p)
         return self.head(F.rrelu(pooled, 0.1, 0.3, training=False))
+
+
+class ImageTokens(nn.Module):
+    """A vision-language model's input: token embeddings with each image placeholder's
+    replaced, in order, by a projected image patch (``masked_scatter``, as LLaVA merges
+    them), then a small head."""
+
+    IMAGE = 9
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.project = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids, patches):
+        h = self.embed(ids)
+        places = (ids == self.IMAGE).unsqueeze(-1).expand_as(h)
+        h = h.masked_scatter(places, self.project(patches))
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _image_tokens(seed):
+    """Four sequences of six tokens, two of them image placeholders each (at random
+    places), eight patches, a label per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 9, (4, 6), generator=g)
+    for row in ids:
+        row[torch.randperm(6, generator=g)[:2]] = ImageTokens.IMAGE
+    return ids, torch.randn(8, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
 def _graph(seed, nodes=7, edges=12):
@@ -513,6 +548,7 @@ MODELS = {
                                  _classify),
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
+    "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
     "distributions": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
                               _batch((6, 4), (6, 2), seed=24, classes=(6, 3)),
                               _likelihoods),
