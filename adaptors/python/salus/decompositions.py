@@ -560,6 +560,77 @@ def _masked_scatter_backward(grad, mask, sizes):
     return aten.view.default(aten.index_put.default(zeros, [order], values, True), list(sizes))
 
 
+def _shifted(t, dim, steps, fill):
+    """``t`` moved ``steps`` places along ``dim``, ``fill`` coming in at the start."""
+    head = list(t.shape)
+    head[dim] = steps
+    return aten.cat.default([aten.full.default(head, fill, dtype=t.dtype, device=t.device),
+                             aten.slice.Tensor(t, dim, 0, t.shape[dim] - steps)], dim)
+
+
+def _scan(state, dim, fills, combine):
+    """An inclusive scan along ``dim`` of the tensors ``state`` by doubling: each step
+    combines every position with the one ``steps`` before it (``fills``, the identity,
+    before the start), ``steps`` 1, 2, 4, ...: ceil(log2 n) elementwise steps.
+    ``combine(earlier, later)`` must be associative."""
+    steps = 1
+    while steps < state[0].shape[dim]:
+        earlier = tuple(_shifted(t, dim, steps, f) for t, f in zip(state, fills))
+        state = combine(earlier, state)
+        steps *= 2
+    return state
+
+
+def _running_extreme(largest):
+    """``cummax`` / ``cummin``: the running largest (smallest) and its position, by
+    :func:`_scan`. As PyTorch's kernel, a later equal element takes over, and a NaN
+    stays once met (its position the last NaN's); bools as integers."""
+    def rule(x, dim):
+        if x.dim() == 0:
+            return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
+                                                            device=x.device)
+        dim = dim % x.dim()
+        values = aten._to_copy.default(x, dtype=torch.int32) if x.dtype == torch.bool else x
+        shape = [1] * x.dim()
+        shape[dim] = -1
+        positions = aten.expand.default(aten.view.default(aten.arange.start_step(
+            0, x.shape[dim], 1, dtype=torch.int64, device=x.device), shape), list(x.shape))
+        positions = aten.clone.default(positions, memory_format=torch.contiguous_format)
+
+        def combine(earlier, later):
+            (v1, i1), (v2, i2) = earlier, later
+            beats = aten.ge.Tensor(v2, v1) if largest else aten.le.Tensor(v2, v1)
+            takes = aten.logical_or.default(aten.isnan.default(v2), aten.logical_and.default(
+                aten.logical_not.default(aten.isnan.default(v1)), beats))
+            return (aten.where.self(takes, v2, v1), aten.where.self(takes, i2, i1))
+
+        extreme = _extreme_of(values.dtype, not largest)
+        values, index = _scan((values, positions), dim, (extreme, 0), combine)
+        if x.dtype == torch.bool:
+            values = aten.ne.Scalar(values, 0)
+        return values, index
+    return rule
+
+
+def _logcumsumexp(x, dim):
+    """``logcumsumexp`` by :func:`_scan` of PyTorch's log-add-exp: the larger plus
+    ``log1p(exp(smaller - larger))``, or the larger where both are the same infinity; a
+    NaN wins."""
+    if x.dim() == 0:
+        return aten.clone.default(x)
+
+    def combine(earlier, later):
+        (a,), (b,) = earlier, later
+        larger, smaller = aten.maximum.default(a, b), aten.minimum.default(a, b)
+        finite = aten.logical_not.default(aten.isinf.default(smaller))
+        sums = aten.logical_or.default(aten.ne.Tensor(smaller, larger), finite)
+        added = aten.add.Tensor(larger, aten.log1p.default(aten.exp.default(
+            aten.sub.Tensor(smaller, larger))))
+        return (aten.where.self(sums, added, larger),)
+
+    return _scan((x,), dim % x.dim(), (-math.inf,), combine)[0]
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -1215,8 +1286,9 @@ def decomposition_table() -> dict:
     ``randint``, ``randperm``, ``RReLU``'s slopes) from the session's generator, pooling and padding
     variants, ``EmbeddingBag``, ``repeat``, ``unfold``, grouped-query attention, ``sort``
     and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
-    diagonals, trigonometric and hyperbolic functions, and ``scatter_reduce``'s sums and
-    means. Each function's docstring says
+    diagonals, trigonometric and hyperbolic functions, ``scatter_reduce``'s sums and
+    means, ``masked_scatter``, and running extremes and log-sum-exps (scans). Each
+    function's docstring says
     what it writes; :func:`composite_decompositions` adds the rules that must run above
     autograd."""
     table = dict(core_aten_decompositions().items())
@@ -1265,6 +1337,9 @@ def decomposition_table() -> dict:
     table[aten.isnan.default] = _isnan
     table[aten.scatter_reduce.two] = _scatter_reduce
     table[aten.masked_scatter.default] = _masked_scatter
+    table[aten.cummax.default] = _running_extreme(True)
+    table[aten.cummin.default] = _running_extreme(False)
+    table[aten.logcumsumexp.default] = _logcumsumexp
     table[aten.masked_scatter_backward.default] = _masked_scatter_backward
     for op in (aten.remainder, aten.fmod):
         table[op.Tensor] = _integer_divisor_checked

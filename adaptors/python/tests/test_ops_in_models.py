@@ -14,7 +14,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 (``F.gaussian_nll_loss``, ``nn.GaussianNLLLoss``), and ``median``, ``kthvalue``,
 ``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
-(``masked_scatter``), a learned power (generalized-mean pooling: ``pow`` of two
+(``masked_scatter``), running extremes and a Cox loss (``cummax``, ``cummin``,
+``logcumsumexp``), a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
 Dirichlet through ``lgamma``, ``digamma`` and ``polygamma``). Each model trains three
@@ -25,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 from daemon import Daemon
-from harness import assert_trains_on_salusd_as_eagerly
+from harness import assert_as_exact_as_pytorch, assert_trains_on_salusd_as_eagerly
 from torch import nn
 
 import salus.torch as st
@@ -418,6 +419,31 @@ def _image_tokens(seed):
     return ids, torch.randn(8, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
+class RunningExtremes(nn.Module):
+    """Sequence features from running extremes (``cummax``, ``cummin``: a drawdown, a
+    running low) and their positions, scored by a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.head = nn.Linear(4 * 3, 1)
+
+    def forward(self, x):
+        h = self.a(x)                                   # [B, T, 4]
+        high, where = h.cummax(1)
+        low = h.cummin(1).values
+        recent = (where == torch.arange(h.shape[1])[:, None]).float()
+        features = torch.cat([h - high, low, recent * h], 2)
+        return self.head(features).squeeze(-1)          # a risk score per step
+
+
+def _cox_loss(m, x, order):
+    """Cox's partial likelihood over each sequence's steps (ranked by ``order``): each
+    score against the log-sum-exp of the scores at or after it (``logcumsumexp``)."""
+    scores = m(x).gather(1, order)
+    return -(scores - torch.logcumsumexp(scores.flip(1), 1).flip(1)).mean()
+
+
 def _graph(seed, nodes=7, edges=12):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(nodes, 4, generator=g)
@@ -549,6 +575,10 @@ MODELS = {
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
     "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
+    "running_extremes": lambda: (RunningExtremes(), (
+        torch.randn(4, 9, 3, generator=torch.Generator().manual_seed(27)),
+        torch.stack([torch.randperm(9, generator=torch.Generator().manual_seed(k))
+                     for k in range(4)])), _cox_loss),
     "distributions": lambda: (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
                               _batch((6, 4), (6, 2), seed=24, classes=(6, 3)),
                               _likelihoods),
@@ -812,6 +842,33 @@ def test_scatter_reduce_serves_pytorchs_values(daemon, dtype):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
     else:
         assert torch.equal(got, want)
+
+
+def test_the_scan_rules_give_pytorchs_results():
+    """``cummax`` and ``cummin`` by doubling give PyTorch's values and positions (ties:
+    the later; a NaN stays, at the last NaN's position; infinities; bools and integers);
+    ``logcumsumexp`` is as close to float64 as PyTorch's running sum, by the suite's
+    rule, over a long line of wide values and a line of -inf."""
+    from salus import decompositions as d
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 9, generator=g).round()
+    x[1, 3] = x[2, 0] = x[2, 5] = float("nan")
+    x[3, 4], x[4] = float("-inf"), float("-inf")
+    flags, ints = torch.rand(4, 6, generator=g) > 0.5, torch.randint(-3, 3, (4, 7), generator=g)
+    for rule, reference in ((d._running_extreme(True), torch.cummax),
+                            (d._running_extreme(False), torch.cummin)):
+        for t, dim in ((x, 0), (x, 1), (flags, 1), (ints, 1), (ints, -1)):
+            values, positions = rule(t, dim)
+            want = reference(t, dim)
+            assert torch.equal(values.nan_to_num(99.0), want.values.nan_to_num(99.0))
+            assert torch.equal(positions, want.indices)
+    wide = torch.randn(3, 1000, generator=g) * 30
+    assert_as_exact_as_pytorch({"out": d._logcumsumexp(wide, 1)},
+                               {"out": torch.logcumsumexp(wide.double(), 1)},
+                               {"out": torch.logcumsumexp(wide, 1)}, label="logcumsumexp: ")
+    # NaNs from where a line meets one, -inf for a line of -inf, as PyTorch's.
+    got, want = d._logcumsumexp(x, 1), torch.logcumsumexp(x, 1)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
 
 
 class _Divisions(nn.Module):
