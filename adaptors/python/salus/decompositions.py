@@ -631,6 +631,31 @@ def _logcumsumexp(x, dim):
     return _scan((x,), dim % x.dim(), (-math.inf,), combine)[0]
 
 
+def _nan_ignoring(extreme):
+    """``fmax`` / ``fmin``: ``maximum`` / ``minimum`` where neither is NaN, else the one
+    that is not (NaN when both are)."""
+    def rule(a, b):
+        a, b = _of_result_type(a, b)
+        return aten.where.self(aten.isnan.default(b), a, aten.where.self(
+            aten.isnan.default(a), b, extreme(a, b)))
+    return rule
+
+
+def _hypot(a, b):
+    """``hypot``: the larger magnitude times sqrt(1 + r^2), r the smaller over the larger
+    (no overflow or underflow on the way); 0 for two zeros, infinity where either is
+    infinite (even beside a NaN, as C's)."""
+    a, b = _of_result_type(a, b)
+    a, b = aten.abs.default(a), aten.abs.default(b)
+    larger, smaller = aten.maximum.default(a, b), aten.minimum.default(a, b)
+    ratio = aten.div.Tensor(smaller, aten.where.self(
+        aten.eq.Scalar(larger, 0), aten.full_like.default(larger, 1), larger))
+    out = aten.mul.Tensor(larger, aten.sqrt.default(
+        aten.add.Scalar(aten.mul.Tensor(ratio, ratio), 1)))
+    infinite = aten.logical_or.default(aten.isinf.default(a), aten.isinf.default(b))
+    return aten.where.self(infinite, aten.full_like.default(out, math.inf), out)
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -1337,6 +1362,9 @@ def decomposition_table() -> dict:
     table[aten.isnan.default] = _isnan
     table[aten.scatter_reduce.two] = _scatter_reduce
     table[aten.masked_scatter.default] = _masked_scatter
+    table[aten.fmax.default] = _nan_ignoring(aten.maximum.default)
+    table[aten.fmin.default] = _nan_ignoring(aten.minimum.default)
+    table[aten.hypot.default] = _hypot
     table[aten.cummax.default] = _running_extreme(True)
     table[aten.cummin.default] = _running_extreme(False)
     table[aten.logcumsumexp.default] = _logcumsumexp

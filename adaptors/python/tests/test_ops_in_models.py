@@ -15,7 +15,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 ``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
 (``masked_scatter``), running extremes and a Cox loss (``cummax``, ``cummin``,
-``logcumsumexp``), a learned power (generalized-mean pooling: ``pow`` of two
+``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``),
+a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
 Dirichlet through ``lgamma``, ``digamma`` and ``polygamma``). Each model trains three
@@ -444,6 +445,25 @@ def _cox_loss(m, x, order):
     return -(scores - torch.logcumsumexp(scores.flip(1), 1).flip(1)).mean()
 
 
+class Probit(nn.Module):
+    """A probit head: features squashed into (-1, 1) and mapped to normal quantiles
+    (``erfinv``), the normal CDF (``erfc``), NaN-ignoring extremes (``fmax``, ``fmin``)
+    and a magnitude (``hypot``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.head = nn.Linear(18, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        quantiles = torch.erfinv(torch.tanh(h) * 0.95) * 2 ** 0.5
+        cdf = 0.5 * torch.erfc(-h / 2 ** 0.5)
+        left, right = h[:, :3], h[:, 3:]
+        extremes = torch.fmax(left, right) + torch.fmin(left, right)
+        return self.head(torch.cat([quantiles, cdf, extremes, torch.hypot(left, right)], 1))
+
+
 def _graph(seed, nodes=7, edges=12):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(nodes, 4, generator=g)
@@ -575,6 +595,7 @@ MODELS = {
     "lstm": lambda: (Recurrent(), _batch((4, 7, 5), seed=18, classes=(4, 3)), _classify),
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
     "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
+    "probit": lambda: (Probit(), _batch((6, 4), seed=28, classes=(6, 3)), _classify),
     "running_extremes": lambda: (RunningExtremes(), (
         torch.randn(4, 9, 3, generator=torch.Generator().manual_seed(27)),
         torch.stack([torch.randperm(9, generator=torch.Generator().manual_seed(k))
@@ -844,11 +865,12 @@ def test_scatter_reduce_serves_pytorchs_values(daemon, dtype):
         assert torch.equal(got, want)
 
 
-def test_the_scan_rules_give_pytorchs_results():
+def test_the_scan_and_nan_ignoring_rules_give_pytorchs_results():
     """``cummax`` and ``cummin`` by doubling give PyTorch's values and positions (ties:
     the later; a NaN stays, at the last NaN's position; infinities; bools and integers);
     ``logcumsumexp`` is as close to float64 as PyTorch's running sum, by the suite's
-    rule, over a long line of wide values and a line of -inf."""
+    rule, over a long line of wide values, and has its NaNs and -infs; ``fmax``,
+    ``fmin`` and ``hypot`` give PyTorch's special values."""
     from salus import decompositions as d
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, 9, generator=g).round()
@@ -866,6 +888,15 @@ def test_the_scan_rules_give_pytorchs_results():
     assert_as_exact_as_pytorch({"out": d._logcumsumexp(wide, 1)},
                                {"out": torch.logcumsumexp(wide.double(), 1)},
                                {"out": torch.logcumsumexp(wide, 1)}, label="logcumsumexp: ")
+    # fmax, fmin and hypot with NaNs, signed zeros, infinities, overflow, subnormals.
+    a = torch.tensor([1.0, float("nan"), 2.0, float("nan"), -0.0, 3e38, 1e-40, float("inf")])
+    b = torch.tensor([2.0, 1.0, float("nan"), float("nan"), 0.0, 3e38, 1e-40, float("nan")])
+    for rule, reference in ((d._nan_ignoring(torch.ops.aten.maximum.default), torch.fmax),
+                            (d._nan_ignoring(torch.ops.aten.minimum.default), torch.fmin)):
+        assert torch.equal(rule(a, b).nan_to_num(7.0), reference(a, b).nan_to_num(7.0))
+    got, want = d._hypot(a, b), torch.hypot(a, b)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got[[0, 4, 6]], want[[0, 4, 6]])
     # NaNs from where a line meets one, -inf for a line of -inf, as PyTorch's.
     got, want = d._logcumsumexp(x, 1), torch.logcumsumexp(x, 1)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())

@@ -194,6 +194,10 @@ device_codes! {
         Digamma = 57 => OP_DIGAMMA,
         /// ψ⁽ⁿ⁾(a), n = s0.
         Polygamma = 58 => OP_POLYGAMMA,
+        /// 1 - erf(a), to full precision in the tail.
+        Erfc = 59 => OP_ERFC,
+        /// erf⁻¹(a).
+        Erfinv = 60 => OP_ERFINV,
     }
 }
 

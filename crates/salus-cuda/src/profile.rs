@@ -189,6 +189,8 @@ pub fn op_family(op: &str) -> Family {
         | "rsqrt"
         | "reciprocal"
         | "erf"
+        | "erfc"
+        | "erfinv"
         | "lgamma"
         | "digamma"
         | "polygamma"

@@ -45,6 +45,8 @@ ops! {
     Rsqrt = "rsqrt",
     Reciprocal = "reciprocal",
     Erf = "erf",
+    Erfc = "erfc",
+    Erfinv = "erfinv",
     Lgamma = "lgamma",
     Digamma = "digamma",
     Polygamma = "polygamma",

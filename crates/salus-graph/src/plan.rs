@@ -127,6 +127,8 @@ fn elementwise(op: Op) -> bool {
             | Rsqrt
             | Reciprocal
             | Erf
+            | Erfc
+            | Erfinv
             | Lgamma
             | Digamma
             | Polygamma

@@ -4095,6 +4095,10 @@ const ALL_TESTS: &[(&str, fn())] = &[
     ("gather_and_scatters", gather_and_scatters),
     ("pow_of_two_tensors_is_cs_pow", pow_of_two_tensors_is_cs_pow),
     (
+        "erfc_and_erfinv_meet_their_references",
+        erfc_and_erfinv_meet_their_references,
+    ),
+    (
         "gamma_functions_meet_known_values",
         gamma_functions_meet_known_values,
     ),
@@ -4627,6 +4631,33 @@ fn gamma_functions_meet_known_values() {
         let got = case.run1();
         assert_close(&got, &want, tol(3e-7, 0.0), &format!("{} {n:?}", op.name()));
     }
+}
+
+#[test]
+fn erfc_and_erfinv_meet_their_references() {
+    // erfc from the reference erf where 1 - erf keeps the digits, a known tail value
+    // (erfc(5)), and erf⁻¹ as the reference erf's inverse, by bisection; ±∞ at ±1, NaN
+    // past them.
+    let x = f32v(&[7], vec![-2.0, -0.5, 0.0, 0.25, 1.0, 2.0, 5.0]);
+    let mut want: Vec<f64> = x.data.iter().map(|&v| 1.0 - erf_ref(v)).collect();
+    want[6] = 1.537_459_794_428_035e-12;
+    let got = Case::new(Op::Erfc).input(x).output(Fp32, &[7]).run1();
+    assert_close(&got, &want, tol(2e-7, 0.0), "erfc");
+    let inverse = |p: f64| {
+        let (mut lo, mut hi) = (-7.0, 7.0);
+        for _ in 0..200 {
+            let mid = 0.5 * (lo + hi);
+            if erf_ref(mid) < p { lo = mid } else { hi = mid }
+        }
+        0.5 * (lo + hi)
+    };
+    let p = f32v(&[8], vec![-0.75, -0.5, 0.0, 0.125, 0.9375, 1.0, -1.0, 1.5]);
+    let mut want: Vec<f64> = p.data[..5].iter().map(|&v| inverse(v)).collect();
+    want[2] = 0.0; // the bisection's midpoint, not exactly 0
+    want.extend([INF, -INF, NAN]);
+    let got = Case::new(Op::Erfinv).input(p).output(Fp32, &[8]).run1();
+    assert_close(&got, &want, tol(2e-7, 0.0), "erfinv");
+    assert!(got[7].is_nan());
 }
 
 #[test]

@@ -451,6 +451,8 @@ pub(crate) fn run(
             }),
         },
         (Erf, _) => elementwise(args, o, |v| erf(v[0])),
+        (Erfc, _) => elementwise(args, o, |v| libm::erfc(v[0])),
+        (Erfinv, _) => elementwise(args, o, |v| special::erfinv(v[0])),
         (Lgamma, _) => elementwise(args, o, |v| special::lgamma(v[0])),
         (Digamma, _) => elementwise(args, o, |v| special::digamma(v[0])),
         (Polygamma, &OpParams::Polygamma { n }) => {

@@ -1,5 +1,6 @@
-//! The gamma family of special functions, in f64: `lgamma` (libm's), `digamma` and
-//! `polygamma` (through the Hurwitz zeta function), with PyTorch's values at the poles.
+//! Special functions in f64: the gamma family, `lgamma` (libm's), `digamma` and
+//! `polygamma` (through the Hurwitz zeta function), with PyTorch's values at the poles;
+//! and `erfinv`.
 
 use std::f64::consts::PI;
 
@@ -103,6 +104,36 @@ pub(super) fn hurwitz_zeta(s: f64, q: f64) -> f64 {
     sum
 }
 
+/// erf⁻¹(x) on [-1, 1] (±∞ at ±1, NaN outside): Winitzki's approximation, then Newton
+/// steps on erf(y) - |x| (on (1 - |x|) - erfc(y) past 1/2, where 1 - |x| is exact and
+/// erfc keeps the tail's digits) until they no longer move it.
+pub(super) fn erfinv(x: f64) -> f64 {
+    let t = x.abs();
+    if t.is_nan() || t > 1.0 {
+        return f64::NAN;
+    }
+    if t == 1.0 {
+        return f64::INFINITY.copysign(x);
+    }
+    let a = 0.147;
+    let log = (1.0 - t * t).ln();
+    let first = 2.0 / (PI * a) + log / 2.0;
+    let mut y = ((first * first - log / a).sqrt() - first).sqrt();
+    for _ in 0..6 {
+        let residual = if t <= 0.5 {
+            libm::erf(y) - t
+        } else {
+            (1.0 - t) - libm::erfc(y)
+        };
+        let step = residual / (2.0 / PI.sqrt() * (-y * y).exp());
+        y -= step;
+        if step.abs() <= f64::EPSILON * y.abs() {
+            break;
+        }
+    }
+    y.copysign(x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,7 +147,7 @@ mod tests {
     }
 
     #[test]
-    fn digamma_and_polygamma_meet_known_values() {
+    fn special_functions_meet_known_values() {
         // ψ(1) = -γ, ψ(1/2) = -γ - 2 ln 2, ψ(10), ψ(-1/2) = ψ(1/2) + 2.
         let euler = 0.577_215_664_901_532_9;
         close(digamma(1.0), -euler, 1e-15);
@@ -136,6 +167,19 @@ mod tests {
         close(polygamma(1, 1e6), 1.000_000_500_000_166_7e-6, 1e-15);
         assert_eq!(polygamma(1, 0.0), f64::INFINITY);
         assert_eq!(polygamma(1, -2.0), f64::INFINITY);
+        // erf undoes erf⁻¹, in the middle and (through erfc) in the tails; odd.
+        for x in [1e-8, 0.3, 0.5, 0.9, 0.999_999, 1.0 - 1e-12] {
+            let y = erfinv(x);
+            if x <= 0.5 {
+                close(libm::erf(y), x, 1e-15);
+            } else {
+                close(libm::erfc(y), 1.0 - x, 1e-13);
+            }
+            assert_eq!(erfinv(-x), -y);
+        }
+        assert_eq!(erfinv(0.0), 0.0);
+        assert_eq!(erfinv(1.0), f64::INFINITY);
+        assert!(erfinv(1.5).is_nan() && erfinv(f64::NAN).is_nan());
         // ln Γ: ln Γ(1/2) = ln √π, infinite at the poles.
         close(lgamma(0.5), PI.sqrt().ln(), 1e-15);
         assert_eq!(lgamma(-2.0), f64::INFINITY);

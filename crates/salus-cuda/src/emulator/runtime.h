@@ -59,7 +59,7 @@ static unsigned long long atomicCAS(unsigned long long* p, unsigned long long e,
 }
 static void __threadfence() {}
 
-using std::atan; using std::atan2; using std::ceil; using std::cos; using std::erf; using std::exp; using std::expm1; using std::fabs;
+using std::atan; using std::atan2; using std::ceil; using std::cos; using std::erf; using std::erfc; using std::exp; using std::expm1; using std::fabs;
 using std::floor; using std::fmax; using std::fmin; using std::fmod; using std::isnan; using std::lgamma; using std::log; using std::log1p;
 using std::pow; using std::rint; using std::sin; using std::sqrt; using std::tan; using std::tanh; using std::trunc;
 

@@ -64,6 +64,24 @@ __device__ double polygamma_of(i64 n, double x) {
     return (n % 2 == 1 ? 1.0 : -1.0) * factorial * hurwitz_zeta((double)(n + 1), x);
 }
 
+// erf^-1 (the CPU device's special.rs): Winitzki's approximation, then Newton steps on
+// erf(y) - |x|, on (1 - |x|) - erfc(y) past 1/2.
+__device__ double erfinv_of(double x) {
+    const double pi = 3.14159265358979323846;
+    double t = fabs(x);
+    if (isnan(t) || t > 1.0) return QUIET_NAN;
+    if (t == 1.0) return x < 0.0 ? NEG_INF : -NEG_INF;
+    double a = 0.147, lg = log(1.0 - t * t), first = 2.0 / (pi * a) + lg / 2.0;
+    double y = sqrt(sqrt(first * first - lg / a) - first);
+    for (int k = 0; k < 6; ++k) {
+        double residual = t <= 0.5 ? erf(y) - t : (1.0 - t) - erfc(y);
+        double step = residual / (2.0 / sqrt(pi) * exp(-y * y));
+        y -= step;
+        if (fabs(step) <= 2.220446049250313e-16 * fabs(y)) break;
+    }
+    return x < 0.0 ? -y : y;
+}
+
 __device__ double apply(i64 op, double a, double b, double c, double s0, double s1, i64 i) {
     switch (op) {
         case OP_COPY: return a;
@@ -88,6 +106,8 @@ __device__ double apply(i64 op, double a, double b, double c, double s0, double 
             return 0.5 * a * (1.0 + tanh(sqrt(2.0 / 3.14159265358979323846) * (a + 0.044715 * a * a * a)));
         case OP_GELU: return 0.5 * a * (1.0 + erf(a / 1.41421356237309504880));
         case OP_ERF: return erf(a);
+        case OP_ERFC: return erfc(a);
+        case OP_ERFINV: return erfinv_of(a);
         case OP_LGAMMA: return lgamma(a);
         case OP_DIGAMMA: return digamma_of(a);
         case OP_POLYGAMMA: return polygamma_of((i64)s0, a);

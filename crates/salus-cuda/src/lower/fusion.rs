@@ -112,6 +112,8 @@ pub(crate) fn pointwise(op: Op, params: &OpParams, from: DType, to: DType) -> Op
         (Tanh, _) => p(E::Tanh, 1, [0.0; 2]),
         (Relu, _) => p(E::Relu, 1, [0.0; 2]),
         (Erf, _) => p(E::Erf, 1, [0.0; 2]),
+        (Erfc, _) => p(E::Erfc, 1, [0.0; 2]),
+        (Erfinv, _) => p(E::Erfinv, 1, [0.0; 2]),
         (Lgamma, _) => p(E::Lgamma, 1, [0.0; 2]),
         (Digamma, _) => p(E::Digamma, 1, [0.0; 2]),
         (Polygamma, &OpParams::Polygamma { n }) => p(E::Polygamma, 1, [n as f64, 0.0]),

@@ -352,6 +352,8 @@ impl<'a> Lowering<'a> {
             (Tanh, _) => self.unary(ElementwiseOp::Tanh, node, &o, none),
             (Relu, _) => self.unary(ElementwiseOp::Relu, node, &o, none),
             (Erf, _) => self.unary(ElementwiseOp::Erf, node, &o, none),
+            (Erfc, _) => self.unary(ElementwiseOp::Erfc, node, &o, none),
+            (Erfinv, _) => self.unary(ElementwiseOp::Erfinv, node, &o, none),
             (Lgamma, _) => self.unary(ElementwiseOp::Lgamma, node, &o, none),
             (Digamma, _) => self.unary(ElementwiseOp::Digamma, node, &o, none),
             (Polygamma, &OpParams::Polygamma { n }) => {

@@ -199,8 +199,8 @@ pub(crate) fn infer(op: Op, p: &OpParams, ins: &Inputs<'_>) -> Result<Vec<Tensor
             unary_same(ins)
         }
         (
-            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Lgamma | Digamma | Polygamma | Log1p
-            | Expm1 | Sin | Cos | Atan | Sigmoid | Tanh | Gelu,
+            Exp | Log | Sqrt | Rsqrt | Reciprocal | Erf | Erfc | Erfinv | Lgamma | Digamma
+            | Polygamma | Log1p | Expm1 | Sin | Cos | Atan | Sigmoid | Tanh | Gelu,
             _,
         ) => unary_float(ins),
         (LeakyRelu, _) => {

@@ -434,6 +434,8 @@ pub(crate) fn extract(
         | Rsqrt
         | Reciprocal
         | Erf
+        | Erfc
+        | Erfinv
         | Lgamma
         | Digamma
         | Log1p
