@@ -314,20 +314,67 @@ def _adaptive_max_window(x, output_size) -> list[int] | None:
     return [s // o for s, o in zip(sizes, out)]
 
 
+def _adaptive_positions(size, out, device):
+    """Adaptive pooling's windows along a dim of ``size`` to ``out``: output i covers
+    [floor(i size / out), ceil((i + 1) size / out)) (in float32, exact for sizes below
+    2^12). Each window's positions ``[out, width]``, padded to the widest by repeating
+    its last (a maximum is the same with it twice), and that width."""
+    width = max(-(-((i + 1) * size) // out) - (i * size) // out for i in range(out))
+    i = aten.arange.start_step(0, out, 1, dtype=torch.float32, device=device)
+    start = aten.floor.default(aten.div.Scalar(aten.mul.Scalar(i, size), out))
+    end = aten.ceil.default(aten.div.Scalar(aten.mul.Scalar(aten.add.Scalar(i, 1), size), out))
+    j = aten.arange.start_step(0, width, 1, dtype=torch.float32, device=device)
+    positions = aten.minimum.default(aten.add.Tensor(aten.unsqueeze.default(start, 1), j),
+                                     aten.unsqueeze.default(aten.sub.Scalar(end, 1), 1))
+    return aten._to_copy.default(positions, dtype=torch.int64), width
+
+
 def _adaptive_max_pool2d(x, output_size):
+    """Adaptive max pooling: where the output sizes divide the input's, the plain max
+    pooling it equals; otherwise each window gathered (``index_select`` of its rows, then
+    of its columns), its maximum found by ``argmax`` (the first of equal ones, as
+    PyTorch's) and its flat index within the input plane from the positions gathered."""
     window = _adaptive_max_window(x, output_size)
-    if window is None:
-        return NotImplemented
-    # Both give each maximum's flat index within its input plane.
-    return aten.max_pool2d_with_indices.default(x, window, window, [0, 0], [1, 1], False)
+    if window is not None:
+        # Both give each maximum's flat index within its input plane.
+        return aten.max_pool2d_with_indices.default(x, window, window, [0, 0], [1, 1],
+                                                    False)
+    (height, width), (out_h, out_w) = x.shape[-2:], output_size
+    rows, k_h = _adaptive_positions(height, out_h, x.device)
+    cols, k_w = _adaptive_positions(width, out_w, x.device)
+    lead = list(x.shape[:-2])
+    cells = aten.index_select.default(aten.index_select.default(
+        x, x.dim() - 2, aten.view.default(rows, [-1])), x.dim() - 1,
+        aten.view.default(cols, [-1]))
+    cells = aten.view.default(cells, lead + [out_h, k_h, out_w, k_w])
+    n = len(lead)
+    cells = aten.permute.default(cells, list(range(n)) + [n, n + 2, n + 1, n + 3])
+    cells = aten.view.default(aten.clone.default(cells, memory_format=torch.contiguous_format),
+                              lead + [out_h, out_w, k_h * k_w])
+    pick = aten.argmax.default(cells, -1, True)
+    values = aten.squeeze.dims(aten.gather.default(cells, -1, pick), [-1])
+    # Each window cell's flat position in the input plane, [out_h, out_w, k_h * k_w].
+    flat = aten.add.Tensor(aten.mul.Scalar(aten.view.default(rows, [out_h, 1, k_h, 1]), width),
+                           aten.view.default(cols, [1, out_w, 1, k_w]))
+    flat = aten.expand.default(aten.view.default(flat, [out_h, out_w, k_h * k_w]),
+                               lead + [out_h, out_w, k_h * k_w])
+    return values, aten.squeeze.dims(aten.gather.default(flat, -1, pick), [-1])
 
 
 def _adaptive_max_pool2d_backward(grad, x, indices):
+    """Each output's gradient added at its maximum's flat index in the input plane."""
     window = _adaptive_max_window(x, grad.shape[-2:])
-    if window is None:
-        return NotImplemented
-    return aten.max_pool2d_with_indices_backward.default(grad, x, window, window, [0, 0],
-                                                         [1, 1], False, indices)
+    if window is not None:
+        return aten.max_pool2d_with_indices_backward.default(grad, x, window, window,
+                                                             [0, 0], [1, 1], False, indices)
+    lead = list(x.shape[:-2])
+    plane = x.shape[-2] * x.shape[-1]
+    zeros = aten.full.default(lead + [plane], 0, dtype=grad.dtype, device=grad.device)
+    flat = aten.scatter_add.default(zeros, -1, aten.view.default(indices, lead + [-1]),
+                                    aten.view.default(aten.clone.default(
+                                        grad, memory_format=torch.contiguous_format),
+                                        lead + [-1]))
+    return aten.view.default(flat, list(x.shape))
 
 
 # EmbeddingBag: the bag of each index, the rows gathered, summed into their bags by an

@@ -15,7 +15,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 ``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
 (``masked_scatter``), running extremes and a Cox loss (``cummax``, ``cummin``,
-``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``),
+``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``), adaptive
+max pooling of uneven windows,
 a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
@@ -445,6 +446,21 @@ def _cox_loss(m, x, order):
     return -(scores - torch.logcumsumexp(scores.flip(1), 1).flip(1)).mean()
 
 
+class UnevenPooling(nn.Module):
+    """Adaptive max pooling to sizes that do not divide the input's (windows of uneven
+    widths, overlapping), in two and one dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.head = nn.Linear(3 * 12 + 3 * 5, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        pooled = F.adaptive_max_pool2d(h, (3, 4)).flatten(1)
+        return self.head(torch.cat([pooled, nn.AdaptiveMaxPool1d(5)(h.mean(2)).flatten(1)], 1))
+
+
 class Probit(nn.Module):
     """A probit head: features squashed into (-1, 1) and mapped to normal quantiles
     (``erfinv``), the normal CDF (``erfc``), NaN-ignoring extremes (``fmax``, ``fmin``)
@@ -596,6 +612,8 @@ MODELS = {
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
     "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
     "probit": lambda: (Probit(), _batch((6, 4), seed=28, classes=(6, 3)), _classify),
+    "uneven_adaptive_max_pooling": lambda: (UnevenPooling(), _batch((2, 2, 9, 12), seed=29,
+                                                                   classes=(2, 3)), _classify),
     "running_extremes": lambda: (RunningExtremes(), (
         torch.randn(4, 9, 3, generator=torch.Generator().manual_seed(27)),
         torch.stack([torch.randperm(9, generator=torch.Generator().manual_seed(k))
@@ -870,7 +888,8 @@ def test_the_scan_and_nan_ignoring_rules_give_pytorchs_results():
     the later; a NaN stays, at the last NaN's position; infinities; bools and integers);
     ``logcumsumexp`` is as close to float64 as PyTorch's running sum, by the suite's
     rule, over a long line of wide values, and has its NaNs and -infs; ``fmax``,
-    ``fmin`` and ``hypot`` give PyTorch's special values."""
+    ``fmin`` and ``hypot`` give PyTorch's special values; adaptive max pooling of uneven
+    windows gives PyTorch's values, indices (the first of equal maxima) and gradient."""
     from salus import decompositions as d
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, 9, generator=g).round()
@@ -897,6 +916,16 @@ def test_the_scan_and_nan_ignoring_rules_give_pytorchs_results():
     got, want = d._hypot(a, b), torch.hypot(a, b)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got[[0, 4, 6]], want[[0, 4, 6]])
+    # Adaptive max pooling of uneven windows: PyTorch's values, indices and gradient.
+    planes = torch.randn(2, 3, 7, 10, generator=g).round()  # ties
+    for size in ((3, 4), (5, 7), (7, 10), (4, 6)):
+        values, indices = d._adaptive_max_pool2d(planes, size)
+        want, want_indices = torch.ops.aten.adaptive_max_pool2d.default(planes, size)
+        assert torch.equal(values, want) and torch.equal(indices, want_indices)
+        grad = torch.randn_like(want)
+        torch.testing.assert_close(
+            d._adaptive_max_pool2d_backward(grad, planes, indices),
+            torch.ops.aten.adaptive_max_pool2d_backward.default(grad, planes, indices))
     # NaNs from where a line meets one, -inf for a line of -inf, as PyTorch's.
     got, want = d._logcumsumexp(x, 1), torch.logcumsumexp(x, 1)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
