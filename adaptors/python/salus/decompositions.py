@@ -415,14 +415,46 @@ def _weighted_rows(rows, keep, per_sample_weights):
     return aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
 
 
+def _bag_maxima(weight, indices, bag, bags, counted):
+    """Max bags: each bag's largest row element by element (``scatter_reduce`` amax over
+    the rows that count), 0 for a bag without any; and which index gave it, the first
+    in order, as PyTorch's (0 for an empty bag)."""
+    rows = aten.embedding.default(weight, indices)
+    width = weight.shape[1]
+    keep = aten.unsqueeze.default(aten.ne.Scalar(counted, 0), 1)
+    places = aten.expand.default(aten.unsqueeze.default(bag, 1), list(rows.shape))
+    lowest = aten.full_like.default(rows, -math.inf)
+    out = aten.scatter_reduce.two(_zeros([bags, width], weight.dtype, weight.device), 0,
+                                  places, aten.where.self(keep, rows, lowest), "amax",
+                                  include_self=False)
+    size = aten.index_put.default(_zeros([bags], torch.int64, indices.device), [bag],
+                                  counted, True)
+    filled = aten.unsqueeze.default(aten.gt.Scalar(size, 0), 1)
+    out = aten.where.self(filled, out, aten.full_like.default(out, 0))
+    n = indices.shape[0]
+    order = aten.expand.default(aten.unsqueeze.default(aten.arange.start_step(
+        0, n, 1, dtype=torch.int64, device=indices.device), 1), [n, width])
+    reached = aten.logical_and.default(keep, aten.eq.Tensor(rows, aten.gather.default(
+        out, 0, places)))
+    first = aten.scatter_reduce.two(
+        aten.full.default([bags, width], n, dtype=torch.int64, device=indices.device), 0,
+        places, aten.where.self(reached, order, aten.full_like.default(order, n)), "amin")
+    which = aten.index.Tensor(indices, [aten.clamp.default(first, None, max(n - 1, 0))])
+    which = aten.where.self(filled, which, aten.full_like.default(which, 0))
+    return out, size, which
+
+
 def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
                    sparse=False, per_sample_weights=None, include_last_offset=False,
                    padding_idx=-1):
-    if mode not in (0, 1) or indices.dim() != 1:
+    if mode not in (0, 1, 2) or indices.dim() != 1:
         return NotImplemented
     bags = offsets.shape[0] - (1 if include_last_offset else 0)
     bag = _bag_of_each_index(indices, offsets, bags)
     counted = _counted(indices, padding_idx)
+    if mode == 2:
+        out, size, which = _bag_maxima(weight, indices, bag, bags, counted)
+        return out, bag, size, which
     rows = _weighted_rows(aten.embedding.default(weight, indices),
                           aten._to_copy.default(counted, dtype=weight.dtype), per_sample_weights)
     sums = _zeros([bags, weight.shape[1]], weight.dtype, weight.device)
@@ -437,15 +469,25 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
 def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
                                   num_weights, scale_grad_by_freq, mode, per_sample_weights,
                                   padding_idx=-1):
-    if mode not in (0, 1) or scale_grad_by_freq:
+    if mode not in (0, 1, 2) or scale_grad_by_freq:
         return NotImplemented
+    weights = _zeros([num_weights, grad.shape[1]], grad.dtype, grad.device)
+    if mode == 2:
+        # Each bag's gradient, element by element, to the row that gave its maximum
+        # (none from an empty bag).
+        filled = aten.unsqueeze.default(aten.gt.Scalar(bag_size, 0), 1)
+        rows = maximum_indices
+        columns = aten.expand.default(aten.unsqueeze.default(aten.arange.start_step(
+            0, grad.shape[1], 1, dtype=torch.int64, device=grad.device), 0),
+            list(grad.shape))
+        values = aten.where.self(filled, grad, aten.full_like.default(grad, 0))
+        return aten.index_put.default(weights, [rows, columns], values, True)
     rows = aten.index.Tensor(grad, [offset2bag])
     keep = aten._to_copy.default(_counted(indices, padding_idx), dtype=grad.dtype)
     if mode == 1:
         keep = aten.div.Tensor(keep, aten.index.Tensor(_bag_counts(bag_size, grad.dtype),
                                                        [offset2bag]))
     rows = _weighted_rows(rows, keep, per_sample_weights)
-    weights = _zeros([num_weights, grad.shape[1]], grad.dtype, grad.device)
     return aten.index_put.default(weights, [indices], rows, True)
 
 

@@ -1,10 +1,11 @@
 """Ops Core ATen keeps whole that salus runs through decompositions: ``repeat`` (an expand
-and a copy), adaptive max pooling whose windows divide the input (plain max pooling with
-its indices), ``elu`` (through ``expm1``) and ``isnan`` (``x != x``, inside
-``logsumexp``), ``sub.Scalar`` (an ``add.Scalar``); and ``log1p``/``expm1`` themselves (binary cross-entropy with logits,
-softplus); ``EmbeddingBag`` in sum and mean (gathers and accumulating ``index_put``).
-Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
-rule (harness.py); uneven adaptive windows and max bags are refused."""
+and a copy), adaptive max pooling (plain max pooling with its indices where the windows
+divide the input, gathered windows where they do not), ``elu`` (through ``expm1``) and
+``isnan`` (``x != x``, inside ``logsumexp``), ``sub.Scalar`` (an ``add.Scalar``); and
+``log1p``/``expm1`` themselves (binary cross-entropy with logits, softplus);
+``EmbeddingBag`` in sum, mean (gathers and accumulating ``index_put``) and max
+(``scatter_reduce``). Each model trains three Adam steps on salusd, every tensor against
+float64 by the suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ import torch
 from daemon import Daemon
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
-
-import salus.torch as st
-from salus.errors import UnsupportedOpError
 
 
 class Repeats(nn.Module):
@@ -127,6 +125,10 @@ MODELS = {
     "bag_sum_padded_weighted": lambda: _bags("sum", padding_idx=0, weighted=True),
     "bag_mean_last_offset_padded": lambda: _bags("mean", padding_idx=0,
                                                  include_last_offset=True),
+    "bag_max": lambda: _bags("max"),
+    "bag_max_padded": lambda: _bags("max", padding_idx=0),
+    # 4 x 5 into 3 x 2: windows of uneven sizes.
+    "adaptive_max_pool_uneven": lambda: (AdaptiveMax(out2d=(3, 2)), *_adaptive_max()[1:]),
 }
 
 
@@ -140,21 +142,7 @@ def daemon():
 def test_trains_on_salusd_as_eagerly(daemon, name):
     torch.manual_seed(0)
     model, batch, loss_of = MODELS[name]()
-    assert_trains_on_salusd_as_eagerly(model, batch, loss_of, lambda p: torch.optim.Adam(p, lr=1e-2),
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
+                                       lambda p: torch.optim.Adam(p, lr=1e-2),
                                        daemon.address, label=f"{name}: ")
 
-
-def test_adaptive_max_pooling_with_uneven_windows_is_refused(daemon):
-    torch.manual_seed(0)
-    model = AdaptiveMax(out2d=(3, 2))  # 4 x 5 into 3 x 2: windows of uneven sizes
-    _, batch, loss_of = _adaptive_max()
-    with pytest.raises(UnsupportedOpError, match="adaptive_max_pool2d"):
-        st.TrainSession(model, None, torch.optim.Adam(model.parameters()), batch,
-                        loss_of=loss_of, address=daemon.address)
-
-
-def test_max_bags_are_refused(daemon):
-    model, batch, loss_of = _bags("max")
-    with pytest.raises(UnsupportedOpError, match="_embedding_bag"):
-        st.TrainSession(model, None, torch.optim.Adam(model.parameters()), batch,
-                        loss_of=loss_of, address=daemon.address)
