@@ -745,6 +745,33 @@ def _hypot(a, b):
     return aten.where.self(infinite, aten.full_like.default(out, math.inf), out)
 
 
+def _insertion_points(sequence, values, right, out_int32):
+    """Where each value would go in ``sequence``'s last dim (sorted, as PyTorch assumes):
+    how many of its elements are below the value (at or below it, ``right``), counted by
+    comparing with each; a NaN value after them all, as PyTorch's. A 1-d sequence serves
+    every value; otherwise its leading dims are the values'."""
+    sequence, values = _of_result_type(sequence, values)
+    if sequence.dim() > 1:
+        sequence = aten.unsqueeze.default(sequence, -2)
+    below = (aten.le.Tensor if right else aten.lt.Tensor)(
+        sequence, aten.unsqueeze.default(values, -1))
+    count = aten.sum.dim_IntList(aten._to_copy.default(below, dtype=torch.int64), [-1])
+    count = aten.where.self(aten.isnan.default(values),
+                            aten.full_like.default(count, sequence.shape[-1]), count)
+    return aten._to_copy.default(count, dtype=torch.int32) if out_int32 else count
+
+
+def _bucketize(x, boundaries, *, out_int32=False, right=False):
+    return _insertion_points(boundaries, x, right, out_int32)
+
+
+def _searchsorted(sequence, values, *, out_int32=False, right=False, side=None,
+                  sorter=None):
+    if sorter is not None:
+        sequence = aten.gather.default(sequence, -1, sorter)
+    return _insertion_points(sequence, values, right or side == "right", out_int32)
+
+
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
@@ -1451,6 +1478,10 @@ def decomposition_table() -> dict:
     table[aten.isnan.default] = _isnan
     table[aten.scatter_reduce.two] = _scatter_reduce
     table[aten.masked_scatter.default] = _masked_scatter
+    table[aten.bucketize.Tensor] = _bucketize
+    table[aten.bucketize.Scalar] = _bucketize
+    table[aten.searchsorted.Tensor] = _searchsorted
+    table[aten.searchsorted.Scalar] = _searchsorted
     table[aten.fmax.default] = _nan_ignoring(aten.maximum.default)
     table[aten.fmin.default] = _nan_ignoring(aten.minimum.default)
     table[aten.hypot.default] = _hypot

@@ -15,8 +15,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 ``isinf`` and ``addbmm``, graph message passing (``scatter_reduce`` of every
 reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
 (``masked_scatter``), running extremes and a Cox loss (``cummax``, ``cummin``,
-``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``), adaptive
-max pooling of uneven windows,
+``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``), bucket
+embeddings (``bucketize``, ``searchsorted``), adaptive max pooling of uneven windows,
 a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
@@ -461,6 +461,25 @@ class UnevenPooling(nn.Module):
         return self.head(torch.cat([pooled, nn.AdaptiveMaxPool1d(5)(h.mean(2)).flatten(1)], 1))
 
 
+class Buckets(nn.Module):
+    """Values bucketed by fixed and learned-then-sorted boundaries (``bucketize``,
+    ``searchsorted``), each bucket's embedding added to a linear layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.table = nn.Embedding(6, 6)
+        self.edges = nn.Parameter(torch.tensor([0.5, -0.5, 1.0, 0.0]))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        first, second = h.detach().t().contiguous()[:2]
+        fixed = torch.bucketize(first, torch.tensor([-1.0, 0.0, 1.0]))
+        learned = torch.searchsorted(self.edges.detach().sort().values, second, right=True)
+        return self.head(torch.tanh(h + self.table(fixed) + self.table(learned)))
+
+
 class Probit(nn.Module):
     """A probit head: features squashed into (-1, 1) and mapped to normal quantiles
     (``erfinv``), the normal CDF (``erfc``), NaN-ignoring extremes (``fmax``, ``fmin``)
@@ -612,6 +631,7 @@ MODELS = {
     "message_passing": lambda: (MessagePassing(), _graph(22), _classify),
     "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
     "probit": lambda: (Probit(), _batch((6, 4), seed=28, classes=(6, 3)), _classify),
+    "buckets": lambda: (Buckets(), _batch((8, 4), seed=30, classes=(8, 3)), _classify),
     "uneven_adaptive_max_pooling": lambda: (UnevenPooling(), _batch((2, 2, 9, 12), seed=29,
                                                                    classes=(2, 3)), _classify),
     "running_extremes": lambda: (RunningExtremes(), (
@@ -888,7 +908,8 @@ def test_the_scan_and_nan_ignoring_rules_give_pytorchs_results():
     the later; a NaN stays, at the last NaN's position; infinities; bools and integers);
     ``logcumsumexp`` is as close to float64 as PyTorch's running sum, by the suite's
     rule, over a long line of wide values, and has its NaNs and -infs; ``fmax``,
-    ``fmin`` and ``hypot`` give PyTorch's special values; adaptive max pooling of uneven
+    ``fmin`` and ``hypot`` give PyTorch's special values; ``bucketize`` and
+    ``searchsorted`` give PyTorch's insertion points; adaptive max pooling of uneven
     windows gives PyTorch's values, indices (the first of equal maxima) and gradient."""
     from salus import decompositions as d
     g = torch.Generator().manual_seed(7)
@@ -916,6 +937,23 @@ def test_the_scan_and_nan_ignoring_rules_give_pytorchs_results():
     got, want = d._hypot(a, b), torch.hypot(a, b)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got[[0, 4, 6]], want[[0, 4, 6]])
+    # Insertion points: ties either side, NaN last, infinities, batched sequences, a
+    # sorter, integers, int32 results.
+    edges = torch.tensor([-1.0, 0.0, 0.0, 2.0])
+    points = torch.tensor([float("nan"), -5, -1, 0, 1, 2, 3, float("inf"), float("-inf")])
+    for right in (False, True):
+        assert torch.equal(d._bucketize(points, edges, right=right),
+                           torch.bucketize(points, edges, right=right))
+        side = "right" if right else "left"
+        assert torch.equal(d._searchsorted(edges, points, side=side, out_int32=True),
+                           torch.searchsorted(edges, points, side=side, out_int32=True))
+    lines, values = torch.tensor([[5.0, 1, 3], [6, 2, 4]]), torch.tensor([[3.0, 6], [1, 7]])
+    order = lines.argsort(-1)
+    assert torch.equal(d._searchsorted(lines, values, sorter=order, right=True),
+                       torch.searchsorted(lines, values, sorter=order, right=True))
+    ids = torch.tensor([0, 1, 2, 5])
+    assert torch.equal(d._bucketize(ids, torch.tensor([1, 3])),
+                       torch.bucketize(ids, torch.tensor([1, 3])))
     # Adaptive max pooling of uneven windows: PyTorch's values, indices and gradient.
     planes = torch.randn(2, 3, 7, 10, generator=g).round()  # ties
     for size in ((3, 4), (5, 7), (7, 10), (4, 6)):
