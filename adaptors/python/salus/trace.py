@@ -532,8 +532,25 @@ def _custom_functions() -> Iterator[None]:
         table[TransformType.Functionalize] = rule
 
 
+def _refuse_renormalised_embeddings(model: torch.nn.Module) -> None:
+    """An ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` rescales the rows it
+    looks up in its weight, in place, while the forward pass runs: a parameter changed
+    before the update, which a recording cannot write back. Refused by name."""
+    for name, module in model.named_modules():
+        if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                and module.max_norm is not None):
+            raise TraceError(
+                f"the module {name or 'model'!r} ({type(module).__name__}) has max_norm="
+                f"{module.max_norm}: it rescales the rows it looks up in its weight in "
+                "place during the forward pass, a change to a parameter salus cannot "
+                "record; drop max_norm, or rescale the weight's rows between steps "
+                "(torch.renorm(weight, norm_type, 0, max_norm) of session.state_dict()'s "
+                "weight, given back by session.load_state_dict)")
+
+
 def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
             tracing_mode: str) -> torch.fx.GraphModule:
+    _refuse_renormalised_embeddings(model)
     # In fake mode, tensors the model captures (not parameters or buffers) stay real
     # and become constants of the graph.
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
