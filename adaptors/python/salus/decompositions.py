@@ -881,10 +881,25 @@ def _median(x):
     return _median_dim(aten.view.default(x, [-1]), 0)[0]
 
 
-def _sorted_at(x, dim, keepdim, position, nan_first=False):
+def _nanmedian_dim(x, dim=-1, keepdim=False):
+    """``nanmedian`` along a dim: the lower median of each slice's numbers (element
+    ``(c - 1) // 2`` of a stable ascending sort, which puts NaNs last; c the count of
+    numbers) and its position; a slice of NaNs gives NaN and its first position (which
+    PyTorch's kernel leaves open)."""
+    return _sorted_at(x, dim, keepdim, lambda n: (n - 1) // 2, numbers_only=True)
+
+
+def _nanmedian(x):
+    """``nanmedian`` of every element."""
+    return _nanmedian_dim(aten.view.default(x, [-1]), 0)[0]
+
+
+def _sorted_at(x, dim, keepdim, position, nan_first=False, numbers_only=False):
     """The value and input position of element ``position(n)`` of each slice (of length
     ``n``) along ``dim`` sorted (stable, ascending); with ``nan_first``, of the first NaN
-    of a slice that has one (a stable sort puts NaNs last, in input order)."""
+    of a slice that has one (a stable sort puts NaNs last, in input order); with
+    ``numbers_only``, ``n`` is each slice's count of numbers (its NaNs left out; 0 taken
+    as 1)."""
     if x.dim() == 0:
         return aten.clone.default(x), aten.full.default([], 0, dtype=torch.int64,
                                                         device=x.device)
@@ -894,15 +909,39 @@ def _sorted_at(x, dim, keepdim, position, nan_first=False):
     shape = list(x.shape)
     shape[dim] = 1
     at = aten.full.default(shape, position(n), dtype=torch.int64, device=x.device)
-    if nan_first and x.dtype.is_floating_point:
+    if (nan_first or numbers_only) and x.dtype.is_floating_point:
         nans = aten.sum.dim_IntList(aten._to_copy.default(aten.ne.Tensor(x, x),
                                                           dtype=torch.int64), [dim], True)
+    if numbers_only and x.dtype.is_floating_point:
+        at = aten.clamp.default(position(aten.add.Scalar(aten.neg.default(nans), n)), 0)
+    elif nan_first and x.dtype.is_floating_point:
         at = aten.where.self(aten.gt.Scalar(nans, 0),
                              aten.add.Scalar(aten.neg.default(nans), n), at)
     value, index = aten.gather.default(values, dim, at), aten.gather.default(indices, dim, at)
     if not keepdim:
         value, index = aten.squeeze.dims(value, [dim]), aten.squeeze.dims(index, [dim])
     return value, index
+
+
+def _put(x, index, source, accumulate=False):
+    """``put`` (``take``'s gradient): ``source`` written, or added, at the flat positions
+    of ``x`` that ``index`` names (an ``index_put`` of the flattened tensor)."""
+    def flat(t):
+        return aten.view.default(aten.clone.default(
+            t, memory_format=torch.contiguous_format), [-1])
+    return aten.view.default(aten.index_put.default(flat(x), [flat(index)], flat(source),
+                                                    accumulate), list(x.shape))
+
+
+def _addmv(x, mat, vec, *, beta=1, alpha=1):
+    """``addmv`` (a linear layer on one unbatched vector): ``beta * x + alpha * mat @
+    vec``, the product an ``mm`` with the vector as a column; ``x`` left out when beta is
+    0, as PyTorch (its NaNs too)."""
+    product = aten.squeeze.dims(aten.mm.default(mat, aten.unsqueeze.default(vec, 1)), [1])
+    if beta == 0:
+        return aten.mul.Scalar(aten.expand.default(product, list(torch.broadcast_shapes(
+            x.shape, product.shape))), alpha)
+    return aten.add.Tensor(aten.mul.Scalar(x, beta), product, alpha=alpha)
 
 
 def _isinf(x):
@@ -1528,6 +1567,10 @@ def decomposition_table() -> dict:
     table[aten.kthvalue.default] = _kthvalue
     table[aten.median.dim] = _median_dim
     table[aten.median.default] = _median
+    table[aten.put.default] = _put
+    table[aten.addmv.default] = _addmv
+    table[aten.nanmedian.dim] = _nanmedian_dim
+    table[aten.nanmedian.default] = _nanmedian
     table[aten.isinf.default] = _isinf
     table[aten.addbmm.default] = _addbmm
     table[aten.min.dim] = _min_dim

@@ -16,7 +16,8 @@ them), NeRF's volume rendering (``cumprod``, ``prod``), ``%``, ``remainder`` and
 reduction, ``index_add``, ``index_reduce``), image features merged into token embeddings
 (``masked_scatter``), running extremes and a Cox loss (``cummax``, ``cummin``,
 ``logcumsumexp``), a probit head (``erfinv``, ``erfc``, ``fmax``, ``fmin``, ``hypot``), bucket
-embeddings (``bucketize``, ``searchsorted``), adaptive max pooling of uneven windows,
+embeddings (``bucketize``, ``searchsorted``), a head on unbatched vectors (``addmv``,
+``take``, ``nanmedian``), adaptive max pooling of uneven windows,
 a learned power (generalized-mean pooling: ``pow`` of two
 tensors), ``RReLU`` in evaluation, and ``torch.distributions``' likelihoods, entropies
 and KL divergences (with their argument checks, on by default; Beta, Gamma, Poisson and
@@ -480,6 +481,23 @@ class Buckets(nn.Module):
         return self.head(torch.tanh(h + self.table(fixed) + self.table(learned)))
 
 
+class Unbatched(nn.Module):
+    """A policy-style head on one unbatched vector per example (``nn.Linear`` of a 1-d
+    input: ``addmv``), elements picked by flat position (``torch.take``; its gradient a
+    ``put``), and a median that skips missing values (``nanmedian``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.head = nn.Linear(6 + 3 + 1, 3)
+
+    def forward(self, x):
+        h = torch.stack([self.a(row) for row in x])
+        picked = torch.take(h, torch.tensor([[0, 3, 5]]) + 6 * torch.arange(x.shape[0])[:, None])
+        missing = torch.where(h > 0.8, torch.full_like(h, float("nan")), h)
+        return self.head(torch.cat([h, picked, missing.nanmedian(1, keepdim=True).values], 1))
+
+
 class Probit(nn.Module):
     """A probit head: features squashed into (-1, 1) and mapped to normal quantiles
     (``erfinv``), the normal CDF (``erfc``), NaN-ignoring extremes (``fmax``, ``fmin``)
@@ -632,6 +650,7 @@ MODELS = {
     "image_tokens": lambda: (ImageTokens(), _image_tokens(26), _classify),
     "probit": lambda: (Probit(), _batch((6, 4), seed=28, classes=(6, 3)), _classify),
     "buckets": lambda: (Buckets(), _batch((8, 4), seed=30, classes=(8, 3)), _classify),
+    "unbatched": lambda: (Unbatched(), _batch((5, 4), seed=31, classes=(5, 3)), _classify),
     "uneven_adaptive_max_pooling": lambda: (UnevenPooling(), _batch((2, 2, 9, 12), seed=29,
                                                                    classes=(2, 3)), _classify),
     "running_extremes": lambda: (RunningExtremes(), (
@@ -846,6 +865,7 @@ def test_a_distributions_argument_check_fails_the_iteration_as_pytorch_raises(da
 def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
     """The rules behind ``isinf`` (signed infinities, NaN, integers), ``median`` (a NaN in
     a slice gives its first NaN and that position; the lower median otherwise),
+    ``nanmedian``,
     ``kthvalue``, and ``max``/``min`` along a dim of bools, against PyTorch's own
     results."""
     from salus import decompositions as d
@@ -865,6 +885,15 @@ def test_isinf_median_and_kthvalue_rules_give_pytorchs_results():
                 assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     assert d._median(x).isnan() and d._median(x.nan_to_num(0.0)) == torch.median(
         x.nan_to_num(0.0))
+    # nanmedian: the lower median of the numbers and its position; a slice of NaNs gives
+    # NaN (which NaN's position PyTorch gives is left open).
+    x[0] = float("nan")
+    for dim in (0, 1):
+        got, want = d._nanmedian_dim(x, dim, True), torch.nanmedian(x, dim, True)
+        assert torch.equal(got[0].nan_to_num(7.0), want.values.nan_to_num(7.0))
+        numbers = want.values.isfinite()
+        assert torch.equal(got[1][numbers], want.indices[numbers])
+    assert d._nanmedian(x) == torch.nanmedian(x)
     # max and min along a dim of bools (a constraint's check: every diagonal positive).
     mask = x.nan_to_num(0.0) > -0.5
     for rule, reference in ((d._max_dim, torch.max), (d._min_dim, torch.min)):
