@@ -13,7 +13,6 @@ from .common import _of_result_type
 aten = torch.ops.aten
 
 
-
 def _any_dims(x, dim=None, keepdim=False):
     """``any`` over several dims (F.one_hot's range checks) as one ``any.dim`` per dim."""
     if x.dim() == 0:
@@ -23,7 +22,6 @@ def _any_dims(x, dim=None, keepdim=False):
     for d in reversed(list(dims)):
         out = aten.any.dim(out, d, keepdim)
     return out
-
 
 
 def _clamp_tensor(x, min=None, max=None):
@@ -37,11 +35,9 @@ def _clamp_tensor(x, min=None, max=None):
     return out
 
 
-
 def _sub_scalar(x, other, alpha=1):
     # x - alpha * other, as the IR's add with the opposite alpha.
     return aten.add.Scalar(x, other, alpha=-alpha)
-
 
 
 def _integer_divisor_checked(x, other):
@@ -54,12 +50,10 @@ def _integer_divisor_checked(x, other):
     return NotImplemented
 
 
-
 def _with_number(op):
     """``op.Scalar`` (``x op number``) and ``op.Scalar_Tensor`` (``number op x``) as
     ``op.Tensor`` of two tensors of PyTorch's result type: the number a 0-dim tensor."""
     return lambda a, b: op.Tensor(*_of_result_type(a, b))
-
 
 
 def _div_mode(a, b, *, rounding_mode=None):
@@ -90,9 +84,7 @@ def _div_mode(a, b, *, rounding_mode=None):
     return aten.where.self(aten.eq.Scalar(b, 0), quotient, floor)
 
 
-
 _EXACT_QUOTIENTS = 2 ** 24
-
 
 
 def _integer_division(a, b, rounding_mode, dtype):
@@ -111,7 +103,6 @@ def _integer_division(a, b, rounding_mode, dtype):
     return aten._to_copy.default(quotient, dtype=dtype)
 
 
-
 def _nan_ignoring(extreme):
     """``fmax`` / ``fmin``: ``maximum`` / ``minimum`` where neither is NaN, else the one
     that is not (NaN when both are)."""
@@ -120,7 +111,6 @@ def _nan_ignoring(extreme):
         return aten.where.self(aten.isnan.default(b), a, aten.where.self(
             aten.isnan.default(a), b, extreme(a, b)))
     return rule
-
 
 
 def _hypot(a, b):
@@ -138,23 +128,19 @@ def _hypot(a, b):
     return aten.where.self(infinite, aten.full_like.default(out, math.inf), out)
 
 
-
 def _isnan(x):
     # NaN is the one value not equal to itself.
     return aten.logical_not.default(aten.eq.Tensor(x, x))
-
 
 
 def _hardtanh(x, min_val=-1.0, max_val=1.0):
     return aten.clamp.default(x, min_val, max_val)
 
 
-
 def _hardtanh_backward(grad, x, min_val, max_val):
     # PyTorch's: the gradient where min_val < x < max_val, else 0.
     inside = aten.logical_and.default(aten.gt.Scalar(x, min_val), aten.lt.Scalar(x, max_val))
     return aten.where.self(inside, grad, aten.full_like.default(grad, 0))
-
 
 
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -181,7 +167,6 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         aten.sum.dim_IntList(aten.pow.Tensor_Scalar(a, ord), dims, keepdim), 1.0 / ord)
 
 
-
 def _addmv(x, mat, vec, *, beta=1, alpha=1):
     """``addmv`` (a linear layer on one unbatched vector): ``beta * x + alpha * mat @
     vec``, the product an ``mm`` with the vector as a column; ``x`` left out when beta is
@@ -193,13 +178,11 @@ def _addmv(x, mat, vec, *, beta=1, alpha=1):
     return aten.add.Tensor(aten.mul.Scalar(x, beta), product, alpha=alpha)
 
 
-
 def _isinf(x):
     """``isinf``: a magnitude equal to infinity (never for integers)."""
     if not x.dtype.is_floating_point:
         return aten.full_like.default(x, False, dtype=torch.bool)
     return aten.eq.Scalar(aten.abs.default(x), math.inf)
-
 
 
 def _addbmm(input, batch1, batch2, *, beta=1, alpha=1):
@@ -211,11 +194,9 @@ def _addbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return aten.add.Tensor(aten.mul.Scalar(input, beta), products, alpha=alpha)
 
 
-
 def _ne_tensor(a, b):
     # NaN != NaN holds, as not (NaN == NaN) does.
     return aten.logical_not.default(aten.eq.Tensor(a, b))
-
 
 
 def _logical_or(a, b):
@@ -223,16 +204,13 @@ def _logical_or(a, b):
         aten.logical_not.default(a), aten.logical_not.default(b)))
 
 
-
 def _ge_tensor(a, b):
     # a >= b is false where either is NaN: (a > b) or (a == b), not "not (a < b)".
     return _logical_or(aten.gt.Tensor(a, b), aten.eq.Tensor(a, b))
 
 
-
 def _le_tensor(a, b):
     return _logical_or(aten.lt.Tensor(a, b), aten.eq.Tensor(a, b))
-
 
 
 def _bool_or(a, b):
@@ -243,18 +221,15 @@ def _bool_or(a, b):
     return _logical_or(a, b)
 
 
-
 def _bool_xor(a, b):
     if a.dtype != torch.bool or b.dtype != torch.bool:
         return NotImplemented
     return _logical_xor(a, b)
 
 
-
 def _logical_xor(a, b):
     return aten.logical_not.default(aten.eq.Tensor(aten.logical_not.default(a),
                                                    aten.logical_not.default(b)))
-
 
 
 # Trigonometric, hyperbolic and base-2/10 functions in the IR's sin, cos, atan, atan2,
@@ -265,12 +240,10 @@ def _tan(x):
     return aten.div.Tensor(aten.sin.default(x), aten.cos.default(x))
 
 
-
 def _sinh(x):
     # (e^x - e^-x) / 2 through expm1: no cancellation near 0.
     return aten.mul.Scalar(aten.sub.Tensor(aten.expm1.default(x),
                                            aten.expm1.default(aten.neg.default(x))), 0.5)
-
 
 
 def _cosh(x):
@@ -278,21 +251,17 @@ def _cosh(x):
                                            aten.exp.default(aten.neg.default(x))), 0.5)
 
 
-
 def _one_minus_square(x):
     # (1 - x)(1 + x): 1 - x^2 without its cancellation near |x| = 1.
     return aten.mul.Tensor(aten.add.Scalar(aten.neg.default(x), 1.0), aten.add.Scalar(x, 1.0))
-
 
 
 def _asin(x):
     return aten.atan2.default(x, aten.sqrt.default(_one_minus_square(x)))
 
 
-
 def _acos(x):
     return aten.atan2.default(aten.sqrt.default(_one_minus_square(x)), x)
-
 
 
 def _atanh(x):
@@ -304,9 +273,7 @@ def _atanh(x):
     return aten.mul.Tensor(aten.sign.default(x), half)
 
 
-
 _HUGE = 2.0 ** 28  # past it, sqrt(1 + x^2) is |x| in float32 and x^2 may overflow
-
 
 
 def _asinh(x):
@@ -321,7 +288,6 @@ def _asinh(x):
                            aten.where.self(aten.gt.Scalar(a, _HUGE), large, small))
 
 
-
 def _acosh(x):
     """``log1p(t + sqrt(2t + t^2))`` with ``t = x - 1`` (exact near 1), and ``log x +
     log 2`` for huge ``x``; NaN below 1."""
@@ -332,12 +298,10 @@ def _acosh(x):
     return aten.where.self(aten.gt.Scalar(x, _HUGE), large, near)
 
 
-
 def _log_base(base):
     def log(x):
         return aten.mul.Scalar(aten.log.default(x), 1.0 / math.log(base))
     return log
-
 
 
 def _exp2(x):

@@ -9,10 +9,8 @@ import torch
 aten = torch.ops.aten
 
 
-
 def _zeros(shape, dtype, device):
     return aten.full.default(list(shape), 0, dtype=dtype, device=device)
-
 
 
 def _of_result_type(a, b):
@@ -24,7 +22,6 @@ def _of_result_type(a, b):
                  if isinstance(v, torch.Tensor)
                  else aten.scalar_tensor.default(v, dtype=dtype, device=device)
                  for v in (a, b))
-
 
 
 def _extreme_of(dtype, largest: bool):

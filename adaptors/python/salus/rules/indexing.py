@@ -9,11 +9,10 @@ import math
 import torch
 from torch._C import DispatchKey
 
+from .arithmetic import _div_mode
 from .common import _extreme_of, _of_result_type, _zeros
 
-from .arithmetic import _div_mode
 aten = torch.ops.aten
-
 
 
 # EmbeddingBag: the bag of each index, the rows gathered, summed into their bags by an
@@ -35,7 +34,6 @@ def _bag_of_each_index(indices, offsets, bags):
     return aten.slice.Tensor(aten.cumsum.default(marks, 0), 0, 0, n)
 
 
-
 def _counted(indices, padding_idx):
     """1 for each index that counts (not ``padding_idx``), as int64."""
     if padding_idx is None or padding_idx < 0:
@@ -44,11 +42,9 @@ def _counted(indices, padding_idx):
     return aten._to_copy.default(aten.ne.Scalar(indices, padding_idx), dtype=torch.int64)
 
 
-
 def _bag_counts(size, dtype):
     """Each bag's count of indices in ``dtype``, at least 1 (an empty bag's mean is 0)."""
     return aten.clamp.default(aten._to_copy.default(size, dtype=dtype), 1)
-
 
 
 def _weighted_rows(rows, keep, per_sample_weights):
@@ -56,7 +52,6 @@ def _weighted_rows(rows, keep, per_sample_weights):
     if per_sample_weights is not None:
         keep = aten.mul.Tensor(keep, per_sample_weights)
     return aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
-
 
 
 def _bag_maxima(weight, indices, bag, bags, counted):
@@ -88,7 +83,6 @@ def _bag_maxima(weight, indices, bag, bags, counted):
     return out, size, which
 
 
-
 def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
                    sparse=False, per_sample_weights=None, include_last_offset=False,
                    padding_idx=-1):
@@ -109,7 +103,6 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
     if mode == 1:
         out = aten.div.Tensor(out, aten.unsqueeze.default(_bag_counts(size, weight.dtype), 1))
     return out, bag, size, _zeros([bags], torch.int64, indices.device)
-
 
 
 def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
@@ -137,7 +130,6 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
     return aten.index_put.default(weights, [indices], rows, True)
 
 
-
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
                             num_weights, scale_grad_by_freq, mode, sparse,
                             per_sample_weights, padding_idx=-1):
@@ -146,7 +138,6 @@ def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximu
     return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
                                          maximum_indices, num_weights, scale_grad_by_freq,
                                          mode, per_sample_weights, padding_idx)
-
 
 
 def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
@@ -175,15 +166,19 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     return _div_mode(total, count, rounding_mode="floor")
 
 
+def _flat(t):
+    """``t``'s elements in order, as one dim (a contiguous copy first where ``t`` is a
+    view)."""
+    return aten.view.default(aten.clone.default(t, memory_format=torch.contiguous_format),
+                             [-1])
+
 
 def _mask_order(mask, shape):
     """``mask`` broadcast to ``shape`` and flattened, and each place's position among the
     true places (a running count less one; 0 before the first)."""
-    flat = aten.view.default(aten.clone.default(aten.expand.default(mask, list(shape)),
-                                                memory_format=torch.contiguous_format), [-1])
+    flat = _flat(aten.expand.default(mask, list(shape)))
     order = aten.sub.Scalar(aten.cumsum.default(flat, 0, dtype=torch.int64), 1)
     return flat, aten.clamp.default(order, 0)
-
 
 
 def _masked_scatter(x, mask, source):
@@ -192,24 +187,19 @@ def _masked_scatter(x, mask, source):
     k-th element, in order; the others keep ``x``'s. A source with fewer elements than
     true places fails the iteration with an index error."""
     _, order = _mask_order(mask, x.shape)
-    flat_source = aten.view.default(aten.clone.default(
-        source, memory_format=torch.contiguous_format), [-1])
-    taken = aten.view.default(aten.index.Tensor(flat_source, [order]), list(x.shape))
+    taken = aten.view.default(aten.index.Tensor(_flat(source), [order]), list(x.shape))
     return aten.where.self(aten.expand.default(mask, list(x.shape)), taken, x)
-
 
 
 def _masked_scatter_backward(grad, mask, sizes):
     """The source's gradient of ``masked_scatter``: the k-th true place's gradient at the
     source's k-th element (summed in by an accumulating ``index_put``), 0 past them."""
     flat, order = _mask_order(mask, grad.shape)
-    flat_grad = aten.view.default(aten.clone.default(
-        grad, memory_format=torch.contiguous_format), [-1])
+    flat_grad = _flat(grad)
     values = aten.where.self(flat, flat_grad, aten.full_like.default(flat_grad, 0))
     numel = math.prod(sizes)
     zeros = aten.full.default([numel], 0, dtype=grad.dtype, device=grad.device)
     return aten.view.default(aten.index_put.default(zeros, [order], values, True), list(sizes))
-
 
 
 def _insertion_points(sequence, values, right, out_int32):
@@ -228,10 +218,8 @@ def _insertion_points(sequence, values, right, out_int32):
     return aten._to_copy.default(count, dtype=torch.int32) if out_int32 else count
 
 
-
 def _bucketize(x, boundaries, *, out_int32=False, right=False):
     return _insertion_points(boundaries, x, right, out_int32)
-
 
 
 def _searchsorted(sequence, values, *, out_int32=False, right=False, side=None,
@@ -239,7 +227,6 @@ def _searchsorted(sequence, values, *, out_int32=False, right=False, side=None,
     if sorter is not None:
         sequence = aten.gather.default(sequence, -1, sorter)
     return _insertion_points(sequence, values, right or side == "right", out_int32)
-
 
 
 def _slice_backward(grad, input_sizes, dim, start, end, step):
@@ -258,7 +245,6 @@ def _slice_backward(grad, input_sizes, dim, start, end, step):
     return _slice_scatter(zeros, grad, dim, start, end, step)
 
 
-
 def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     """``x`` with ``src`` written at the slice ``start:end:step`` along ``dim``: an
     ``index_put`` at the slice's indices (an IR op; PyTorch writes ``slice_scatter``, e.g.
@@ -274,16 +260,11 @@ def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     return aten.index_put.default(x, [None] * dim + [where], src, False)
 
 
-
 def _put(x, index, source, accumulate=False):
     """``put`` (``take``'s gradient): ``source`` written, or added, at the flat positions
     of ``x`` that ``index`` names (an ``index_put`` of the flattened tensor)."""
-    def flat(t):
-        return aten.view.default(aten.clone.default(
-            t, memory_format=torch.contiguous_format), [-1])
-    return aten.view.default(aten.index_put.default(flat(x), [flat(index)], flat(source),
+    return aten.view.default(aten.index_put.default(_flat(x), [_flat(index)], _flat(source),
                                                     accumulate), list(x.shape))
-
 
 
 def _diagonal_positions(x, offset, dim1, dim2):
@@ -301,14 +282,12 @@ def _diagonal_positions(x, offset, dim1, dim2):
     return order, positions(first_row), positions(first_col)
 
 
-
 def _diagonal(x, offset=0, dim1=0, dim2=1):
     """``diagonal`` (a view in PyTorch) as the gather of its elements: the other dims
     first, the diagonal last."""
     order, rows, cols = _diagonal_positions(x, offset, dim1, dim2)
     moved = aten.permute.default(x, order)
     return aten.index.Tensor(moved, [None] * (x.dim() - 2) + [rows, cols])
-
 
 
 def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
@@ -321,7 +300,6 @@ def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
     return aten.permute.default(put, back)
 
 
-
 def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
     """``index_reduce`` as the ``scatter_reduce`` it is, the index spread along ``dim`` of
     ``source``: its gradient is that of ``scatter_reduce`` (``_scatter_reduce_autograd``)."""
@@ -330,7 +308,6 @@ def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
     shape[dim] = -1
     spread = index.view(shape).expand(source.shape)
     return x.scatter_reduce(dim, spread, source, reduce, include_self=include_self)
-
 
 
 def _scatter_reduce_autograd(x, dim, index, src, reduce, *, include_self=True):

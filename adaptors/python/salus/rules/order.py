@@ -13,14 +13,12 @@ from .common import _extreme_of
 aten = torch.ops.aten
 
 
-
 def _shifted(t, dim, steps, fill):
     """``t`` moved ``steps`` places along ``dim``, ``fill`` coming in at the start."""
     head = list(t.shape)
     head[dim] = steps
     return aten.cat.default([aten.full.default(head, fill, dtype=t.dtype, device=t.device),
                              aten.slice.Tensor(t, dim, 0, t.shape[dim] - steps)], dim)
-
 
 
 def _scan(state, dim, fills, combine):
@@ -34,7 +32,6 @@ def _scan(state, dim, fills, combine):
         state = combine(earlier, state)
         steps *= 2
     return state
-
 
 
 def _running_extreme(largest):
@@ -68,7 +65,6 @@ def _running_extreme(largest):
     return rule
 
 
-
 def _logcumsumexp(x, dim):
     """``logcumsumexp`` by :func:`_scan` of PyTorch's log-add-exp: the larger plus
     ``log1p(exp(smaller - larger))``, or the larger where both are the same infinity; a
@@ -88,12 +84,10 @@ def _logcumsumexp(x, dim):
     return _scan((x,), dim % x.dim(), (-math.inf,), combine)[0]
 
 
-
 def _sort(x, dim=-1, descending=False):
     """``sort`` as the IR's ``sort.stable``: a stable sort is one of the orders an
     unstable one may give (equal elements keep their input order)."""
     return aten.sort.stable(x, stable=True, dim=dim, descending=descending)
-
 
 
 def _topk(x, k, dim=-1, largest=True, sorted=True):
@@ -106,13 +100,11 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     return aten.slice.Tensor(values, dim, 0, k), aten.slice.Tensor(indices, dim, 0, k)
 
 
-
 def _kthvalue(x, k, dim=-1, keepdim=False):
     """``kthvalue``: element ``k - 1`` of a stable ascending sort (NaNs last, as PyTorch
     orders them), its value and position; of equal values the first in input order
     (PyTorch leaves which one open)."""
     return _sorted_at(x, dim, keepdim, lambda n: k - 1)
-
 
 
 def _median_dim(x, dim=-1, keepdim=False):
@@ -122,11 +114,9 @@ def _median_dim(x, dim=-1, keepdim=False):
     return _sorted_at(x, dim, keepdim, lambda n: (n - 1) // 2, nan_first=True)
 
 
-
 def _median(x):
     """``median`` of every element: the lower median, a NaN if there is one."""
     return _median_dim(aten.view.default(x, [-1]), 0)[0]
-
 
 
 def _nanmedian_dim(x, dim=-1, keepdim=False):
@@ -137,11 +127,9 @@ def _nanmedian_dim(x, dim=-1, keepdim=False):
     return _sorted_at(x, dim, keepdim, lambda n: (n - 1) // 2, numbers_only=True)
 
 
-
 def _nanmedian(x):
     """``nanmedian`` of every element."""
     return _nanmedian_dim(aten.view.default(x, [-1]), 0)[0]
-
 
 
 def _sorted_at(x, dim, keepdim, position, nan_first=False, numbers_only=False):
@@ -173,7 +161,6 @@ def _sorted_at(x, dim, keepdim, position, nan_first=False, numbers_only=False):
     return value, index
 
 
-
 def _extreme_dim(arg, x, dim, keepdim):
     """``max.dim`` / ``min.dim``: the position ``arg`` (``argmax``/``argmin``) finds, and
     the element there gathered, so value and index always agree (a NaN wins; the first
@@ -190,15 +177,12 @@ def _extreme_dim(arg, x, dim, keepdim):
     return aten.squeeze.dims(values, [dim]), aten.squeeze.dims(index, [dim])
 
 
-
 def _max_dim(x, dim, keepdim=False):
     return _extreme_dim(aten.argmax.default, x, dim, keepdim)
 
 
-
 def _min_dim(x, dim, keepdim=False):
     return _extreme_dim(aten.argmin.default, x, dim, keepdim)
-
 
 
 def _amin(x, dim=(), keepdim=False):
@@ -209,13 +193,11 @@ def _amin(x, dim=(), keepdim=False):
     return aten.neg.default(aten.amax.default(aten.neg.default(x), dim, keepdim))
 
 
-
 def _whole_extreme(reduce, x):
     """``max()``/``min()`` of a whole tensor: ``amax``/``amin`` over every dim."""
     if x.numel() == 0:
         return NotImplemented
     return reduce(x, list(range(x.dim())), False)
-
 
 
 def _prod_dim(x, dim, keepdim=False, *, dtype=None):
@@ -233,10 +215,8 @@ def _prod_dim(x, dim, keepdim=False, *, dtype=None):
     return aten.unsqueeze.default(out, dim) if keepdim else out
 
 
-
 def _product_dtype(x):
     return x.dtype if x.dtype.is_floating_point else torch.int64
-
 
 
 def _prod(x, *, dtype=None):

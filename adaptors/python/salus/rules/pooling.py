@@ -3,12 +3,11 @@ and circular padding, ``unfold``."""
 
 from __future__ import annotations
 
-
 import torch
 
+from .common import _extreme_of
 
 aten = torch.ops.aten
-
 
 
 def _unfold(x, dimension, size, step):
@@ -30,12 +29,10 @@ def _unfold(x, dimension, size, step):
     return aten.permute.default(aten.view.default(picked, shape), order)
 
 
-
 def _adaptive_avg_pool2d(x, output_size):
     # The composite's 1x1 shortcut (a mean, then `as_strided_` for a channels-last input)
     # would leave view mutations in the graph: the IR has the pooling op itself.
     return aten._adaptive_avg_pool2d.default(x, output_size)
-
 
 
 def _adaptive_max_window(x, output_size) -> list[int] | None:
@@ -47,7 +44,6 @@ def _adaptive_max_window(x, output_size) -> list[int] | None:
     if len(out) != 2 or any(o <= 0 or s % o for s, o in zip(sizes, out)):
         return None
     return [s // o for s, o in zip(sizes, out)]
-
 
 
 def _adaptive_positions(size, out, device):
@@ -63,7 +59,6 @@ def _adaptive_positions(size, out, device):
     positions = aten.minimum.default(aten.add.Tensor(aten.unsqueeze.default(start, 1), j),
                                      aten.unsqueeze.default(aten.sub.Scalar(end, 1), 1))
     return aten._to_copy.default(positions, dtype=torch.int64), width
-
 
 
 def _adaptive_max_pool2d(x, output_size):
@@ -98,7 +93,6 @@ def _adaptive_max_pool2d(x, output_size):
     return values, aten.squeeze.dims(aten.gather.default(flat, -1, pick), [-1])
 
 
-
 def _adaptive_max_pool2d_backward(grad, x, indices):
     """Each output's gradient added at its maximum's flat index in the input plane."""
     window = _adaptive_max_window(x, grad.shape[-2:])
@@ -113,7 +107,6 @@ def _adaptive_max_pool2d_backward(grad, x, indices):
                                         grad, memory_format=torch.contiguous_format),
                                         lead + [-1]))
     return aten.view.default(flat, list(x.shape))
-
 
 
 def _replication_pad_backward(grad, x, padding):
@@ -135,7 +128,6 @@ def _replication_pad_backward(grad, x, padding):
     return grad
 
 
-
 def _pad_circular(x, pad):
     """Circular padding (``F.pad(mode="circular")``) as a concatenation of the input's
     ends around it, dim by dim from the last (negative padding crops)."""
@@ -155,12 +147,10 @@ def _pad_circular(x, pad):
     return x
 
 
-
 def _triple(value, default=None):
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         value = default
     return [value] * 3 if isinstance(value, int) else list(value) * (3 // len(value))
-
 
 
 def _pooled_size(size, kernel, stride, pad, dilation, ceil_mode):
@@ -170,7 +160,6 @@ def _pooled_size(size, kernel, stride, pad, dilation, ceil_mode):
     if ceil_mode and (out - 1) * stride >= size + pad:
         out -= 1
     return out
-
 
 
 def _windows(x, outs, kernel, stride, pad, dilation, fill):
@@ -198,7 +187,6 @@ def _windows(x, outs, kernel, stride, pad, dilation, fill):
     return x.permute(order).flatten(-3)
 
 
-
 def _max_pool3d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """``max_pool3d_with_indices``: the largest element of each window (the first of equal
     ones) found by ``max`` along the gathered windows, and its position in the input's
@@ -208,7 +196,7 @@ def _max_pool3d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fals
     sizes = list(x.shape[-3:])
     outs = [_pooled_size(sizes[i], kernel[i], stride[i], pad[i], dilation[i], ceil_mode)
             for i in range(3)]
-    fill = (float("-inf") if x.dtype.is_floating_point else torch.iinfo(x.dtype).min)
+    fill = _extreme_of(x.dtype, False)
     values, local = _windows(x, outs, kernel, stride, pad, dilation, fill).max(-1)
     place = [torch.arange(outs[i], device=x.device)[:, None] * stride[i] - pad[i]
              + torch.arange(kernel[i], device=x.device)[None, :] * dilation[i]
@@ -219,7 +207,6 @@ def _max_pool3d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fals
     flat = flat.reshape(*outs, -1).expand(*local.shape, kernel[0] * kernel[1] * kernel[2])
     indices = flat.gather(-1, local.unsqueeze(-1)).squeeze(-1)
     return values, indices
-
 
 
 def _avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False,

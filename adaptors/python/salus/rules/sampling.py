@@ -14,7 +14,6 @@ from .common import _zeros
 aten = torch.ops.aten
 
 
-
 def _native_dropout(x, p, train):
     """``native_dropout`` (attention's dropout in scaled-dot-product attention) as
     ``nn.Dropout`` traces: a ``bernoulli.p`` draw of keep-flags from the session's
@@ -31,7 +30,6 @@ def _native_dropout(x, p, train):
     return (out, aten.ne.Scalar(noise, 0))
 
 
-
 def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
                memory_format=None):
     """``rand_like`` as the IR draws it, from the session's generator: of a tensor of the
@@ -39,7 +37,6 @@ def _rand_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
     if dtype is None or dtype == x.dtype:
         return NotImplemented  # recorded as it is
     return aten.rand_like.default(_zeros(x.shape, dtype, x.device))
-
 
 
 def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
@@ -55,15 +52,12 @@ def _randn_like(x, *, dtype=None, layout=None, device=None, pin_memory=None,
     return normal if dtype == torch.float32 else aten._to_copy.default(normal, dtype=dtype)
 
 
-
 def _rand(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     return aten.rand_like.default(_zeros(size, dtype or torch.get_default_dtype(), device))
 
 
-
 def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     return _randn_like(_zeros(size, dtype or torch.get_default_dtype(), device))
-
 
 
 def _sessions_generator(rule: Callable) -> Callable:
@@ -74,12 +68,10 @@ def _sessions_generator(rule: Callable) -> Callable:
     return draw
 
 
-
 @_sessions_generator
 def _normal_functional(x, mean=0.0, std=1.0):
     """``Tensor.normal_`` (functionalized): ``mean + std * randn_like(x)``."""
     return aten.add.Scalar(aten.mul.Scalar(_randn_like(x), std), mean)
-
 
 
 @_sessions_generator
@@ -95,13 +87,11 @@ def _normal_tensors(mean, std):
             else aten.add.Scalar(scaled, mean))
 
 
-
 @_sessions_generator
 def _normal_numbers(mean, std, size, *, dtype=None, layout=None, device=None,
                     pin_memory=None):
     noise = _randn_like(_zeros(size, dtype or torch.get_default_dtype(), device))
     return aten.add.Scalar(aten.mul.Scalar(noise, std), mean)
-
 
 
 @_sessions_generator
@@ -110,14 +100,12 @@ def _uniform(x, low=0.0, high=1.0):
     return aten.add.Scalar(aten.mul.Scalar(aten.rand_like.default(x), high - low), low)
 
 
-
 @_sessions_generator
 def _exponential(x, lambd=1.0):
     """``Tensor.exponential_`` (Gumbel noise: ``F.gumbel_softmax``): ``-log(1 - u) /
     lambd`` of a uniform draw ``u`` in [0, 1), as PyTorch transforms its own."""
     u = aten.rand_like.default(x)
     return aten.div.Scalar(aten.neg.default(aten.log1p.default(aten.neg.default(u))), lambd)
-
 
 
 def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
@@ -135,14 +123,12 @@ def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, genera
     return aten.mul.Tensor(x, noise), noise
 
 
-
 def _rrelu_with_noise_backward(grad, x, noise, lower, upper, training, self_is_result):
     """``rrelu_with_noise_backward``, as PyTorch's: the gradient times the noise in
     training (slopes drawn), else a leaky ReLU's of slope (lower + upper) / 2."""
     if training and upper - lower > 1e-6:
         return aten.mul.Tensor(grad, noise)
     return aten.leaky_relu_backward.default(grad, x, (lower + upper) / 2, self_is_result)
-
 
 
 def _integers(shape, low, high, dtype, device):
@@ -157,12 +143,10 @@ def _integers(shape, low, high, dtype, device):
     return aten._to_copy.default(aten.add.Scalar(picked, low), dtype=dtype or torch.int64)
 
 
-
 @_sessions_generator
 def _randint_low(low, high, size, *, dtype=None, layout=None, device=None,
                  pin_memory=None):
     return _integers(size, low, high, dtype, device)
-
 
 
 @_sessions_generator
@@ -170,17 +154,14 @@ def _randint(high, size, *, dtype=None, layout=None, device=None, pin_memory=Non
     return _integers(size, 0, high, dtype, device)
 
 
-
 def _randint_like_low(x, low, high, *, dtype=None, layout=None, device=None,
                       pin_memory=None, memory_format=None):
     return _integers(x.shape, low, high, dtype or x.dtype, x.device)
 
 
-
 def _randint_like(x, high, *, dtype=None, layout=None, device=None, pin_memory=None,
                   memory_format=None):
     return _integers(x.shape, 0, high, dtype or x.dtype, x.device)
-
 
 
 @_sessions_generator

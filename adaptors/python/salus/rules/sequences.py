@@ -3,10 +3,8 @@ LSTM, bilinear layers and pairwise distances."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
-
 
 aten = torch.ops.aten
 
@@ -14,7 +12,6 @@ aten = torch.ops.aten
 # A log-probability no path reaches: finite, so that the recursion's log-sum-exp always
 # has a term of 0 after its maximum is taken out and its gradient is never 0 * inf.
 _UNREACHED = -1e30
-
 
 
 def _log_add(*terms):
@@ -26,12 +23,10 @@ def _log_add(*terms):
     return top + torch.log(total)
 
 
-
 def _lengths(lengths, device):
     if isinstance(lengths, torch.Tensor):
         return lengths.to(torch.int64)
     return torch.tensor(list(lengths), dtype=torch.int64, device=device)
-
 
 
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1,
@@ -93,7 +88,6 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduct
     return loss.squeeze(0) if unbatched else loss
 
 
-
 def _bilinear(x1, x2, weight, bias=None):
     """``nn.Bilinear``: ``y[.., o] = sum_ij x1[.., i] weight[o, i, j] x2[.., j] + bias``,
     as one matrix product of ``x1`` with the weight laid out ``[i, o * j]``, a product
@@ -106,7 +100,6 @@ def _bilinear(x1, x2, weight, bias=None):
     if bias is not None:
         y = y + bias
     return y.view(*lead, out)
-
 
 
 def _cdist(x1, x2, p=2.0, compute_mode=None):
@@ -129,7 +122,6 @@ def _cdist(x1, x2, p=2.0, compute_mode=None):
     return _p_norms((x1.unsqueeze(-2) - x2.unsqueeze(-3)).abs(), p)
 
 
-
 def _pdist(x, p=2.0):
     """``F.pdist``: the distance of every pair of rows ``i < j`` (in the order of ``i``,
     then ``j``), from the differences of each pair as PyTorch's kernel computes it, whose
@@ -139,7 +131,6 @@ def _pdist(x, p=2.0):
     first = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=x.device)
     second = torch.tensor([j for _, j in pairs], dtype=torch.int64, device=x.device)
     return _p_norms((x.index_select(0, first) - x.index_select(0, second)).abs(), p)
-
 
 
 def _p_norms(diff, p):
@@ -155,7 +146,6 @@ def _p_norms(diff, p):
     positive = total > 0
     safe = torch.where(positive, total, torch.ones_like(total))
     return torch.where(positive, safe.pow(1.0 / p), torch.zeros_like(total))
-
 
 
 def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,

@@ -625,23 +625,11 @@ pub(crate) fn run(
         (ScatterAdd, &OpParams::Index { dim }) => index::scatter(dim, |a, v| a + v, args, o),
         (ScatterSrc, &OpParams::Index { dim }) => index::scatter(dim, |_, v| v, args, o),
         (ScatterReduce, &OpParams::ScatterReduce { dim, reduce }) => {
+            // NaN wins and a tie keeps the place's value, as in PyTorch's kernels.
             let combine: fn(f64, f64) -> f64 = match reduce {
                 ScatterReduction::Prod => |a, v| a * v,
-                // NaN wins, as in PyTorch's kernels.
-                ScatterReduction::Amax => |a, v| {
-                    if a.is_nan() || v.is_nan() {
-                        f64::NAN
-                    } else {
-                        a.max(v)
-                    }
-                },
-                ScatterReduction::Amin => |a, v| {
-                    if a.is_nan() || v.is_nan() {
-                        f64::NAN
-                    } else {
-                        a.min(v)
-                    }
-                },
+                ScatterReduction::Amax => maximum,
+                ScatterReduction::Amin => minimum,
             };
             index::scatter(dim, combine, args, o)
         }
