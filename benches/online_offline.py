@@ -33,7 +33,7 @@ under ``per_round``).
 
     python benches/online_offline.py [--json] [--seconds 10] [--load 0.3] [--trainers 1]
         [--device cpu] [--rounds 1] [--slo-ms MS | --slo-headroom 3]
-        [--offline-compute-share S] [--salusd PATH]
+        [--offline-compute-share S] [--trainer-idle] [--salusd PATH]
 
 salusd is ``target/release/salusd`` (built if missing) unless ``--salusd`` names another.
 """
@@ -131,10 +131,14 @@ class Daemon:
 class Trainer:
     """An offline training loop in its own process; `steps` holds its step end times."""
 
+    #: What the trainers' command starts with (``chrt --idle 0`` for ``--trainer-idle``).
+    prefix: list[str] = []
+
     def __init__(self, address: str, model: str, seed: int):
         self.process = subprocess.Popen(
-            [sys.executable, "-c", TRAINER, address, str(ROOT / "adaptors" / "python"),
-             model, str(seed)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [*self.prefix, sys.executable, "-c", TRAINER, address,
+             str(ROOT / "adaptors" / "python"), model, str(seed)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.steps: list[float] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -387,7 +391,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the service time the request rate and SLO are set from, "
                         "for runs to compare at the same rate [default: measured, the "
                         "median of 30 requests alone]")
+    parser.add_argument("--trainer-idle", action="store_true",
+                        help="start the trainers' processes in Linux's idle scheduling "
+                        "class (chrt --idle 0), as an operator may on a CPU host")
     args = parser.parse_args(argv)
+    if args.trainer_idle:
+        Trainer.prefix = ["chrt", "--idle", "0"]
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     binary = args.salusd or ROOT / "target" / "release" / "salusd"

@@ -163,6 +163,8 @@ impl Client {
         }
         .map_err(|e| fail(e.to_string()))?;
         let channel = endpoint
+            .initial_stream_window_size(salus_proto::wire::STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(salus_proto::wire::CONNECTION_WINDOW_BYTES)
             .connect()
             .await
             .map_err(|e| fail(format!("{e} ({})", source_chain(&e))))?;

@@ -18,6 +18,15 @@ pub const TOKEN_FILE_ENV: &str = "SALUS_TOKEN_FILE";
 pub const TLS_CA_ENV: &str = "SALUS_TLS_CA";
 /// Largest message either side accepts: feeds and fetches of one iteration travel whole.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
+/// HTTP/2's flow-control window of one stream (one call), both ways: what a receiver
+/// takes of a call it is not reading yet.
+pub const STREAM_WINDOW_BYTES: u32 = 1 << 20;
+/// HTTP/2's window of a whole connection, both ways: 64 streams' windows. A stream whose
+/// receiver stopped reading (a `RunStream` the daemon holds back, or whose answers its
+/// client leaves unread) keeps its window's worth of the connection's; with the two
+/// windows equal (hyper's defaults for a server), one such stream stalled every other
+/// call on its connection, the sessions of the same client with it.
+pub const CONNECTION_WINDOW_BYTES: u32 = 64 * STREAM_WINDOW_BYTES;
 /// Size of the chunks tensors travel in.
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// The metadata key that carries a TCP client's bearer token.

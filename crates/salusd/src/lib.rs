@@ -290,6 +290,8 @@ fn router(
     let (sessions, admin) = services(engine, access, servers);
     Ok(server
         .tcp_nodelay(true)
+        .initial_stream_window_size(wire::STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(wire::CONNECTION_WINDOW_BYTES)
         .add_service(sessions)
         .add_service(admin))
 }

@@ -171,7 +171,9 @@ fn config(args: Args) -> Result<(Config, String), String> {
         config.protection.offline_memory_share = share;
     }
     if let Some(share) = args.offline_compute_share.or(file.offline_compute_share) {
+        // A share the operator sets is fixed, not a start to learn from.
         config.protection.offline_compute_share = share;
+        config.protection.dynamic_compute_share = false;
         config.offline_compute_share_given = true;
     }
     if let Some(after) = args.offline_abandon_after.or(file.offline_abandon_after) {
@@ -184,7 +186,7 @@ fn config(args: Args) -> Result<(Config, String), String> {
     config
         .protection
         .validate()
-        .map_err(|e| format!("--offline-share: {e}"))?;
+        .map_err(|e| format!("protection: {e}"))?;
     if let Some(policy) = args.policy.or(file.policy) {
         config.policy = policy.parse().map_err(|e| format!("--policy: {e}"))?;
     }

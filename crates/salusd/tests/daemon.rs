@@ -779,9 +779,9 @@ async fn a_write_is_refused_before_its_chunks_when_the_session_is_not_the_caller
     assert_eq!(job.on(&session, 1).await, job.alone(1));
 }
 
-/// A one-node graph: `y = ones * x` with `ones: f32[n]` constant and `x: f32[1]` fed, so a
-/// small request fetches n floats.
-fn broadcast_graph(n: u64) -> salus_graph::Graph {
+/// A one-node graph: `y = ones * x` with `ones: f32[n]` constant and `x: f32[fed]` fed
+/// (1, or n), so a request of `fed` floats fetches n floats.
+fn broadcast_graph(n: u64, fed: u64) -> salus_graph::Graph {
     use salus_graph::{DType, Op, Role, Tensor, TensorType};
     let tensor = |name: &str, shape: Vec<u64>, role, data| Tensor {
         name: name.into(),
@@ -797,7 +797,7 @@ fn broadcast_graph(n: u64) -> salus_graph::Graph {
                 Role::Constant,
                 common::bytes(&vec![1.0; n as usize]),
             ),
-            tensor("x", vec![1], Role::Feed, vec![]),
+            tensor("x", vec![fed], Role::Feed, vec![]),
             tensor("y", vec![n], Role::Intermediate, vec![]),
         ],
         "scale",
@@ -814,7 +814,7 @@ async fn run_stream_stops_taking_requests_while_answers_are_unread() {
     let client = daemon.client().await;
     let n = 256 << 10; // 1 MiB of fetch per request
     let mut session = client
-        .open(OpenOptions::training(broadcast_graph(n).to_proto()))
+        .open(OpenOptions::training(broadcast_graph(n, 1).to_proto()))
         .await
         .unwrap();
     session.admitted().await.unwrap();
@@ -845,6 +845,48 @@ async fn run_stream_stops_taking_requests_while_answers_are_unread() {
         responses.next().await.is_none(),
         "every request answered, then OK"
     );
+}
+
+/// A stream whose requests the daemon stops reading (its answers unread) keeps its own
+/// unread requests, and only those: it held HTTP/2's window for the whole connection
+/// (1 MiB, as one stream's), so every other session of the same client stalled with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_daemon_stops_reading_holds_up_no_other_session_of_its_client() {
+    let daemon = Daemon::start(&["--policy", "pack", "--memory", "256MiB"]);
+    let client = daemon.client().await;
+    let n = 256 << 10; // 1 MiB of feed and of fetch per request
+    let mut piped = client
+        .open(OpenOptions::training(broadcast_graph(n, n).to_proto()))
+        .await
+        .unwrap();
+    piped.admitted().await.unwrap();
+    let requests = 3 * salusd::service::PIPELINE as u64 + 8;
+    let feeds: Vec<Vec<Vec<u8>>> = (0..requests)
+        .map(|i| vec![common::bytes(&vec![i as f32; n as usize])])
+        .collect();
+    let mut responses = piped.run_stream(feeds).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Another session on the same connection, while that stream waits: it opens, runs
+    // (a MiB of feed each time), reads and closes.
+    let other = async {
+        let job = Job::new("other", 256, 1024, 2, 3);
+        let mut session = client.open(job.options()).await.unwrap();
+        session.admitted().await.unwrap();
+        let result = job.on(&session, 2).await;
+        session.close().await.unwrap();
+        (result, job.alone(2))
+    };
+    let (on, alone) = tokio::time::timeout(Duration::from_secs(30), other)
+        .await
+        .expect("the other session is not held up by the waiting stream");
+    assert_eq!(on, alone);
+    for i in 0..requests {
+        let response = responses.next().await.unwrap().unwrap();
+        assert_eq!(response.tag, i);
+        let y = common::floats(&response.fetches[0]);
+        assert_eq!((y.len(), y[n as usize - 1]), (n as usize, i as f32));
+    }
+    assert!(responses.next().await.is_none());
 }
 
 /// With --state-dir, a SIGTERM keeps every session: the restarted daemon brings them

@@ -226,6 +226,8 @@ async fn bad_classes_and_targets_are_refused_by_name() {
     let (code, log) = common::refused_start(&["--offline-compute-share", "1.5"]);
     assert_ne!(code, Some(0));
     assert!(log.contains("offline_compute_share"), "{log}");
+    // A share the operator gives is fixed: the whole device is one.
+    drop(Daemon::start(&["--offline-compute-share", "1"]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
