@@ -158,10 +158,10 @@ def test_auto_packing_measures_c_on_the_trials_while_they_tune(tmp_path):
     # The last trial's session opened long before the first trial's 60 s were up (18 s
     # after it, on a 2-core machine): ASHA's stop gave its place back. The test's wall
     # time said so too, but varied from 49 s to 84 s with the machine's load.
-    opened = sorted(e.time_us for e in events
-                    if e.kind == admin_pb2.EventKind.EVENT_KIND_OPENED)
-    assert len(opened) == 3 and opened[2] - opened[0] < 50e6, \
-        f"a stopped trial gave its place to the next: sessions opened at {opened}"
+    opened_at = sorted(e.time_us for e in events
+                       if e.kind == admin_pb2.EventKind.EVENT_KIND_OPENED)
+    assert len(opened_at) == 3 and opened_at[2] - opened_at[0] < 50e6, \
+        f"a stopped trial gave its place to the next: sessions opened at {opened_at}"
     # Trials waited at the gate for a place (the last one for a whole trial), and Ray's
     # clock of them did not count that wait: no trial's time is longer than its function's.
     for r in grid:
