@@ -9,7 +9,10 @@ fails the iteration with PyTorch's message where PyTorch would raise.
   satisfies its constraint and that a value given to ``log_prob`` is within the support,
   through ``torch._is_all_true``: while a step records, that function puts the check in
   the graph, naming the parameter, the distribution and the constraint (not the values,
-  which the recording does not have), and answers True.
+  which the recording does not have), and answers True. The symmetric and
+  positive-definite constraints (``MultivariateNormal``'s covariance and precision)
+  branch in Python on a check of their own; while a step records they compute the same
+  answer in tensor ops.
 """
 
 from __future__ import annotations
@@ -28,11 +31,30 @@ def value_checks_in_the_graph() -> Iterator[None]:
     """While a step records: ``F.gaussian_nll_loss`` and ``torch._is_all_true`` with their
     checks in the graph; both put back after."""
     originals = F.gaussian_nll_loss, torch._is_all_true
+    constraints = torch.distributions.constraints
+    checks = constraints._Symmetric.check, constraints._PositiveDefinite.check
     F.gaussian_nll_loss, torch._is_all_true = _gaussian_nll_loss, _all_true_in_the_graph
+    constraints._Symmetric.check = _symmetric
+    constraints._PositiveDefinite.check = _positive_definite
     try:
         yield
     finally:
         F.gaussian_nll_loss, torch._is_all_true = originals
+        constraints._Symmetric.check, constraints._PositiveDefinite.check = checks
+
+
+def _symmetric(self, value):
+    """``constraints.symmetric``'s answer without its Python branch: no matrix of a
+    non-square shape is symmetric (a fact of the shape), else each is close to its
+    transpose."""
+    if value.shape[-2] != value.shape[-1]:
+        return torch.zeros(value.shape[:-2], dtype=torch.bool, device=value.device)
+    return torch.isclose(value, value.mT, atol=1e-6).all(-2).all(-1)
+
+
+def _positive_definite(self, value):
+    """``constraints.positive_definite``: symmetric, and its Cholesky factor found."""
+    return _symmetric(self, value) & torch.linalg.cholesky_ex(value).info.eq(0)
 
 
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):

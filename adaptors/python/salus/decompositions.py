@@ -23,25 +23,27 @@ from torch._decomp import decomposition_table as _all_decompositions
 from torch._subclasses.fake_tensor import is_fake
 
 from .attention import attention_with_dropout, flash_attention, flash_attention_backward
-from .rules.arithmetic import (_acos, _acosh, _addbmm, _addmv, _any_dims, _asin, _asinh,
-    _atanh, _bool_or, _bool_xor, _clamp_tensor, _cosh, _div_mode, _exp2, _ge_tensor,
-    _hardtanh, _hardtanh_backward, _hypot, _integer_divisor_checked, _isinf, _isnan,
-    _le_tensor, _log_base, _logical_or, _logical_xor, _nan_ignoring, _ne_tensor, _sinh,
-    _sub_scalar, _tan, _vector_norm, _with_number)
+from .rules.arithmetic import (_acos, _acosh, _addbmm, _addmv, _angle, _any_dims, _asin,
+    _asinh, _atanh, _bool_or, _bool_xor, _clamp_tensor, _copysign, _cosh, _div_mode, _exp2,
+    _ge_tensor, _hardtanh, _hardtanh_backward, _hypot, _integer_divisor_checked, _isinf,
+    _isnan, _le_tensor, _log_base, _logical_or, _logical_xor, _nan_ignoring, _ne_tensor,
+    _signbit, _sinh, _sub_scalar, _tan, _vector_norm, _with_number)
 from .rules.indexing import (_bucketize, _diagonal, _diagonal_scatter, _embedding_bag,
     _embedding_bag_backward, _embedding_bag_dense_backward, _index_reduce, _masked_scatter,
     _masked_scatter_backward, _put, _scatter_reduce, _scatter_reduce_autograd,
     _searchsorted, _slice_backward, _slice_scatter)
+from .rules.linalg import (_check_errors, _cholesky_ex, _det, _inv_ex, _linalg_solve_ex,
+    _slogdet, _solve_triangular, _triangular_solve)
 from .rules.order import (_amin, _kthvalue, _logcumsumexp, _max_dim, _median, _median_dim,
     _min_dim, _nanmedian, _nanmedian_dim, _prod, _prod_dim, _running_extreme, _sort, _topk,
     _whole_extreme)
-from .rules.pooling import (_adaptive_avg_pool2d, _adaptive_max_pool2d,
-    _adaptive_max_pool2d_backward, _avg_pool3d, _max_pool3d, _pad_circular,
-    _replication_pad_backward, _unfold)
-from .rules.sampling import (_exponential, _native_dropout, _normal_functional,
-    _normal_numbers, _normal_tensors, _rand, _rand_like, _randint, _randint_like,
-    _randint_like_low, _randint_low, _randn, _randn_like, _randperm, _rrelu_with_noise,
-    _rrelu_with_noise_backward, _uniform)
+from .rules.pooling import (_adaptive_avg_pool2d, _adaptive_avg_pool3d, _adaptive_max_pool2d,
+    _adaptive_max_pool2d_backward, _adaptive_max_pool3d, _avg_pool3d, _max_pool3d,
+    _pad_circular, _replication_pad_backward, _unfold)
+from .rules.sampling import (_exponential, _multinomial, _native_dropout,
+    _normal_functional, _normal_numbers, _normal_tensors, _rand, _rand_like, _randint,
+    _randint_like, _randint_like_low, _randint_low, _randn, _randn_like, _randperm,
+    _rrelu_with_noise, _rrelu_with_noise_backward, _uniform)
 from .rules.sequences import _bilinear, _cdist, _ctc_loss, _lstm, _pdist
 
 aten = torch.ops.aten
@@ -123,7 +125,8 @@ def decomposition_table() -> dict:
     variants, ``EmbeddingBag``, ``repeat``, ``unfold``, grouped-query attention, ``sort``
     and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
     diagonals, trigonometric and hyperbolic functions, ``scatter_reduce``'s sums and
-    means, ``masked_scatter``, and running extremes and log-sum-exps (scans). Each
+    means, ``masked_scatter``, running extremes and log-sum-exps (scans), signs,
+    ``multinomial``, and dense linear algebra (Cholesky, triangular solves, LU). Each
     function's docstring says
     what it writes; :func:`composite_decompositions` adds the rules that must run above
     autograd."""
@@ -248,7 +251,27 @@ def decomposition_table() -> dict:
     table[aten._pad_circular.default] = _pad_circular
     table[aten.diagonal.default] = _diagonal
     table[aten.diagonal_scatter.default] = _diagonal_scatter
+    table[aten.multinomial.default] = _multinomial
+    table[aten.signbit.default] = _signbit
+    table[aten.copysign.Tensor] = _copysign
+    table[aten.copysign.Scalar] = _copysign
+    table[aten.angle.default] = _angle
+    table[aten._linalg_check_errors.default] = _check_errors
+    table.update(_LINEAR_ALGEBRA)
     return table
+
+
+# Linear algebra as unrolled algorithms (salus.rules.linalg): above autograd, so that the
+# gradient is the algorithm's, and in the table for a step that records no gradient.
+_LINEAR_ALGEBRA = {
+    aten.linalg_cholesky_ex.default: _cholesky_ex,
+    aten.linalg_solve_triangular.default: _solve_triangular,
+    aten.triangular_solve.default: _triangular_solve,
+    aten._linalg_solve_ex.default: _linalg_solve_ex,
+    aten.linalg_inv_ex.default: _inv_ex,
+    aten._linalg_det.default: _det,
+    aten._linalg_slogdet.default: _slogdet,
+}
 
 
 # Ops no table entry can replace, because they are decided before the dispatcher's tracing
@@ -271,6 +294,8 @@ _ABOVE_AUTOGRAD = {
     (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
     (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
+    (aten._adaptive_avg_pool3d.default, DispatchKey.Autograd): _adaptive_avg_pool3d,
+    (aten.adaptive_max_pool3d.default, DispatchKey.Autograd): _adaptive_max_pool3d,
     # A product's gradient without PyTorch's read of a value; index_reduce as a
     # scatter_reduce (its own gradient reads one too).
     (aten.scatter_reduce.two, DispatchKey.Autograd): _scatter_reduce_autograd,
@@ -279,6 +304,7 @@ _ABOVE_AUTOGRAD = {
     # mode), in gathers and arithmetic.
     (aten.grid_sampler_2d.default, DispatchKey.Autograd):
         _all_decompositions.get(aten.grid_sampler_2d.default),
+    **{(op, DispatchKey.Autograd): rule for op, rule in _LINEAR_ALGEBRA.items()},
 }
 
 

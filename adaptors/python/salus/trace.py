@@ -684,10 +684,13 @@ def _fold_constants(gm: torch.fx.GraphModule) -> None:
     attention's), and makes their results constants of the graph. They are the same at
     every iteration, so nothing is lost; computations that depend on an input, draw
     random numbers, or give more than ``_FOLD_LIMIT`` elements stay, and the lowering
-    names an op the IR lacks."""
-    from .lower import LoweringError, _ir_op, _unsupported_reason
+    names an op the IR lacks. A dtype the IR lacks counts as such an op."""
+    from .lower import DTYPES, LoweringError, _ir_op, _unsupported_reason
 
     def unsupported(node: torch.fx.Node) -> bool:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dtype not in DTYPES:
+            return True  # torch.eye's index ranges in uint8 (PyTorch 2.15)
         try:
             name, overload = _ir_op(node)
         except LoweringError:

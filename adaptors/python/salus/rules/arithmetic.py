@@ -306,3 +306,38 @@ def _log_base(base):
 
 def _exp2(x):
     return aten.pow.Scalar(2.0, x)
+
+
+def _signbit(x):
+    """``signbit``: negative, or a negative zero (``1 / x`` is ``-inf``); of integers,
+    negative. A NaN counts as positive: the IR's ops cannot read a NaN's sign bit."""
+    if x.dtype == torch.bool:
+        return aten.logical_and.default(x, aten.logical_not.default(x))
+    negative = aten.lt.Scalar(x, 0)
+    if not x.dtype.is_floating_point:
+        return negative
+    zero = aten.logical_and.default(aten.eq.Scalar(x, 0),
+                                    aten.lt.Scalar(aten.reciprocal.default(x), 0))
+    return aten.logical_or.default(negative, zero)
+
+
+def _copysign(a, b):
+    """``copysign``: ``|a|`` with ``b``'s sign (:func:`_signbit`), of PyTorch's result
+    type (floats; integers become the default float type)."""
+    dtype = torch.result_type(a, b)
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    a, b = (aten._to_copy.default(v, dtype=dtype) if isinstance(v, torch.Tensor)
+            and v.dtype != dtype else v for v in _of_result_type(a, b))
+    magnitude = aten.abs.default(a)
+    return aten.where.self(_signbit(b), aten.neg.default(magnitude), magnitude)
+
+
+def _angle(x):
+    """``angle`` of real numbers: pi for negative ones, 0 otherwise, NaN for NaN (as
+    PyTorch's); of integers, as the default float type."""
+    if not x.dtype.is_floating_point:
+        x = aten._to_copy.default(x, dtype=torch.get_default_dtype())
+    half_turns = aten.where.self(aten.lt.Scalar(x, 0), aten.full_like.default(x, math.pi),
+                                 aten.full_like.default(x, 0))
+    return aten.where.self(_isnan(x), x, half_turns)

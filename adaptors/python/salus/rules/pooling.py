@@ -1,5 +1,5 @@
-"""Pooling and padding: adaptive pooling, 3-d pooling by gathered windows, replication
-and circular padding, ``unfold``."""
+"""Pooling and padding: adaptive pooling (2-d, and 3-d by gathered windows), 3-d pooling
+by gathered windows, replication and circular padding, ``unfold``."""
 
 from __future__ import annotations
 
@@ -235,3 +235,58 @@ def _avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False,
     divisor = (factors[0][:, None, None] * factors[1][None, :, None]
                * factors[2][None, None, :])
     return sums / divisor
+
+
+def _adaptive_windows_3d(x, output_size):
+    """Adaptive pooling's windows of ``x``'s last three dims to ``output_size``: the
+    window cells as ``[..., o1, o2, o3, k1 * k2 * k3]`` (each window padded to the widest
+    by repeating its last cell, :func:`_adaptive_positions`), each cell's flat position in
+    the input's ``D * H * W`` volume, and each window's true cell count."""
+    sizes, outs = list(x.shape[-3:]), list(output_size)
+    lead = x.dim() - 3
+    places, widths, counts = [], [], []
+    for i in range(3):
+        positions, width = _adaptive_positions(sizes[i], outs[i], x.device)
+        places.append(positions)
+        widths.append(width)
+        counts.append([-(-((o + 1) * sizes[i]) // outs[i]) - (o * sizes[i]) // outs[i]
+                       for o in range(outs[i])])
+        dim = lead + 2 * i
+        x = x.index_select(dim, positions.reshape(-1)).unflatten(dim, (outs[i], width))
+    order = (list(range(lead)) + [lead + 2 * i for i in range(3)]
+             + [lead + 2 * i + 1 for i in range(3)])
+    cells = x.permute(order).flatten(-3)
+    flat = ((places[0][:, None, None, :, None, None] * sizes[1]
+             + places[1][None, :, None, None, :, None]) * sizes[2]
+            + places[2][None, None, :, None, None, :]).reshape(*outs, -1)
+    return cells, flat, counts, widths
+
+
+def _adaptive_avg_pool3d(x, output_size):
+    """``_adaptive_avg_pool3d``: each window's mean (a window of uneven size pads with
+    repeats of its last cell, masked out of the sum), its gradient autograd's."""
+    cells, _, counts, widths = _adaptive_windows_3d(x, output_size)
+    keep = None
+    for i in range(3):
+        # Along dim i, window o holds counts[i][o] real cells of widths[i].
+        real = (torch.arange(widths[i], device=x.device)[None, :]
+                < torch.tensor(counts[i], device=x.device)[:, None])
+        shape = [1, 1, 1, 1, 1, 1]
+        shape[i], shape[3 + i] = real.shape
+        real = real.reshape(shape)
+        keep = real if keep is None else keep & real
+    keep = keep.reshape(*cells.shape[-4:-1], -1)
+    total = torch.where(keep, cells, torch.zeros_like(cells)).sum(-1)
+    size = torch.tensor(counts[0], dtype=x.dtype, device=x.device)[:, None, None] \
+        * torch.tensor(counts[1], dtype=x.dtype, device=x.device)[None, :, None] \
+        * torch.tensor(counts[2], dtype=x.dtype, device=x.device)[None, None, :]
+    return total / size
+
+
+def _adaptive_max_pool3d(x, output_size):
+    """``adaptive_max_pool3d``: each window's largest cell (the first of equal ones) and
+    its flat position in the input volume, as PyTorch gives them."""
+    cells, flat, _, _ = _adaptive_windows_3d(x, output_size)
+    values, local = cells.max(-1)
+    indices = flat.expand(*local.shape, flat.shape[-1]).gather(-1, local.unsqueeze(-1))
+    return values, indices.squeeze(-1)

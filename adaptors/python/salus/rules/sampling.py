@@ -1,6 +1,6 @@
 """Random draws in a step, from the session's generator: dropout, ``rand``, ``randn``,
-``normal_``, ``uniform_``, ``exponential_``, ``randint``, ``randperm`` and ``RReLU``'s
-slopes."""
+``normal_``, ``uniform_``, ``exponential_``, ``randint``, ``randperm``, ``multinomial``
+and ``RReLU``'s slopes."""
 
 from __future__ import annotations
 
@@ -172,3 +172,33 @@ def _randperm(n, *, dtype=None, layout=None, device=None, pin_memory=None):
     order = aten.sort.stable(u, stable=True, dim=0)[1]
     return order if dtype in (None, torch.int64) else aten._to_copy.default(order,
                                                                             dtype=dtype)
+
+
+def _multinomial(probs, num_samples, replacement=False, *, generator=None):
+    """``multinomial`` (``Categorical.sample``, a policy's actions) from the session's
+    generator, for rows of non-negative weights: with replacement by the inverse of each
+    row's running sum (a uniform draw counts the categories whose cumulative share is at
+    most it, so a category of weight 0 is never drawn); without, as PyTorch's own kernel
+    does it, the ``num_samples`` largest of ``weight / e`` for exponential draws ``e``.
+    PyTorch's checks of the weights (finite, not negative, a positive sum) fail the
+    iteration with its messages."""
+    if generator is not None:
+        return NotImplemented
+    categories = probs.shape[-1]
+    if not replacement and num_samples > categories:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without "
+                           "replacement")
+    weights = probs if probs.dtype == torch.float32 else probs.to(torch.float32)
+    valid = ((weights >= 0) & (weights.abs() != math.inf)).all()  # NaN fails >= 0
+    torch._assert_async(valid, "probability tensor contains either `inf`, `nan` or "
+                               "element < 0")
+    torch._assert_async((weights.sum(-1) > 0).all(),
+                        "invalid multinomial distribution (sum of probabilities <= 0)")
+    if not replacement:
+        e = -torch.log1p(-torch.rand_like(weights))
+        keys = weights / e
+        return keys.topk(num_samples, -1).indices
+    running = weights.cumsum(-1)
+    shares = running / running[..., -1:]
+    u = torch.rand(*weights.shape[:-1], num_samples, device=weights.device)
+    return (shares.unsqueeze(-2) <= u.unsqueeze(-1)).sum(-1)
