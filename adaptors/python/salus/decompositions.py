@@ -28,10 +28,11 @@ from .rules.arithmetic import (_acos, _acosh, _addbmm, _addmv, _angle, _any_dims
     _ge_tensor, _hardtanh, _hardtanh_backward, _hypot, _integer_divisor_checked, _isinf,
     _isnan, _le_tensor, _log_base, _logical_or, _logical_xor, _nan_ignoring, _ne_tensor,
     _signbit, _sinh, _sub_scalar, _tan, _vector_norm, _with_number)
-from .rules.indexing import (_bucketize, _diagonal, _diagonal_scatter, _embedding_bag,
-    _embedding_bag_backward, _embedding_bag_dense_backward, _index_reduce, _masked_scatter,
-    _masked_scatter_backward, _put, _scatter_reduce, _scatter_reduce_autograd,
-    _searchsorted, _slice_backward, _slice_scatter)
+from .rules.indexing import (_as_strided, _as_strided_scatter, _bucketize, _diagonal,
+    _diagonal_scatter, _embedding_bag, _embedding_bag_backward,
+    _embedding_bag_dense_backward, _index_reduce, _masked_scatter, _masked_scatter_backward,
+    _put, _scatter_reduce, _scatter_reduce_autograd, _searchsorted, _slice_backward,
+    _slice_scatter)
 from .rules.linalg import (_check_errors, _cholesky_ex, _det, _inv_ex, _linalg_solve_ex,
     _slogdet, _solve_triangular, _triangular_solve)
 from .rules.order import (_amin, _kthvalue, _logcumsumexp, _max_dim, _median, _median_dim,
@@ -252,6 +253,8 @@ def decomposition_table() -> dict:
     table[aten.diagonal.default] = _diagonal
     table[aten.diagonal_scatter.default] = _diagonal_scatter
     table[aten.multinomial.default] = _multinomial
+    table[aten.as_strided.default] = _as_strided
+    table[aten.as_strided_scatter.default] = _as_strided_scatter
     table[aten.signbit.default] = _signbit
     table[aten.copysign.Tensor] = _copysign
     table[aten.copysign.Scalar] = _copysign

@@ -2,9 +2,10 @@
 marginal likelihood (``linalg.cholesky``, ``solve_triangular``), a policy's
 ``MultivariateNormal`` (covariance and precision matrices: log-likelihood, entropy,
 reparameterized samples, and its argument checks in the graph), ``linalg.solve`` (left,
-right, a vector), ``inv``, ``det``, ``slogdet`` and ``logdet``, and ``torch.eye`` in a
-step. Each model trains three Adam steps on salusd, every tensor against float64 by the
-suite's rule (harness.py); the rules themselves are checked against LAPACK in float64,
+right, a vector), ``inv``, ``det``, ``slogdet`` and ``logdet``, ``torch.eye`` in a
+step, and ``LowRankMultivariateNormal`` (a strided in-place update, ``as_strided``).
+Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
+rule (harness.py); the rules themselves are checked against LAPACK in float64,
 values and gradients; a matrix LAPACK fails on fails the iteration with PyTorch's
 message."""
 
@@ -92,6 +93,25 @@ class Solves(nn.Module):
                 + torch.logdet(a @ a.mT).sum())
 
 
+class LowRankPolicy(nn.Module):
+    """A ``LowRankMultivariateNormal`` over 4 actions (a rank-2 factor and a diagonal),
+    whose capacitance matrix PyTorch builds with a strided in-place update of its diagonal
+    (``view(-1, m * m)[:, ::m + 1] += 1``), plus a jitter added the same way by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 16)
+
+    def forward(self, state, action):
+        h = self.body(state)
+        factor = h[:, 4:12].reshape(-1, 4, 2)
+        dist = torch.distributions.LowRankMultivariateNormal(h[:, :4], factor,
+                                                             h[:, 12:].exp())
+        gram = factor.mT @ factor
+        gram.view(-1, 4)[:, ::3] += 0.1
+        return -dist.log_prob(action).mean() + torch.logdet(gram).mean()
+
+
 def _gp():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 3, generator=g)
@@ -112,8 +132,14 @@ def _solves():
     return Solves(), (x,), lambda m, x: m(x)
 
 
+def _low_rank():
+    g = torch.Generator().manual_seed(4)
+    batch = (torch.randn(5, 3, generator=g), torch.randn(5, 4, generator=g))
+    return LowRankPolicy(), batch, lambda m, s, a: m(s, a)
+
+
 MODELS = {"gaussian_process": _gp, "policy_covariance": _policy(False),
-          "policy_precision": _policy(True), "solves": _solves}
+          "policy_precision": _policy(True), "solves": _solves, "low_rank": _low_rank}
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +247,28 @@ def test_the_lu_rules_give_lapacks_results_and_gradients():
     singular = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)
     assert _det(singular)[0].item() == 0.0
     assert _inv_ex(singular)[1].item() == torch.linalg.inv_ex(singular).info.item() == 2
+
+
+@pytest.mark.parametrize("size, stride, offset", [
+    ((3,), (4,), 0),            # a 3 x 3 matrix's diagonal, flattened
+    ((2, 3), (9, 4), 0),        # the diagonals of two 3 x 3 matrices
+    ((2, 2), (1, 3), 1),        # a transposed block at an offset
+    ((3, 2), (2, 0), 2),        # a broadcast (stride 0)
+])
+def test_the_strided_rules_read_and_write_pytorchs_elements(size, stride, offset):
+    """``as_strided`` and ``as_strided_scatter`` of a contiguous tensor as a gather and an
+    ``index_put`` of its flat positions; dense views in row-major order are left to the
+    layout pass (``NotImplemented``)."""
+    from salus.rules.indexing import _as_strided, _as_strided_scatter
+    x = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_as_strided(x, size, stride, offset),
+                       torch.as_strided(x, size, stride, offset))
+    if 0 not in stride:  # overlapping writes: PyTorch leaves which one lands open
+        src = torch.randn(size)
+        assert torch.equal(_as_strided_scatter(x, src, size, stride, offset),
+                           torch.as_strided_scatter(x, src, size, stride, offset))
+    assert _as_strided(x, (3, 3), (3, 1), 9) is NotImplemented
+    assert _as_strided(x.mT, size, stride, offset) is NotImplemented
 
 
 class _Whitened(nn.Module):

@@ -342,3 +342,57 @@ def _scatter_reduce_autograd(x, dim, index, src, reduce, *, include_self=True):
                              result.gather(dim, index) / src.masked_fill(src_zero, 1))
     linear = (x * of_x).scatter_add(dim, index, src * of_src)
     return result + (linear - linear.detach())
+
+
+def _strided_positions(x, size, stride, storage_offset):
+    """The flat positions in ``x`` of the elements an ``as_strided`` view of ``size`` and
+    ``stride`` at ``storage_offset`` reads, as an int64 tensor of ``size``; None where the
+    view's positions are not ``x``'s own (``x`` not laid out contiguously, or the view
+    reaching outside it), which no gather can express, and where the view is a dense
+    block in row-major order, which the recording's layout pass makes a view or a slice
+    (``salus.trace._drop_layouts``)."""
+    expected = 1
+    for n, s in reversed([(n, s) for n, s in zip(size, stride) if n != 1]):
+        if s != expected:
+            break
+        expected *= n
+    else:
+        return None  # dense in row-major order
+    if not x.is_contiguous():
+        return None
+    start = (x.storage_offset() if storage_offset is None else storage_offset) \
+        - x.storage_offset()
+    low = start + sum(min(0, (n - 1) * s) for n, s in zip(size, stride) if n > 0)
+    high = start + sum(max(0, (n - 1) * s) for n, s in zip(size, stride) if n > 0)
+    if any(n == 0 for n in size):
+        low = high = 0
+    if low < 0 or high >= max(x.numel(), 1):
+        return None
+    positions = aten.full.default([1] * len(size), start, dtype=torch.int64, device=x.device)
+    for dim, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[dim] = n
+        step = aten.mul.Scalar(aten.arange.start_step(0, n, dtype=torch.int64,
+                                                      device=x.device), s)
+        positions = aten.add.Tensor(positions, aten.view.default(step, shape))
+    return aten.expand.default(positions, list(size))
+
+
+def _as_strided(x, size, stride, storage_offset=None):
+    """``as_strided`` (an in-place update of a strided view, ``m.view(-1)[::n + 1] +=
+    1``, after functionalization; its gradient) as the gather of the positions it reads
+    from a contiguous ``x``."""
+    positions = _strided_positions(x, size, stride, storage_offset)
+    if positions is None:
+        return NotImplemented
+    return aten.index.Tensor(_flat(x), [positions])
+
+
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    """``x`` with the elements of its ``as_strided`` view replaced by ``src``'s: an
+    ``index_put`` of the flattened tensor at the view's positions."""
+    positions = _strided_positions(x, size, stride, storage_offset)
+    if positions is None:
+        return NotImplemented
+    put = aten.index_put.default(_flat(x), [_flat(positions)], _flat(src), False)
+    return aten.view.default(put, list(x.shape))
