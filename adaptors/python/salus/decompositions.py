@@ -45,6 +45,7 @@ from .rules.sampling import (_exponential, _multinomial, _native_dropout,
     _normal_functional, _normal_numbers, _normal_tensors, _rand, _rand_like, _randint,
     _randint_like, _randint_like_low, _randint_low, _randn, _randn_like, _randperm,
     _rrelu_with_noise, _rrelu_with_noise_backward, _uniform)
+from .rules.special import _i0, _i0e, _i1, _i1e
 from .rules.sequences import _bilinear, _cdist, _ctc_loss, _lstm, _pdist
 
 aten = torch.ops.aten
@@ -127,7 +128,8 @@ def decomposition_table() -> dict:
     and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
     diagonals, trigonometric and hyperbolic functions, ``scatter_reduce``'s sums and
     means, ``masked_scatter``, running extremes and log-sum-exps (scans), signs,
-    ``multinomial``, and dense linear algebra (Cholesky, triangular solves, LU). Each
+    ``multinomial``, Bessel functions, and dense linear algebra (Cholesky, triangular
+    solves, LU). Each
     function's docstring says
     what it writes; :func:`composite_decompositions` adds the rules that must run above
     autograd."""
@@ -253,6 +255,9 @@ def decomposition_table() -> dict:
     table[aten.diagonal.default] = _diagonal
     table[aten.diagonal_scatter.default] = _diagonal_scatter
     table[aten.multinomial.default] = _multinomial
+    for op, rule in ((aten.i0, _i0), (aten.special_i0e, _i0e), (aten.special_i1, _i1),
+                     (aten.special_i1e, _i1e)):
+        table[op.default] = rule
     table[aten.as_strided.default] = _as_strided
     table[aten.as_strided_scatter.default] = _as_strided_scatter
     table[aten.signbit.default] = _signbit
