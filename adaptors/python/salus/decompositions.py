@@ -46,7 +46,8 @@ from .rules.sampling import (_exponential, _multinomial, _native_dropout,
     _randint_like, _randint_like_low, _randint_low, _randn, _randn_like, _randperm,
     _rrelu_with_noise, _rrelu_with_noise_backward, _uniform)
 from .rules.special import _i0, _i0e, _i1, _i1e
-from .rules.sequences import _bilinear, _cdist, _ctc_loss, _lstm, _pdist
+from .rules.recurrent import _lstm
+from .rules.sequences import _bilinear, _cdist, _ctc_loss, _pdist
 
 aten = torch.ops.aten
 

@@ -61,6 +61,7 @@ from . import amp
 from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
 from .checks import value_checks_in_the_graph
+from .rules.recurrent import packed_sequences_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
@@ -562,7 +563,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
           DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
-          value_checks_in_the_graph()):
+          value_checks_in_the_graph(), packed_sequences_in_the_graph()):
         try:
             gm = traced(*args)
         except RuntimeError as error:
@@ -822,15 +823,17 @@ def _drop_layouts(gm: torch.fx.GraphModule) -> None:
     what they compute on row-major tensors: ``as_strided`` and ``as_strided_scatter`` of
     a whole tensor in row-major order become a ``view``, of a dense block of a row-major
     tensor a slice and a concatenation (:func:`_as_block`), ``copy`` the source cast and
-    expanded to the destination, ``alias`` its input. Anything else stays, and the
-    lowering names it."""
+    expanded to the destination, ``alias`` and ``lift_fresh_copy`` their input. Anything
+    else stays, and the lowering names it."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         val = node.meta.get("val")
         target = node.target
-        if target is aten.alias.default:
+        if target in (aten.alias.default, aten.lift_fresh_copy.default):
+            # A copy of a constant (a tensor made from numbers in the step): the graph's
+            # values are never changed in place, so the constant itself.
             node.replace_all_uses_with(node.args[0])
             continue
         if target is aten.as_strided.default:

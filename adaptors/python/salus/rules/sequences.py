@@ -1,10 +1,9 @@
-"""Sequence and pair models written out above autograd or in IR ops: the CTC loss, the
-LSTM, bilinear layers and pairwise distances."""
+"""Sequence and pair models written out above autograd or in IR ops: the CTC loss,
+bilinear layers and pairwise distances."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 aten = torch.ops.aten
 
@@ -146,48 +145,3 @@ def _p_norms(diff, p):
     positive = total > 0
     safe = torch.where(positive, total, torch.ones_like(total))
     return torch.where(positive, safe.pow(1.0 / p), torch.zeros_like(total))
-
-
-def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-          batch_first):
-    """``nn.LSTM`` (``lstm.input``) unrolled over time as PyTorch's Python rule writes it
-    (each step's gates ``linear(h, W_hh, b_hh) + linear(x, W_ih, b_ih)[t]``, chunked in
-    four: input, forget, cell and output gates), with the hidden state [B, H]: every
-    layer and direction, projections (``proj_size``), dropout between layers (the
-    session's generator), ``batch_first``. PyTorch's own rule, which the Python
-    dispatcher would run, keeps the state [1, B, H], and its backward adds a gradient of
-    shape [1, B, 4H] into one of [B, 4H] and fails ("output with shape ... doesn't match
-    the broadcast shape"); without any Python rule its C++ composite runs oneDNN's fused
-    layer, which the IR has no op for."""
-    h0, c0 = hx
-    directions = 2 if bidirectional else 1
-    projected = h0.size(2) != c0.size(2)
-    per = (4 if has_biases else 2) + (1 if projected else 0)
-    x = input.transpose(0, 1) if batch_first else input
-    last_h, last_c = [], []
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            k = layer * directions + direction
-            p = params[k * per:(k + 1) * per]
-            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
-            w_hr = p[-1] if projected else None
-            h, c = h0[k], c0[k]
-            inputs = F.linear(x, p[0], b_ih)
-            length = inputs.size(0)
-            out = [None] * length
-            for t in (reversed(range(length)) if direction else range(length)):
-                gates = F.linear(h, p[1], b_hh) + inputs[t]
-                i, f, g, o = gates.chunk(4, 1)
-                c = f.sigmoid() * c + i.sigmoid() * g.tanh()
-                h = o.sigmoid() * c.tanh()
-                if w_hr is not None:
-                    h = F.linear(h, w_hr)
-                out[t] = h
-            outputs.append(torch.stack(out))
-            last_h.append(h)
-            last_c.append(c)
-        x = torch.cat(outputs, 2) if directions == 2 else outputs[0]
-        if dropout and train and layer < num_layers - 1:
-            x = F.dropout(x, dropout, True)
-    return (x.transpose(0, 1) if batch_first else x), torch.stack(last_h), torch.stack(last_c)
