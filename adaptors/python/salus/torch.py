@@ -23,8 +23,9 @@ Porting a training loop::
 Shapes and dtypes are those of the example batch; :class:`~salus.errors.BatchError` says
 when a batch does not match. The optimizer's hyperparameters follow its ``param_groups``
 as in eager PyTorch: a ``torch.optim.lr_scheduler`` built on the same optimizer (or any
-change to ``lr``, ``momentum``, ``betas``...) takes effect at the next step. Every failure of the daemon is a
-:class:`~salus.errors.DaemonError` with the status code's name and salusd's message.
+change to ``lr``, ``momentum``, ``betas``...) takes effect at the next step. Every failure
+of the daemon is a :class:`~salus.errors.DaemonError` with the status code's name and
+salusd's message.
 """
 
 from __future__ import annotations
