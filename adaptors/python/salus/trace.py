@@ -533,25 +533,8 @@ def _custom_functions() -> Iterator[None]:
         table[TransformType.Functionalize] = rule
 
 
-def _refuse_renormalised_embeddings(model: torch.nn.Module) -> None:
-    """An ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` rescales the rows it
-    looks up in its weight, in place, while the forward pass runs: a parameter changed
-    before the update, which a recording cannot write back. Refused by name."""
-    for name, module in model.named_modules():
-        if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-                and module.max_norm is not None):
-            raise TraceError(
-                f"the module {name or 'model'!r} ({type(module).__name__}) has max_norm="
-                f"{module.max_norm}: it rescales the rows it looks up in its weight in "
-                "place during the forward pass, a change to a parameter salus cannot "
-                "record; drop max_norm, or rescale the weight's rows between steps "
-                "(torch.renorm(weight, norm_type, 0, max_norm) of session.state_dict()'s "
-                "weight, given back by session.load_state_dict)")
-
-
 def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
             tracing_mode: str) -> torch.fx.GraphModule:
-    _refuse_renormalised_embeddings(model)
     # In fake mode, tensors the model captures (not parameters or buffers) stay real
     # and become constants of the graph.
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
@@ -584,6 +567,13 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                     f"{_user_frame(error.__traceback__)}, which PyTorch's functionalization "
                     "cannot record; register the tensor as a buffer "
                     "(module.register_buffer), or pass it in the batch") from None
+            if "would mutate a captured Tensor" in str(error):
+                raise TraceError(
+                    "the step changes in place a tensor it does not train (a frozen "
+                    "parameter, a buffer outside the model's, a global)"
+                    f"{_user_frame(error.__traceback__)}, which PyTorch's gradient "
+                    "transform cannot record (an nn.Embedding with max_norm rescales its "
+                    "weight so: train the weight, or drop max_norm)") from None
             if "_local_scalar_dense" not in str(error):
                 raise
             raise TraceError(
@@ -624,9 +614,22 @@ def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.graph.eliminate_dead_code()
     _fold_constants(gm)
     gm.graph.eliminate_dead_code()
+    _drop_write_backs(gm)
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+def _drop_write_backs(gm: torch.fx.GraphModule) -> None:
+    """Removes functionalization's write-backs into the graph's inputs (``copy_`` of a
+    changed value into a placeholder, used by nothing): a step that changes a parameter
+    in place (``nn.Embedding(max_norm=...)`` rescaling the rows it looks up) reads the
+    changed value from then on, and its update output, computed after, carries it; a
+    changed batch is the caller's, which salus does not give back."""
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is aten.copy_.default
+                and node.args[0].op == "placeholder" and not node.users):
+            gm.graph.erase_node(node)
 
 
 def _custom_function(error: RuntimeError) -> str | None:

@@ -71,19 +71,6 @@ def test_an_unsupported_op_is_named_before_anything_is_sent(daemon):
         assert client.list_sessions() == []
 
 
-def test_an_embedding_that_renormalises_its_weight_is_refused_by_name(daemon):
-    """``nn.Embedding(max_norm=...)`` rescales the rows it looks up in its weight, in place,
-    during the forward pass: refused before anything is sent, naming the module."""
-    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
-    batch = (torch.randint(0, 10, (5, 3)), torch.randn(5, 2))
-    with pytest.raises(TraceError, match=r"module '0' \(Embedding\) has max_norm=1.0"):
-        st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1), batch,
-                        address=daemon.address,
-                        loss_of=lambda m, x, y: nn.functional.mse_loss(m(x), y))
-    with Client(daemon.address) as client:
-        assert client.list_sessions() == []
-
-
 def test_a_selection_by_a_boolean_mask_is_refused_with_the_masked_form(daemon):
     """A loss over the rows a mask selects (a GNN's train_mask, labelled tokens) has no
     fixed shape: refused before anything is sent, naming the masked form, which trains

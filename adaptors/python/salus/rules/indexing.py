@@ -396,3 +396,20 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
         return NotImplemented
     put = aten.index_put.default(_flat(x), [_flat(positions)], _flat(src), False)
     return aten.view.default(put, list(x.shape))
+
+
+def _embedding_renorm(weight, indices, max_norm, norm_type):
+    """``embedding_renorm`` (``nn.Embedding(max_norm=...)`` before its lookup): each row
+    the indices name whose ``norm_type``-norm exceeds ``max_norm`` scaled by ``max_norm /
+    (norm + 1e-7)``, as PyTorch's kernel; the other rows as they are."""
+    rows = weight.shape[0]
+    looked = aten.index_put.default(
+        aten.full.default([rows], False, dtype=torch.bool, device=weight.device),
+        [_flat(indices)], aten.full.default([1], True, dtype=torch.bool,
+                                            device=weight.device), False)
+    norms = aten.linalg_vector_norm.default(weight, norm_type, [1])
+    over = aten.logical_and.default(looked, aten.gt.Scalar(norms, max_norm))
+    scale = aten.where.self(over, aten.reciprocal.default(
+        aten.mul.Scalar(aten.add.Scalar(norms, 1e-7), 1.0 / max_norm)),
+        aten.full_like.default(norms, 1.0))
+    return aten.mul.Tensor(weight, aten.unsqueeze.default(scale, 1))
