@@ -45,7 +45,7 @@ from .rules.sampling import (_exponential, _multinomial, _native_dropout,
     _normal_functional, _normal_numbers, _normal_tensors, _rand, _rand_like, _randint,
     _randint_like, _randint_like_low, _randint_low, _randn, _randn_like, _randperm,
     _rrelu_with_noise, _rrelu_with_noise_backward, _uniform)
-from .rules.special import _i0, _i0e, _i1, _i1e
+from .rules.special import _erfcx, _i0, _i0e, _i1, _i1e, _log_ndtr
 from .rules.recurrent import _lstm
 from .rules.sequences import _bilinear, _cdist, _ctc_loss, _pdist
 
@@ -129,9 +129,8 @@ def decomposition_table() -> dict:
     and ``topk``, ``max``/``min`` along a dim, comparisons and logic of two tensors,
     diagonals, trigonometric and hyperbolic functions, ``scatter_reduce``'s sums and
     means, ``masked_scatter``, running extremes and log-sum-exps (scans), signs,
-    ``multinomial``, Bessel functions, and dense linear algebra (Cholesky, triangular
-    solves, LU). Each
-    function's docstring says
+    ``multinomial``, Bessel functions, ``erfcx`` and ``log_ndtr``, and dense linear
+    algebra (Cholesky, triangular solves, LU). Each function's docstring says
     what it writes; :func:`composite_decompositions` adds the rules that must run above
     autograd."""
     table = dict(core_aten_decompositions().items())
@@ -257,7 +256,8 @@ def decomposition_table() -> dict:
     table[aten.diagonal_scatter.default] = _diagonal_scatter
     table[aten.multinomial.default] = _multinomial
     for op, rule in ((aten.i0, _i0), (aten.special_i0e, _i0e), (aten.special_i1, _i1),
-                     (aten.special_i1e, _i1e)):
+                     (aten.special_i1e, _i1e), (aten.special_erfcx, _erfcx),
+                     (aten.special_log_ndtr, _log_ndtr)):
         table[op.default] = rule
     table[aten.as_strided.default] = _as_strided
     table[aten.embedding_renorm.default] = _embedding_renorm

@@ -1,10 +1,15 @@
-"""Modified Bessel functions of the first kind, orders 0 and 1 (``torch.special.i0``,
-``i0e``, ``i1``, ``i1e``; ``torch.i0``: Kaiser windows, von Mises-Fisher heads), in IR
-ops: each scaled function ``exp(-|x|) I(x)`` as a Chebyshev series in ``|x| / 4 - 1`` up
-to 8 and in ``16 / |x| - 1`` beyond (times ``sqrt(|x|)`` there), evaluated by Clenshaw's
-recurrence. The coefficients are the functions' own Chebyshev coefficients (computed
-at 40 digits, kept to 1e-16 of the largest), so the series match the functions to
-double precision; PyTorch's gradients follow from the same rules (``i0' = i1``, ...)."""
+"""Special functions as Chebyshev series in IR ops, evaluated by Clenshaw's recurrence.
+The coefficients are the functions' own Chebyshev coefficients (computed at 40 digits
+or more, kept to 1e-16 of the largest), so the series match the functions to double
+precision; PyTorch's gradients follow from its formulas of the same functions.
+
+- Modified Bessel functions of the first kind, orders 0 and 1 (``torch.special.i0``,
+  ``i0e``, ``i1``, ``i1e``; ``torch.i0``: Kaiser windows, von Mises heads): each scaled
+  function ``exp(-|x|) I(x)`` as a series in ``|x| / 4 - 1`` up to 8 and in
+  ``16 / |x| - 1`` beyond (times ``sqrt(|x|)`` there).
+- The scaled complementary error function ``erfcx(x) = exp(x^2) erfc(x)`` (and
+  ``log_ndtr``, a probit's log-likelihood, from it): ``(1 + 2x) erfcx(x)`` for ``x >= 0``
+  as a series in ``(x - 3.75) / (x + 3.75)``, ``2 exp(x^2) - erfcx(-x)`` below 0."""
 
 from __future__ import annotations
 
@@ -56,6 +61,22 @@ _I1E_LARGE = (
     -1.8803547755107824e-15, 3.3082023109209283e-16, 2.9626289976459501e-16,
     -3.2095259219934239e-17, -4.6503053684893583e-17,
 )
+
+
+_ERFCX = (
+    1.1775789345674018, -4.5900545806464773e-3, -8.4249133366517916e-2,
+    5.920993999819189e-2, -2.6658668435305752e-2, 9.0749976707052651e-3,
+    -2.4131635404176082e-3, 4.9077583652580863e-4, -6.9169733025012064e-5,
+    4.1390279860730102e-6, 7.7403830661984907e-7, -2.1886401049234396e-7,
+    1.076499946567091e-8, 4.5219598112182869e-9, -7.7544002088313511e-10,
+    -6.3180883408866845e-11, 2.8687950109306699e-11, 1.9455868545777347e-13,
+    -9.6546967484334389e-13, 3.2525481481487398e-14, 3.3478119482868054e-14,
+    -1.8645628804193131e-15, -1.2507950530688647e-15, 7.4182352566240435e-17,
+    5.0681489047961113e-17,
+)
+
+# erfcx's series variable: (x - K) / (x + K), which maps [0, inf] onto [-1, 1].
+_ERFCX_K = 3.75
 
 
 def _series(t, coefficients):
@@ -115,3 +136,39 @@ def _i1(x):
     x = _as_float(x)
     return aten.mul.Tensor(aten.sign.default(x), _unscaled(x, _scaled(
         x, _I1E_SMALL, _I1E_LARGE, True)))
+
+
+def _erfcx_nonnegative(a):
+    """``erfcx`` of ``a >= 0`` (and of +inf: 0): the series over ``1 + 2a``."""
+    t = aten.add.Scalar(aten.neg.default(aten.div.Tensor(
+        aten.full_like.default(a, 2 * _ERFCX_K), aten.add.Scalar(a, _ERFCX_K))), 1.0)
+    return aten.div.Tensor(_series(t, _ERFCX), aten.add.Scalar(aten.mul.Scalar(a, 2.0), 1.0))
+
+
+def _erfcx(x):
+    """``special.erfcx``: the series for ``x >= 0``; ``2 exp(x^2) - erfcx(-x)`` below
+    (infinite where ``exp(x^2)`` is, as PyTorch's)."""
+    x = _as_float(x)
+    negative = aten.lt.Scalar(x, 0)
+    a = aten.abs.default(x)
+    mirrored = _erfcx_nonnegative(a)
+    below = aten.sub.Tensor(aten.mul.Scalar(aten.exp.default(aten.mul.Tensor(x, x)), 2.0),
+                            mirrored)
+    return aten.where.self(negative, below, mirrored)
+
+
+def _log_ndtr(x):
+    """``special.log_ndtr``, the log of the standard normal's distribution function, as
+    PyTorch computes it: ``log(erfcx(-t) / 2) - t^2`` with ``t = x / sqrt(2)`` below -1
+    (no underflow far in the tail), ``log1p(-erfc(t) / 2)`` from there."""
+    x = _as_float(x)
+    t = aten.mul.Scalar(x, 0.5 ** 0.5)
+    low = aten.lt.Scalar(x, -1.0)
+    # Each branch on arguments of its own range, so that neither overflows into NaN.
+    t_low = aten.where.self(low, t, aten.full_like.default(t, -1.0))
+    t_high = aten.where.self(low, aten.full_like.default(t, 0.0), t)
+    tail = aten.sub.Tensor(
+        aten.log.default(aten.mul.Scalar(_erfcx_nonnegative(aten.neg.default(t_low)), 0.5)),
+        aten.mul.Tensor(t_low, t_low))
+    body = aten.log1p.default(aten.mul.Scalar(aten.erfc.default(t_high), -0.5))
+    return aten.where.self(low, tail, body)

@@ -1,8 +1,10 @@
-"""Modified Bessel functions of the first kind (``salus.rules.special``): against
-PyTorch's in float64 over both of their series' ranges, at 0, 8, infinities and NaN; and
-a von Mises likelihood head (``log I0(k) = log i0e(k) + k``, ``i1e`` for its mean
-resultant length), and ``torch.i0`` and ``special.i1`` of a wider range, trained three
-Adam steps on salusd against float64 by the suite's rule (harness.py)."""
+"""Special functions as Chebyshev series (``salus.rules.special``): the modified Bessel
+functions of the first kind and ``erfcx`` and ``log_ndtr`` against PyTorch's in float64
+over their series' ranges, at 0, 8, infinities and NaN; a von Mises likelihood head
+(``log I0(k) = log i0e(k) + k``, ``i1e`` for its mean resultant length, ``torch.i0``
+and ``special.i1`` of a wider range) and a probit model (``log_ndtr`` of both signs, far
+into the tail), trained three Adam steps on salusd against float64 by the suite's rule
+(harness.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ class VonMisesHead(nn.Module):
         return nll + (1 - resultant).mean() + 1e-3 * window.mean()
 
 
+class Probit(nn.Module):
+    """A probit classifier's log-likelihood, ``log Phi(z)`` for the positives and
+    ``log Phi(-z)`` for the negatives (``log_ndtr``, exact in the far tail where ``Phi``
+    underflows), plus an ``erfcx`` feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(3, 1)
+
+    def forward(self, x, label):
+        z = self.score(x).squeeze(1) * 6
+        sign = label * 2 - 1
+        return -torch.special.log_ndtr(sign * z).mean() + torch.special.erfcx(z / 4).mean() * 0.1
+
+
 @pytest.fixture(scope="module")
 def daemon():
     with Daemon("--memory", "256MiB") as d:
@@ -48,6 +65,33 @@ def test_trains_on_salusd_as_eagerly(daemon):
     assert_trains_on_salusd_as_eagerly(VonMisesHead(), batch, lambda m, x, a: m(x, a),
                                        lambda p: torch.optim.Adam(p, lr=1e-2),
                                        daemon.address)
+
+
+def test_a_probit_model_trains_on_salusd_as_eagerly(daemon):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(8, 3, generator=g) * 2, (torch.rand(8, generator=g) > 0.5).float())
+    assert_trains_on_salusd_as_eagerly(Probit(), batch, lambda m, x, y: m(x, y),
+                                       lambda p: torch.optim.Adam(p, lr=1e-2),
+                                       daemon.address)
+
+
+def test_the_error_function_rules_give_pytorchs_values():
+    """Within 8 float64 epsilons of PyTorch's (``erfcx`` relative; ``log_ndtr`` relative,
+    less where it is below float64's smallest normal number), infinite and NaN where
+    PyTorch's is."""
+    from salus.rules.special import _erfcx, _log_ndtr
+    x = torch.cat([torch.linspace(-27, 40, 8001, dtype=torch.float64),
+                   torch.tensor([0.0, -0.0, 1e-300, 1e10, 1e300, -1.0, math.inf, -math.inf,
+                                 math.nan], dtype=torch.float64)])
+    eps, tiny = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
+    for rule, pytorchs in ((_erfcx, torch.special.erfcx), (_log_ndtr, torch.special.log_ndtr)):
+        mine, theirs = rule(x), pytorchs(x)
+        assert torch.equal(mine.isnan(), theirs.isnan()), pytorchs.__name__
+        assert torch.equal(mine.isinf(), theirs.isinf()), pytorchs.__name__
+        finite = theirs.isfinite()
+        error = (mine[finite] - theirs[finite]).abs()
+        assert (error <= 8 * eps * theirs[finite].abs() + tiny).all(), pytorchs.__name__
 
 
 def test_the_bessel_rules_give_pytorchs_values():
