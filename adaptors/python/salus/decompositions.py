@@ -29,7 +29,7 @@ from .rules.arithmetic import (_acos, _acosh, _addbmm, _addmv, _angle, _any_dims
     _isnan, _le_tensor, _log_base, _logical_or, _logical_xor, _nan_ignoring, _ne_tensor,
     _signbit, _sinh, _sub_scalar, _tan, _vector_norm, _with_number)
 from .rules.indexing import (_as_strided, _as_strided_scatter, _bucketize, _diagonal,
-    _diagonal_scatter, _embedding_bag, _embedding_bag_backward, _embedding_renorm,
+    _diagonal_scatter, _embedding_bag, _embedding_bag_backward, _embedding_renorm, _histc,
     _embedding_bag_dense_backward, _index_reduce, _masked_scatter, _masked_scatter_backward,
     _put, _scatter_reduce, _scatter_reduce_autograd, _searchsorted, _slice_backward,
     _slice_scatter)
@@ -261,6 +261,7 @@ def decomposition_table() -> dict:
         table[op.default] = rule
     table[aten.as_strided.default] = _as_strided
     table[aten.embedding_renorm.default] = _embedding_renorm
+    table[aten.histc.default] = _histc
     table[aten.as_strided_scatter.default] = _as_strided_scatter
     table[aten.signbit.default] = _signbit
     table[aten.copysign.Tensor] = _copysign

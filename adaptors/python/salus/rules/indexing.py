@@ -413,3 +413,39 @@ def _embedding_renorm(weight, indices, max_norm, norm_type):
         aten.mul.Scalar(aten.add.Scalar(norms, 1e-7), 1.0 / max_norm)),
         aten.full_like.default(norms, 1.0))
     return aten.mul.Tensor(weight, aten.unsqueeze.default(scale, 1))
+
+
+def _histc(x, bins=100, min=0, max=0):
+    """``histc``: each element's bin ``trunc((x - min) * bins / (max - min))`` in ``x``'s
+    dtype (the maximum in the last bin), as PyTorch's kernel computes it, counted with an
+    accumulating ``index_put``; elements outside ``[min, max]`` and NaNs not counted.
+    ``min == max`` takes the data's extremes (widened by 1 either way when they are
+    equal), which must be finite (PyTorch's check, its message less the values)."""
+    low, high = float(min), float(max)
+    if low > high:
+        raise RuntimeError("torch.histc: max must be larger than min")
+    flat = _flat(x)
+    if low == high:
+        lo, hi = aten.amin.default(flat, [0]), aten.amax.default(flat, [0])
+        finite = aten.logical_not.default(aten.logical_or.default(
+            _nan_or_inf(lo), _nan_or_inf(hi)))
+        aten._assert_async.msg(finite, "torch.histc: range of [min, max] is not finite")
+        same = aten.eq.Tensor(lo, hi)
+        lo = aten.where.self(same, aten.sub.Scalar(lo, 1), lo)
+        hi = aten.where.self(same, aten.add.Scalar(hi, 1), hi)
+    else:
+        lo = aten.full.default([], low, dtype=x.dtype, device=x.device)
+        hi = aten.full.default([], high, dtype=x.dtype, device=x.device)
+    inside = aten.logical_and.default(aten.ge.Tensor(flat, lo), aten.le.Tensor(flat, hi))
+    position = aten.trunc.default(aten.div.Tensor(
+        aten.mul.Scalar(aten.sub.Tensor(flat, lo), bins), aten.sub.Tensor(hi, lo)))
+    safe = aten.where.self(inside, position, aten.full_like.default(position, 0))
+    index = aten.clamp.default(aten._to_copy.default(safe, dtype=torch.int64), 0, bins - 1)
+    counts = aten.full.default([bins], 0, dtype=x.dtype, device=x.device)
+    return aten.index_put.default(counts, [index], aten._to_copy.default(inside, dtype=x.dtype),
+                                  True)
+
+
+def _nan_or_inf(t):
+    return aten.logical_or.default(aten.ne.Tensor(t, t),
+                                   aten.eq.Scalar(aten.abs.default(t), math.inf))
