@@ -39,7 +39,7 @@ from .rules.order import (_amin, _kthvalue, _logcumsumexp, _max_dim, _median, _m
     _min_dim, _nanmedian, _nanmedian_dim, _prod, _prod_dim, _running_extreme, _sort, _topk,
     _whole_extreme)
 from .rules.pooling import (_adaptive_avg_pool2d, _adaptive_avg_pool3d, _adaptive_max_pool2d,
-    _adaptive_max_pool2d_backward, _adaptive_max_pool3d, _avg_pool3d, _max_pool3d,
+    _adaptive_max_pool2d_backward, _adaptive_max_pool3d, _antialiased, _avg_pool3d, _max_pool3d,
     _pad_circular, _replication_pad_backward, _unfold)
 from .rules.sampling import (_exponential, _multinomial, _native_dropout,
     _normal_functional, _normal_numbers, _normal_tensors, _rand, _rand_like, _randint,
@@ -305,6 +305,8 @@ _ABOVE_AUTOGRAD = {
     (aten.ctc_loss.Tensor, DispatchKey.CompositeImplicitAutograd): _ctc_loss,
     (aten.max_pool3d_with_indices.default, DispatchKey.Autograd): _max_pool3d,
     (aten.avg_pool3d.default, DispatchKey.Autograd): _avg_pool3d,
+    (aten._upsample_bilinear2d_aa.default, DispatchKey.Autograd): _antialiased(False),
+    (aten._upsample_bicubic2d_aa.default, DispatchKey.Autograd): _antialiased(True),
     (aten._adaptive_avg_pool3d.default, DispatchKey.Autograd): _adaptive_avg_pool3d,
     (aten.adaptive_max_pool3d.default, DispatchKey.Autograd): _adaptive_max_pool3d,
     # A product's gradient without PyTorch's read of a value; index_reduce as a

@@ -290,3 +290,56 @@ def _adaptive_max_pool3d(x, output_size):
     values, local = cells.max(-1)
     indices = flat.expand(*local.shape, flat.shape[-1]).gather(-1, local.unsqueeze(-1))
     return values, indices.squeeze(-1)
+
+
+def _filter_weight(x: float, cubic: bool) -> float:
+    """The antialiasing filters: a triangle (bilinear), Keys' cubic with a = -0.5."""
+    x = abs(x)
+    if not cubic:
+        return 1.0 - x if x < 1.0 else 0.0
+    a = -0.5
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    if x < 2.0:
+        return (((x - 5) * x + 8) * x - 4) * a
+    return 0.0
+
+
+def _resampling_matrix(size: int, out: int, align_corners: bool, scale, cubic: bool):
+    """The [out, size] weights of antialiased resampling along one dim, as PyTorch's
+    separable kernel computes them: output ``i`` centred at ``scale (i + 0.5)``, its
+    filter widened by ``scale`` when shrinking, the weights of each row normalized."""
+    if align_corners:
+        step = (size - 1) / (out - 1) if out > 1 else 0.0
+    else:
+        step = 1.0 / scale if scale is not None and scale > 0 else size / out
+    half = 2.0 if cubic else 1.0
+    support = half * step if step >= 1.0 else half
+    inverse = 1.0 / step if step >= 1.0 else 1.0
+    rows = []
+    for i in range(out):
+        center = step * (i + 0.5)
+        first = max(int(center - support + 0.5), 0)
+        count = min(int(center + support + 0.5), size) - first
+        weights = [_filter_weight((j + first - center + 0.5) * inverse, cubic)
+                   for j in range(count)]
+        total = sum(weights)
+        row = [0.0] * size
+        for j, w in enumerate(weights):
+            row[first + j] = w / total if total != 0.0 else w
+        rows.append(row)
+    return rows
+
+
+def _antialiased(cubic: bool):
+    """``_upsample_bilinear2d_aa`` / ``_upsample_bicubic2d_aa`` (``F.interpolate(...,
+    antialias=True)``, torchvision's ``Resize``): resampling of the last two dims as two
+    matrix products with the weights PyTorch's kernel uses; the gradient theirs."""
+    def rule(x, output_size, align_corners, scales_h=None, scales_w=None):
+        (height, width), (out_h, out_w) = x.shape[-2:], output_size
+        rows = torch.tensor(_resampling_matrix(height, out_h, align_corners, scales_h, cubic),
+                            dtype=x.dtype, device=x.device)
+        cols = torch.tensor(_resampling_matrix(width, out_w, align_corners, scales_w, cubic),
+                            dtype=x.dtype, device=x.device)
+        return torch.matmul(torch.matmul(rows, x), cols.T)
+    return rule
