@@ -80,6 +80,18 @@ def assert_trains_on_salusd_as_eagerly(model, batch, loss_of, optimizer, address
     assert_as_exact_as_pytorch(state, exact, eager, rounded, label=label)
 
 
+def assert_built_model_trains_on_salusd_as_eagerly(build: Callable, address: str, *,
+                                                   label: str = "") -> None:
+    """``build()`` (torch seeded 0 first) gives ``(model, batch, loss_of)``; the model
+    trains three Adam steps (lr 1e-2) on salusd as eagerly, by
+    :func:`assert_trains_on_salusd_as_eagerly`."""
+    torch.manual_seed(0)
+    model, batch, loss_of = build()
+    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
+                                       lambda p: torch.optim.Adam(p, lr=1e-2), address,
+                                       label=label)
+
+
 def eager_state(model, batch, loss_of, dtype, optimizer, steps: int = 3):
     """A copy of ``model`` in ``dtype`` trained eagerly for ``steps`` on ``batch`` (its
     float tensors in ``dtype``) by ``loss_of(model, *batch)`` and ``optimizer(params)``:

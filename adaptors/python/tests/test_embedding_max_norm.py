@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-from daemon import Daemon
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
 
@@ -38,12 +37,6 @@ class Bags(nn.Module):
 
 
 IDS = torch.tensor([[1, 2, 3], [3, 4, 1]])
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--memory", "256MiB") as d:
-        yield d
 
 
 def test_trains_on_salusd_as_eagerly(daemon):

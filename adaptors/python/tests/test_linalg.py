@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from daemon import Daemon
-from harness import assert_trains_on_salusd_as_eagerly
+from harness import assert_built_model_trains_on_salusd_as_eagerly
 from torch import nn
 
 import salus.torch as st
@@ -142,19 +141,10 @@ MODELS = {"gaussian_process": _gp, "policy_covariance": _policy(False),
           "policy_precision": _policy(True), "solves": _solves, "low_rank": _low_rank}
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--memory", "256MiB") as d:
-        yield d
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_trains_on_salusd_as_eagerly(daemon, name):
-    torch.manual_seed(0)
-    model, batch, loss_of = MODELS[name]()
-    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
-                                       lambda p: torch.optim.Adam(p, lr=1e-2),
-                                       daemon.address, label=f"{name}: ")
+    assert_built_model_trains_on_salusd_as_eagerly(MODELS[name], daemon.address,
+                                                   label=f"{name}: ")
 
 
 def _close(got, want, scale=1.0):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from daemon import Daemon
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
@@ -83,12 +82,6 @@ def _batch(case, lengths=(6, 2, 4)):
     if options.get("batch_first") is False:
         x = x.transpose(0, 1).contiguous()
     return x, torch.tensor(lengths)
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--memory", "256MiB") as d:
-        yield d
 
 
 @pytest.mark.parametrize("case", CASES)

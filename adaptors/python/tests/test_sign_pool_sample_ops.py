@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from daemon import Daemon
-from harness import assert_trains_on_salusd_as_eagerly
+from harness import assert_built_model_trains_on_salusd_as_eagerly
 from torch import nn
 
 import salus.torch as st
@@ -70,19 +69,10 @@ MODELS = {"signs": _signs, "video_even": _video((2, 3, 5)), "video_uneven": _vid
           "video_one": _video((1, 1, 1))}
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--memory", "256MiB") as d:
-        yield d
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_trains_on_salusd_as_eagerly(daemon, name):
-    torch.manual_seed(0)
-    model, batch, loss_of = MODELS[name]()
-    assert_trains_on_salusd_as_eagerly(model, batch, loss_of,
-                                       lambda p: torch.optim.Adam(p, lr=1e-2),
-                                       daemon.address, label=f"{name}: ")
+    assert_built_model_trains_on_salusd_as_eagerly(MODELS[name], daemon.address,
+                                                   label=f"{name}: ")
 
 
 def test_the_sign_rules_give_pytorchs_values_at_zeros_infinities_and_nans():

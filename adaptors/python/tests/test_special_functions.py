@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-from daemon import Daemon
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
 
@@ -50,12 +48,6 @@ class Probit(nn.Module):
         z = self.score(x).squeeze(1) * 6
         sign = label * 2 - 1
         return -torch.special.log_ndtr(sign * z).mean() + torch.special.erfcx(z / 4).mean() * 0.1
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--memory", "256MiB") as d:
-        yield d
 
 
 def test_trains_on_salusd_as_eagerly(daemon):
