@@ -567,6 +567,14 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                     f"{_user_frame(error.__traceback__)}, which PyTorch's functionalization "
                     "cannot record; register the tensor as a buffer "
                     "(module.register_buffer), or pass it in the batch") from None
+            if "being transformed by a functorch transform" in str(error):
+                raise TraceError(
+                    "the step takes gradients itself inside the loss (requires_grad_ or "
+                    "torch.autograd.grad, as a gradient penalty's double backward does)"
+                    f"{_user_frame(error.__traceback__)}: salus records the step's own "
+                    "gradient with torch.func, inside which PyTorch allows neither. Take "
+                    "the inner gradient with torch.func too, which salus records: "
+                    "grad = torch.func.grad(lambda x: critic(x).sum())(x_hat)") from None
             if "would mutate a captured Tensor" in str(error):
                 raise TraceError(
                     "the step changes in place a tensor it does not train (a frozen "
