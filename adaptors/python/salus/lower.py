@@ -249,7 +249,8 @@ def check_ops(gm: torch.fx.GraphModule) -> None:
             "the step selects elements by a boolean mask (x[mask], masked_select or "
             f"nonzero{where}): what it "
             "selects depends on the mask's values, so the result has no fixed shape, and "
-            "salus runs one fixed graph per batch shape. Compute over every element and "
+            "salus runs one fixed graph per batch shape (a mask the step captures as a "
+            "constant is selected once, at trace time). Compute over every element and "
             "mask the result instead: the mean loss over the selected rows is "
             "F.cross_entropy(out, torch.where(mask, target, -100)) (its ignore_index), "
             "or, with reduction='none', (loss * mask).sum() / mask.sum()")

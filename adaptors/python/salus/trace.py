@@ -621,11 +621,75 @@ def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     _drop_legacy_empty_cat_inputs(gm)
     gm.graph.eliminate_dead_code()
     _fold_constants(gm)
+    _constant_masks_as_positions(gm)
     gm.graph.eliminate_dead_code()
     _drop_write_backs(gm)
     gm.recompile()
     _check_no_mutation(gm)
     return gm
+
+
+def _constant_masks_as_positions(gm: torch.fx.GraphModule) -> None:
+    """A selection by a boolean mask computed from constants of the graph alone (a node
+    mask the step captures, as a graph network's ``out[train_mask]``, or its complement),
+    in ``index.Tensor`` and its gradient's ``index_put``, becomes the selection of the
+    mask's true positions, found once at trace time: the same elements in the same order,
+    a fixed shape. A mask computed from the batch stays, and the lowering refuses it."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.index.Tensor,
+                                                             aten.index_put.default):
+            continue
+        masks = [_constant_value(gm, i) if _is_mask(i) else None for i in node.args[1]]
+        if all(m is None for m in masks):
+            continue
+        replaced = []
+        for index, mask in zip(node.args[1], masks):
+            if mask is None:
+                replaced.append(index)
+                continue
+            for positions in mask.nonzero(as_tuple=True):
+                name = f"_mask_positions_{len(list(gm.buffers()))}"
+                gm.register_buffer(name, positions.clone())
+                with graph.inserting_before(node):
+                    constant = graph.get_attr(name)
+                constant.meta["val"] = positions
+                replaced.append(constant)
+        node.args = (node.args[0], replaced, *node.args[2:])
+
+
+def _is_mask(index) -> bool:
+    return (isinstance(index, torch.fx.Node)
+            and getattr(index.meta.get("val"), "dtype", None) == torch.bool)
+
+
+def _constant_value(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """``node``'s value where it depends on constants of the graph alone (no input, no
+    random draw), computed now; else None."""
+    needed, pending = set(), [node]
+    while pending:
+        n = pending.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n.op == "get_attr":
+            continue
+        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or n.target._schema.is_mutable or "rand" in str(n.target)
+                or n.target is aten.bernoulli.p):
+            return None
+        pending.extend(n.all_input_nodes)
+    values: dict[torch.fx.Node, object] = {}
+    with torch.no_grad():
+        for n in gm.graph.nodes:
+            if n not in needed:
+                continue
+            if n.op == "get_attr":
+                values[n] = functools.reduce(getattr, n.target.split("."), gm)
+                continue
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+            values[n] = n.target(*args, **kwargs)
+    return values[node]
 
 
 def _drop_write_backs(gm: torch.fx.GraphModule) -> None:
