@@ -62,6 +62,7 @@ from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
 from .checks import value_checks_in_the_graph
 from .rules.recurrent import packed_sequences_in_the_graph
+from .selections import selections_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
@@ -537,6 +538,17 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
             tracing_mode: str) -> torch.fx.GraphModule:
     # In fake mode, tensors the model captures (not parameters or buffers) stay real
     # and become constants of the graph.
+    gm = _record_once(fn, args, model, tracing_mode, contextlib.nullcontext())
+    from .lower import _selects_by_mask
+    if any(_selects_by_mask(n) for n in gm.graph.nodes):
+        # A selection by a mask from the batch: recorded again with the selection kept
+        # as all rows and the mask (salus.selections), which refuses what it cannot follow.
+        gm = _record_once(fn, args, model, tracing_mode, selections_in_the_graph())
+    return gm
+
+
+def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
+                 tracing_mode: str, selections) -> torch.fx.GraphModule:
     traced = make_fx(torch.func.functionalize(fn, remove="mutations"),
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
@@ -546,7 +558,7 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
           DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
-          value_checks_in_the_graph(), packed_sequences_in_the_graph()):
+          value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections):
         try:
             gm = traced(*args)
         except RuntimeError as error:
@@ -567,6 +579,9 @@ def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
                     f"{_user_frame(error.__traceback__)}, which PyTorch's functionalization "
                     "cannot record; register the tensor as a buffer "
                     "(module.register_buffer), or pass it in the batch") from None
+            if "salus.selections.Selection" in str(error):
+                from .selections import _refuse
+                _refuse("returns (or gives PyTorch's internals)")
             if "being transformed by a functorch transform" in str(error):
                 raise TraceError(
                     "the step takes gradients itself inside the loss (requires_grad_ or "

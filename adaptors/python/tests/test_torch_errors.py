@@ -72,14 +72,15 @@ def test_an_unsupported_op_is_named_before_anything_is_sent(daemon):
 
 
 def test_a_selection_by_a_boolean_mask_is_refused_with_the_masked_form(daemon):
-    """A loss over the rows a mask selects (a GNN's train_mask, labelled tokens) has no
-    fixed shape: refused before anything is sent, naming the masked form, which trains
-    as the selection does eagerly."""
+    """A loss over the rows the positions of a mask from the batch select, or a
+    ``masked_select`` by a broadcast mask, has no fixed shape: refused before anything is
+    sent, naming the masked form, which trains as the selection does eagerly. (``out[k]``
+    itself trains: ``tests/test_mask_selections.py``.)"""
     model = SPEC.model(0)
     x, y = SPEC.batch(0)
     mask = torch.arange(len(y)) % 3 != 1
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    selections = [lambda out, k: out[k], lambda out, k: out[k.nonzero()[:, 0]],
+    selections = [lambda out, k: out[k.nonzero()[:, 0]],
                   lambda out, k: out.masked_select(k[:, None]).view(-1, out.shape[1])]
     for select in selections:
         with pytest.raises(TraceError,
