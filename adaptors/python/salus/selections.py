@@ -147,13 +147,18 @@ class Selection:
 
     def _reduce(self, name, args, kwargs):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if isinstance(dim, torch.dtype):  # sum(dtype) given positionally
+            dim, kwargs = None, {"dtype": dim}
+        rows = self.rows if kwargs.get("dtype") is None else self.rows.to(kwargs["dtype"])
+        if not (rows.dtype.is_floating_point or name == "sum"):
+            _refuse(f"takes the {name} of integers of")
         if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-            return self.masked_sum() if name == "sum" else self.masked_mean()
-        dims = [d % self.rows.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+            return self.masked_sum(rows) if name == "sum" else self.masked_mean(rows)
+        dims = [d % rows.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         if 0 in dims:
             _refuse(f"takes a {name} along the selected rows (and others) of")
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        return self._again(getattr(torch, name)(self.rows, dims, keepdim=keepdim))
+        return self._again(getattr(torch, name)(rows, dims, keepdim=keepdim))
 
     def _index_loss(self, func, args, kwargs):
         names = ("input", "target", "weight", "size_average", "ignore_index", "reduce",

@@ -90,8 +90,9 @@ def _batch_of_masks(g):
 
 def _select_every_way(m, x, labels, targets, mask):
     """Cross-entropy of the selected positions (weights, label smoothing), the
-    negative log-likelihood of the nodes a 1-d mask selects, elementwise losses, and sums
-    and means of selected elements, each as eager PyTorch computes on the selection."""
+    negative log-likelihood of the nodes a 1-d mask selects, elementwise losses, sums and
+    means of selected elements, and a layer applied to selected inputs (whose unselected
+    rows are infinite), each as eager PyTorch computes on the selection."""
     logits, values = m(torch.where(mask[..., None], x, torch.zeros_like(x)))
     weight = torch.tensor([1.0, 2.0, 0.5, 1.0], dtype=logits.dtype)
     per_position = F.cross_entropy(logits.reshape(-1, 4), labels.reshape(-1).clamp(min=0),
@@ -106,7 +107,8 @@ def _select_every_way(m, x, labels, targets, mask):
             + (values[mask] - targets[mask]).abs().mean()
             + per_position[mask].mean()
             + torch.masked_select(values, mask[..., None].expand(3, 5, 2)).pow(2).sum() * 0.01
-            + logits[mask].softmax(-1).sum(1).mean())
+            + logits[mask].softmax(-1).sum(1).mean()
+            + m.classes(x[mask]).relu().sum(1).mean() * 0.1)
 
 
 def test_selections_by_masks_from_the_batch_train_on_salusd_as_eagerly(daemon):
