@@ -62,6 +62,7 @@ from .amp import FunctionalScaler
 from .attention import efficient_attention_on_cpu
 from .checks import value_checks_in_the_graph
 from .rules.recurrent import packed_sequences_in_the_graph
+from .inner_gradients import inner_gradients
 from .selections import selections_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
@@ -584,11 +585,12 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                 _refuse("returns (or gives PyTorch's internals)")
             if "being transformed by a functorch transform" in str(error):
                 raise TraceError(
-                    "the step takes gradients itself inside the loss (requires_grad_ or "
-                    "torch.autograd.grad, as a gradient penalty's double backward does)"
+                    "the step uses autograd inside the loss in a way salus cannot follow"
                     f"{_user_frame(error.__traceback__)}: salus records the step's own "
-                    "gradient with torch.func, inside which PyTorch allows neither. Take "
-                    "the inner gradient with torch.func too, which salus records: "
+                    "gradient with torch.func, inside which PyTorch does not allow it "
+                    "(torch.autograd.functional, ...). A gradient penalty's "
+                    "x = x.requires_grad_() and torch.autograd.grad(..., create_graph=True) "
+                    "are followed; or take the inner gradient with torch.func: "
                     "grad = torch.func.grad(lambda x: critic(x).sum())(x_hat)") from None
             if "would mutate a captured Tensor" in str(error):
                 raise TraceError(
@@ -1158,7 +1160,7 @@ def trace_train_step(model: torch.nn.Module,
             def loss_and_buffers(trained_params, part=part, current=current):
                 new_buffers = {n: t.clone() for n, t in current.items()}
                 state = (trained_params, fixed, new_buffers)
-                with amp.autocast(autocast):
+                with amp.autocast(autocast), inner_gradients() as results:
                     if loss_fn is not None:
                         *xs, target = part
                         out = torch.func.functional_call(model, state, tuple(xs))
@@ -1168,6 +1170,8 @@ def trace_train_step(model: torch.nn.Module,
                         with _functional_model(model, state):
                             loss = loss_of(model, *part)
                         _ModuleScopes.label(loss_scope)
+                    results[:] = [loss, new_buffers]
+                loss, new_buffers = results
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise TraceError(f"{'loss_fn' if loss_fn else 'loss_of'} must return a "
                                      "scalar (0-dim) tensor")

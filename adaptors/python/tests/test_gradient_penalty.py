@@ -1,9 +1,9 @@
-"""A loss that takes a gradient itself (WGAN-GP's gradient penalty, a double backward):
-written with ``torch.func.grad`` it trains three Adam steps on salusd against float64 by
-the suite's rule (harness.py); written with ``requires_grad_`` and
-``torch.autograd.grad(..., create_graph=True)``, which PyTorch does not allow inside the
-transform salus records the step's gradient with, it is refused naming the line and the
-``torch.func`` form."""
+"""A loss that takes a gradient itself (``salus.inner_gradients``): WGAN-GP's gradient
+penalty and R1's by ``requires_grad_()`` and ``torch.autograd.grad(...,
+create_graph=True)`` (a double backward), R1's with ``requires_grad`` set as an attribute,
+the same by ``torch.func.grad``, and a gradient taken without ``create_graph`` (a
+constant, as eagerly), each trained three Adam steps on salusd against float64 by the
+suite's rule (harness.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from harness import assert_trains_on_salusd_as_eagerly
 from torch import nn
 
-import salus
+F = nn.functional
 
 
 class Critic(nn.Module):
@@ -24,18 +24,39 @@ class Critic(nn.Module):
         return self.net(x)
 
 
-def _penalty_by_func(critic, real, fake, mix):
+def _wgan_gp(critic, real, fake, mix):
+    x_hat = (mix * real + (1 - mix) * fake).requires_grad_(True)
+    grad, = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
+    penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    return critic(fake).mean() - critic(real).mean() + 10 * penalty
+
+
+def _r1(critic, real, fake, mix):
+    real = real.detach().requires_grad_()
+    scores = critic(real)
+    grad, = torch.autograd.grad(scores.sum(), real, create_graph=True)
+    return (F.softplus(-scores).mean() + F.softplus(critic(fake)).mean()
+            + 5 * grad.pow(2).sum(1).mean())
+
+
+def _by_torch_func(critic, real, fake, mix):
     x_hat = mix * real + (1 - mix) * fake
     grad = torch.func.grad(lambda x: critic(x).sum())(x_hat)
     penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
     return critic(fake).mean() - critic(real).mean() + 10 * penalty
 
 
-def _penalty_by_autograd(critic, real, fake, mix):
-    x_hat = (mix * real + (1 - mix) * fake).requires_grad_(True)
-    grad, = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
-    penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
-    return critic(fake).mean() - critic(real).mean() + 10 * penalty
+def _constant_gradient(critic, real, fake, mix):
+    x_hat = (mix * real + (1 - mix) * fake).requires_grad_()
+    grad, = torch.autograd.grad(critic(x_hat).sum(), x_hat)  # no create_graph: a constant
+    return critic(fake).mean() - critic(real).mean() + (critic(x_hat) * grad[:, :1]).mean()
+
+
+def _by_attribute(critic, real, fake, mix):
+    real = real.detach()
+    real.requires_grad = True
+    grad, = torch.autograd.grad(critic(real).sum(), real, create_graph=True)
+    return F.softplus(critic(fake)).mean() + grad.pow(2).sum()
 
 
 def _batch():
@@ -44,16 +65,10 @@ def _batch():
             torch.rand(6, 1, generator=g))
 
 
-def test_a_gradient_penalty_by_torch_func_trains_on_salusd_as_eagerly(daemon):
+@pytest.mark.parametrize("loss", [_wgan_gp, _r1, _by_torch_func, _constant_gradient, _by_attribute],
+                         ids=["wgan_gp", "r1", "torch_func", "constant", "attribute"])
+def test_a_loss_taking_a_gradient_trains_on_salusd_as_eagerly(daemon, loss):
     torch.manual_seed(0)
-    assert_trains_on_salusd_as_eagerly(Critic(), _batch(), _penalty_by_func,
+    assert_trains_on_salusd_as_eagerly(Critic(), _batch(), loss,
                                        lambda p: torch.optim.Adam(p, lr=1e-2),
                                        daemon.address)
-
-
-def test_a_gradient_penalty_by_autograd_is_refused_naming_the_torch_func_form():
-    critic = Critic()
-    _penalty_by_autograd(critic, *_batch()).backward()  # eager PyTorch runs it
-    with pytest.raises(salus.TraceError, match=r"test_gradient_penalty.py:\d+.*torch.func.grad"):
-        salus.trace_train_step(critic, None, torch.optim.Adam(critic.parameters()), _batch(),
-                               loss_of=_penalty_by_autograd)
