@@ -64,6 +64,7 @@ from .checks import value_checks_in_the_graph
 from .rules.recurrent import packed_sequences_in_the_graph
 from .inner_gradients import inner_gradients
 from .selections import selections_in_the_graph
+from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
@@ -559,7 +560,8 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
           DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
-          value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections):
+          value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections,
+          spectra_in_the_graph()):
         try:
             gm = traced(*args)
         except RuntimeError as error:
@@ -580,6 +582,9 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                     f"{_user_frame(error.__traceback__)}, which PyTorch's functionalization "
                     "cannot record; register the tensor as a buffer "
                     "(module.register_buffer), or pass it in the batch") from None
+            if "salus.spectral.Complex" in str(error):
+                from .spectral import _refuse as refuse_complex
+                refuse_complex("returns (or gives PyTorch's internals)")
             if "salus.selections.Selection" in str(error):
                 from .selections import _refuse
                 _refuse("returns (or gives PyTorch's internals)")
