@@ -3,8 +3,9 @@ float64 (every ``torch.fft`` form, ``n``/``s``, ``norm``, shifts, ``torch.stft``
 models that use them, each trained three Adam steps on salusd against float64 by the
 suite's rule (harness.py): FNet's token mixing (the real part of a 2-d transform), a
 log-spectrogram front end behind a learned filter, a long convolution by FFT with a
-learned kernel, a global filter (a complex weight from ``view_as_complex``), and a
-frequency loss. A complex value a step returns is refused, naming it."""
+learned kernel, a global filter (a complex weight from ``view_as_complex``), a
+frequency loss, and rotary embeddings as complex turns (``torch.polar``). A complex
+value a step returns is refused, naming it."""
 
 from __future__ import annotations
 
@@ -73,6 +74,26 @@ class GlobalFilter(nn.Module):
         return self.head(torch.fft.irfft2(spectrum, s=(6, 6), norm="ortho").flatten(1))
 
 
+class RotaryAttentionInput(nn.Module):
+    """Rotary position embeddings as Meta's Llama writes them: each query's pairs as
+    complex numbers (``view_as_complex``) turned by ``torch.polar`` angles."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):  # [B, T, 8]: two heads of 4
+        q = self.q(x).view(*x.shape[:2], 2, 4)
+        steps = x.shape[1]
+        freqs = 1.0 / (10000 ** (torch.arange(0, 4, 2, dtype=x.dtype) / 4))
+        angles = torch.outer(torch.arange(steps, dtype=x.dtype), freqs)
+        turns = torch.polar(torch.ones_like(angles), angles).view(1, steps, 1, 2)
+        pairs = torch.view_as_complex(q.reshape(*q.shape[:-1], 2, 2))
+        rotated = torch.view_as_real(pairs * turns).flatten(3).flatten(2)
+        return self.head(rotated).mean(1)
+
+
 def _frequency_loss(m, x, target):
     out = m(x)
     diff = torch.fft.rfft2(out, norm="ortho") - torch.fft.rfft2(target, norm="ortho")
@@ -102,6 +123,7 @@ MODELS = {
     "long_convolution": _case(LongConvolution, (2, 4, 12), (2, 2)),
     "global_filter": _case(GlobalFilter, (2, 6, 6), (2, 2)),
     "frequency_loss": _case(_Conv2d, (2, 6, 7), (2, 6, 7), _frequency_loss),
+    "rotary": _case(RotaryAttentionInput, (2, 5, 8), (2, 2)),
 }
 
 
