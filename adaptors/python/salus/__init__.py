@@ -7,6 +7,10 @@ HLO (``docs/frontends.md``):
 - :mod:`salus.trace`: ``trace_train_step`` / ``trace_inference`` -> :class:`TracedStep`;
 - :mod:`salus.optim`: SGD, Adam and AdamW updates as functional tensor math;
 - :mod:`salus.amp`: autocast while tracing, ``torch.amp.GradScaler`` as session state;
+- :mod:`salus.decompositions` and :mod:`salus.rules`: what PyTorch ops become in IR ops;
+  :mod:`salus.selections` (masks from the batch), :mod:`salus.spectral` (Fourier
+  transforms, complex values as two real tensors) and :mod:`salus.inner_gradients`
+  (gradient penalties): what a step's Python does while it records;
 - :mod:`salus.lower`: FX graph -> ``salus.v1.Graph``;
 - :mod:`salus.models`: the target models and their example batches;
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
