@@ -3,7 +3,8 @@ marginal likelihood (``linalg.cholesky``, ``solve_triangular``), a policy's
 ``MultivariateNormal`` (covariance and precision matrices: log-likelihood, entropy,
 reparameterized samples, and its argument checks in the graph), ``linalg.solve`` (left,
 right, a vector), ``inv``, ``det``, ``slogdet`` and ``logdet``, ``torch.eye`` in a
-step, and ``LowRankMultivariateNormal`` (a strided in-place update, ``as_strided``).
+step, ``LowRankMultivariateNormal`` (a strided in-place update, ``as_strided``), and
+``parametrizations.orthogonal``'s Householder map (``linalg.householder_product``).
 Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
 rule (harness.py); the rules themselves are checked against LAPACK in float64,
 values and gradients; a matrix LAPACK fails on fails the iteration with PyTorch's
@@ -111,6 +112,20 @@ class LowRankPolicy(nn.Module):
         return -dist.log_prob(action).mean() + torch.logdet(gram).mean()
 
 
+class OrthogonalLayer(nn.Module):
+    """A layer kept orthogonal by ``parametrizations.orthogonal``'s Householder map (a
+    tall weight: ``linalg.householder_product``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.utils.parametrizations.orthogonal(nn.Linear(3, 5),
+                                                          orthogonal_map="householder")
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x).tanh())
+
+
 def _gp():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 3, generator=g)
@@ -137,8 +152,15 @@ def _low_rank():
     return LowRankPolicy(), batch, lambda m, s, a: m(s, a)
 
 
+def _orthogonal():
+    g = torch.Generator().manual_seed(6)
+    batch = (torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g))
+    return OrthogonalLayer(), batch, lambda m, x, y: F.mse_loss(m(x), y)
+
+
 MODELS = {"gaussian_process": _gp, "policy_covariance": _policy(False),
-          "policy_precision": _policy(True), "solves": _solves, "low_rank": _low_rank}
+          "policy_precision": _policy(True), "solves": _solves, "low_rank": _low_rank,
+          "orthogonal": _orthogonal}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -237,6 +259,20 @@ def test_the_lu_rules_give_lapacks_results_and_gradients():
     singular = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)
     assert _det(singular)[0].item() == 0.0
     assert _inv_ex(singular)[1].item() == torch.linalg.inv_ex(singular).info.item() == 2
+
+
+@pytest.mark.parametrize("shape, reflections", [((5, 5), 5), ((6, 4), 4), ((2, 6, 3), 2),
+                                                 ((4, 4), 3)])
+def test_the_householder_rule_gives_lapacks_product_and_gradients(shape, reflections):
+    from salus.rules.linalg import _householder_product
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(*shape, dtype=torch.float64, generator=g)
+    tau = torch.rand(*shape[:-2], reflections, dtype=torch.float64, generator=g)
+    (mine, my_grads), (theirs, their_grads) = _gradients(
+        _householder_product, torch.linalg.householder_product, a, tau)
+    _close(mine, theirs)
+    for mine, theirs in zip(my_grads, their_grads):
+        _close(mine, theirs)
 
 
 @pytest.mark.parametrize("size, stride, offset", [

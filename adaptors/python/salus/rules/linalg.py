@@ -233,3 +233,19 @@ def _check_errors(info, api_name, *, is_matrix):
     """``_linalg_check_errors``: PyTorch's check of ``info`` after a factorization, as the
     graph's check that every ``info`` is 0, with PyTorch's message."""
     _check(info, api_name)
+
+
+def _householder_product(a, tau):
+    """``linalg_householder_product`` (``orgqr``): the first ``n`` columns of ``H_1 ...
+    H_k``, ``H_i = I - tau_i v_i v_i^T`` with ``v_i`` 0 above row ``i``, 1 at it and
+    ``a``'s column ``i`` below, applied to the identity's columns from the last
+    reflection to the first (``parametrizations.orthogonal``'s Householder map)."""
+    m, n = a.shape[-2:]
+    rows = torch.arange(m, device=a.device)
+    q = (rows.unsqueeze(-1) == torch.arange(n, device=a.device)).to(a.dtype)
+    q = q.expand(*a.shape[:-2], m, n)
+    for i in reversed(range(tau.shape[-1])):
+        column = a[..., :, i]
+        v = torch.where(rows > i, column, (rows == i).to(a.dtype)).unsqueeze(-1)  # [.., m, 1]
+        q = q - tau[..., i, None, None] * v @ (v.mT @ q)
+    return q
