@@ -4,7 +4,7 @@ marginal likelihood (``linalg.cholesky``, ``solve_triangular``), a policy's
 reparameterized samples, and its argument checks in the graph), ``linalg.solve`` (left,
 right, a vector), ``inv``, ``det``, ``slogdet`` and ``logdet``, ``torch.eye`` in a
 step, ``LowRankMultivariateNormal`` (a strided in-place update, ``as_strided``), and
-``parametrizations.orthogonal``'s Householder map (``linalg.householder_product``).
+``parametrizations.orthogonal`` (``linalg.householder_product``, ``linalg.matrix_exp``).
 Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
 rule (harness.py); the rules themselves are checked against LAPACK in float64,
 values and gradients; a matrix LAPACK fails on fails the iteration with PyTorch's
@@ -113,17 +113,19 @@ class LowRankPolicy(nn.Module):
 
 
 class OrthogonalLayer(nn.Module):
-    """A layer kept orthogonal by ``parametrizations.orthogonal``'s Householder map (a
-    tall weight: ``linalg.householder_product``)."""
+    """Layers kept orthogonal by ``parametrizations.orthogonal``: a tall weight by its
+    Householder map (``linalg.householder_product``), a square one by its default, the
+    exponential of a skew-symmetric matrix (``linalg.matrix_exp``)."""
 
     def __init__(self):
         super().__init__()
-        self.layer = nn.utils.parametrizations.orthogonal(nn.Linear(3, 5),
-                                                          orthogonal_map="householder")
+        orthogonal = nn.utils.parametrizations.orthogonal
+        self.tall = orthogonal(nn.Linear(3, 5), orthogonal_map="householder")
+        self.square = orthogonal(nn.Linear(5, 5))
         self.head = nn.Linear(5, 2)
 
     def forward(self, x):
-        return self.head(self.layer(x).tanh())
+        return self.head(self.square(self.tall(x).tanh()).tanh())
 
 
 def _gp():
@@ -273,6 +275,21 @@ def test_the_householder_rule_gives_lapacks_product_and_gradients(shape, reflect
     _close(mine, theirs)
     for mine, theirs in zip(my_grads, their_grads):
         _close(mine, theirs)
+
+
+def test_the_matrix_exponential_rule_gives_pytorchs_values_and_gradients():
+    """Within float64's rounding for 1-norms up to 8; past the series' limit (16) the
+    iteration fails with a message naming it."""
+    from salus.rules.linalg import _matrix_exp
+    g = torch.Generator().manual_seed(8)
+    for scale in (0.01, 0.3, 1.0):
+        a = torch.randn(3, 5, 5, dtype=torch.float64, generator=g) * scale
+        (mine, [my_grad]), (theirs, [their_grad]) = _gradients(
+            _matrix_exp, torch.linalg.matrix_exp, a)
+        _close(mine, theirs)
+        _close(my_grad, their_grad)
+    with pytest.raises(RuntimeError, match="matrix 1-norm up to 16"):
+        _matrix_exp(torch.full((4, 4), 5.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("size, stride, offset", [

@@ -249,3 +249,36 @@ def _householder_product(a, tau):
         v = torch.where(rows > i, column, (rows == i).to(a.dtype)).unsqueeze(-1)  # [.., m, 1]
         q = q - tau[..., i, None, None] * v @ (v.mT @ q)
     return q
+
+
+# matrix_exp: a Taylor series of this degree after halving the matrix this many times,
+# for a 1-norm up to _EXP_NORM: the series' remainder is at most 2^19 / 19! < 5e-12 of
+# the result (at the limit; 1e-17 at a fourth of it), far within float32's rounding.
+_EXP_DEGREE, _EXP_HALVINGS, _EXP_NORM = 18, 3, 16.0
+
+
+def _matrix_exp(a):
+    """``linalg_matrix_exp`` (``parametrizations.orthogonal``'s default map of a square
+    weight): the Taylor series of ``a / 8`` by Horner's rule, squared three times. A
+    matrix whose 1-norm exceeds 16, past what the series covers, fails the iteration
+    with a message naming the limit."""
+    norm = a.abs().sum(-2).amax(-1)
+    _assert_all(norm <= _EXP_NORM,
+                f"linalg.matrix_exp: salus computes it by a Taylor series after "
+                f"{_EXP_HALVINGS} halvings, exact for a matrix 1-norm up to {_EXP_NORM:g}, "
+                "and this matrix's is larger")
+    n = a.shape[-1]
+    eye = (torch.arange(n, device=a.device).unsqueeze(-1)
+           == torch.arange(n, device=a.device)).to(a.dtype)
+    x = a / 2 ** _EXP_HALVINGS
+    result = eye + x / _EXP_DEGREE
+    for k in range(_EXP_DEGREE - 1, 0, -1):
+        result = eye + (x @ result) / k
+    for _ in range(_EXP_HALVINGS):
+        result = result @ result
+    return result
+
+
+def _assert_all(condition, message: str) -> None:
+    aten._assert_async.msg(aten.logical_not.default(aten.any.default(
+        aten.logical_not.default(condition))), message)
