@@ -34,7 +34,7 @@ from .rules.indexing import (_as_strided, _as_strided_scatter, _bucketize, _diag
     _put, _scatter_reduce, _scatter_reduce_autograd, _searchsorted, _slice_backward,
     _slice_scatter)
 from .rules.linalg import (_check_errors, _cholesky_ex, _det, _householder_product, _inv_ex,
-    _linalg_solve_ex, _matrix_exp, _slogdet, _solve_triangular, _triangular_solve)
+    _linalg_solve_ex, _matrix_exp, _qr, _slogdet, _solve_triangular, _triangular_solve)
 from .rules.order import (_amin, _kthvalue, _logcumsumexp, _max_dim, _median, _median_dim,
     _min_dim, _nanmedian, _nanmedian_dim, _prod, _prod_dim, _running_extreme, _sort, _topk,
     _whole_extreme)
@@ -284,6 +284,7 @@ _LINEAR_ALGEBRA = {
     aten._linalg_slogdet.default: _slogdet,
     aten.linalg_householder_product.default: _householder_product,
     aten.linalg_matrix_exp.default: _matrix_exp,
+    aten.linalg_qr.default: _qr,
 }
 
 

@@ -4,7 +4,8 @@ marginal likelihood (``linalg.cholesky``, ``solve_triangular``), a policy's
 reparameterized samples, and its argument checks in the graph), ``linalg.solve`` (left,
 right, a vector), ``inv``, ``det``, ``slogdet`` and ``logdet``, ``torch.eye`` in a
 step, ``LowRankMultivariateNormal`` (a strided in-place update, ``as_strided``), and
-``parametrizations.orthogonal`` (``linalg.householder_product``, ``linalg.matrix_exp``).
+``parametrizations.orthogonal`` (``linalg.householder_product``, ``linalg.matrix_exp``)
+and ``linalg.qr``.
 Each model trains three Adam steps on salusd, every tensor against float64 by the suite's
 rule (harness.py); the rules themselves are checked against LAPACK in float64,
 values and gradients; a matrix LAPACK fails on fails the iteration with PyTorch's
@@ -125,7 +126,8 @@ class OrthogonalLayer(nn.Module):
         self.head = nn.Linear(5, 2)
 
     def forward(self, x):
-        return self.head(self.square(self.tall(x).tanh()).tanh())
+        q, r = torch.linalg.qr(self.tall.weight.T @ self.tall.weight + x[:3, :].T @ x[:3, :])
+        return self.head(self.square(self.tall(x @ q).tanh()).tanh()) + r.diagonal().sum()
 
 
 def _gp():
@@ -275,6 +277,27 @@ def test_the_householder_rule_gives_lapacks_product_and_gradients(shape, reflect
     _close(mine, theirs)
     for mine, theirs in zip(my_grads, their_grads):
         _close(mine, theirs)
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (6, 4), (4, 6), (2, 5, 3)])
+def test_the_qr_rule_gives_lapacks_factors_and_gradients(shape):
+    """Q and R with LAPACK's signs in every mode; the reduced factors' gradients (full
+    column rank) as PyTorch's."""
+    from salus.rules.linalg import _qr
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(*shape, dtype=torch.float64, generator=g)
+    for mode in ("reduced", "complete", "r"):
+        (q, r), (want_q, want_r) = _qr(a, mode), torch.linalg.qr(a, mode)
+        _close(r, want_r)
+        assert q.shape == want_q.shape
+        if mode != "r":
+            _close(q, want_q)
+    if shape[-2] >= shape[-1]:
+        (mine, [my_grad]), (theirs, [their_grad]) = _gradients(
+            lambda t: torch.cat([f.flatten(-2) for f in _qr(t)], -1),
+            lambda t: torch.cat([f.flatten(-2) for f in torch.linalg.qr(t)], -1), a)
+        _close(mine, theirs)
+        _close(my_grad, their_grad)
 
 
 def test_the_matrix_exponential_rule_gives_pytorchs_values_and_gradients():

@@ -282,3 +282,40 @@ def _matrix_exp(a):
 def _assert_all(condition, message: str) -> None:
     aten._assert_async.msg(aten.logical_not.default(aten.any.default(
         aten.logical_not.default(condition))), message)
+
+
+def _qr(a, mode="reduced"):
+    """``linalg_qr`` by Householder reflections as LAPACK's ``geqrf`` and ``orgqr`` make
+    them: for column ``j``, ``v = x - beta e_1`` with ``beta = -sign(x_1) |x|`` (so R's
+    diagonal has LAPACK's signs) and ``tau = (beta - x_1) / beta``; a column already zero
+    below its diagonal is left (``tau = 0``). ``mode`` "reduced", "complete" or "r"."""
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    rows = torch.arange(m, device=a.device)
+    r = a
+    vectors, taus = [], []
+    for j in range(k):
+        x = r[..., :, j]                                          # [.., m]
+        below = torch.where(rows > j, x, torch.zeros_like(x))
+        head = x[..., j]
+        tail = (below * below).sum(-1)
+        norm = (head * head + tail).sqrt()
+        plain = tail == 0
+        beta = torch.where(head >= 0, -norm, norm)
+        safe_beta = torch.where(plain, torch.ones_like(beta), beta)
+        scale = torch.where(plain, torch.zeros_like(head), 1 / (head - safe_beta))
+        v = torch.where(rows == j, torch.ones_like(x), below * scale.unsqueeze(-1))
+        tau = torch.where(plain, torch.zeros_like(head), (safe_beta - head) / safe_beta)
+        v = v.unsqueeze(-1)                                       # [.., m, 1]
+        r = r - tau[..., None, None] * v @ (v.mT @ r)
+        vectors.append(v)
+        taus.append(tau)
+    upper = torch.triu(r)
+    if mode == "r":
+        return torch.zeros(0, dtype=a.dtype, device=a.device), upper[..., :k, :]
+    columns = m if mode == "complete" else k
+    q = (rows.unsqueeze(-1) == torch.arange(columns, device=a.device)).to(a.dtype)
+    q = q.expand(*a.shape[:-2], m, columns)
+    for v, tau in zip(reversed(vectors), reversed(taus)):
+        q = q - tau[..., None, None] * v @ (v.mT @ q)
+    return q, (upper if mode == "complete" else upper[..., :k, :])
