@@ -643,13 +643,16 @@ class Session:
         """Runs each of ``iterations`` through ``RunStream``, keeping up
         to ``depth`` submitted ahead of the one being answered, so the session always has
         work queued on the daemon; yields the responses in order. A failed iteration
-        raises its error (the iterations before it are done, none after it runs)."""
+        raises its error (the iterations before it are done, none after it runs). Closed
+        before its end, it first waits for the answers of the iterations already sent."""
         if depth < 1:
             raise ValueError("depth must be at least 1")
         operation = f"run iterations of session {self.id}"
         self._check_open(operation)
         window = threading.Semaphore(depth)
         stop = threading.Event()
+        sending = threading.Lock()  # stop is set, and requests counted, under it
+        sent, answered = [0], [0]
 
         failed: list[BaseException] = []
 
@@ -661,26 +664,45 @@ class Session:
                     while not window.acquire(timeout=0.1):
                         if stop.is_set():
                             return
-                    if stop.is_set():
-                        return
-                    yield item.request(self.id, tag)
+                    request = item.request(self.id, tag)
+                    with sending:
+                        if stop.is_set():
+                            return
+                        sent[0] += 1
+                    yield request
             except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
                 failed.append(e)
 
         call = self.client.sessions_stub.RunStream(requests(), metadata=self.client.metadata)
+        finished = False
         try:
             for response in call:
+                answered[0] += 1
                 if response.HasField("failure"):
+                    finished = True  # none after a failed iteration runs
                     raise failure_error(response.failure, operation, str(self.client.address),
                                         f"iteration {response.tag}: ")
                 window.release()
                 yield response
+            finished = True
             if failed:
                 raise failed[0]
         except grpc.RpcError as e:
+            finished = True
             raise rpc_error(e, operation, str(self.client.address)) from None
         finally:
-            stop.set()
+            with sending:
+                stop.set()
+            if not finished:
+                # Left early (the caller stopped reading): the iterations already sent
+                # run on salusd regardless, so their answers are awaited first and a read
+                # that follows sees them, not a state they are still changing.
+                try:
+                    while answered[0] < sent[0]:
+                        next(call)
+                        answered[0] += 1
+                except (grpc.RpcError, StopIteration):
+                    pass
             call.cancel()
 
     def read(self, tensors: Iterable[int] = ()) -> dict[int, bytes]:
