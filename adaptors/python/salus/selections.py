@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import TraceError
+from .stand_ins import StandIn, route
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "log1p",
@@ -62,7 +63,7 @@ def _name(func) -> str:
     return getattr(func, "__name__", str(func))
 
 
-class Selection:
+class Selection(StandIn):
     """``tensor[mask]`` while a step records: ``rows`` [R, ...] (the mask's dims flattened
     into one), ``keep`` [R] which rows the mask selects, and ``mask``, the mask given."""
 
@@ -219,25 +220,11 @@ class Selection:
     def __len__(self):
         _refuse("reads the length of")
 
-    def __getattr__(self, name):
-        if name.startswith("_") or not hasattr(torch.Tensor, name):
-            raise AttributeError(name)
-        method = getattr(torch.Tensor, name)
-        return lambda *args, **kwargs: Selection.__torch_function__(
-            method, (Selection,), (self, *args), kwargs)
 
-
-def _operator(name):
-    method = getattr(torch.Tensor, name)
-    return lambda self, *args: Selection.__torch_function__(method, (Selection,),
-                                                            (self, *args), {})
-
-
-for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-            "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__neg__", "__abs__",
-            "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__",
-            "__invert__", "__matmul__", "__getitem__"):
-    setattr(Selection, _op, _operator(_op))
+route(Selection, ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                  "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__neg__",
+                  "__abs__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+                  "__and__", "__or__", "__invert__", "__matmul__", "__getitem__"))
 Selection.__hash__ = object.__hash__
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import TraceError
+from .stand_ins import StandIn, route
 
 
 def _refuse(what: str):
@@ -74,7 +75,7 @@ def _fit(t: torch.Tensor | None, dim: int, n: int | None):
     return torch.nn.functional.pad(t, pad)
 
 
-class Complex:
+class Complex(StandIn):
     """A complex tensor while a step records: its real and imaginary parts."""
 
     def __init__(self, re: torch.Tensor, im: torch.Tensor):
@@ -151,12 +152,6 @@ class Complex:
     def is_complex(self) -> bool:
         return True
 
-    def __getattr__(self, name):
-        if name.startswith("_") or not hasattr(torch.Tensor, name):
-            raise AttributeError(name)
-        method = getattr(torch.Tensor, name)
-        return lambda *args, **kwargs: Complex.__torch_function__(
-            method, (Complex,), (self, *args), kwargs)
 
 
 def _parts(args) -> tuple[list, list]:
@@ -302,11 +297,9 @@ _PARTWISE = {
 }
 
 
-for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-            "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__abs__", "__pow__",
-            "__getitem__"):
-    setattr(Complex, _op, (lambda op: lambda self, *args: Complex.__torch_function__(
-        getattr(torch.Tensor, op), (Complex,), (self, *args), {}))(_op))
+route(Complex, ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                "__truediv__", "__rtruediv__", "__matmul__", "__neg__", "__abs__", "__pow__",
+                "__getitem__"))
 
 
 # -- the transforms as torch.fft names them --------------------------------------------

@@ -658,11 +658,14 @@ def _constant_masks_as_positions(gm: torch.fx.GraphModule) -> None:
     mask's true positions, found once at trace time: the same elements in the same order,
     a fixed shape. A mask computed from the batch stays, and the lowering refuses it."""
     graph = gm.graph
+    constants, evaluate = _constant_nodes(graph), _evaluator(gm)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (aten.index.Tensor,
                                                              aten.index_put.default):
             continue
-        masks = [_constant_value(gm, i) if _is_mask(i) else None for i in node.args[1]]
+        with torch.no_grad():
+            masks = [evaluate(i) if _is_mask(i) and constants.get(i) else None
+                     for i in node.args[1]]
         if all(m is None for m in masks):
             continue
         replaced = []
@@ -683,35 +686,6 @@ def _constant_masks_as_positions(gm: torch.fx.GraphModule) -> None:
 def _is_mask(index) -> bool:
     return (isinstance(index, torch.fx.Node)
             and getattr(index.meta.get("val"), "dtype", None) == torch.bool)
-
-
-def _constant_value(gm: torch.fx.GraphModule, node: torch.fx.Node):
-    """``node``'s value where it depends on constants of the graph alone (no input, no
-    random draw), computed now; else None."""
-    needed, pending = set(), [node]
-    while pending:
-        n = pending.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        if n.op == "get_attr":
-            continue
-        if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
-                or n.target._schema.is_mutable or "rand" in str(n.target)
-                or n.target is aten.bernoulli.p):
-            return None
-        pending.extend(n.all_input_nodes)
-    values: dict[torch.fx.Node, object] = {}
-    with torch.no_grad():
-        for n in gm.graph.nodes:
-            if n not in needed:
-                continue
-            if n.op == "get_attr":
-                values[n] = functools.reduce(getattr, n.target.split("."), gm)
-                continue
-            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
-            values[n] = n.target(*args, **kwargs)
-    return values[node]
 
 
 def _drop_write_backs(gm: torch.fx.GraphModule) -> None:
@@ -796,34 +770,10 @@ def _fold_constants(gm: torch.fx.GraphModule) -> None:
         return _unsupported_reason(name, overload or node.target) is not None
 
     graph = gm.graph
-    constant: dict[torch.fx.Node, bool] = {}
-    for node in graph.nodes:
-        if node.op == "get_attr":
-            constant[node] = True
-        elif node.op == "call_function":
-            inputs = node.all_input_nodes
-            constant[node] = (all(constant.get(n, False) for n in inputs)
-                              and not node.target._schema.is_mutable
-                              if isinstance(node.target, torch._ops.OpOverload)
-                              else all(constant.get(n, False) for n in inputs))
-            if node.target is aten.bernoulli.p or "rand" in str(node.target):
-                constant[node] = False
-        else:
-            constant[node] = False
+    constant = _constant_nodes(graph)
     roots = [n for n in graph.nodes if constant.get(n) and n.op == "call_function"
              and any(not constant.get(u, False) for u in n.users)]
-    values: dict[torch.fx.Node, object] = {}
-
-    def evaluate(node: torch.fx.Node):
-        if node in values:
-            return values[node]
-        if node.op == "get_attr":
-            value = getattr(gm, node.target)
-        else:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), evaluate)
-            value = node.target(*args, **kwargs)
-        values[node] = value
-        return value
+    evaluate = _evaluator(gm)
 
     for index, root in enumerate(roots):
         ancestors, stack = set(), [root]
@@ -847,6 +797,43 @@ def _fold_constants(gm: torch.fx.GraphModule) -> None:
             folded = graph.get_attr(name)
         folded.meta["val"] = root.meta.get("val")
         root.replace_all_uses_with(folded)
+
+
+def _constant_nodes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
+    """Whether each node depends on constants of the graph alone: no input, no random
+    draw, no op that changes its input."""
+    constant: dict[torch.fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            constant[node] = True
+        elif node.op == "call_function":
+            inputs = node.all_input_nodes
+            constant[node] = (all(constant.get(n, False) for n in inputs)
+                              and not node.target._schema.is_mutable
+                              if isinstance(node.target, torch._ops.OpOverload)
+                              else all(constant.get(n, False) for n in inputs))
+            if node.target is aten.bernoulli.p or "rand" in str(node.target):
+                constant[node] = False
+        else:
+            constant[node] = False
+    return constant
+
+
+def _evaluator(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], object]:
+    """Computes a constant node's value now (remembering each node's)."""
+    values: dict[torch.fx.Node, object] = {}
+
+    def evaluate(node: torch.fx.Node):
+        if node in values:
+            return values[node]
+        if node.op == "get_attr":
+            value = functools.reduce(getattr, node.target.split("."), gm)
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), evaluate)
+            value = node.target(*args, **kwargs)
+        values[node] = value
+        return value
+    return evaluate
 
 
 def _dense_in_order(shape, stride) -> bool:
