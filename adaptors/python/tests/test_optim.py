@@ -96,7 +96,10 @@ def test_sgd_first_step_takes_the_gradient_as_momentum_buffer():
 @pytest.mark.parametrize("make", [
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
     lambda p: torch.optim.Adam(p, lr=0.01),
-], ids=["sgd", "adam"])
+    lambda p: torch.optim.Adafactor(p, lr=0.05, weight_decay=1e-2),
+    lambda p: torch.optim.ASGD(p, lr=0.05, t0=2),
+    lambda p: torch.optim.Rprop(p, lr=0.01),
+], ids=["sgd", "adam", "adafactor", "asgd", "rprop"])
 def test_tracing_takes_over_an_optimizer_that_already_stepped(make):
     model = _model()
     batches = [vector_batch(4, 6, 3, seed=s) for s in range(4)]

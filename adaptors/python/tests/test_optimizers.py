@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
-                     torch_state, traced_steps, twin)
+from harness import (assert_as_exact_as_pytorch, assert_trains_on_salusd_as_eagerly,
+                     eager_steps, randomly_rounded, to_dtype, torch_state, traced_steps, twin)
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
@@ -71,7 +71,46 @@ CASES = {
     "adadelta": (
         lambda p: optim.Adadelta(p, lr=1.0, rho=0.8, weight_decay=1e-3),
         lambda o: sched.PolynomialLR(o, total_iters=STEPS, power=2.0)),
+    "rprop": (lambda p: optim.Rprop(p, lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-4, 0.02)),
+              None),
+    "rprop_maximize": (lambda p: optim.Rprop(p, lr=1e-3, maximize=True), None),
+    "asgd_cosine": (
+        lambda p: optim.ASGD(p, lr=0.05, lambd=1e-2, alpha=0.6, t0=3, weight_decay=1e-3),
+        lambda o: sched.CosineAnnealingLR(o, T_max=STEPS)),
+    "asgd_maximize": (lambda p: optim.ASGD(p, lr=0.02, maximize=True), None),
+    "adafactor_decay_steplr": (
+        lambda p: optim.Adafactor(p, lr=0.05, weight_decay=1e-2),
+        lambda o: sched.StepLR(o, step_size=3, gamma=0.5)),
+    "adafactor_eps_clip": (
+        lambda p: optim.Adafactor(p, lr=0.5, beta2_decay=-0.5, eps=(1e-3, 1e-2), d=1.5,
+                                  maximize=True), None),
 }
+
+
+class _ConvNet(nn.Module):
+    """Weights of four, two and one dims: Adafactor factors the first two kinds."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: optim.Adafactor(p, lr=0.05, weight_decay=1e-2),
+    lambda p: optim.ASGD(p, lr=0.05, t0=1),
+    lambda p: optim.Rprop(p, lr=0.01),
+], ids=["adafactor", "asgd", "rprop"])
+def test_rprop_asgd_and_adafactor_train_on_salusd_as_eagerly(make, daemon):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 2, 1, 0])
+    assert_trains_on_salusd_as_eagerly(_ConvNet(), (x, y),
+                                       lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+                                       make, daemon.address, steps=4)
 
 
 def _scheduler_step(scheduler, loss) -> None:

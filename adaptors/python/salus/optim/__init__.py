@@ -1,7 +1,8 @@
 """Optimizer updates as functional tensor math, with hyperparameters as session state.
 
 This package owns the translation of a real ``torch.optim`` optimizer (SGD, Adam, AdamW,
-Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, with their options) into a pure
+Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD, Adafactor, with their
+options) into a pure
 function ``update(params, grads, state) -> (new_params, new_state)`` that the tracer
 records into the graph (:mod:`.rules`: one rule per optimizer, mirroring PyTorch's
 single-tensor implementation). The state is a flat ``name -> tensor`` dict named as
@@ -9,7 +10,8 @@ single-tensor implementation). The state is a flat ``name -> tensor`` dict named
 
 - ``optimizer.<key>.<param>``: per-parameter buffers under torch's own keys
   (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``exp_inf``,
-  ``mu_product``, ``square_avg``, ``grad_avg``, ``acc_delta``, ``sum``);
+  ``mu_product``, ``square_avg``, ``grad_avg``, ``acc_delta``, ``sum``, ``prev``,
+  ``step_size``, ``eta``, ``mu``, ``ax``, ``row_var``, ``col_var``, ``variance``);
 - ``optimizer.step``: one f32 step counter shared by every parameter;
 - ``optimizer.param_groups.<g>.<name>``: group ``g``'s hyperparameters (``lr``,
   ``beta2``, ``one_minus_beta1``, ``eps``...), 0-dim tensors the graph reads. Sessions
@@ -31,8 +33,8 @@ is traced; a later change is refused with :class:`UnsupportedOptimizerError`, as
 unknown options, ``fused=True``, other optimizer classes (subclasses included: they may
 change ``step``) and adding parameter groups.
 
-Parameters the optimizer holds always receive an update, even when the loss does not
-depend on them (their gradient is then zero, where ``torch.optim`` would skip them).
+Parameters the loss does not reach keep their values and state, as ``torch.optim``
+skips a parameter whose ``.grad`` is None (:attr:`FunctionalOptimizer.without_grad`).
 """
 
 from __future__ import annotations

@@ -141,6 +141,11 @@ class FunctionalOptimizer:
         """The per-parameter state kept for a group of this structure (torch's keys)."""
         return []
 
+    def param_buffers(self, name: str) -> list[str]:
+        """The state kept for parameter ``name``: its group's :meth:`buffers`, unless the
+        rule keeps other state for parameters of some shapes (Adafactor)."""
+        return self.buffers(self.group_of[name].structure)
+
     def init_buffer(self, key: str, param: torch.Tensor, group: Mapping) -> torch.Tensor:
         """A buffer's value before the first step (torch's lazy initialisation)."""
         return torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -174,8 +179,7 @@ class FunctionalOptimizer:
     def state_names(self) -> list[str]:
         """Buffers (per parameter, in model order), then the step counter: the state the
         update advances."""
-        names = [state_name(k, n) for n in self.params
-                 for k in self.buffers(self.group_of[n].structure)]
+        names = [state_name(k, n) for n in self.params for k in self.param_buffers(n)]
         return names + [STEP] if self.counts_steps and self.params else names
 
     def hyper_names(self) -> list[str]:
@@ -264,7 +268,7 @@ class FunctionalOptimizer:
             group = self.optimizer.param_groups[info.index]
             torch_state = self.optimizer.state.get(self._tensor_of[name], {})
             p = self._tensor_of[name].detach()
-            for key in self.buffers(info.structure):
+            for key in self.param_buffers(name):
                 value = torch_state.get(key)
                 state[state_name(key, name)] = (
                     value.detach().clone() if value is not None
@@ -313,11 +317,10 @@ class FunctionalOptimizer:
         model's parameters by name), so eager training can go on from it."""
         step = values.get(STEP)
         for name in self.params:
-            info = self.group_of[name]
             if (step is not None and step.item() == 0) or name in self.without_grad:
                 continue
             state = self.optimizer.state[params[name]]
-            for key in self.buffers(info.structure):
+            for key in self.param_buffers(name):
                 state[key] = values[state_name(key, name)].clone()
             if step is not None:
                 self._give_step(state, step)
@@ -345,11 +348,11 @@ class FunctionalOptimizer:
             names = [n for n in info.params if n not in self.without_grad]
             if not names:
                 continue
-            keys = self.buffers(info.structure)
             hyper = {k: state[hyper_name(info.index, k)] for k in info.keys}
             p = {n: params[n] for n in names}
             g = {n: grads[n] for n in names}
-            b = {state_name(k, n): state[state_name(k, n)] for n in names for k in keys}
+            b = {state_name(k, n): state[state_name(k, n)] for n in names
+                 for k in self.param_buffers(n)}
             new_p, new_b = self.update_group(info, p, g, b, hyper, step, first)
             new_params.update(new_p)
             new_state.update(new_b)

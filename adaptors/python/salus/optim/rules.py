@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .base import FunctionalOptimizer, Group, Tensors, log, scalar, state_name
+from .adafactor import Adafactor
+from .base import FunctionalOptimizer, Tensors, log, scalar, state_name
 from .math import lerp, maximum, one_minus_power, power
 
 
@@ -428,11 +429,113 @@ class Adadelta(FunctionalOptimizer):
         return new_p, new_b
 
 
+class Rprop(FunctionalOptimizer):
+    """``torch.optim.Rprop``: lr (every element's first step size), etas, step_sizes,
+    maximize. Each element keeps its own step size and the gradient it last used
+    (``prev``): a step grows by ``etaplus`` while the gradient keeps its sign, shrinks by
+    ``etaminus`` when it flips (and then skips that element's move), and moves the
+    element by the step against the gradient's sign. As in torch, ``lr`` only sets the
+    first step sizes: a schedule does not change later steps."""
+
+    kind = "rprop"
+    options = frozenset({"lr", "etas", "step_sizes", "maximize"})
+
+    def structure(self, group):
+        return {"maximize": bool(group["maximize"])}
+
+    def scalars(self, group, s):
+        etaminus, etaplus = group["etas"]
+        smallest, largest = group["step_sizes"]
+        return {"etaminus": scalar(etaminus), "etaplus": scalar(etaplus),
+                "step_size_min": scalar(smallest), "step_size_max": scalar(largest)}
+
+    def buffers(self, s):
+        return ["prev", "step_size"]
+
+    def init_buffer(self, key, param, group):
+        if key == "step_size":
+            return torch.full_like(param, scalar(group["lr"]),
+                                   memory_format=torch.preserve_format)
+        return super().init_buffer(key, param, group)
+
+    def update_group(self, info, params, grads, buffers, hyper, step, first):
+        s = info.structure
+        new_p, new_b = {}, {}
+        for name, param in params.items():
+            grad = _grad(grads[name], param, s, hyper)
+            sign = torch.sign(grad * buffers[state_name("prev", name)])
+            # torch's three masked writes: a NaN sign stays NaN
+            factor = torch.where(torch.gt(sign, 0), hyper["etaplus"], torch.where(
+                torch.lt(sign, 0), hyper["etaminus"],
+                torch.where(torch.eq(sign, 0), torch.ones_like(sign), sign)))
+            step_size = buffers[state_name("step_size", name)] * factor
+            step_size = torch.minimum(torch.maximum(step_size, hyper["step_size_min"]),
+                                      hyper["step_size_max"])
+            grad = torch.where(torch.eq(factor, hyper["etaminus"]), torch.zeros_like(grad),
+                               grad)
+            new_p[name] = param - torch.sign(grad) * step_size
+            new_b[state_name("prev", name)] = grad
+            new_b[state_name("step_size", name)] = step_size
+        return new_p, new_b
+
+
+class ASGD(FunctionalOptimizer):
+    """``torch.optim.ASGD``: lr, lambd, alpha, t0, weight_decay, maximize. Each parameter
+    keeps its step size ``eta`` and averaging weight ``mu`` (float32 scalars, as in torch)
+    and its running average ``ax``; the update uses the ``eta`` of the step before and
+    then computes the next from ``lr``, so a schedule takes effect one step later, as in
+    torch."""
+
+    kind = "asgd"
+    options = frozenset({"lr", "lambd", "alpha", "t0", "weight_decay", "maximize"})
+
+    def structure(self, group):
+        return {"weight_decay": _decay(group), "maximize": bool(group["maximize"])}
+
+    def scalars(self, group, s):
+        return {"lr": scalar(group["lr"]), "lambd": scalar(group["lambd"]),
+                "alpha": scalar(group["alpha"]), "t0": scalar(group["t0"]),
+                **_weight_decay_scalars(group, s)}
+
+    def buffers(self, s):
+        return ["eta", "mu", "ax"]
+
+    def init_buffer(self, key, param, group):
+        if key == "eta":
+            return torch.tensor(scalar(group["lr"]), dtype=torch.float32)
+        if key == "mu":
+            return torch.ones((), dtype=torch.float32)
+        return super().init_buffer(key, param, group)
+
+    def update_group(self, info, params, grads, buffers, hyper, step, first):
+        s = info.structure
+        t = step.to(hyper["lr"].dtype)
+        # lr / (1 + lambd * lr * t) ** alpha and 1 / max(1, t - t0), as float32 scalars
+        eta_next = (hyper["lr"] / torch.exp(
+            hyper["alpha"] * torch.log1p(hyper["lambd"] * hyper["lr"] * t))).to(torch.float32)
+        mu_next = torch.reciprocal(torch.clamp(t - hyper["t0"], min=1)).to(torch.float32)
+        new_p, new_b = {}, {}
+        for name, param in params.items():
+            grad = _grad(grads[name], param, s, hyper)
+            eta = buffers[state_name("eta", name)].to(param.dtype)
+            param = param * (1 - hyper["lambd"].to(param.dtype) * eta)
+            param = param - grad * eta
+            mu = buffers[state_name("mu", name)]
+            ax = buffers[state_name("ax", name)]
+            ax = torch.where(torch.eq(mu, 1), param, ax + (param - ax) * mu.to(param.dtype))
+            new_p[name] = param
+            new_b[state_name("eta", name)] = eta_next
+            new_b[state_name("mu", name)] = mu_next
+            new_b[state_name("ax", name)] = ax
+        return new_p, new_b
+
+
 #: The rule of each supported optimizer class (exactly these classes: a subclass may
 #: change ``step``).
 RULES: dict[type, type[FunctionalOptimizer]] = {
     torch.optim.SGD: SGD, torch.optim.Adam: Adam, torch.optim.AdamW: Adam,
     torch.optim.Adamax: Adamax, torch.optim.NAdam: NAdam, torch.optim.RAdam: RAdam,
     torch.optim.RMSprop: RMSprop, torch.optim.Adagrad: Adagrad,
-    torch.optim.Adadelta: Adadelta,
+    torch.optim.Adadelta: Adadelta, torch.optim.Rprop: Rprop, torch.optim.ASGD: ASGD,
+    torch.optim.Adafactor: Adafactor,
 }
