@@ -508,9 +508,10 @@ class TrainSession(_SalusSession):
 
     Traces one training step of ``model`` under ``loss_fn(model(*inputs), target)`` and
     ``optimizer`` (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta,
-    Rprop, ASGD or Adafactor: :mod:`salus.optim`) with ``example_batch = (inputs..., target)``, opens a session on
-    the daemon at ``address`` (or through ``client``; default: see
-    :class:`salus.client.Client`) and uploads the parameters, buffers and optimizer state.
+    Rprop, ASGD or Adafactor: :mod:`salus.optim`) with ``example_batch = (inputs...,
+    target)``, opens a session on the daemon at ``address`` (or through ``client``;
+    default: see :class:`salus.client.Client`) and uploads the parameters, buffers and
+    optimizer state.
     Hints for the scheduler: ``name`` (shown by ``salusctl``), ``priority``,
     ``total_iterations`` (SRTF ranks by remaining work), ``expected_iteration_ms``.
     ``offline=True``: best effort, beside online sessions (serving): it runs only in what
