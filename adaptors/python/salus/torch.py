@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from . import model_reads
 from ._llvm import triton_first
 from .client import Client, Iteration, Session
 from .errors import (AdmissionTimeoutError, BatchError, DaemonError, DaemonUnavailableError,
@@ -680,6 +681,7 @@ class TrainSession(_SalusSession):
     #: tensors (:meth:`update_model`).
     _model_behind = False
     _hooks: list = []
+    _followed: list = []
 
     def _follow_reads(self) -> None:
         """Between steps the session's tensors are ahead of the model's and the
@@ -691,6 +693,10 @@ class TrainSession(_SalusSession):
         self._hooks = [m.register_forward_pre_hook(before) for m in self.model.modules()]
         self._hooks += [self.model.register_state_dict_pre_hook(before),
                         self.optimizer.register_state_dict_pre_hook(before)]
+        # parameters() and buffers() (a weight average's update_parameters(model))
+        self._followed = list(self.model.modules())
+        for module in self._followed:
+            model_reads.follow(module, before)
 
     def _bring_back(self) -> None:
         if not self._model_behind or tracing_now() or self.session is None or self._lost:
@@ -715,6 +721,9 @@ class TrainSession(_SalusSession):
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            for module in self._followed:
+                model_reads.unfollow(module)
+            self._followed = []
             super().close()
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:

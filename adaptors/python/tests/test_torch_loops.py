@@ -345,15 +345,22 @@ def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
             first(x.flatten(1)[:, :first.in_features])
         assert torch.equal(first.weight, trained(session)[next(
             n for n in names if n.endswith("weight"))])
-        # The whole model saved, or copied: the copy is not the session's model.
+        # The whole model saved, or copied: the copy is not the session's model (nor of
+        # the class that follows the model's reads).
+        kind = type(spec.model(0))
+        now = [p.detach().clone() for p in model.parameters()]
         session.step(*batches[1])
         saved = io.BytesIO()
         torch.save(model, saved)
         copied = copy.deepcopy(model)
         with torch.no_grad():
             copied(x)
-        assert not any(torch.equal(p, v) for p, v in zip(model.parameters(),
-                                                         trained(session).values()))
+        saved.seek(0)
+        for copy_ in (copied, torch.load(saved, weights_only=False)):
+            assert type(copy_) is kind
+            assert all(torch.equal(p, v) for p, v in zip(copy_.parameters(), now))
+        assert all(torch.equal(p, v) for p, v in zip(model.parameters(),
+                                                     trained(session).values()))
         # A compiled copy of the model for validation: the hook runs outside the graph.
         session.step(*batches[0])
         with torch.no_grad():
@@ -366,3 +373,38 @@ def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
         last = trained(session)
     # Closing brought the last steps back.
     assert all(torch.equal(p, last[n]) for n, p in model.named_parameters())
+    assert type(model) is kind and all(type(m).__module__.startswith("torch.nn")
+                                       for m in model.modules() if m is not model)
+
+
+def test_weight_averages_read_the_trained_weights(daemon):
+    """A weight average (torch.optim.swa_utils.AveragedModel) and an exponential moving
+    average written by hand read the model through parameters() after each step: they
+    average what eager training would have left, step by step."""
+    spec = reference_runs()["mlp"].spec
+    batches = [spec.batch(k) for k in range(4)]
+
+    def averages(model, step):
+        swa = torch.optim.swa_utils.AveragedModel(model)
+        ema = copy.deepcopy(model)
+        for b in batches:
+            step(b)
+            swa.update_parameters(model)
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+        return {**{f"swa.{n}": p for n, p in swa.module.named_parameters()},
+                **{f"ema.{n}": p for n, p in ema.named_parameters()}}
+
+    def eager(dtype):
+        m = twin(spec.model(0), dtype)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        return averages(m, lambda b: eager_steps(m, opt, spec.loss_fn, [to_dtype(b, dtype)]))
+
+    model = spec.model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with st.TrainSession(model, spec.loss_fn, optimizer, batches[0],
+                         address=daemon.address, admission_timeout=10) as session:
+        got = averages(model, lambda b: session.step(*b))
+    assert_as_exact_as_pytorch(got, eager(torch.float64), eager(torch.float32),
+                               randomly_rounded(lambda: eager(torch.float64)))
