@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from .errors import TraceError
 from .stand_ins import StandIn, route
@@ -412,17 +413,34 @@ _FFT = {
 def spectra_in_the_graph() -> Iterator[None]:
     """While a step records: ``torch.fft``'s transforms and shifts, ``torch.stft``,
     ``torch.view_as_complex``, ``torch.complex`` and ``torch.polar`` give and take
-    :class:`Complex` values; all put back after."""
+    :class:`Complex` values; all put back after. Each is replaced where it is looked up
+    (``torch.fft.fftn``) and, for a reference a model took before (FNet's
+    ``partial(torch.fft.fftn, dim=(1, 2))``), where PyTorch dispatches it
+    (:class:`_Spectra`)."""
     replaced = [(torch.fft, name, _transform(*spec)) for name, spec in _FFT.items()]
     replaced += [(torch.fft, "fftshift", _shift(False)), (torch.fft, "ifftshift", _shift(True)),
                  (torch, "stft", _stft), (torch, "view_as_complex", _view_as_complex),
                  (torch, "complex", _complex), (torch, "polar", _polar)]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
+    rules = {original: rule for (_, _, original), (_, _, rule) in zip(originals, replaced)}
     for owner, name, rule in replaced:
         setattr(owner, name, rule)
     try:
-        yield
+        with _Spectra(rules):
+            yield
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
 
+
+class _Spectra(TorchFunctionMode):
+    """Calls of the original functions (references taken before recording) go to their
+    rules."""
+
+    def __init__(self, rules: dict):
+        super().__init__()
+        self._rules = rules
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rule = self._rules.get(func)
+        return (rule or func)(*args, **(kwargs or {}))
