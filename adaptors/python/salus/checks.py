@@ -2,6 +2,7 @@
 moved into the graph while a step records: each becomes an ``_assert_async.msg`` that
 fails the iteration with PyTorch's message where PyTorch would raise.
 
+- ``F.one_hot`` checks that every class is within ``num_classes``.
 - ``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``) checks that no variance is
   negative: while a step records it is a version whose check is in the graph, the rest
   as PyTorch computes it.
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 
 @contextlib.contextmanager
 def value_checks_in_the_graph() -> Iterator[None]:
-    """While a step records: ``F.gaussian_nll_loss`` and ``torch._is_all_true`` with their
-    checks in the graph; both put back after."""
-    originals = F.gaussian_nll_loss, torch._is_all_true
+    """While a step records: ``F.gaussian_nll_loss``, ``F.one_hot`` and
+    ``torch._is_all_true`` with their checks in the graph; all put back after."""
+    originals = F.gaussian_nll_loss, torch._is_all_true, F.one_hot
+    F.one_hot = _one_hot_of(F.one_hot)
     constraints = torch.distributions.constraints
     checks = constraints._Symmetric.check, constraints._PositiveDefinite.check
     F.gaussian_nll_loss, torch._is_all_true = _gaussian_nll_loss, _all_true_in_the_graph
@@ -39,8 +41,25 @@ def value_checks_in_the_graph() -> Iterator[None]:
     try:
         yield
     finally:
-        F.gaussian_nll_loss, torch._is_all_true = originals
+        F.gaussian_nll_loss, torch._is_all_true, F.one_hot = originals
         constraints._Symmetric.check, constraints._PositiveDefinite.check = checks
+
+
+def _one_hot_of(original):
+    def one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+        """``F.one_hot`` as PyTorch 2.15 decomposes it, its range checks in the graph
+        (PyTorch 2.11 reads the indices in Python). Without ``num_classes`` the width is
+        the largest index's, a value: PyTorch's own, which the recording refuses."""
+        if num_classes == -1 or not isinstance(tensor, torch.Tensor) or \
+                tensor.dtype != torch.int64:
+            return original(tensor, num_classes)
+        torch._assert_async(torch.all(tensor >= 0),
+                            "one_hot: Class values must be non-negative.")
+        torch._assert_async(torch.all(tensor < num_classes),
+                            "one_hot: Class values must be smaller than num_classes.")
+        return torch.eq(tensor.unsqueeze(-1), torch.arange(
+            num_classes, dtype=tensor.dtype, device=tensor.device)).to(torch.int64)
+    return one_hot
 
 
 def _symmetric(self, value):

@@ -52,8 +52,9 @@ def _refuse(what: str):
     raise TraceError(
         f"the step {what} a selection by a boolean mask from the batch (x[mask]): its shape "
         "depends on the mask's values, and salus follows such a selection only through "
-        "elementwise ops, softmax within a row, products with a matrix, sum and mean, and "
-        "the losses of torch.nn.functional. Compute over every element and mask the result "
+        "elementwise ops, softmax within a row, products with a matrix, sum and mean, the "
+        "losses of torch.nn.functional, reshapes that keep each row's elements, and "
+        "index_add_ or assignments by the mask or its positions. Compute over every element and mask the result "
         "instead: the mean loss over the selected rows is F.cross_entropy(out, "
         "torch.where(mask, target, -100)) (its ignore_index), or, with reduction='none', "
         "(loss * mask).sum() / mask.sum()")
@@ -73,7 +74,14 @@ class Selection(StandIn):
     @classmethod
     def of(cls, tensor: torch.Tensor, mask: torch.Tensor) -> "Selection":
         keep = mask.reshape(-1)
-        rows = tensor.reshape(keep.shape[0], *tensor.shape[mask.dim():])
+        return cls.kept(tensor.reshape(keep.shape[0], *tensor.shape[mask.dim():]), keep,
+                        mask)
+
+    @classmethod
+    def kept(cls, rows: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
+             ) -> "Selection":
+        """The selection of ``rows`` [R, ...] where ``keep`` [R] holds; the other rows
+        take the first kept row's values (detached)."""
         first = keep.to(torch.int32).argmax()
         stand_in = rows.index_select(0, first.reshape(1)).detach()
         return cls(torch.where(cls._spread(keep, rows), rows, stand_in), keep, mask)
@@ -123,20 +131,44 @@ class Selection(StandIn):
         if name in ("matmul", "linear", "__matmul__", "mm") and isinstance(args[0], cls) \
                 and not any(isinstance(a, cls) for a in args[1:]):
             return first._again(func(*plain_args, **plain_kwargs))
-        if name in ("__getitem__", "getitem") and first._trailing_index(args[1]):
+        if name in ("__getitem__", "getitem") and first._trailing_index(args[1],
+                                                                         first.rows.dim()):
             return first._again(func(*plain_args, **plain_kwargs))
+        if name in ("reshape", "view") and args[0] is first:
+            return first._reshaped(args[1:], kwargs)
+        if name in ("unsqueeze", "squeeze") and args[0] is first and (args[1:] or kwargs):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            dims = first.rows.dim() + (name == "unsqueeze")
+            if isinstance(dim, int) and dim % dims != 0:
+                return first._again(func(*plain_args, **plain_kwargs))
         _refuse(f"applies {name} to")
+
+    def _reshaped(self, args, kwargs) -> "Selection":
+        """``reshape(-1, *trailing)``: the rows keep their count (dims of one element
+        before them merge into it), each row the same elements."""
+        shape = kwargs.get("shape", args[0] if len(args) == 1 else args)
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+        if not shape or shape[0] != -1 or -1 in shape[1:] or \
+                math.prod(shape[1:]) != math.prod(self.rows.shape[1:]):
+            _refuse("reshapes other than as reshape(-1, ...), each row's elements kept,")
+        return self._again(self.rows.reshape(self.rows.shape[0], *shape[1:]))
 
     def _within_row(self, args, kwargs) -> bool:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         return isinstance(dim, int) and dim % self.rows.dim() != 0
 
     @staticmethod
-    def _trailing_index(index) -> bool:
-        return (isinstance(index, tuple) and len(index) > 1
-                and index[0] == slice(None) and all(
-                    isinstance(i, (int, slice)) or i is None or i is Ellipsis
-                    for i in index[1:]))
+    def _trailing_index(index, dims: int) -> bool:
+        """An index of the dims after the rows': ``[:, ...]``, or ``[..., i]`` reaching
+        fewer dims than there are."""
+        if not isinstance(index, tuple) or len(index) < 2:
+            return False
+        rest = index[1:]
+        if not all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in rest):
+            return False
+        if index[0] == slice(None):
+            return True
+        return index[0] is Ellipsis and sum(i is not None for i in rest) < dims
 
     def _check_broadcast(self, args, kwargs):
         """A plain tensor must broadcast over a row, not along the rows."""
@@ -220,6 +252,9 @@ class Selection(StandIn):
     def __len__(self):
         _refuse("reads the length of")
 
+    def __bool__(self):
+        _refuse("branches on")
+
 
 route(Selection, ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                   "__truediv__", "__rtruediv__", "__pow__", "__rpow__", "__neg__",
@@ -241,28 +276,75 @@ def _is_mask_of(tensor: torch.Tensor, index) -> torch.Tensor | None:
 def selections_in_the_graph() -> Iterator[None]:
     """While a step records: ``tensor[mask]`` of a boolean mask over leading dims, and
     ``masked_select`` (the method and the function) of a mask of the tensor's shape, give
-    a :class:`Selection`; put back after."""
-    getitem, masked_select = torch.Tensor.__getitem__, torch.Tensor.masked_select
+    a :class:`Selection`; ``nonzero``, ``argwhere`` and ``torch.where(mask)`` give
+    :class:`~salus.positions.Positions`, which index (``tensor[positions]``) a
+    :class:`Selection` and take one in assignments (``tensor[mask] = selection``,
+    ``tensor[positions] = ...``). All put back after."""
+    from .positions import Candidate, Positions
+
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+    masked_select, where = torch.Tensor.masked_select, torch.where
 
     def select(self, index):
         mask = _is_mask_of(self, index)
-        return Selection.of(self, mask) if mask is not None else getitem(self, index)
+        if mask is not None:
+            return Selection.of(self, mask)
+        items = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, Candidate) for i in items):
+            items = tuple(i.tensor() if isinstance(i, Candidate) else i for i in items)
+            return select(self, items if isinstance(index, tuple) else items[0])
+        if any(isinstance(i, Positions) for i in items):
+            return next(i for i in items if isinstance(i, Positions)).gather(self, items)
+        return getitem(self, index)
+
+    def assign(self, index, value):
+        mask = _is_mask_of(self, index)
+        items = index if isinstance(index, tuple) else (index,)
+        if mask is not None and isinstance(value, Selection):
+            if not value._same(Selection(value.rows, mask.reshape(-1), mask)):
+                _refuse("assigns another mask's selection to")
+            rows = self.reshape(value.keep.shape[0], *self.shape[mask.dim():])
+            kept = torch.where(Selection._spread(value.keep, rows), value.rows.to(self.dtype),
+                               rows)
+            self.copy_(kept.reshape(self.shape))
+            return
+        if len(items) == 1 and isinstance(items[0], Positions):
+            items[0].put(self, value)
+            return
+        if isinstance(value, Selection) or any(isinstance(i, Positions) for i in items):
+            _refuse("assigns by an index other than the mask or its positions")
+        setitem(self, index, value)
 
     def select_masked(self, mask):
         if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(self.shape):
             return Selection.of(self.reshape(-1), mask.reshape(-1))
         return masked_select(self, mask)
 
-    own = {name: torch.Tensor.__dict__[name] for name in ("__getitem__", "masked_select")
+    def positions(self, *, as_tuple=False):
+        found = Positions.of(self)
+        return found.columns() if as_tuple else found
+
+    def where_of(condition, *args, **kwargs):
+        if not args and not kwargs:
+            return Positions.of(condition).columns()
+        return where(condition, *args, **kwargs)
+
+    replaced = {"__getitem__": select, "__setitem__": assign, "masked_select": select_masked,
+                "nonzero": positions, "argwhere": lambda self: Positions.of(self)}
+    own = {name: torch.Tensor.__dict__[name] for name in replaced
            if name in torch.Tensor.__dict__}
-    function = torch.masked_select
-    torch.Tensor.__getitem__, torch.Tensor.masked_select = select, select_masked
-    torch.masked_select = select_masked
+    functions = {name: getattr(torch, name) for name in ("masked_select", "nonzero",
+                                                         "argwhere", "where")}
+    for name, rule in replaced.items():
+        setattr(torch.Tensor, name, rule)
+    torch.masked_select, torch.nonzero, torch.where = select_masked, positions, where_of
+    torch.argwhere = replaced["argwhere"]
     try:
         yield
     finally:
-        torch.masked_select = function
-        for name in ("__getitem__", "masked_select"):
+        for name, function in functions.items():
+            setattr(torch, name, function)
+        for name in replaced:
             if name in own:
                 setattr(torch.Tensor, name, own[name])
             else:

@@ -536,11 +536,29 @@ def _custom_functions() -> Iterator[None]:
         table[TransformType.Functionalize] = rule
 
 
+_READS_A_VALUE = "the step reads a tensor's value in Python"
+
+
 def _record(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Module,
             tracing_mode: str) -> torch.fx.GraphModule:
     # In fake mode, tensors the model captures (not parameters or buffers) stay real
     # and become constants of the graph.
-    gm = _record_once(fn, args, model, tracing_mode, contextlib.nullcontext())
+    try:
+        gm = _record_once(fn, args, model, tracing_mode, contextlib.nullcontext())
+    except TraceError as error:
+        if not str(error).startswith(_READS_A_VALUE):
+            raise
+        # Perhaps the positions of a mask from the batch, iterated or counted (a mixture
+        # of experts routing tokens): recorded again with them kept as every position
+        # and the mask (salus.positions), which refuses what it cannot follow.
+        try:
+            return _record_once(fn, args, model, tracing_mode, selections_in_the_graph())
+        except TraceError as again:
+            if str(again).startswith(_READS_A_VALUE):
+                raise error from None
+            raise
+        except Exception:  # what the positions did not cover: the first error says it
+            raise error from None
     from .lower import _selects_by_mask
     if any(_selects_by_mask(n) for n in gm.graph.nodes):
         # A selection by a mask from the batch: recorded again with the selection kept
@@ -604,11 +622,11 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                     f"{_user_frame(error.__traceback__)}, which PyTorch's gradient "
                     "transform cannot record (an nn.Embedding with max_norm rescales its "
                     "weight so: train the weight, or drop max_norm)") from None
-            if "_local_scalar_dense" not in str(error):
+            if "_local_scalar_dense" not in str(error) and "tolist()" not in str(error):
                 raise
             raise TraceError(
-                "the step reads a tensor's value in Python (data-dependent control flow or "
-                f"a .item()/bool() of a tensor){_user_frame(error.__traceback__)}: salus "
+                f"{_READS_A_VALUE} (data-dependent control flow or "
+                f"a .item()/bool()/.tolist() of a tensor){_user_frame(error.__traceback__)}: salus "
                 "traces one fixed graph per batch shape and cannot follow a branch taken on "
                 "values; compute it with tensor ops (torch.where), or pass the value in") from None
     _kernel_dtypes(gm)

@@ -72,32 +72,33 @@ def test_an_unsupported_op_is_named_before_anything_is_sent(daemon):
 
 
 def test_a_selection_by_a_boolean_mask_is_refused_with_the_masked_form(daemon):
-    """A loss over the rows the positions of a mask from the batch select, or a
-    ``masked_select`` by a broadcast mask, has no fixed shape: refused before anything is
-    sent, naming the masked form, which trains as the selection does eagerly. (``out[k]``
-    itself trains: ``tests/test_mask_selections.py``.)"""
+    """A ``masked_select`` by a broadcast mask has no fixed shape: refused before anything
+    is sent, naming the masked form, which trains as the selection does eagerly; so does
+    the selection by the mask's positions (``out[k.nonzero()[:, 0]]``, salus.positions).
+    (``out[k]`` itself trains: ``tests/test_mask_selections.py``.)"""
     model = SPEC.model(0)
     x, y = SPEC.batch(0)
     mask = torch.arange(len(y)) % 3 != 1
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    selections = [lambda out, k: out[k.nonzero()[:, 0]],
-                  lambda out, k: out.masked_select(k[:, None]).view(-1, out.shape[1])]
-    for select in selections:
-        with pytest.raises(TraceError,
-                           match=r"boolean mask .* torch.where\(mask, target, -100\)"):
-            st.TrainSession(model, None, optimizer, (x, y, mask), address=daemon.address,
-                            loss_of=lambda m, x, y, k: nn.functional.cross_entropy(
-                                select(m(x), k), select(y[:, None], k)[:, 0]))
+    with pytest.raises(TraceError, match=r"boolean mask .* torch.where\(mask, target, -100\)"):
+        st.TrainSession(model, None, optimizer, (x, y, mask), address=daemon.address,
+                        loss_of=lambda m, x, y, k: nn.functional.mse_loss(
+                            m(x).masked_select(k[:, None]), torch.zeros(())))
     with Client(daemon.address) as client:
         assert client.list_sessions() == []
     eager = SPEC.model(0)
     want = nn.functional.cross_entropy(eager(x)[mask], y[mask]).detach()
     exact = nn.functional.cross_entropy(eager.double()(x.double())[mask], y[mask]).detach()
-    with st.TrainSession(model, None, optimizer, (x, y, mask), address=daemon.address,
-                         loss_of=lambda m, x, y, k: nn.functional.cross_entropy(
-                             m(x), torch.where(k, y, -100))) as session:
-        got = session.step(x, y, mask)
-    assert_as_exact_as_pytorch({"loss": got}, {"loss": exact}, {"loss": want})
+    masked_forms = [lambda out, y, k: nn.functional.cross_entropy(out, torch.where(k, y, -100)),
+                    lambda out, y, k: nn.functional.cross_entropy(
+                        out[k.nonzero()[:, 0]], y[:, None][k.nonzero()[:, 0]][:, 0])]
+    for loss in masked_forms:
+        model = SPEC.model(0)
+        with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                             (x, y, mask), address=daemon.address,
+                             loss_of=lambda m, x, y, k, loss=loss: loss(m(x), y, k)) as session:
+            got = session.step(x, y, mask)
+        assert_as_exact_as_pytorch({"loss": got}, {"loss": exact}, {"loss": want})
 
 
 class _DoubledInPlace(torch.autograd.Function):
