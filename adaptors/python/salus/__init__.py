@@ -5,17 +5,19 @@ IR (``salus.v1.Graph``, see ``docs/ir.md``), and TensorFlow and JAX steps throug
 HLO (``docs/frontends.md``):
 
 - :mod:`salus.trace`: ``trace_train_step`` / ``trace_inference`` -> :class:`TracedStep`;
-- :mod:`salus.optim`: SGD, Adam and AdamW updates as functional tensor math;
+- :mod:`salus.optim`: the stock ``torch.optim`` updates as functional tensor math;
 - :mod:`salus.amp`: autocast while tracing, ``torch.amp.GradScaler`` as session state;
 - :mod:`salus.decompositions` and :mod:`salus.rules`: what PyTorch ops become in IR ops;
-  :mod:`salus.selections` (masks from the batch), :mod:`salus.spectral` (Fourier
+  :mod:`salus.selections` (masks from the batch), :mod:`salus.positions` (their
+  positions: a mixture of experts' routing), :mod:`salus.spectral` (Fourier
   transforms, complex values as two real tensors) and :mod:`salus.inner_gradients`
   (gradient penalties): what a step's Python does while it records;
 - :mod:`salus.lower`: FX graph -> ``salus.v1.Graph``;
 - :mod:`salus.models`: the target models and their example batches;
 - :mod:`salus.coverage` and :mod:`salus.reference`: command-line tools;
 - :mod:`salus.client`: the gRPC client of ``salusd`` (:class:`Client`, sessions, admin);
-- :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd;
+- :mod:`salus.torch`: ``TrainSession`` and ``InferenceSession``, PyTorch jobs on salusd
+  (:mod:`salus.model_reads`: a session's model read through ``parameters()``);
 - :mod:`salus.serving`: ``ServedModel``, a PyTorch model whose requests salusd batches;
 - :mod:`salus.hlo`: XLA HLO text -> the same traced step (run with PyTorch ops);
 - :mod:`salus.tf`: Keras 3 ``TrainSession``, ``InferenceSession`` and ``fit`` on salusd;
