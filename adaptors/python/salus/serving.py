@@ -282,8 +282,25 @@ class ServedModel:
         self.calibration = {(t.variant, t.batch_size): t.ms for t in response.calibration}
         self._watch = ModelWatch(model, fixed=True,
                                  remedy="Serve the changed model anew (a new ServedModel)")
+        self._traced = list(traced.values())
         #: What opening cost this process: tracing, lowering, uploading, calibration.
         self.open_ms = (time.perf_counter() - started) * 1e3
+
+    def _check_captures(self) -> None:
+        """Refuses a request after a tensor from outside the model that the forward pass
+        reads (a parameter of another module, a captured tensor) changed in place: every
+        program of the served model holds its value as it was when served."""
+        for step in self._traced:
+            step.check_constants()
+        changed = [c for step in self._traced for c in step.captured
+                   if c.tensor._version != c.taken]
+        if changed:
+            shapes = ", ".join(str(list(c.tensor.shape)) for c in changed[:3])
+            raise SalusError(
+                f"a parameter the served model's forward pass reads from outside the model "
+                f"(of shape {shapes}) changed in place since it was served, and salusd "
+                "serves the value it had then: serve the model anew (a new ServedModel), "
+                "or make the module holding it a submodule of the model")
 
     # -- construction ---------------------------------------------------------------------
 
@@ -354,6 +371,7 @@ class ServedModel:
                  variant: int | str | None) -> tuple[session_pb2.InferRequest, int]:
         what = "the served model"
         self._watch.check_tensors()
+        self._check_captures()
         if len(inputs) != self._inputs:
             raise BatchError(f"{what} takes {self._inputs} input(s) per request, as its "
                              f"example, but got {len(inputs)}")

@@ -234,6 +234,11 @@ class _SalusSession:
                 f"{list(value.shape)} but the session was traced with {s.describe()}, and "
                 f"the step does not trace for these shapes: {error}") from error
         self._synced()  # as tracing left the model's tensors
+        if _captured_by(traced) != _captured_by(self.traced):
+            raise BatchError(
+                f"{what}: the step traced for these shapes reads other parameters from "
+                "outside the model than the session's first program, whose values the "
+                "session keeps: make those modules submodules of the model")
         graph = traced.to_graph()
         try:
             added = self._session().add_program(graph)
@@ -319,9 +324,6 @@ class _SalusSession:
     def _lost_to(self, error: BaseException) -> None:
         self._lost |= isinstance(error, (SessionClosedError, DaemonUnavailableError))
 
-    def _iteration_failed(self) -> None:
-        """Hook: an iteration failed, so what it carried (written hyperparameters) may not
-        have reached salusd."""
 
     def _run_or_resume(self, iteration: Iteration):
         """The iteration's response; None when salusd restarted and gave the session back
@@ -431,6 +433,24 @@ class _SalusSession:
     def _state_written(self) -> None:
         """Hook: the session's tensors were overwritten (with what the user chose)."""
         self._synced()
+        # The captured parameters stay the truth: the next iteration writes them again.
+        self.traced.resend_captures()
+
+    def _iteration_failed(self) -> None:
+        """Hook: an iteration failed, so what it carried (written hyperparameters,
+        captured parameters) may not have reached salusd."""
+        self.traced.resend_captures()
+
+    def _captures_written(self) -> dict[int, bytes]:
+        """The captured parameters (tensors of modules outside the model the step reads)
+        changed since salusd last got them, as writes before the iteration. One that
+        belongs to another training session's model, whose tensors are ahead on salusd
+        (a GAN's discriminator in the generator's loss), is brought back first."""
+        if not self.traced.captured:
+            return {}
+        _bring_back_owners(self.traced.captured, self)
+        return {self.layout.state[n].id: tensor_bytes(v)
+                for n, v in self.traced.changed_captures().items()}
 
     def update_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
         """Copies the parameters and buffers from salusd into ``model`` (default: the
@@ -618,7 +638,9 @@ class TrainSession(_SalusSession):
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
         program, leaves = self._program_for(batch, what)
+        program.traced.check_constants()
         writes = {self.layout.state[n].id: tensor_bytes(v) for n, v in changed.items()}
+        writes.update(self._captures_written())
         return self._submission(program, leaves, what, writes)
 
     def _check_modes(self) -> None:
@@ -640,6 +662,7 @@ class TrainSession(_SalusSession):
         self.traced.rule.resend()
 
     def _iteration_failed(self) -> None:
+        super()._iteration_failed()
         self.traced.rule.resend()
 
     def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
@@ -697,6 +720,7 @@ class TrainSession(_SalusSession):
         self._followed = list(self.model.modules())
         for module in self._followed:
             model_reads.follow(module, before)
+        _OPEN_TRAINING.add(self)
 
     def _bring_back(self) -> None:
         if not self._model_behind or tracing_now() or self.session is None or self._lost:
@@ -724,6 +748,7 @@ class TrainSession(_SalusSession):
             for module in self._followed:
                 model_reads.unfollow(module)
             self._followed = []
+            _OPEN_TRAINING.discard(self)
             super().close()
 
     def _update_optimizer(self, values: dict[str, torch.Tensor]) -> None:
@@ -734,6 +759,25 @@ class TrainSession(_SalusSession):
     def __repr__(self) -> str:
         return (f"<salus.torch.TrainSession {type(self.model).__name__} session {self.id}, "
                 f"{self.iterations} steps>")
+
+
+def _captured_by(traced: TracedStep) -> list[tuple[str, int]]:
+    return [(c.name, c.tensor.data_ptr()) for c in traced.captured]
+
+
+#: Training sessions open in this process (whose models other steps may capture).
+_OPEN_TRAINING: weakref.WeakSet = weakref.WeakSet()
+
+
+def _bring_back_owners(captured, reader) -> None:
+    """Brings back the tensors of every other open training session whose model holds
+    one of ``captured`` and is behind its session."""
+    pointers = {c.tensor.data_ptr() for c in captured}
+    for session in list(_OPEN_TRAINING):
+        if session is reader or not session._model_behind:
+            continue
+        if any(p.data_ptr() in pointers for p in session.model.parameters()):
+            session._bring_back()
 
 
 class _BringBack:
@@ -809,7 +853,9 @@ class InferenceSession(_SalusSession):
         self._check_unedited()
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
-        iteration, answer = self._submission(program, leaves, what)
+        program.traced.check_constants()
+        iteration, answer = self._submission(program, leaves, what,
+                                             self._captures_written() or None)
         response = self._run_or_resume(iteration)
         if response is None:
             return self(*inputs)

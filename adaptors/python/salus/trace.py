@@ -68,7 +68,7 @@ from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws
-from .errors import TraceError, in_user_code, user_location
+from .errors import SalusError, TraceError, in_user_code, user_location
 from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
 
@@ -193,6 +193,44 @@ class TracedStep:
     # Whether f32 convolutions and matrix products may use TF32, as PyTorch was set when
     # the step was traced (see :func:`float32_precision`).
     precision: dict[str, bool] = field(default_factory=lambda: float32_precision())
+    # Parameters of modules outside the model that the step reads, kept as session
+    # state (see :func:`_captured_parameters_as_state`).
+    captured: list["Captured"] = field(default_factory=list, repr=False)
+
+    def check_constants(self) -> None:
+        """Refuses to go on after a tensor the step captured as a constant (a plain
+        tensor of the user's, not a parameter) was changed in place: the graph holds its
+        value as traced."""
+        changed = [t for t, version in
+                   self.graph_module.meta.get("salus_constants", {}).values()
+                   if t._version != version]
+        if changed:
+            shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                               for t in changed[:3])
+            raise SalusError(
+                f"a tensor the step captures from outside the model ({shapes}) changed in "
+                "place since the step was traced, and the traced graph holds the value it "
+                "had then: register it as a buffer of the model (module.register_buffer), "
+                "make it an nn.Parameter of a module (followed as it changes), or pass it "
+                "in the batch")
+
+    def changed_captures(self) -> dict[str, torch.Tensor]:
+        """The captured parameters changed in place since their values were last taken
+        (traced, or returned here): their new values, which the session writes before
+        the step, as eager PyTorch would read them."""
+        changed = {}
+        for capture in self.captured:
+            version = capture.tensor._version
+            if version != capture.taken:
+                capture.taken = version
+                changed[capture.name] = capture.tensor.detach().clone()
+        return changed
+
+    def resend_captures(self) -> None:
+        """The next :meth:`changed_captures` returns every captured parameter (after the
+        session's tensors were overwritten)."""
+        for capture in self.captured:
+            capture.taken = None
 
     @property
     def state_names(self) -> list[str]:
@@ -630,6 +668,12 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                 "traces one fixed graph per batch shape and cannot follow a branch taken on "
                 "values; compute it with tensor ops (torch.where), or pass the value in") from None
     _kernel_dtypes(gm)
+    # Captured tensors as recorded, before folding computes new constants from them.
+    gm.meta["salus_constants"] = {
+        id(value): (value, value._version) for node in gm.graph.nodes
+        if node.op == "get_attr" and not _captured_parameter(node)
+        for value in [functools.reduce(getattr, str(node.target).split("."), gm)]
+        if isinstance(value, torch.Tensor)}
     return tidy(gm)
 
 
@@ -823,7 +867,7 @@ def _constant_nodes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
     constant: dict[torch.fx.Node, bool] = {}
     for node in graph.nodes:
         if node.op == "get_attr":
-            constant[node] = True
+            constant[node] = not _captured_parameter(node)
         elif node.op == "call_function":
             inputs = node.all_input_nodes
             constant[node] = (all(constant.get(n, False) for n in inputs)
@@ -1214,9 +1258,11 @@ def trace_train_step(model: torch.nn.Module,
     initial = {**_detached(params), **_detached(buffers), **opt_state}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
+    captured = _captured_parameters_as_state(gm, inputs, initial)
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
-                      rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast)
+                      rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast,
+                      captured=captured)
 
 
 def _reached(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> set[str]:
@@ -1298,9 +1344,67 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     n_out = spec_box[0].num_leaves
     outputs = ([OutputSlot("update", n) for n in buffers]
                + [OutputSlot("output", f"output.{i}") for i in range(n_out)])
+    captured = _captured_parameters_as_state(gm, inputs, initial)
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("inference", gm, inputs, outputs, initial, output_spec=spec_box[0],
-                      autocast=autocast)
+                      autocast=autocast, captured=captured)
+
+
+#: The session state a parameter the step captures from outside is kept as
+#: (``captured.<k>``).
+CAPTURED = "captured"
+
+
+@dataclass
+class Captured:
+    """A parameter of a module outside the model that the step reads: its state name,
+    the user's tensor, and its version counter when its value was last taken."""
+
+    name: str
+    tensor: torch.Tensor
+    taken: int | None
+
+
+def _captured_parameter(node: torch.fx.Node) -> bool:
+    # make_fx names the nn.Parameters a function captures so; other constants (tensors
+    # made while the step records, or captured plain tensors) are ``_tensor_constant``.
+    return node.op == "get_attr" and str(node.target).startswith("_param_constant")
+
+
+def _captured_parameters_as_state(gm: torch.fx.GraphModule, inputs: list[InputSlot],
+                                  initial: dict[str, torch.Tensor]) -> list[Captured]:
+    """Parameters of modules outside the model that the step reads (a DQN's target
+    network, a GAN's discriminator in the generator's loss, a teacher that follows the
+    student by a moving average) become persistent inputs ``captured.<k>`` (after the
+    other persistent inputs, in the order the graph first reads them) instead of
+    constants: the user may change them between steps (``load_state_dict``, an
+    optimizer of their own), and the session then writes their new values before the
+    next step (:meth:`TracedStep.changed_captures`), so the step reads what eager
+    PyTorch would."""
+    graph = gm.graph
+    nodes = [n for n in graph.nodes if _captured_parameter(n)]
+    if not nodes:
+        return []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    at = sum(1 for s in inputs if s.role != FEED)
+    anchor = placeholders[at] if at < len(placeholders) else None
+    last = placeholders[-1]
+    captured = []
+    for k, node in enumerate(nodes):
+        value = functools.reduce(getattr, str(node.target).split("."), gm)
+        name = f"{CAPTURED}.{k}"
+        with (graph.inserting_before(anchor) if anchor is not None
+              else graph.inserting_after(last)):
+            placeholder = graph.placeholder(f"captured_{k}")
+        last = placeholder
+        placeholder.meta.update(node.meta)
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        inputs.insert(at + k, InputSlot(name, STATE, CAPTURED))
+        initial[name] = value.detach().clone()
+        captured.append(Captured(name, value, value._version))
+    gm.recompile()
+    return captured
 
 
 def _split(flat, counts, names):
