@@ -41,6 +41,9 @@ def _refuse(what: str):
         "mask the result instead (torch.where(mask, ..., 0))")
 
 
+#: The most positions a mask may have (each is a row of what they index).
+_MOST = 1 << 20
+
 _ARITHMETIC = {"add", "sub", "mul", "floor_divide", "remainder", "__add__", "__radd__",
                "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__mod__"}
 
@@ -61,6 +64,8 @@ class Positions(StandIn):
     def of(cls, mask: torch.Tensor) -> "Positions":
         """``mask.nonzero()``'s positions: [R, mask.dim()] (a mask of numbers holds
         where they are not 0)."""
+        if mask.numel() > _MOST:
+            _refuse(f"takes more than {_MOST} candidates for")
         coordinates = [_unravel(r, mask.shape) for r in range(mask.numel())]
         values = torch.tensor(coordinates, dtype=torch.long, device=mask.device).reshape(
             mask.numel(), mask.dim())
@@ -104,7 +109,8 @@ class Positions(StandIn):
             return first.columns()[0]
         if name == "squeeze" and single and (args[1:] or kwargs):
             return first.columns()[0]  # squeeze() would also drop a single position's dim
-        if name == "__getitem__" and args[0] is first and args[1] == slice(None):
+        if name == "__getitem__" and args[0] is first and isinstance(args[1], slice) \
+                and args[1] == slice(None):
             return first
         if name == "__getitem__" and first.values.dim() == 2 and args[0] is first:
             index = args[1]
