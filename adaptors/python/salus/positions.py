@@ -117,10 +117,38 @@ class Positions(StandIn):
             if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
                     and isinstance(index[1], int)):
                 return first.columns()[index[1]]
+        if name == "expand" and single:
+            sizes = list(args[1:]) if not (len(args) == 2 and isinstance(args[1], (
+                tuple, list))) else list(args[1])
+            if len(sizes) == 2 and isinstance(sizes[1], int) and (
+                    isinstance(sizes[0], Count) or sizes[0] == -1):
+                out = Positions(first.values, first.keep, first.mask, None)
+                out.width = sizes[1]
+                return out
+        if name == "gather" and args[0] is not first and len(mine) == 1:
+            return first._gather(args, kwargs)
         if name == "unbind" and first.values.dim() == 2 and args[0] is first and \
                 (list(args[1:]) or [kwargs.get("dim", 0)])[0] in (1, -1):
             return first.columns()
         _refuse(f"applies {name} to")
+
+    #: The columns a single-column ``nonzero()`` was expanded to (``expand(n, width)``).
+    width: int | None = None
+
+    def _gather(self, args, kwargs):
+        """``torch.gather(input, 0, positions)``: a row of ``input`` per position, for
+        positions of one column (a vector ``input``) or expanded over ``input``'s
+        columns (DeBERTa's labelled rows)."""
+        from .selections import Selection
+        given = dict(zip(("input", "dim", "index"), args), **kwargs)
+        tensor, dim = given["input"], given["dim"]
+        column = self.values if self.values.dim() == 1 else self.values[:, 0]
+        if dim != 0 or isinstance(tensor, (Positions, Selection)) or not (
+                (self.values.dim() == 1 and tensor.dim() == 1)
+                or (self.width is not None and tensor.dim() == 2
+                    and tensor.shape[1] == self.width)):
+            _refuse("gathers other than whole rows along dim 0 by")
+        return Selection.kept(tensor.index_select(0, column), self.keep, self.mask)
 
     def _index_add(self, func, args, kwargs):
         from .selections import Selection
@@ -201,14 +229,15 @@ class Positions(StandIn):
         return self.values.dim()
 
     @property
-    def shape(self):
-        _refuse("reads the shape of")
+    def shape(self) -> tuple:
+        return (Count(self.keep, self.mask), *self.values.shape[1:self.values.dim()])
 
-    def size(self, *args):
-        _refuse("reads the size of")
+    def size(self, dim: int | None = None):
+        shape = self.shape
+        return shape if dim is None else shape[dim]
 
     def numel(self):
-        _refuse("counts")
+        return Count(self.keep, self.mask)
 
     def __len__(self):
         _refuse("reads the length of")
@@ -229,6 +258,87 @@ def _unravel(flat: int, shape) -> tuple[int, ...]:
 route(Positions, ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                   "__floordiv__", "__mod__", "__getitem__"))
 Positions.__hash__ = object.__hash__
+
+
+#: The masks (their flattened form, by id) whose positions a branch took as not empty.
+_ASSUMED: dict[int, torch.Tensor] = {}
+
+
+_CHECKED: set[int] = set()
+
+
+def check_nonempty(keep: torch.Tensor) -> None:
+    """Where a branch took the positions of ``keep`` as not empty and a value is
+    reduced from what they select, the graph checks that one is kept (see
+    :class:`Count`)."""
+    if id(keep) in _ASSUMED and id(keep) not in _CHECKED:
+        _CHECKED.add(id(keep))
+        torch._assert_async(torch.any(keep), _EMPTY)
+
+
+_EMPTY = ("salus: the step took the branch for a mask from the batch with positions (a "
+          "test like 'if x.numel() > 0'), but this batch's mask has none, so eager PyTorch "
+          "would have taken the other branch: the iteration is refused rather than run on "
+          "the wrong branch")
+
+
+def forget_assumptions() -> None:
+    _ASSUMED.clear()
+    _CHECKED.clear()
+
+
+class Count:
+    """How many positions (or selected rows) there are, while the step records: unknown
+    until it runs. Compared with 0 (``if token.numel() > 0``, ``if x.shape[0] == 0:
+    continue``: a mixture of experts skipping an expert no token chose), it answers
+    "not empty", and the branch for positions is recorded. For an empty mask that branch
+    runs on selections that select nothing: its ``index_add_`` and assignments change
+    nothing, as eager PyTorch's skipped branch; a value it reduces from them (a loss,
+    a sum) is checked in the graph to come from at least one position, failing the
+    iteration otherwise, where eager PyTorch would have taken the other branch.
+    Any other use of the count is refused."""
+
+    def __init__(self, keep: torch.Tensor, mask: torch.Tensor):
+        self.keep, self.mask = keep, mask
+
+    def _answer(self, op: str, other) -> bool:
+        """The answer for a non-empty mask, where it is the same for every count above
+        0 (``> 0``, ``>= 1``, ``!= 0``, ``== 0``, ``< 1``, ``<= 0``)."""
+        answers = {(">", 0): True, (">=", 1): True, ("!=", 0): True, ("==", 0): False,
+                   ("<", 1): False, ("<=", 0): False}
+        key = (op, other if isinstance(other, int) and not isinstance(other, bool) else None)
+        if key not in answers:
+            _refuse(f"compares ({op} {other!r}) the count of")
+        _ASSUMED[id(self.keep)] = self.keep
+        return answers[key]
+
+    def __gt__(self, other):
+        return self._answer(">", other)
+
+    def __ge__(self, other):
+        return self._answer(">=", other)
+
+    def __lt__(self, other):
+        return self._answer("<", other)
+
+    def __le__(self, other):
+        return self._answer("<=", other)
+
+    def __eq__(self, other):
+        return self._answer("==", other)
+
+    def __ne__(self, other):
+        return self._answer("!=", other)
+
+    def __bool__(self):
+        return self._answer("!=", 0)
+
+    __hash__ = object.__hash__
+
+    def __index__(self):
+        _refuse("uses the count of")
+
+    __int__ = __index__
 
 
 class Candidate:

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import TraceError
+from .positions import check_nonempty
 from .stand_ins import StandIn, route
 
 _ELEMENTWISE = {
@@ -97,6 +98,7 @@ class Selection(StandIn):
         return Selection(rows, self.keep, self.mask)
 
     def masked_sum(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        check_nonempty(self.keep)
         values = self.rows if values is None else values
         return torch.where(self._spread(self.keep, values), values,
                            torch.zeros_like(values)).sum()
@@ -211,6 +213,8 @@ class Selection(StandIn):
         kept = torch.where(self._spread(self.keep, target.rows), target.rows,
                            torch.full_like(target.rows, ignore))
         given.update(input=logits.rows, target=kept, ignore_index=ignore)
+        if reduction != "none":
+            check_nonempty(self.keep)
         result = func(**given)
         return self._again(result) if reduction == "none" else result
 
@@ -240,14 +244,17 @@ class Selection(StandIn):
         return self.rows.dim()
 
     @property
-    def shape(self):
-        _refuse("reads the shape of")
+    def shape(self) -> tuple:
+        """The rows' count (a :class:`~salus.positions.Count`), then a row's shape."""
+        from .positions import Count
+        return (Count(self.keep, self.mask), *self.rows.shape[1:])
 
-    def size(self, *args):
-        _refuse("reads the size of")
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
 
     def numel(self):
-        _refuse("counts the elements of")
+        from .positions import Count
+        return Count(self.keep, self.mask)
 
     def __len__(self):
         _refuse("reads the length of")
@@ -280,7 +287,7 @@ def selections_in_the_graph() -> Iterator[None]:
     :class:`~salus.positions.Positions`, which index (``tensor[positions]``) a
     :class:`Selection` and take one in assignments (``tensor[mask] = selection``,
     ``tensor[positions] = ...``). All put back after."""
-    from .positions import Candidate, Positions
+    from .positions import Candidate, Positions, forget_assumptions
 
     getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
     masked_select, where = torch.Tensor.masked_select, torch.where
@@ -342,6 +349,7 @@ def selections_in_the_graph() -> Iterator[None]:
     try:
         yield
     finally:
+        forget_assumptions()
         for name, function in functions.items():
             setattr(torch, name, function)
         for name in replaced:

@@ -1,16 +1,19 @@
 """Mixtures of experts: tokens routed by the positions of a mask from the batch
 (``nonzero``, ``torch.where(mask)``), iterated, gathered, and added or written back
-(``index_add_``, ``y[positions] += ...``, ``y[mask] = ...``) train on salusd as eagerly
-(salus.positions); reading how many positions there are is refused, naming it."""
+(``index_add_``, ``y[positions] += ...``, ``y[mask] = ...``), an expert no token chose
+skipped (``if token.numel() > 0``), and a loss over the labelled rows, train on salusd
+as eagerly (salus.positions); a count used otherwise is refused, naming it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import assert_built_model_trains_on_salusd_as_eagerly
+from harness import (assert_built_model_trains_on_salusd_as_eagerly,
+                     assert_trains_on_salusd_as_eagerly)
 from torch import nn
 
 import salus
+import salus.torch as st
 
 F = nn.functional
 
@@ -81,6 +84,26 @@ class SwitchExperts(_Router):
         return out * weights
 
 
+class SkipsUnchosen(_Router):
+    """DeepSeek-V3's layer: every expert, skipped when no token chose it
+    (``if token.numel() > 0``); the last expert's gate makes sure no token ever does."""
+
+    def __init__(self, width, experts, top_k):
+        super().__init__(width, experts, top_k)
+        self.gate = nn.Linear(width, experts)
+        with torch.no_grad():
+            self.gate.bias[-1] = -1e4
+
+    def forward(self, x):
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == i)
+            if token.numel() > 0:
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
 class Block(nn.Module):
     def __init__(self, layer: type, top_k: int):
         super().__init__()
@@ -102,7 +125,8 @@ def _case(layer: type, top_k: int):
 
 
 CASES = {"hit_experts_top2": _case(HitExperts, 2), "hit_experts_top1": _case(HitExperts, 1),
-         "every_expert_top2": _case(EveryExpert, 2), "switch_top1": _case(SwitchExperts, 1)}
+         "every_expert_top2": _case(EveryExpert, 2), "switch_top1": _case(SwitchExperts, 1),
+         "skips_unchosen_top1": _case(SkipsUnchosen, 1)}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -126,21 +150,50 @@ def test_a_mixtral_model_trains_on_salusd_as_eagerly(daemon):
     assert_built_model_trains_on_salusd_as_eagerly(build, daemon.address, label="mixtral: ")
 
 
-class CountsTokens(_Router):
+
+def _labelled_rows_loss(model, x, y):
+    """DeBERTa's classification loss: the rows with a label (``y >= 0``) by ``nonzero``
+    and ``gather``, when there are any."""
+    logits = model(x)
+    index = (y >= 0).nonzero()
+    if index.size(0) > 0:
+        rows = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+        return F.cross_entropy(rows, torch.gather(y, 0, index.view(-1)))
+    return logits.sum() * 0
+
+
+def test_a_loss_over_the_labelled_rows_trains_and_an_empty_batch_is_refused(daemon):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(8, 5, generator=g), torch.tensor([0, -1, 2, 1, -1, 0, 2, -1]))
+    assert_trains_on_salusd_as_eagerly(model, batch, _labelled_rows_loss,
+                                       lambda p: torch.optim.Adam(p, lr=1e-2),
+                                       daemon.address)
+    with st.TrainSession(model, None, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                         loss_of=_labelled_rows_loss, address=daemon.address) as session:
+        before = session.state_dict()
+        with pytest.raises(st.DaemonError, match="would have taken the other branch"):
+            session.step(batch[0], torch.full((8,), -1))
+        assert all(torch.equal(v, session.state_dict()[k]) for k, v in before.items())
+        session.step(*batch)
+
+
+class ComparesCounts(_Router):
     def forward(self, x):
         _, chosen = self.route(x)
         out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):
             token, _ = torch.where(chosen == i)
-            if token.numel() > 0:
+            if token.numel() > 2:
                 out[token] += expert(x[token])
         return out
 
 
-def test_counting_the_positions_is_refused_naming_it():
+def test_a_count_compared_with_other_than_zero_is_refused_naming_it():
     torch.manual_seed(0)
-    model = Block(CountsTokens, 2)
+    model = Block(ComparesCounts, 2)
     x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
-    with pytest.raises(salus.TraceError, match="counts the positions of a mask"):
+    with pytest.raises(salus.TraceError, match=r"compares \(> 2\) the count of"):
         salus.trace_train_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(),
                                                                        lr=0.1), (x, y))
