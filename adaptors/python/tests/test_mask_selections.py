@@ -154,7 +154,7 @@ def test_what_a_selection_cannot_follow_is_refused_naming_it():
     batch = _batch_of_masks(torch.Generator().manual_seed(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for loss_of, what in ((lambda m, x, l, t, k: m(x)[1][k].sum() / m(x)[1][k].shape[0],
-                           "reads the shape of"),
+                           "uses the count of"),
                           (lambda m, x, l, t, k: m(x)[1][k].max(), "applies max to")):
         with pytest.raises(salus.TraceError, match=what):
             salus.trace_train_step(model, None, optimizer, batch, loss_of=loss_of)
