@@ -335,10 +335,12 @@ class Count:
 
     __hash__ = object.__hash__
 
-    def __index__(self):
+    def _used(self, *_):
         _refuse("uses the count of")
 
-    __int__ = __index__
+    __index__ = __int__ = __float__ = __neg__ = _used
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _used
 
 
 class Candidate:
