@@ -457,6 +457,9 @@ class Session:
         self.ephemeral_bytes = 0
         self.token = b""
         self.iterations = 0
+        #: Iterations of the last :meth:`run_pipelined` that ran after its caller stopped
+        #: reading (sent ahead, answered while the stream closed).
+        self.ran_unread = 0
         self.state = OPENING
         self.reason = ""
         self.lane: int | None = None
@@ -644,7 +647,8 @@ class Session:
         to ``depth`` submitted ahead of the one being answered, so the session always has
         work queued on the daemon; yields the responses in order. A failed iteration
         raises its error (the iterations before it are done, none after it runs). Closed
-        before its end, it first waits for the answers of the iterations already sent."""
+        before its end, it first waits for the answers of the iterations already sent:
+        they run on salusd regardless, and :attr:`ran_unread` says how many did."""
         if depth < 1:
             raise ValueError("depth must be at least 1")
         operation = f"run iterations of session {self.id}"
@@ -697,12 +701,15 @@ class Session:
                 # Left early (the caller stopped reading): the iterations already sent
                 # run on salusd regardless, so their answers are awaited first and a read
                 # that follows sees them, not a state they are still changing.
+                drained = 0
                 try:
                     while answered[0] < sent[0]:
-                        next(call)
+                        response = next(call)
                         answered[0] += 1
+                        drained += 0 if response.HasField("failure") else 1
                 except (grpc.RpcError, StopIteration):
                     pass
+                self.ran_unread = drained
             call.cancel()
 
     def read(self, tensors: Iterable[int] = ()) -> dict[int, bytes]:

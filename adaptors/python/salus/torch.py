@@ -34,6 +34,7 @@ import collections
 import contextlib
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -351,8 +352,11 @@ class _SalusSession:
                 iteration, answer = self._iteration(tuple(batch), "steps()")
                 answers.append(answer)
                 yield iteration
+        session = self._session()
+        session.ran_unread = 0
+        stream = session.run_pipelined(iterations(), depth)
         try:
-            for response in self._session().run_pipelined(iterations(), depth):
+            for response in stream:
                 yield response, answers.popleft()
         except BaseException as error:
             self._iteration_failed()
@@ -365,7 +369,21 @@ class _SalusSession:
             self._lost_to(error)
             raise
         finally:
+            stream.close()  # left early: waits for the iterations already sent
             self._pipelining = False
+            if session.ran_unread:
+                self._ran_unread(session.ran_unread)
+
+    def _ran_unread(self, count: int) -> None:
+        """``count`` iterations submitted ahead ran on salusd after the loop stopped
+        reading :meth:`steps`: counted, and said, since the loop did not see them."""
+        self.iterations += count
+        warnings.warn(
+            f"salus: the loop left steps() with {count} iteration(s) already submitted "
+            f"(up to depth ahead); they ran on salusd, on batches the loop had not "
+            f"received yet, and the session's state includes them. Leave a loop that must "
+            f"stop at an exact step with step(), or give steps() only the batches to run",
+            stacklevel=4)
 
     @property
     def programs(self) -> int:
@@ -664,6 +682,11 @@ class TrainSession(_SalusSession):
     def _iteration_failed(self) -> None:
         super()._iteration_failed()
         self.traced.rule.resend()
+
+    def _ran_unread(self, count: int) -> None:
+        super()._ran_unread(count)
+        self._model_behind = True
+        self.traced.rule.mark_stepped()
 
     def steps(self, batches: Iterable[Sequence[torch.Tensor]], depth: int = 4
               ) -> Iterator[torch.Tensor]:

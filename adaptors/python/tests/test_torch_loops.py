@@ -16,6 +16,7 @@ from torch.optim import lr_scheduler as sched
 
 import salus
 import salus.torch as st
+from salus.client import Client
 from salus.reference import eager_steps, reference_runs
 
 STEPS = 8
@@ -370,6 +371,15 @@ def test_a_validation_pass_and_a_checkpoint_read_the_trained_weights(daemon):
         with pytest.raises(salus.SalusError, match="steps\\(\\) had iterations in flight"):
             for _ in session.steps(batches, depth=2):
                 model(x)
+        # Left early: the iteration submitted ahead ran too, and is counted and said.
+        count = session.iterations
+        with pytest.warns(UserWarning, match="left steps\\(\\) with [12] iteration"):
+            for _ in session.steps(batches, depth=2):
+                break
+        assert session.iterations in (count + 2, count + 3)
+        with Client(daemon.address) as client:
+            assert next(s.iterations for s in client.list_sessions()
+                        if s.id == session.id) == session.iterations
         last = trained(session)
     # Closing brought the last steps back.
     assert all(torch.equal(p, last[n]) for n, p in model.named_parameters())
