@@ -1219,7 +1219,10 @@ def trace_train_step(model: torch.nn.Module,
                         *xs, target = part
                         out = torch.func.functional_call(model, state, tuple(xs))
                         _ModuleScopes.label(loss_scope)
-                        loss = loss_fn(out, target)
+                        # a loss_fn that reads the model (a penalty on its weights) reads
+                        # the traced tensors, as eager PyTorch's reads the trained ones
+                        with _functional_model(model, state):
+                            loss = loss_fn(out, target)
                     else:
                         with _functional_model(model, state):
                             loss = loss_of(model, *part)
@@ -1259,6 +1262,7 @@ def trace_train_step(model: torch.nn.Module,
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
     captured = _captured_parameters_as_state(gm, inputs, initial)
+    _refuse_own_captures(captured, {**params, **buffers})
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
                       rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast,
@@ -1405,6 +1409,22 @@ def _captured_parameters_as_state(gm: torch.fx.GraphModule, inputs: list[InputSl
         captured.append(Captured(name, value, value._version))
     gm.recompile()
     return captured
+
+
+def _refuse_own_captures(captured: list[Captured], own: dict[str, torch.Tensor]) -> None:
+    """A step that reads one of the model's own tensors other than through the model (a
+    closure over another reference to it) would read a copy that neither trains nor
+    follows the training: refused, naming it."""
+    pointers = {t.data_ptr(): n for n, t in own.items() if t.numel()}
+    for capture in captured:
+        name = pointers.get(capture.tensor.data_ptr())
+        if name is not None:
+            raise TraceError(
+                f"the step reads the model's {name} other than through the model it is "
+                "given (a closure over the model, or over the tensor): salus traces the "
+                "model's tensors where the step reaches them through the model, so that one "
+                "would be a copy that neither trains nor follows training. Read it from "
+                "the model the step is given: loss_of=lambda m, *batch: ... m.<name> ...")
 
 
 def _split(flat, counts, names):

@@ -203,3 +203,35 @@ def test_a_captured_plain_tensor_changed_in_place_is_refused(daemon):
         weights.mul_(2)
         with pytest.raises(salus.SalusError, match="register it as a buffer"):
             session.step(*batch)
+
+
+def test_a_loss_fn_that_reads_the_model_trains_its_weights(daemon):
+    """``loss_fn(model(x), y)`` with a penalty on the model's own weights (a closure over
+    the model) reads the traced, trained tensors, as eagerly; a tensor of the model held
+    by another reference (taken before) would be a copy, and is refused naming it."""
+    model = _net(9)
+    x, y, _ = _batches(4)[0]
+
+    def run(dtype):
+        m = twin(model, dtype)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5)
+
+        def loss(out, target):
+            return F.cross_entropy(out, target) + 1e-2 * m[0].weight.pow(2).sum()
+
+        if dtype is None:
+            with st.TrainSession(m, loss, optimizer, (x, y), address=daemon.address) as s:
+                for _ in range(3):
+                    s.step(x, y)
+        else:
+            for _ in range(3):
+                optimizer.zero_grad()
+                loss(m(x.to(dtype)), y).backward()
+                optimizer.step()
+        return torch_state(m, optimizer)
+
+    _judge(run)
+    held = model[0].weight
+    with pytest.raises(salus.TraceError, match="reads the model's 0.weight other than"):
+        salus.trace_train_step(model, lambda out, t: F.cross_entropy(out, t) + held.sum(),
+                               torch.optim.SGD(model.parameters(), lr=0.1), (x, y))
