@@ -398,19 +398,35 @@ class InferenceSession(_KerasSession):
 
 def fit(model: keras.Model, data: Iterable[Sequence[Any]], *, epochs: int = 1,
         steps_per_epoch: int | None = None, verbose: bool = False,
+        callbacks: Sequence[Any] | None = None, validation_data: Any = None,
         **session_options: Any) -> dict[str, list[float]]:
-    """``model.fit(data, epochs=...)`` with the steps on salusd: ``model`` is compiled
-    (``model.compile(optimizer=..., loss=...)``), ``data`` yields ``(inputs..., target)``
-    batches (a ``tf.data.Dataset``, a list). Trains with :class:`TrainSession`
-    (``session_options`` go to it), copies the trained variables back into the model
-    and the optimizer, and returns ``{"loss": [each epoch's loss]}`` as Keras'
-    ``History.history`` does (the mean over the epoch's samples)."""
+    """``model.fit(data, epochs=..., callbacks=..., validation_data=...)`` with the steps
+    on salusd: ``model`` is compiled (``model.compile(optimizer=..., loss=...)``),
+    ``data`` yields ``(inputs..., target)`` batches (a ``tf.data.Dataset``, a list).
+    Trains with :class:`TrainSession` (``session_options`` go to it), copies the trained
+    variables back into the model and the optimizer, and returns what Keras'
+    ``History.history`` holds: each epoch's ``loss`` (the mean over its samples) and,
+    with ``validation_data``, ``model.evaluate``'s results as ``val_<name>``.
+
+    Keras ``callbacks`` run where ``model.fit`` runs them. Before ``on_epoch_end`` the
+    model and its optimizer get the session's variables, so a callback that saves,
+    reads or restores weights (``ModelCheckpoint``, ``EarlyStopping``) sees the trained
+    ones; what a callback changes then (a learning rate, as ``ReduceLROnPlateau``; the
+    weights) the session takes before the next step; ``model.stop_training`` ends the
+    training. Training metrics other than the loss are not computed (a callback that
+    monitors one finds it missing, as Keras says)."""
     if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
         raise ValueError("fit needs a compiled model: model.compile(optimizer=..., loss=...)")
+    hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
+                                         steps=steps_per_epoch, verbose=0)
+    model.stop_training = False
     session = None
-    history: list[float] = []
+    history: dict[str, list[float]] = {"loss": []}
+    logs: dict[str, float] = {}
     try:
+        hooks.on_train_begin()
         for epoch in range(epochs):
+            hooks.on_epoch_begin(epoch)
             total, count = 0.0, 0
             for number, batch in enumerate(data):
                 if steps_per_epoch is not None and number >= steps_per_epoch:
@@ -419,17 +435,45 @@ def fit(model: keras.Model, data: Iterable[Sequence[Any]], *, epochs: int = 1,
                 if session is None:
                     session = TrainSession(model, None, model.optimizer, batch,
                                            **session_options)
+                hooks.on_train_batch_begin(number)
                 # Keras' loss tracker: the mean over samples (a partial batch weighs less).
                 size = len(batch[0])
                 total += float(session.step(*batch)) * size
                 count += size
+                hooks.on_train_batch_end(number, {"loss": total / count})
             if not count:
                 raise ValueError("fit: the data gave no batch")
-            history.append(total / count)
+            logs = {"loss": total / count}
+            session.update_model()
+            synced = _values(session)
+            if validation_data is not None:
+                if isinstance(validation_data, (tuple, list)):  # (x, y[, sample_weight])
+                    vx, vy, vw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+                    results = model.evaluate(vx, vy, sample_weight=vw, verbose=0,
+                                             return_dict=True)
+                else:
+                    results = model.evaluate(validation_data, verbose=0, return_dict=True)
+                logs.update({f"val_{k}": float(v) for k, v in results.items()})
+            hooks.on_epoch_end(epoch, logs)
+            for key, value in logs.items():
+                history.setdefault(key, []).append(value)
             if verbose:
-                print(f"epoch {epoch + 1}/{epochs}: loss {history[-1]:.6g}")
-        session.update_model()
+                print(f"epoch {epoch + 1}/{epochs}: loss {logs['loss']:.6g}")
+            # what the callbacks changed in the model or the optimizer, the session takes
+            changed = {n: v for n, v in _values(session).items()
+                       if not np.array_equal(v, synced[n])}
+            if changed:
+                session.load_state_dict(changed, strict=False)
+            if model.stop_training:
+                break
+        hooks.on_train_end(logs)
     finally:
         if session is not None:
             session.close()
-    return {"loss": history}
+    return history
+
+
+def _values(session: "TrainSession") -> dict[str, np.ndarray]:
+    """The session's Keras variables as the model and its optimizer hold them now."""
+    return {name: np.array(variable.numpy()) for name, variable in session._variables().items()
+            if name in session.layout.state}

@@ -153,6 +153,75 @@ def test_fit_trains_a_compiled_model_on_salusd_as_keras_fit_does(daemon):
                                dtype=torch.float32)
 
 
+class _Halve(keras.callbacks.Callback):
+    """At each epoch's end: halves the learning rate and shrinks the first kernel (what a
+    callback may change), and records the hooks it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("batch", batch, sorted(logs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(("epoch", epoch, sorted(logs)))
+        self.model.optimizer.learning_rate.assign(self.model.optimizer.learning_rate * 0.5)
+        kernel = self.model.weights[0]
+        kernel.assign(kernel * 0.9)
+
+
+def test_fit_runs_keras_callbacks_as_keras_fit_does(daemon):
+    """A callback that changes the learning rate and the weights between epochs,
+    EarlyStopping ending the training, and validation data: salus.tf.fit as Keras' fit
+    (the same hooks, history and variables; float64 steps replayed eagerly)."""
+    rs = np.random.RandomState(6)
+    x, y = rs.randn(11, 8, 8, 3).astype(np.float32), rs.randint(0, 5, 11)
+    model = cnn()
+    f32, f64 = twin(model, "float32"), twin(model, "float64")
+
+    def dataset(dtype):
+        return tf.data.Dataset.from_tensor_slices((x.astype(dtype), y)).batch(4)  # 4, 4, 3
+
+    def callbacks():
+        return [_Halve(), keras.callbacks.EarlyStopping(monitor="loss", min_delta=10,
+                                                        patience=0)]
+
+    for m in (model, f32):
+        m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
+    ours, theirs = callbacks(), callbacks()
+    validation = (x[:5], y[:5])
+    history = stf.fit(model, dataset(np.float32), epochs=4, callbacks=ours,
+                      validation_data=validation, address=daemon.address)
+    tf_history = f32.fit(dataset(np.float32), epochs=4, verbose=0, shuffle=False,
+                         callbacks=theirs, validation_data=validation).history
+    assert ours[0].seen == theirs[0].seen and len(history["loss"]) == 2
+    assert set(history) == set(tf_history) == {"loss", "val_loss"}
+    # The exact run: the same steps and the callback's changes, eagerly in float64.
+    batches = [(x[k:k + 4], y[k:k + 4]) for k in range(0, 11, 4)]
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+    loss64 = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
+
+    def validation_loss():
+        return float(loss64(validation[1], f64(validation[0].astype(np.float64))))
+
+    first, _ = eager(f64, optimizer, batches, np.float64)
+    exact_validation = [validation_loss()]
+    optimizer.learning_rate = 0.025
+    f64.weights[0].assign(f64.weights[0] * 0.9)
+    second, _ = eager(f64, optimizer, batches, np.float64)
+    exact_validation.append(validation_loss())
+    f64.weights[0].assign(f64.weights[0] * 0.9)
+    sizes = [len(b[1]) for b in batches]
+    exact = [np.dot(first, sizes) / 11, np.dot(second, sizes) / 11]
+    assert_as_exact_as_pytorch(history["loss"], exact, tf_history["loss"],
+                               label="epoch losses: ", dtype=torch.float32)
+    assert_as_exact_as_pytorch(variables(model), variables(f64), variables(f32),
+                               dtype=torch.float32)
+    assert_as_exact_as_pytorch(history["val_loss"], exact_validation, tf_history["val_loss"],
+                               label="validation losses: ", dtype=torch.float32)
+
+
 def test_a_checkpoint_round_trips_and_inference_serves_the_trained_model(daemon):
     data = batches((4, 4))
     model = cnn()
