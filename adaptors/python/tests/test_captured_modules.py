@@ -235,3 +235,30 @@ def test_a_loss_fn_that_reads_the_model_trains_its_weights(daemon):
     with pytest.raises(salus.TraceError, match="reads the model's 0.weight other than"):
         salus.trace_train_step(model, lambda out, t: F.cross_entropy(out, t) + held.sum(),
                                torch.optim.SGD(model.parameters(), lr=0.1), (x, y))
+
+
+def test_a_served_model_refuses_requests_once_a_module_it_reads_changed(daemon):
+    """A served model keeps what its forward pass reads from outside as it was when
+    served: after that changes in place, a request is refused, naming the remedy."""
+    from salus.serving import ServedModel
+
+    encoder, head = _net(10), nn.Linear(3, 2)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, x):
+            return self.head(encoder(x))
+
+    with ServedModel(Head(), torch.randn(4), batch_sizes=(1, 2),
+                     address=daemon.address) as served:
+        x = torch.randn(4)
+        out = served.infer(x)
+        with torch.no_grad():
+            exact = copy.deepcopy(head).double()(copy.deepcopy(encoder).double()(x.double()))
+            assert_as_exact_as_pytorch({"out": out}, {"out": exact}, {"out": head(encoder(x))})
+        encoder.load_state_dict(_net(11).state_dict())
+        with pytest.raises(salus.SalusError, match="serve the model anew"):
+            served.infer(x)
