@@ -295,8 +295,9 @@ class Count:
     runs on selections that select nothing: its ``index_add_`` and assignments change
     nothing, as eager PyTorch's skipped branch; a value it reduces from them (a loss,
     a sum) is checked in the graph to come from at least one position, failing the
-    iteration otherwise, where eager PyTorch would have taken the other branch.
-    Any other use of the count is refused."""
+    iteration otherwise, where eager PyTorch would have taken the other branch. Work
+    in the branch on other tensors runs for an empty mask too, unseen (see
+    ``docs/pytorch.md``). Any other use of the count is refused."""
 
     def __init__(self, keep: torch.Tensor, mask: torch.Tensor):
         self.keep, self.mask = keep, mask
