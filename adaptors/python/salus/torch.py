@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -744,6 +745,7 @@ class TrainSession(_SalusSession):
         for module in self._followed:
             model_reads.follow(module, before)
         _OPEN_TRAINING.add(self)
+        _guard_gradient_clipping()
 
     def _bring_back(self) -> None:
         if not self._model_behind or tracing_now() or self.session is None or self._lost:
@@ -801,6 +803,40 @@ def _bring_back_owners(captured, reader) -> None:
             continue
         if any(p.data_ptr() in pointers for p in session.model.parameters()):
             session._bring_back()
+
+
+def _guard_gradient_clipping() -> None:
+    """Makes ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (looked up when
+    called) refuse the parameters of a model an open training session trains: they have
+    no gradients on the client (salusd computes the gradients and the update in
+    ``step``), so a clipping call left from an eager loop would clip nothing, silently."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for owner in (utils, clip_grad):
+        for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"):
+            original = getattr(owner, name, None)
+            if original is not None and not getattr(original, "_salus_guard", False):
+                setattr(owner, name, _refusing_trained(original, name))
+
+
+def _refusing_trained(original, name: str):
+    option = "clip_grad_value" if "value" in name else "clip_grad_norm"
+
+    @functools.wraps(original)
+    def clip(parameters, *args, **kwargs):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        pointers = {p.data_ptr() for p in parameters if isinstance(p, torch.Tensor)}
+        for session in list(_OPEN_TRAINING):
+            if any(p.data_ptr() in pointers for p in session.model.parameters()):
+                raise SalusError(
+                    f"torch.nn.utils.{name} is given the parameters of {session!r}, which "
+                    "have no gradients here: salusd computes the gradients and the update "
+                    f"in session.step(). Pass {option}=... to the TrainSession instead")
+        return original(parameters, *args, **kwargs)
+
+    clip._salus_guard = True  # type: ignore[attr-defined]
+    return clip
 
 
 class _BringBack:

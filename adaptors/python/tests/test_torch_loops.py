@@ -418,3 +418,27 @@ def test_weight_averages_read_the_trained_weights(daemon):
         got = averages(model, lambda b: session.step(*b))
     assert_as_exact_as_pytorch(got, eager(torch.float64), eager(torch.float32),
                                randomly_rounded(lambda: eager(torch.float64)))
+
+
+def test_clipping_the_trained_parameters_in_the_loop_is_refused(daemon):
+    """A clip_grad_norm_ left from an eager loop would clip nothing (salusd computes the
+    gradients): refused while the session is open, naming the session option; other
+    parameters clip as always, and so do the model's after the session closed."""
+    spec = reference_runs()["mlp"].spec
+    model, other = spec.model(0), spec.model(1)
+    x, y = spec.batch(0)
+    with st.TrainSession(model, spec.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
+                         (x, y), address=daemon.address) as session:
+        session.step(x, y)
+        for clip, option in ((lambda p: torch.nn.utils.clip_grad_norm_(p, 1.0),
+                              "clip_grad_norm="),
+                             (lambda p: torch.nn.utils.clip_grad_value_(p, 0.1),
+                              "clip_grad_value=")):
+            with pytest.raises(salus.SalusError, match=option):
+                clip(model.parameters())
+        spec.loss_fn(other(x), y).backward()
+        total = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+        assert total > 1e-3
+        assert torch.nn.utils.get_total_norm([p.grad for p in other.parameters()]) <= 1.001e-3
+    spec.loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
