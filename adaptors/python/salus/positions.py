@@ -48,7 +48,51 @@ _ARITHMETIC = {"add", "sub", "mul", "floor_divide", "remainder", "__add__", "__r
                "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__", "__mod__"}
 
 
-class Positions(StandIn):
+class RowsStandIn(StandIn):
+    """A stand-in with a row per position of a mask, ``keep`` (and ``mask``) beside:
+    what it answers as a tensor. Its rows are ``_data()``'s dim 0, whose count is a
+    :class:`Count`; ``_refuse`` names what it cannot answer."""
+
+    keep: torch.Tensor
+    mask: torch.Tensor
+
+    def _data(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _refuse(what: str):
+        raise NotImplementedError
+
+    @property
+    def dtype(self):
+        return self._data().dtype
+
+    @property
+    def device(self):
+        return self._data().device
+
+    def dim(self) -> int:
+        return self._data().dim()
+
+    @property
+    def shape(self) -> tuple:
+        """The rows' count (a :class:`Count`), then a row's shape."""
+        return (Count(self.keep, self.mask), *self._data().shape[1:])
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self):
+        return Count(self.keep, self.mask)
+
+    def __len__(self):
+        self._refuse("reads the length of")
+
+    def __bool__(self):
+        self._refuse("branches on")
+
+
+class Positions(RowsStandIn):
     """Every position of ``mask``: ``values`` [R, dims] (``nonzero()``'s rows) or [R]
     (one dim's coordinates: a column, as ``torch.where(mask)`` gives one per dim),
     ``keep`` [R], whether the mask holds each (the mask flattened), and
@@ -216,34 +260,10 @@ class Positions(StandIn):
         padded = torch.index_put(padded, (index,), rows.to(tensor.dtype))
         tensor.copy_(padded[:n])
 
-    # -- what a tensor answers -------------------------------------------------------
-    @property
-    def dtype(self):
-        return self.values.dtype
+    def _data(self) -> torch.Tensor:
+        return self.values
 
-    @property
-    def device(self):
-        return self.values.device
-
-    def dim(self) -> int:
-        return self.values.dim()
-
-    @property
-    def shape(self) -> tuple:
-        return (Count(self.keep, self.mask), *self.values.shape[1:self.values.dim()])
-
-    def size(self, dim: int | None = None):
-        shape = self.shape
-        return shape if dim is None else shape[dim]
-
-    def numel(self):
-        return Count(self.keep, self.mask)
-
-    def __len__(self):
-        _refuse("reads the length of")
-
-    def __bool__(self):
-        _refuse("branches on")
+    _refuse = staticmethod(_refuse)
 
 
 def _unravel(flat: int, shape) -> tuple[int, ...]:

@@ -27,8 +27,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import TraceError
-from .positions import check_nonempty
-from .stand_ins import StandIn, route
+from .positions import RowsStandIn, check_nonempty
+from .stand_ins import route
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "log1p",
@@ -65,7 +65,7 @@ def _name(func) -> str:
     return getattr(func, "__name__", str(func))
 
 
-class Selection(StandIn):
+class Selection(RowsStandIn):
     """``tensor[mask]`` while a step records: ``rows`` [R, ...] (the mask's dims flattened
     into one), ``keep`` [R] which rows the mask selects, and ``mask``, the mask given."""
 
@@ -231,36 +231,10 @@ class Selection(StandIn):
             return self.masked_sum(losses) / count
         return self.masked_sum(losses) if reduction == "sum" else self.masked_mean(losses)
 
-    # -- what a tensor answers -------------------------------------------------------
-    @property
-    def dtype(self):
-        return self.rows.dtype
+    def _data(self) -> torch.Tensor:
+        return self.rows
 
-    @property
-    def device(self):
-        return self.rows.device
-
-    def dim(self) -> int:
-        return self.rows.dim()
-
-    @property
-    def shape(self) -> tuple:
-        """The rows' count (a :class:`~salus.positions.Count`), then a row's shape."""
-        from .positions import Count
-        return (Count(self.keep, self.mask), *self.rows.shape[1:])
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def numel(self):
-        from .positions import Count
-        return Count(self.keep, self.mask)
-
-    def __len__(self):
-        _refuse("reads the length of")
-
-    def __bool__(self):
-        _refuse("branches on")
+    _refuse = staticmethod(_refuse)
 
 
 route(Selection, ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",

@@ -164,20 +164,26 @@ def test_a_gan_trained_by_two_sessions(daemon):
     _judge(run)
 
 
+class _Head(nn.Module):
+    """A head over an encoder that is not a submodule: the forward pass reads it from
+    outside the model."""
+
+    def __init__(self, head: nn.Module, encoder: nn.Module):
+        super().__init__()
+        self.head = head
+        self.__dict__["encoder"] = encoder  # a plain attribute, not a submodule
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
 def test_an_inference_session_follows_a_captured_module(daemon):
     """A forward pass that reads a module outside the model (a frozen encoder the loop
     swaps weights into) answers with its current weights."""
     encoder, head = _net(6), nn.Linear(3, 2)
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.head = head
 
-        def forward(self, x):
-            return self.head(encoder(x))
-
-    model, x = Head(), torch.randn(5, 4)
+    model, x = _Head(head, encoder), torch.randn(5, 4)
     with st.InferenceSession(model, (x,), address=daemon.address) as serve:
         first = serve(x)
         encoder.load_state_dict(_net(7).state_dict())
@@ -244,15 +250,8 @@ def test_a_served_model_refuses_requests_once_a_module_it_reads_changed(daemon):
 
     encoder, head = _net(10), nn.Linear(3, 2)
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.head = head
 
-        def forward(self, x):
-            return self.head(encoder(x))
-
-    with ServedModel(Head(), torch.randn(4), batch_sizes=(1, 2),
+    with ServedModel(_Head(head, encoder), torch.randn(4), batch_sizes=(1, 2),
                      address=daemon.address) as served:
         x = torch.randn(4)
         out = served.infer(x)
