@@ -55,8 +55,8 @@ def _refuse(what: str):
         "depends on the mask's values, and salus follows such a selection only through "
         "elementwise ops, softmax within a row, products with a matrix, sum and mean, the "
         "losses of torch.nn.functional, reshapes that keep each row's elements, and "
-        "index_add_ or assignments by the mask or its positions. Compute over every element and mask the result "
-        "instead: the mean loss over the selected rows is F.cross_entropy(out, "
+        "index_add_ or assignments by the mask or its positions. Compute over every "
+        "element and mask the result instead: the mean loss over the selected rows is F.cross_entropy(out, "
         "torch.where(mask, target, -100)) (its ignore_index), or, with reduction='none', "
         "(loss * mask).sum() / mask.sum()")
 
