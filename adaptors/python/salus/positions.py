@@ -16,8 +16,9 @@ counting for nothing. ``index_add_`` and ``index_put_`` (``y[token] = ...``,
 mask: for one the mask leaves out, the body's own selections select nothing, as they
 would in eager PyTorch if it ran; the body must let its results reach the rest of the
 step through them (``index_add_``, ``index_put_``, a masked sum), as a mixture of
-experts does. Reading how many positions there are (``len``, ``.shape``, ``numel``, a
-branch on it) is refused, naming it.
+experts does. How many positions there are is a :class:`Count`: compared with 0 (a
+branch that skips an expert no token chose) it takes the non-empty branch, and any
+other use is refused, naming it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class RowsStandIn(StandIn):
     def numel(self):
         return Count(self.keep, self.mask)
 
+    def _same(self, other) -> bool:
+        """Whether ``other`` stands for rows of the same mask."""
+        return other.mask is self.mask or other.keep is self.keep
+
     def __len__(self):
         self._refuse("reads the length of")
 
@@ -121,9 +126,6 @@ class Positions(RowsStandIn):
         return tuple(Positions(self.values[:, d], self.keep, self.mask,
                                [(c[d],) for c in self.coordinates])
                      for d in range(self.values.shape[1]))
-
-    def _same(self, other) -> bool:
-        return other.keep is self.keep or other.mask is self.mask
 
     def __iter__(self):
         """Every position, kept or not (see the module's note)."""
@@ -204,12 +206,10 @@ class Positions(RowsStandIn):
             _refuse("index_adds a source that is not a selection by the same positions, with")
         if self.values.dim() != 1:
             _refuse("index_adds at the rows of")
-        rows = torch.where(source._spread(self.keep, source.rows), source.rows,
-                           torch.zeros_like(source.rows))
-        return func(target, dim, self.values, torch.movedim(rows, 0, dim % target.dim()),
-                    **given)
+        return func(target, dim, self.values,
+                    torch.movedim(source.masked(), 0, dim % target.dim()), **given)
 
-    def gather(self, tensor: torch.Tensor, index: tuple):
+    def index_rows(self, tensor: torch.Tensor, index: tuple):
         """``tensor[index]`` with positions in ``index`` (next to one another; ``None``,
         ``:`` and ``...`` elsewhere): a selection with a row per position."""
         from .selections import Selection

@@ -56,8 +56,9 @@ def _refuse(what: str):
         "elementwise ops, softmax within a row, products with a matrix, sum and mean, the "
         "losses of torch.nn.functional, reshapes that keep each row's elements, and "
         "index_add_ or assignments by the mask or its positions. Compute over every "
-        "element and mask the result instead: the mean loss over the selected rows is F.cross_entropy(out, "
-        "torch.where(mask, target, -100)) (its ignore_index), or, with reduction='none', "
+        "element and mask the result instead: the mean loss over the selected rows is "
+        "F.cross_entropy(out, torch.where(mask, target, -100)) (its ignore_index), or, "
+        "with reduction='none', "
         "(loss * mask).sum() / mask.sum()")
 
 
@@ -91,17 +92,17 @@ class Selection(RowsStandIn):
     def _spread(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return keep.reshape(keep.shape[0], *([1] * (like.dim() - 1)))
 
-    def _same(self, other: "Selection") -> bool:
-        return other.mask is self.mask or other.keep is self.keep
-
     def _again(self, rows: torch.Tensor) -> "Selection":
         return Selection(rows, self.keep, self.mask)
 
+    def masked(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        """``values`` (by default the rows) with the rows the mask leaves out at 0."""
+        values = self.rows if values is None else values
+        return torch.where(self._spread(self.keep, values), values, torch.zeros_like(values))
+
     def masked_sum(self, values: torch.Tensor | None = None) -> torch.Tensor:
         check_nonempty(self.keep)
-        values = self.rows if values is None else values
-        return torch.where(self._spread(self.keep, values), values,
-                           torch.zeros_like(values)).sum()
+        return self.masked(values).sum()
 
     def masked_mean(self, values: torch.Tensor | None = None) -> torch.Tensor:
         values = self.rows if values is None else values
@@ -275,14 +276,14 @@ def selections_in_the_graph() -> Iterator[None]:
             items = tuple(i.tensor() if isinstance(i, Candidate) else i for i in items)
             return select(self, items if isinstance(index, tuple) else items[0])
         if any(isinstance(i, Positions) for i in items):
-            return next(i for i in items if isinstance(i, Positions)).gather(self, items)
+            return next(i for i in items if isinstance(i, Positions)).index_rows(self, items)
         return getitem(self, index)
 
     def assign(self, index, value):
         mask = _is_mask_of(self, index)
         items = index if isinstance(index, tuple) else (index,)
         if mask is not None and isinstance(value, Selection):
-            if not value._same(Selection(value.rows, mask.reshape(-1), mask)):
+            if value.mask is not mask:
                 _refuse("assigns another mask's selection to")
             rows = self.reshape(value.keep.shape[0], *self.shape[mask.dim():])
             kept = torch.where(Selection._spread(value.keep, rows), value.rows.to(self.dtype),

@@ -292,8 +292,7 @@ class ServedModel:
         program of the served model holds its value as it was when served."""
         for step in self._traced:
             step.check_constants()
-        changed = [c for step in self._traced for c in step.captured
-                   if c.tensor._version != c.taken]
+        changed = [c for step in self._traced for c in step.captured if c.changed]
         if changed:
             shapes = ", ".join(str(list(c.tensor.shape)) for c in changed[:3])
             raise SalusError(

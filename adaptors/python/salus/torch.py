@@ -326,7 +326,6 @@ class _SalusSession:
     def _lost_to(self, error: BaseException) -> None:
         self._lost |= isinstance(error, (SessionClosedError, DaemonUnavailableError))
 
-
     def _run_or_resume(self, iteration: Iteration):
         """The iteration's response; None when salusd restarted and gave the session back
         before the iteration ran (run it again)."""
@@ -794,14 +793,18 @@ def _captured_by(traced: TracedStep) -> list[tuple[str, int]]:
 _OPEN_TRAINING: weakref.WeakSet = weakref.WeakSet()
 
 
+def _training(tensors: Iterable[torch.Tensor]) -> list["TrainSession"]:
+    """The open training sessions whose models hold one of ``tensors`` as a parameter."""
+    pointers = {t.data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    return [s for s in list(_OPEN_TRAINING)
+            if any(p.data_ptr() in pointers for p in s.model.parameters())]
+
+
 def _bring_back_owners(captured, reader) -> None:
     """Brings back the tensors of every other open training session whose model holds
     one of ``captured`` and is behind its session."""
-    pointers = {c.tensor.data_ptr() for c in captured}
-    for session in list(_OPEN_TRAINING):
-        if session is reader or not session._model_behind:
-            continue
-        if any(p.data_ptr() in pointers for p in session.model.parameters()):
+    for session in _training(c.tensor for c in captured):
+        if session is not reader and session._model_behind:
             session._bring_back()
 
 
@@ -826,13 +829,11 @@ def _refusing_trained(original, name: str):
     @functools.wraps(original)
     def clip(parameters, *args, **kwargs):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        pointers = {p.data_ptr() for p in parameters if isinstance(p, torch.Tensor)}
-        for session in list(_OPEN_TRAINING):
-            if any(p.data_ptr() in pointers for p in session.model.parameters()):
-                raise SalusError(
-                    f"torch.nn.utils.{name} is given the parameters of {session!r}, which "
-                    "have no gradients here: salusd computes the gradients and the update "
-                    f"in session.step(). Pass {option}=... to the TrainSession instead")
+        for session in _training(parameters):
+            raise SalusError(
+                f"torch.nn.utils.{name} is given the parameters of {session!r}, which "
+                "have no gradients here: salusd computes the gradients and the update "
+                f"in session.step(). Pass {option}=... to the TrainSession instead")
         return original(parameters, *args, **kwargs)
 
     clip._salus_guard = True  # type: ignore[attr-defined]

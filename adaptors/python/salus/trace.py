@@ -220,9 +220,8 @@ class TracedStep:
         the step, as eager PyTorch would read them."""
         changed = {}
         for capture in self.captured:
-            version = capture.tensor._version
-            if version != capture.taken:
-                capture.taken = version
+            if capture.changed:
+                capture.taken = capture.tensor._version
                 changed[capture.name] = capture.tensor.detach().clone()
         return changed
 
@@ -672,7 +671,7 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
     gm.meta["salus_constants"] = {
         id(value): (value, value._version) for node in gm.graph.nodes
         if node.op == "get_attr" and not _captured_parameter(node)
-        for value in [functools.reduce(getattr, str(node.target).split("."), gm)]
+        for value in [_attribute(gm, node)]
         if isinstance(value, torch.Tensor)}
     return tidy(gm)
 
@@ -881,6 +880,11 @@ def _constant_nodes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
     return constant
 
 
+def _attribute(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """The module attribute a ``get_attr`` node reads (a dotted path)."""
+    return functools.reduce(getattr, str(node.target).split("."), gm)
+
+
 def _evaluator(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], object]:
     """Computes a constant node's value now (remembering each node's)."""
     values: dict[torch.fx.Node, object] = {}
@@ -889,7 +893,7 @@ def _evaluator(gm: torch.fx.GraphModule) -> Callable[[torch.fx.Node], object]:
         if node in values:
             return values[node]
         if node.op == "get_attr":
-            value = functools.reduce(getattr, node.target.split("."), gm)
+            value = _attribute(gm, node)
         else:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), evaluate)
             value = node.target(*args, **kwargs)
@@ -1368,6 +1372,11 @@ class Captured:
     tensor: torch.Tensor
     taken: int | None
 
+    @property
+    def changed(self) -> bool:
+        """Whether the tensor changed in place since its value was last taken."""
+        return self.tensor._version != self.taken
+
 
 def _captured_parameter(node: torch.fx.Node) -> bool:
     # make_fx names the nn.Parameters a function captures so; other constants (tensors
@@ -1395,7 +1404,7 @@ def _captured_parameters_as_state(gm: torch.fx.GraphModule, inputs: list[InputSl
     last = placeholders[-1]
     captured = []
     for k, node in enumerate(nodes):
-        value = functools.reduce(getattr, str(node.target).split("."), gm)
+        value = _attribute(gm, node)
         name = f"{CAPTURED}.{k}"
         with (graph.inserting_before(anchor) if anchor is not None
               else graph.inserting_after(last)):

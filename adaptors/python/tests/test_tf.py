@@ -128,17 +128,24 @@ def test_a_keras_step_trains_on_salusd_as_tensorflow_computes_it(daemon):
     assert_as_exact_as_pytorch(got, exact_state, tf_state, dtype=torch.float32)
 
 
-def test_fit_trains_a_compiled_model_on_salusd_as_keras_fit_does(daemon):
-    rs = np.random.RandomState(4)
+def _fit_case(seed: int):
+    """11 examples (batches of 4, 4, 3), a CNN for salus and its float32 twin for Keras'
+    fit, both compiled with SGD, and a float64 twin for the exact run."""
+    rs = np.random.RandomState(seed)
     x, y = rs.randn(11, 8, 8, 3).astype(np.float32), rs.randint(0, 5, 11)
     model = cnn()
     f32, f64 = twin(model, "float32"), twin(model, "float64")
-
-    def dataset(dtype):
-        return tf.data.Dataset.from_tensor_slices((x.astype(dtype), y)).batch(4)  # 4, 4, 3
-
     for m in (model, f32):
         m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
+
+    def dataset(dtype):
+        return tf.data.Dataset.from_tensor_slices((x.astype(dtype), y)).batch(4)
+
+    return x, y, model, f32, f64, dataset
+
+
+def test_fit_trains_a_compiled_model_on_salusd_as_keras_fit_does(daemon):
+    x, y, model, f32, f64, dataset = _fit_case(4)
     history = stf.fit(model, dataset(np.float32), epochs=2, address=daemon.address)
     tf_history = f32.fit(dataset(np.float32), epochs=2, verbose=0, shuffle=False).history
     # Keras' fit does not run in float64: the exact run is the same steps, eagerly.
@@ -175,20 +182,12 @@ def test_fit_runs_keras_callbacks_as_keras_fit_does(daemon):
     """A callback that changes the learning rate and the weights between epochs,
     EarlyStopping ending the training, and validation data: salus.tf.fit as Keras' fit
     (the same hooks, history and variables; float64 steps replayed eagerly)."""
-    rs = np.random.RandomState(6)
-    x, y = rs.randn(11, 8, 8, 3).astype(np.float32), rs.randint(0, 5, 11)
-    model = cnn()
-    f32, f64 = twin(model, "float32"), twin(model, "float64")
-
-    def dataset(dtype):
-        return tf.data.Dataset.from_tensor_slices((x.astype(dtype), y)).batch(4)  # 4, 4, 3
+    x, y, model, f32, f64, dataset = _fit_case(6)
 
     def callbacks():
         return [_Halve(), keras.callbacks.EarlyStopping(monitor="loss", min_delta=10,
                                                         patience=0)]
 
-    for m in (model, f32):
-        m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
     ours, theirs = callbacks(), callbacks()
     validation = (x[:5], y[:5])
     history = stf.fit(model, dataset(np.float32), epochs=4, callbacks=ours,
