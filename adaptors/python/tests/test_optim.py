@@ -9,6 +9,7 @@ import torch
 from harness import (assert_as_exact_as_pytorch, eager_steps, f64_twin, randomly_rounded,
                      to_dtype, torch_state, traced_steps, twin)
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import salus
 from salus.models import MLP, vector_batch
@@ -19,17 +20,6 @@ def _model():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return MLP(6, (5,), 3)
-
-
-@pytest.mark.parametrize("make, option", [
-    (lambda p: torch.optim.SGD(p, lr=0.1, fused=True), "fused"),
-    (lambda p: torch.optim.Adam(p, fused=True), "fused"),
-])
-def test_unsupported_options_are_refused_by_name(make, option):
-    model = _model()
-    with pytest.raises(salus.UnsupportedOptimizerError, match=option):
-        salus.trace_train_step(model, nn.functional.cross_entropy, make(model.parameters()),
-                               vector_batch(4, 6, 3))
 
 
 def test_an_unknown_group_option_is_refused_by_name():
@@ -43,14 +33,54 @@ def test_an_unknown_group_option_is_refused_by_name():
 def test_unsupported_optimizer_is_refused():
     model = _model()
 
-    class MyAdam(torch.optim.Adam):
+    class SignAdam(torch.optim.Adam):
         pass
 
-    with pytest.raises(salus.UnsupportedOptimizerError, match="MyAdam"):
-        functional_optimizer(MyAdam(model.parameters()), dict(model.named_parameters()))
+    class ClippedSignAdam(SignAdam):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = p.grad.sign()
+            return super().step(closure)
+
+    with pytest.raises(salus.UnsupportedOptimizerError,
+                       match=r"ClippedSignAdam overrides step .*ClippedSignAdam"):
+        functional_optimizer(ClippedSignAdam(model.parameters()),
+                             dict(model.named_parameters()))
     with pytest.raises(salus.UnsupportedOptimizerError, match="LBFGS"):
         functional_optimizer(torch.optim.LBFGS(model.parameters()),
                              dict(model.named_parameters()))
+    # A subclass that leaves step alone runs its stock class's rule.
+    rule = functional_optimizer(SignAdam(model.parameters()), dict(model.named_parameters()))
+    assert rule.kind == "adam"
+
+
+def test_step_hooks_are_refused_because_they_would_not_run():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def log_lr(opt, args, kwargs):
+        pass
+
+    handle = optimizer.register_step_post_hook(log_lr)
+    with pytest.raises(salus.UnsupportedOptimizerError,
+                       match="register_step_post_hook: .*log_lr.*would not run"):
+        salus.trace_train_step(model, nn.functional.cross_entropy, optimizer,
+                               vector_batch(4, 6, 3))
+    handle.remove()
+    traced = salus.trace_train_step(model, nn.functional.cross_entropy, optimizer,
+                                    vector_batch(4, 6, 3))
+    traced.rule.changed_hyperparameters()
+    # One registered on every optimizer after the session was traced: refused at the
+    # next step.
+    handle = register_optimizer_step_pre_hook(log_lr)
+    try:
+        with pytest.raises(salus.UnsupportedOptimizerError,
+                           match="register_optimizer_step_pre_hook: .*log_lr"):
+            traced.rule.changed_hyperparameters()
+    finally:
+        handle.remove()
+    traced.rule.changed_hyperparameters()
 
 
 def test_state_names_follow_the_ir_conventions():

@@ -29,6 +29,13 @@ def _warmup_then_cosine(o):
                                   sched.CosineAnnealingLR(o, T_max=STEPS)], milestones=[3])
 
 
+class _AdamWithReport(optim.Adam):
+    """A subclass that leaves the update as it is (it adds a method): Adam's rule."""
+
+    def report(self) -> str:
+        return f"lr {self.param_groups[0]['lr']:.3g}"
+
+
 # name: (optimizer, scheduler or None, whether the scheduler steps on the loss)
 CASES = {
     "sgd_nesterov_steplr": (
@@ -78,6 +85,21 @@ CASES = {
         lambda p: optim.ASGD(p, lr=0.05, lambd=1e-2, alpha=0.6, t0=3, weight_decay=1e-3),
         lambda o: sched.CosineAnnealingLR(o, T_max=STEPS)),
     "asgd_maximize": (lambda p: optim.ASGD(p, lr=0.02, maximize=True), None),
+    "sgd_fused_nesterov": (
+        lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                            fused=True),
+        lambda o: sched.StepLR(o, step_size=2, gamma=0.5)),
+    "adamw_fused_amsgrad": (
+        lambda p: optim.AdamW(p, lr=1e-2, amsgrad=True, weight_decay=1e-2, fused=True),
+        lambda o: sched.CosineAnnealingLR(o, T_max=STEPS)),
+    "adam_fused_maximize": (
+        lambda p: optim.Adam(p, lr=1e-2, maximize=True, weight_decay=1e-3, fused=True), None),
+    "adagrad_fused": (
+        lambda p: optim.Adagrad(p, lr=0.1, lr_decay=0.01, fused=True), None),
+    "adam_foreach": (lambda p: optim.Adam(p, lr=1e-2, foreach=True), None),
+    "adam_subclass_steplr": (
+        lambda p: _AdamWithReport(p, lr=1e-2, weight_decay=1e-3),
+        lambda o: sched.StepLR(o, step_size=3, gamma=0.5)),
     "adafactor_decay_steplr": (
         lambda p: optim.Adafactor(p, lr=0.05, weight_decay=1e-2),
         lambda o: sched.StepLR(o, step_size=3, gamma=0.5)),

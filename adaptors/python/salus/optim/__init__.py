@@ -30,8 +30,9 @@ the test suite checks each against eager PyTorch, with schedules, over several s
 What a group's graph depends on (``nesterov``, ``amsgrad``, ``centered``, ``maximize``,
 whether ``momentum`` or ``weight_decay`` is zero: its *structure*) is fixed when the step
 is traced; a later change is refused with :class:`UnsupportedOptimizerError`, as are
-unknown options, ``fused=True``, other optimizer classes (subclasses included: they may
-change ``step``) and adding parameter groups.
+unknown options, other optimizer classes, subclasses that override ``step``, step hooks
+(they would not run) and adding parameter groups. ``fused=True`` and ``foreach`` are
+implementation choices: PyTorch's fused and multi-tensor kernels compute the same update.
 
 Parameters the loss does not reach keep their values and state, as ``torch.optim``
 skips a parameter whose ``.grad`` is None (:attr:`FunctionalOptimizer.without_grad`).
@@ -39,6 +40,7 @@ skips a parameter whose ``.grad`` is None (:attr:`FunctionalOptimizer.without_gr
 
 from __future__ import annotations
 
+import inspect
 from typing import Mapping
 
 import torch
@@ -58,11 +60,30 @@ def functional_optimizer(optimizer: torch.optim.Optimizer,
     Raises :class:`UnsupportedOptimizerError` for other optimizer classes and for
     unsupported options.
     """
-    rule = RULES.get(type(optimizer))
-    if rule is None:
+    names = {id(t): n for n, t in named_parameters.items()}
+    return _rule_of(type(optimizer))(optimizer, names, list(named_parameters))
+
+
+def _rule_of(cls: type) -> type[FunctionalOptimizer]:
+    """The rule of a stock optimizer class, or of a subclass that leaves its update as it
+    is (a subclass that adds a method, or sets defaults). A subclass that overrides
+    ``step`` (or ``_init_group``, where PyTorch's gather their state) computes something
+    salus cannot see, and is refused."""
+    stock = next((c for c in cls.__mro__ if c in RULES), None)
+    if stock is None:
         supported = ", ".join(sorted(c.__name__ for c in RULES))
         raise UnsupportedOptimizerError(
-            f"optimizer {type(optimizer).__name__} is not supported by salus "
-            f"(supported: {supported})")
-    names = {id(t): n for n, t in named_parameters.items()}
-    return rule(optimizer, names, list(named_parameters))
+            f"optimizer {cls.__name__} is not supported by salus (supported: {supported}, "
+            "and their subclasses that do not override step)")
+    for method in ("step", "_init_group"):
+        # torch.optim wraps each class's step in its profiling hook when the first
+        # instance is made, so a subclass holds a wrapper of the inherited step: compare
+        # what the wrappers wrap.
+        if inspect.unwrap(getattr(cls, method)) is not inspect.unwrap(getattr(stock, method)):
+            where = next(c for c in cls.__mro__ if method in vars(c))
+            raise UnsupportedOptimizerError(
+                f"optimizer {cls.__name__} overrides {method} (in {where.__qualname__}), "
+                f"so its update may not be {stock.__name__}'s, which is what salus runs: "
+                f"use torch.optim.{stock.__name__}, or a subclass that leaves {method} "
+                "alone")
+    return RULES[stock]

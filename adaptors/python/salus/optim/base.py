@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
+from torch.optim import optimizer as _optimizer
 
 from ..errors import UnsupportedOptimizerError
 
@@ -33,10 +34,12 @@ Tensors = dict[str, torch.Tensor]
 STEP = "optimizer.step"
 _STEP_DTYPE = torch.float32
 
-# Keys a group may carry that do not change the math: implementation choices, and the
-# bookkeeping learning-rate schedulers add to the groups they drive.
-_HARMLESS = {"params", "foreach", "differentiable", "capturable", "initial_lr", "max_lr",
-             "min_lr", "max_momentum", "base_momentum", "name"}
+# Keys a group may carry that do not change the math: implementation choices (PyTorch's
+# fused and foreach kernels compute its single-tensor formula; torch itself refuses
+# ``fused=True`` for an optimizer without such kernels), and the bookkeeping
+# learning-rate schedulers add to the groups they drive.
+_HARMLESS = {"params", "foreach", "fused", "differentiable", "capturable", "initial_lr",
+             "max_lr", "min_lr", "max_momentum", "base_momentum", "name"}
 
 
 def state_name(key: str, param: str) -> str:
@@ -78,8 +81,6 @@ class FunctionalOptimizer:
     kind = "base"
     #: Group keys this rule reads (besides the harmless ones).
     options: frozenset[str] = frozenset()
-    #: Group keys that must be false (or None): options salus does not trace.
-    refused: frozenset[str] = frozenset({"fused"})
     #: Whether the rule keeps the shared step counter.
     counts_steps = True
 
@@ -91,6 +92,7 @@ class FunctionalOptimizer:
         self.group_of: dict[str, Group] = {}
         self.groups: list[Group] = []
         position = {n: i for i, n in enumerate(order)}
+        self._check_hooks()
         for index, group in enumerate(optimizer.param_groups):
             self._check_keys(group)
             trained = []
@@ -163,11 +165,29 @@ class FunctionalOptimizer:
 
     def _check_keys(self, group: Mapping) -> None:
         for key, value in group.items():
-            if key in self.refused:
-                if value:
-                    self._refuse(key, value)
-            elif key not in self.options and key not in _HARMLESS:
+            if key not in self.options and key not in _HARMLESS:
                 self._refuse(key, value)
+
+    def _check_hooks(self) -> None:
+        """Refuses step hooks (``register_step_pre_hook``/``register_step_post_hook``, on
+        this optimizer or on every one): salusd runs the update, so ``step()`` and its
+        hooks never run, and what they do (logging, a moving average) would silently not
+        happen. PyTorch's own global hooks (the profiler's step counter) are left."""
+        o = self.optimizer
+        hooks = [("register_step_pre_hook", getattr(o, "_optimizer_step_pre_hooks", {})),
+                 ("register_step_post_hook", getattr(o, "_optimizer_step_post_hooks", {})),
+                 ("register_optimizer_step_pre_hook", _optimizer._global_optimizer_pre_hooks),
+                 ("register_optimizer_step_post_hook",
+                  _optimizer._global_optimizer_post_hooks)]
+        for register, registered in hooks:
+            users = [h for h in registered.values()
+                     if not getattr(h, "__module__", "").startswith("torch.")]
+            if users:
+                names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in users)
+                raise UnsupportedOptimizerError(
+                    f"{type(o).__name__} has step hooks ({register}: {names}), which would "
+                    "not run: salusd runs the update, not optimizer.step(). Remove them "
+                    "and do their work in the training loop after each session.step()")
 
     def _refuse(self, option: str, value) -> None:
         raise UnsupportedOptimizerError(
@@ -197,6 +217,7 @@ class FunctionalOptimizer:
         this method (all of them the first time): what a session must write before its
         next step."""
         changed: Tensors = {}
+        self._check_hooks()
         groups = self.optimizer.param_groups
         if len(groups) != len(self.groups):
             raise UnsupportedOptimizerError(
