@@ -300,6 +300,38 @@ def _inplace_off(model: torch.nn.Module) -> Iterator[None]:
             m.inplace = True
 
 
+def _holds_tensors(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, dict) and any(isinstance(v, torch.Tensor)
+                                           for v in value.values())
+
+
+@contextlib.contextmanager
+def _plain_attributes_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Gives each module back the plain attributes (neither parameters nor buffers) that
+    hold tensors as they were before the step recorded. A forward that stores a tensor on
+    its module (the weight ``torch.nn.utils.weight_norm``'s hook computes, a cache, the
+    last attention map) stores one of the recording's, which is of no use outside it:
+    ``torch.save(model)`` fails on it and the next recording would read it."""
+    before = [(m, dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        missing = object()
+        for module, attributes in before:
+            for key, value in list(vars(module).items()):
+                old = attributes.get(key, missing)
+                if value is old or not _holds_tensors(value):
+                    continue
+                if old is missing:
+                    delattr(module, key)
+                else:
+                    setattr(module, key, old)
+
+
 @contextlib.contextmanager
 def _training_mode(model: torch.nn.Module, training: bool | None) -> Iterator[None]:
     if training is None:
@@ -610,7 +642,7 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                      decomposition_table=decomposition_table(), tracing_mode=tracing_mode,
                      _allow_non_fake_inputs=tracing_mode == "fake", record_stack_traces=True)
     with (recording(tracing_mode), _custom_functions(), _libraries_see_a_compiler(),
-          _inplace_off(model),
+          _inplace_off(model), _plain_attributes_kept(model),
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),

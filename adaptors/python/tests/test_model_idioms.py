@@ -1,18 +1,24 @@
 """Ways a model's code is written that change how eager PyTorch runs it, not what it
-computes: activation checkpointing (both variants, and ``checkpoint_sequential``) and
-``torch.compile`` (the whole model, or a part). Each traced step runs, step by step, as
-eager PyTorch's uncheckpointed, uncompiled twin trains."""
+computes: activation checkpointing (both variants, and ``checkpoint_sequential``),
+``torch.compile`` (the whole model, or a part), weight and spectral normalisation (as
+hooks or parametrizations) and modules that keep tensors on themselves. Each traced step
+runs, step by step, as eager PyTorch's uncheckpointed, uncompiled twin trains."""
 
 from __future__ import annotations
+
+import io
+import warnings
 
 import pytest
 import torch
 from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
                      torch_state, traced_steps, twin)
 from torch import nn
+from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import salus
+import salus.torch as st
 from salus.models import vector_batch
 
 CE = nn.functional.cross_entropy
@@ -85,3 +91,70 @@ def test_a_compiled_model_and_a_compiled_part_train_as_written():
     part = _Net()
     part.body = torch.compile(part.body, backend="eager")
     assert "body._orig_mod.0.weight" in _assert_trains_as(part, _Net(), batches)
+
+
+class _KeepsItsOutput(nn.Module):
+    """Stores its last output on itself, as a module that shows its attention map does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 3)
+        self.shown = None
+
+    def forward(self, h):
+        self.shown = self.fc(h)
+        self.calls = getattr(self, "calls", []) + [self.shown]
+        return self.shown
+
+
+_NORMS = {
+    # The hooks set the module's weight as a plain attribute before each forward.
+    "weight_norm_hook": lambda m: nn.utils.weight_norm(m),
+    "spectral_norm_hook": lambda m: nn.utils.spectral_norm(m),
+    "weight_norm": parametrizations.weight_norm,
+    "spectral_norm": parametrizations.spectral_norm,
+}
+
+
+def _normed(kind: str, dtype=torch.float32) -> nn.Module:
+    wrap = _NORMS[kind]
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the hooks are deprecated
+        torch.manual_seed(0)
+        model = nn.Sequential(wrap(nn.Conv1d(3, 4, 3)), nn.LeakyReLU(0.2), nn.Flatten(),
+                              wrap(nn.Linear(16, 16)), nn.Tanh(), _KeepsItsOutput())
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("kind", list(_NORMS))
+def test_normalised_weights_train_as_eagerly_and_the_model_stays_whole(kind, daemon):
+    x = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 2, 1, 0, 1])
+
+    def reference(dtype):
+        # Built afresh: a model with weight_norm's hook cannot be deep-copied.
+        m = _normed(kind, dtype)
+        optimizer = torch.optim.Adam(m.parameters(), lr=1e-2)
+        eager_steps(m, optimizer, CE, [to_dtype((x, y), dtype)] * 3)
+        return torch_state(m, optimizer)
+
+    exact, eager = reference(torch.float64), reference(torch.float32)
+    rounded = randomly_rounded(lambda: reference(torch.float64))
+    model = _normed(kind)
+    before = model[0].weight if kind.endswith("_hook") else None
+    with st.TrainSession(model, CE, torch.optim.Adam(model.parameters(), lr=1e-2), (x, y),
+                         address=daemon.address) as session:
+        for _ in range(3):
+            session.step(x, y)
+        state = session.state_dict()
+    assert_as_exact_as_pytorch(state, exact, eager, rounded, label=f"{kind}: ")
+    # What the forward stored on the modules while the step recorded is not left there:
+    # the tensors the modules held before are back, and the model saves and runs.
+    assert model[-1].shown is None and not hasattr(model[-1], "calls")
+    if before is not None:
+        assert model[0].weight is before
+        torch.save(model, io.BytesIO())  # (PyTorch saves parametrized modules by state)
+    trained = model.state_dict()
+    assert trained.keys() <= state.keys()
+    assert all(torch.equal(trained[k], state[k]) for k in trained)
+    assert model(x).shape == (5, 3)
