@@ -68,6 +68,8 @@ class Layout:
         self.by_id = {s.id: s for s in self.state.values()}
         self.fetches = [TensorSpec(t, graph.tensors[t].name, graph.tensors[t].dtype,
                                     tuple(graph.tensors[t].shape)) for t in graph.fetches]
+        #: The structure of the fetched outputs (a training step's: those after the loss).
+        self.output_spec = traced.output_spec
 
     def check(self, batch: Sequence[Any], what: str, count: int | None = None) -> None:
         """Raises :class:`BatchError` unless ``batch`` (the leaves) matches the feeds (the

@@ -561,7 +561,9 @@ class TrainSession(_SalusSession):
     Instead of ``loss_fn``, ``loss_of(model, *batch)`` computes the loss of any batch
     (tensors, or tuples, lists and dicts of them) however the model's outputs give it
     (several outputs, auxiliary losses, a Hugging Face model's ``.loss``); pass
-    ``loss_fn=None`` then. Between backward and update, as a loop would:
+    ``loss_fn=None`` then. Either may return ``(loss, aux)``: ``aux``, tensors the step
+    computes without a gradient (outputs for a metric, an RNN's hidden state for the
+    next batch), comes back with the loss. Between backward and update, as a loop would:
     ``accumulate=k`` splits each batch along its first dimension into k micro-batches
     run in turn, accumulating the gradients of ``loss / k`` (memory for one
     micro-batch's activations); ``clip_grad_norm`` (with ``norm_type``) or
@@ -633,7 +635,8 @@ class TrainSession(_SalusSession):
     def step(self, *batch: Any) -> torch.Tensor:
         """Runs one training iteration on salusd with ``batch`` shaped as the example
         batch (``(inputs..., target)`` with ``loss_fn``); returns the loss (a 0-dim
-        tensor; with ``accumulate``, the mean over the micro-batches). Hyperparameters
+        tensor; with ``accumulate``, the mean over the micro-batches), or ``(loss, aux)``
+        where the loss function returns ``aux`` beside it. Hyperparameters
         changed in the optimizer's ``param_groups`` since the last step (a scheduler's
         ``step()``) travel with it."""
         self._ensure_slots(2)
@@ -671,7 +674,9 @@ class TrainSession(_SalusSession):
         self.last_device_ms = response.device_us / 1e3
         self.last_wait_ms = response.wait_us / 1e3
         self.traced.rule.mark_stepped()
-        return self._outputs(response, answer)[0]
+        loss, *aux = self._outputs(response, answer)
+        spec = answer[0].output_spec
+        return loss if spec is None else (loss, pytree.tree_unflatten(aux, spec))
 
     def _state_written(self) -> None:
         # The optimizer's param_groups stay the truth for hyperparameters: the next step

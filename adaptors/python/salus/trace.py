@@ -64,6 +64,7 @@ from .checks import value_checks_in_the_graph
 from .rules.recurrent import packed_sequences_in_the_graph
 from .inner_gradients import inner_gradients
 from .selections import selections_in_the_graph
+from .sparse import is_sparse, sparse_products_in_the_graph
 from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
@@ -276,6 +277,8 @@ class TracedStep:
             else:
                 outputs.append(value)
         if self.kind == "train":
+            if self.output_spec is not None:  # the loss function's auxiliary outputs
+                return new_state, (loss, pytree.tree_unflatten(outputs, self.output_spec))
             return new_state, loss
         return new_state, pytree.tree_unflatten(outputs, self.output_spec)
 
@@ -647,8 +650,7 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
           DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
-          value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections,
-          spectra_in_the_graph()):
+          _stand_ins(selections) as sparse):
         try:
             gm = traced(*args)
         except RuntimeError as error:
@@ -705,7 +707,18 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
         if node.op == "get_attr" and not _captured_parameter(node)
         for value in [_attribute(gm, node)]
         if isinstance(value, torch.Tensor)}
+    gm.meta["salus_constants"].update((id(t), (t, t._version)) for t in sparse)
     return tidy(gm)
+
+
+@contextlib.contextmanager
+def _stand_ins(selections) -> Iterator[list[torch.Tensor]]:
+    """While a step records, what PyTorch computes from values (checks, packed sequences'
+    lengths, selections by masks) is kept in the graph, and complex and sparse tensors by
+    their dense parts. Yields the sparse matrices the step captures."""
+    with (value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections,
+          spectra_in_the_graph(), sparse_products_in_the_graph() as sparse):
+        yield sparse
 
 
 def _kernel_dtypes(gm: torch.fx.GraphModule) -> None:
@@ -1195,6 +1208,11 @@ def trace_train_step(model: torch.nn.Module,
     target)``; or, with ``loss_fn=None``, ``loss_of(model, *example_batch)`` for any
     batch (tensors, or tuples, lists and dicts of them: a Hugging Face batch dict) and
     any loss the model's outputs give (several heads, auxiliary losses, ``.loss``).
+    Either may return ``(loss, aux)`` instead, as ``torch.func.grad(has_aux=True)``
+    takes it: ``aux`` (tensors, in tuples, lists and dicts) is computed by the step
+    without a gradient and fetched with the loss (outputs for a metric, the hidden state
+    truncated backpropagation through time carries to the next batch); with
+    ``accumulate=k``, each of its tensors is stacked over the micro-batches.
     Shapes and dtypes of the batch are fixed in the graph. The model is traced in its
     current train/eval mode. The model, the optimizer and the batch are left unchanged.
     ``tracing_mode="fake"`` records with fake tensors (shapes only: faster for large
@@ -1213,7 +1231,7 @@ def trace_train_step(model: torch.nn.Module,
                              "tensor: a batch holds tensors (in tuples, lists or dicts)")
     autocast = amp.autocast_dtype(autocast)
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    buffers = _dense_buffers(model)
     opt = functional_optimizer(optimizer, params)
     scaling = FunctionalScaler.of(scaler, {n: params[n] for n in opt.params})
     opt_state = {**opt.initial_state(), **opt.hyperparameters(),
@@ -1237,6 +1255,7 @@ def trace_train_step(model: torch.nn.Module,
     loss_scope = Scope("loss", getattr(loss_name, "__name__", type(loss_name).__name__))
     optimizer_scope = Scope("optimizer", type(optimizer).__name__)
     k = gradients.accumulate
+    aux_spec: list = [None]  # the auxiliary outputs' structure, once recorded
 
     def step(*flat):
         p, b, o, data = _split(flat, counts,
@@ -1245,7 +1264,7 @@ def trace_train_step(model: torch.nn.Module,
         fixed = {n: p[n] for n in frozen}
         micro = gradients.micro_batches(pytree.tree_unflatten(list(data), batch_spec),
                                         batch_spec)
-        total, losses, current, reached = None, [], b, set()
+        total, losses, auxes, current, reached = None, [], [], b, set()
         for part in micro:
             def loss_and_buffers(trained_params, part=part, current=current):
                 new_buffers = {n: t.clone() for n, t in current.items()}
@@ -1265,19 +1284,20 @@ def trace_train_step(model: torch.nn.Module,
                         _ModuleScopes.label(loss_scope)
                     results[:] = [loss, new_buffers]
                 loss, new_buffers = results
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TraceError(f"{'loss_fn' if loss_fn else 'loss_of'} must return a "
-                                     "scalar (0-dim) tensor")
+                loss, aux = _loss_and_aux(loss, "loss_fn" if loss_fn else "loss_of")
                 objective = loss / k if k > 1 else loss
                 if scaling is not None:
                     objective = scaling.scale(objective, o)
                 reached.update(_reached(objective, trained_params))
-                return objective, (loss, new_buffers)
+                return objective, (loss, new_buffers, aux)
 
-            grads, (loss, current) = torch.func.grad(loss_and_buffers, has_aux=True)(trained)
+            grads, (loss, current, aux) = torch.func.grad(loss_and_buffers,
+                                                          has_aux=True)(trained)
             total = grads if total is None else {n: total[n] + grads[n] for n in total}
             losses.append(loss)
+            auxes.append(aux)
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        aux_leaves = _aux_leaves(auxes, aux_spec)
         opt.check_reached(reached)
         _ModuleScopes.label(optimizer_scope)
         new_scaler = {}
@@ -1292,17 +1312,67 @@ def trace_train_step(model: torch.nn.Module,
         return (*[new_trained.get(n, p[n]) for n in params],
                 *[current[n] for n in buffers],
                 *[new_opt.get(n, o[n]) for n in opt_names],
-                *[new_scaler[n] for n in scaler_names], loss)
+                *[new_scaler[n] for n in scaler_names], loss, *aux_leaves)
 
     initial = {**_detached(params), **_detached(buffers), **opt_state}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
+    if aux_spec[0] is not None:
+        outputs += [OutputSlot("output", f"output.{i}") for i in range(aux_spec[0].num_leaves)]
     captured = _captured_parameters_as_state(gm, inputs, initial)
     _refuse_own_captures(captured, {**params, **buffers})
     _thread_generator(gm, inputs, outputs, initial)
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
                       rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast,
-                      captured=captured)
+                      captured=captured, output_spec=aux_spec[0])
+
+
+def _loss_and_aux(returned, what: str) -> tuple[torch.Tensor, Any]:
+    """The loss and the auxiliary outputs (``()``: none) of what the loss function
+    returned: a 0-dim tensor, or ``(loss, aux)`` with ``aux`` a structure of tensors."""
+    loss, aux = returned, ()
+    if isinstance(returned, tuple) and len(returned) == 2 \
+            and isinstance(returned[0], torch.Tensor):
+        loss, aux = returned
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TraceError(f"{what} must return a scalar (0-dim) tensor, or (loss, aux) with "
+                         "aux tensors in tuples, lists and dicts")
+    if not _no_aux(aux):
+        leaves, _ = pytree.tree_flatten(aux)
+        bad = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
+        if bad or not leaves:
+            raise TraceError(f"{what} returned (loss, aux), and aux must hold tensors (in "
+                             "tuples, lists and dicts)"
+                             + (f", not {', '.join(sorted(set(bad)))}" if bad else
+                                ": it holds none"))
+    return loss, aux
+
+
+def _no_aux(aux) -> bool:
+    return isinstance(aux, tuple) and not aux
+
+
+def _aux_leaves(auxes: list, spec_box: list) -> list[torch.Tensor]:
+    """The auxiliary outputs of each micro-batch as the step's output tensors (each
+    stacked over the micro-batches when there are several), their structure kept in
+    ``spec_box[0]``."""
+    if _no_aux(auxes[0]):
+        spec_box[0] = None
+        return []
+    flat = [pytree.tree_flatten(a) for a in auxes]
+    spec_box[0] = flat[0][1]
+    if any(f[1] != spec_box[0] for f in flat):
+        raise TraceError("the loss function returned aux of another structure for another "
+                         "micro-batch")
+    if len(flat) == 1:
+        return [t.detach() for t in flat[0][0]]
+    return [torch.stack([f[0][i] for f in flat]).detach() for i in range(len(flat[0][0]))]
+
+
+def _dense_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers the session keeps as state: all but sparse ones (a graph's
+    adjacency matrix), which the step captures as constants (:mod:`salus.sparse`)."""
+    return {n: b for n, b in model.named_buffers() if not is_sparse(b)}
 
 
 def _reached(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> set[str]:
@@ -1353,7 +1423,7 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     xs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     autocast = amp.autocast_dtype(autocast)
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    buffers = _dense_buffers(model)
     inputs = ([InputSlot(n, PARAMETER, "param") for n in params]
               + [InputSlot(n, STATE, "buffer") for n in buffers]
               + [InputSlot(f"input.{i}", FEED, "batch") for i in range(len(xs))])

@@ -44,7 +44,9 @@ def torch_state(model, optimizer) -> dict[str, torch.Tensor]:
     """Parameters, buffers and optimizer state of an eager run, named as salus names
     them. SGD keeps no step counter, so ``optimizer.step`` is left out for SGD."""
     state = {n: p.detach() for n, p in model.named_parameters()}
-    state.update({n: b.detach() for n, b in model.named_buffers()})
+    # (a sparse buffer, a graph's adjacency, is a constant of the step, not state)
+    state.update({n: b.detach() for n, b in model.named_buffers()
+                  if b.layout == torch.strided})
     opt_state = functional_optimizer(optimizer, dict(model.named_parameters())).initial_state()
     if isinstance(optimizer, torch.optim.SGD):
         opt_state.pop(STEP, None)
