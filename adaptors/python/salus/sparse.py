@@ -16,18 +16,26 @@ one in any other call, a sparse tensor built inside the step (from tensors the s
 computes) or one whose values need a gradient is refused, naming it. A sparse matrix
 changed in place between steps is refused at the next step, as any tensor the step
 captures.
+
+An embedding with ``sparse=True`` (``nn.Embedding``, ``nn.EmbeddingBag``, their
+functions) records with a dense gradient: under SGD and Adagrad, the optimizers of
+PyTorch's that take sparse gradients besides SparseAdam, every update is the same (a
+row the batch did not look up has a zero gradient, which moves neither the row nor its
+state); other optimizers are refused, as PyTorch's refuse sparse gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .errors import TraceError
+from .errors import TraceError, UnsupportedOptimizerError
 
 _FOLLOWED = ("its products with dense tensors (torch.sparse.mm, torch.spmm, torch.mm, "
              "torch.matmul, @ with a dense matrix, or a vector after it; torch.sparse.addmm "
@@ -99,16 +107,30 @@ _PRODUCTS = {torch.sparse.mm, torch.spmm, torch.mm, torch.matmul, torch.Tensor.m
 _ADDMM = {torch.sparse.addmm, torch.addmm, torch.Tensor.addmm}
 
 
+class SparseUse:
+    """What a recording met of sparse tensors: the sparse matrices it captured, and how
+    many embeddings asked for sparse gradients (recorded with dense ones)."""
+
+    def __init__(self):
+        self.captured: list[torch.Tensor] = []
+        self.sparse_gradients = 0
+
+
+_EMBEDDINGS = {F.embedding: inspect.signature(F.embedding),
+               F.embedding_bag: inspect.signature(F.embedding_bag)}
+
+
 class _SparseProducts(TorchFunctionMode):
     """Calls with a sparse tensor among their arguments: products with a dense tensor go
     to the rules above; calls on sparse constants alone (``adj.t()``, ``coalesce()``,
     ``to_dense()``, ``torch.sparse.sum``) run as they are, giving constants; anything
     else is refused."""
 
-    def __init__(self, captured: list):
+    def __init__(self, use: SparseUse):
         super().__init__()
         self._parts: dict[int, _Parts] = {}
-        self._captured = captured
+        self._use = use
+        self._captured = use.captured
 
     def _of(self, matrix: torch.Tensor) -> _Parts:
         parts = self._parts.get(id(matrix))
@@ -118,6 +140,8 @@ class _SparseProducts(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _EMBEDDINGS:
+            return self._embedding(func, args, kwargs)
         # Every call of the recording passes here: the common case first, cheaply.
         if not any(_is_sparse_tensor(v) for v in args) \
                 and not (kwargs and any(_is_sparse_tensor(v) for v in kwargs.values())):
@@ -150,6 +174,31 @@ class _SparseProducts(TorchFunctionMode):
         _refuse(f"calls {_name(func)} with a sparse tensor and a dense one")
 
 
+    def _embedding(self, func, args, kwargs):
+        """An embedding that asks for a sparse gradient (``sparse=True``) records with a
+        dense one, the gradient's zero rows included: SGD and Adagrad, the optimizers of
+        PyTorch's that take a sparse gradient besides SparseAdam, compute the same from
+        it (the trace refuses the others, :func:`check_sparse_gradients`)."""
+        bound = _EMBEDDINGS[func].bind(*args, **kwargs)
+        if bound.arguments.get("sparse"):
+            bound.arguments["sparse"] = False
+            weight = bound.arguments["weight"]
+            self._use.sparse_gradients += bool(weight.requires_grad)
+        return func(*bound.args, **bound.kwargs)
+
+
+def check_sparse_gradients(use_count: int, optimizer: torch.optim.Optimizer, kind: str):
+    """Refuses embeddings with sparse gradients under an optimizer that does not take
+    them as SGD and Adagrad do (PyTorch's own refuse them too, but SparseAdam, whose lazy
+    moments move only the rows a batch looked up: salus does not run it)."""
+    if use_count and kind not in ("sgd", "adagrad"):
+        raise UnsupportedOptimizerError(
+            f"the model has an embedding with sparse=True, whose sparse gradients "
+            f"{type(optimizer).__name__} does not take (in eager PyTorch either): salus "
+            "follows sparse gradients under SGD and Adagrad, which compute from them what "
+            "they compute from dense ones; use sparse=False with this optimizer")
+
+
 _BUILDS = {torch.sparse_coo_tensor, torch.sparse_csr_tensor, torch.Tensor.to_sparse,
            torch.Tensor.to_sparse_coo, torch.Tensor.to_sparse_csr}
 
@@ -170,10 +219,11 @@ def _name(func) -> str:
 
 
 @contextlib.contextmanager
-def sparse_products_in_the_graph() -> Iterator[list[torch.Tensor]]:
-    """While a step records, products of captured sparse matrices (and ``to_dense``) are
-    recorded as gathers and index additions over their entries (:class:`_SparseProducts`).
-    Yields the list of the sparse matrices the step captured, filled as it records."""
-    captured: list[torch.Tensor] = []
-    with _SparseProducts(captured):
-        yield captured
+def sparse_products_in_the_graph() -> Iterator[SparseUse]:
+    """While a step records, products of captured sparse matrices are recorded as gathers
+    and index additions over their entries, and embeddings' sparse gradients as dense
+    ones (:class:`_SparseProducts`). Yields what the recording met, filled as it
+    records."""
+    use = SparseUse()
+    with _SparseProducts(use):
+        yield use

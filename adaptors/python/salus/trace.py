@@ -64,7 +64,7 @@ from .checks import value_checks_in_the_graph
 from .rules.recurrent import packed_sequences_in_the_graph
 from .inner_gradients import inner_gradients
 from .selections import selections_in_the_graph
-from .sparse import is_sparse, sparse_products_in_the_graph
+from .sparse import SparseUse, check_sparse_gradients, is_sparse, sparse_products_in_the_graph
 from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
@@ -707,15 +707,16 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
         if node.op == "get_attr" and not _captured_parameter(node)
         for value in [_attribute(gm, node)]
         if isinstance(value, torch.Tensor)}
-    gm.meta["salus_constants"].update((id(t), (t, t._version)) for t in sparse)
+    gm.meta["salus_constants"].update((id(t), (t, t._version)) for t in sparse.captured)
+    gm.meta["salus_sparse_gradients"] = sparse.sparse_gradients
     return tidy(gm)
 
 
 @contextlib.contextmanager
-def _stand_ins(selections) -> Iterator[list[torch.Tensor]]:
+def _stand_ins(selections) -> Iterator[SparseUse]:
     """While a step records, what PyTorch computes from values (checks, packed sequences'
     lengths, selections by masks) is kept in the graph, and complex and sparse tensors by
-    their dense parts. Yields the sparse matrices the step captures."""
+    their dense parts. Yields what the step met of sparse tensors."""
     with (value_checks_in_the_graph(), packed_sequences_in_the_graph(), selections,
           spectra_in_the_graph(), sparse_products_in_the_graph() as sparse):
         yield sparse
@@ -1317,6 +1318,7 @@ def trace_train_step(model: torch.nn.Module,
     initial = {**_detached(params), **_detached(buffers), **opt_state}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(leaves)
     gm = _record(step, args, model, tracing_mode)
+    check_sparse_gradients(gm.meta["salus_sparse_gradients"], optimizer, opt.kind)
     if aux_spec[0] is not None:
         outputs += [OutputSlot("output", f"output.{i}") for i in range(aux_spec[0].num_leaves)]
     captured = _captured_parameters_as_state(gm, inputs, initial)

@@ -1,13 +1,17 @@
 """Sparse matrices a step captures (a graph convolutional network's adjacency matrix: a
 buffer or a global, COO or CSR): their products with dense tensors are recorded as gathers
 and index additions over their entries (``salus.sparse``), and the models train on
-salusd as eagerly. What salus cannot follow is refused by name."""
+salusd as eagerly; so do embeddings with sparse gradients under SGD and Adagrad. What
+salus cannot follow is refused by name."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from harness import assert_built_model_trains_on_salusd_as_eagerly
+from harness import (assert_built_model_trains_on_salusd_as_eagerly,
+                     assert_trains_on_salusd_as_eagerly)
 from torch import nn
 
 import salus
@@ -26,7 +30,9 @@ def _adjacency() -> torch.Tensor:
                                    (NODES, NODES)).coalesce()
 
 
-GLOBAL_ADJACENCY = _adjacency()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    GLOBAL_ADJACENCY = _adjacency()
 
 
 class _GCN(nn.Module):
@@ -134,3 +140,56 @@ def test_a_captured_sparse_matrix_changed_in_place_is_refused_at_the_next_step()
         adj.mul_(2)
     with pytest.raises(salus.SalusError, match="changed in place"):
         traced.check_constants()
+
+
+class _Recommender(nn.Module):
+    """DLRM's shape: a bag of embeddings of a categorical feature (sum), one embedding
+    per item, both with sparse gradients, and an interaction head."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.bag = nn.EmbeddingBag(12, 4, mode="sum", sparse=True)
+            self.item = nn.Embedding(12, 4, sparse=True, padding_idx=0)
+            self.head = nn.Linear(4, 1)
+
+    def forward(self, features, offsets, items):
+        return self.head(self.bag(features, offsets) * self.item(items)).squeeze(1)
+
+
+def _clicks():
+    g = torch.Generator().manual_seed(2)
+    features = torch.randint(0, 12, (10,), generator=g)  # a few rows never looked up
+    offsets = torch.tensor([0, 3, 3, 6, 8])               # an empty bag among them
+    items = torch.tensor([0, 5, 7, 5, 2])                 # the padding row once
+    clicked = torch.randint(0, 2, (5,), generator=g).float()
+    return features, offsets, items, clicked
+
+
+def _click_loss(model, features, offsets, items, clicked):
+    return nn.functional.binary_cross_entropy_with_logits(model(features, offsets, items),
+                                                         clicked)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adagrad(p, lr=0.5, lr_decay=0.01),
+], ids=["sgd", "adagrad"])
+def test_embeddings_with_sparse_gradients_train_on_salusd_as_eagerly(make, daemon):
+    # Eager PyTorch takes sparse gradients here; salus records dense ones, whose zero
+    # rows move neither a row nor its state under these optimizers.
+    assert_trains_on_salusd_as_eagerly(_Recommender(), _clicks(), _click_loss, make,
+                                       daemon.address, steps=4)
+
+
+def test_sparse_gradients_under_an_optimizer_that_does_not_take_them_are_refused():
+    model = _Recommender()
+    with pytest.raises(salus.UnsupportedOptimizerError, match="sparse=True.*Adam does not"):
+        salus.trace_train_step(model, None, torch.optim.Adam(model.parameters()), _clicks(),
+                               loss_of=_click_loss)
+    # A frozen embedding gets no gradient at all: nothing to refuse.
+    model.bag.weight.requires_grad_(False)
+    model.item.weight.requires_grad_(False)
+    salus.trace_train_step(model, None, torch.optim.Adam(model.head.parameters()),
+                           _clicks(), loss_of=_click_loss)

@@ -291,8 +291,10 @@ class FunctionalOptimizer:
             p = self._tensor_of[name].detach()
             for key in self.param_buffers(name):
                 value = torch_state.get(key)
+                # (SGD's momentum of an embedding with sparse gradients is sparse)
                 state[state_name(key, name)] = (
-                    value.detach().clone() if value is not None
+                    value.detach().to_dense() if value is not None and value.is_sparse
+                    else value.detach().clone() if value is not None
                     else self.init_buffer(key, p, group))
             if not torch_state:
                 # Never stepped (a parameter the loss has not reached so far): it counts
