@@ -11,17 +11,34 @@ that holds, or fails, for every value in the range, as eager PyTorch does for an
 A comparison that could go either way (``layerdrop = 0.1``) is refused naming the draw;
 every other read of a value is refused by the tracer as before. Skipping the draw
 changes nothing salus computes: salus draws its own random numbers on the device.
+
+A draw of Python's ``random`` or NumPy's ``numpy.random`` in the step (a mixup's
+``np.random.beta``, teacher forcing's ``random.random() < ratio``) is a number the
+recording would keep: every iteration would use the one drawn while the step recorded,
+where eager PyTorch draws anew. While a step records, those functions called from the
+user's code give a :class:`PythonDraw` for a single uniform number (``random.random()``,
+``random.uniform(a, b)``, ``np.random.random()``, ``np.random.rand()``,
+``np.random.uniform(a, b)``), which answers a comparison with a plain number that holds,
+or fails, for every value of its range (wav2vec2's LayerDrop, ``np.random.random() <
+layerdrop`` with ``layerdrop = 0``) and refuses every other use; any other draw is
+refused at once (:func:`python_draws_refused`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
+import random
+import sys
 import traceback
+from typing import Iterator
 
+import numpy
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import TraceError, user_location
+from .errors import TraceError, in_user_code, user_location
 
 _DRAWS = {torch.rand, torch.rand_like}
 _UNIFORM = {torch.Tensor.uniform_}
@@ -103,3 +120,123 @@ class DecidedDraws(TorchFunctionMode):
 def _caller() -> str:
     """' at FILE:LINE' of the innermost frame now running outside torch and salus."""
     return user_location((f.filename, f.lineno) for f in traceback.extract_stack())
+
+
+# The module-level draws of Python's random and numpy.random, looked up where they are
+# called (``random.random()``, ``np.random.beta(...)``).
+_PYTHON_DRAWS = {
+    random: ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle",
+             "sample", "gauss", "normalvariate", "lognormvariate", "betavariate",
+             "expovariate", "gammavariate", "triangular", "vonmisesvariate",
+             "paretovariate", "weibullvariate", "getrandbits", "randbytes", "binomialvariate"),
+    numpy.random: ("rand", "randn", "random", "random_sample", "ranf", "sample", "randint",
+                   "random_integers", "uniform", "normal", "standard_normal", "beta",
+                   "gamma", "exponential", "binomial", "poisson", "choice", "permutation",
+                   "shuffle", "dirichlet", "multinomial", "laplace", "lognormal"),
+}
+
+
+def _refuse_python_draw(what: str, frame) -> None:
+    raise TraceError(
+        f"the step {what} at {frame.f_code.co_filename}:{frame.f_lineno} while it records: "
+        "salus records the step once and runs that graph at every iteration, so every "
+        "iteration would use this one draw (and the branch or the value taken from it), "
+        "where eager PyTorch draws anew. Draw it outside the step and pass it in the batch "
+        "as a tensor (a mixup's weight; a choice such as teacher forcing then applied "
+        "with torch.where), or draw it with torch.rand inside the step, which salus draws "
+        "anew at every iteration")
+
+
+class PythonDraw:
+    """A uniform number from ``random`` or ``numpy.random`` drawn while a step records:
+    it answers comparisons with plain numbers decided for its whole range (as
+    :func:`decide` does for a torch draw) and refuses every other use."""
+
+    def __init__(self, what: str, low: float, high: float):
+        self._what, self._low, self._high = what, low, high
+
+    def _compare(self, compare, c):
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            _refuse_python_draw(f"compares {self._what} with {type(c).__name__}",
+                                sys._getframe(2))
+        answer = decide(compare, self._low, self._high, float(c))
+        if answer is None:
+            _refuse_python_draw(
+                f"branches on {self._what} (uniform in [{self._low:g}, {self._high:g}) "
+                f"{_SYMBOL[compare]} {c:g}, which could go either way)", sys._getframe(2))
+        return answer
+
+    def __lt__(self, c):
+        return self._compare(operator.lt, c)
+
+    def __le__(self, c):
+        return self._compare(operator.le, c)
+
+    def __gt__(self, c):
+        return self._compare(operator.gt, c)
+
+    def __ge__(self, c):
+        return self._compare(operator.ge, c)
+
+    def _used(self, *_):
+        _refuse_python_draw(f"uses {self._what} as a number", sys._getframe(1))
+
+    __eq__ = __ne__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __pow__ = __rpow__ = _used
+    __mod__ = __neg__ = __abs__ = __float__ = __int__ = __index__ = __bool__ = _used
+    __round__ = __format__ = __array__ = _used
+    __hash__ = None  # type: ignore[assignment]
+
+
+# The single uniform draws a step may compare (their range from the call's arguments).
+_UNIFORM_DRAWS = {("random", "random"), ("random", "uniform"), ("numpy.random", "random"),
+                  ("numpy.random", "random_sample"), ("numpy.random", "rand"),
+                  ("numpy.random", "uniform")}
+
+
+def _range(module_name: str, name: str, args, kwargs) -> tuple[float, float] | None:
+    """The range of a single uniform draw, None for any other call."""
+    if (module_name, name) not in _UNIFORM_DRAWS:
+        return None
+    if name == "uniform":
+        keys = ("a", "b") if module_name == "random" else ("low", "high")
+        values = dict(zip(keys, args)) | {k: v for k, v in kwargs.items() if k in keys}
+        if len(args) + len(kwargs) > 2 or "size" in kwargs:
+            return None
+        low, high = values.get(keys[0], 0.0), values.get(keys[1], 1.0)
+        if not all(isinstance(v, (int, float)) for v in (low, high)):
+            return None
+        return (float(min(low, high)), float(max(low, high)))
+    if args or kwargs:  # a size: an array of draws
+        return None
+    return (0.0, 1.0)
+
+
+def _refusing(module_name: str, name: str, draw):
+    @functools.wraps(draw)
+    def refusing(*args, **kwargs):
+        caller = sys._getframe(1)
+        if not in_user_code(caller.f_code.co_filename):
+            return draw(*args, **kwargs)
+        what = f"{module_name}.{name}()"
+        span = _range(module_name, name, args, kwargs)
+        if span is None:
+            _refuse_python_draw(f"draws a random number with {module_name}.{name}", caller)
+        return PythonDraw(what, *span)
+    return refusing
+
+
+@contextlib.contextmanager
+def python_draws_refused() -> Iterator[None]:
+    """While a step records, the draws of ``random`` and ``numpy.random`` called from the
+    user's code raise :class:`TraceError` (see the module's docs); PyTorch's and salus'
+    own calls draw as usual."""
+    replaced = [(module, name, getattr(module, name)) for module, names in _PYTHON_DRAWS.items()
+                for name in names if hasattr(module, name)]
+    for module, name, draw in replaced:
+        setattr(module, name, _refusing(module.__name__, name, draw))
+    try:
+        yield
+    finally:
+        for module, name, draw in replaced:
+            setattr(module, name, draw)

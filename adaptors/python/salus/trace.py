@@ -68,7 +68,7 @@ from .sparse import SparseUse, check_sparse_gradients, is_sparse, sparse_product
 from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
-from .draws import DecidedDraws
+from .draws import DecidedDraws, python_draws_refused
 from .errors import SalusError, TraceError, in_user_code, user_location
 from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
@@ -649,7 +649,7 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
-          DecidedDraws(), plain_checkpoints(), _compiled_code_as_written(),
+          DecidedDraws(), python_draws_refused(), plain_checkpoints(), _compiled_code_as_written(),
           _stand_ins(selections) as sparse):
         try:
             gm = traced(*args)

@@ -1,10 +1,13 @@
 """Branches on random draws that a recorded step decides (salus.draws): LayerDrop with
-layerdrop 0 trains as eagerly, a branch that could go either way is refused naming it."""
+layerdrop 0 trains as eagerly, a branch that could go either way is refused naming it.
+Python's and NumPy's draws in the step, which the recording would keep, are refused."""
 
 from __future__ import annotations
 
 import operator
+import random
 
+import numpy as np
 import pytest
 import torch
 from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
@@ -100,3 +103,96 @@ def test_a_branch_on_other_values_is_still_refused():
         salus.trace_train_step(model, nn.functional.cross_entropy,
                                torch.optim.SGD(model.parameters(), lr=0.1),
                                vector_batch(4, 6, 3))
+
+
+def _mixup_loss(model, x, y):
+    # A mixup written inside the step: the weight would be drawn once, while recording.
+    lam = float(np.random.beta(0.4, 0.4))
+    mixed = lam * x + (1 - lam) * x.flip(0)
+    out = model(mixed)
+    ce = nn.functional.cross_entropy
+    return lam * ce(out, y) + (1 - lam) * ce(out, y.flip(0))
+
+
+def _teacher_forcing_loss(model, x, y):
+    h = model[0](x)
+    if random.random() < 0.5:  # the tutorial's teacher forcing, decided in Python
+        h = h + 1
+    return nn.functional.cross_entropy(model[2](torch.tanh(h)), y)
+
+
+def _python_layerdrop_loss(model, x, y):
+    h = model[0](x)
+    if np.random.random() >= 0.0:  # wav2vec2's LayerDrop with layerdrop 0: never skips
+        h = torch.tanh(h)
+    if not random.uniform(0.2, 0.4) < 0.1:  # never below 0.2
+        h = h * 2
+    return nn.functional.cross_entropy(model[2](h), y)
+
+
+def test_a_branch_on_a_python_draw_that_goes_one_way_for_every_draw_is_decided():
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = vector_batch(4, 6, 3)
+    traced = salus.trace_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (x, y), loss_of=_python_layerdrop_loss)
+    state = dict(traced.initial_state)
+    state.update(traced.rule.changed_hyperparameters())
+    got = traced.run(state, x, y)[1].item()
+
+    def eager(dtype):
+        with torch.no_grad():
+            return [_python_layerdrop_loss(twin(model, dtype), x.to(dtype), y).item()]
+
+    assert_as_exact_as_pytorch([got], eager(torch.float64), eager(torch.float32),
+                               dtype=torch.float32)
+
+
+def _arithmetic_on_a_draw(model, x, y):
+    return nn.functional.cross_entropy(model(x * random.random()), y)
+
+
+def _either_way(model, x, y):
+    return nn.functional.cross_entropy(model(x if np.random.rand() < 0.5 else -x), y)
+
+
+@pytest.mark.parametrize("loss_of, draw", [
+    (_mixup_loss, "draws a random number with numpy.random.beta"),
+    (_teacher_forcing_loss, r"branches on random.random\(\) \(uniform in \[0, 1\) < 0.5"),
+    (_arithmetic_on_a_draw, r"uses random.random\(\) as a number"),
+    (_either_way, r"branches on numpy.random.rand\(\)"),
+])
+def test_a_python_or_numpy_draw_in_the_step_is_refused_naming_it(loss_of, draw):
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with pytest.raises(salus.TraceError, match=rf"{draw}.* at .*test_draws.py:\d+ while it "
+                                               "records.*pass it in the batch"):
+        salus.trace_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                               vector_batch(4, 6, 3), loss_of=loss_of)
+    # Outside a recording, and after one, the draws are Python's and NumPy's own.
+    assert 0 <= random.random() < 1 and 0 <= np.random.beta(0.4, 0.4) <= 1
+
+
+def test_a_draw_passed_in_the_batch_trains():
+    def mixup(model, x, y, lam):
+        mixed = lam * x + (1 - lam) * x.flip(0)
+        out = model(mixed)
+        ce = nn.functional.cross_entropy
+        return lam * ce(out, y) + (1 - lam) * ce(out, y.flip(0))
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = vector_batch(4, 6, 3)
+    traced = salus.trace_train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (x, y, torch.tensor(0.3)), loss_of=mixup)
+    state = dict(traced.initial_state)
+    state.update(traced.rule.changed_hyperparameters())
+    weights = (0.3, 0.9)  # each step its own
+    losses = [traced.run(state, x, y, torch.tensor(lam))[1].item() for lam in weights]
+
+    def eager(dtype):
+        m = twin(model, dtype)
+        with torch.no_grad():
+            return [mixup(m, x.to(dtype), y, torch.tensor(lam, dtype=dtype)).item()
+                    for lam in weights]
+
+    assert losses[0] != losses[1]
+    assert_as_exact_as_pytorch(losses, eager(torch.float64), eager(torch.float32),
+                               dtype=torch.float32)
