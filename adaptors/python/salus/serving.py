@@ -370,6 +370,7 @@ class ServedModel:
                  variant: int | str | None) -> tuple[session_pb2.InferRequest, int]:
         what = "the served model"
         self._watch.check_tensors()
+        self._watch.check_values()
         self._check_captures()
         if len(inputs) != self._inputs:
             raise BatchError(f"{what} takes {self._inputs} input(s) per request, as its "

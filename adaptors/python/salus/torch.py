@@ -236,6 +236,8 @@ class _SalusSession:
                 f"{list(value.shape)} but the session was traced with {s.describe()}, and "
                 f"the step does not trace for these shapes: {error}") from error
         self._synced()  # as tracing left the model's tensors
+        if self._watch is not None:
+            self._watch.traced_again()
         if _captured_by(traced) != _captured_by(self.traced):
             raise BatchError(
                 f"{what}: the step traced for these shapes reads other parameters from "
@@ -501,13 +503,21 @@ class _SalusSession:
         if self._watch is not None:
             self._watch.agree()
         elif isinstance(model, torch.nn.Module):
-            self._watch = ModelWatch(model, self._traced_modes, fixed=self._model_fixed)
+            self._watch = ModelWatch(model, self._traced_modes, fixed=self._model_fixed,
+                                     functions=(getattr(self, "_loss_fn", None),
+                                                getattr(self, "_loss_of", None)))
 
     def _check_unedited(self) -> None:
         """Refuses to run after a parameter or buffer of the model was changed in place
         or replaced since the session last agreed with it (:class:`ModelWatch`)."""
         if self._watch is not None:
             self._watch.check_tensors()
+
+    def _check_values(self) -> None:
+        """Refuses an iteration once a plain Python value the step read when it was
+        traced changed (:class:`~salus.watch.TracedValues`)."""
+        if self._watch is not None:
+            self._watch.check_values()
 
     # -- life ---------------------------------------------------------------------------
 
@@ -655,6 +665,7 @@ class TrainSession(_SalusSession):
     def _iteration(self, batch: Sequence[Any], what: str):
         self._check_unedited()
         self._check_modes()
+        self._check_values()
         if self.traced.scaler is not None:
             self.traced.scaler.check()
         changed = self.traced.rule.changed_hyperparameters()
@@ -916,6 +927,7 @@ class InferenceSession(_SalusSession):
         use; salusd refuses one that needs more scratch than the example's."""
         what = "the inference session"
         self._check_unedited()
+        self._check_values()
         self._ensure_slots(2)
         program, leaves = self._program_for(inputs, what)
         program.traced.check_constants()

@@ -8,15 +8,26 @@ switched (dropout and batch norm run as traced). :class:`ModelWatch` lists the m
 modules and tensors once, when the session and the model agree, and compares each
 iteration's reading of those lists (in-place change counts, identities, modes) with it:
 a few list comprehensions, not a walk of the module tree per step.
+
+A recorded step also keeps the plain Python values it read: a module's settings
+(``dropout.p``, a temperature, a loss weight set as ``model.beta = ...``) and the
+numbers the loss function and the modules' ``forward`` read from globals or from their
+enclosing scope (a KL weight annealed in the loop). :class:`TracedValues` lists them
+when the step is traced and refuses an iteration once one has changed: the graph holds
+the value it had then.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
+import types
+from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import SalusError, TraceError
+from .errors import SalusError, TraceError, in_user_code
 
 
 def modes_of(model: torch.nn.Module) -> dict[str, bool]:
@@ -26,6 +37,114 @@ def modes_of(model: torch.nn.Module) -> dict[str, bool]:
 
 def _some(names: list[str]) -> str:
     return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """A value a recording would bake in as it is: a number, a flag, a string, or a
+    tuple of them."""
+    return isinstance(value, _PLAIN) or (
+        isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
+    """A function's code and the code of the functions, lambdas and comprehensions in it."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _function(f: Any) -> types.FunctionType | None:
+    while isinstance(f, functools.partial):
+        f = f.func
+    f = getattr(f, "__func__", f)  # a bound method
+    if isinstance(f, torch.nn.Module):
+        f = type(f).forward
+    return f if isinstance(f, types.FunctionType) else None
+
+
+class TracedValues:
+    """The plain Python values a traced step read (see the module's docs), as they were
+    when it was traced."""
+
+    def __init__(self, model: torch.nn.Module, functions: Iterable[Callable] = ()):
+        # Per module: its __dict__, a getter of its plain settings, their values.
+        self._settings: list[tuple[str, dict, list[str], Callable, tuple]] = []
+        for name, module in model.named_modules():
+            keys = sorted(k for k, v in vars(module).items()
+                          if not k.startswith("_") and k != "training" and _plain(v))
+            if keys:
+                getter = operator.itemgetter(*keys)
+                values = getter(vars(module))
+                self._settings.append((name, vars(module), keys, getter, values))
+        # Globals and enclosing variables the loss and the forwards read.
+        self._reads: list[tuple[str, Callable[[], Any], Any]] = []
+        seen: set = set()
+        forwards = {type(m).forward for m in model.modules()}
+        for f in (*functions, *forwards):
+            f = _function(f)
+            if f is None or f in seen or not in_user_code(f.__code__.co_filename):
+                continue
+            seen.add(f)
+            self._note_reads(f)
+
+    def _note_reads(self, f: types.FunctionType) -> None:
+        where = f.__qualname__
+        names = {n for code in _codes(f.__code__) for n in code.co_names}
+        for name in sorted(names):
+            value = f.__globals__.get(name)
+            if name in f.__globals__ and _plain(value):
+                self._reads.append((f"the global {name} (read by {where})",
+                                    functools.partial(f.__globals__.get, name), value))
+        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            value = _cell(cell)
+            if value is not _UNBOUND and _plain(value):
+                self._reads.append((f"{name} (which {where} reads from its enclosing scope)",
+                                    functools.partial(_cell, cell), value))
+
+    def changed(self) -> list[str]:
+        """What differs from the traced values now: ``"what (then -> now)"``."""
+        changed = []
+        for name, attributes, keys, getter, values in self._settings:
+            try:
+                now = getter(attributes)
+            except KeyError:
+                now = None
+            if now != values:
+                now = now if len(keys) > 1 else (now,)
+                was = values if len(keys) > 1 else (values,)
+                for key, old, new in zip(keys, was, now or (None,) * len(keys)):
+                    if new != old:
+                        changed.append(f"{name + '.' if name else 'model.'}{key} "
+                                       f"({old!r} -> {new!r})")
+        for what, read, value in self._reads:
+            now = read()
+            if now != value:
+                changed.append(f"{what} ({value!r} -> {now!r})")
+        return changed
+
+    def check(self) -> None:
+        """Refuses an iteration once a value the step read when it was traced changed."""
+        changed = self.changed()
+        if changed:
+            raise TraceError(
+                f"{_some(changed)} changed since the step was traced, and the traced step "
+                "holds the value it read then. Set it back, or open a new session with the "
+                "new value; a value that changes from step to step (an annealed weight, a "
+                "temperature) belongs in the batch, as a tensor the step reads")
+
+
+_UNBOUND = object()
+
+
+def _cell(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable of the enclosing scope not bound (yet, or any more)
+        return _UNBOUND
 
 
 class ModelWatch:
@@ -39,12 +158,22 @@ class ModelWatch:
     not apply."""
 
     def __init__(self, model: torch.nn.Module, traced_modes: dict[str, bool] | None = None,
-                 *, fixed: bool = False, remedy: str | None = None):
+                 *, fixed: bool = False, remedy: str | None = None,
+                 functions: Iterable[Callable] = ()):
         self._model = model
         self._traced_modes = traced_modes
         self._fixed = fixed
         self._remedy = remedy
         self._list()
+        # (taken when the step is traced: writing tensors does not change what it read)
+        self._functions = tuple(functions)
+        self._values = TracedValues(model, self._functions)
+
+    def traced_again(self) -> None:
+        """The step was traced again (for another batch shape), after
+        :meth:`check_values` passed: what its forward changed while it recorded (a count
+        of calls) is what the step has read."""
+        self._values = TracedValues(self._model, self._functions)
 
     def _list(self) -> None:
         model = self._model
@@ -115,6 +244,11 @@ class ModelWatch:
         raise SalusError(
             f"{_some(names)} {how} since the session last had the model's tensors: "
             f"salusd holds them, and the next iteration would not see the change. {remedy}")
+
+    def check_values(self) -> None:
+        """Refuses an iteration once a plain Python value the step read when it was
+        traced changed (:class:`TracedValues`)."""
+        self._values.check()
 
     def check_modes(self) -> None:
         """Refuses an iteration while a module's train/eval mode differs from the traced
