@@ -10,11 +10,12 @@ iteration's reading of those lists (in-place change counts, identities, modes) w
 a few list comprehensions, not a walk of the module tree per step.
 
 A recorded step also keeps the plain Python values it read: a module's settings
-(``dropout.p``, a temperature, a loss weight set as ``model.beta = ...``) and the
-numbers the loss function and the modules' ``forward`` read from globals or from their
-enclosing scope (a KL weight annealed in the loop). :class:`TracedValues` lists them
-when the step is traced and refuses an iteration once one has changed: the graph holds
-the value it had then.
+(``dropout.p``, a temperature, a loss weight set as ``model.beta = ...``, a loss
+module's ``label_smoothing``) and the numbers the loss function and the modules'
+``forward`` read from globals or from their enclosing scope (a KL weight annealed in
+the loop), and the tensors they read there (class weights, replaced by another tensor).
+:class:`TracedValues` lists them when the step is traced and refuses an iteration once
+one has changed: the graph holds the value it had then.
 """
 
 from __future__ import annotations
@@ -71,15 +72,14 @@ class TracedValues:
     when it was traced."""
 
     def __init__(self, model: torch.nn.Module, functions: Iterable[Callable] = ()):
+        functions = [f for f in functions if f is not None]
         # Per module: its __dict__, a getter of its plain settings, their values.
         self._settings: list[tuple[str, dict, list[str], Callable, tuple]] = []
-        for name, module in model.named_modules():
-            keys = sorted(k for k, v in vars(module).items()
-                          if not k.startswith("_") and k != "training" and _plain(v))
-            if keys:
-                getter = operator.itemgetter(*keys)
-                values = getter(vars(module))
-                self._settings.append((name, vars(module), keys, getter, values))
+        self._noted: set[int] = set()
+        self._note_settings(model, "model")
+        for f in functions:  # a loss module's (nn.CrossEntropyLoss's label_smoothing)
+            if isinstance(f, torch.nn.Module):
+                self._note_settings(f, type(f).__name__)
         # Globals and enclosing variables the loss and the forwards read.
         self._reads: list[tuple[str, Callable[[], Any], Any]] = []
         seen: set = set()
@@ -91,17 +91,34 @@ class TracedValues:
             seen.add(f)
             self._note_reads(f)
 
+    def _note_settings(self, root: torch.nn.Module, label: str) -> None:
+        for name, module in root.named_modules():
+            if id(module) in self._noted:
+                continue
+            self._noted.add(id(module))
+            keys = sorted(k for k, v in vars(module).items()
+                          if not k.startswith("_") and k != "training" and _plain(v))
+            if keys:
+                getter = operator.itemgetter(*keys)
+                values = getter(vars(module))
+                self._settings.append((f"{name}." if name else f"{label}.", vars(module),
+                                       keys, getter, values))
+
     def _note_reads(self, f: types.FunctionType) -> None:
         where = f.__qualname__
         names = {n for code in _codes(f.__code__) for n in code.co_names}
         for name in sorted(names):
             value = f.__globals__.get(name)
-            if name in f.__globals__ and _plain(value):
+            if isinstance(value, torch.nn.Module):  # a loss module kept in a global
+                self._note_settings(value, name)
+            elif name in f.__globals__ and (_plain(value) or isinstance(value, torch.Tensor)):
                 self._reads.append((f"the global {name} (read by {where})",
                                     functools.partial(f.__globals__.get, name), value))
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
             value = _cell(cell)
-            if value is not _UNBOUND and _plain(value):
+            if isinstance(value, torch.nn.Module):
+                self._note_settings(value, name)
+            elif value is not _UNBOUND and (_plain(value) or isinstance(value, torch.Tensor)):
                 self._reads.append((f"{name} (which {where} reads from its enclosing scope)",
                                     functools.partial(_cell, cell), value))
 
@@ -118,11 +135,13 @@ class TracedValues:
                 was = values if len(keys) > 1 else (values,)
                 for key, old, new in zip(keys, was, now or (None,) * len(keys)):
                     if new != old:
-                        changed.append(f"{name + '.' if name else 'model.'}{key} "
-                                       f"({old!r} -> {new!r})")
+                        changed.append(f"{name}{key} ({old!r} -> {new!r})")
         for what, read, value in self._reads:
             now = read()
-            if now != value:
+            if isinstance(value, torch.Tensor):
+                if now is not value:  # another tensor now (the graph holds the one read)
+                    changed.append(f"{what} (another tensor now)")
+            elif now != value:
                 changed.append(f"{what} ({value!r} -> {now!r})")
         return changed
 

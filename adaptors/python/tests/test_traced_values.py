@@ -108,3 +108,38 @@ def test_an_inference_session_refuses_a_changed_setting(daemon):
         model.temperature = 0.5
         with pytest.raises(salus.TraceError, match=r"model.temperature \(1.0 -> 0.5\)"):
             session(x)
+
+
+def test_a_loss_modules_setting_and_a_replaced_global_tensor_are_refused(daemon):
+    global CLASS_WEIGHTS
+    CLASS_WEIGHTS = torch.tensor([1.0, 2.0, 1.0])
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.0)
+
+    def loss_of(model, x, y):
+        return criterion(model(x), y) + nn.functional.nll_loss(
+            model(x).log_softmax(1), y, weight=CLASS_WEIGHTS)
+
+    model = _Net()
+    with _session(model, loss_of, daemon) as session:
+        session.step(*_batch())
+        criterion.label_smoothing = 0.1
+        with pytest.raises(salus.TraceError,
+                           match=r"criterion.label_smoothing \(0.0 -> 0.1\)"):
+            session.step(*_batch())
+    model = _Net()
+    with st.TrainSession(model, criterion, torch.optim.SGD(model.parameters(), lr=0.1),
+                         _batch(), address=daemon.address) as session:
+        session.step(*_batch())
+        criterion.label_smoothing = 0.2
+        with pytest.raises(salus.TraceError,
+                           match=r"CrossEntropyLoss.label_smoothing \(0.1 -> 0.2\)"):
+            session.step(*_batch())
+        criterion.label_smoothing = 0.1
+        session.step(*_batch())
+    with _session(_Net(), loss_of, daemon) as session:
+        session.step(*_batch())
+        CLASS_WEIGHTS = torch.tensor([1.0, 1.0, 3.0])  # a new tensor, as per epoch
+        with pytest.raises(salus.TraceError,
+                           match=r"the global CLASS_WEIGHTS \(read by .*loss_of\) "
+                                 r"\(another tensor now\)"):
+            session.step(*_batch())
