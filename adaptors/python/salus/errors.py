@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 
 def in_user_code(filename: str) -> bool:
-    """Whether a frame's source file is the user's: neither PyTorch's nor salus'."""
-    return "/torch/" not in filename and "/salus/" not in filename
+    """Whether a frame's source file is the user's: neither PyTorch's nor salus', nor
+    code they generate (``<string>``, FX's ``<eval_with_key>``)."""
+    return ("/torch/" not in filename and "/salus/" not in filename
+            and not filename.startswith(("<string>", "<eval_with_key>")))
 
 
 def user_location(frames: Iterable[tuple[str, int]]) -> str:

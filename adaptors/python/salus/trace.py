@@ -384,6 +384,9 @@ class _ModuleScopes:
         self._tagged_grad_fns: set = set()
         self._last: torch.fx.Node | None = None
         self._handles: list = []
+        #: The last exception that left a module while the step recorded, and the
+        #: innermost module it left (named in what the tracer reports of it).
+        self.failure: tuple[BaseException, Scope] | None = None
 
     def __enter__(self) -> "_ModuleScopes":
         for module in self._paths:
@@ -413,6 +416,9 @@ class _ModuleScopes:
         self._stack.append(self._paths[module])
 
     def _exit(self, module, args, output):
+        error = sys.exc_info()[1]
+        if error is not None and (self.failure is None or self.failure[0] is not error):
+            self.failure = (error, self._paths[module])  # (the innermost's hook runs first)
         self._flush()
         self._tag_backward(self._paths[module], args, output)
         self._stack.pop()
@@ -697,7 +703,8 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
                 raise
             raise TraceError(
                 f"{_READS_A_VALUE} (data-dependent control flow or "
-                f"a .item()/bool()/.tolist() of a tensor){_user_frame(error.__traceback__)}: salus "
+                f"a .item()/bool()/.tolist() of a tensor){_user_frame(error.__traceback__)}"
+                f"{_failed_module(error)}: salus "
                 "traces one fixed graph per batch shape and cannot follow a branch taken on "
                 "values; compute it with tensor ops (torch.where), or pass the value in") from None
     _kernel_dtypes(gm)
@@ -829,6 +836,16 @@ def _custom_function(error: RuntimeError) -> str | None:
         if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
             return f"{obj.__module__}.{obj.__qualname__}"
     return "(unnamed)"
+
+
+def _failed_module(error: BaseException) -> str:
+    """' in module PATH (TYPE)' of the innermost module ``error`` left while the step
+    recorded, if any: where a library's code (torch's own modules) failed."""
+    failure = _ModuleScopes.active.failure if _ModuleScopes.active is not None else None
+    if failure is None or failure[0] is not error:
+        return ""
+    scope = failure[1]
+    return f" in module {scope.path or '(the model)'} ({scope.type_name})"
 
 
 def _user_frame(tb) -> str:
