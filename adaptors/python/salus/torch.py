@@ -761,6 +761,8 @@ class TrainSession(_SalusSession):
             model_reads.follow(module, before)
         _OPEN_TRAINING.add(self)
         _guard_gradient_clipping()
+        if self._watch is not None:
+            self._watch.note_hooks()  # the session's own hooks are not the user's
 
     def _bring_back(self) -> None:
         if not self._model_behind or tracing_now() or self.session is None or self._lost:

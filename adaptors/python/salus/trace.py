@@ -1274,6 +1274,7 @@ def trace_train_step(model: torch.nn.Module,
     optimizer_scope = Scope("optimizer", type(optimizer).__name__)
     k = gradients.accumulate
     aux_spec: list = [None]  # the auxiliary outputs' structure, once recorded
+    hooks = _gradient_hooks(model, {n: params[n] for n in opt.params})
 
     def step(*flat):
         p, b, o, data = _split(flat, counts,
@@ -1311,6 +1312,7 @@ def trace_train_step(model: torch.nn.Module,
 
             grads, (loss, current, aux) = torch.func.grad(loss_and_buffers,
                                                           has_aux=True)(trained)
+            grads = _through_gradient_hooks(grads, hooks)
             total = grads if total is None else {n: total[n] + grads[n] for n in total}
             losses.append(loss)
             auxes.append(aux)
@@ -1344,6 +1346,47 @@ def trace_train_step(model: torch.nn.Module,
     return TracedStep("train", gm, inputs, outputs, initial, optimizer=opt.describe(),
                       rule=opt, batch_spec=batch_spec, scaler=scaling, autocast=autocast,
                       captured=captured, output_spec=aux_spec[0])
+
+
+def _gradient_hooks(model: torch.nn.Module, trained: dict[str, torch.Tensor]
+                    ) -> dict[str, list[Callable]]:
+    """The hooks on the trained parameters' gradients (``param.register_hook``: per
+    parameter clipping or scaling), which the step runs on each gradient as autograd
+    would. Refuses what it cannot run: hooks after accumulation
+    (``register_post_accumulate_grad_hook``), and modules' backward hooks."""
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise TraceError(
+                f"module {name or '(the model)'} ({type(module).__name__}) has a backward "
+                "hook (register_full_backward_hook or register_full_backward_pre_hook), "
+                "which salus cannot record (PyTorch runs it through an autograd Function "
+                "torch.func does not take): hook the gradients of its parameters "
+                "(param.register_hook) or of its output tensor inside forward instead")
+    hooks = {}
+    for name, param in trained.items():
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            raise TraceError(
+                f"parameter {name} has a hook after gradient accumulation "
+                "(register_post_accumulate_grad_hook), which would run on .grad: salusd "
+                "computes the gradients and the update, so it would never run")
+        if param._backward_hooks:
+            hooks[name] = list(param._backward_hooks.values())
+    return hooks
+
+
+def _through_gradient_hooks(grads: dict[str, torch.Tensor], hooks: dict[str, list[Callable]]
+                            ) -> dict[str, torch.Tensor]:
+    """Each gradient passed through its parameter's hooks in order, as autograd passes it
+    (a hook that returns None leaves it as it is)."""
+    if not hooks:
+        return grads
+    grads = dict(grads)
+    for name, chain in hooks.items():
+        for hook in chain:
+            out = hook(grads[name])
+            if out is not None:
+                grads[name] = out
+    return grads
 
 
 def _loss_and_aux(returned, what: str) -> tuple[torch.Tensor, Any]:

@@ -166,6 +166,9 @@ def _cell(cell) -> Any:
         return _UNBOUND
 
 
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+
+
 class ModelWatch:
     """A model as its session last agreed with it. ``traced_modes`` (by module name) are
     the train/eval modes the step was traced in; None where modes do not matter (an
@@ -187,12 +190,14 @@ class ModelWatch:
         # (taken when the step is traced: writing tensors does not change what it read)
         self._functions = tuple(functions)
         self._values = TracedValues(model, self._functions)
+        self.note_hooks()
 
     def traced_again(self) -> None:
         """The step was traced again (for another batch shape), after
         :meth:`check_values` passed: what its forward changed while it recorded (a count
         of calls) is what the step has read."""
         self._values = TracedValues(self._model, self._functions)
+        self.note_hooks()
 
     def _list(self) -> None:
         model = self._model
@@ -266,8 +271,32 @@ class ModelWatch:
 
     def check_values(self) -> None:
         """Refuses an iteration once a plain Python value the step read when it was
-        traced changed (:class:`TracedValues`)."""
+        traced changed (:class:`TracedValues`), or a hook it ran (or did not) was added
+        or removed (:meth:`_hooks_now`)."""
         self._values.check()
+        if self._hooks_now() != self._hooks:
+            raise TraceError(
+                "a hook of the model (a forward or backward hook of a module, a gradient "
+                "hook of a parameter) was added or removed since the step was traced, and "
+                "the traced step runs the hooks it had then: remove (or register again) "
+                "the hook, or open a new session with the hooks it should run")
+
+    def note_hooks(self) -> None:
+        """The hooks the step runs, as traced (and the session's own, once it has put
+        them on)."""
+        self._hooks = self._hooks_now()
+
+    def _hooks_now(self) -> tuple[list[int], list[int]]:
+        """How many hooks each module holds (the session's own included), and how many
+        each parameter and buffer holds."""
+        if getattr(self, "_hook_dicts_of", None) is not self._modules:
+            # (each module keeps its hook dicts for good: listed once per module list)
+            self._hook_dicts_of = self._modules
+            self._hook_dicts = [d for m in self._modules for d in (
+                m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                m._backward_pre_hooks)]
+        held = list(map(_TENSOR_HOOKS, self._tensors))
+        return list(map(len, self._hook_dicts)), [len(h) if h else 0 for h in held]
 
     def check_modes(self) -> None:
         """Refuses an iteration while a module's train/eval mode differs from the traced
