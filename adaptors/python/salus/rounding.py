@@ -30,8 +30,9 @@ class RandomRounding(TorchDispatchMode):
     and stay as they are: rounding makes no error on them, and jittered, ``1 - mask``
     would leave ``1e-8`` where it is 0, which ``finfo.min`` as a mask value then blows
     up to near infinity. Nor does rounding take a finite value past the largest one.
-    Comparisons and selections (``EXACT_OPS``) compute nothing to round. Sparse operands
-    and results are left as they are (the dense results of their products are not)."""
+    Comparisons and selections (``EXACT_OPS``) compute nothing to round. Sparse and nested
+    operands and results are left as they are (the dense results of their products are
+    not)."""
 
     def __init__(self, eps: float, seed: int = 0):
         super().__init__()
@@ -40,7 +41,7 @@ class RandomRounding(TorchDispatchMode):
 
     def _jitter(self, t):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0
-                and t.layout == torch.strided):
+                and t.layout == torch.strided and not t.is_nested):
             return t
         u = torch.rand(t.shape, dtype=t.dtype, generator=self.generator) * 2 - 1
         out = t * (1 + self.unit * u)

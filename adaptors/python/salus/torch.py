@@ -787,6 +787,8 @@ class TrainSession(_SalusSession):
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            if self._watch is not None:
+                self._watch.note_hooks()  # (without the session's own)
             for module in self._followed:
                 model_reads.unfollow(module)
             self._followed = []

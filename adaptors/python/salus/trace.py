@@ -69,6 +69,7 @@ from .spectral import spectra_in_the_graph
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws, python_draws_refused
+from .inference_paths import inference_paths
 from .errors import SalusError, TraceError, in_user_code, user_location
 from .lower import MODULE_META, RANDOM_OPS, graph_ops, lower, op_name
 from .optim import FunctionalOptimizer, functional_optimizer
@@ -1511,7 +1512,7 @@ def trace_inference(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
 
     initial = {**_detached(params), **_detached(buffers)}
     args = [initial[s.name] for s in inputs if s.role != FEED] + list(xs)
-    with _training_mode(model, False if eval_mode else None):
+    with _training_mode(model, False if eval_mode else None), inference_paths():
         gm = _record(forward_pass, args, model, tracing_mode)
     n_out = spec_box[0].num_leaves
     outputs = ([OutputSlot("update", n) for n in buffers]
