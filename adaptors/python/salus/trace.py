@@ -66,6 +66,7 @@ from .inner_gradients import inner_gradients
 from .selections import selections_in_the_graph
 from .sparse import SparseUse, check_sparse_gradients, is_sparse, sparse_products_in_the_graph
 from .spectral import spectra_in_the_graph
+from .batch_norm import cumulative_averages
 from .checkpointing import plain_checkpoints
 from .decompositions import composite_decompositions, decomposition_table
 from .draws import DecidedDraws, python_draws_refused
@@ -656,7 +657,8 @@ def _record_once(fn: Callable, args: Sequence[torch.Tensor], model: torch.nn.Mod
           _ModuleScopes(model), enable_python_dispatcher(), composite_decompositions(),
           efficient_attention_on_cpu(),
           sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), amp.tracing(),
-          DecidedDraws(), python_draws_refused(), plain_checkpoints(), _compiled_code_as_written(),
+          DecidedDraws(), python_draws_refused(), plain_checkpoints(),
+          cumulative_averages(), _compiled_code_as_written(),
           _stand_ins(selections) as sparse):
         try:
             gm = traced(*args)

@@ -1,8 +1,9 @@
 """Ways a model's code is written that change how eager PyTorch runs it, not what it
 computes: activation checkpointing (both variants, and ``checkpoint_sequential``),
 ``torch.compile`` (the whole model, or a part), weight and spectral normalisation (as
-hooks or parametrizations) and modules that keep tensors on themselves. Each traced step
-runs, step by step, as eager PyTorch's uncheckpointed, uncompiled twin trains."""
+hooks or parametrizations), modules that keep tensors on themselves, and batch norm's
+cumulative average (``momentum=None``). Each traced step runs, step by step, as eager
+PyTorch's uncheckpointed, uncompiled twin trains."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import warnings
 
 import pytest
 import torch
-from harness import (assert_as_exact_as_pytorch, eager_steps, randomly_rounded, to_dtype,
-                     torch_state, traced_steps, twin)
+from harness import (assert_as_exact_as_pytorch, assert_trains_on_salusd_as_eagerly,
+                     eager_steps, randomly_rounded, to_dtype, torch_state, traced_steps, twin)
 from torch import nn
 from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
@@ -158,3 +159,31 @@ def test_normalised_weights_train_as_eagerly_and_the_model_stays_whole(kind, dae
     assert trained.keys() <= state.keys()
     assert all(torch.equal(trained[k], state[k]) for k in trained)
     assert model(x).shape == (5, 3)
+
+
+class _CumulativeNorms(nn.Module):
+    """Batch norms that average their running statistics over every batch
+    (``momentum=None``), which PyTorch weighs by a count it reads in Python."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.norm2d = nn.BatchNorm2d(4, momentum=None)
+            self.fc = nn.Linear(4 * 4 * 4, 6)
+            self.norm1d = nn.BatchNorm1d(6, momentum=None)
+            self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.norm2d(self.conv(x))).flatten(1)
+        return self.head(torch.tanh(self.norm1d(self.fc(h))))
+
+
+def test_batch_norms_with_a_cumulative_average_train_on_salusd_as_eagerly(daemon):
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(6, 3, 6, 6, generator=g), torch.randint(0, 3, (6,), generator=g))
+    assert_trains_on_salusd_as_eagerly(_CumulativeNorms(), batch,
+                                       lambda m, x, y: CE(m(x), y),
+                                       lambda p: torch.optim.SGD(p, lr=0.1), daemon.address,
+                                       steps=4)
