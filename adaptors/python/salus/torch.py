@@ -829,15 +829,28 @@ def _bring_back_owners(captured, reader) -> None:
 
 
 def _guard_gradient_clipping() -> None:
-    """Makes ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (looked up when
-    called) refuse the parameters of a model an open training session trains: they have
-    no gradients on the client (salusd computes the gradients and the update in
-    ``step``), so a clipping call left from an eager loop would clip nothing, silently."""
+    """Makes ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` refuse the
+    parameters of a model an open training session trains: they have no gradients on the
+    client (salusd computes the gradients and the update in ``step``), so a clipping call
+    left from an eager loop would clip nothing, silently. PyTorch exports each as a
+    wrapper that turns gradients off around the function it holds: the guard goes in
+    there, so references taken before the session opened (``from torch.nn.utils import
+    clip_grad_norm_``) are guarded too; where a PyTorch wraps them otherwise, the names
+    are replaced where they are looked up."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
-    for owner in (utils, clip_grad):
-        for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"):
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        exported = getattr(clip_grad, name, None)
+        if exported is None:
+            continue
+        cells = dict(zip(exported.__code__.co_freevars, exported.__closure__ or ()))
+        held = cells.get("func")
+        if held is not None and callable(held.cell_contents):
+            if not getattr(held.cell_contents, "_salus_guard", False):
+                held.cell_contents = _refusing_trained(held.cell_contents, name)
+            continue
+        for owner in (utils, clip_grad):
             original = getattr(owner, name, None)
             if original is not None and not getattr(original, "_salus_guard", False):
                 setattr(owner, name, _refusing_trained(original, name))

@@ -14,6 +14,7 @@ import torch
 from daemon import Daemon
 from harness import (assert_as_exact_as_pytorch, randomly_rounded, to_dtype, torch_state,
                      twin)
+from torch.nn.utils import clip_grad_norm_  # (taken before any session opened)
 from torch.optim import lr_scheduler as sched
 
 import salus
@@ -428,8 +429,9 @@ def test_weight_averages_read_the_trained_weights(daemon):
 
 def test_clipping_the_trained_parameters_in_the_loop_is_refused(daemon):
     """A clip_grad_norm_ left from an eager loop would clip nothing (salusd computes the
-    gradients): refused while the session is open, naming the session option; other
-    parameters clip as always, and so do the model's after the session closed."""
+    gradients): refused while the session is open, naming the session option, also
+    through a reference imported before the session opened; other parameters clip as
+    always, and so do the model's after the session closed."""
     spec = reference_runs()["mlp"].spec
     model, other = spec.model(0), spec.model(1)
     x, y = spec.batch(0)
@@ -438,6 +440,7 @@ def test_clipping_the_trained_parameters_in_the_loop_is_refused(daemon):
         session.step(x, y)
         for clip, option in ((lambda p: torch.nn.utils.clip_grad_norm_(p, 1.0),
                               "clip_grad_norm="),
+                             (lambda p: clip_grad_norm_(p, 1.0), "clip_grad_norm="),
                              (lambda p: torch.nn.utils.clip_grad_value_(p, 0.1),
                               "clip_grad_value=")):
             with pytest.raises(salus.SalusError, match=option):
