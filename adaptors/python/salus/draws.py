@@ -136,9 +136,9 @@ _PYTHON_DRAWS = {
 }
 
 
-def _refuse_python_draw(what: str, frame) -> None:
+def _refuse_python_draw(what: str) -> None:
     raise TraceError(
-        f"the step {what} at {frame.f_code.co_filename}:{frame.f_lineno} while it records: "
+        f"the step {what}{_caller()} while it records: "
         "salus records the step once and runs that graph at every iteration, so every "
         "iteration would use this one draw (and the branch or the value taken from it), "
         "where eager PyTorch draws anew. Draw it outside the step and pass it in the batch "
@@ -157,13 +157,12 @@ class PythonDraw:
 
     def _compare(self, compare, c):
         if isinstance(c, bool) or not isinstance(c, (int, float)):
-            _refuse_python_draw(f"compares {self._what} with {type(c).__name__}",
-                                sys._getframe(2))
+            _refuse_python_draw(f"compares {self._what} with {type(c).__name__}")
         answer = decide(compare, self._low, self._high, float(c))
         if answer is None:
             _refuse_python_draw(
                 f"branches on {self._what} (uniform in [{self._low:g}, {self._high:g}) "
-                f"{_SYMBOL[compare]} {c:g}, which could go either way)", sys._getframe(2))
+                f"{_SYMBOL[compare]} {c:g}, which could go either way)")
         return answer
 
     def __lt__(self, c):
@@ -179,7 +178,7 @@ class PythonDraw:
         return self._compare(operator.ge, c)
 
     def _used(self, *_):
-        _refuse_python_draw(f"uses {self._what} as a number", sys._getframe(1))
+        _refuse_python_draw(f"uses {self._what} as a number")
 
     __eq__ = __ne__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _used
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __pow__ = __rpow__ = _used
@@ -221,7 +220,7 @@ def _refusing(module_name: str, name: str, draw):
         what = f"{module_name}.{name}()"
         span = _range(module_name, name, args, kwargs)
         if span is None:
-            _refuse_python_draw(f"draws a random number with {module_name}.{name}", caller)
+            _refuse_python_draw(f"draws a random number with {module_name}.{name}")
         return PythonDraw(what, *span)
     return refusing
 

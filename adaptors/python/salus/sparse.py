@@ -130,7 +130,6 @@ class _SparseProducts(TorchFunctionMode):
         super().__init__()
         self._parts: dict[int, _Parts] = {}
         self._use = use
-        self._captured = use.captured
 
     def _of(self, matrix: torch.Tensor) -> _Parts:
         parts = self._parts.get(id(matrix))
@@ -151,8 +150,8 @@ class _SparseProducts(TorchFunctionMode):
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         sparse = [v for v in tensors if is_sparse(v)]
         for matrix in sparse:
-            if all(m is not matrix for m in self._captured):
-                self._captured.append(matrix)
+            if all(m is not matrix for m in self._use.captured):
+                self._use.captured.append(matrix)
         if len(sparse) == len(tensors):
             # Sparse constants alone: what PyTorch gives for them is a constant too.
             with _outside_the_recording():

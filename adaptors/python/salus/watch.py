@@ -73,8 +73,9 @@ class TracedValues:
 
     def __init__(self, model: torch.nn.Module, functions: Iterable[Callable] = ()):
         functions = [f for f in functions if f is not None]
-        # Per module: its __dict__, a getter of its plain settings, their values.
-        self._settings: list[tuple[str, dict, list[str], Callable, tuple]] = []
+        # Per module: its name, its __dict__, its plain settings' keys, a reader of their
+        # values (a tuple) and the values.
+        self._settings: list[tuple[str, dict, tuple[str, ...], Callable, tuple]] = []
         self._noted: set[int] = set()
         self._note_settings(model, "model")
         for f in functions:  # a loss module's (nn.CrossEntropyLoss's label_smoothing)
@@ -96,46 +97,45 @@ class TracedValues:
             if id(module) in self._noted:
                 continue
             self._noted.add(id(module))
-            keys = sorted(k for k, v in vars(module).items()
-                          if not k.startswith("_") and k != "training" and _plain(v))
+            attributes = vars(module)
+            keys = tuple(sorted(k for k, v in attributes.items()
+                                if not k.startswith("_") and k != "training" and _plain(v)))
             if keys:
-                getter = operator.itemgetter(*keys)
-                values = getter(vars(module))
-                self._settings.append((f"{name}." if name else f"{label}.", vars(module),
-                                       keys, getter, values))
+                read = _reader(keys)
+                self._settings.append((f"{name}." if name else f"{label}.", attributes,
+                                       keys, read, read(attributes)))
 
     def _note_reads(self, f: types.FunctionType) -> None:
         where = f.__qualname__
         names = {n for code in _codes(f.__code__) for n in code.co_names}
         for name in sorted(names):
-            value = f.__globals__.get(name)
-            if isinstance(value, torch.nn.Module):  # a loss module kept in a global
-                self._note_settings(value, name)
-            elif name in f.__globals__ and (_plain(value) or isinstance(value, torch.Tensor)):
-                self._reads.append((f"the global {name} (read by {where})",
-                                    functools.partial(f.__globals__.get, name), value))
+            if name in f.__globals__:
+                self._note_read(name, f"the global {name} (read by {where})",
+                                functools.partial(f.__globals__.get, name))
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-            value = _cell(cell)
-            if isinstance(value, torch.nn.Module):
-                self._note_settings(value, name)
-            elif value is not _UNBOUND and (_plain(value) or isinstance(value, torch.Tensor)):
-                self._reads.append((f"{name} (which {where} reads from its enclosing scope)",
-                                    functools.partial(_cell, cell), value))
+            self._note_read(name, f"{name} (which {where} reads from its enclosing scope)",
+                            functools.partial(_cell, cell))
+
+    def _note_read(self, name: str, what: str, read: Callable[[], Any]) -> None:
+        """A value a function reads by ``name``: a module's settings (a loss module kept
+        in a global), or a plain value or tensor to compare with ``read()`` later."""
+        value = read()
+        if isinstance(value, torch.nn.Module):
+            self._note_settings(value, name)
+        elif value is not _UNBOUND and (_plain(value) or isinstance(value, torch.Tensor)):
+            self._reads.append((what, read, value))
 
     def changed(self) -> list[str]:
         """What differs from the traced values now: ``"what (then -> now)"``."""
         changed = []
-        for name, attributes, keys, getter, values in self._settings:
+        for name, attributes, keys, read, values in self._settings:
             try:
-                now = getter(attributes)
-            except KeyError:
-                now = None
+                now = read(attributes)
+            except KeyError:  # one was deleted
+                now = tuple(attributes.get(k, _UNBOUND) for k in keys)
             if now != values:
-                now = now if len(keys) > 1 else (now,)
-                was = values if len(keys) > 1 else (values,)
-                for key, old, new in zip(keys, was, now or (None,) * len(keys)):
-                    if new != old:
-                        changed.append(f"{name}{key} ({old!r} -> {new!r})")
+                changed += [f"{name}{key} ({old!r} -> {new!r})"
+                            for key, old, new in zip(keys, values, now) if new != old]
         for what, read, value in self._reads:
             now = read()
             if isinstance(value, torch.Tensor):
@@ -156,7 +156,21 @@ class TracedValues:
                 "temperature) belongs in the batch, as a tensor the step reads")
 
 
-_UNBOUND = object()
+class _Unbound:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+_UNBOUND = _Unbound()
+
+
+def _reader(keys: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """Reads the values of ``keys`` in a module's ``__dict__`` as a tuple, at C speed
+    (it runs for every module before every iteration)."""
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda attributes: (attributes[key],)
+    return operator.itemgetter(*keys)
 
 
 def _cell(cell) -> Any:
@@ -204,6 +218,9 @@ class ModelWatch:
         modules = list(model.named_modules())
         self._modules = [m for _, m in modules]
         self._module_names = [n for n, _ in modules]
+        # Each module keeps its hook dicts for good (what :meth:`_hooks_now` counts).
+        self._hook_dicts = [d for m in self._modules for d in (
+            m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
         # What each listed module holds, as live views: replacing a parameter, buffer or
         # submodule changes an identity in them. (The watch keeps the listed tensors and
         # modules alive, so no identity of theirs is reused meanwhile.)
@@ -289,12 +306,6 @@ class ModelWatch:
     def _hooks_now(self) -> tuple[list[int], list[int]]:
         """How many hooks each module holds (the session's own included), and how many
         each parameter and buffer holds."""
-        if getattr(self, "_hook_dicts_of", None) is not self._modules:
-            # (each module keeps its hook dicts for good: listed once per module list)
-            self._hook_dicts_of = self._modules
-            self._hook_dicts = [d for m in self._modules for d in (
-                m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                m._backward_pre_hooks)]
         held = list(map(_TENSOR_HOOKS, self._tensors))
         return list(map(len, self._hook_dicts)), [len(h) if h else 0 for h in held]
 

@@ -149,10 +149,17 @@ def test_accumulated_micro_batches_stack_their_outputs():
     state.update(traced.rule.changed_hyperparameters())
     _, (loss, aux) = traced.run(state, x, y)
     assert aux["logits"].shape == (2, 4, 3) and aux["correct"].shape == (2,)
-    with torch.no_grad():
-        torch.testing.assert_close(aux["logits"].flatten(0, 1), model(x), rtol=0, atol=1e-6)
-    assert loss.item() == pytest.approx(
-        (CE(model(x[:4]), y[:4]) + CE(model(x[4:]), y[4:])).item() / 2, rel=1e-6)
+
+    def eager(dtype):  # each micro-batch's logits, and the mean of their losses
+        m = twin(model, dtype)
+        with torch.no_grad():
+            halves = [m(x[:4].to(dtype)), m(x[4:].to(dtype))]
+            return {"logits": torch.stack(halves),
+                    "loss": (CE(halves[0], y[:4]) + CE(halves[1], y[4:])) / 2}
+
+    assert_as_exact_as_pytorch({"logits": aux["logits"], "loss": loss}, eager(torch.float64),
+                               eager(torch.float32),
+                               randomly_rounded(lambda: eager(torch.float64)))
 
 
 @pytest.mark.parametrize("returned, what", [
